@@ -1,0 +1,40 @@
+"""functional_dit: FLUX.1, FLUX.2 and Qwen-Image transformers as pure functions over
+parameter pytrees. See DESIGN.md for the public contract."""
+
+from . import _api, flux1
+from ._api import (
+    apply,
+    config_from_diffusers,
+    config_to_diffusers,
+    from_diffusers,
+    from_state_dict,
+    init,
+    num_params,
+    param_specs,
+    to_state_dict,
+)
+from ._pytree import PACKED, Block, Params, ParamSpec
+from .flux1 import Flux1Config
+
+flux1.CONFIG = Flux1Config
+_api.register_family(flux1)
+
+PRESETS = _api.presets()
+
+__all__ = [
+    "PACKED",
+    "PRESETS",
+    "Block",
+    "Flux1Config",
+    "ParamSpec",
+    "Params",
+    "apply",
+    "config_from_diffusers",
+    "config_to_diffusers",
+    "from_diffusers",
+    "from_state_dict",
+    "init",
+    "num_params",
+    "param_specs",
+    "to_state_dict",
+]

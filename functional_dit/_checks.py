@@ -1,0 +1,52 @@
+"""Input validation shared by the families: every error names the argument, the
+expected and the actual value. Checks read only shapes, dtypes and devices (static
+under tracing), never tensor values, so they cost nothing inside a compiled graph."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _fmt(shape) -> str:
+    return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+
+
+def check_tensor(name: str, x, shape, dtype=None, device=None) -> None:
+    """``x`` must be a tensor of ``shape`` (None = any size), ``dtype`` and ``device``."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor of shape {_fmt(shape)}, got {type(x).__name__}")
+    if x.ndim != len(shape) or any(e is not None and e != a for e, a in zip(shape, x.shape)):
+        raise ValueError(f"{name}: expected shape {_fmt(shape)}, got {tuple(x.shape)}")
+    if dtype is not None and x.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype} (the params' dtype), got {x.dtype}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name}: expected device {device} (the params' device), got {x.device}")
+
+
+def check_floating(name: str, x) -> None:
+    if not (x.is_floating_point() or x.dtype in (torch.int32, torch.int64)):
+        raise ValueError(f"{name}: expected a real floating or integer tensor, got {x.dtype}")
+
+
+def check_ids(name: str, ids, seq: int, n_axes: int, batch: int) -> torch.Tensor:
+    """Position ids as diffusers accepts them: (S, n_axes), or (B or 1, S, n_axes)
+    whose first item is used (diffusers' deprecated 3-D form). Returns the 2-D ids."""
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor of shape ({seq}, {n_axes}), got {type(ids).__name__}")
+    if ids.ndim == 3 and ids.shape[0] in (1, batch):
+        ids = ids[0]
+    if ids.ndim != 2 or tuple(ids.shape) != (seq, n_axes):
+        raise ValueError(
+            f"{name}: expected shape ({seq}, {n_axes}) or ({batch}, {seq}, {n_axes}), got {tuple(ids.shape)}"
+        )
+    if ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{name}: expected a real tensor, got {ids.dtype}")
+    return ids
+
+
+def reference_leaf(params, path: str) -> torch.Tensor:
+    """The leaf whose dtype and device define the model's (``x_embedder.weight``, say)."""
+    node = params.tree
+    for k in path.split("."):
+        node = node[k]
+    return node

@@ -1,0 +1,136 @@
+"""Pure layer maths shared by the three families.
+
+Every function takes a parameter dict ``p`` (the layer's slice of the tree) and
+tensors. Shapes: B batch, S sequence, H heads, D head dim, C channels. Model code
+runs in the *local* view: a rank holds ``H / tp`` heads and its slice of each MLP,
+so head counts are read from the tensors, never from the config.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+import sharding
+
+
+def linear(p, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T + b``; a column-parallel projection needs nothing more."""
+    return F.linear(x, p["weight"], p.get("bias"))
+
+
+def row_linear(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
+    """A row-parallel projection: partial products summed over ``axis``, bias added once."""
+    if sharding.axis_size(axis) == 1:
+        return linear(p, x)
+    y = sharding.psum(F.linear(x, p["weight"]), axis)
+    return y if p.get("bias") is None else y + p["bias"]
+
+
+def layer_norm(x: torch.Tensor, eps: float = 1e-6, p=None) -> torch.Tensor:
+    w, b = (None, None) if p is None else (p.get("weight"), p.get("bias"))
+    return F.layer_norm(x, x.shape[-1:], w, b, eps)
+
+
+def rms_norm(p, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``torch.nn.RMSNorm`` (FLUX.1/FLUX.2 QK norms)."""
+    return F.rms_norm(x, x.shape[-1:], p["weight"], eps)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """AdaLN: ``x * (1 + scale) + shift`` with (B, C) modulation over (B, S, C)."""
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+def adaln(p, emb: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """``n`` modulation vectors (B, C) from ``linear(silu(emb))``; replicated on every rank."""
+    return linear(p, F.silu(emb)).chunk(n, dim=-1)
+
+
+def gelu_mlp(p, x: torch.Tensor) -> torch.Tensor:
+    """diffusers ``FeedForward(activation_fn="gelu-approximate")``: ``net.0.proj``, ``net.2``."""
+    h = F.gelu(linear(p["net"]["0"]["proj"], x), approximate="tanh")
+    return row_linear(p["net"]["2"], h)
+
+
+def timestep_embedding(
+    t: torch.Tensor, dim: int = 256, max_period: float = 10000.0, shift: float = 0.0, scale: float = 1.0
+) -> torch.Tensor:
+    """Sinusoidal (B,) -> (B, dim) with cos first, as diffusers ``Timesteps(flip_sin_to_cos=True)``."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / (half - shift))
+    args = scale * t[:, None].float() * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def mlp_embed(p, x: torch.Tensor) -> torch.Tensor:
+    """``linear_2(silu(linear_1(x)))``: diffusers ``TimestepEmbedding`` / ``PixArtAlphaTextProjection``."""
+    return linear(p["linear_2"], F.silu(linear(p["linear_1"], x)))
+
+
+def rope_1d(pos: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real-valued RoPE for one axis: (S,) positions -> cos, sin (S, dim), pairs interleaved.
+
+    Frequencies in float64 where the device has it (as diffusers does for FLUX), cast to fp32.
+    """
+    fdt = torch.float32 if pos.device.type in ("mps", "npu") else torch.float64
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=fdt, device=pos.device) / dim))
+    ang = pos.to(fdt)[:, None] * inv[None]  # (S, dim/2)
+    return ang.cos().repeat_interleave(2, -1).float(), ang.sin().repeat_interleave(2, -1).float()
+
+
+def rope(ids: torch.Tensor, axes_dim, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-axis RoPE: ids (S, n_axes) -> cos, sin (S, sum(axes_dim))."""
+    parts = [rope_1d(ids[:, i].float(), d, theta) for i, d in enumerate(axes_dim)]
+    return torch.cat([c for c, _ in parts], -1), torch.cat([s for _, s in parts], -1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of x (B, S, H, D) by cos/sin (S, D) in fp32."""
+    xr, xi = x.unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack([-xi, xr], dim=-1).flatten(-2)
+    return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
+
+
+def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(B, S, H*D) -> (B, S, H, D); H is whatever this rank holds."""
+    return x.unflatten(-1, (-1, head_dim))
+
+
+def _sdpa(q, k, v, key_bias):
+    mask = None if key_bias is None else key_bias[:, None, None, :].to(q.dtype)  # (B, 1, 1, S_k)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None = None):
+    """Scaled dot-product attention: q, k, v (B, S, H, D) -> (B, S, H*D).
+
+    ``key_bias`` (B, S) is an additive key mask (0 keep, -inf drop): static shapes, no
+    boolean indexing. Under Ulysses sequence parallelism S is this rank's slice and
+    `sharding.ulysses` swaps sequence for heads around the kernel.
+    """
+    return sharding.ulysses(_sdpa, q, k, v, key_bias).flatten(2)
+
+
+def shard_joint(txt: torch.Tensor, img: torch.Tensor, pe, txt_bias: torch.Tensor | None = None):
+    """Split a joint (txt; img) sequence over ``sp``: each rank holds (txt chunk; img
+    chunk) and the matching RoPE rows. Returns txt, img, pe and the (B, S_local) key
+    bias that masks padding (and ``txt_bias`` (B, S_txt), e.g. a prompt mask), or None."""
+    T, S = txt.shape[1], img.shape[1]
+    cos, sin = pe
+    pe = tuple(torch.cat([sharding.shard(a[:T], "sp", 0), sharding.shard(a[T:], "sp", 0)]) for a in (cos, sin))
+    if txt_bias is not None:
+        txt_bias = sharding.shard(txt_bias, "sp", 1)
+    biases = [sharding.pad_bias(T, "sp", img.device), sharding.pad_bias(S, "sp", img.device)]
+    txt, img = sharding.shard(txt, "sp", 1), sharding.shard(img, "sp", 1)
+    if txt_bias is None and biases == [None, None]:
+        return txt, img, pe, None
+    B = img.shape[0]
+    tb = torch.zeros(B, txt.shape[1], device=img.device) if biases[0] is None else biases[0].expand(B, -1)
+    if txt_bias is not None:
+        tb = tb + txt_bias
+    ib = torch.zeros(B, img.shape[1], device=img.device) if biases[1] is None else biases[1].expand(B, -1)
+    return txt, img, pe, torch.cat([tb, ib], 1)

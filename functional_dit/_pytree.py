@@ -1,0 +1,147 @@
+"""The parameter pytree: `Params`, `ParamSpec` and dotted-path helpers.
+
+A `Params` is a config (static metadata) plus nested dicts of tensors whose dotted
+paths equal the diffusers ``state_dict`` keys. It is registered with both optree and
+``torch.utils._pytree`` so ``torch.func``, ``torch.export`` and optree see through it,
+as an equinox module is a JAX pytree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+
+PACKED = "packed"  # logical axis of a dim that concatenates several blocks
+
+
+class Block(NamedTuple):
+    """One block of a fused dim: ``name`` for humans, ``size`` rows, logical ``axis``."""
+
+    name: str
+    size: int
+    axis: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """What a parameter is: its full shape, a logical axis name per dim and, for a
+    fused projection, the blocks of the dim whose axis is ``"packed"``.
+
+    The model declares *what* a parameter is; `sharding` decides *where* it goes.
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    blocks: tuple[Block, ...] | None = None
+
+    def __post_init__(self):
+        if len(self.shape) != len(self.axes):
+            raise ValueError(f"ParamSpec: shape {self.shape} and axes {self.axes} differ in rank")
+        if (PACKED in self.axes) != (self.blocks is not None):
+            raise ValueError(f"ParamSpec: axes {self.axes} and blocks {self.blocks} disagree")
+        if self.blocks is not None:
+            d = self.axes.index(PACKED)
+            if sum(b.size for b in self.blocks) != self.shape[d]:
+                raise ValueError(f"ParamSpec: blocks {self.blocks} do not add up to dim {d} of {self.shape}")
+
+    @property
+    def block_dim(self) -> int | None:
+        return self.axes.index(PACKED) if self.blocks is not None else None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def nest(flat: Mapping[str, Any]) -> dict:
+    """``{"a.b.c": v}`` -> ``{"a": {"b": {"c": v}}}``, keeping insertion order."""
+    tree: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return tree
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict:
+    """The inverse of `nest`: nested dicts -> ``{dotted path: leaf}``."""
+    flat = {}
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, key + "."))
+        else:
+            flat[key] = value
+    return flat
+
+
+class Params:
+    """A model's parameters: ``config`` (static) and ``tree`` (nested dicts of tensors).
+
+    ``params["transformer_blocks"]["0"]`` indexes the tree; ``params.flat()`` gives
+    the diffusers ``state_dict`` view. Treat it as immutable.
+    """
+
+    __slots__ = ("config", "tree")
+
+    def __init__(self, config, tree: Mapping[str, Any]):
+        self.config = config
+        self.tree = dict(tree)
+
+    def __getitem__(self, key: str):
+        return self.tree[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tree
+
+    def flat(self) -> dict:
+        return flatten(self.tree)
+
+    def leaves(self) -> Iterator[Any]:
+        return iter(self.flat().values())
+
+    def replace(self, tree: Mapping[str, Any]) -> Params:
+        return Params(self.config, tree)
+
+    def __repr__(self) -> str:
+        n = sum(t.numel() for t in self.leaves() if isinstance(t, torch.Tensor))
+        return f"Params({type(self.config).__name__}, {len(self.flat())} tensors, {n:,} elements)"
+
+
+def _flatten(p: Params):
+    return [p.tree], p.config
+
+
+def _unflatten(children, config) -> Params:
+    (tree,) = children
+    return Params(config, tree)
+
+
+torch_pytree.register_pytree_node(
+    Params,
+    _flatten,
+    _unflatten,
+    serialized_type_name="functional_dit.Params",
+    flatten_with_keys_fn=lambda p: ([(torch_pytree.GetAttrKey("tree"), p.tree)], p.config),
+)
+optree.register_pytree_node(
+    Params,
+    lambda p: ((p.tree,), p.config, ("tree",)),
+    lambda config, children: Params(config, children[0]),
+    namespace=optree.registry.__GLOBAL_NAMESPACE,
+)
+
+
+def ordered_blocks(blocks: Mapping[str, Any]) -> list:
+    """The values of a ``{"0": ..., "1": ...}`` block dict in numeric order."""
+    return [blocks[k] for k in sorted(blocks, key=int)]

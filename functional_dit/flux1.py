@@ -1,0 +1,309 @@
+"""FLUX.1 (dev, schnell) as pure functions over a parameter tree.
+
+Mirrors diffusers' ``FluxTransformer2DModel`` (``transformer_flux.py``) and Black
+Forest Labs' ``flux/model.py``: 19 double-stream (MMDiT) blocks, 38 single-stream
+blocks with parallel attention + MLP, AdaLN-Zero modulation from the timestep,
+guidance and pooled text vector, and 3-axis RoPE over (txt; img) ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import sharding
+
+from . import _layers as L
+from ._checks import check_ids, check_tensor, reference_leaf
+from ._config import require, require_positive
+from ._pytree import PACKED, Block, ParamSpec, ordered_blocks
+
+DIFFUSERS_CLASS = "FluxTransformer2DModel"
+
+
+@dataclasses.dataclass(frozen=True)
+class Flux1Config:
+    """diffusers ``FluxTransformer2DModel`` config; defaults are FLUX.1-schnell's."""
+
+    patch_size: int = 1
+    in_channels: int = 64  # 16 VAE channels x 2x2 packed patches
+    out_channels: int | None = None  # None: same as in_channels
+    num_layers: int = 19  # double-stream blocks
+    num_single_layers: int = 38
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 4096  # T5-XXL hidden size
+    pooled_projection_dim: int = 768  # CLIP-L pooled output
+    guidance_embeds: bool = False  # True for the guidance-distilled dev model
+    axes_dims_rope: tuple[int, ...] = (16, 56, 56)  # (index, row, col) share of head_dim
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
+        require_positive(
+            self,
+            "patch_size",
+            "in_channels",
+            "attention_head_dim",
+            "num_attention_heads",
+            "joint_attention_dim",
+            "pooled_projection_dim",
+        )
+        require(
+            self.out_channels is None or (isinstance(self.out_channels, int) and self.out_channels > 0),
+            f"Flux1Config.out_channels: expected None or a positive int, got {self.out_channels!r}",
+        )
+        for name in ("num_layers", "num_single_layers"):
+            v = getattr(self, name)
+            require(isinstance(v, int) and v >= 0, f"Flux1Config.{name}: expected an int >= 0, got {v!r}")
+        require(
+            all(isinstance(d, int) and d > 0 and d % 2 == 0 for d in self.axes_dims_rope),
+            f"Flux1Config.axes_dims_rope: expected positive even ints, got {self.axes_dims_rope}",
+        )
+        require(
+            sum(self.axes_dims_rope) == self.attention_head_dim,
+            f"Flux1Config: sum(axes_dims_rope) = sum({self.axes_dims_rope}) = {sum(self.axes_dims_rope)} "
+            f"must equal attention_head_dim = {self.attention_head_dim}",
+        )
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def mlp_hidden_dim(self) -> int:
+        return 4 * self.inner_dim  # mlp_ratio 4.0 in both block kinds
+
+    @property
+    def out_dim(self) -> int:
+        return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
+
+
+PRESETS = {
+    # black-forest-labs/FLUX.1-dev transformer/config.json: guidance-distilled.
+    "flux1-dev": Flux1Config(guidance_embeds=True),
+    # black-forest-labs/FLUX.1-schnell transformer/config.json: timestep-distilled, no guidance input.
+    "flux1-schnell": Flux1Config(guidance_embeds=False),
+    # A tiny model for tests and the offline demo.
+    "flux1-tiny": Flux1Config(
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=24,
+        guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    ),
+}
+
+
+# ----------------------------------------------------------------------------- specs
+
+
+def _linear(out_dim, in_dim, out_axis, in_axis, bias=True, blocks=None):
+    w = ParamSpec((out_dim, in_dim), (out_axis, in_axis), blocks)
+    if not bias:
+        return {"weight": w}
+    bias_blocks = blocks if out_axis == PACKED else None
+    return {"weight": w, "bias": ParamSpec((out_dim,), (out_axis,), bias_blocks)}
+
+
+def _norm(dim, axis="head_dim"):
+    return {"weight": ParamSpec((dim,), (axis,))}
+
+
+def _col(c, out_dim, axis, in_dim=None):  # column-parallel: output dim sharded
+    return _linear(out_dim, in_dim or c.inner_dim, axis, "embed")
+
+
+def _row(c, in_dim, axis):  # row-parallel: input dim sharded
+    return _linear(c.inner_dim, in_dim, "embed", axis)
+
+
+def _mlp(c):
+    return {"net": {"0": {"proj": _col(c, c.mlp_hidden_dim, "mlp")}, "2": _row(c, c.mlp_hidden_dim, "mlp")}}
+
+
+def _time_text_specs(c) -> dict:
+    emb = lambda d_in: {
+        "linear_1": _linear(c.inner_dim, d_in, "embed", "freq" if d_in == 256 else "pooled"),  # noqa: E731
+        "linear_2": _linear(c.inner_dim, c.inner_dim, "embed", "embed"),
+    }
+    tree = {"timestep_embedder": emb(256)}
+    if c.guidance_embeds:
+        tree["guidance_embedder"] = emb(256)
+    tree["text_embedder"] = emb(c.pooled_projection_dim)
+    return tree
+
+
+def _double_block_specs(c) -> dict:
+    D, n = c.attention_head_dim, c.inner_dim
+    return {
+        "norm1": {"linear": _linear(6 * n, n, "mod", "embed")},
+        "norm1_context": {"linear": _linear(6 * n, n, "mod", "embed")},
+        "attn": {
+            "norm_q": _norm(D),
+            "norm_k": _norm(D),
+            "to_q": _col(c, n, "heads"),
+            "to_k": _col(c, n, "heads"),
+            "to_v": _col(c, n, "heads"),
+            "to_out": {"0": _row(c, n, "heads")},
+            "norm_added_q": _norm(D),
+            "norm_added_k": _norm(D),
+            "add_q_proj": _col(c, n, "heads"),
+            "add_k_proj": _col(c, n, "heads"),
+            "add_v_proj": _col(c, n, "heads"),
+            "to_add_out": _row(c, n, "heads"),
+        },
+        "ff": _mlp(c),
+        "ff_context": _mlp(c),
+    }
+
+
+def _single_block_specs(c) -> dict:
+    D, n, m = c.attention_head_dim, c.inner_dim, c.mlp_hidden_dim
+    # proj_out consumes cat([attn_out, mlp_hidden]): two independently sharded streams.
+    packed = (Block("attn", n, "heads"), Block("mlp", m, "mlp"))
+    return {
+        "norm": {"linear": _linear(3 * n, n, "mod", "embed")},
+        "proj_mlp": _col(c, m, "mlp"),
+        "proj_out": _linear(n, n + m, "embed", PACKED, blocks=packed),
+        "attn": {
+            "norm_q": _norm(D),
+            "norm_k": _norm(D),
+            "to_q": _col(c, n, "heads"),
+            "to_k": _col(c, n, "heads"),
+            "to_v": _col(c, n, "heads"),
+        },
+    }
+
+
+def param_specs(c: Flux1Config) -> dict:
+    """Nested dict of `ParamSpec` in diffusers ``state_dict`` order; allocates nothing."""
+    n = c.inner_dim
+    return {
+        "time_text_embed": _time_text_specs(c),
+        "context_embedder": _linear(n, c.joint_attention_dim, "embed", "txt_embed"),
+        "x_embedder": _linear(n, c.in_channels, "embed", "channels"),
+        "transformer_blocks": {str(i): _double_block_specs(c) for i in range(c.num_layers)},
+        "single_transformer_blocks": {str(i): _single_block_specs(c) for i in range(c.num_single_layers)},
+        "norm_out": {"linear": _linear(2 * n, n, "mod", "embed")},
+        "proj_out": _linear(c.out_dim, n, "out_channels", "embed"),
+    }
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def time_text_embed(p, t, guidance, pooled) -> torch.Tensor:
+    """vec (B, C) = MLP(sin(t)) [+ MLP(sin(guidance))] + MLP(pooled)."""
+    vec = L.mlp_embed(p["timestep_embedder"], L.timestep_embedding(t).to(pooled.dtype))
+    if guidance is not None:
+        vec = vec + L.mlp_embed(p["guidance_embedder"], L.timestep_embedding(guidance).to(pooled.dtype))
+    return vec + L.mlp_embed(p["text_embedder"], pooled)
+
+
+def qkv(p, x, head_dim, names=("to_q", "to_k", "to_v"), norms=("norm_q", "norm_k")):
+    """Project to q, k, v (B, S, H, D) and RMS-normalise q and k over D."""
+    q, k, v = (L.split_heads(L.linear(p[n], x), head_dim) for n in names)
+    return L.rms_norm(p[norms[0]], q), L.rms_norm(p[norms[1]], k), v
+
+
+def joint_attention(q, k, v, pe, key_bias=None) -> torch.Tensor:
+    cos, sin = pe
+    return L.attention(L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v, key_bias)
+
+
+def double_block(p, img, txt, vec, pe, head_dim, key_bias=None):
+    """MMDiT block: separate weights per stream, one joint attention over (txt; img)."""
+    i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = L.adaln(p["norm1"]["linear"], vec, 6)
+    t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = L.adaln(p["norm1_context"]["linear"], vec, 6)
+    a = p["attn"]
+    iq, ik, iv = qkv(a, L.modulate(L.layer_norm(img), i_shift, i_scale), head_dim)
+    tq, tk, tv = qkv(
+        a,
+        L.modulate(L.layer_norm(txt), t_shift, t_scale),
+        head_dim,
+        ("add_q_proj", "add_k_proj", "add_v_proj"),
+        ("norm_added_q", "norm_added_k"),
+    )
+    out = joint_attention(torch.cat([tq, iq], 1), torch.cat([tk, ik], 1), torch.cat([tv, iv], 1), pe, key_bias)
+    t_out, i_out = out[:, : txt.shape[1]], out[:, txt.shape[1] :]
+    img = img + i_gate[:, None] * L.row_linear(a["to_out"]["0"], i_out)
+    img = img + i_gate2[:, None] * L.gelu_mlp(p["ff"], L.modulate(L.layer_norm(img), i_shift2, i_scale2))
+    txt = txt + t_gate[:, None] * L.row_linear(a["to_add_out"], t_out)
+    txt = txt + t_gate2[:, None] * L.gelu_mlp(p["ff_context"], L.modulate(L.layer_norm(txt), t_shift2, t_scale2))
+    return _clip_fp16(img), _clip_fp16(txt)
+
+
+def single_block(p, x, vec, pe, head_dim, key_bias=None):
+    """Parallel attention + MLP over the joint (txt; img) sequence x (B, S, C)."""
+    shift, scale, gate = L.adaln(p["norm"]["linear"], vec, 3)
+    h = L.modulate(L.layer_norm(x), shift, scale)
+    mlp = torch.nn.functional.gelu(L.linear(p["proj_mlp"], h), approximate="tanh")
+    attn = joint_attention(*qkv(p["attn"], h, head_dim), pe, key_bias)
+    return _clip_fp16(x + gate[:, None] * L.row_linear(p["proj_out"], torch.cat([attn, mlp], -1)))
+
+
+def _clip_fp16(x):
+    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
+def final_layer(p, x, vec):
+    scale, shift = L.adaln(p["norm_out"]["linear"], vec, 2)  # note: (scale, shift) order
+    return L.linear(p["proj_out"], L.modulate(L.layer_norm(x), shift, scale))
+
+
+def _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids):
+    c = params.config
+    ref = reference_leaf(params, "x_embedder.weight")
+    check_tensor("x", x, (None, None, c.in_channels), ref.dtype, ref.device)
+    B, S = x.shape[:2]
+    check_tensor("txt", txt, (B, None, c.joint_attention_dim), ref.dtype, ref.device)
+    if pooled is None:
+        raise ValueError(f"pooled: FLUX.1 needs pooled text embeddings of shape ({B}, {c.pooled_projection_dim})")
+    check_tensor("pooled", pooled, (B, c.pooled_projection_dim), ref.dtype, ref.device)
+    check_tensor("t", t, (B,), device=ref.device)
+    if c.guidance_embeds and guidance is None:
+        raise ValueError(f"guidance: this model has guidance_embeds=True and needs guidance of shape ({B},)")
+    if not c.guidance_embeds and guidance is not None:
+        raise ValueError("guidance: this model has guidance_embeds=False; expected None, got a tensor")
+    if guidance is not None:
+        check_tensor("guidance", guidance, (B,), device=ref.device)
+    if img_ids is None:
+        raise ValueError(f"img_ids: FLUX.1 needs image position ids of shape ({S}, {len(c.axes_dims_rope)})")
+    n_axes = len(c.axes_dims_rope)
+    img_ids = check_ids("img_ids", img_ids, S, n_axes, B)
+    if txt_ids is None:  # what the diffusers pipelines pass
+        txt_ids = torch.zeros(txt.shape[1], n_axes, device=ref.device, dtype=img_ids.dtype)
+    txt_ids = check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B)
+    return img_ids, txt_ids
+
+
+def apply(params, x, t, txt, *, pooled=None, guidance=None, img_ids=None, txt_ids=None):
+    """FLUX.1 forward: x (B, S_img, in_channels), t (B,) in [0, 1], txt (B, S_txt,
+    joint_attention_dim), pooled (B, pooled_projection_dim), guidance (B,) when the model
+    is guidance-distilled, img_ids (S_img, 3) / txt_ids (S_txt, 3) or their 3-D forms.
+    Returns (B, S_img, patch_size² · out_channels), as ``FluxTransformer2DModel(...)[0]``."""
+    img_ids, txt_ids = _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids)
+    c, D = params.config, params.config.attention_head_dim
+    B, S = x.shape[:2]
+    pe = L.rope(torch.cat([txt_ids, img_ids], 0), c.axes_dims_rope, theta=10000.0)
+    x, t, txt, pooled, guidance = (
+        None if a is None else sharding.shard(a, "dp", 0) for a in (x, t, txt, pooled, guidance)
+    )
+    img = L.linear(params["x_embedder"], x)
+    t = t.to(img.dtype) * 1000
+    guidance = None if guidance is None else guidance.to(img.dtype) * 1000
+    vec = time_text_embed(params["time_text_embed"], t, guidance, pooled)
+    txt = L.linear(params["context_embedder"], txt)
+    txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
+    for p in ordered_blocks(params["transformer_blocks"]):
+        img, txt = double_block(p, img, txt, vec, pe, D, key_bias)
+    x = torch.cat([txt, img], 1)
+    for p in ordered_blocks(params["single_transformer_blocks"]):
+        x = single_block(p, x, vec, pe, D, key_bias)
+    out = final_layer(params, x[:, txt.shape[1] :], vec)
+    return sharding.gather(sharding.gather(out, "sp", 1, S), "dp", 0, B)

@@ -1,0 +1,103 @@
+"""Named-axis collectives, as under JAX's ``shard_map``.
+
+Model code is written in the local view and names mesh axes ("tp", "sp", "dp").
+`bind(mesh)` makes a mesh current; with no mesh bound, or an axis of size 1, every
+collective is the identity, so one code path serves one device and many. The
+collectives are ``torch.distributed._functional_collectives`` so ``torch.compile``
+traces them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+
+_MESH: contextvars.ContextVar = contextvars.ContextVar("functional_dit_mesh", default=None)
+
+
+@contextlib.contextmanager
+def bind(mesh):
+    """Make ``mesh`` (a named `DeviceMesh`, or None) the current mesh for collectives."""
+    token = _MESH.set(mesh)
+    try:
+        yield mesh
+    finally:
+        _MESH.reset(token)
+
+
+def current_mesh():
+    return _MESH.get()
+
+
+def axis_size(axis: str) -> int:
+    """Size of mesh axis ``axis``; 1 when no mesh is bound or it has no such axis."""
+    mesh = _MESH.get()
+    if mesh is None or axis not in (mesh.mesh_dim_names or ()):
+        return 1
+    return mesh.size(mesh.mesh_dim_names.index(axis))
+
+
+def axis_index(axis: str) -> int:
+    """This rank's coordinate on ``axis``; 0 when the axis is absent."""
+    if axis_size(axis) == 1:
+        return 0
+    mesh = _MESH.get()
+    return mesh.get_local_rank(axis)
+
+
+def _group(axis: str):
+    mesh = _MESH.get()
+    return mesh.get_group(axis)
+
+
+def _funcol():
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def psum(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Sum ``x`` over ``axis`` (an all-reduce)."""
+    if axis_size(axis) == 1:
+        return x
+    return _funcol().all_reduce(x, "sum", _group(axis))
+
+
+def all_gather(x: torch.Tensor, axis: str, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in axis order."""
+    n = axis_size(axis)
+    if n == 1:
+        return x
+    dim = dim % x.ndim
+    out = _funcol().all_gather_tensor(x.movedim(dim, 0).contiguous(), 0, _group(axis))
+    return out.movedim(0, dim)
+
+
+def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int) -> torch.Tensor:
+    """Split ``x`` along ``split_dim`` into one chunk per rank, send chunk r to rank r
+    and concatenate what arrives along ``concat_dim`` (Ulysses' sequence/heads swap)."""
+    n = axis_size(axis)
+    if n == 1:
+        return x
+    split_dim, concat_dim = split_dim % x.ndim, concat_dim % x.ndim
+    if x.shape[split_dim] % n:
+        raise ValueError(f"all_to_all: dim {split_dim} of size {x.shape[split_dim]} does not divide by {axis}={n}")
+    chunks = x.movedim(split_dim, 0).unflatten(0, (n, -1)).contiguous()  # (n, chunk, ...)
+    out = _funcol().all_to_all_single(chunks.flatten(0, 1), None, None, _group(axis))
+    out = out.unflatten(0, (n, -1)).movedim(1, split_dim + 1)  # (n, ..., chunk at split_dim, ...)
+    return out.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
+
+
+def ulysses(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None, axis: str = "sp"):
+    """Run ``fn(q, k, v, key_bias)`` on the whole sequence with this rank's heads:
+    q, k, v (B, S/n, H, D) -> all-to-all -> (B, S, H/n, D); ``key_bias`` (B, S/n) is
+    all-gathered to (B, S) in the same rank-major order; the (B, S, H/n, D) result
+    goes back to (B, S/n, H, D)."""
+    if axis_size(axis) == 1:
+        return fn(q, k, v, key_bias)
+    q, k, v = (all_to_all(t, axis, split_dim=2, concat_dim=1) for t in (q, k, v))
+    if key_bias is not None:
+        key_bias = all_gather(key_bias, axis, dim=1)
+    return all_to_all(fn(q, k, v, key_bias), axis, split_dim=1, concat_dim=2)

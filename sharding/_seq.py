@@ -1,0 +1,52 @@
+"""Splitting and gathering the batch (``dp``) and the sequence (``sp``) in the local view.
+
+A length that does not divide by the axis size is padded at the end; the padded
+positions are masked out of attention as keys (`pad_bias`) and stripped when gathered.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ._axes import all_gather, axis_index, axis_size
+
+
+def local_len(n: int, axis: str) -> int:
+    """Length of this rank's chunk of a length-``n`` dim split over ``axis`` (padded)."""
+    return math.ceil(n / axis_size(axis))
+
+
+def shard(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """This rank's chunk of ``x`` along ``dim``, zero-padded at the end to equal chunks."""
+    n = axis_size(axis)
+    if n == 1:
+        return x
+    dim = dim % x.ndim
+    chunk = local_len(x.shape[dim], axis)
+    pad = chunk * n - x.shape[dim]
+    if pad:
+        widths = [0, 0] * (x.ndim - dim - 1) + [0, pad]
+        x = F.pad(x, widths)
+    return x.narrow(dim, axis_index(axis) * chunk, chunk)
+
+
+def gather(x: torch.Tensor, axis: str, dim: int, n: int) -> torch.Tensor:
+    """Inverse of `shard`: every rank's chunk along ``dim``, concatenated and cut to ``n``."""
+    if axis_size(axis) == 1:
+        return x
+    return all_gather(x, axis, dim).narrow(dim % x.ndim, 0, n)
+
+
+def pad_bias(n: int, axis: str, device, dtype=torch.float32) -> torch.Tensor | None:
+    """Additive key bias (local_len,) for this rank's chunk of a length-``n`` sequence:
+    0 for real positions, -inf for padding. None when there is no padding anywhere."""
+    size = axis_size(axis)
+    chunk = local_len(n, axis)
+    if chunk * size == n:
+        return None
+    pos = axis_index(axis) * chunk + torch.arange(chunk, device=device)
+    zero = torch.zeros((), device=device, dtype=dtype)
+    return torch.where(pos < n, zero, torch.full((), float("-inf"), device=device, dtype=dtype))
