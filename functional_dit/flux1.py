@@ -230,7 +230,8 @@ def double_block(p, img, txt, vec, pe, head_dim, key_bias=None):
         ("norm_added_q", "norm_added_k"),
     )
     out = joint_attention(torch.cat([tq, iq], 1), torch.cat([tk, ik], 1), torch.cat([tv, iv], 1), pe, key_bias)
-    t_out, i_out = out[:, : txt.shape[1]], out[:, txt.shape[1] :]
+    # contiguous like diffusers: the same GEMM path, so bf16 results match bitwise too
+    t_out, i_out = out[:, : txt.shape[1]].contiguous(), out[:, txt.shape[1] :].contiguous()
     img = img + i_gate[:, None] * L.row_linear(a["to_out"]["0"], i_out)
     img = img + i_gate2[:, None] * L.gelu_mlp(p["ff"], L.modulate(L.layer_norm(img), i_shift2, i_scale2))
     txt = txt + t_gate[:, None] * L.row_linear(a["to_add_out"], t_out)
