@@ -1,0 +1,131 @@
+"""Run a function on N CPU processes over gloo and collect what each rank returns.
+
+    from _dist import spawn
+
+    def work(rank, world, scale):          # module level, so spawned children can import it
+        mesh = sharding.make_mesh(tp=world)
+        return torch.ones(2) * rank * scale
+
+    results = spawn(work, 2, 3.0)          # [tensor([0., 0.]), tensor([3., 3.])]
+
+Each rank runs in a fresh ``spawn`` process with ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port) set, one intra-op
+thread (the test machine has few cores), and — unless ``init=False`` — a gloo default
+process group with a finite ``pg_timeout``, destroyed afterwards. Results travel
+back through ``torch.save`` files, not queues or shared memory, so a rank may exit
+at any time. The whole run is bounded by ``timeout``: ranks still alive then are
+killed and reported as hung.
+
+If any rank raises or hangs, `spawn` raises `DistError` whose message holds every
+rank's traceback; ``errors="return"`` instead returns a `RankError` in that rank's slot
+(for tests that expect failures, e.g. that a crash on one rank is noticed by all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import multiprocessing
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+
+@dataclasses.dataclass
+class RankError:
+    """What a rank that failed left behind: the exception type name, its message, the
+    traceback text and seconds from the rank's start to the failure (None if it hung)."""
+
+    kind: str
+    message: str
+    traceback: str
+    elapsed: float | None
+
+
+class DistError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bind to port 0, read it, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world, port, out_dir, init, pg_timeout, args, kwargs):
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    start = time.monotonic()
+    try:
+        if init:
+            torch.distributed.init_process_group(
+                "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout)
+            )
+        record = {"ok": True, "value": fn(rank, world, *args, **kwargs)}
+    except BaseException as e:  # noqa: BLE001 - report every failure to the parent
+        record = {
+            "ok": False,
+            "error": RankError(type(e).__name__, str(e), traceback.format_exc(), time.monotonic() - start),
+        }
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    torch.save(record, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    if init and record["ok"] and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A failed rank exits at once; its peers see the connection close (or time out).
+    os._exit(0)
+
+
+def spawn(fn, world: int, *args, timeout: float = 300, pg_timeout: float = 60, init: bool = True, errors="raise", **kw):
+    """Run ``fn(rank, world, *args, **kw)`` on ``world`` processes; return the per-rank
+    results in rank order. ``fn`` and its arguments must be picklable (``fn`` defined at
+    module level). ``timeout`` bounds the whole run in seconds; ``pg_timeout`` is the
+    process group's collective timeout; ``errors`` is "raise" or "return"."""
+    if errors not in ("raise", "return"):
+        raise ValueError(f"errors: expected 'raise' or 'return', got {errors!r}")
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="fd_dist_") as out_dir:
+        port = free_port()
+        procs = [
+            ctx.Process(target=_child, args=(fn, r, world, port, out_dir, init, pg_timeout, args, kw), daemon=True)
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results = [_read(out_dir, r, timeout) for r in range(world)]
+    failed = [(r, v) for r, v in enumerate(results) if isinstance(v, RankError)]
+    if failed and errors == "raise":
+        report = "\n".join(f"--- rank {r}: {e.kind}: {e.message}\n{e.traceback}" for r, e in failed)
+        raise DistError(f"{len(failed)} of {world} ranks failed running {fn.__name__}:\n{report}")
+    return results
+
+
+def _read(out_dir: str, rank: int, timeout: float):
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    if not os.path.exists(path):
+        return RankError("Hung", f"rank {rank} left no result within {timeout}s and was killed", "", None)
+    record = torch.load(path, weights_only=False)
+    return record["value"] if record["ok"] else record["error"]
