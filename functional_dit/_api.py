@@ -126,5 +126,7 @@ def apply(params: Params, x, t, txt, **kwargs):
     Sharded params (DTensor leaves) run in the local view on their mesh."""
     fam = family(params)
     local, mesh = sharding.local_view(params) if hasattr(sharding, "local_view") else (params, None)
+    if mesh is None:  # plain tensors: run under whatever mesh the caller bound (shard_map), if any
+        return fam.apply(local, x, t, txt, **kwargs)
     with sharding.bind(mesh):
         return fam.apply(local, x, t, txt, **kwargs)

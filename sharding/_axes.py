@@ -10,30 +10,31 @@ traces them.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import torch
 
-_MESH: contextvars.ContextVar = contextvars.ContextVar("functional_dit_mesh", default=None)
+# The bound meshes, innermost last. A plain list rather than a ContextVar: torch.compile
+# (dynamo) traces list mutation but not ContextVar.set, and apply must compile fullgraph.
+_STACK: list = []
 
 
 @contextlib.contextmanager
 def bind(mesh):
     """Make ``mesh`` (a named `DeviceMesh`, or None) the current mesh for collectives."""
-    token = _MESH.set(mesh)
+    _STACK.append(mesh)
     try:
         yield mesh
     finally:
-        _MESH.reset(token)
+        _STACK.pop()
 
 
 def current_mesh():
-    return _MESH.get()
+    return _STACK[-1] if _STACK else None
 
 
 def axis_size(axis: str) -> int:
     """Size of mesh axis ``axis``; 1 when no mesh is bound or it has no such axis."""
-    mesh = _MESH.get()
+    mesh = current_mesh()
     if mesh is None or axis not in (mesh.mesh_dim_names or ()):
         return 1
     return mesh.size(mesh.mesh_dim_names.index(axis))
@@ -43,12 +44,12 @@ def axis_index(axis: str) -> int:
     """This rank's coordinate on ``axis``; 0 when the axis is absent."""
     if axis_size(axis) == 1:
         return 0
-    mesh = _MESH.get()
+    mesh = current_mesh()
     return mesh.get_local_rank(axis)
 
 
 def _group(axis: str):
-    mesh = _MESH.get()
+    mesh = current_mesh()
     return mesh.get_group(axis)
 
 
@@ -71,8 +72,15 @@ def all_gather(x: torch.Tensor, axis: str, dim: int = 0) -> torch.Tensor:
     if n == 1:
         return x
     dim = dim % x.ndim
-    out = _funcol().all_gather_tensor(x.movedim(dim, 0).contiguous(), 0, _group(axis))
+    out = _all_gather_dim0()(x.movedim(dim, 0).contiguous(), 0, _group(axis))
     return out.movedim(0, dim)
+
+
+def _all_gather_dim0():
+    # torch 2.13 renamed funcol.all_gather_tensor to all_gather_single and made the old
+    # name warn (FutureWarning) on every eager call; torch 2.9 has only the old name.
+    funcol = _funcol()
+    return getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
 def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int) -> torch.Tensor:
