@@ -1,0 +1,223 @@
+"""The safetensors file format: a validated header parser, a byte-counting slice reader
+and a streaming writer.
+
+A safetensors file is ``u64 little-endian N | N bytes of JSON | data``; the JSON maps
+each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to
+the data section, and the tensors tile that section exactly. We check all of it
+ourselves before ``safetensors.safe_open`` sees the file, so a truncated or corrupt
+file is a `ValueError` naming the file and the tensor, never a crash or a hang.
+Pickle-based checkpoints are refused outright; nothing here ever unpickles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+
+import torch
+
+# safetensors dtype name -> (torch dtype, bytes per element)
+DTYPES = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+}
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+TORCH_TO_ST = {t: name for name, (t, _) in DTYPES.items()}
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself enforces
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read: bad format, corrupt, truncated or mismatched."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry in a validated header; ``begin``/``end`` are absolute file offsets."""
+
+    file: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+
+def refuse_pickle(path: str) -> None:
+    if path.lower().endswith(PICKLE_SUFFIXES):
+        raise CheckpointError(
+            f"path: {path!r} is a pickle-based checkpoint; loading it could run arbitrary code, so it is "
+            "refused. Convert it to safetensors first (e.g. safetensors.torch.save_file on a state dict you "
+            "trust) and pass the .safetensors file."
+        )
+
+
+def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate the header of the safetensors file ``path``.
+
+    Returns ``({name: TensorInfo}, metadata)``. Raises `CheckpointError` naming the file
+    (and the tensor, where one is at fault) for anything safetensors would reject.
+    """
+    refuse_pickle(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated: {size} bytes, too short for the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > size:
+            raise CheckpointError(
+                f"{path}: corrupt header: its length field says {n} bytes, but the file has {size - 8} bytes "
+                f"after it (and the limit is {MAX_HEADER}); not a safetensors file, or truncated"
+            )
+        raw = f.read(n)
+    header = _parse_json(path, raw)
+    data_size = size - 8 - n
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise CheckpointError(f"{path}: corrupt header: __metadata__ must map strings to strings")
+    infos = {name: _entry(path, name, entry, 8 + n) for name, entry in header.items()}
+    _check_tiling(path, infos, 8 + n, data_size)
+    return infos, metadata
+
+
+def _parse_json(path: str, raw: bytes) -> dict:
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: corrupt header: not valid UTF-8 JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt header: expected a JSON object, got {type(header).__name__}")
+    return header
+
+
+def _entry(path: str, name: str, entry, start: int) -> TensorInfo:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise CheckpointError(f"{where}: corrupt header entry {entry!r:.200}; expected dtype, shape, data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{where}: unsupported dtype {dtype!r:.50}; expected one of {sorted(DTYPES)}")
+    if not isinstance(shape, list) or not all(_is_uint(s) for s in shape):
+        raise CheckpointError(f"{where}: corrupt shape {shape!r:.200}; expected a list of ints >= 0")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
+        raise CheckpointError(f"{where}: corrupt data_offsets {offsets!r:.200}; expected [begin, end]")
+    begin, end = offsets
+    nbytes = math.prod(shape) * DTYPES[dtype][1]
+    if end - begin != nbytes:
+        raise CheckpointError(
+            f"{where}: data_offsets {offsets} span {end - begin} bytes, but {dtype} {shape} needs {nbytes}"
+        )
+    return TensorInfo(path, name, dtype, tuple(shape), start + begin, start + end)
+
+
+def _is_uint(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_tiling(path: str, infos: dict[str, TensorInfo], start: int, data_size: int) -> None:
+    """The tensors must tile the data section exactly, in offset order, as safetensors requires."""
+    pos = start
+    for info in sorted(infos.values(), key=lambda i: (i.begin, i.end)):
+        if info.begin != pos:
+            raise CheckpointError(
+                f"{path}: tensor {info.name!r}: data begins at byte {info.begin - start} of the data section, "
+                f"expected {pos - start} (tensors overlap or leave a gap)"
+            )
+        pos = info.end
+    if pos != start + data_size:
+        raise CheckpointError(
+            f"{path}: the header describes {pos - start} bytes of tensor data, but the file holds "
+            f"{data_size}" + (" (truncated)" if pos > start + data_size else " (trailing bytes)")
+        )
+
+
+class Reader:
+    """Reads slices of tensors with ``safetensors.safe_open(...).get_slice`` and counts
+    the bytes it reads (``bytes_read``), per file.
+
+    The file is opened for each read and closed right after: safetensors memory-maps
+    the file, and the pages a slice touches stay resident (and count in this process's
+    RSS) for as long as the file is open, so a long-lived handle would make a rank's
+    peak memory the whole file rather than its own shard.
+    """
+
+    def __init__(self):
+        self.bytes_read = 0
+
+    def read_into(self, info: TensorInfo, index: tuple[slice, ...], out: torch.Tensor) -> None:
+        """Copy ``info``'s tensor at ``index`` (one slice per dim) into ``out``, casting
+        to ``out.dtype`` on the way."""
+        from safetensors import safe_open
+
+        shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, info.shape))
+        if shape != tuple(out.shape):
+            raise AssertionError(f"{info.name}: slice {shape} does not fit {tuple(out.shape)}")
+        try:
+            with safe_open(info.file, framework="pt", device="cpu") as f:
+                out.copy_(f.get_slice(info.name)[index] if info.shape else f.get_tensor(info.name))
+        except Exception as e:  # safetensors raises its own error types; name the file and tensor
+            raise CheckpointError(f"{info.file}: tensor {info.name!r}: cannot be read: {e}") from e
+        self.bytes_read += math.prod(shape) * info.itemsize
+
+
+def _header_bytes(entries: dict[str, dict], metadata: dict[str, str]) -> bytes:
+    header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+    return header + b" " * (-len(header) % 8)  # data starts 8-byte aligned, as safetensors writes it
+
+
+class Writer:
+    """Writes one safetensors file tensor by tensor: the header first (from the
+    names, dtypes and shapes given up front), then each tensor's bytes as it comes,
+    so no more than one tensor is ever held for writing."""
+
+    def __init__(self, path: str, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata=None):
+        self.path, self.order, entries, pos = path, list(specs), {}, 0
+        for name, (dtype, shape) in specs.items():
+            n = math.prod(shape) * DTYPES[TORCH_TO_ST[dtype]][1]
+            entries[name] = {"dtype": TORCH_TO_ST[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
+            pos += n
+        self.specs, self.next = specs, 0
+        header = _header_bytes(entries, dict(metadata or {"format": "pt"}))
+        self.file = open(path, "wb")
+        self.file.write(struct.pack("<Q", len(header)) + header)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected = self.order[self.next]
+        dtype, shape = self.specs[name]
+        if name != expected or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"{self.path}: expected {expected} {dtype} {shape}, got {name} {tensor.dtype} {tensor.shape}"
+            )
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self.file.write(memoryview(data.numpy()))
+        self.next += 1
+
+    def close(self) -> None:
+        self.file.close()
+        if self.next != len(self.order):
+            raise ValueError(f"{self.path}: closed after {self.next} of {len(self.order)} tensors")

@@ -1,0 +1,226 @@
+"""Checkpoint key layouts as data: how each diffusers parameter is found in a file.
+
+A layout is a table of rules. Each rule names a source key template and one or
+more diffusers key templates, where ``{}`` stands for a block index, and a named
+transform:
+
+- ``rename``: the tensor is stored as is under another name;
+- ``split``: a fused tensor (BFL ``qkv``, FLUX.1 ``linear1``) holds the targets'
+  rows one after another, sized by the targets' shapes;
+- ``swap_scale_shift``: the two halves of dim 0 are stored in the other order
+  (BFL's final AdaLN emits (shift, scale); diffusers' ``AdaLayerNormContinuous``
+  chunks (scale, shift)).
+
+`resolve` turns a table into, per diffusers key, a list of `Piece` s: row ranges
+of source tensors. Every transform above is a permutation of dim-0 rows, so a rank
+can read exactly the rows (and columns) it holds straight from the file.
+
+The Black Forest Labs tables follow ``flux/model.py`` and ``flux2/model.py`` in
+black-forest-labs/flux and flux2; the mapping was checked against diffusers'
+``convert_flux_transformer_checkpoint_to_diffusers`` and
+``convert_flux2_transformer_checkpoint_to_diffusers`` (tests/test_weights_bfl.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+
+LINEAR = (("weight", "weight"), ("bias", "bias"))  # (source leaf, diffusers leaf)
+NORM = (("scale", "weight"),)  # BFL RMSNorm stores its gain as `scale`
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    src: str  # source module template, "{}" = block index
+    dst: tuple[str, ...]  # diffusers module templates
+    transform: str  # "rename" | "split" | "swap_scale_shift"
+    leaves: tuple[tuple[str, str], ...] = LINEAR
+
+
+def rename(src: str, dst: str, leaves=LINEAR) -> Rule:
+    return Rule(src, (dst,), "rename", leaves)
+
+
+def norm(src: str, dst: str) -> Rule:
+    return Rule(src, (dst,), "rename", NORM)
+
+
+def split(src: str, *dst: str) -> Rule:
+    return Rule(src, dst, "split")
+
+
+def swap_scale_shift(src: str, dst: str) -> Rule:
+    return Rule(src, (dst,), "swap_scale_shift")
+
+
+# ----------------------------------------------------------------------------- FLUX.1, BFL layout
+
+_FLUX1_EMBED = "time_text_embed"
+FLUX1_BFL = (
+    rename("time_in.in_layer", f"{_FLUX1_EMBED}.timestep_embedder.linear_1"),
+    rename("time_in.out_layer", f"{_FLUX1_EMBED}.timestep_embedder.linear_2"),
+    rename("guidance_in.in_layer", f"{_FLUX1_EMBED}.guidance_embedder.linear_1"),
+    rename("guidance_in.out_layer", f"{_FLUX1_EMBED}.guidance_embedder.linear_2"),
+    rename("vector_in.in_layer", f"{_FLUX1_EMBED}.text_embedder.linear_1"),
+    rename("vector_in.out_layer", f"{_FLUX1_EMBED}.text_embedder.linear_2"),
+    rename("txt_in", "context_embedder"),
+    rename("img_in", "x_embedder"),
+    # double-stream blocks
+    rename("double_blocks.{}.img_mod.lin", "transformer_blocks.{}.norm1.linear"),
+    rename("double_blocks.{}.txt_mod.lin", "transformer_blocks.{}.norm1_context.linear"),
+    split("double_blocks.{}.img_attn.qkv", *(f"transformer_blocks.{{}}.attn.to_{x}" for x in "qkv")),
+    split("double_blocks.{}.txt_attn.qkv", *(f"transformer_blocks.{{}}.attn.add_{x}_proj" for x in "qkv")),
+    norm("double_blocks.{}.img_attn.norm.query_norm", "transformer_blocks.{}.attn.norm_q"),
+    norm("double_blocks.{}.img_attn.norm.key_norm", "transformer_blocks.{}.attn.norm_k"),
+    norm("double_blocks.{}.txt_attn.norm.query_norm", "transformer_blocks.{}.attn.norm_added_q"),
+    norm("double_blocks.{}.txt_attn.norm.key_norm", "transformer_blocks.{}.attn.norm_added_k"),
+    rename("double_blocks.{}.img_attn.proj", "transformer_blocks.{}.attn.to_out.0"),
+    rename("double_blocks.{}.txt_attn.proj", "transformer_blocks.{}.attn.to_add_out"),
+    rename("double_blocks.{}.img_mlp.0", "transformer_blocks.{}.ff.net.0.proj"),
+    rename("double_blocks.{}.img_mlp.2", "transformer_blocks.{}.ff.net.2"),
+    rename("double_blocks.{}.txt_mlp.0", "transformer_blocks.{}.ff_context.net.0.proj"),
+    rename("double_blocks.{}.txt_mlp.2", "transformer_blocks.{}.ff_context.net.2"),
+    # single-stream blocks: linear1 = [q, k, v, mlp] rows, linear2 = proj_out
+    rename("single_blocks.{}.modulation.lin", "single_transformer_blocks.{}.norm.linear"),
+    split(
+        "single_blocks.{}.linear1",
+        *(f"single_transformer_blocks.{{}}.attn.to_{x}" for x in "qkv"),
+        "single_transformer_blocks.{}.proj_mlp",
+    ),
+    norm("single_blocks.{}.norm.query_norm", "single_transformer_blocks.{}.attn.norm_q"),
+    norm("single_blocks.{}.norm.key_norm", "single_transformer_blocks.{}.attn.norm_k"),
+    rename("single_blocks.{}.linear2", "single_transformer_blocks.{}.proj_out"),
+    swap_scale_shift("final_layer.adaLN_modulation.1", "norm_out.linear"),
+    rename("final_layer.linear", "proj_out"),
+)
+
+# ----------------------------------------------------------------------------- FLUX.2, BFL layout
+
+_FLUX2_EMBED = "time_guidance_embed"
+FLUX2_BFL = (
+    rename("time_in.in_layer", f"{_FLUX2_EMBED}.timestep_embedder.linear_1"),
+    rename("time_in.out_layer", f"{_FLUX2_EMBED}.timestep_embedder.linear_2"),
+    rename("guidance_in.in_layer", f"{_FLUX2_EMBED}.guidance_embedder.linear_1"),
+    rename("guidance_in.out_layer", f"{_FLUX2_EMBED}.guidance_embedder.linear_2"),
+    rename("double_stream_modulation_img.lin", "double_stream_modulation_img.linear"),
+    rename("double_stream_modulation_txt.lin", "double_stream_modulation_txt.linear"),
+    rename("single_stream_modulation.lin", "single_stream_modulation.linear"),
+    rename("img_in", "x_embedder"),
+    rename("txt_in", "context_embedder"),
+    # double-stream blocks (modulation is shared across blocks in FLUX.2)
+    split("double_blocks.{}.img_attn.qkv", *(f"transformer_blocks.{{}}.attn.to_{x}" for x in "qkv")),
+    split("double_blocks.{}.txt_attn.qkv", *(f"transformer_blocks.{{}}.attn.add_{x}_proj" for x in "qkv")),
+    norm("double_blocks.{}.img_attn.norm.query_norm", "transformer_blocks.{}.attn.norm_q"),
+    norm("double_blocks.{}.img_attn.norm.key_norm", "transformer_blocks.{}.attn.norm_k"),
+    norm("double_blocks.{}.txt_attn.norm.query_norm", "transformer_blocks.{}.attn.norm_added_q"),
+    norm("double_blocks.{}.txt_attn.norm.key_norm", "transformer_blocks.{}.attn.norm_added_k"),
+    rename("double_blocks.{}.img_attn.proj", "transformer_blocks.{}.attn.to_out.0"),
+    rename("double_blocks.{}.txt_attn.proj", "transformer_blocks.{}.attn.to_add_out"),
+    rename("double_blocks.{}.img_mlp.0", "transformer_blocks.{}.ff.linear_in"),
+    rename("double_blocks.{}.img_mlp.2", "transformer_blocks.{}.ff.linear_out"),
+    rename("double_blocks.{}.txt_mlp.0", "transformer_blocks.{}.ff_context.linear_in"),
+    rename("double_blocks.{}.txt_mlp.2", "transformer_blocks.{}.ff_context.linear_out"),
+    # single-stream blocks: linear1 is already diffusers' fused to_qkv_mlp_proj
+    rename("single_blocks.{}.linear1", "single_transformer_blocks.{}.attn.to_qkv_mlp_proj"),
+    rename("single_blocks.{}.linear2", "single_transformer_blocks.{}.attn.to_out"),
+    norm("single_blocks.{}.norm.query_norm", "single_transformer_blocks.{}.attn.norm_q"),
+    norm("single_blocks.{}.norm.key_norm", "single_transformer_blocks.{}.attn.norm_k"),
+    swap_scale_shift("final_layer.adaLN_modulation.1", "norm_out.linear"),
+    rename("final_layer.linear", "proj_out"),
+)
+
+# diffusers class -> its Black Forest Labs table
+BFL_TABLES = {"FluxTransformer2DModel": FLUX1_BFL, "Flux2Transformer2DModel": FLUX2_BFL}
+
+# (diffusers class, layout) -> a key only that family's layout has
+SIGNATURES = (
+    ("FluxTransformer2DModel", "diffusers", "time_text_embed.text_embedder.linear_1.weight"),
+    ("Flux2Transformer2DModel", "diffusers", "time_guidance_embed.timestep_embedder.linear_1.weight"),
+    ("QwenImageTransformer2DModel", "diffusers", "txt_norm.weight"),
+    ("FluxTransformer2DModel", "bfl", "vector_in.in_layer.weight"),
+    ("Flux2Transformer2DModel", "bfl", "double_stream_modulation_img.lin.weight"),
+)
+FAMILY_NAMES = {
+    "FluxTransformer2DModel": "FLUX.1",
+    "Flux2Transformer2DModel": "FLUX.2",
+    "QwenImageTransformer2DModel": "Qwen-Image",
+}
+STRIP_PREFIXES = ("model.diffusion_model.",)  # ComfyUI-style wrappers around a BFL state dict
+
+
+def detect(keys: Iterable[str]) -> tuple[str, str] | None:
+    """(diffusers class, "diffusers" | "bfl") recognised from a checkpoint's keys, or None."""
+    keys = set(keys)
+    for cls, layout, key in SIGNATURES:
+        if key in keys:
+            return cls, layout
+    return None
+
+
+# ----------------------------------------------------------------------------- resolution
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Rows ``[dst, dst + rows)`` of a diffusers tensor are rows ``[src_row, src_row + rows)``
+    of the source tensor ``src``."""
+
+    src: str
+    src_row: int
+    dst: int
+    rows: int
+
+
+@dataclasses.dataclass
+class Resolved:
+    pieces: dict[str, list[Piece]]  # diffusers key -> its pieces
+    source_shapes: dict[str, tuple[int, ...]]  # source key -> the shape the targets imply
+    unmatched: list[str]  # diffusers keys no rule produces
+
+
+def identity(shapes: Mapping[str, tuple[int, ...]]) -> Resolved:
+    """The diffusers layout: every key is stored under its own name."""
+    return Resolved({k: [Piece(k, 0, 0, s[0] if s else 1)] for k, s in shapes.items()}, dict(shapes), [])
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(r"\{\}", r"(\d+)") + r"\Z")
+
+
+def resolve(table: tuple[Rule, ...], shapes: Mapping[str, tuple[int, ...]]) -> Resolved:
+    """Apply ``table`` to the diffusers keys and shapes of a model (``shapes``)."""
+    compiled = [
+        (rule, j, dl, sl, _pattern(f"{d}.{dl}"))
+        for rule in table
+        for j, d in enumerate(rule.dst)
+        for sl, dl in rule.leaves
+    ]
+    pieces, source_shapes, unmatched = {}, {}, []
+    for key, shape in shapes.items():
+        hit = next(((r, j, dl, sl, m) for r, j, dl, sl, p in compiled if (m := p.match(key))), None)
+        if hit is None:
+            unmatched.append(key)
+            continue
+        rule, j, dl, sl, m = hit
+        fill = lambda t: t.replace("{}", m.group(1)) if m.groups() else t  # noqa: E731
+        src = f"{fill(rule.src)}.{sl}"
+        siblings = [shapes.get(f"{fill(d)}.{dl}") for d in rule.dst]
+        pieces[key], source_shapes[src] = _pieces(rule, j, src, siblings, key)
+    return Resolved(pieces, source_shapes, unmatched)
+
+
+def _pieces(rule: Rule, j: int, src: str, siblings: list, key: str):
+    shape = siblings[j]
+    if rule.transform == "rename":
+        return [Piece(src, 0, 0, shape[0] if shape else 1)], shape
+    if rule.transform == "swap_scale_shift":
+        half = shape[0] // 2
+        return [Piece(src, half, 0, half), Piece(src, 0, half, half)], shape
+    if rule.transform == "split":
+        if any(s is None or s[1:] != shape[1:] for s in siblings):
+            raise AssertionError(f"split {rule.src}: targets {rule.dst} have shapes {siblings}")
+        start = sum(s[0] for s in siblings[:j])
+        return [Piece(src, start, 0, shape[0])], (sum(s[0] for s in siblings), *shape[1:])
+    raise AssertionError(f"unknown transform {rule.transform!r} for {key}")

@@ -1,0 +1,268 @@
+"""`load`: a checkpoint on disk -> `Params`, streamed tensor by tensor.
+
+The parameter shapes come from `functional_dit.param_specs` (nothing is allocated
+up front); each tensor is then allocated at its final (local) size and filled
+straight from the file with ``safe_open(...).get_slice``, cast on the way. With a
+mesh, each rank computes from the plan which index ranges of each tensor it holds
+(per block for packed projections) and reads only those, so no rank ever
+materialises a full tensor or another rank's shard.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+import torch
+
+import functional_dit as fd
+from functional_dit._pytree import flatten, nest
+
+from . import _format as F
+from . import _layouts as L
+from ._format import CheckpointError
+from ._source import CONFIG_NAME, Source, open_source
+
+PROGRESS_MIN_BYTES = 1 << 30  # show a bar (on a terminal) from 1 GiB on
+
+
+def load(
+    path,
+    config=None,
+    mesh=None,
+    plan=None,
+    dtype: torch.dtype | None = None,
+    device=None,
+    *,
+    progress: bool | None = None,
+    stats: dict | None = None,
+) -> fd.Params:
+    """Load a transformer checkpoint into `Params`.
+
+    ``path``: a diffusers model folder (``config.json`` + one safetensors file or an
+    index and shards), a pipeline folder (its ``transformer/`` is used), or one
+    ``.safetensors`` file in diffusers or Black Forest Labs (FLUX.1, FLUX.2) layout.
+    ``config``: a preset name in ``fd.PRESETS`` or a config object; required for a
+    single file, optional (and checked against config.json) for a folder.
+    ``mesh``/``plan``: shard as ``sharding.shard_params`` would, each rank reading only
+    its own slices; ``plan`` defaults to ``sharding.plan(config, mesh)``.
+    ``dtype``: cast every tensor to it while reading (default: keep the file's dtypes).
+    ``progress``: a tqdm bar; None shows one on a terminal for checkpoints >= 1 GiB.
+    ``stats``: if a dict, receives ``bytes_read`` and ``local_bytes`` for this rank.
+    """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype: expected None or a floating torch.dtype, got {dtype!r}")
+    src = open_source(path)
+    detected = L.detect(src.tensors)
+    config = _config(config, src, detected)
+    cls = fd.config_to_diffusers(config)["_class_name"]
+    layout = detected[1] if detected is not None and detected[0] == cls else "diffusers"
+    specs = flatten(fd.param_specs(config))
+    shapes = {k: s.shape for k, s in specs.items()}
+    resolved = L.identity(shapes) if layout == "diffusers" else L.resolve(L.BFL_TABLES[cls], shapes)
+    _check_keys(src, config, layout, resolved)
+    _check_dtypes(src, resolved)
+    regions = _regions(config, specs, mesh, plan)
+    flat = _fill(src, resolved, regions, dtype, device, mesh, progress, stats)
+    return _finish(config, flat, specs, mesh, plan)
+
+
+# ----------------------------------------------------------------------------- config and keys
+
+
+def _config(config, src: Source, detected):
+    """The config from config.json, else from ``config=``; both must agree when given."""
+    from_json = fd.config_from_diffusers(src.config_json) if src.config_json is not None else None
+    given = _given_config(config)
+    if from_json is not None and given is not None and from_json != given:
+        raise ValueError(
+            f"config: {given} differs from the checkpoint's {CONFIG_NAME} ({from_json}); pass config=None to use it"
+        )
+    config = given or from_json
+    if config is None:
+        raise ValueError(_no_config_message(src, detected))
+    cls = fd.config_to_diffusers(config)["_class_name"]
+    if detected is not None and detected[0] != cls:
+        raise ValueError(
+            f"config: a {L.FAMILY_NAMES.get(cls, cls)} config ({type(config).__name__}), but the keys of "
+            f"{src.path} are those of {L.FAMILY_NAMES[detected[0]]} ({detected[1]} layout)"
+        )
+    return config
+
+
+def _given_config(config):
+    if config is None:
+        return None
+    if isinstance(config, str):
+        if config not in fd.PRESETS:
+            raise ValueError(f"config: expected a preset name in {sorted(fd.PRESETS)} or a config, got {config!r}")
+        return fd.PRESETS[config]
+    fd.config_to_diffusers(config)  # raises a ValueError naming the known config classes
+    return config
+
+
+def _no_config_message(src: Source, detected) -> str:
+    found = sorted(src.tensors)
+    if detected is None:
+        return (
+            f"config: {src.path} has no {CONFIG_NAME} and its keys match no known layout "
+            f"(FLUX.1, FLUX.2, Qwen-Image in diffusers or Black Forest Labs layout); found {len(found)} keys "
+            f"such as {found[:8]}. Pass config= a preset name in {sorted(fd.PRESETS)} or a config."
+        )
+    cls, layout = detected
+    return (
+        f"config: {src.path} has no {CONFIG_NAME}; its keys are {L.FAMILY_NAMES[cls]}'s ({layout} layout). "
+        f"Pass config= a preset name (one of {sorted(fd.PRESETS)}) or a config object."
+    )
+
+
+def _check_keys(src: Source, config, layout: str, resolved: L.Resolved) -> None:
+    """One ValueError listing every missing, unexpected and mis-shaped source key."""
+    if resolved.unmatched:  # a table that misses a parameter is our bug, not the file's
+        raise AssertionError(f"{layout} table has no rule for {resolved.unmatched[:20]}")
+    wanted = resolved.source_shapes
+    feeds: dict[str, list[str]] = {}
+    for key, pieces in resolved.pieces.items():
+        for p in pieces:
+            feeds.setdefault(p.src, []).append(key)
+    missing = [_named(k, feeds, layout) for k in wanted if k not in src.tensors]
+    unexpected = [k for k in src.tensors if k not in wanted]
+    shapes = [
+        f"{_named(k, feeds, layout)}: expected {s}, got {src.tensors[k].shape}"
+        for k, s in wanted.items()
+        if k in src.tensors and src.tensors[k].shape != tuple(s)
+    ]
+    if missing or unexpected or shapes:
+        name = f"{type(config).__name__} ({layout} layout) in {src.path}"
+        raise CheckpointError(fd._api._mismatch_report(name, missing, unexpected, shapes))
+
+
+def _named(src_key: str, feeds: dict, layout: str) -> str:
+    if layout == "diffusers":
+        return src_key
+    return f"{src_key} (-> {', '.join(dict.fromkeys(feeds[src_key]))})"
+
+
+def _check_dtypes(src: Source, resolved: L.Resolved) -> None:
+    bad = [
+        f"{info.file}: tensor {k!r} has dtype {info.dtype}"
+        for k in resolved.source_shapes
+        if (info := src.tensors[k]).dtype not in F.FLOAT_DTYPES
+    ]
+    if bad:
+        more = f" ... and {len(bad) - 20} more" if len(bad) > 20 else ""
+        raise CheckpointError(f"expected floating-point parameters ({', '.join(F.FLOAT_DTYPES)}): {bad[:20]}{more}")
+
+
+# ----------------------------------------------------------------------------- regions and filling
+
+
+def _full_region(shape) -> tuple[list[tuple[int, int]], ...]:
+    return tuple([(0, n)] for n in shape)
+
+
+def _regions(config, specs: dict, mesh, plan) -> dict:
+    """Per key, the index ranges this rank holds: a list of (start, stop) per dim."""
+    if mesh is None:
+        if plan is not None:
+            raise ValueError("plan: a plan needs a mesh; got plan= without mesh=")
+        return {k: _full_region(s.shape) for k, s in specs.items()}
+    return _mesh_regions(config, specs, mesh, plan)
+
+
+def _mesh_regions(config, specs: dict, mesh, plan) -> dict:
+    import sharding
+
+    plan = flatten(sharding.plan(config, mesh) if plan is None else plan)
+    if set(plan) != set(specs):
+        missing, extra = sorted(set(specs) - set(plan))[:10], sorted(set(plan) - set(specs))[:10]
+        raise ValueError(f"plan: expected the keys of the params; missing {missing}, unexpected {extra}")
+    regions = {}
+    for key, spec in specs.items():
+        region = list(_full_region(spec.shape))
+        ranges = sharding.local_slices(spec, plan[key], mesh)
+        if ranges:
+            region[ranges[0][0]] = [(a, b) for _, a, b in ranges]
+        regions[key] = tuple(region)
+    return regions
+
+
+def _fill(src: Source, resolved: L.Resolved, regions: dict, dtype, device, mesh, progress, stats) -> dict:
+    reader = F.Reader()
+    sizes = {k: [sum(b - a for a, b in r) for r in regions[k]] for k in resolved.pieces}
+    out_dtype = lambda k: dtype or src.tensors[resolved.pieces[k][0].src].torch_dtype  # noqa: E731
+    total = sum(_numel(s) * out_dtype(k).itemsize for k, s in sizes.items())
+    flat = {}
+    with _bar(total, progress, mesh, f"loading {os.path.basename(os.path.normpath(src.path))}") as bar:
+        for key, pieces in resolved.pieces.items():
+            dest = torch.empty(sizes[key], dtype=out_dtype(key))
+            _fill_one(reader, src, pieces, regions[key], dest)
+            flat[key] = dest if device is None else dest.to(device)
+            bar.update(dest.numel() * dest.element_size())
+    if stats is not None:
+        stats.update(bytes_read=reader.bytes_read, local_bytes=total)
+    return flat
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _fill_one(reader: F.Reader, src: Source, pieces: list[L.Piece], region, dest: torch.Tensor) -> None:
+    """Copy the ``region`` of a diffusers tensor, assembled from its source ``pieces``,
+    into ``dest`` (the region's local layout: ranges concatenated per dim)."""
+    rows, *rest = region
+    rest_index = [list(zip(ranges, _offsets(ranges))) for ranges in rest]
+    for (r0, r1), d0 in zip(rows, _offsets(rows)):
+        for p in pieces:
+            a, b = max(r0, p.dst), min(r1, p.dst + p.rows)
+            if a >= b:
+                continue
+            src_rows = slice(p.src_row + a - p.dst, p.src_row + b - p.dst)
+            dst_rows = slice(d0 + a - r0, d0 + b - r0)
+            for combo in itertools.product(*rest_index):
+                src_idx = (src_rows, *(slice(s, e) for (s, e), _ in combo))
+                dst_idx = (dst_rows, *(slice(o, o + e - s) for (s, e), o in combo))
+                reader.read_into(src.tensors[p.src], src_idx, dest[dst_idx])
+
+
+def _offsets(ranges) -> list[int]:
+    """Where each range starts in the local (concatenated) layout."""
+    out, pos = [], 0
+    for a, b in ranges:
+        out.append(pos)
+        pos += b - a
+    return out
+
+
+class _NoBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n):
+        pass
+
+
+def _bar(total: int, progress: bool | None, mesh, desc: str):
+    """A tqdm bar over bytes: on a terminal for large checkpoints, or when progress=True;
+    only rank 0 of a mesh draws it."""
+    if progress is None:
+        progress = total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
+    if not progress or (mesh is not None and torch.distributed.get_rank() != 0):
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False)
+
+
+def _finish(config, flat: dict, specs: dict, mesh, plan) -> fd.Params:
+    if mesh is None:
+        return fd.Params(config, nest(flat))
+    raise NotImplementedError

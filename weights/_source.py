@@ -1,0 +1,128 @@
+"""Where a checkpoint's tensors live: resolving a path to its safetensors files, their
+validated headers, and its config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from . import _format as F
+from ._format import CheckpointError, TensorInfo
+from ._layouts import STRIP_PREFIXES
+
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = WEIGHTS_NAME + ".index.json"
+CONFIG_NAME = "config.json"
+
+
+@dataclasses.dataclass
+class Source:
+    path: str  # what the user passed
+    files: list[str]
+    tensors: dict[str, TensorInfo]  # key (prefix stripped) -> where it is
+    config_json: dict | None  # the folder's config.json, if any
+
+
+def open_source(path) -> Source:
+    """Resolve ``path`` (model folder, pipeline folder or one .safetensors file)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ValueError(f"path: {path!r} does not exist")
+    F.refuse_pickle(path)
+    if os.path.isfile(path):
+        if not path.endswith(".safetensors"):
+            raise ValueError(f"path: expected a .safetensors file or a diffusers folder, got the file {path!r}")
+        return Source(path, [path], _tensors([path]), None)
+    folder = _model_folder(path)
+    files = _folder_files(folder)
+    return Source(path, files, _tensors(files, _index(folder)), _config(folder))
+
+
+def _model_folder(path: str) -> str:
+    """A pipeline folder (model_index.json) holds the transformer in transformer/."""
+    if os.path.exists(os.path.join(path, CONFIG_NAME)) or _has_weights(path):
+        return path
+    sub = os.path.join(path, "transformer")
+    if os.path.isdir(sub):
+        return sub
+    raise ValueError(
+        f"path: {path!r} is neither a diffusers model folder (config.json and {WEIGHTS_NAME} or {INDEX_NAME}) "
+        f"nor a pipeline folder with a transformer/ subfolder; it holds {sorted(os.listdir(path))[:20]}"
+    )
+
+
+def _has_weights(folder: str) -> bool:
+    return any(os.path.exists(os.path.join(folder, n)) for n in (WEIGHTS_NAME, INDEX_NAME))
+
+
+def _folder_files(folder: str) -> list[str]:
+    index = _index(folder)
+    if index is not None:
+        return sorted({os.path.join(folder, f) for f in index.values()})
+    single = os.path.join(folder, WEIGHTS_NAME)
+    if os.path.exists(single):
+        return [single]
+    pickles = [n for n in sorted(os.listdir(folder)) if n.lower().endswith(F.PICKLE_SUFFIXES)]
+    if pickles:
+        F.refuse_pickle(os.path.join(folder, pickles[0]))
+    raise ValueError(f"path: {folder!r} has no {WEIGHTS_NAME} or {INDEX_NAME}; it holds {sorted(os.listdir(folder))}")
+
+
+def _index(folder: str) -> dict[str, str] | None:
+    """The weight_map of the folder's index json: {key: file name}, validated."""
+    path = os.path.join(folder, INDEX_NAME)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not a valid index ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{path}: weight_map must map tensor names to file names")
+    for name in set(weight_map.values()):
+        F.refuse_pickle(name)
+        if os.path.basename(name) != name or not os.path.exists(os.path.join(folder, name)):
+            raise CheckpointError(f"{path}: names the shard {name!r}, which is not a file in {folder}")
+    return weight_map
+
+
+def _config(folder: str) -> dict | None:
+    path = os.path.join(folder, CONFIG_NAME)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def _tensors(files: list[str], index: dict[str, str] | None = None) -> dict[str, TensorInfo]:
+    """Every tensor of every file, keyed by name; a key in two files, or one the index
+    places in a file that lacks it, is an error."""
+    tensors: dict[str, TensorInfo] = {}
+    for file in files:
+        infos, _ = F.read_header(file)
+        for name, info in infos.items():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name!r} is in both {tensors[name].file} and {file}")
+            tensors[name] = info
+    if index is not None:
+        for name, file in index.items():
+            if name in tensors and os.path.basename(tensors[name].file) != file:
+                raise CheckpointError(f"index says {name!r} is in {file}, but it is in {tensors[name].file}")
+            if name not in tensors:
+                raise CheckpointError(f"index says {name!r} is in {file}, but that file does not hold it")
+    return _strip_prefix(tensors)
+
+
+def _strip_prefix(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    for prefix in STRIP_PREFIXES:
+        if tensors and all(k.startswith(prefix) for k in tensors):
+            return {k[len(prefix) :]: v for k, v in tensors.items()}
+    return tensors
