@@ -1,7 +1,7 @@
 """functional_dit: FLUX.1, FLUX.2 and Qwen-Image transformers as pure functions over
 parameter pytrees. See DESIGN.md for the public contract."""
 
-from . import _api, flux1
+from . import _api, flux1, qwenimage
 from ._api import (
     apply,
     config_from_diffusers,
@@ -15,9 +15,12 @@ from ._api import (
 )
 from ._pytree import PACKED, Block, Params, ParamSpec
 from .flux1 import Flux1Config
+from .qwenimage import QwenImageConfig
 
 flux1.CONFIG = Flux1Config
 _api.register_family(flux1)
+qwenimage.CONFIG = QwenImageConfig
+_api.register_family(qwenimage)
 
 PRESETS = _api.presets()
 
@@ -28,6 +31,7 @@ __all__ = [
     "Flux1Config",
     "ParamSpec",
     "Params",
+    "QwenImageConfig",
     "apply",
     "config_from_diffusers",
     "config_to_diffusers",

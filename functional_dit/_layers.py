@@ -39,6 +39,14 @@ def rms_norm(p, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return F.rms_norm(x, x.shape[-1:], p["weight"], eps)
 
 
+def rms_norm_fp32(p, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """diffusers ``RMSNorm`` (Qwen-Image): variance in fp32; the normalised x is cast to a
+    half-precision weight's dtype before the scale (an fp32 weight keeps it fp32)."""
+    y = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    w = p["weight"]
+    return (y.to(w.dtype) if w.dtype in (torch.float16, torch.bfloat16) else y) * w
+
+
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """AdaLN: ``x * (1 + scale) + shift`` with (B, C) modulation over (B, S, C)."""
     return x * (1 + scale[:, None]) + shift[:, None]

@@ -1,0 +1,450 @@
+"""Qwen-Image (and its Edit, Edit-2511 and Layered variants) as pure functions over a
+parameter tree.
+
+Mirrors diffusers' ``QwenImageTransformer2DModel`` (``transformer_qwenimage.py``), the
+transformer of the Qwen-Image, Qwen-Image-Edit(-Plus) and Qwen-Image-Layered pipelines:
+60 MMDiT blocks with separate image / text weights and modulation, QK RMS norms, one
+joint attention over (txt; img) and 3-axis RoPE with Qwen's centred image positions;
+text tokens sit on the diagonal after the largest image half-extent. Variants:
+several images per item (Edit: reference latents appended to the sequence),
+``zero_cond_t`` (Edit-2511: reference tokens modulated with t = 0),
+``use_additional_t_cond`` and ``use_layer3d_rope`` (Layered).
+
+diffusers builds RoPE with complex numbers (``torch.polar``); here it is real cos/sin
+from the same fp32 angles, numerically equal (see the tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+import sharding
+
+from . import _layers as L
+from ._checks import check_floating, check_tensor, reference_leaf
+from ._config import require, require_positive
+from ._pytree import ParamSpec, ordered_blocks
+
+DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
+THETA = 10000
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenImageConfig:
+    """diffusers ``QwenImageTransformer2DModel`` config; defaults are Qwen-Image's."""
+
+    patch_size: int = 2
+    in_channels: int = 64  # 16 VAE channels x 2x2 packed patches
+    out_channels: int | None = 16  # VAE channels per patch position; None: same as in_channels
+    num_layers: int = 60  # MMDiT (double-stream) blocks; there are no single-stream blocks
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 3584  # Qwen2.5-VL-7B hidden size
+    # diffusers keeps this key but builds no guidance embedder for it (and its forward fails
+    # on a guidance tensor); no released Qwen-Image model sets it.
+    guidance_embeds: bool = False
+    axes_dims_rope: tuple[int, ...] = (16, 56, 56)  # (frame, row, col) share of head_dim
+    zero_cond_t: bool = False  # Edit-2511: reference images modulated with t = 0
+    use_additional_t_cond: bool = False  # Layered: a learned 2-way embedding added to temb
+    use_layer3d_rope: bool = False  # Layered: layers on the frame axis, the condition image at -1
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
+        require_positive(
+            self, "patch_size", "in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim"
+        )
+        require(
+            self.out_channels is None or (_is_int(self.out_channels) and self.out_channels > 0),
+            f"QwenImageConfig.out_channels: expected None or a positive int, got {self.out_channels!r}",
+        )
+        require(
+            _is_int(self.num_layers) and self.num_layers >= 0,
+            f"QwenImageConfig.num_layers: expected an int >= 0, got {self.num_layers!r}",
+        )
+        for name in ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"):
+            v = getattr(self, name)
+            require(isinstance(v, bool), f"QwenImageConfig.{name}: expected a bool, got {v!r}")
+        require(
+            len(self.axes_dims_rope) == 3 and all(_is_int(d) and d > 0 and d % 2 == 0 for d in self.axes_dims_rope),
+            f"QwenImageConfig.axes_dims_rope: expected 3 positive even ints (frame, row, col), "
+            f"got {self.axes_dims_rope}",
+        )
+        require(
+            sum(self.axes_dims_rope) == self.attention_head_dim,
+            f"QwenImageConfig: sum(axes_dims_rope) = sum({self.axes_dims_rope}) = {sum(self.axes_dims_rope)} "
+            f"must equal attention_head_dim = {self.attention_head_dim}",
+        )
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def mlp_hidden_dim(self) -> int:
+        return 4 * self.inner_dim  # diffusers FeedForward, mult 4
+
+    @property
+    def out_dim(self) -> int:
+        return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+PRESETS = {
+    # Qwen/Qwen-Image transformer/config.json (Qwen-Image-Edit and -Edit-2509 ship the same
+    # transformer config): 60 layers, 24 heads x 128, Qwen2.5-VL text features of 3584.
+    # 20,430,401,088 parameters. The released file also carries "pooled_projection_dim": 768,
+    # a key diffusers' class ignores (it has no such weights).
+    "qwen-image": QwenImageConfig(),
+    # Qwen/Qwen-Image-Edit-2511 transformer/config.json: the same plus "zero_cond_t": true.
+    "qwen-image-edit-2511": QwenImageConfig(zero_cond_t=True),
+    # Qwen/Qwen-Image-Layered transformer/config.json: the same plus "use_additional_t_cond": true
+    # and "use_layer3d_rope": true (20,430,407,232 parameters with the 2 x 3072 embedding).
+    "qwen-image-layered": QwenImageConfig(use_additional_t_cond=True, use_layer3d_rope=True),
+    # A tiny model for tests and the offline demo (4 heads, so tp x sp up to 4 divides them).
+    "qwen-image-tiny": QwenImageConfig(
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    ),
+}
+
+
+# ----------------------------------------------------------------------------- specs
+
+
+def _linear(out_dim, in_dim, out_axis, in_axis):
+    return {"weight": ParamSpec((out_dim, in_dim), (out_axis, in_axis)), "bias": ParamSpec((out_dim,), (out_axis,))}
+
+
+def _norm(dim, axis="head_dim"):
+    return {"weight": ParamSpec((dim,), (axis,))}
+
+
+def _mlp(c):
+    n, m = c.inner_dim, c.mlp_hidden_dim
+    return {"net": {"0": {"proj": _linear(m, n, "mlp", "embed")}, "2": _linear(n, m, "embed", "mlp")}}
+
+
+def _block_specs(c) -> dict:
+    D, n = c.attention_head_dim, c.inner_dim
+    col = lambda: _linear(n, n, "heads", "embed")  # noqa: E731  column-parallel over heads
+    row = lambda: _linear(n, n, "embed", "heads")  # noqa: E731  row-parallel over heads
+    return {
+        "img_mod": {"1": _linear(6 * n, n, "mod", "embed")},
+        "attn": {
+            "norm_q": _norm(D),
+            "norm_k": _norm(D),
+            "to_q": col(),
+            "to_k": col(),
+            "to_v": col(),
+            "add_k_proj": col(),
+            "add_v_proj": col(),
+            "add_q_proj": col(),
+            "to_out": {"0": row()},
+            "to_add_out": row(),
+            "norm_added_q": _norm(D),
+            "norm_added_k": _norm(D),
+        },
+        "img_mlp": _mlp(c),
+        "txt_mod": {"1": _linear(6 * n, n, "mod", "embed")},
+        "txt_mlp": _mlp(c),
+    }
+
+
+def param_specs(c: QwenImageConfig) -> dict:
+    """Nested dict of `ParamSpec` in diffusers ``state_dict`` order; allocates nothing."""
+    n = c.inner_dim
+    time = {
+        "timestep_embedder": {"linear_1": _linear(n, 256, "embed", "freq"), "linear_2": _linear(n, n, "embed", "embed")}
+    }
+    if c.use_additional_t_cond:
+        time["addition_t_embedding"] = {"weight": ParamSpec((2, n), ("t_cond", "embed"))}
+    return {
+        "time_text_embed": time,
+        "txt_norm": _norm(c.joint_attention_dim, "txt_embed"),
+        "img_in": _linear(n, c.in_channels, "embed", "channels"),
+        "txt_in": _linear(n, c.joint_attention_dim, "embed", "txt_embed"),
+        "transformer_blocks": {str(i): _block_specs(c) for i in range(c.num_layers)},
+        "norm_out": {"linear": _linear(2 * n, n, "mod", "embed")},
+        "proj_out": _linear(c.out_dim, n, "out_channels", "embed"),
+    }
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def image_ids(shapes, layer3d: bool = False, device=None) -> torch.Tensor:
+    """(S_img, 3) float positions (frame, row, col) of the images ``shapes`` [(f, h, w), ...]
+    in sequence order. Image ``i`` has frames i, i+1, ... (Layered: the last, the condition
+    image, has frame -1); rows and cols are centred: -(h - h//2) .. h//2 - 1."""
+    parts = []
+    for i, (f, h, w) in enumerate(shapes):
+        frame = torch.full((1,), -1.0) if layer3d and i == len(shapes) - 1 else i + torch.arange(f, dtype=torch.float32)
+        rows, cols = (torch.arange(n, dtype=torch.float32) - (n - n // 2) for n in (h, w))
+        parts.append(torch.stack(torch.meshgrid(frame, rows, cols, indexing="ij"), -1).reshape(-1, 3))
+    return torch.cat(parts).to(device)
+
+
+def text_ids(shapes, txt_len: int, layer3d: bool = False, device=None) -> torch.Tensor:
+    """(S_txt, 3) positions of the text tokens: the same on every axis, starting after the
+    largest image half-extent (Layered: at least the number of layers). Every token gets
+    its index, padding or not, as diffusers does (its RoPE length is the padded S_txt)."""
+    start = max(max(h // 2, w // 2) for _, h, w in shapes)
+    start = max(start, len(shapes) - 1) if layer3d else start
+    return (start + torch.arange(txt_len, dtype=torch.float32, device=device))[:, None].expand(-1, 3)
+
+
+def rope(ids: torch.Tensor, axes_dim) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids (S, 3) -> cos, sin (S, sum(axes_dim)), pairs interleaved. Angles in fp32 exactly as
+    diffusers' ``QwenEmbedRope.rope_params`` computes them (``theta ** (2i / dim)``, then 1/x)."""
+    angles = []
+    for i, dim in enumerate(axes_dim):
+        inv = 1.0 / torch.pow(THETA, torch.arange(0, dim, 2, device=ids.device).to(torch.float32).div(dim))
+        angles.append(ids[:, i, None].float() * inv[None])  # (S, dim/2)
+    ang = torch.cat(angles, -1)
+    return ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+
+
+def pos_embed(shapes, txt_len: int, axes_dim, layer3d: bool = False, device=None):
+    """cos, sin (S_txt + S_img, head_dim) for the joint (txt; img) sequence."""
+    ids = torch.cat([text_ids(shapes, txt_len, layer3d, device), image_ids(shapes, layer3d, device)])
+    return rope(ids, axes_dim)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def timestep_proj(t: torch.Tensor, dim: int = 256) -> torch.Tensor:
+    """diffusers ``Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0, scale=1000)``
+    in its op order: fp32 (t * f) * 1000 (not FLUX's (1000 t) * f), cos first."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t[:, None].float() * freqs[None] * 1000
+    return torch.cat([torch.cos(args), torch.sin(args)], -1)
+
+
+def time_embed(p, t: torch.Tensor, t_cond: torch.Tensor | None = None, zero_cond_t: bool = False) -> torch.Tensor:
+    """temb (B, C), or (2B, C) = [temb(t); temb(0)] with ``zero_cond_t``; t is in the model dtype.
+    ``t_cond`` (B,) indexes the Layered model's 2-way embedding, added to every half."""
+    if zero_cond_t:
+        t = torch.cat([t, t * 0])
+    temb = L.mlp_embed(p["timestep_embedder"], timestep_proj(t).to(t.dtype))
+    if t_cond is None:
+        return temb
+    extra = F.embedding(t_cond, p["addition_t_embedding"]["weight"]).to(temb.dtype)  # (B, C)
+    return temb + extra.repeat(temb.shape[0] // extra.shape[0], 1)
+
+
+def _modulate(x, shift, scale):
+    return x * (1 + scale) + shift
+
+
+def img_modulation(p, temb: torch.Tensor, ref: torch.Tensor | None) -> list[torch.Tensor]:
+    """Six (shift, scale, gate) x 2 modulation tensors for the image stream, (B, 1, C); with
+    ``zero_cond_t``, temb is (2B, C) and ``ref`` (S_img, 1) picks the t = 0 half for reference
+    tokens, giving (B, S_img, C)."""
+    mods = [m[:, None] for m in L.adaln(p, temb, 6)]
+    if ref is None:
+        return mods
+    B = temb.shape[0] // 2
+    return [torch.where(ref, m[B:], m[:B]) for m in mods]
+
+
+def qkv(p, x, head_dim, names, norms):
+    """Project to q, k, v (B, S, H, D); fp32-variance RMS norm on q and k over D."""
+    q, k, v = (L.split_heads(L.linear(p[n], x), head_dim) for n in names)
+    return L.rms_norm_fp32(p[norms[0]], q), L.rms_norm_fp32(p[norms[1]], k), v
+
+
+def joint_attention(p, img, txt, pe, head_dim, key_bias=None):
+    """One attention over the joint [txt; img] sequence (diffusers' order); returns the
+    image and text outputs after their own output projections."""
+    iq, ik, iv = qkv(p, img, head_dim, ("to_q", "to_k", "to_v"), ("norm_q", "norm_k"))
+    tq, tk, tv = qkv(p, txt, head_dim, ("add_q_proj", "add_k_proj", "add_v_proj"), ("norm_added_q", "norm_added_k"))
+    cos, sin = pe
+    q, k = (L.apply_rope(torch.cat(pair, 1), cos, sin) for pair in ((tq, iq), (tk, ik)))
+    out = L.attention(q, k, torch.cat([tv, iv], 1), key_bias)  # (B, T + S, H*D)
+    T = txt.shape[1]  # contiguous slices, as diffusers: bf16 GEMMs round strided inputs differently
+    i_out, t_out = out[:, T:].contiguous(), out[:, :T].contiguous()
+    return L.row_linear(p["to_out"]["0"], i_out), L.row_linear(p["to_add_out"], t_out)
+
+
+def block(p, img, txt, temb, pe, head_dim, key_bias=None, ref=None):
+    """MMDiT block: img (B, S, C), txt (B, T, C), temb (B, C) or (2B, C) with ``ref``."""
+    i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_modulation(p["img_mod"]["1"], temb, ref)
+    mods = [m[:, None] for m in L.adaln(p["txt_mod"]["1"], temb[: txt.shape[0]], 6)]
+    t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = mods
+    img_a, txt_a = joint_attention(
+        p["attn"],
+        _modulate(L.layer_norm(img), i_shift, i_scale),
+        _modulate(L.layer_norm(txt), t_shift, t_scale),
+        pe,
+        head_dim,
+        key_bias,
+    )
+    img, txt = img + i_gate * img_a, txt + t_gate * txt_a
+    img = img + i_gate2 * L.gelu_mlp(p["img_mlp"], _modulate(L.layer_norm(img), i_shift2, i_scale2))
+    txt = txt + t_gate2 * L.gelu_mlp(p["txt_mlp"], _modulate(L.layer_norm(txt), t_shift2, t_scale2))
+    return _clip_fp16(img), _clip_fp16(txt)
+
+
+def _clip_fp16(x):
+    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
+def final_layer(p, x, temb):
+    scale, shift = L.adaln(p["norm_out"]["linear"], temb, 2)  # note: (scale, shift) order
+    return L.linear(p["proj_out"], L.modulate(L.layer_norm(x), shift, scale))
+
+
+def mask_bias(txt_mask: torch.Tensor) -> torch.Tensor:
+    """(B, S_txt) 0/1 or bool mask -> additive fp32 key bias: 0 keep, -inf drop."""
+    zero = torch.zeros((), dtype=torch.float32, device=txt_mask.device)
+    return torch.where(txt_mask.bool(), zero, torch.full_like(zero, float("-inf")))
+
+
+def ref_mask(shapes, device=None) -> torch.Tensor:
+    """(S_img, 1) bool: True for tokens of the reference images (all but the first), the
+    tokens ``zero_cond_t`` modulates with t = 0 (diffusers' ``modulate_index`` == 1)."""
+    first = math.prod(shapes[0])
+    return (torch.arange(sum(math.prod(s) for s in shapes), device=device) >= first)[:, None]
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _image_shapes(item, b: int) -> tuple[tuple[int, int, int], ...]:
+    """One batch item's img_shapes: a list of (frames, h, w), or one (frames, h, w)."""
+    is_shape = lambda s: isinstance(s, (list, tuple)) and len(s) == 3 and all(_is_int(v) and v > 0 for v in s)  # noqa: E731
+    if isinstance(item, (list, tuple)) and len(item) == 3 and all(_is_int(v) for v in item):
+        item = [item]
+    if not isinstance(item, (list, tuple)) or not item or not all(is_shape(s) for s in item):
+        raise ValueError(
+            f"img_shapes[{b}]: expected a non-empty list of (frames, height, width) tuples of positive ints, "
+            f"got {item!r}"
+        )
+    return tuple(tuple(s) for s in item)
+
+
+def check_img_shapes(img_shapes, batch: int, seq: int, layer3d: bool) -> tuple[tuple[int, int, int], ...]:
+    """img_shapes: per batch item a list of (frames, h, w) in token order, equal for every
+    item (diffusers takes RoPE from the first and warns that others are wrong), whose token
+    count is x's sequence length. Returns the shared shapes."""
+    if not isinstance(img_shapes, (list, tuple)) or len(img_shapes) != batch:
+        got = f"length {len(img_shapes)}" if isinstance(img_shapes, (list, tuple)) else type(img_shapes).__name__
+        raise ValueError(f"img_shapes: expected a list of {batch} items (one per batch item), got {got}")
+    per_item = [_image_shapes(item, b) for b, item in enumerate(img_shapes)]
+    shapes = per_item[0]
+    for b, s in enumerate(per_item):
+        if s != shapes:
+            raise ValueError(
+                f"img_shapes[{b}]: expected the same shapes as img_shapes[0] = {list(shapes)}, got {list(s)}"
+            )
+    n = sum(math.prod(s) for s in shapes)
+    if n != seq:
+        raise ValueError(f"img_shapes: {list(shapes)} make {n} tokens; expected x's sequence length {seq}")
+    if layer3d and shapes[-1][0] != 1:
+        raise ValueError(f"img_shapes: use_layer3d_rope needs 1 frame in the last (condition) image, got {shapes[-1]}")
+    return shapes
+
+
+def _check_mask(txt_mask, batch: int, txt_len: int, device) -> None:
+    check_tensor("txt_mask", txt_mask, (batch, txt_len), device=device)
+    if txt_mask.dtype != torch.bool and (txt_mask.is_floating_point() or txt_mask.is_complex()):
+        raise ValueError(
+            f"txt_mask: expected a bool or integer 0/1 mask (1 = keep), got {txt_mask.dtype}; "
+            "a floating mask is ambiguous (an additive 0/-inf bias would be read inverted)"
+        )
+
+
+def _check_t_cond(c, additional_t_cond, batch: int, device) -> None:
+    if c.use_additional_t_cond and additional_t_cond is None:
+        raise ValueError(
+            f"additional_t_cond: this model has use_additional_t_cond=True and needs ({batch},) ints in {{0, 1}}"
+        )
+    if not c.use_additional_t_cond and additional_t_cond is not None:
+        raise ValueError("additional_t_cond: this model has use_additional_t_cond=False; expected None, got a tensor")
+    if additional_t_cond is not None:
+        check_tensor("additional_t_cond", additional_t_cond, (batch,), device=device)
+        if (
+            additional_t_cond.is_floating_point()
+            or additional_t_cond.is_complex()
+            or additional_t_cond.dtype == torch.bool
+        ):
+            raise ValueError(f"additional_t_cond: expected an integer tensor (0 or 1), got {additional_t_cond.dtype}")
+
+
+def _validate(params, x, t, txt, txt_mask, img_shapes, guidance, additional_t_cond, unused):
+    c = params.config
+    ref = reference_leaf(params, "img_in.weight")
+    check_tensor("x", x, (None, None, c.in_channels), ref.dtype, ref.device)
+    B, S = x.shape[:2]
+    check_tensor("txt", txt, (B, None, c.joint_attention_dim), ref.dtype, ref.device)
+    check_tensor("t", t, (B,), device=ref.device)
+    check_floating("t", t)
+    if txt_mask is not None:
+        _check_mask(txt_mask, B, txt.shape[1], ref.device)
+    if img_shapes is None:
+        raise ValueError(f"img_shapes: Qwen-Image needs per batch item a list of (frames, h, w); x has {S} tokens")
+    shapes = check_img_shapes(img_shapes, B, S, c.use_layer3d_rope)
+    if guidance is not None:
+        raise ValueError(
+            "guidance: QwenImageTransformer2DModel has no guidance embedder (guidance_embeds creates no weights "
+            "and diffusers' forward fails on a guidance tensor); expected None, got a tensor"
+        )
+    _check_t_cond(c, additional_t_cond, B, ref.device)
+    for name, value in unused.items():
+        if value is not None:
+            raise ValueError(f"{name}: Qwen-Image takes no {name} (positions come from img_shapes); expected None")
+    return shapes
+
+
+def apply(
+    params,
+    x,
+    t,
+    txt,
+    *,
+    txt_mask=None,
+    img_shapes=None,
+    guidance=None,
+    additional_t_cond=None,
+    pooled=None,
+    img_ids=None,
+    txt_ids=None,
+):
+    """Qwen-Image forward: x (B, S_img, in_channels) packed latents (Edit: the target's then
+    the reference images' tokens), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim),
+    txt_mask (B, S_txt) bool/int, 1 = real token (None: all real), img_shapes per batch item
+    a list of (frames, h, w) whose tokens make S_img, additional_t_cond (B,) ints in {0, 1}
+    for the Layered model. Returns (B, S_img, patch_size² · out_channels), as
+    ``QwenImageTransformer2DModel(...)[0]``."""
+    unused = dict(pooled=pooled, img_ids=img_ids, txt_ids=txt_ids)
+    shapes = _validate(params, x, t, txt, txt_mask, img_shapes, guidance, additional_t_cond, unused)
+    c, D = params.config, params.config.attention_head_dim
+    B, S = x.shape[:2]
+    pe = pos_embed(shapes, txt.shape[1], c.axes_dims_rope, c.use_layer3d_rope, x.device)
+    ref = sharding.shard(ref_mask(shapes, x.device), "sp", 0) if c.zero_cond_t else None
+    bias = None if txt_mask is None else mask_bias(txt_mask)
+    x, t, txt, bias, t_cond = (
+        None if a is None else sharding.shard(a, "dp", 0) for a in (x, t, txt, bias, additional_t_cond)
+    )
+    img = L.linear(params["img_in"], x)
+    temb = time_embed(params["time_text_embed"], t.to(img.dtype), t_cond, c.zero_cond_t)
+    txt = L.linear(params["txt_in"], L.rms_norm_fp32(params["txt_norm"], txt))
+    txt, img, pe, key_bias = L.shard_joint(txt, img, pe, bias)
+    for p in ordered_blocks(params["transformer_blocks"]):
+        img, txt = block(p, img, txt, temb, pe, D, key_bias, ref)
+    out = final_layer(params, img, temb[: img.shape[0]])
+    return sharding.gather(sharding.gather(out, "sp", 1, S), "dp", 0, B)
