@@ -106,6 +106,8 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 
 
 def _parse_json(path: str, raw: bytes) -> dict:
+    if not raw.startswith(b"{"):
+        raise CheckpointError(f"{path}: corrupt header: must start with '{{', starts with {raw[:16]!r}")
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -127,7 +129,11 @@ def _entry(path: str, name: str, entry, start: int) -> TensorInfo:
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
         raise CheckpointError(f"{where}: corrupt data_offsets {offsets!r:.200}; expected [begin, end]")
     begin, end = offsets
-    nbytes = math.prod(shape) * DTYPES[dtype][1]
+    nbytes = DTYPES[dtype][1]
+    for s in shape:  # as safetensors computes it: every partial product must fit in 64 bits
+        nbytes *= s
+        if nbytes >= 2**64 or s >= 2**64:
+            raise CheckpointError(f"{where}: shape {shape} overflows 64-bit byte counts")
     if end - begin != nbytes:
         raise CheckpointError(
             f"{where}: data_offsets {offsets} span {end - begin} bytes, but {dtype} {shape} needs {nbytes}"

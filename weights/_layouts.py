@@ -198,17 +198,21 @@ def resolve(table: tuple[Rule, ...], shapes: Mapping[str, tuple[int, ...]]) -> R
         for sl, dl in rule.leaves
     ]
     pieces, source_shapes, unmatched = {}, {}, []
-    for key, shape in shapes.items():
+    for key in shapes:
         hit = next(((r, j, dl, sl, m) for r, j, dl, sl, p in compiled if (m := p.match(key))), None)
         if hit is None:
             unmatched.append(key)
             continue
         rule, j, dl, sl, m = hit
-        fill = lambda t: t.replace("{}", m.group(1)) if m.groups() else t  # noqa: E731
-        src = f"{fill(rule.src)}.{sl}"
-        siblings = [shapes.get(f"{fill(d)}.{dl}") for d in rule.dst]
+        block = m.group(1) if m.groups() else None
+        src = f"{_fill(rule.src, block)}.{sl}"
+        siblings = [shapes.get(f"{_fill(d, block)}.{dl}") for d in rule.dst]
         pieces[key], source_shapes[src] = _pieces(rule, j, src, siblings, key)
     return Resolved(pieces, source_shapes, unmatched)
+
+
+def _fill(template: str, block: str | None) -> str:
+    return template if block is None else template.replace("{}", block)
 
 
 def _pieces(rule: Rule, j: int, src: str, siblings: list, key: str):

@@ -17,6 +17,7 @@ import sys
 import torch
 
 import functional_dit as fd
+import sharding
 from functional_dit._pytree import flatten, nest
 
 from . import _format as F
@@ -63,7 +64,9 @@ def load(
     resolved = L.identity(shapes) if layout == "diffusers" else L.resolve(L.BFL_TABLES[cls], shapes)
     _check_keys(src, config, layout, resolved)
     _check_dtypes(src, resolved)
-    regions = _regions(config, specs, mesh, plan)
+    plan = _flat_plan(config, specs, mesh, plan)
+    regions = {k: _region(s.shape, mesh, plan and plan[k]) for k, s in specs.items()}
+    device = _device(device, mesh)
     flat = _fill(src, resolved, regions, dtype, device, mesh, progress, stats)
     return _finish(config, flat, specs, mesh, plan)
 
@@ -158,34 +161,45 @@ def _check_dtypes(src: Source, resolved: L.Resolved) -> None:
 # ----------------------------------------------------------------------------- regions and filling
 
 
-def _full_region(shape) -> tuple[list[tuple[int, int]], ...]:
-    return tuple([(0, n)] for n in shape)
-
-
-def _regions(config, specs: dict, mesh, plan) -> dict:
-    """Per key, the index ranges this rank holds: a list of (start, stop) per dim."""
+def _flat_plan(config, specs: dict, mesh, plan) -> dict | None:
+    """``{key: placement}``: ``plan`` or ``sharding.plan(config, mesh)``; None without a mesh."""
     if mesh is None:
         if plan is not None:
             raise ValueError("plan: a plan needs a mesh; got plan= without mesh=")
-        return {k: _full_region(s.shape) for k, s in specs.items()}
-    return _mesh_regions(config, specs, mesh, plan)
-
-
-def _mesh_regions(config, specs: dict, mesh, plan) -> dict:
-    import sharding
-
+        return None
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if not names:
+        raise ValueError(f"mesh: expected a named DeviceMesh (sharding.make_mesh), got {mesh!r}")
     plan = flatten(sharding.plan(config, mesh) if plan is None else plan)
     if set(plan) != set(specs):
         missing, extra = sorted(set(specs) - set(plan))[:10], sorted(set(plan) - set(specs))[:10]
         raise ValueError(f"plan: expected the keys of the params; missing {missing}, unexpected {extra}")
-    regions = {}
-    for key, spec in specs.items():
-        region = list(_full_region(spec.shape))
-        ranges = sharding.local_slices(spec, plan[key], mesh)
+    for key, placement in plan.items():
+        if not isinstance(placement, (sharding.Replicate, sharding.Shard)):
+            raise ValueError(f"plan: {key}: expected Replicate() or Shard(...), got {placement!r}")
+        if isinstance(placement, sharding.Shard) and placement.axis not in names:
+            raise ValueError(f"plan: {key}: axis {placement.axis!r} is not a mesh dim; the mesh has {names}")
+    return plan
+
+
+def _region(shape, mesh, placement) -> tuple[list[tuple[int, int]], ...]:
+    """The index ranges of a ``shape`` tensor this rank holds: a list of (start, stop)
+    per dim, concatenated in order (several for a dim split per fused block)."""
+    region = [[(0, n)] for n in shape]
+    if placement is not None:
+        ranges = sharding.local_slices(shape, placement, mesh)
         if ranges:
             region[ranges[0][0]] = [(a, b) for _, a, b in ranges]
-        regions[key] = tuple(region)
-    return regions
+    return tuple(region)
+
+
+def _device(device, mesh):
+    if mesh is None:
+        return None if device is None else torch.device(device)
+    want = mesh_device(mesh)
+    if device is not None and torch.device(device).type != want.type:
+        raise ValueError(f"device: the mesh's shards live on {want.type}, got device={device!r}")
+    return want
 
 
 def _fill(src: Source, resolved: L.Resolved, regions: dict, dtype, device, mesh, progress, stats) -> dict:
@@ -265,4 +279,29 @@ def _bar(total: int, progress: bool | None, mesh, desc: str):
 def _finish(config, flat: dict, specs: dict, mesh, plan) -> fd.Params:
     if mesh is None:
         return fd.Params(config, nest(flat))
-    raise NotImplementedError
+    return fd.Params(config, nest({k: _dtensor(t, specs[k].shape, plan[k], mesh) for k, t in flat.items()}))
+
+
+def _dtensor(local: torch.Tensor, shape, placement, mesh):
+    """The DTensor `sharding.shard_params` makes for this leaf: ``Shard(d)`` on the mesh
+    dim of the placement's axis (over the rank-major packing for fused blocks),
+    ``Replicate()`` on the others, holding only ``local``."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate as DReplicate
+    from torch.distributed.tensor import Shard as DShard
+
+    sharded = isinstance(placement, sharding.Shard)
+    dims = [DShard(placement.dim) if sharded and n == placement.axis else DReplicate() for n in mesh.mesh_dim_names]
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
+    return DTensor.from_local(local, mesh, dims, run_check=False, shape=torch.Size(shape), stride=tuple(stride))
+
+
+def mesh_device(mesh) -> torch.device:
+    """Where a mesh's local shards live: the CPU, or this process's current accelerator."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type, None)
+    index = module.current_device() if module is not None and hasattr(module, "current_device") else None
+    return torch.device(mesh.device_type, index)

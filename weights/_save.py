@@ -13,6 +13,7 @@ holds the whole model.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -20,6 +21,8 @@ import re
 import torch
 
 import functional_dit as fd
+import sharding
+from functional_dit._pytree import flatten
 
 from . import _format as F
 from ._load import _bar
@@ -64,6 +67,9 @@ def save(params: fd.Params, path, max_shard_size="5GB", *, progress: bool | None
     path = os.fspath(path)
     cfg = fd.config_to_diffusers(params.config)
     flat = params.flat()
+    specs = flatten(fd.param_specs(params.config))
+    if list(specs) != list(flat) or any(tuple(flat[k].shape) != s.shape for k, s in specs.items()):
+        fd.from_state_dict(params.config, {k: v for k, v in flat.items()})  # raises the ValueError listing them
     meta = {k: (t.dtype, tuple(t.shape)) for k, t in flat.items()}
     for k, (dtype, _) in meta.items():
         if dtype not in F.TORCH_TO_ST:
@@ -78,7 +84,7 @@ def save(params: fd.Params, path, max_shard_size="5GB", *, progress: bool | None
         _remove_stale(path, set(names))
     with _bar(sum(sizes.values()), progress, mesh, f"saving {os.path.basename(os.path.normpath(path))}") as bar:
         for name, keys in zip(names, groups):
-            _write_shard(os.path.join(path, name), keys, flat, meta, writer_rank, bar)
+            _write_shard(os.path.join(path, name), keys, flat, specs, meta, writer_rank, bar)
     if writer_rank:
         if len(groups) > 1:
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": _weight_map(names, groups)}
@@ -117,11 +123,11 @@ def _remove_stale(path: str, keep: set[str]) -> None:
             os.remove(os.path.join(path, name))
 
 
-def _write_shard(file: str, keys, flat, meta, writer_rank: bool, bar) -> None:
+def _write_shard(file: str, keys, flat, specs, meta, writer_rank: bool, bar) -> None:
     writer = F.Writer(file + ".tmp", {k: meta[k] for k in keys}) if writer_rank else None
     try:
         for k in keys:
-            full = _full(flat[k])
+            full = _full(flat[k], specs[k])
             if writer is not None:
                 writer.write(k, full)
             bar.update(full.numel() * full.element_size())
@@ -142,11 +148,9 @@ def _write_json(file: str, obj) -> None:
 
 
 def _diffusers_version() -> str:
-    try:
-        import diffusers
-
-        return diffusers.__version__
-    except ImportError:  # pragma: no cover - diffusers is a dependency
+    try:  # the installed version, without importing diffusers (seconds)
+        return importlib.metadata.version("diffusers")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - diffusers is a dependency
         return "0.0.0"
 
 
@@ -161,8 +165,25 @@ def _mesh_of(flat: dict):
     return next(iter(meshes.values()), None)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on the CPU; a DTensor is gathered (every rank takes part)."""
-    if _is_dtensor(t):
-        raise NotImplementedError
-    return t.detach().cpu()
+def _full(t: torch.Tensor, spec) -> torch.Tensor:
+    """The whole tensor on the CPU; a DTensor leaf is gathered with `sharding.unshard`
+    (every rank takes part), one leaf at a time."""
+    if not _is_dtensor(t):
+        return t.detach().cpu()
+    placement = _placement(t, spec)
+    return sharding.unshard({"t": t}, plan={"t": placement})["t"].detach().cpu()
+
+
+def _placement(t, spec):
+    """The `sharding` placement a `shard_params` leaf was made with, read off its DTensor
+    placements; a fused dim (``ParamSpec`` axis "packed") is split per block."""
+    names = t.device_mesh.mesh_dim_names
+    split = [(names[i], p.dim) for i, p in enumerate(t.placements) if p.is_shard()]
+    if not split:
+        return sharding.Replicate()
+    if len(split) > 1:
+        raise ValueError(f"params: a leaf is split over several mesh dims {split}; expected at most one")
+    (axis, dim), blocks = split[0], None
+    if spec.axes[dim] == fd.PACKED:
+        blocks = tuple(b.size for b in spec.blocks)
+    return sharding.Shard(dim, axis, blocks)
