@@ -188,12 +188,13 @@ def image_ids(shapes, layer3d: bool = False, device=None) -> torch.Tensor:
     """(S_img, 3) float positions (frame, row, col) of the images ``shapes`` [(f, h, w), ...]
     in sequence order. Image ``i`` has frames i, i+1, ... (Layered: the last, the condition
     image, has frame -1); rows and cols are centred: -(h - h//2) .. h//2 - 1."""
+    ar = lambda n, start: torch.arange(start, start + n, dtype=torch.float32, device=device)  # noqa: E731
     parts = []
     for i, (f, h, w) in enumerate(shapes):
-        frame = torch.full((1,), -1.0) if layer3d and i == len(shapes) - 1 else i + torch.arange(f, dtype=torch.float32)
-        rows, cols = (torch.arange(n, dtype=torch.float32) - (n - n // 2) for n in (h, w))
+        frame = ar(1, -1) if layer3d and i == len(shapes) - 1 else ar(f, i)
+        rows, cols = ar(h, -(h - h // 2)), ar(w, -(w - w // 2))
         parts.append(torch.stack(torch.meshgrid(frame, rows, cols, indexing="ij"), -1).reshape(-1, 3))
-    return torch.cat(parts).to(device)
+    return torch.cat(parts)
 
 
 def text_ids(shapes, txt_len: int, layer3d: bool = False, device=None) -> torch.Tensor:

@@ -367,3 +367,21 @@ def test_img_shapes_flat_form_equals_nested(tiny):
     kw = inputs(TINY, batch=2, img_shapes=[(1, 3, 4)])
     flat = dict(kw, img_shapes=[(1, 3, 4)] * 2)
     assert torch.equal(fd.apply(params, **kw), fd.apply(params, **flat))
+
+
+def test_torch_export_strict():
+    """apply traces under strict torch.export with every flag on and a ragged mask: no
+    data-dependent shapes, no host syncs; img_shapes are Python constants of the graph."""
+    config = dataclasses.replace(TINY_ALL, num_layers=1)
+    params = fd.init(config, seed=8)
+    kw = inputs(config, batch=2, holes=True, seed=15)
+    shapes = kw.pop("img_shapes")
+
+    class Apply(torch.nn.Module):
+        def forward(self, params, x, t, txt, txt_mask, additional_t_cond):
+            return fd.apply(
+                params, x, t, txt, txt_mask=txt_mask, img_shapes=shapes, additional_t_cond=additional_t_cond
+            )
+
+    ep = torch.export.export(Apply(), (params,), kwargs=kw, strict=True)
+    assert torch.equal(ep.module()(params, **kw), fd.apply(params, img_shapes=shapes, **kw))
