@@ -378,12 +378,8 @@ def _check_t_cond(c, additional_t_cond, batch: int, device) -> None:
         raise ValueError("additional_t_cond: this model has use_additional_t_cond=False; expected None, got a tensor")
     if additional_t_cond is not None:
         check_tensor("additional_t_cond", additional_t_cond, (batch,), device=device)
-        if (
-            additional_t_cond.is_floating_point()
-            or additional_t_cond.is_complex()
-            or additional_t_cond.dtype == torch.bool
-        ):
-            raise ValueError(f"additional_t_cond: expected an integer tensor (0 or 1), got {additional_t_cond.dtype}")
+        if additional_t_cond.dtype not in (torch.int32, torch.int64):  # what an embedding lookup takes
+            raise ValueError(f"additional_t_cond: expected int64 or int32 (0 or 1), got {additional_t_cond.dtype}")
 
 
 def _validate(params, x, t, txt, txt_mask, img_shapes, guidance, additional_t_cond, unused):

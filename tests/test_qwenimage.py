@@ -335,7 +335,8 @@ BAD = {  # id: (config, mutate kw, error pattern)
     "img-ids": (TINY, _set(img_ids=torch.zeros(12, 3)), "img_ids: Qwen-Image takes no img_ids"),
     "t-cond-given": (TINY, _set(additional_t_cond=torch.zeros(B, dtype=torch.long)), "use_additional_t_cond=False"),
     "t-cond-missing": (TINY_LAYERED, _set(additional_t_cond=None), r"additional_t_cond: .*needs \(2,\) ints"),
-    "t-cond-float": (TINY_LAYERED, _set(additional_t_cond=torch.zeros(B)), "additional_t_cond: expected an integer"),
+    "t-cond-float": (TINY_LAYERED, _set(additional_t_cond=torch.zeros(B)), "additional_t_cond: expected int64 or"),
+    "t-cond-uint8": (TINY_LAYERED, _set(additional_t_cond=torch.zeros(B, dtype=torch.uint8)), "got torch.uint8"),
     "t-cond-shape": (TINY_LAYERED, _set(additional_t_cond=torch.zeros(3, dtype=torch.long)), r"expected shape \(2\)"),
     "layer3d-frames": (
         TINY_LAYERED,
