@@ -59,11 +59,22 @@ def _funcol():
     return funcol
 
 
+def _done(t: torch.Tensor) -> torch.Tensor:
+    """The finished result of a functional collective. Eager funcol returns an
+    ``AsyncCollectiveTensor`` that waits only when an op dispatches on it; views of it
+    (``narrow``, ``movedim``) stay un-waited, and a reader that bypasses dispatch
+    (``torch.save``, ``.numpy()``) would see the buffer before the collective filled it.
+    So every collective here waits at once. (Traced code gets plain tensors and an
+    explicit ``wait_tensor`` from funcol, so this is a no-op under torch.compile/export.)"""
+    funcol = _funcol()
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
 def psum(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Sum ``x`` over ``axis`` (an all-reduce)."""
     if axis_size(axis) == 1:
         return x
-    return _funcol().all_reduce(x, "sum", _group(axis))
+    return _done(_funcol().all_reduce(x, "sum", _group(axis)))
 
 
 def all_gather(x: torch.Tensor, axis: str, dim: int = 0) -> torch.Tensor:
@@ -72,7 +83,7 @@ def all_gather(x: torch.Tensor, axis: str, dim: int = 0) -> torch.Tensor:
     if n == 1:
         return x
     dim = dim % x.ndim
-    out = _all_gather_dim0()(x.movedim(dim, 0).contiguous(), 0, _group(axis))
+    out = _done(_all_gather_dim0()(x.movedim(dim, 0).contiguous(), 0, _group(axis)))
     return out.movedim(0, dim)
 
 
@@ -93,7 +104,7 @@ def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int) -> t
     if x.shape[split_dim] % n:
         raise ValueError(f"all_to_all: dim {split_dim} of size {x.shape[split_dim]} does not divide by {axis}={n}")
     chunks = x.movedim(split_dim, 0).unflatten(0, (n, -1)).contiguous()  # (n, chunk, ...)
-    out = _funcol().all_to_all_single(chunks.flatten(0, 1), None, None, _group(axis))
+    out = _done(_funcol().all_to_all_single(chunks.flatten(0, 1), None, None, _group(axis)))
     out = out.unflatten(0, (n, -1)).movedim(1, split_dim + 1)  # (n, ..., chunk at split_dim, ...)
     return out.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
 
