@@ -1,7 +1,7 @@
 """functional_dit: FLUX.1, FLUX.2 and Qwen-Image transformers as pure functions over
 parameter pytrees. See DESIGN.md for the public contract."""
 
-from . import _api, flux1, qwenimage
+from . import _api, flux1, flux2, qwenimage
 from ._api import (
     apply,
     config_from_diffusers,
@@ -15,10 +15,13 @@ from ._api import (
 )
 from ._pytree import PACKED, Block, Params, ParamSpec
 from .flux1 import Flux1Config
+from .flux2 import Flux2Config, Flux2KVCache
 from .qwenimage import QwenImageConfig
 
 flux1.CONFIG = Flux1Config
 _api.register_family(flux1)
+flux2.CONFIG = Flux2Config
+_api.register_family(flux2)
 qwenimage.CONFIG = QwenImageConfig
 _api.register_family(qwenimage)
 
@@ -29,6 +32,8 @@ __all__ = [
     "PRESETS",
     "Block",
     "Flux1Config",
+    "Flux2Config",
+    "Flux2KVCache",
     "ParamSpec",
     "Params",
     "QwenImageConfig",
