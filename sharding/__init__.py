@@ -1,6 +1,8 @@
 """Sharding as data: named meshes, placement pytrees and named-axis collectives."""
 
 from ._axes import all_gather, all_to_all, axis_index, axis_size, bind, current_mesh, psum, ulysses
+from ._map import P, shard_map
+from ._mesh import AXES, backend_for, default_device_type, make_mesh
 from ._plan import (
     DEFAULT_RULES,
     Replicate,
@@ -14,28 +16,39 @@ from ._plan import (
     take,
 )
 from ._seq import gather, local_len, pad_bias, shard
+from ._shard import local_bytes, local_view, shard_params, unshard
 
 __all__ = [
+    "AXES",
     "DEFAULT_RULES",
+    "P",
     "Replicate",
     "Shard",
-    "bytes_per_rank",
-    "local_shape",
-    "local_slices",
-    "mesh_sizes",
-    "plan",
-    "specs_of",
-    "take",
     "all_gather",
     "all_to_all",
     "axis_index",
     "axis_size",
+    "backend_for",
     "bind",
+    "bytes_per_rank",
     "current_mesh",
+    "default_device_type",
     "gather",
+    "local_bytes",
     "local_len",
+    "local_shape",
+    "local_slices",
+    "local_view",
+    "make_mesh",
+    "mesh_sizes",
     "pad_bias",
+    "plan",
     "psum",
     "shard",
+    "shard_map",
+    "shard_params",
+    "specs_of",
+    "take",
     "ulysses",
+    "unshard",
 ]

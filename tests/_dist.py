@@ -11,9 +11,9 @@
 Each rank runs in a fresh ``spawn`` process with ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port) set, one intra-op
 thread (the test machine has few cores), and — unless ``init=False`` — a gloo default
-process group with a finite ``pg_timeout``, destroyed afterwards. Results travel
-back through ``torch.save`` files, not queues or shared memory, so a rank may exit
-at any time. The whole run is bounded by ``timeout``: ranks still alive then are
+process group with a finite ``pg_timeout``, destroyed afterwards. Arguments and
+results travel through ``torch.save`` files, not pipes or shared memory, so tensors
+are fine as either and a rank may exit at any time. The whole run is bounded by ``timeout``: ranks still alive then are
 killed and reported as hung.
 
 If any rank raises or hangs, `spawn` raises `DistError` whose message holds every
@@ -59,7 +59,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world, port, out_dir, init, pg_timeout, args, kwargs):
+def _child(fn, rank, world, port, out_dir, init, pg_timeout):
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -71,6 +71,7 @@ def _child(fn, rank, world, port, out_dir, init, pg_timeout, args, kwargs):
     torch.set_num_threads(1)
     start = time.monotonic()
     try:
+        args, kwargs = torch.load(os.path.join(out_dir, "args.pt"), weights_only=False)
         if init:
             torch.distributed.init_process_group(
                 "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout)
@@ -84,8 +85,12 @@ def _child(fn, rank, world, port, out_dir, init, pg_timeout, args, kwargs):
     path = os.path.join(out_dir, f"rank{rank}.pt")
     torch.save(record, path + ".tmp")
     os.replace(path + ".tmp", path)
-    if init and record["ok"] and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    if record["ok"] and torch.distributed.is_initialized():
+        try:  # no rank closes its sockets while a peer still finishes its last collective
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a peer failed; its own record says why
+            pass
     sys.stdout.flush()
     sys.stderr.flush()
     # A failed rank exits at once; its peers see the connection close (or time out).
@@ -94,16 +99,17 @@ def _child(fn, rank, world, port, out_dir, init, pg_timeout, args, kwargs):
 
 def spawn(fn, world: int, *args, timeout: float = 300, pg_timeout: float = 60, init: bool = True, errors="raise", **kw):
     """Run ``fn(rank, world, *args, **kw)`` on ``world`` processes; return the per-rank
-    results in rank order. ``fn`` and its arguments must be picklable (``fn`` defined at
-    module level). ``timeout`` bounds the whole run in seconds; ``pg_timeout`` is the
-    process group's collective timeout; ``errors`` is "raise" or "return"."""
+    results in rank order. ``fn`` must be defined at module level; its arguments go
+    through ``torch.save``. ``timeout`` bounds the whole run in seconds; ``pg_timeout`` is
+    the process group's collective timeout; ``errors`` is "raise" or "return"."""
     if errors not in ("raise", "return"):
         raise ValueError(f"errors: expected 'raise' or 'return', got {errors!r}")
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="fd_dist_") as out_dir:
         port = free_port()
+        torch.save((args, kw), os.path.join(out_dir, "args.pt"))
         procs = [
-            ctx.Process(target=_child, args=(fn, r, world, port, out_dir, init, pg_timeout, args, kw), daemon=True)
+            ctx.Process(target=_child, args=(fn, r, world, port, out_dir, init, pg_timeout), daemon=True)
             for r in range(world)
         ]
         for p in procs:

@@ -1,0 +1,101 @@
+"""``shard_map``: run any function in the local view of a mesh, as JAX's ``shard_map``.
+
+    f = sharding.shard_map(fn, mesh, in_specs=(P("dp", "sp"), P()), out_specs=P("dp"))
+    y = f(x, w)   # fn sees x's local (B/dp, S/sp, ...) block and all of w, under bind(mesh)
+
+A spec ``P(a0, a1, ...)`` names, per leading dim, the mesh axis that dim is split over
+(None: not split); ``P()`` is replicated. ``in_specs`` / ``out_specs`` are pytree
+prefixes of the arguments / the result: one spec may cover a whole subtree (a dict,
+``Params``). Inputs are full tensors, identical on every rank — each rank cuts its
+block on the spot (no communication); DTensor inputs contribute their local shard.
+Outputs are all-gathered along their split dims, so every rank returns the full
+result; a ``P()`` output is returned as computed (it must already agree across ranks).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import torch
+import torch.utils._pytree as pytree
+
+from ._axes import all_gather, axis_index, axis_size, bind
+
+
+class P(tuple):
+    """A partition spec: per dim, the mesh axis it is split over, or None."""
+
+    def __new__(cls, *axes):
+        for a in axes:
+            if a is not None and not isinstance(a, str):
+                raise ValueError(f"P: expected mesh axis names or None, got {a!r}")
+        return super().__new__(cls, axes)
+
+    def __repr__(self) -> str:
+        return f"P{tuple.__repr__(self)}"
+
+
+def _is_spec(s) -> bool:
+    return s is None or isinstance(s, P)
+
+
+def _map_prefix(fn, specs, tree, where: str):
+    """Apply ``fn(spec, leaf)`` to every tensor leaf of ``tree``, ``specs`` being a prefix of it."""
+    if _is_spec(specs):
+        return pytree.tree_map(lambda x: fn(specs or P(), x) if isinstance(x, torch.Tensor) else x, tree)
+    if isinstance(specs, Mapping) and isinstance(tree, Mapping):
+        if set(specs) != set(tree):
+            raise ValueError(f"{where}: spec keys {sorted(specs)} differ from the value keys {sorted(tree)}")
+        return {k: _map_prefix(fn, specs[k], tree[k], f"{where}[{k!r}]") for k in tree}
+    if isinstance(specs, (tuple, list)) and isinstance(tree, (tuple, list)):
+        if len(specs) != len(tree):
+            raise ValueError(f"{where}: expected {len(specs)} values for the specs, got {len(tree)}")
+        return type(tree)(_map_prefix(fn, s, t, f"{where}[{i}]") for i, (s, t) in enumerate(zip(specs, tree)))
+    raise ValueError(f"{where}: the spec {specs!r} is not a prefix of a {type(tree).__name__}")
+
+
+def _check_rank(spec: P, x: torch.Tensor) -> None:
+    if len(spec) > x.ndim:
+        raise ValueError(f"spec {spec!r} has {len(spec)} dims, the tensor of shape {tuple(x.shape)} only {x.ndim}")
+
+
+def _local(spec: P, x: torch.Tensor) -> torch.Tensor:
+    if hasattr(x, "to_local") and hasattr(x, "device_mesh"):  # a DTensor: its shard is the local view
+        return x.to_local()
+    _check_rank(spec, x)
+    for d, axis in enumerate(spec):
+        n = axis_size(axis) if axis else 1
+        if n == 1:
+            continue
+        if x.shape[d] % n:
+            raise ValueError(f"in_specs: dim {d} of size {x.shape[d]} does not divide by {axis}={n}")
+        chunk = x.shape[d] // n
+        x = x.narrow(d, axis_index(axis) * chunk, chunk)
+    return x
+
+
+def _global(spec: P, y: torch.Tensor) -> torch.Tensor:
+    _check_rank(spec, y)
+    for d, axis in enumerate(spec):
+        if axis:
+            y = all_gather(y, axis, d)
+    return y
+
+
+def shard_map(fn, mesh, in_specs, out_specs):
+    """``fn`` run on every rank in the local view of ``mesh`` (see the module docstring).
+
+    ``in_specs``: a prefix of the positional arguments tuple (one spec per argument, or
+    one for all); ``out_specs``: a prefix of the result. ``mesh``: a named DeviceMesh,
+    or None (then ``fn`` runs on the full tensors)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        specs = in_specs if _is_spec(in_specs) else tuple(in_specs)
+        with bind(mesh):
+            local = _map_prefix(_local, specs, tuple(args), "in_specs")
+            out = fn(*local)
+            return _map_prefix(_global, out_specs, out, "out_specs")
+
+    return wrapped

@@ -1,0 +1,110 @@
+"""Named device meshes: ``make_mesh(tp, sp, dp)`` -> a ``DeviceMesh`` with dims ("dp", "sp", "tp").
+
+"tp" is innermost, so a tensor-parallel group is made of neighbouring ranks (the same
+node, the fastest links), then "sp", then "dp" — the usual torchtitan order. The
+process group is initialised when none exists, with the backend that matches the
+device and a finite timeout, so a collective whose peer died fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+AXES = ("dp", "sp", "tp")
+DEFAULT_TIMEOUT_S = 600.0  # long enough for a first XLA/Neuron compile between collectives
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl", "neuron": "neuron"}
+
+
+def default_device_type() -> str:
+    """The available accelerator's device type (cuda, neuron, tpu, ...), else "cpu"."""
+    acc = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if acc is not None and hasattr(acc, "current_accelerator"):
+        dev = acc.current_accelerator()
+        if dev is not None and dev.type != "mps":  # mps has no collectives backend
+            return dev.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend_for(device_type: str) -> str:
+    """The process-group backend for ``device_type``: what the device registered with
+    torch.distributed, else gloo/nccl/xccl/neuron."""
+    import torch.distributed as dist
+
+    lookup = getattr(dist, "get_default_backend_for_device", None)  # torch >= 2.6
+    try:
+        found = lookup(device_type) if lookup is not None else None
+    except (RuntimeError, ValueError):
+        found = None
+    backend = found or _BACKENDS.get(device_type)
+    if backend is None:
+        raise ValueError(
+            f"device_type: no process-group backend is registered for {device_type!r}; import its torch "
+            f"plugin first (e.g. torch_tpu) or call torch.distributed.init_process_group yourself"
+        )
+    return backend
+
+
+def _timeout(timeout) -> datetime.timedelta:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout: expected positive seconds or a timedelta, got {timeout!r}")
+    return datetime.timedelta(seconds=timeout)
+
+
+def _set_device(device_type: str) -> None:
+    module = getattr(torch, device_type, None)
+    if device_type == "cpu" or module is None or not hasattr(module, "set_device"):
+        return
+    count = module.device_count() if hasattr(module, "device_count") else 1
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    module.set_device(local % max(count, 1))
+
+
+def init_process_group(device_type: str, world: int, timeout) -> None:
+    """Initialise the default process group from the torchrun environment (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or a 1-rank group in a plain process."""
+    import torch.distributed as dist
+
+    backend, timeout = backend_for(device_type), _timeout(timeout)
+    if "WORLD_SIZE" not in os.environ:
+        if world != 1:
+            raise ValueError(
+                f"tp*sp*dp: expected 1 in a single process (WORLD_SIZE is unset), got {world}; "
+                f"launch with torchrun --nproc-per-node {world}"
+            )
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    env_world = int(os.environ["WORLD_SIZE"])
+    if env_world != world:
+        raise ValueError(f"tp*sp*dp: expected the world size WORLD_SIZE={env_world}, got {world}")
+    _set_device(device_type)
+    dist.init_process_group(backend, timeout=timeout)
+
+
+def make_mesh(tp: int = 1, sp: int = 1, dp: int = 1, device_type: str | None = None, timeout=DEFAULT_TIMEOUT_S):
+    """A ``DeviceMesh`` of shape (dp, sp, tp) named ("dp", "sp", "tp"), tp innermost.
+
+    ``device_type`` defaults to the available accelerator, else "cpu". When no process
+    group exists one is initialised (gloo, nccl, neuron, ... to match the device) with
+    ``timeout`` seconds per collective. ValueError when tp*sp*dp != the world size.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    for name, n in (("tp", tp), ("sp", sp), ("dp", dp)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name}: expected a positive int, got {n!r}")
+    world = tp * sp * dp
+    device_type = device_type or default_device_type()
+    if not dist.is_initialized():
+        init_process_group(device_type, world, timeout)
+    elif dist.get_world_size() != world:
+        raise ValueError(
+            f"tp*sp*dp: expected the world size {dist.get_world_size()}, got {tp}*{sp}*{dp} = {world} "
+            f"(tp={tp}, sp={sp}, dp={dp})"
+        )
+    return init_device_mesh(device_type, (dp, sp, tp), mesh_dim_names=AXES)

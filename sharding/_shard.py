@@ -1,0 +1,203 @@
+"""Sharded parameters: DTensor as storage, the local view as the compute path.
+
+`shard_params` cuts each rank's slice on the host (`local_slices` / `take`) and moves
+only that slice to the mesh's device; no scatter or reduce-scatter runs. Each leaf is a
+``DTensor`` on the whole mesh — ``Shard(d)`` on the mesh dim of its axis, ``Replicate()``
+on the others — holding just the local shard.
+
+Fused-block shards are not expressible by DTensor's ``Shard`` alone: rank r holds the
+r-th slice of *every* block, concatenated. Such a leaf is a DTensor over the
+*rank-major packing* of the parameter — the logical tensor ``cat(local_0, local_1, ...)``
+along the fused dim, a permutation of the parameter's rows/columns. Its placements and
+``to_local()`` are right; its global value is the permuted tensor, so do not compute
+with it through DTensor ops. `unshard` undoes the permutation (from the plan, or from
+the specs: a fused dim is always split per block), exactly.
+
+`local_view` turns DTensor leaves back into plain local tensors plus their mesh, which
+is what ``functional_dit.apply`` runs on: no DTensor op dispatch on the hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ._plan import (
+    PACKED,
+    Replicate,
+    Shard,
+    check_same_keys,
+    config_of,
+    is_placement,
+    leaves,
+    local_slices,
+    map_tree,
+    mesh_sizes,
+    specs_of,
+    take,
+)
+from ._plan import plan as make_plan
+
+
+def _dtensor_cls():
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _tree(params) -> Mapping:
+    return params.tree if hasattr(params, "tree") and hasattr(params, "config") else params
+
+
+def _rebuild(params, tree):
+    return params.replace(tree) if hasattr(params, "tree") and hasattr(params, "replace") else tree
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def _mesh_device(mesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type, None)
+    index = module.current_device() if module is not None and hasattr(module, "current_device") else None
+    return torch.device(mesh.device_type, index)
+
+
+def shard_params(params, mesh, plan=None):
+    """The same params type whose leaves are DTensors holding only this rank's shard.
+
+    ``plan`` defaults to ``sharding.plan(params, mesh)``; a given plan must have the
+    params' keys and placements on ``mesh``'s axes. The slice is cut where the tensor
+    lives (the host, for weights read from disk) and only it moves to the mesh device;
+    a sharded leaf never keeps a view of the full tensor alive."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate as DReplicate
+    from torch.distributed.tensor import Shard as DShard
+
+    tree = _tree(params)
+    placements = make_plan(params, mesh) if plan is None else plan
+    check_same_keys("plan", placements, tree, "the params")
+    names, device = tuple(mesh.mesh_dim_names or ()), _mesh_device(mesh)
+
+    def leaf(path, full, placement):
+        _check_placement(path, placement, names)
+        if isinstance(full, DTensor):
+            raise ValueError(f"params: {path} is already sharded (a DTensor); unshard it first")
+        ranges = local_slices(full.shape, placement, mesh)
+        local = take(full, ranges)
+        if isinstance(placement, Shard) and len(ranges) == 1:
+            local = local.clone()  # a narrow() view would keep the full tensor alive
+        dims = [
+            DShard(placement.dim) if isinstance(placement, Shard) and n == placement.axis else DReplicate()
+            for n in names
+        ]
+        return DTensor.from_local(
+            local.to(device), mesh, dims, run_check=False, shape=full.shape, stride=_contiguous_stride(full.shape)
+        )
+
+    return _rebuild(params, map_tree(leaf, tree, placements))
+
+
+def _check_placement(path, placement, names) -> None:
+    if not is_placement(placement):
+        raise ValueError(f"plan: {path}: expected Replicate() or Shard(...), got {placement!r}")
+    if isinstance(placement, Shard) and placement.axis not in names:
+        raise ValueError(f"plan: {path}: axis {placement.axis!r} is not a mesh dim; the mesh has {names}")
+
+
+def local_view(params):
+    """``(params with plain local tensor leaves, mesh)`` — the mesh of the DTensor leaves,
+    or None when there are none (then ``params`` is returned as is)."""
+    DTensor = _dtensor_cls()
+    tree = _tree(params)
+    first = None if DTensor is None else next((x for _, x in leaves(tree) if isinstance(x, DTensor)), None)
+    if first is None:
+        return params, None
+    mesh = first.device_mesh
+
+    def leaf(path, x):
+        if not isinstance(x, DTensor):
+            return x
+        if x.device_mesh is not mesh and x.device_mesh != mesh:
+            raise ValueError(f"params: {path} lives on mesh {x.device_mesh}, expected {mesh} like the others")
+        return x.to_local()
+
+    return _rebuild(params, map_tree(leaf, tree)), mesh
+
+
+def local_bytes(params) -> int:
+    """Bytes of the tensors this rank holds (local shards of DTensor leaves)."""
+    local, _ = local_view(params)
+    return sum(x.numel() * x.element_size() for _, x in leaves(_tree(local)) if isinstance(x, torch.Tensor))
+
+
+def unshard(sharded, plan=None):
+    """Plain full tensors from a `shard_params` result, bit-exact (an all-gather per
+    sharded leaf). Fused-block leaves are un-permuted using ``plan`` or, without it, the
+    specs of ``sharded.config`` (a fused dim is always split per block)."""
+    DTensor = _dtensor_cls()
+    tree = _tree(sharded)
+    if plan is not None:
+        check_same_keys("plan", plan, tree, "the params")
+    specs = None
+    if plan is None and config_of(sharded) is not None:
+        specs = specs_of(sharded)
+        check_same_keys("params", tree, specs, "the config's specs")
+
+    def leaf(path, x, *given):
+        if DTensor is None or not isinstance(x, DTensor):
+            return x
+        placement = given[0] if given else _placement_of(x, _lookup(specs, path))
+        full = x.full_tensor()
+        if isinstance(placement, Shard) and placement.blocks is not None:
+            full = _unpack(full, placement, mesh_sizes(x.device_mesh)[placement.axis])
+        return full
+
+    return _rebuild(sharded, map_tree(leaf, tree, *([plan] if plan is not None else [])))
+
+
+def _lookup(specs, path):
+    if specs is None:
+        return None
+    node = specs
+    for key in path.split("."):
+        node = node[key]
+    return node
+
+
+def _placement_of(x, spec):
+    """The `Shard`/`Replicate` a DTensor leaf was made with; per-block when its dim is fused."""
+    from torch.distributed.tensor import Shard as DShard
+
+    names = x.device_mesh.mesh_dim_names
+    split = [(names[i], p.dim) for i, p in enumerate(x.placements) if isinstance(p, DShard)]
+    if not split:
+        return Replicate()
+    if len(split) > 1:
+        raise ValueError(f"unshard: a leaf is split over several mesh dims {split}; pass the plan")
+    axis, dim = split[0]
+    if spec is not None and spec.axes[dim] == PACKED:
+        return Shard(dim, axis, tuple(b.size for b in spec.blocks))
+    return Shard(dim, axis)
+
+
+def _unpack(packed: torch.Tensor, placement: Shard, n: int) -> torch.Tensor:
+    """Invert the rank-major packing: row ``j`` of ``packed`` is row ``order[j]`` of the parameter."""
+    shape = tuple(packed.shape)
+    order = [
+        i for r in range(n) for d, a, b in local_slices(shape, placement, {placement.axis: (r, n)}) for i in range(a, b)
+    ]
+    index = torch.tensor(order, device=packed.device)
+    full = torch.empty_like(packed)
+    return full.index_copy_(placement.dim, index, packed)
