@@ -3,8 +3,10 @@ family module (`flux1`, `flux2`, `qwenimage`) that owns a config class."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -52,8 +54,21 @@ def config_from_diffusers(cfg):
         )
     for fam in _FAMILIES:
         if name == fam.DIFFUSERS_CLASS:
-            return _config.from_mapping(fam.CONFIG, cfg)
+            return _config.from_mapping(fam.CONFIG, _drop_keys_diffusers_ignores(name, cfg))
     raise ValueError(f"cfg: _class_name {name!r} is not one of {[f.DIFFUSERS_CLASS for f in _FAMILIES]}")
+
+
+def _drop_keys_diffusers_ignores(class_name: str, cfg: Mapping) -> dict:
+    """Released configs carry keys the diffusers class does not take (Qwen-Image's
+    ``pooled_projection_dim``); diffusers ignores them with a warning, and so do we.
+    Every key the class does take must be a config field (checked by from_mapping)."""
+    import diffusers
+
+    accepted = set(inspect.signature(getattr(diffusers, class_name).__init__).parameters)
+    ignored = sorted(k for k in cfg if not k.startswith("_") and k not in accepted)
+    if ignored:
+        warnings.warn(f"config keys {ignored} are not arguments of diffusers.{class_name}; ignored", stacklevel=3)
+    return {k: v for k, v in cfg.items() if k not in ignored}
 
 
 def config_to_diffusers(config) -> dict:

@@ -198,8 +198,12 @@ def test_config_validation():
         fd.Flux1Config(attention_head_dim=16, num_attention_heads=2, axes_dims_rope=(6, 6, 6))
     with pytest.raises(ValueError, match="num_attention_heads: expected a positive int, got 0"):
         fd.Flux1Config(num_attention_heads=0)
-    with pytest.raises(ValueError, match=r"unknown config keys \['not_a_key'\]"):
-        fd.config_from_diffusers({"_class_name": "FluxTransformer2DModel", "not_a_key": 1})
+    with pytest.warns(UserWarning, match=r"\['not_a_key'\] are not arguments of diffusers.FluxTransformer2DModel"):
+        # diffusers ignores keys its class does not take (released configs carry some); so do we
+        assert fd.config_from_diffusers({"_class_name": "FluxTransformer2DModel", "not_a_key": 1}) == fd.Flux1Config()
+    with pytest.raises(ValueError, match=r"unknown config keys \['zero_cond_t'\]"):
+        # a key diffusers does take but our config lacks would be silently lost: an error
+        fd._config.from_mapping(fd.Flux1Config, {"zero_cond_t": True})
     with pytest.raises(ValueError, match="_class_name 'UNet2DModel'"):
         fd.config_from_diffusers({"_class_name": "UNet2DModel"})
 
