@@ -7,6 +7,9 @@ A random state dict with the keys and shapes of BFL's ``flux/model.py`` /
 ``convert_flux2_transformer_checkpoint_to_diffusers`` turn it into the oracle's
 state dict, and ``weights.load`` of the BFL file must give the same tensors,
 bitwise, and the same forward as the diffusers module.
+
+Only the tests import diffusers, so that test_weights_dist's spawned ranks can import the
+BFL key sets here without paying for it.
 """
 
 from __future__ import annotations
@@ -16,8 +19,6 @@ import types
 
 import pytest
 import torch
-from diffusers.loaders import single_file_utils
-from oracle import max_err
 from safetensors.torch import save_file
 
 import functional_dit as fd
@@ -109,6 +110,8 @@ def _torch_with_split_scaled(inner_dim: int):
 
 
 def diffusers_convert(config, bfl: dict) -> dict:
+    from diffusers.loaders import single_file_utils  # here: the spawned ranks of test_weights_dist skip diffusers
+
     state = {k: v.clone() for k, v in bfl.items()}
     if isinstance(config, fd.Flux1Config):
         with pytest.MonkeyPatch.context() as mp:
@@ -169,7 +172,6 @@ def test_bfl_comfyui_prefix_and_dtype(tmp_path):
     loaded = weights.load(tmp_path / "f.safetensors", config="flux1-tiny", dtype=torch.float32)
     for k, t in loaded.flat().items():
         assert t.dtype == torch.float32 and torch.equal(t, ref[k].float()), k
-    assert max_err(loaded.flat()["norm_out.linear.weight"], ref["norm_out.linear.weight"]) == 0
 
 
 def test_bfl_family_detection(tmp_path):

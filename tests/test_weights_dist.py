@@ -1,0 +1,187 @@
+"""Streamed per-rank loading and gathered saving on a 2-rank gloo mesh.
+
+`weights.load(..., mesh=)` must give exactly `sharding.shard_params(weights.load(...))`
+(the same DTensor leaves, placements and local shards, bitwise) while each rank reads
+only its own bytes; `weights.save` of the sharded params must write the unsharded
+checkpoint. One spawn covers every family and layout; a second, on a FLUX.2 BFL file
+of over 200 MB, measures each rank's peak RSS and bytes read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import safetensors.torch
+import torch
+from _dist import spawn
+from safetensors.torch import save_file
+from test_weights_bfl import bfl_flux1_shapes, bfl_flux2_shapes, random_state
+
+import functional_dit as fd
+import sharding
+import weights
+
+FP32 = dict(rtol=1e-5, atol=1e-5)  # DESIGN.md: sharded vs unsharded at the fp32 tolerance
+
+
+def _cases():
+    import cases_flux1
+    import cases_flux2
+    import cases_qwenimage
+
+    return {  # name -> (cases module, config, layout)
+        "flux1-diffusers": (cases_flux1, cases_flux1.TINY, "diffusers"),
+        "flux1-bfl": (cases_flux1, cases_flux1.TINY_SCHNELL, "bfl"),
+        "flux2-bfl": (cases_flux2, cases_flux2.TINY, "bfl"),
+        "flux2-klein-diffusers": (cases_flux2, cases_flux2.TINY_KLEIN, "diffusers"),
+        "qwen-diffusers": (cases_qwenimage, cases_qwenimage.TINY, "diffusers"),
+    }
+
+
+def _write(tmp_path, name, config, layout) -> str:
+    if layout == "bfl":
+        shapes = bfl_flux1_shapes if isinstance(config, fd.Flux1Config) else bfl_flux2_shapes
+        path = tmp_path / f"{name}.safetensors"
+        save_file(random_state(shapes(config), seed=7), path)
+        return str(path)
+    weights.save(fd.init(config, seed=7), tmp_path / name, max_shard_size=40_000)
+    return str(tmp_path / name)
+
+
+def _same_dtensor(a, b) -> bool:
+    return (
+        type(a) is type(b)
+        and a.placements == b.placements
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and torch.equal(a.to_local(), b.to_local())
+    )
+
+
+def _rank_load_save(rank, world, jobs, out_dir):
+    """Per case: streamed sharded load vs shard_params(load), bytes read, the sharded
+    forward, and a save of the sharded params (rank 0 writes)."""
+    mesh = sharding.make_mesh(tp=world, device_type="cpu")
+    report = {}
+    for name, (path, config, kw) in jobs.items():
+        stats = {}
+        streamed = weights.load(path, config=config, mesh=mesh, stats=stats)
+        full = weights.load(path, config=config)
+        ref = sharding.shard_params(full, mesh)
+        a, b = streamed.flat(), ref.flat()
+        mismatched = [k for k in b if not _same_dtensor(a[k], b[k])]
+        shard_bytes = sum(t.to_local().numel() * t.to_local().element_size() for t in a.values())
+        save_dir = f"{out_dir}/{name}-saved"
+        weights.save(streamed, save_dir, max_shard_size=30_000)
+        report[name] = dict(
+            keys_equal=list(a) == list(b),
+            mismatched=mismatched,
+            bytes_read=stats["bytes_read"],
+            shard_bytes=shard_bytes,
+            out=fd.apply(streamed, **kw),
+            save_dir=save_dir,
+        )
+    return report
+
+
+def test_streamed_sharded_load_equals_shard_params(tmp_path):
+    jobs, refs = {}, {}
+    for name, (cases, config, layout) in _cases().items():
+        path = _write(tmp_path, name, config, layout)
+        kw = cases.inputs(config)
+        jobs[name] = (path, config, kw)
+        refs[name] = (weights.load(path, config=config), kw)
+    reports = spawn(_rank_load_save, 2, jobs, str(tmp_path), timeout=240)
+    for name, (full, kw) in refs.items():
+        r0, r1 = (r[name] for r in reports)
+        for rank, r in enumerate((r0, r1)):
+            assert r["keys_equal"] and r["mismatched"] == [], (name, rank, r["mismatched"][:5])
+            # each rank read exactly its own shard (the files are fp32 like the params), no more
+            assert r["bytes_read"] == r["shard_bytes"], (name, rank)
+            torch.testing.assert_close(r["out"], fd.apply(full, **kw), **FP32)
+        total = sum(t.numel() * 4 for t in full.leaves())
+        assert r0["shard_bytes"] + r1["shard_bytes"] < 1.9 * total  # every case has TP-sharded weights
+        assert torch.equal(r0["out"], r1["out"]), name  # replicated output, bitwise across ranks
+        saved = weights.load(r0["save_dir"])
+        for k, t in full.flat().items():
+            assert torch.equal(saved.flat()[k], t), (name, k)
+
+
+# ----------------------------------------------------------------------------- 200 MB, peak RSS
+
+BIG = fd.Flux2Config(  # ~236 MB in fp32; modulation is shared by all blocks, so ~54% per rank
+    in_channels=64,
+    num_layers=4,
+    num_single_layers=8,
+    attention_head_dim=64,
+    num_attention_heads=8,
+    joint_attention_dim=64,
+    timestep_guidance_channels=256,
+    axes_dims_rope=(16, 16, 16, 16),
+)
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024  # kB
+
+
+def _reset_peak_rss() -> None:
+    """Reset this process's RSS high-water mark (VmHWM) to its current RSS.
+
+    Not `resource.getrusage(...).ru_maxrss`: Linux carries ru_maxrss across execve, so a
+    rank spawned from the pytest process starts with the parent's peak (the 240 MB
+    state dict and diffusers) already on it. VmHWM belongs to this address space."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _warm_up_dtensor(mesh) -> None:
+    """DTensor's first use imports and registers its op machinery: ~70 MB once per
+    process, whatever the model size. It belongs to the interpreter baseline."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    DTensor.from_local(torch.zeros(2), mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _rank_peak_rss(rank, world, path):
+    mesh = sharding.make_mesh(tp=world, device_type="cpu")
+    _warm_up_dtensor(mesh)
+    _reset_peak_rss()
+    before = _status_bytes("VmRSS")  # interpreter, torch, gloo, the mesh, DTensor: the baseline
+    stats = {}
+    params = weights.load(path, config=BIG, mesh=mesh, stats=stats)
+    peak = _status_bytes("VmHWM")
+    shard = sharding.local_bytes(params)
+    # The same measurement of a load that materialises the whole file, to show it can fail.
+    _reset_peak_rss()
+    whole_before = _status_bytes("VmRSS")
+    whole = {k: t.clone() for k, t in safetensors.torch.load_file(path).items()}  # clone: may be lazy mmap views
+    whole_growth = _status_bytes("VmHWM") - whole_before
+    del whole
+    return dict(before=before, peak=peak, shard=shard, whole_growth=whole_growth, **stats)
+
+
+@pytest.mark.timeout(300)
+def test_streamed_load_peak_rss_and_bytes_read(tmp_path):
+    path = tmp_path / "flux2-big.safetensors"
+    state = random_state(bfl_flux2_shapes(BIG), seed=0)
+    save_file(state, path)
+    file_bytes = sum(t.numel() * 4 for t in state.values())
+    del state
+    assert file_bytes >= 200e6
+    reports = spawn(_rank_peak_rss, 2, str(path), timeout=240)
+    for rank, r in enumerate(reports):
+        growth = r["peak"] - r["before"]
+        print(
+            f"rank {rank}: file {file_bytes / 1e6:.1f} MB, shard {r['shard'] / 1e6:.1f} MB "
+            f"({r['shard'] / file_bytes:.1%}), read {r['bytes_read'] / 1e6:.1f} MB, "
+            f"peak RSS over baseline {growth / 1e6:.1f} MB = {growth / r['shard']:.3f} x shard "
+            f"(a whole-file load: {r['whole_growth'] / r['shard']:.2f} x)"
+        )
+        assert r["bytes_read"] == r["shard"] == r["local_bytes"]
+        # TP halves every block weight; the shared modulation, embedders and norms are replicated.
+        assert 0.5 * file_bytes < r["bytes_read"] < 0.56 * file_bytes
+        assert growth <= 1.25 * r["shard"], (rank, growth, r["shard"])
+        assert r["whole_growth"] > 1.25 * r["shard"]  # the bound does catch a full materialisation
