@@ -71,6 +71,13 @@ def _rank_load_save(rank, world, jobs, out_dir):
         a, b = streamed.flat(), ref.flat()
         mismatched = [k for k in b if not _same_dtensor(a[k], b[k])]
         shard_bytes = sum(t.to_local().numel() * t.to_local().element_size() for t in a.values())
+        if name.endswith("-bfl"):
+            # Also shard the AdaLN rows: the swapped (scale, shift) halves of norm_out
+            # then straddle the ranks; the forward needs them replicated, the loader must not care.
+            plan = sharding.plan(config, mesh, rules={**sharding.DEFAULT_RULES, "mod": "tp"})
+            mod = weights.load(path, config=config, mesh=mesh, plan=plan).flat()
+            ref_mod = sharding.shard_params(full, mesh, plan).flat()
+            mismatched += [f"mod-sharded {k}" for k in ref_mod if not _same_dtensor(mod[k], ref_mod[k])]
         save_dir = f"{out_dir}/{name}-saved"
         weights.save(streamed, save_dir, max_shard_size=30_000)
         report[name] = dict(
