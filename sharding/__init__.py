@@ -16,7 +16,7 @@ from ._plan import (
     take,
 )
 from ._seq import gather, local_len, pad_bias, shard
-from ._shard import local_bytes, local_view, shard_params, unshard
+from ._shard import dtensor_from_local, local_bytes, local_view, mesh_device, placement_of, shard_params, unshard
 
 __all__ = [
     "AXES",
@@ -33,6 +33,7 @@ __all__ = [
     "bytes_per_rank",
     "current_mesh",
     "default_device_type",
+    "dtensor_from_local",
     "gather",
     "local_bytes",
     "local_len",
@@ -40,8 +41,10 @@ __all__ = [
     "local_slices",
     "local_view",
     "make_mesh",
+    "mesh_device",
     "mesh_sizes",
     "pad_bias",
+    "placement_of",
     "plan",
     "psum",
     "shard",

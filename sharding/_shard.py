@@ -66,12 +66,27 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _mesh_device(mesh) -> torch.device:
+def mesh_device(mesh) -> torch.device:
+    """Where a mesh's local shards live: the CPU, or this process's current accelerator."""
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     module = getattr(torch, mesh.device_type, None)
     index = module.current_device() if module is not None and hasattr(module, "current_device") else None
     return torch.device(mesh.device_type, index)
+
+
+def dtensor_from_local(local: torch.Tensor, shape, placement, mesh):
+    """The DTensor `shard_params` makes for one leaf of full shape ``shape``: ``Shard(d)``
+    on the mesh dim of the placement's axis (over the rank-major packing for fused
+    blocks), ``Replicate()`` on the others, holding only ``local`` (no communication)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate as DReplicate
+    from torch.distributed.tensor import Shard as DShard
+
+    split = isinstance(placement, Shard)
+    dims = [DShard(placement.dim) if split and n == placement.axis else DReplicate() for n in mesh.mesh_dim_names]
+    shape = torch.Size(shape)
+    return DTensor.from_local(local, mesh, dims, run_check=False, shape=shape, stride=_contiguous_stride(shape))
 
 
 def shard_params(params, mesh, plan=None):
@@ -81,14 +96,11 @@ def shard_params(params, mesh, plan=None):
     params' keys and placements on ``mesh``'s axes. The slice is cut where the tensor
     lives (the host, for weights read from disk) and only it moves to the mesh device;
     a sharded leaf never keeps a view of the full tensor alive."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import Replicate as DReplicate
-    from torch.distributed.tensor import Shard as DShard
-
+    DTensor = _dtensor_cls()
     tree = _tree(params)
     placements = make_plan(params, mesh) if plan is None else plan
     check_same_keys("plan", placements, tree, "the params")
-    names, device = tuple(mesh.mesh_dim_names or ()), _mesh_device(mesh)
+    names, device = tuple(mesh.mesh_dim_names or ()), mesh_device(mesh)
 
     def leaf(path, full, placement):
         _check_placement(path, placement, names)
@@ -98,13 +110,7 @@ def shard_params(params, mesh, plan=None):
         local = take(full, ranges)
         if isinstance(placement, Shard) and len(ranges) == 1:
             local = local.clone()  # a narrow() view would keep the full tensor alive
-        dims = [
-            DShard(placement.dim) if isinstance(placement, Shard) and n == placement.axis else DReplicate()
-            for n in names
-        ]
-        return DTensor.from_local(
-            local.to(device), mesh, dims, run_check=False, shape=full.shape, stride=_contiguous_stride(full.shape)
-        )
+        return dtensor_from_local(local.to(device), full.shape, placement, mesh)
 
     return _rebuild(params, map_tree(leaf, tree, placements))
 
@@ -162,7 +168,7 @@ def unshard(sharded, plan=None):
     def leaf(path, x, *given):
         if DTensor is None or not isinstance(x, DTensor):
             return x
-        placement = given[0] if given else _placement_of(x, _lookup(specs, path))
+        placement = given[0] if given else placement_of(x, _lookup(specs, path))
         full = x.full_tensor()
         if isinstance(placement, Shard) and placement.blocks is not None:
             full = _unpack(full, placement, mesh_sizes(x.device_mesh)[placement.axis])
@@ -180,8 +186,9 @@ def _lookup(specs, path):
     return node
 
 
-def _placement_of(x, spec):
-    """The `Shard`/`Replicate` a DTensor leaf was made with; per-block when its dim is fused."""
+def placement_of(x, spec=None):
+    """The `Shard`/`Replicate` a `shard_params` DTensor leaf was made with, read off its
+    DTensor placements; per-block when ``spec`` (its ``ParamSpec``) says the dim is fused."""
     from torch.distributed.tensor import Shard as DShard
 
     names = x.device_mesh.mesh_dim_names
