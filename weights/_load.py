@@ -196,7 +196,7 @@ def _region(shape, mesh, placement) -> tuple[list[tuple[int, int]], ...]:
 def _device(device, mesh):
     if mesh is None:
         return None if device is None else torch.device(device)
-    want = mesh_device(mesh)
+    want = sharding.mesh_device(mesh)
     if device is not None and torch.device(device).type != want.type:
         raise ValueError(f"device: the mesh's shards live on {want.type}, got device={device!r}")
     return want
@@ -279,29 +279,6 @@ def _bar(total: int, progress: bool | None, mesh, desc: str):
 def _finish(config, flat: dict, specs: dict, mesh, plan) -> fd.Params:
     if mesh is None:
         return fd.Params(config, nest(flat))
-    return fd.Params(config, nest({k: _dtensor(t, specs[k].shape, plan[k], mesh) for k, t in flat.items()}))
-
-
-def _dtensor(local: torch.Tensor, shape, placement, mesh):
-    """The DTensor `sharding.shard_params` makes for this leaf: ``Shard(d)`` on the mesh
-    dim of the placement's axis (over the rank-major packing for fused blocks),
-    ``Replicate()`` on the others, holding only ``local``."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import Replicate as DReplicate
-    from torch.distributed.tensor import Shard as DShard
-
-    sharded = isinstance(placement, sharding.Shard)
-    dims = [DShard(placement.dim) if sharded and n == placement.axis else DReplicate() for n in mesh.mesh_dim_names]
-    stride = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        stride[i] = stride[i + 1] * shape[i + 1]
-    return DTensor.from_local(local, mesh, dims, run_check=False, shape=torch.Size(shape), stride=tuple(stride))
-
-
-def mesh_device(mesh) -> torch.device:
-    """Where a mesh's local shards live: the CPU, or this process's current accelerator."""
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    module = getattr(torch, mesh.device_type, None)
-    index = module.current_device() if module is not None and hasattr(module, "current_device") else None
-    return torch.device(mesh.device_type, index)
+    return fd.Params(
+        config, nest({k: sharding.dtensor_from_local(t, specs[k].shape, plan[k], mesh) for k, t in flat.items()})
+    )
