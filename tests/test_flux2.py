@@ -356,8 +356,13 @@ def test_config_validation(changes, message):
 
 
 def test_unknown_diffusers_key():
+    """A key the diffusers class does not take is ignored with a warning, as diffusers does;
+    a key it does take that Flux2Config lacks is an error (it would be silently lost)."""
+    with pytest.warns(UserWarning, match=r"\['pooled_projection_dim'\] are not arguments"):
+        cfg = fd.config_from_diffusers({"_class_name": "Flux2Transformer2DModel", "pooled_projection_dim": 768})
+    assert cfg == fd.Flux2Config()
     with pytest.raises(ValueError, match=r"unknown config keys \['pooled_projection_dim'\]"):
-        fd.config_from_diffusers({"_class_name": "Flux2Transformer2DModel", "pooled_projection_dim": 768})
+        fd._config.from_mapping(fd.Flux2Config, {"pooled_projection_dim": 768})
 
 
 def _bad(kw, **changes):
