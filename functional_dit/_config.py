@@ -7,16 +7,56 @@ import dataclasses
 from collections.abc import Mapping
 
 
-def require_positive(cfg, *names: str) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{type(cfg).__name__}.{name}: expected a positive int, got {value!r}")
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def require(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
+
+
+def _require_each(cfg, names, ok, expected: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        require(ok(value), f"{type(cfg).__name__}.{name}: expected {expected}, got {value!r}")
+
+
+def require_positive(cfg, *names: str) -> None:
+    _require_each(cfg, names, lambda v: is_int(v) and v > 0, "a positive int")
+
+
+def require_non_negative(cfg, *names: str) -> None:
+    _require_each(cfg, names, lambda v: is_int(v) and v >= 0, "an int >= 0")
+
+
+def require_positive_or_none(cfg, *names: str) -> None:
+    _require_each(cfg, names, lambda v: v is None or (is_int(v) and v > 0), "None or a positive int")
+
+
+def require_positive_number(cfg, *names: str) -> None:
+    _require_each(
+        cfg, names, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number"
+    )
+
+
+def require_bool(cfg, *names: str) -> None:
+    _require_each(cfg, names, lambda v: isinstance(v, bool), "a bool")
+
+
+def require_rope_axes(cfg, n_axes: int | None = None) -> None:
+    """``axes_dims_rope``: (``n_axes``) positive even ints summing to ``attention_head_dim``."""
+    name, dims = type(cfg).__name__, cfg.axes_dims_rope
+    count = "" if n_axes is None else f"{n_axes} "
+    require(
+        (n_axes is None or len(dims) == n_axes) and all(is_int(d) and d > 0 and d % 2 == 0 for d in dims),
+        f"{name}.axes_dims_rope: expected {count}positive even ints, got {dims}",
+    )
+    require(
+        sum(dims) == cfg.attention_head_dim,
+        f"{name}: sum(axes_dims_rope) = sum({dims}) = {sum(dims)} "
+        f"must equal attention_head_dim = {cfg.attention_head_dim}",
+    )
 
 
 def from_mapping(cls, mapping: Mapping):

@@ -16,7 +16,7 @@ import sharding
 
 from . import _layers as L
 from ._checks import check_ids, check_tensor, reference_leaf
-from ._config import require, require_positive
+from ._config import require_bool, require_non_negative, require_positive, require_positive_or_none, require_rope_axes
 from ._pytree import PACKED, Block, ParamSpec, ordered_blocks
 
 DIFFUSERS_CLASS = "FluxTransformer2DModel"
@@ -49,22 +49,10 @@ class Flux1Config:
             "joint_attention_dim",
             "pooled_projection_dim",
         )
-        require(
-            self.out_channels is None or (isinstance(self.out_channels, int) and self.out_channels > 0),
-            f"Flux1Config.out_channels: expected None or a positive int, got {self.out_channels!r}",
-        )
-        for name in ("num_layers", "num_single_layers"):
-            v = getattr(self, name)
-            require(isinstance(v, int) and v >= 0, f"Flux1Config.{name}: expected an int >= 0, got {v!r}")
-        require(
-            all(isinstance(d, int) and d > 0 and d % 2 == 0 for d in self.axes_dims_rope),
-            f"Flux1Config.axes_dims_rope: expected positive even ints, got {self.axes_dims_rope}",
-        )
-        require(
-            sum(self.axes_dims_rope) == self.attention_head_dim,
-            f"Flux1Config: sum(axes_dims_rope) = sum({self.axes_dims_rope}) = {sum(self.axes_dims_rope)} "
-            f"must equal attention_head_dim = {self.attention_head_dim}",
-        )
+        require_positive_or_none(self, "out_channels")
+        require_non_negative(self, "num_layers", "num_single_layers")
+        require_bool(self, "guidance_embeds")
+        require_rope_axes(self)
 
     @property
     def inner_dim(self) -> int:

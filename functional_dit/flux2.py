@@ -26,7 +26,15 @@ import sharding
 
 from . import _layers as L
 from ._checks import check_floating, check_ids, check_tensor, reference_leaf
-from ._config import require, require_positive
+from ._config import (
+    require,
+    require_bool,
+    require_non_negative,
+    require_positive,
+    require_positive_number,
+    require_positive_or_none,
+    require_rope_axes,
+)
 from ._pytree import PACKED, Block, ParamSpec, flatten, nest, ordered_blocks
 
 DIFFUSERS_CLASS = "Flux2Transformer2DModel"
@@ -52,42 +60,28 @@ class Flux2Config:
     guidance_embeds: bool = True  # True for the guidance-distilled dev model
 
     def __post_init__(self):
-        name = type(self).__name__
         object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
-        positive = ("patch_size", "in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim")
-        require_positive(self, *positive, "timestep_guidance_channels")
+        require_positive(
+            self,
+            "patch_size",
+            "in_channels",
+            "attention_head_dim",
+            "num_attention_heads",
+            "joint_attention_dim",
+            "timestep_guidance_channels",
+        )
         require(
             self.timestep_guidance_channels % 2 == 0,
-            f"{name}.timestep_guidance_channels: expected an even int, got {self.timestep_guidance_channels}",
+            f"Flux2Config.timestep_guidance_channels: expected an even int, got {self.timestep_guidance_channels}",
         )
+        require_positive_or_none(self, "out_channels")
+        require_non_negative(self, "num_layers", "num_single_layers")
+        require_positive_number(self, "mlp_ratio", "rope_theta", "eps")
         require(
-            self.out_channels is None or (isinstance(self.out_channels, int) and self.out_channels > 0),
-            f"{name}.out_channels: expected None or a positive int, got {self.out_channels!r}",
+            self.mlp_hidden_dim > 0, f"Flux2Config: int(inner_dim * mlp_ratio) = {self.mlp_hidden_dim}, expected > 0"
         )
-        for field in ("num_layers", "num_single_layers"):
-            v = getattr(self, field)
-            require(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-                f"{name}.{field}: expected an int >= 0, got {v!r}",
-            )
-        for field in ("mlp_ratio", "rope_theta", "eps"):
-            v = getattr(self, field)
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-            require(ok, f"{name}.{field}: expected a positive number, got {v!r}")
-        require(self.mlp_hidden_dim > 0, f"{name}: int(inner_dim * mlp_ratio) = {self.mlp_hidden_dim}, expected > 0")
-        require(
-            isinstance(self.guidance_embeds, bool),
-            f"{name}.guidance_embeds: expected a bool, got {self.guidance_embeds!r}",
-        )
-        require(
-            all(isinstance(d, int) and d > 0 and d % 2 == 0 for d in self.axes_dims_rope),
-            f"{name}.axes_dims_rope: expected positive even ints, got {self.axes_dims_rope}",
-        )
-        require(
-            sum(self.axes_dims_rope) == self.attention_head_dim,
-            f"{name}: sum(axes_dims_rope) = sum({self.axes_dims_rope}) = {sum(self.axes_dims_rope)} "
-            f"must equal attention_head_dim = {self.attention_head_dim}",
-        )
+        require_bool(self, "guidance_embeds")
+        require_rope_axes(self)
 
     @property
     def inner_dim(self) -> int:

@@ -26,7 +26,14 @@ import sharding
 
 from . import _layers as L
 from ._checks import check_floating, check_tensor, reference_leaf
-from ._config import require, require_positive
+from ._config import (
+    is_int,
+    require_bool,
+    require_non_negative,
+    require_positive,
+    require_positive_or_none,
+    require_rope_axes,
+)
 from ._pytree import ParamSpec, ordered_blocks
 
 DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
@@ -57,27 +64,10 @@ class QwenImageConfig:
         require_positive(
             self, "patch_size", "in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim"
         )
-        require(
-            self.out_channels is None or (_is_int(self.out_channels) and self.out_channels > 0),
-            f"QwenImageConfig.out_channels: expected None or a positive int, got {self.out_channels!r}",
-        )
-        require(
-            _is_int(self.num_layers) and self.num_layers >= 0,
-            f"QwenImageConfig.num_layers: expected an int >= 0, got {self.num_layers!r}",
-        )
-        for name in ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"):
-            v = getattr(self, name)
-            require(isinstance(v, bool), f"QwenImageConfig.{name}: expected a bool, got {v!r}")
-        require(
-            len(self.axes_dims_rope) == 3 and all(_is_int(d) and d > 0 and d % 2 == 0 for d in self.axes_dims_rope),
-            f"QwenImageConfig.axes_dims_rope: expected 3 positive even ints (frame, row, col), "
-            f"got {self.axes_dims_rope}",
-        )
-        require(
-            sum(self.axes_dims_rope) == self.attention_head_dim,
-            f"QwenImageConfig: sum(axes_dims_rope) = sum({self.axes_dims_rope}) = {sum(self.axes_dims_rope)} "
-            f"must equal attention_head_dim = {self.attention_head_dim}",
-        )
+        require_positive_or_none(self, "out_channels")
+        require_non_negative(self, "num_layers")
+        require_bool(self, "guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
+        require_rope_axes(self, n_axes=3)  # (frame, row, col)
 
     @property
     def inner_dim(self) -> int:
@@ -90,10 +80,6 @@ class QwenImageConfig:
     @property
     def out_dim(self) -> int:
         return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 PRESETS = {
@@ -327,8 +313,8 @@ def ref_mask(shapes, device=None) -> torch.Tensor:
 
 def _image_shapes(item, b: int) -> tuple[tuple[int, int, int], ...]:
     """One batch item's img_shapes: a list of (frames, h, w), or one (frames, h, w)."""
-    is_shape = lambda s: isinstance(s, (list, tuple)) and len(s) == 3 and all(_is_int(v) and v > 0 for v in s)  # noqa: E731
-    if isinstance(item, (list, tuple)) and len(item) == 3 and all(_is_int(v) for v in item):
+    is_shape = lambda s: isinstance(s, (list, tuple)) and len(s) == 3 and all(is_int(v) and v > 0 for v in s)  # noqa: E731
+    if isinstance(item, (list, tuple)) and len(item) == 3 and all(is_int(v) for v in item):
         item = [item]
     if not isinstance(item, (list, tuple)) or not item or not all(is_shape(s) for s in item):
         raise ValueError(
