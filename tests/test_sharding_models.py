@@ -23,7 +23,7 @@ FP32 = dict(rtol=1e-5, atol=1e-5)  # DESIGN.md: sharded vs unsharded at the fp32
 SEED = 7  # params seed, the same in the parent (reference) and on every rank
 MESHES = {  # world size -> mesh shapes (dp, sp, tp) run in that world's single spawn
     2: [dict(tp=2), dict(sp=2), dict(dp=2)],
-    4: [dict(tp=4), dict(tp=2, sp=2), dict(dp=2, sp=2)],
+    4: [dict(tp=4), dict(tp=2, sp=2), dict(dp=2, sp=2), dict(dp=2, tp=2)],
 }
 
 
