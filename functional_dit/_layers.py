@@ -78,12 +78,15 @@ def mlp_embed(p, x: torch.Tensor) -> torch.Tensor:
     return linear(p["linear_2"], F.silu(linear(p["linear_1"], x)))
 
 
+FP64_UNSUPPORTED = ("mps", "npu", "neuron")  # devices without float64, as diffusers' torch_utils lists them
+
+
 def rope_1d(pos: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Real-valued RoPE for one axis: (S,) positions -> cos, sin (S, dim), pairs interleaved.
 
     Frequencies in float64 where the device has it (as diffusers does for FLUX), cast to fp32.
     """
-    fdt = torch.float32 if pos.device.type in ("mps", "npu") else torch.float64
+    fdt = torch.float32 if pos.device.type in FP64_UNSUPPORTED else torch.float64
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=fdt, device=pos.device) / dim))
     ang = pos.to(fdt)[:, None] * inv[None]  # (S, dim/2)
     return ang.cos().repeat_interleave(2, -1).float(), ang.sin().repeat_interleave(2, -1).float()
