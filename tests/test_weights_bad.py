@@ -252,3 +252,108 @@ def test_fuzz_mutated_and_truncated_files(tmp_path, small_file, data):
     _check_agrees_with_safetensors(str(path))
     with pytest.raises(ValueError):
         weights.load(path, config=CONFIG)
+
+
+# ----------------------------------------------------------------------------- not regular files, bad arguments
+
+
+def _folder(tmp_path, name="m", **kw):
+    weights.save(fd.init(CONFIG), tmp_path / name, **kw)
+    return tmp_path / name
+
+
+@pytest.mark.timeout(30)  # a FIFO used to block open() forever
+@pytest.mark.parametrize("kind", ["dir", "fifo", "loop"])
+def test_weights_file_that_is_not_a_regular_file(tmp_path, kind):
+    """A directory, a FIFO or a symlink loop where the weights file should be: a ValueError
+    naming it, never IsADirectoryError, a hang on open() or a misleading 'no weights'."""
+    folder = _folder(tmp_path)
+    file = folder / "diffusion_pytorch_model.safetensors"
+    file.unlink()
+    {"dir": file.mkdir, "fifo": lambda: os.mkfifo(file), "loop": lambda: file.symlink_to(file)}[kind]()
+    with pytest.raises(ValueError, match=r"diffusion_pytorch_model.safetensors.* not a regular file"):
+        weights.load(folder)
+
+
+@pytest.mark.timeout(30)
+def test_path_that_is_a_fifo(tmp_path):
+    path = tmp_path / "f.safetensors"
+    os.mkfifo(path)
+    with pytest.raises(ValueError, match=r"path: .*f.safetensors.* not a regular file"):
+        weights.load(path, config=CONFIG)
+
+
+def test_index_naming_a_directory_or_itself_a_directory(tmp_path):
+    folder = _folder(tmp_path, max_shard_size=30_000)
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    good = json.loads(index.read_text())
+    (folder / "sub.safetensors").mkdir()
+    good["weight_map"]["proj_out.bias"] = "sub.safetensors"
+    index.write_text(json.dumps(good))
+    with pytest.raises(ValueError, match=r"sub.safetensors.* not a regular file"):
+        weights.load(folder)
+    index.unlink()
+    index.mkdir()
+    with pytest.raises(ValueError, match=r"index.json.* not a regular file"):
+        weights.load(folder)
+
+
+def test_config_json_that_is_a_directory(tmp_path):
+    folder = _folder(tmp_path)
+    (folder / "config.json").unlink()
+    (folder / "config.json").mkdir()
+    with pytest.raises(ValueError, match=r"config.json.* not a regular file"):
+        weights.load(folder)
+
+
+def test_config_json_without_class_name_uses_the_keys(tmp_path):
+    """The family comes from _class_name, else from the keys; an unknown class or bad field
+    names the config.json at fault."""
+    folder = _folder(tmp_path)
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("_class_name")
+    cfg_path.write_text(json.dumps(cfg))
+    assert weights.load(folder).config == CONFIG
+    cfg_path.write_text(json.dumps(dict(cfg, _class_name="SD3Transformer2DModel")))
+    with pytest.raises(ValueError, match=r"config.json: _class_name 'SD3Transformer2DModel' is not one of"):
+        weights.load(folder)
+    cfg_path.write_text(json.dumps(dict(cfg, _class_name="FluxTransformer2DModel", num_attention_heads="x")))
+    with pytest.raises(ValueError, match=r"config.json: .*num_attention_heads"):
+        weights.load(folder)
+    save_file({"foo.weight": torch.zeros(2)}, folder / "diffusion_pytorch_model.safetensors")
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(
+        ValueError, match=r"config.json has no _class_name and the keys .* match no known .*'foo.weight'"
+    ):
+        weights.load(folder)
+
+
+def test_header_over_the_safetensors_limit(tmp_path):
+    """safetensors refuses headers over 100,000,000 bytes; so must we (a header we accept
+    must be one safetensors reads)."""
+    header = b"{}" + b" " * (100_000_008 - 2)
+    path = tmp_path / "h.safetensors"
+    path.write_bytes(_file(header, b""))
+    with pytest.raises(CheckpointError, match="limit is 100000000"):
+        weights.read_header(str(path))
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(device="gpu0"), "device: expected a torch.device or a device string, got 'gpu0'"),
+        (dict(device=3.5), "device: expected a torch.device or a device string, got 3.5"),
+        (dict(stats=[]), "stats: expected None or a dict, got list"),
+        (dict(progress="no"), "progress: expected None, True or False, got 'no'"),
+    ],
+)
+def test_bad_load_arguments(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        weights.load(_folder(tmp_path), **kw)
+
+
+@pytest.mark.parametrize("path", [None, 3])
+def test_bad_path_type(path):
+    with pytest.raises(ValueError, match="path: expected a str or os.PathLike"):
+        weights.load(path, config=CONFIG)

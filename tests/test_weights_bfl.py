@@ -204,3 +204,27 @@ def test_bfl_mismatch_names_both_layouts(tmp_path):
     )
     assert "1 unexpected: ['extra.thing']" in msg
     assert "single_blocks.0.linear1.bias (-> " in msg and "expected (224,), got (5,)" in msg
+
+
+@pytest.mark.parametrize("name", ["flux1-dev", "flux2-klein"])
+def test_bfl_bundled_with_other_components(tmp_path, name):
+    """An all-in-one file (ComfyUI style) holds the transformer under
+    ``model.diffusion_model.`` next to the VAE and text encoders; diffusers' single-file
+    loader takes the transformer's keys from it, and so must we. The other components'
+    keys are not the transformer's, so they are not 'unexpected' keys of it."""
+    _, config, shapes = _case(name)
+    bfl = random_state(shapes(config), seed=8)
+    others = {
+        "first_stage_model.decoder.conv_in.weight": torch.zeros(2, 3),
+        "text_encoders.t5xxl.shared.weight": torch.zeros(4),
+    }
+    save_file({**{f"model.diffusion_model.{k}": v for k, v in bfl.items()}, **others}, tmp_path / "aio.safetensors")
+    ref = diffusers_convert(config, bfl)
+    loaded = weights.load(tmp_path / "aio.safetensors", config=config).flat()
+    assert sorted(loaded) == sorted(ref)
+    for k, t in ref.items():
+        assert torch.equal(loaded[k], t), k
+    # without the wrapper prefix, stray keys stay what they are: unexpected
+    save_file({**bfl, "vae.decoder.weight": torch.zeros(2)}, tmp_path / "plain.safetensors")
+    with pytest.raises(ValueError, match=r"1 unexpected: \['vae.decoder.weight'\]"):
+        weights.load(tmp_path / "plain.safetensors", config=config)

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 import struct
 
 import torch
@@ -38,7 +39,7 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 TORCH_TO_ST = {t: name for name, (t, _) in DTYPES.items()}
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself enforces
+MAX_HEADER = 100_000_000  # the limit safetensors itself enforces (bytes, decimal)
 
 
 class CheckpointError(ValueError):
@@ -74,6 +75,20 @@ def refuse_pickle(path: str) -> None:
         )
 
 
+def check_regular_file(path: str) -> int:
+    """The size of ``path``, which must be a regular file: a directory, a FIFO (whose
+    open() would block forever), a device or a dangling link or symlink loop is a
+    `CheckpointError` naming it."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: not a regular file ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO, socket or device"
+        raise CheckpointError(f"{path}: not a regular file ({kind})")
+    return st.st_size
+
+
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate the header of the safetensors file ``path``.
 
@@ -81,18 +96,12 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     (and the tensor, where one is at fault) for anything safetensors would reject.
     """
     refuse_pickle(path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: truncated: {size} bytes, too short for the 8-byte header length")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER or 8 + n > size:
-            raise CheckpointError(
-                f"{path}: corrupt header: its length field says {n} bytes, but the file has {size - 8} bytes "
-                f"after it (and the limit is {MAX_HEADER}); not a safetensors file, or truncated"
-            )
-        raw = f.read(n)
+    size = check_regular_file(path)
+    try:
+        with open(path, "rb") as f:
+            n, raw = _read_raw_header(path, f, size)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e})") from None
     header = _parse_json(path, raw)
     data_size = size - 8 - n
     metadata = header.pop("__metadata__", None) or {}
@@ -103,6 +112,20 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     infos = {name: _entry(path, name, entry, 8 + n) for name, entry in header.items()}
     _check_tiling(path, infos, 8 + n, data_size)
     return infos, metadata
+
+
+def _read_raw_header(path: str, f, size: int) -> tuple[int, bytes]:
+    """(N, the N header bytes) after checking N against the file size and the limit."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointError(f"{path}: truncated: {size} bytes, too short for the 8-byte header length")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER or 8 + n > size:
+        raise CheckpointError(
+            f"{path}: corrupt header: its length field says {n} bytes, but the file has {size - 8} bytes "
+            f"after it (and the limit is {MAX_HEADER}); not a safetensors file, or truncated"
+        )
+    return n, f.read(n)
 
 
 def _parse_json(path: str, raw: bytes) -> dict:

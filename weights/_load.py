@@ -10,6 +10,7 @@ materialises a full tensor or another rank's shard.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sys
@@ -54,6 +55,10 @@ def load(
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype: expected None or a floating torch.dtype, got {dtype!r}")
+    check_progress(progress)
+    if stats is not None and not isinstance(stats, dict):
+        raise ValueError(f"stats: expected None or a dict, got {type(stats).__name__}")
+    device = _device(device, mesh)
     src = open_source(path)
     detected = L.detect(src.tensors)
     config = _config(config, src, detected)
@@ -66,7 +71,6 @@ def load(
     _check_dtypes(src, resolved)
     plan = _flat_plan(config, specs, mesh, plan)
     regions = {k: _region(s.shape, mesh, plan and plan[k]) for k, s in specs.items()}
-    device = _device(device, mesh)
     flat = _fill(src, resolved, regions, dtype, device, mesh, progress, stats)
     return _finish(config, flat, specs, mesh, plan)
 
@@ -76,11 +80,12 @@ def load(
 
 def _config(config, src: Source, detected):
     """The config from config.json, else from ``config=``; both must agree when given."""
-    from_json = fd.config_from_diffusers(src.config_json) if src.config_json is not None else None
+    from_json = _json_config(src, detected) if src.config_json is not None else None
     given = _given_config(config)
     if from_json is not None and given is not None and from_json != given:
         raise ValueError(
-            f"config: {given} differs from the checkpoint's {CONFIG_NAME} ({from_json}); pass config=None to use it"
+            f"config: {type(given).__name__} differs from the checkpoint's {src.config_path} in "
+            f"{_differences(given, from_json)}; pass config=None to use the file's"
         )
     config = given or from_json
     if config is None:
@@ -92,6 +97,30 @@ def _config(config, src: Source, detected):
             f"{src.path} are those of {L.FAMILY_NAMES[detected[0]]} ({detected[1]} layout)"
         )
     return config
+
+
+def _json_config(src: Source, detected):
+    """config.json as a config; without ``_class_name`` the family comes from the keys."""
+    cfg = src.config_json
+    if "_class_name" not in cfg:
+        if detected is None:
+            found = sorted(src.tensors)
+            raise CheckpointError(
+                f"{src.config_path} has no _class_name and the keys of {src.path} match no known layout "
+                f"(FLUX.1, FLUX.2, Qwen-Image); found {len(found)} keys such as {found[:8]}"
+            )
+        cfg = {**cfg, "_class_name": detected[0]}
+    try:
+        return fd.config_from_diffusers(cfg)
+    except ValueError as e:
+        raise CheckpointError(f"{src.config_path}: {str(e).removeprefix('cfg: ')}") from None
+
+
+def _differences(a, b) -> str:
+    """``field: a vs b`` for the fields where two configs of one class differ."""
+    fields = [f.name for f in dataclasses.fields(a)] if dataclasses.is_dataclass(a) else []
+    diff = [f"{n}={getattr(a, n)!r} vs {getattr(b, n)!r}" for n in fields if getattr(a, n) != getattr(b, n, None)]
+    return ", ".join(diff) if diff and type(a) is type(b) else f"the family ({type(b).__name__} in the file)"
 
 
 def _given_config(config):
@@ -175,11 +204,32 @@ def _flat_plan(config, specs: dict, mesh, plan) -> dict | None:
         missing, extra = sorted(set(specs) - set(plan))[:10], sorted(set(plan) - set(specs))[:10]
         raise ValueError(f"plan: expected the keys of the params; missing {missing}, unexpected {extra}")
     for key, placement in plan.items():
-        if not isinstance(placement, (sharding.Replicate, sharding.Shard)):
-            raise ValueError(f"plan: {key}: expected Replicate() or Shard(...), got {placement!r}")
-        if isinstance(placement, sharding.Shard) and placement.axis not in names:
-            raise ValueError(f"plan: {key}: axis {placement.axis!r} is not a mesh dim; the mesh has {names}")
+        _check_placement(key, placement, specs[key], names, mesh)
     return plan
+
+
+def _check_placement(key: str, placement, spec, names: tuple, mesh) -> None:
+    """A placement `sharding.plan` could have made: on a mesh dim, inside the tensor,
+    a fused dim split per block (and only a fused one), every piece divisible."""
+    if not isinstance(placement, (sharding.Replicate, sharding.Shard)):
+        raise ValueError(f"plan: {key}: expected Replicate() or Shard(...), got {placement!r}")
+    if isinstance(placement, sharding.Replicate):
+        return
+    if placement.axis not in names:
+        raise ValueError(f"plan: {key}: axis {placement.axis!r} is not a mesh dim; the mesh has {names}")
+    d = placement.dim
+    if not (isinstance(d, int) and 0 <= d < len(spec.shape)):
+        raise ValueError(f"plan: {key}: dim {d!r} is outside the parameter's shape {spec.shape}")
+    blocks = tuple(b.size for b in spec.blocks) if spec.axes[d] == fd.PACKED else None
+    given = tuple(placement.blocks) if placement.blocks is not None else None
+    if given != blocks:
+        what = f"fused from blocks {blocks}, so it splits per block" if blocks else "not fused"
+        raise ValueError(
+            f"plan: {key}: dim {d} is {what}; expected Shard({d}, {placement.axis!r}, {blocks}), got {placement!r}"
+        )
+    n = mesh.size(names.index(placement.axis))
+    if any(b % n for b in blocks or (spec.shape[d],)):
+        raise ValueError(f"plan: {key}: dim {d} {blocks or spec.shape[d]} does not divide by {placement.axis}={n}")
 
 
 def _region(shape, mesh, placement) -> tuple[list[tuple[int, int]], ...]:
@@ -194,10 +244,17 @@ def _region(shape, mesh, placement) -> tuple[list[tuple[int, int]], ...]:
 
 
 def _device(device, mesh):
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"device: expected a torch.device or a device string, got {device!r}") from None
     if mesh is None:
-        return None if device is None else torch.device(device)
+        return device
+    if not getattr(mesh, "mesh_dim_names", None):
+        raise ValueError(f"mesh: expected a named DeviceMesh (sharding.make_mesh), got {mesh!r}")
     want = sharding.mesh_device(mesh)
-    if device is not None and torch.device(device).type != want.type:
+    if device is not None and device.type != want.type:
         raise ValueError(f"device: the mesh's shards live on {want.type}, got device={device!r}")
     return want
 
@@ -262,6 +319,11 @@ class _NoBar:
 
     def update(self, n):
         pass
+
+
+def check_progress(progress) -> None:
+    if progress is not None and not isinstance(progress, bool):
+        raise ValueError(f"progress: expected None, True or False, got {progress!r}")
 
 
 def _bar(total: int, progress: bool | None, mesh, desc: str):

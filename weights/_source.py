@@ -22,26 +22,32 @@ class Source:
     files: list[str]
     tensors: dict[str, TensorInfo]  # key (prefix stripped) -> where it is
     config_json: dict | None  # the folder's config.json, if any
+    config_path: str | None = None  # where it is
 
 
 def open_source(path) -> Source:
     """Resolve ``path`` (model folder, pipeline folder or one .safetensors file)."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise ValueError(f"path: expected a str or os.PathLike naming a folder or a file, got {path!r:.100}")
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ValueError(f"path: {path!r} does not exist")
     F.refuse_pickle(path)
-    if os.path.isfile(path):
+    if not os.path.isdir(path):
+        if not os.path.isfile(path):
+            raise ValueError(f"path: {path!r} is not a regular file or a folder (a FIFO, socket or device)")
         if not path.endswith(".safetensors"):
             raise ValueError(f"path: expected a .safetensors file or a diffusers folder, got the file {path!r}")
         return Source(path, [path], _tensors([path]), None)
     folder = _model_folder(path)
     files = _folder_files(folder)
-    return Source(path, files, _tensors(files, _index(folder)), _config(folder))
+    config = _config(folder)
+    return Source(path, files, _tensors(files, _index(folder)), config, os.path.join(folder, CONFIG_NAME))
 
 
 def _model_folder(path: str) -> str:
     """A pipeline folder (model_index.json) holds the transformer in transformer/."""
-    if os.path.exists(os.path.join(path, CONFIG_NAME)) or _has_weights(path):
+    if os.path.lexists(os.path.join(path, CONFIG_NAME)) or _has_weights(path):
         return path
     sub = os.path.join(path, "transformer")
     if os.path.isdir(sub):
@@ -53,7 +59,8 @@ def _model_folder(path: str) -> str:
 
 
 def _has_weights(folder: str) -> bool:
-    return any(os.path.exists(os.path.join(folder, n)) for n in (WEIGHTS_NAME, INDEX_NAME))
+    # lexists: a broken link or a directory in their place is reported as such by read_header
+    return any(os.path.lexists(os.path.join(folder, n)) for n in (WEIGHTS_NAME, INDEX_NAME))
 
 
 def _folder_files(folder: str) -> list[str]:
@@ -61,7 +68,7 @@ def _folder_files(folder: str) -> list[str]:
     if index is not None:
         return sorted({os.path.join(folder, f) for f in index.values()})
     single = os.path.join(folder, WEIGHTS_NAME)
-    if os.path.exists(single):
+    if os.path.lexists(single):
         return [single]
     pickles = [n for n in sorted(os.listdir(folder)) if n.lower().endswith(F.PICKLE_SUFFIXES)]
     if pickles:
@@ -72,12 +79,13 @@ def _folder_files(folder: str) -> list[str]:
 def _index(folder: str) -> dict[str, str] | None:
     """The weight_map of the folder's index json: {key: file name}, validated."""
     path = os.path.join(folder, INDEX_NAME)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
+    F.check_regular_file(path)
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not a valid index ({type(e).__name__}: {e})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{path}: weight_map must map tensor names to file names")
@@ -90,12 +98,13 @@ def _index(folder: str) -> dict[str, str] | None:
 
 def _config(folder: str) -> dict | None:
     path = os.path.join(folder, CONFIG_NAME)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
+    F.check_regular_file(path)
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
-    except (ValueError, RecursionError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
@@ -122,7 +131,11 @@ def _tensors(files: list[str], index: dict[str, str] | None = None) -> dict[str,
 
 
 def _strip_prefix(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """The transformer's tensors of a file that wraps them in a prefix, without it. An
+    all-in-one file also holds the VAE and text encoders under other prefixes
+    (``first_stage_model.``, ``text_encoders.``, ...); those are not the transformer's
+    keys and are left out, as diffusers' single-file loader does."""
     for prefix in STRIP_PREFIXES:
-        if tensors and all(k.startswith(prefix) for k in tensors):
-            return {k[len(prefix) :]: v for k, v in tensors.items()}
+        if any(k.startswith(prefix) for k in tensors):
+            return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
     return tensors
