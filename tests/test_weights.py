@@ -9,9 +9,11 @@ diffusers' from_pretrained loads to the very same module.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
+import sys
 
 import diffusers
 import pytest
@@ -139,8 +141,10 @@ def test_config_sources(tmp_path):
     params = fd.init(config, seed=0)
     weights.save(params, tmp_path / "m")
     assert weights.load(tmp_path / "m", config="flux1-tiny").config == config
-    with pytest.raises(ValueError, match="differs from the checkpoint's config.json"):
-        weights.load(tmp_path / "m", config=cases.TINY_SCHNELL)
+    with pytest.raises(
+        ValueError, match=r"differs from the checkpoint's .*config.json in guidance_embeds=False vs True"
+    ):
+        weights.load(tmp_path / "m", config=dataclasses.replace(config, guidance_embeds=False))
     with pytest.raises(ValueError, match="expected a preset name"):
         weights.load(tmp_path / "m", config="flux1-nope")
     file = tmp_path / "m" / "diffusion_pytorch_model.safetensors"
@@ -156,21 +160,69 @@ def test_config_sources(tmp_path):
         weights.load(tmp_path)  # holds only m/
 
 
-def test_progress_bar(tmp_path, capsys):
+def test_progress_bar(tmp_path, capsys, monkeypatch):
+    """By default a bar only on a terminal and for large checkpoints; progress= forces it
+    on or off. (pytest's captured stderr is not a terminal.)"""
     params = fd.init(_case("flux1")[1], seed=0)
     weights.save(params, tmp_path, progress=False)
+    weights.load(tmp_path)  # small: no bar
+    monkeypatch.setattr(weights._load, "PROGRESS_MIN_BYTES", 0)  # every checkpoint counts as large now
     weights.load(tmp_path)  # not a terminal: no bar
+    weights.save(params, tmp_path)
+    weights.load(tmp_path, progress=False)  # asked for none
     assert capsys.readouterr().err == ""
     weights.load(tmp_path, progress=True)
     weights.save(params, tmp_path, progress=True)
     err = capsys.readouterr().err
     assert "loading" in err and "saving" in err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)  # a terminal: a bar by default
+    weights.load(tmp_path)
+    assert "loading" in capsys.readouterr().err
+    weights.load(tmp_path, progress=False)
+    assert capsys.readouterr().err == ""
 
 
 def test_save_bad_arguments(tmp_path):
     params = fd.init(_case("flux1")[1], seed=0)
-    for bad in ("5 parsecs", 0, -3, "GB", 1.5):
+    for bad in ("5 parsecs", 0, -3, "GB", 1.5, "0.5B", "0.0001KB", True):
         with pytest.raises(ValueError, match="max_shard_size"):
-            weights.save(params, tmp_path, max_shard_size=bad)
+            weights.save(params, tmp_path / "a", max_shard_size=bad)
     with pytest.raises(ValueError, match="params: expected functional_dit.Params"):
-        weights.save(params.flat(), tmp_path)
+        weights.save(params.flat(), tmp_path / "a")
+    with pytest.raises(ValueError, match="progress: expected None, True or False"):
+        weights.save(params, tmp_path / "a", progress="yes")
+    with pytest.raises(ValueError, match="path: expected a str or os.PathLike"):
+        weights.save(params, None)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"path: .*file' is a file; expected a folder"):
+        weights.save(params, tmp_path / "file")
+    assert not (tmp_path / "a").exists()  # nothing written for a bad argument
+
+
+@pytest.mark.parametrize("old_shards, new_shards", [("30KB", "30KB"), ("30KB", "5GB"), ("5GB", "30KB")])
+def test_failed_overwrite_leaves_the_old_checkpoint(tmp_path, monkeypatch, old_shards, new_shards):
+    """A save that fails half way (disk full, killed) over an existing checkpoint must not
+    leave a folder that loads as a silent mix of old and new tensors: the old checkpoint
+    loads as it was, and no temporary file is left behind."""
+    config = _case("flux1")[1]
+    old, new = fd.init(config, seed=0), fd.init(config, seed=1)
+    weights.save(old, tmp_path, max_shard_size=old_shards)
+    (tmp_path / "README.md").write_text("mine")
+    before = sorted(os.listdir(tmp_path))
+    real_write, count = weights._format.Writer.write, [0]
+
+    def failing_write(self, name, tensor):
+        count[0] += 1
+        if count[0] > 40:  # of 112 tensors: past the first shards of a sharded save
+            raise OSError(28, "No space left on device")
+        real_write(self, name, tensor)
+
+    monkeypatch.setattr(weights._format.Writer, "write", failing_write)
+    with pytest.raises(OSError, match="No space left"):
+        weights.save(new, tmp_path, max_shard_size=new_shards)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == before
+    _assert_same_params(weights.load(tmp_path), old)
+    weights.save(new, tmp_path, max_shard_size=new_shards)  # and a save that succeeds replaces it all
+    _assert_same_params(weights.load(tmp_path), new)
+    assert "README.md" in os.listdir(tmp_path)

@@ -9,7 +9,10 @@ of over 200 MB, measures each rank's peak RSS and bytes read.
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import safetensors
 import safetensors.torch
 import torch
 from _dist import spawn
@@ -19,6 +22,7 @@ from test_weights_bfl import bfl_flux1_shapes, bfl_flux2_shapes, random_state
 import functional_dit as fd
 import sharding
 import weights
+from functional_dit._pytree import flatten, nest
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # DESIGN.md: sharded vs unsharded at the fp32 tolerance
 
@@ -58,19 +62,136 @@ def _same_dtensor(a, b) -> bool:
     )
 
 
+class _AuditedSafeOpen:
+    """``safetensors.safe_open`` that adds up the bytes of every tensor and slice it hands
+    out: what a rank really read, counted at the library boundary rather than by the
+    loader's own `stats`."""
+
+    bytes = 0
+
+    def __init__(self, *args, **kwargs):
+        self.inner = _REAL_SAFE_OPEN(*args, **kwargs)
+
+    def __enter__(self):
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+    def _count(self, t):
+        _AuditedSafeOpen.bytes += t.numel() * t.element_size()
+        return t
+
+    def get_tensor(self, name):
+        return self._count(self.inner.get_tensor(name))
+
+    def get_slice(self, name):
+        return _Slice(self.inner.get_slice(name), self)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _Slice:
+    def __init__(self, sl, audit):
+        self.sl, self.audit = sl, audit
+
+    def __getitem__(self, idx):
+        return self.audit._count(self.sl[idx])
+
+    def __getattr__(self, name):
+        return getattr(self.sl, name)
+
+
+_REAL_SAFE_OPEN = safetensors.safe_open
+
+
+def _audited_load(*args, **kwargs):
+    safetensors.safe_open, _AuditedSafeOpen.bytes = _AuditedSafeOpen, 0
+    try:
+        return weights.load(*args, **kwargs), _AuditedSafeOpen.bytes
+    finally:
+        safetensors.safe_open = _REAL_SAFE_OPEN
+
+
+def _local_bytes(params) -> int:
+    """Bytes of this rank's local shards (custom plans too: sharding.local_bytes takes
+    only what fd.apply can run on)."""
+    return sum(t.to_local().numel() * t.to_local().element_size() for t in params.flat().values())
+
+
+def _mismatched(a, b) -> list[str]:
+    a, b = a.flat(), b.flat()
+    return [k for k in b if not _same_dtensor(a[k], b[k])] + ([] if list(a) == list(b) else ["key order"])
+
+
+def _other_meshes(jobs, world):
+    """Meshes over sp and dp, with the modulation rows (and over dp the text embedder's
+    input columns) split over them: rules the defaults do not have."""
+    report = {}
+    extra = {"sp": {"mod": "sp"}, "dp": {"mod": "dp", "txt_embed": "dp"}}
+    for axis, rules in ((a, {**sharding.DEFAULT_RULES, **r}) for a, r in extra.items()):
+        mesh = sharding.make_mesh(**{axis: world}, device_type="cpu")
+        for name in ("flux2-bfl", "qwen-diffusers"):
+            path, config, _ = jobs[name]
+            plan = sharding.plan(config, mesh, rules=rules)
+            stats = {}
+            streamed = weights.load(path, config=config, mesh=mesh, plan=plan, stats=stats)
+            ref = sharding.shard_params(weights.load(path, config=config), mesh, plan)
+            report[f"{axis}:{name}"] = dict(
+                mismatched=_mismatched(streamed, ref),
+                bytes_read=stats["bytes_read"],
+                shard_bytes=_local_bytes(streamed),
+            )
+    return report
+
+
+def _bad_plans(jobs, mesh) -> list[str]:
+    """Plans `sharding.plan` cannot make: a fused dim split contiguously, blocks on a dim
+    that is not fused, a dim outside the tensor. Each must be refused before any read."""
+    path, config, _ = jobs["flux2-bfl"]
+    good = sharding.plan(config, mesh)
+    fused = "single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"
+    plain = "transformer_blocks.0.attn.to_q.weight"
+    messages = []
+    for key, placement in (
+        (fused, sharding.Shard(0, "tp")),
+        (plain, sharding.Shard(0, "tp", (32, 32))),
+        (plain, sharding.Shard(2, "tp")),
+    ):
+        flat = dict(flatten(good), **{key: placement})
+        try:
+            weights.load(path, config=config, mesh=mesh, plan=nest(flat))
+            messages.append(f"{key} {placement}: accepted")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def _failed_save(streamed, target) -> str:
+    """rank 0 cannot write (the target is a file): every rank must raise, promptly."""
+    try:
+        weights.save(streamed, target)
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def _rank_load_save(rank, world, jobs, out_dir):
-    """Per case: streamed sharded load vs shard_params(load), bytes read, the sharded
-    forward, and a save of the sharded params (rank 0 writes)."""
+    """Per case: streamed sharded load vs shard_params(load), bytes read (by the loader and
+    at safe_open), the sharded forward, and a save of the sharded params (rank 0 writes);
+    then meshes over sp and dp, refused plans and a save that fails on rank 0."""
     mesh = sharding.make_mesh(tp=world, device_type="cpu")
     report = {}
     for name, (path, config, kw) in jobs.items():
         stats = {}
-        streamed = weights.load(path, config=config, mesh=mesh, stats=stats)
+        streamed, audited = _audited_load(path, config=config, mesh=mesh, stats=stats)
         full = weights.load(path, config=config)
         ref = sharding.shard_params(full, mesh)
         a, b = streamed.flat(), ref.flat()
         mismatched = [k for k in b if not _same_dtensor(a[k], b[k])]
-        shard_bytes = sum(t.to_local().numel() * t.to_local().element_size() for t in a.values())
+        shard_bytes = _local_bytes(streamed)
         if name.endswith("-bfl"):
             # Also shard the AdaLN rows: the swapped (scale, shift) halves of norm_out
             # then straddle the ranks; the forward needs them replicated, the loader must not care.
@@ -84,10 +205,16 @@ def _rank_load_save(rank, world, jobs, out_dir):
             keys_equal=list(a) == list(b),
             mismatched=mismatched,
             bytes_read=stats["bytes_read"],
+            audited=audited,
             shard_bytes=shard_bytes,
             out=fd.apply(streamed, **kw),
             save_dir=save_dir,
         )
+    report["bad_plans"] = _bad_plans(jobs, mesh)
+    start = time.monotonic()
+    report["failed_save"] = _failed_save(streamed, f"{out_dir}/a-file")
+    report["failed_save_s"] = time.monotonic() - start
+    report["other_meshes"] = _other_meshes(jobs, world)
     return report
 
 
@@ -98,13 +225,15 @@ def test_streamed_sharded_load_equals_shard_params(tmp_path):
         kw = cases.inputs(config)
         jobs[name] = (path, config, kw)
         refs[name] = (weights.load(path, config=config), kw)
+    (tmp_path / "a-file").write_text("not a folder")
     reports = spawn(_rank_load_save, 2, jobs, str(tmp_path), timeout=240)
     for name, (full, kw) in refs.items():
         r0, r1 = (r[name] for r in reports)
         for rank, r in enumerate((r0, r1)):
             assert r["keys_equal"] and r["mismatched"] == [], (name, rank, r["mismatched"][:5])
-            # each rank read exactly its own shard (the files are fp32 like the params), no more
-            assert r["bytes_read"] == r["shard_bytes"], (name, rank)
+            # each rank read exactly its own shard (the files are fp32 like the params), no
+            # more: as the loader counts it and as safetensors handed it out
+            assert r["bytes_read"] == r["audited"] == r["shard_bytes"], (name, rank)
             torch.testing.assert_close(r["out"], fd.apply(full, **kw), **FP32)
         total = sum(t.numel() * 4 for t in full.leaves())
         assert r0["shard_bytes"] + r1["shard_bytes"] < 1.9 * total  # every case has TP-sharded weights
@@ -112,6 +241,20 @@ def test_streamed_sharded_load_equals_shard_params(tmp_path):
         saved = weights.load(r0["save_dir"])
         for k, t in full.flat().items():
             assert torch.equal(saved.flat()[k], t), (name, k)
+    for r in reports:
+        fused, plain, outside = r["bad_plans"]
+        assert "to_qkv_mlp_proj.weight: dim 0 is fused from blocks (64, 64, 64, 192, 192)" in fused, fused
+        assert "to_q.weight: dim 0 is not fused" in plain, plain
+        assert "dim 2 is outside the parameter's shape (64, 64)" in outside, outside
+        for key, m in r["other_meshes"].items():
+            assert m["mismatched"] == [] and m["bytes_read"] == m["shard_bytes"], (key, m)
+            full_bytes = sum(t.numel() * 4 for t in refs[key.split(":")[1]][0].leaves())
+            assert m["bytes_read"] < full_bytes, (key, m)  # the modulation rows (a small part) are split
+        assert r["failed_save_s"] < 30  # not the 60 s collective timeout of a rank left gathering
+    assert reports[0]["failed_save"].startswith("ValueError: path: ") and "is a file" in reports[0]["failed_save"]
+    assert (
+        reports[1]["failed_save"] == "RuntimeError: save: rank 0 failed to write the checkpoint; its exception says why"
+    )
 
 
 # ----------------------------------------------------------------------------- 200 MB, peak RSS

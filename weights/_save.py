@@ -8,7 +8,8 @@ plus ``diffusion_pytorch_model.safetensors.index.json`` — what diffusers'
 Each shard is written tensor by tensor (header first, then the bytes), so at most
 one full tensor is held at a time. Sharded params (DTensor leaves) are gathered one
 tensor at a time, every rank taking part, and written by rank 0 alone: no rank ever
-holds the whole model.
+holds the whole model. Shards are written under temporary names and renamed into
+place only when all are complete, so a failed save leaves an existing checkpoint intact.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import sharding
 from functional_dit._pytree import flatten
 
 from . import _format as F
-from ._load import _bar
+from ._load import _bar, check_progress
 from ._source import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -37,9 +38,10 @@ def parse_size(size) -> int:
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", size) if isinstance(size, str) else None
-    if m is None or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()]) if m and m.group(2).upper() in _UNITS else 0
+    if n < 1:  # "0.5B" is no size either
         raise ValueError(f"max_shard_size: expected a positive int or a size such as '5GB' or '500MiB', got {size!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    return n
 
 
 def shard_groups(sizes: dict[str, int], limit: int) -> list[list[str]]:
@@ -60,11 +62,22 @@ def save(params: fd.Params, path, max_shard_size="5GB", *, progress: bool | None
 
     ``max_shard_size``: bytes per safetensors shard (an int or e.g. ``"5GB"``).
     ``progress``: a tqdm bar; None shows one on a terminal for checkpoints >= 1 GiB.
-    With sharded params every rank must call ``save``; rank 0 writes.
+    With sharded params every rank must call ``save``; rank 0 writes, and if it fails
+    every rank raises (none is left waiting in a gather).
+
+    Overwriting an existing checkpoint is safe: the new files are written under
+    temporary names and only renamed into place once all are complete, the old index
+    is removed before any old shard is replaced, and files of the old checkpoint that
+    the new one does not use are removed last; a save that fails leaves the old
+    checkpoint as it was.
     """
     if not isinstance(params, fd.Params):
         raise ValueError(f"params: expected functional_dit.Params, got {type(params).__name__}")
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise ValueError(f"path: expected a str or os.PathLike naming a folder, got {path!r:.100}")
     path = os.fspath(path)
+    check_progress(progress)
+    limit = parse_size(max_shard_size)
     cfg = fd.config_to_diffusers(params.config)
     flat = params.flat()
     specs = flatten(fd.param_specs(params.config))
@@ -75,23 +88,110 @@ def save(params: fd.Params, path, max_shard_size="5GB", *, progress: bool | None
         if dtype not in F.TORCH_TO_ST:
             raise ValueError(f"params: {k} has dtype {dtype}, which safetensors cannot store")
     sizes = {k: F.TensorInfo("", k, F.TORCH_TO_ST[d], s, 0, 0).itemsize * _numel(s) for k, (d, s) in meta.items()}
-    groups = shard_groups(sizes, parse_size(max_shard_size))
+    groups = shard_groups(sizes, limit)
     names = _shard_names(len(groups))
     mesh = _mesh_of(flat)
-    writer_rank = mesh is None or torch.distributed.get_rank() == 0
-    if writer_rank:
-        os.makedirs(path, exist_ok=True)
-        _remove_stale(path, set(names))
+    writing = mesh is None or torch.distributed.get_rank() == 0
+    out = _Folder(path, defer=mesh is not None) if writing else None
+    if out is not None:
+        out.run(out.prepare)
     with _bar(sum(sizes.values()), progress, mesh, f"saving {os.path.basename(os.path.normpath(path))}") as bar:
         for name, keys in zip(names, groups):
-            _write_shard(os.path.join(path, name), keys, flat, specs, meta, writer_rank, bar)
-    if writer_rank:
+            if out is not None:
+                out.run(out.open, name, {k: meta[k] for k in keys})
+            for k in keys:
+                full = _full(flat[k], specs[k])  # every rank takes part in the gather
+                if out is not None:
+                    out.run(out.write, k, full)
+                bar.update(full.numel() * full.element_size())
+                del full
+            if out is not None:
+                out.run(out.close)
+    if out is not None:
+        index = None
         if len(groups) > 1:
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": _weight_map(names, groups)}
-            _write_json(os.path.join(path, INDEX_NAME), index)
-        _write_json(os.path.join(path, CONFIG_NAME), {**cfg, "_diffusers_version": _diffusers_version()})
+        config = {**cfg, "_diffusers_version": _diffusers_version()}
+        out.run(out.commit, index, config)
     if mesh is not None:
-        torch.distributed.barrier()
+        _agree(mesh, out)
+
+
+def _agree(mesh, out) -> None:
+    """Every rank learns whether rank 0 wrote the folder; all raise if it did not."""
+    failed = torch.tensor([0 if out is None or out.error is None else 1], device=sharding.mesh_device(mesh))
+    torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+    if out is not None and out.error is not None:
+        raise out.error
+    if failed.item():
+        raise RuntimeError("save: rank 0 failed to write the checkpoint; its exception says why")
+
+
+class _Folder:
+    """The writing rank's side of `save`: shards go to temporary files; `commit` moves them
+    into place. Every step goes through `run`, which, when ``defer`` (sharded params: the
+    other ranks are still gathering), records the first failure instead of raising and
+    turns later steps into no-ops, so the gathers stay matched across ranks."""
+
+    def __init__(self, path: str, defer: bool):
+        self.path, self.defer = path, defer
+        self.error: BaseException | None = None
+        self.temps: list[str] = []
+        self.writer = None
+
+    def run(self, step, *args) -> None:
+        if self.error is not None:
+            return
+        try:
+            step(*args)
+        except Exception as e:  # noqa: BLE001 - re-raised here or, for sharded params, after the gathers
+            self.error = e
+            self._discard()
+            if not self.defer:
+                raise
+
+    def prepare(self) -> None:
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise ValueError(f"path: {self.path!r} is a file; expected a folder (new or existing)")
+        os.makedirs(self.path, exist_ok=True)
+
+    def open(self, name: str, specs: dict) -> None:
+        self.temps.append(os.path.join(self.path, name + ".tmp"))
+        self.writer = F.Writer(self.temps[-1], specs)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        self.writer.write(key, tensor)
+
+    def close(self) -> None:
+        writer, self.writer = self.writer, None
+        writer.close()
+
+    def commit(self, index: dict | None, config: dict) -> None:
+        """Old index first (so no index ever names a mix of old and new shards), then the
+        shards, the new index, config.json, and last the old files the new save does not use."""
+        old_index = os.path.join(self.path, INDEX_NAME)
+        if os.path.lexists(old_index):
+            os.remove(old_index)
+        keep = {CONFIG_NAME}
+        for temp in self.temps:
+            os.replace(temp, temp.removesuffix(".tmp"))
+            keep.add(os.path.basename(temp.removesuffix(".tmp")))
+        self.temps = []
+        if index is not None:
+            _write_json(old_index, index)
+            keep.add(INDEX_NAME)
+        _write_json(os.path.join(self.path, CONFIG_NAME), config)
+        _remove_stale(self.path, keep)
+
+    def _discard(self) -> None:
+        """Close and delete the temporary files of a failed save; the old checkpoint stays."""
+        if self.writer is not None:
+            self.writer.file.close()
+            self.writer = None
+        for temp in self.temps:
+            if os.path.lexists(temp):
+                os.remove(temp)
+        self.temps = []
 
 
 def _numel(shape) -> int:
@@ -112,32 +212,15 @@ def _weight_map(names, groups) -> dict:
     return {k: name for name, keys in zip(names, groups) for k in keys}
 
 
-_OURS = re.compile(r"diffusion_pytorch_model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?\Z")
+_OURS = re.compile(r"diffusion_pytorch_model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?(\.tmp)?\Z")
 
 
 def _remove_stale(path: str, keep: set[str]) -> None:
-    """Old weight files a loader could pick up instead of ours (an index from an earlier
-    sharded save, shards from a different count)."""
+    """Weight files a loader could pick up instead of ours (an index from an earlier
+    sharded save, shards from a different count) and temporaries of failed saves."""
     for name in os.listdir(path):
-        if _OURS.match(name) and name not in keep:
+        if (_OURS.match(name) or name == CONFIG_NAME + ".tmp") and name not in keep:
             os.remove(os.path.join(path, name))
-
-
-def _write_shard(file: str, keys, flat, specs, meta, writer_rank: bool, bar) -> None:
-    writer = F.Writer(file + ".tmp", {k: meta[k] for k in keys}) if writer_rank else None
-    try:
-        for k in keys:
-            full = _full(flat[k], specs[k])
-            if writer is not None:
-                writer.write(k, full)
-            bar.update(full.numel() * full.element_size())
-            del full
-    finally:
-        if writer is not None:
-            writer.file.close()
-    if writer is not None:
-        writer.close()
-        os.replace(file + ".tmp", file)
 
 
 def _write_json(file: str, obj) -> None:
@@ -166,24 +249,9 @@ def _mesh_of(flat: dict):
 
 
 def _full(t: torch.Tensor, spec) -> torch.Tensor:
-    """The whole tensor on the CPU; a DTensor leaf is gathered with `sharding.unshard`
-    (every rank takes part), one leaf at a time."""
+    """The whole tensor; a DTensor leaf is gathered with `sharding.unshard` (every rank
+    takes part), one leaf at a time. The writer copies it to the host."""
     if not _is_dtensor(t):
-        return t.detach().cpu()
-    placement = _placement(t, spec)
-    return sharding.unshard({"t": t}, plan={"t": placement})["t"].detach().cpu()
-
-
-def _placement(t, spec):
-    """The `sharding` placement a `shard_params` leaf was made with, read off its DTensor
-    placements; a fused dim (``ParamSpec`` axis "packed") is split per block."""
-    names = t.device_mesh.mesh_dim_names
-    split = [(names[i], p.dim) for i, p in enumerate(t.placements) if p.is_shard()]
-    if not split:
-        return sharding.Replicate()
-    if len(split) > 1:
-        raise ValueError(f"params: a leaf is split over several mesh dims {split}; expected at most one")
-    (axis, dim), blocks = split[0], None
-    if spec.axes[dim] == fd.PACKED:
-        blocks = tuple(b.size for b in spec.blocks)
-    return sharding.Shard(dim, axis, blocks)
+        return t.detach()
+    placement = sharding.placement_of(t, spec)
+    return sharding.unshard({"t": t}, plan={"t": placement})["t"].detach()
