@@ -28,9 +28,10 @@ def check_floating(name: str, x) -> None:
         raise ValueError(f"{name}: expected a real floating or integer tensor, got {x.dtype}")
 
 
-def check_ids(name: str, ids, seq: int, n_axes: int, batch: int) -> torch.Tensor:
+def check_ids(name: str, ids, seq: int, n_axes: int, batch: int, device=None) -> torch.Tensor:
     """Position ids as diffusers accepts them: (S, n_axes), or (B or 1, S, n_axes)
-    whose first item is used (diffusers' deprecated 3-D form). Returns the 2-D ids."""
+    whose first item is used (diffusers' deprecated 3-D form), of any real dtype (cast to
+    fp32 like diffusers), on ``device``. Returns the 2-D ids."""
     if not isinstance(ids, torch.Tensor):
         raise ValueError(f"{name}: expected a tensor of shape ({seq}, {n_axes}), got {type(ids).__name__}")
     if ids.ndim == 3 and ids.shape[0] in (1, batch):
@@ -41,7 +42,17 @@ def check_ids(name: str, ids, seq: int, n_axes: int, batch: int) -> torch.Tensor
         )
     if ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"{name}: expected a real tensor, got {ids.dtype}")
+    if device is not None and ids.device != device:
+        raise ValueError(f"{name}: expected device {device} (the params' device), got {ids.device}")
     return ids
+
+
+def check_unused(family: str, **kwargs) -> None:
+    """Arguments of DESIGN's common ``apply`` signature that this family does not take:
+    accepted as None (a generic caller may pass them), an error otherwise."""
+    for name, value in kwargs.items():
+        if value is not None:
+            raise ValueError(f"{name}: {family} takes no {name}; expected None, got {type(value).__name__}")
 
 
 def reference_leaf(params, path: str) -> torch.Tensor:

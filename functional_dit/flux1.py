@@ -15,7 +15,7 @@ import torch
 import sharding
 
 from . import _layers as L
-from ._checks import check_ids, check_tensor, reference_leaf
+from ._checks import check_floating, check_ids, check_tensor, check_unused, reference_leaf
 from ._config import require_bool, require_non_negative, require_positive, require_positive_or_none, require_rope_axes
 from ._pytree import PACKED, Block, ParamSpec, ordered_blocks
 
@@ -224,7 +224,7 @@ def double_block(p, img, txt, vec, pe, head_dim, key_bias=None):
     img = img + i_gate2[:, None] * L.gelu_mlp(p["ff"], L.modulate(L.layer_norm(img), i_shift2, i_scale2))
     txt = txt + t_gate[:, None] * L.row_linear(a["to_add_out"], t_out)
     txt = txt + t_gate2[:, None] * L.gelu_mlp(p["ff_context"], L.modulate(L.layer_norm(txt), t_shift2, t_scale2))
-    return _clip_fp16(img), _clip_fp16(txt)
+    return img, _clip_fp16(txt)  # diffusers clips only the text stream here
 
 
 def single_block(p, x, vec, pe, head_dim, key_bias=None):
@@ -255,27 +255,31 @@ def _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids):
         raise ValueError(f"pooled: FLUX.1 needs pooled text embeddings of shape ({B}, {c.pooled_projection_dim})")
     check_tensor("pooled", pooled, (B, c.pooled_projection_dim), ref.dtype, ref.device)
     check_tensor("t", t, (B,), device=ref.device)
+    check_floating("t", t)
     if c.guidance_embeds and guidance is None:
         raise ValueError(f"guidance: this model has guidance_embeds=True and needs guidance of shape ({B},)")
     if not c.guidance_embeds and guidance is not None:
         raise ValueError("guidance: this model has guidance_embeds=False; expected None, got a tensor")
     if guidance is not None:
         check_tensor("guidance", guidance, (B,), device=ref.device)
+        check_floating("guidance", guidance)
     if img_ids is None:
         raise ValueError(f"img_ids: FLUX.1 needs image position ids of shape ({S}, {len(c.axes_dims_rope)})")
     n_axes = len(c.axes_dims_rope)
-    img_ids = check_ids("img_ids", img_ids, S, n_axes, B)
+    img_ids = check_ids("img_ids", img_ids, S, n_axes, B, ref.device)
     if txt_ids is None:  # what the diffusers pipelines pass
         txt_ids = torch.zeros(txt.shape[1], n_axes, device=ref.device, dtype=img_ids.dtype)
-    txt_ids = check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B)
+    txt_ids = check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, ref.device)
     return img_ids, txt_ids
 
 
-def apply(params, x, t, txt, *, pooled=None, guidance=None, img_ids=None, txt_ids=None):
+def apply(params, x, t, txt, *, pooled=None, guidance=None, img_ids=None, txt_ids=None, txt_mask=None, img_shapes=None):
     """FLUX.1 forward: x (B, S_img, in_channels), t (B,) in [0, 1], txt (B, S_txt,
     joint_attention_dim), pooled (B, pooled_projection_dim), guidance (B,) when the model
     is guidance-distilled, img_ids (S_img, 3) / txt_ids (S_txt, 3) or their 3-D forms.
+    ``txt_mask`` and ``img_shapes`` (Qwen-Image's) must be None.
     Returns (B, S_img, patch_size² · out_channels), as ``FluxTransformer2DModel(...)[0]``."""
+    check_unused("FLUX.1", txt_mask=txt_mask, img_shapes=img_shapes)
     img_ids, txt_ids = _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids)
     c, D = params.config, params.config.attention_head_dim
     B, S = x.shape[:2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import optree
@@ -117,7 +118,7 @@ def test_functional_call_of_diffusers_module_equals_apply(tiny):
 # ----------------------------------------------------------------------------- params
 
 
-@pytest.mark.parametrize("name", ["flux1-dev", "flux1-schnell", "flux1-tiny"])
+@pytest.mark.parametrize("name", [n for n, c in fd.PRESETS.items() if isinstance(c, fd.Flux1Config)])
 def test_param_specs_equal_diffusers_meta_state_dict(name):
     config = fd.PRESETS[name]
     with torch.device("meta"):
@@ -133,6 +134,18 @@ def test_param_specs_equal_diffusers_meta_state_dict(name):
 
 def test_num_params_flux1_dev():
     assert fd.num_params(fd.PRESETS["flux1-dev"]) == 11_901_408_320
+
+
+def test_presets_match_the_released_models():
+    """FLUX.1-dev and -schnell ship the same transformer config but for guidance_embeds
+    (FluxPipeline passes guidance only when the transformer has it); that config is
+    diffusers' FluxTransformer2DModel default."""
+    dev, schnell = fd.PRESETS["flux1-dev"], fd.PRESETS["flux1-schnell"]
+    assert dev.guidance_embeds and not schnell.guidance_embeds
+    assert dataclasses.replace(dev, guidance_embeds=False) == schnell
+    with torch.device("meta"):
+        defaults = FluxTransformer2DModel().config
+    assert fd.config_from_diffusers(dict(defaults, _class_name="FluxTransformer2DModel")) == schnell
 
 
 def test_packed_spec_of_single_block_proj_out():
@@ -244,6 +257,20 @@ BAD_INPUTS = [
     (lambda kw: _bad(kw, pooled=kw["pooled"].to(torch.bfloat16)), "pooled: expected dtype torch.float32"),
     (lambda kw: _bad(kw, x=kw["x"].to("meta")), "x: expected device cpu .* got meta"),
     (lambda kw: _bad(kw, x=kw["x"].numpy()), r"x: expected a tensor of shape \(\*, \*, 16\), got ndarray"),
+    # timesteps, guidance and ids are cast like diffusers casts them, but not from bool or complex
+    (lambda kw: _bad(kw, t=kw["t"] > 0.5), "t: expected a real floating or integer tensor, got torch.bool"),
+    (lambda kw: _bad(kw, t=kw["t"].to(torch.complex64)), "t: expected a real floating .* got torch.complex64"),
+    (lambda kw: _bad(kw, guidance=kw["guidance"].to(torch.complex64)), "guidance: expected a real .* torch.complex64"),
+    (lambda kw: _bad(kw, img_ids=kw["img_ids"] > 0), "img_ids: expected a real tensor, got torch.bool"),
+    (
+        lambda kw: _bad(kw, txt_ids=kw["txt_ids"].to(torch.complex64)),
+        "txt_ids: expected a real tensor, got torch.complex64",
+    ),
+    (lambda kw: _bad(kw, img_ids=kw["img_ids"].to("meta")), "img_ids: expected device cpu .* got meta"),
+    (lambda kw: _bad(kw, txt_ids=kw["txt_ids"].to("meta")), "txt_ids: expected device cpu .* got meta"),
+    # the other families' arguments (DESIGN's common signature): accepted as None, an error otherwise
+    (lambda kw: _bad(kw, txt_mask=torch.ones(2, 7)), "txt_mask: FLUX.1 takes no txt_mask; expected None"),
+    (lambda kw: _bad(kw, img_shapes=[[(1, 3, 4)]] * 2), "img_shapes: FLUX.1 takes no img_shapes; expected None"),
 ]
 
 
@@ -252,6 +279,49 @@ def test_bad_input_raises(make, message):
     params = fd.init(TINY)
     with pytest.raises(ValueError, match=message):
         fd.apply(params, **make(inputs(TINY, batch=2, txt_len=7, h=3, w=4)))
+
+
+def test_other_families_arguments_as_none_are_accepted(tiny):
+    """DESIGN's one signature for every family: a generic caller may pass txt_mask=None and
+    img_shapes=None to a FLUX.1 model."""
+    _, params = tiny
+    kw = inputs(TINY, batch=2)
+    torch.testing.assert_close(fd.apply(params, **kw, txt_mask=None, img_shapes=None), fd.apply(params, **kw))
+
+
+def _fp16_overflowing(module, linear, gate2: int):
+    """Make an AdaLN ``linear`` of ``module`` (fp16) emit shift = scale = gate = 0 except the
+    chunk ``gate2`` = 1000, so a residual stream held at 65504 (the fp16 maximum) overflows."""
+    n = module.inner_dim
+    with torch.no_grad():
+        linear.weight.zero_()
+        linear.bias.zero_()
+        linear.bias[gate2 * n : (gate2 + 1) * n] = 1000.0
+
+
+def test_fp16_clipping_as_diffusers():
+    """diffusers clips fp16 activations to +-65504 after the text stream of a double block
+    and after a single block, but not after the image stream of a double block (there an
+    overflow stays inf). Same weights, streams at the fp16 maximum: the same infs."""
+    module, params = diffusers_model(TINY, seed=6, dtype=torch.float16)
+    double, single = module.transformer_blocks[0], module.single_transformer_blocks[0]
+    _fp16_overflowing(module, double.norm1.linear, 5)  # img: gate_mlp
+    _fp16_overflowing(module, double.norm1_context.linear, 5)  # txt: c_gate_mlp
+    _fp16_overflowing(module, single.norm.linear, 2)  # gate
+    B, S, T, C = 2, 6, 5, TINY.inner_dim
+    img, txt = torch.full((B, S, C), 65504.0, dtype=torch.float16), torch.full((B, T, C), 65504.0, dtype=torch.float16)
+    vec = torch.randn(B, C).half()
+    ids = torch.randn(T + S, 3) * 4
+    ref_txt, ref_img = double(img, txt, vec, module.pos_embed(ids))
+    pe = fd._layers.rope(ids, TINY.axes_dims_rope, 10000.0)
+    out_img, out_txt = flux1.double_block(params["transformer_blocks"]["0"], img, txt, vec, pe, TINY.attention_head_dim)
+    assert ref_img.isinf().any() and not ref_txt.isinf().any()  # the case we mean to test
+    torch.testing.assert_close(out_img, ref_img, rtol=0, atol=0)
+    torch.testing.assert_close(out_txt, ref_txt, rtol=0, atol=0)
+    ref = torch.cat(single(img, txt, vec, module.pos_embed(ids)), 1)
+    out = flux1.single_block(params["single_transformer_blocks"]["0"], torch.cat([txt, img], 1), vec, pe, 16)
+    assert ref.abs().max() == 65504 and not ref.isinf().any()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 def test_guidance_given_to_unguided_model():
