@@ -9,6 +9,7 @@ as an equinox module is a JAX pytree.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -127,11 +128,31 @@ def _unflatten(children, config) -> Params:
     return Params(config, tree)
 
 
+def config_to_json(config) -> str:
+    """A family config as JSON (class name and fields): a tree spec holding it then
+    serialises, so `torch.export.save` can write a program that takes `Params`."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return json.dumps({"class": type(config).__name__, "fields": fields})
+
+
+def config_from_json(text: str):
+    """Inverse of `config_to_json`, for the config classes the families register."""
+    from . import _api  # late: _api imports this module
+
+    data = json.loads(text)
+    classes = {fam.CONFIG.__name__: fam.CONFIG for fam in _api._FAMILIES}
+    if data.get("class") not in classes:
+        raise ValueError(f"config: expected one of {sorted(classes)}, got {data.get('class')!r}")
+    return classes[data["class"]](**data["fields"])
+
+
 torch_pytree.register_pytree_node(
     Params,
     _flatten,
     _unflatten,
     serialized_type_name="functional_dit.Params",
+    to_dumpable_context=config_to_json,
+    from_dumpable_context=config_from_json,
     flatten_with_keys_fn=lambda p: ([(torch_pytree.GetAttrKey("tree"), p.tree)], p.config),
 )
 optree.register_pytree_node(

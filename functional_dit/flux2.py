@@ -15,6 +15,7 @@ later steps pass ``kv_cache=cache`` with the img tokens only (diffusers' ``kv_ca
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import NamedTuple
 
 import optree
@@ -25,7 +26,7 @@ import torch.utils._pytree as torch_pytree
 import sharding
 
 from . import _layers as L
-from ._checks import check_floating, check_ids, check_tensor, reference_leaf
+from ._checks import check_floating, check_ids, check_tensor, check_unused, reference_leaf
 from ._config import (
     require,
     require_bool,
@@ -229,11 +230,19 @@ def _cache_unflatten(children, context) -> Flux2KVCache:
     return Flux2KVCache(Flux2Config(*context[1:]), context[0], children[0])
 
 
+def _cache_context_from_json(text: str) -> tuple:
+    """`torch.export.load`: JSON gives lists; the context must equal `_cache_context`'s
+    tuple again, or the loaded program refuses the cache as an input."""
+    return tuple(tuple(v) if isinstance(v, list) else v for v in json.loads(text))
+
+
 torch_pytree.register_pytree_node(
     Flux2KVCache,
     lambda c: ([c.tree], _cache_context(c)),
     _cache_unflatten,
     serialized_type_name="functional_dit.Flux2KVCache",
+    to_dumpable_context=json.dumps,
+    from_dumpable_context=_cache_context_from_json,
     flatten_with_keys_fn=lambda c: ([(torch_pytree.GetAttrKey("tree"), c.tree)], _cache_context(c)),
 )
 optree.register_pytree_node(
@@ -465,7 +474,8 @@ def _validate(params, x, t, txt, guidance, img_ids, txt_ids):
     for name, ids, n in (("img_ids", img_ids, S), ("txt_ids", txt_ids, txt.shape[1])):
         if ids is None:
             raise ValueError(f"{name}: FLUX.2 needs position ids of shape ({n}, {n_axes}) or ({B}, {n}, {n_axes})")
-    return check_ids("img_ids", img_ids, S, n_axes, B), check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B), ref
+    img_ids = check_ids("img_ids", img_ids, S, n_axes, B, ref.device)
+    return img_ids, check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, ref.device), ref
 
 
 # ----------------------------------------------------------------------------- apply
@@ -530,6 +540,9 @@ def apply(
     kv_cache=None,
     num_ref_tokens=None,
     ref_fixed_timestep=None,
+    pooled=None,
+    txt_mask=None,
+    img_shapes=None,
 ):
     """FLUX.2 forward: x (B, S_img, in_channels), t (B,) in [0, 1], txt (B, S_txt,
     joint_attention_dim), guidance (B,) when the model is guidance-distilled, img_ids
@@ -543,7 +556,10 @@ def apply(
     attending only to themselves; returns ``(out, cache)`` with out over the other tokens
     and cache a `Flux2KVCache`. ``kv_cache=cache``: x holds no reference tokens; every
     block's txt and img queries also attend to the cached reference keys and values.
+
+    ``pooled`` (FLUX.1's), ``txt_mask`` and ``img_shapes`` (Qwen-Image's) must be None.
     """
+    check_unused("FLUX.2", pooled=pooled, txt_mask=txt_mask, img_shapes=img_shapes)
     img_ids, txt_ids, leaf = _validate(params, x, t, txt, guidance, img_ids, txt_ids)
     c = params.config
     mode = _validate_mode(c, x, kv_cache, num_ref_tokens, ref_fixed_timestep, leaf)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import optree
@@ -208,7 +209,7 @@ def _meta_module(config):
         return Flux2Transformer2DModel(**{k: v for k, v in fd.config_to_diffusers(config).items() if k[0] != "_"})
 
 
-@pytest.mark.parametrize("name", ["flux2-dev", "flux2-klein-4b", "flux2-klein-9b", "flux2-tiny"])
+@pytest.mark.parametrize("name", [n for n, c in fd.PRESETS.items() if isinstance(c, fd.Flux2Config)])
 def test_param_specs_equal_diffusers_meta_state_dict(name):
     config = fd.PRESETS[name]
     module = _meta_module(config)
@@ -283,18 +284,35 @@ class _Extract(torch.nn.Module):
         return fd.apply(params, x, t, txt, img_ids=img_ids, txt_ids=txt_ids, kv_cache="extract", num_ref_tokens=3)
 
 
+class _Cached(torch.nn.Module):
+    def forward(self, params, x, t, txt, img_ids, txt_ids, cache):
+        return fd.apply(params, x, t, txt, img_ids=img_ids, txt_ids=txt_ids, kv_cache=cache)
+
+
+def _save_load(program):
+    buf = io.BytesIO()
+    torch.export.save(program, buf)
+    buf.seek(0)
+    return torch.export.load(buf)
+
+
 def test_torch_export_strict_returns_the_cache():
-    """The extract step (the cache is an output pytree) exports with strict tracing; the
-    cached step takes the cache as an input like params (checked by hand: also exports)."""
+    """The extract step (the cache is an output pytree) and the cached step (the cache an
+    input, like params) export with strict tracing, and survive `torch.export.save` / `load`
+    (the cache's static metadata serialises)."""
     params = fd.init(TINY_KLEIN, seed=6)
     kw = inputs(TINY_KLEIN, batch=2, txt_len=3, h=2, w=2, ref_hw=(1, 3))
     args = (params, kw["x"], kw["t"], kw["txt"], kw["img_ids"], kw["txt_ids"])
-    out, cache = torch.export.export(_Extract(), args, strict=True).module()(*args)
+    out, cache = _save_load(torch.export.export(_Extract(), args, strict=True)).module()(*args)
     ref, ref_cache = fd.apply(params, **kw)
     torch.testing.assert_close(out, ref, **FP32)
     assert isinstance(cache, fd.Flux2KVCache) and (cache.config, cache.num_ref_tokens) == (TINY_KLEIN, 3)
     for a, b in zip(cache.flat().values(), ref_cache.flat().values()):
         torch.testing.assert_close(a, b, **FP32)
+    step = next_step(kw, ref_cache)
+    args = (params, step["x"], step["t"], step["txt"], step["img_ids"], step["txt_ids"], ref_cache)
+    program = _save_load(torch.export.export(_Cached(), args, strict=True))
+    torch.testing.assert_close(program.module()(*args), fd.apply(params, **step), **FP32)
 
 
 @pytest.mark.parametrize("lib", ["optree", "torch"])
@@ -386,6 +404,18 @@ BAD_INPUTS = [  # TINY, inputs(batch=2, txt_len=7, h=3, w=4): x (2, 12, 16), txt
     (lambda kw: _bad(kw, txt_ids=kw["txt_ids"].expand(3, -1, -1)), r"txt_ids: .* got \(3, 7, 4\)"),
     (lambda kw: _bad(kw, txt_ids=kw["txt_ids"][None, None]), r"txt_ids: .* got \(1, 1, 7, 4\)"),
     (lambda kw: _bad(kw, img_ids=kw["img_ids"].bool()), "img_ids: expected a real tensor, got torch.bool"),
+    (
+        lambda kw: _bad(kw, txt_ids=kw["txt_ids"].to(torch.complex64)),
+        "txt_ids: expected a real tensor, got torch.complex64",
+    ),
+    (lambda kw: _bad(kw, img_ids=kw["img_ids"].to("meta")), "img_ids: expected device cpu .* got meta"),
+    (lambda kw: _bad(kw, txt_ids=kw["txt_ids"].to("meta")), "txt_ids: expected device cpu .* got meta"),
+    (lambda kw: _bad(kw, t=kw["t"].to(torch.complex64)), "t: expected a real floating .* got torch.complex64"),
+    (lambda kw: _bad(kw, guidance=kw["guidance"] > 2), "guidance: expected a real floating .* got torch.bool"),
+    # the other families' arguments (DESIGN's common signature): accepted as None, an error otherwise
+    (lambda kw: _bad(kw, pooled=torch.ones(2, 8)), "pooled: FLUX.2 takes no pooled; expected None, got Tensor"),
+    (lambda kw: _bad(kw, txt_mask=torch.ones(2, 7)), "txt_mask: FLUX.2 takes no txt_mask; expected None"),
+    (lambda kw: _bad(kw, img_shapes=[[(1, 3, 4)]] * 2), "img_shapes: FLUX.2 takes no img_shapes; expected None"),
     (lambda kw: _bad(kw, x=kw["x"].double()), "x: expected dtype torch.float32 .* got torch.float64"),
     (lambda kw: _bad(kw, txt=kw["txt"].half()), "txt: expected dtype torch.float32 .* got torch.float16"),
     (lambda kw: _bad(kw, x=kw["x"].to("meta")), "x: expected device cpu .* got meta"),
@@ -411,6 +441,44 @@ def test_bad_input_raises(make, message):
     params = fd.init(TINY)
     with pytest.raises(ValueError, match=message):
         fd.apply(params, **make(inputs(TINY, batch=2, txt_len=7, h=3, w=4)))
+
+
+def test_other_families_arguments_as_none_are_accepted(tiny):
+    """DESIGN's one signature for every family: pooled, txt_mask and img_shapes may be None."""
+    _, params = tiny
+    kw = inputs(TINY, batch=2)
+    out = fd.apply(params, **kw, pooled=None, txt_mask=None, img_shapes=None)
+    torch.testing.assert_close(out, fd.apply(params, **kw), rtol=0, atol=0)
+
+
+def test_fp16_clipping_as_diffusers():
+    """diffusers clips fp16 activations to +-65504 after the text stream of a double block
+    and after a single block, not after the image stream of a double block (an overflow
+    there stays inf). Streams at the fp16 maximum, a large MLP gate: the same infs."""
+    module, params = diffusers_model(TINY, seed=6, dtype=torch.float16)
+    B, S, T, n = 2, 6, 5, TINY.inner_dim
+    img, txt = (torch.full((B, L, n), 65504.0, dtype=torch.float16) for L in (S, T))
+    raw = torch.zeros(B, 6 * n, dtype=torch.float16)  # (shift, scale, gate) x (attn, mlp)
+    raw[:, 3 * n : 4 * n] = 1.0  # MLP input shift: the bias-free MLP sees non-zero input
+    raw[:, 5 * n :] = 1000.0  # MLP gate: the residual overflows
+    ids = torch.randn(T + S, 4) * 4
+    pe = fd._layers.rope(ids, TINY.axes_dims_rope, TINY.rope_theta)
+    ref_txt, ref_img = module.transformer_blocks[0](img, txt, raw, raw, module.pos_embed(ids))
+    mod = raw.chunk(6, -1)
+    p = params["transformer_blocks"]["0"]
+    out_img, out_txt, _ = flux2.double_block(p, img, txt, mod, mod, pe, TINY.attention_head_dim, TINY.eps)
+    assert ref_img.isinf().any() and not ref_txt.isinf().any()  # the case we mean to test
+    torch.testing.assert_close(out_img, ref_img, rtol=0, atol=0)
+    torch.testing.assert_close(out_txt, ref_txt, rtol=0, atol=0)
+    raw = torch.zeros(B, 3 * n, dtype=torch.float16)  # shift, scale, gate
+    raw[:, :n], raw[:, 2 * n :] = 1.0, 1000.0
+    x = torch.cat([txt, img], 1)
+    ref = module.single_transformer_blocks[0](x, None, raw, module.pos_embed(ids))
+    out, _ = flux2.single_block(
+        params["single_transformer_blocks"]["0"], x, raw.chunk(3, -1), pe, TINY.attention_head_dim, TINY.eps
+    )
+    assert ref.abs().max() == 65504 and not ref.isinf().any()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 def test_guidance_given_to_unguided_model():
