@@ -197,7 +197,8 @@ def rope(ids: torch.Tensor, axes_dim) -> tuple[torch.Tensor, torch.Tensor]:
     diffusers' ``QwenEmbedRope.rope_params`` computes them (``theta ** (2i / dim)``, then 1/x)."""
     angles = []
     for i, dim in enumerate(axes_dim):
-        inv = 1.0 / torch.pow(THETA, torch.arange(0, dim, 2, device=ids.device).to(torch.float32).div(dim))
+        # fp32 arange (diffusers: int64, then fp32; the same small ints): no int64 on neuron/mps/npu
+        inv = 1.0 / torch.pow(THETA, torch.arange(0, dim, 2, dtype=torch.float32, device=ids.device).div(dim))
         angles.append(ids[:, i, None].float() * inv[None])  # (S, dim/2)
     ang = torch.cat(angles, -1)
     return ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
@@ -305,7 +306,8 @@ def ref_mask(shapes, device=None) -> torch.Tensor:
     """(S_img, 1) bool: True for tokens of the reference images (all but the first), the
     tokens ``zero_cond_t`` modulates with t = 0 (diffusers' ``modulate_index`` == 1)."""
     first = math.prod(shapes[0])
-    return (torch.arange(sum(math.prod(s) for s in shapes), device=device) >= first)[:, None]
+    n = sum(math.prod(s) for s in shapes)
+    return (torch.arange(n, dtype=torch.int32, device=device) >= first)[:, None]  # int32: no int64 on neuron
 
 
 # ----------------------------------------------------------------------------- validation

@@ -180,6 +180,27 @@ def test_bf16_parity(config):
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
+def test_fp16_clipping_as_diffusers():
+    """diffusers clips both fp16 streams of a block to +-65504. Streams at the fp16 maximum
+    and an MLP gate of 1000 (which overflows the residual): the same clipped result."""
+    module, params = diffusers_model(TINY, seed=7, dtype=torch.float16)
+    n, block = TINY.inner_dim, module.transformer_blocks[0]
+    with torch.no_grad():
+        for mod in (block.img_mod[1], block.txt_mod[1]):  # (shift, scale, gate) x (attn, mlp)
+            mod.weight.zero_()
+            mod.bias.zero_()
+            mod.bias[5 * n :] = 1000.0
+    shapes = [(1, 2, 3)]
+    img, txt = (torch.full((2, L, n), 65504.0, dtype=torch.float16) for L in (6, 5))
+    temb = torch.randn(2, n).half()
+    ref_txt, ref_img = block(img, txt, None, temb, module.pos_embed([shapes] * 2, max_txt_seq_len=5, device=CPU))
+    pe = Q.pos_embed(shapes, 5, TINY.axes_dims_rope)
+    out_img, out_txt = Q.block(params["transformer_blocks"]["0"], img, txt, temb, pe, TINY.attention_head_dim)
+    for out, ref in ((out_img, ref_img), (out_txt, ref_txt)):
+        assert ref.abs().max() == 65504 and not ref.isinf().any()  # the case we mean to test
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
 # ------------------------------------------------- masks: static text RoPE == dropping padding
 
 
@@ -232,7 +253,7 @@ def test_zero_cond_t_changes_output(edit):
 # ----------------------------------------------------------------------------- params
 
 
-@pytest.mark.parametrize("name", ["qwen-image", "qwen-image-edit-2511", "qwen-image-layered", "qwen-image-tiny"])
+@pytest.mark.parametrize("name", [n for n, c in fd.PRESETS.items() if isinstance(c, fd.QwenImageConfig)])
 def test_param_specs_equal_diffusers_meta_state_dict(name):
     config = fd.PRESETS[name]
     with torch.device("meta"):
@@ -317,6 +338,10 @@ BAD = {  # id: (config, mutate kw, error pattern)
     "txt-dtype": (TINY, _set(txt=torch.randn(B, T, 32).bfloat16()), "txt: expected dtype torch.float32"),
     "t-shape": (TINY, _set(t=torch.rand(B, 1)), r"t: expected shape \(2\), got \(2, 1\)"),
     "t-dtype": (TINY, _set(t=torch.ones(B, dtype=torch.bool)), "t: expected a real floating or integer tensor"),
+    "t-complex": (TINY, _set(t=torch.ones(B, dtype=torch.complex64)), "t: expected a real floating .* torch.complex64"),
+    "t-device": (TINY, _set(t=torch.ones(B, device="meta")), "t: expected device cpu .* got meta"),
+    "mask-device": (TINY, _set(txt_mask=torch.ones(B, T, dtype=torch.long, device="meta")), "txt_mask: .* got meta"),
+    "mask-half": (TINY, _set(txt_mask=torch.ones(B, T, dtype=torch.half)), "txt_mask: expected a bool .*float16"),
     "mask-length": (TINY, _set(txt_mask=torch.ones(B, T + 1)), r"txt_mask: expected shape \(2, 7\), got \(2, 8\)"),
     "mask-batch": (TINY, _set(txt_mask=torch.ones(1, T, dtype=torch.long)), r"txt_mask: expected shape \(2, 7\)"),
     "mask-float": (TINY, _set(txt_mask=torch.ones(B, T)), "txt_mask: expected a bool or integer 0/1 mask.*float32"),
