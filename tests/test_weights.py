@@ -226,3 +226,15 @@ def test_failed_overwrite_leaves_the_old_checkpoint(tmp_path, monkeypatch, old_s
     weights.save(new, tmp_path, max_shard_size=new_shards)  # and a save that succeeds replaces it all
     _assert_same_params(weights.load(tmp_path), new)
     assert "README.md" in os.listdir(tmp_path)
+
+
+def test_load_places_on_device(tmp_path):
+    """device= puts every tensor there (the meta device stands in for an accelerator: no
+    GPU in CI), cast on the way; the default leaves them on the CPU."""
+    params = fd.init(_case("flux2")[1], seed=0)
+    weights.save(params, tmp_path)
+    meta = weights.load(tmp_path, device="meta", dtype=torch.bfloat16)
+    for k, t in params.flat().items():
+        m = meta.flat()[k]
+        assert m.device.type == "meta" and m.dtype == torch.bfloat16 and m.shape == t.shape, k
+    assert {t.device.type for t in weights.load(tmp_path, device=torch.device("cpu")).leaves()} == {"cpu"}
