@@ -90,10 +90,14 @@ def make_mesh(tp: int = 1, sp: int = 1, dp: int = 1, device_type: str | None = N
 
     ``device_type`` defaults to the available accelerator, else "cpu". When no process
     group exists one is initialised (gloo, nccl, neuron, ... to match the device) with
-    ``timeout`` seconds per collective. ValueError when tp*sp*dp != the world size.
+    ``timeout`` seconds per collective. Every mesh sub-group gets ``timeout`` too (torch's
+    ``init_device_mesh`` would give them its 30-minute default, so a dead peer on a
+    tp x sp mesh hung its neighbours for half an hour); a mesh dim that spans the whole
+    world reuses the default group and keeps its timeout. ValueError when tp*sp*dp != the
+    world size.
     """
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
 
     for name, n in (("tp", tp), ("sp", sp), ("dp", dp)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -107,4 +111,18 @@ def make_mesh(tp: int = 1, sp: int = 1, dp: int = 1, device_type: str | None = N
             f"tp*sp*dp: expected the world size {dist.get_world_size()}, got {tp}*{sp}*{dp} = {world} "
             f"(tp={tp}, sp={sp}, dp={dp})"
         )
-    return init_device_mesh(device_type, (dp, sp, tp), mesh_dim_names=AXES)
+    ranks = torch.arange(world).reshape(dp, sp, tp)
+    groups = [_dim_group(ranks, d, _timeout(timeout)) for d in range(ranks.ndim)]
+    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=AXES)
+
+
+def _dim_group(ranks: torch.Tensor, dim: int, timeout: datetime.timedelta):
+    """This rank's process group along mesh dim ``dim`` (every rank creates every group)."""
+    import torch.distributed as dist
+
+    size = ranks.shape[dim]
+    if size == ranks.numel():
+        return dist.group.WORLD
+    rows = ranks.movedim(dim, -1).reshape(-1, size).tolist()
+    mine, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout)
+    return mine
