@@ -8,6 +8,7 @@ from ._plan import (
     Replicate,
     Shard,
     bytes_per_rank,
+    check_placement,
     local_shape,
     local_slices,
     mesh_sizes,
@@ -16,7 +17,16 @@ from ._plan import (
     take,
 )
 from ._seq import gather, local_len, pad_bias, shard
-from ._shard import dtensor_from_local, local_bytes, local_view, mesh_device, placement_of, shard_params, unshard
+from ._shard import (
+    dtensor_from_local,
+    dtensor_placements,
+    local_bytes,
+    local_view,
+    mesh_device,
+    placement_of,
+    shard_params,
+    unshard,
+)
 
 __all__ = [
     "AXES",
@@ -31,9 +41,11 @@ __all__ = [
     "backend_for",
     "bind",
     "bytes_per_rank",
+    "check_placement",
     "current_mesh",
     "default_device_type",
     "dtensor_from_local",
+    "dtensor_placements",
     "gather",
     "local_bytes",
     "local_len",

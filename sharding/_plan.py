@@ -231,6 +231,40 @@ def _placement(path, spec, rules, sizes) -> Placement:
     return Shard(d, axis, blocks)
 
 
+def check_placement(path: str, placement, spec, sizes: Mapping[str, int]) -> None:
+    """ValueError unless ``placement`` is one `plan` could have made for the parameter at
+    ``path`` on a mesh of axis sizes ``sizes``: a placement on a mesh axis, inside the
+    tensor, a fused dim split per block (and only a fused one; a contiguous split of a
+    fused dim is the classic TP bug), every piece divisible by the axis size.
+
+    ``spec``: its ``ParamSpec``, or a shape tuple when no specs are known (then the
+    fused-dim check is skipped)."""
+    if not is_placement(placement):
+        raise ValueError(f"plan: {path}: expected Replicate() or Shard(...), got {placement!r}")
+    if isinstance(placement, Replicate):
+        return
+    shape = _shape(spec)
+    if placement.axis not in sizes:
+        raise ValueError(f"plan: {path}: axis {placement.axis!r} is not a mesh dim; the mesh has {tuple(sizes)}")
+    d = placement.dim
+    if not (isinstance(d, int) and not isinstance(d, bool) and 0 <= d < len(shape)):
+        raise ValueError(f"plan: {path}: dim {d!r} is outside the parameter's shape {shape}")
+    given = None if placement.blocks is None else tuple(placement.blocks)
+    if is_spec(spec):
+        blocks = tuple(b.size for b in spec.blocks) if spec.axes[d] == PACKED else None
+        if given != blocks:
+            what = f"fused from blocks {blocks}, so it splits per block" if blocks else "not fused"
+            raise ValueError(
+                f"plan: {path}: dim {d} is {what}; expected Shard({d}, {placement.axis!r}, {blocks}), got {placement!r}"
+            )
+    n = sizes[placement.axis]
+    for size in given or (shape[d],):
+        if size % n:
+            raise ValueError(f"plan: {path}: dim {d} of size {size} does not divide by {placement.axis}={n}")
+    if given is not None and sum(given) != shape[d]:
+        raise ValueError(f"plan: {path}: blocks {given} do not add up to dim {d} of size {shape[d]}")
+
+
 # ----------------------------------------------------------------------------- slices
 
 

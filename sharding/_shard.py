@@ -27,9 +27,9 @@ from ._plan import (
     PACKED,
     Replicate,
     Shard,
+    check_placement,
     check_same_keys,
     config_of,
-    is_placement,
     leaves,
     local_slices,
     map_tree,
@@ -75,37 +75,59 @@ def mesh_device(mesh) -> torch.device:
     return torch.device(mesh.device_type, index)
 
 
+def dtensor_placements(placement, names) -> tuple:
+    """The DTensor placements, one per mesh dim ``names``, that `shard_params` gives a leaf
+    of plan placement ``placement``: ``Shard(d)`` on its axis's dim, ``Replicate()`` elsewhere."""
+    from torch.distributed.tensor import Replicate as DReplicate
+    from torch.distributed.tensor import Shard as DShard
+
+    split = isinstance(placement, Shard)
+    return tuple(DShard(placement.dim) if split and n == placement.axis else DReplicate() for n in names)
+
+
 def dtensor_from_local(local: torch.Tensor, shape, placement, mesh):
     """The DTensor `shard_params` makes for one leaf of full shape ``shape``: ``Shard(d)``
     on the mesh dim of the placement's axis (over the rank-major packing for fused
     blocks), ``Replicate()`` on the others, holding only ``local`` (no communication)."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import Replicate as DReplicate
-    from torch.distributed.tensor import Shard as DShard
 
-    split = isinstance(placement, Shard)
-    dims = [DShard(placement.dim) if split and n == placement.axis else DReplicate() for n in mesh.mesh_dim_names]
+    dims = list(dtensor_placements(placement, mesh.mesh_dim_names))
     shape = torch.Size(shape)
     return DTensor.from_local(local, mesh, dims, run_check=False, shape=shape, stride=_contiguous_stride(shape))
+
+
+def _flat_specs(params) -> dict | None:
+    """``{dotted path: ParamSpec}`` of a ``Params``' config, or None for a plain tree."""
+    if config_of(params) is None:
+        return None
+    specs = specs_of(params)
+    check_same_keys("params", _tree(params), specs, "the config's specs")
+    return dict(leaves(specs))
 
 
 def shard_params(params, mesh, plan=None):
     """The same params type whose leaves are DTensors holding only this rank's shard.
 
     ``plan`` defaults to ``sharding.plan(params, mesh)``; a given plan must have the
-    params' keys and placements on ``mesh``'s axes. The slice is cut where the tensor
-    lives (the host, for weights read from disk) and only it moves to the mesh device;
-    a sharded leaf never keeps a view of the full tensor alive."""
+    params' keys and placements `plan` could have made on ``mesh`` (for ``Params``, a
+    fused dim split per block): every leaf is checked before any data moves. The slice
+    is cut where the tensor lives (the host, for weights read from disk) and only it
+    moves to the mesh device; a sharded leaf never keeps a view of the full tensor alive."""
     DTensor = _dtensor_cls()
     tree = _tree(params)
     placements = make_plan(params, mesh) if plan is None else plan
     check_same_keys("plan", placements, tree, "the params")
-    names, device = tuple(mesh.mesh_dim_names or ()), mesh_device(mesh)
-
-    def leaf(path, full, placement):
-        _check_placement(path, placement, names)
+    device, sizes, specs = mesh_device(mesh), mesh_sizes(mesh), _flat_specs(params)
+    flat_plan = dict(leaves(placements))
+    for path, full in leaves(tree):  # validate every leaf first: nothing moves on a bad plan
         if isinstance(full, DTensor):
             raise ValueError(f"params: {path} is already sharded (a DTensor); unshard it first")
+        spec = specs[path] if specs is not None else tuple(full.shape)
+        if tuple(full.shape) != tuple(_shape_of(spec)):
+            raise ValueError(f"params: {path}: expected shape {tuple(spec.shape)}, got {tuple(full.shape)}")
+        check_placement(path, flat_plan[path], spec, sizes)
+
+    def leaf(path, full, placement):
         ranges = local_slices(full.shape, placement, mesh)
         local = take(full, ranges)
         if isinstance(placement, Shard) and len(ranges) == 1:
@@ -115,16 +137,20 @@ def shard_params(params, mesh, plan=None):
     return _rebuild(params, map_tree(leaf, tree, placements))
 
 
-def _check_placement(path, placement, names) -> None:
-    if not is_placement(placement):
-        raise ValueError(f"plan: {path}: expected Replicate() or Shard(...), got {placement!r}")
-    if isinstance(placement, Shard) and placement.axis not in names:
-        raise ValueError(f"plan: {path}: axis {placement.axis!r} is not a mesh dim; the mesh has {names}")
+def _shape_of(spec) -> tuple:
+    return tuple(spec.shape) if hasattr(spec, "shape") else tuple(spec)
 
 
 def local_view(params):
     """``(params with plain local tensor leaves, mesh)`` — the mesh of the DTensor leaves,
-    or None when there are none (then ``params`` is returned as is)."""
+    or None when there are none (then ``params`` is returned as is).
+
+    For ``Params`` every leaf must be placed as ``sharding.plan(config, mesh)`` (the
+    default rules) places it: that is the only layout the model's local-view code
+    computes correctly (e.g. a replicated row-parallel weight would be summed tp times,
+    a split output projection would return a slice of the channels). A plan edited or
+    built from custom rules serves storage (``weights.save`` / ``load``, `unshard`); the
+    forward then raises a ValueError naming the leaf instead of returning garbage."""
     DTensor = _dtensor_cls()
     tree = _tree(params)
     first = None if DTensor is None else next((x for _, x in leaves(tree) if isinstance(x, DTensor)), None)
@@ -133,10 +159,13 @@ def local_view(params):
     mesh = first.device_mesh
     # to_local() is an autograd Function (~25 us a leaf, 30 ms per FLUX.1 call on a slow
     # CPU); without grads the DTensor's own local tensor is the same thing. Traced code
-    # keeps the public to_local().
+    # keeps the public to_local() (and skips the layout check: shapes are then guarded).
     slow = torch.compiler.is_compiling() or not hasattr(first, "_local_tensor")
+    model = None if slow or config_of(params) is None else _model_placements(config_of(params), mesh)
 
     def leaf(path, x):
+        if model is not None:
+            _check_model_layout(path, x, model[path], DTensor)
         if not isinstance(x, DTensor):
             return x
         if x.device_mesh is not mesh and x.device_mesh != mesh:
@@ -144,6 +173,41 @@ def local_view(params):
         return x.to_local() if slow or (x.requires_grad and torch.is_grad_enabled()) else x._local_tensor
 
     return _rebuild(params, map_tree(leaf, tree)), mesh
+
+
+_MODEL_PLACEMENTS: dict = {}
+
+
+def _model_placements(config, mesh) -> dict:
+    """``{path: (plan placement, DTensor placements)}`` of the default plan of ``config``
+    on ``mesh``, cached per (config, mesh layout)."""
+    names = tuple(mesh.mesh_dim_names)
+    key = (config, names, tuple(mesh.shape))
+    try:
+        hit = _MODEL_PLACEMENTS.get(key)
+    except TypeError:  # an unhashable config: no cache
+        key, hit = None, None
+    if hit is None:
+        hit = {p: (pl, dtensor_placements(pl, names)) for p, pl in leaves(make_plan(config, mesh_sizes(mesh)))}
+        if key is not None:
+            _MODEL_PLACEMENTS[key] = hit
+    return hit
+
+
+def _check_model_layout(path, x, expected, DTensor) -> None:
+    want, dims = expected
+    if isinstance(x, DTensor):
+        if tuple(x.placements) == dims:
+            return
+        got = f"a DTensor with placements {tuple(x.placements)}"
+    elif isinstance(want, Replicate):
+        return  # a plain tensor is the whole, i.e. replicated
+    else:
+        got = "a plain tensor"
+    raise ValueError(
+        f"params: {path}: fd.apply's local view needs {want} (DTensor placements {dims}) on this mesh, as "
+        f"sharding.plan's default rules place it; got {got}. An edited plan or custom rules serve storage only"
+    )
 
 
 def local_bytes(params) -> int:
@@ -155,20 +219,33 @@ def local_bytes(params) -> int:
 def unshard(sharded, plan=None):
     """Plain full tensors from a `shard_params` result, bit-exact (an all-gather per
     sharded leaf). Fused-block leaves are un-permuted using ``plan`` or, without it, the
-    specs of ``sharded.config`` (a fused dim is always split per block)."""
+    specs of ``sharded.config`` (a fused dim is always split per block). A plain tree (no
+    config) with sharded leaves needs ``plan``: DTensor placements do not record blocks."""
     DTensor = _dtensor_cls()
     tree = _tree(sharded)
     if plan is not None:
         check_same_keys("plan", plan, tree, "the params")
     specs = None
-    if plan is None and config_of(sharded) is not None:
+    if config_of(sharded) is not None:
         specs = specs_of(sharded)
         check_same_keys("params", tree, specs, "the config's specs")
 
     def leaf(path, x, *given):
         if DTensor is None or not isinstance(x, DTensor):
             return x
-        placement = given[0] if given else placement_of(x, _lookup(specs, path))
+        spec = _lookup(specs, path)
+        if given:
+            placement = given[0]
+            check_placement(path, placement, spec if spec is not None else tuple(x.shape), mesh_sizes(x.device_mesh))
+            if tuple(x.placements) != dtensor_placements(placement, x.device_mesh.mesh_dim_names):
+                raise ValueError(f"plan: {path}: {placement} does not match the leaf's placements {x.placements}")
+        else:
+            placement = placement_of(x, spec)
+            if spec is None and isinstance(placement, Shard):
+                raise ValueError(
+                    f"plan: {path} is sharded in a tree without a config; unshard needs the plan shard_params used "
+                    f"(a fused dim's blocks are not in the DTensor placements), got plan=None"
+                )
         full = x.full_tensor()
         if isinstance(placement, Shard) and placement.blocks is not None:
             full = _unpack(full, placement, mesh_sizes(x.device_mesh)[placement.axis])
