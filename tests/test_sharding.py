@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import runpy
+import subprocess
+import sys
 import time
 import warnings
 
@@ -149,6 +151,35 @@ def test_local_slices_replicate_and_errors():
     _expect(r"coordinate 2 is outside axis 'tp' of size 2", sharding.local_slices, (8,), Shard(0, "tp"), {"tp": (2, 2)})
 
 
+def test_fused_bias_is_sliced_per_block_like_its_weight():
+    """A fused projection with a bias (diffusers' TP shipped a contiguous bias slice under a
+    per-block weight slice): both get the same per-block Shard, so each rank's local
+    linear is exactly its rows of the full one."""
+    blocks = (Block("q", 4, "heads"), Block("gate", 6, "mlp"), Block("up", 6, "mlp"))
+    specs = {"w": ParamSpec((16, 3), (PACKED, "embed"), blocks), "b": ParamSpec((16,), (PACKED,), blocks)}
+    pl = sharding.plan(specs, {"tp": 2})
+    assert pl == {"w": Shard(0, "tp", (4, 6, 6)), "b": Shard(0, "tp", (4, 6, 6))}
+    # small integers: every product and sum is exact, whatever kernel the shapes pick
+    w, b, x = (torch.randint(-4, 5, shape).float() for shape in ((16, 3), (16,), (5, 3)))
+    full = torch.nn.functional.linear(x, w, b)
+    for r in range(2):
+        ranges = sharding.local_slices(specs["b"], pl["b"], {"tp": (r, 2)})
+        assert ranges == sharding.local_slices(specs["w"], pl["w"], {"tp": (r, 2)})
+        local = torch.nn.functional.linear(x, sharding.take(w, ranges), sharding.take(b, ranges))
+        rows = [i for _, a, z in ranges for i in range(a, z)]
+        assert rows == [2 * r, 2 * r + 1] + [4 + 3 * r + i for i in range(3)] + [10 + 3 * r + i for i in range(3)]
+        assert torch.equal(local, full[:, rows])
+
+
+def test_sharding_imports_neither_functional_dit_nor_weights():
+    code = (
+        "import sys, sharding; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('functional_dit', 'weights')); "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
 # ----------------------------------------------------------------------------- bytes
 
 
@@ -220,6 +251,7 @@ def _core_work(rank, world):
         out["psum_absent"] = sharding.psum(x, "dp") is x
         out["gather"] = sharding.all_gather(x, "tp", dim=1)
         out["a2a"] = sharding.all_to_all(sharding.all_to_all(x, "tp", 1, 0), "tp", 0, 1)
+        out["a2a_once"] = sharding.all_to_all(x, "tp", split_dim=1, concat_dim=0)
     out["warnings"] = [str(w.message) for w in caught]
 
     a, b = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)), torch.randn(6, 2)
@@ -251,7 +283,71 @@ def _core_work(rank, world):
         sharding.shard_params(p, mesh, {"x_embedder": {}})
     except ValueError as e:
         out["bad_plan"] = str(e)
+    out["user_plans"] = _user_plans(p, mesh)
+    out["apply_layout"] = _apply_layout(mesh)
+    out["compiled"] = _compiled_apply(mesh)
+    try:
+        sharding.unshard(sharding.shard_params(p.tree, mesh, edited))  # no config, no plan: blocks unknown
+    except ValueError as e:
+        out["unshard_no_plan"] = str(e)
     return out
+
+
+def _user_plans(p, mesh) -> dict:
+    """Edited plans that shard_params must refuse, each before any leaf moves: a fused dim
+    split contiguously, blocks on a dim that is not fused, an axis the mesh lacks."""
+    fused = "single_transformer_blocks.1.attn.to_qkv_mlp_proj.weight"
+    cases = {
+        "contiguous": (fused, Shard(0, "tp")),
+        "not_fused": ("proj_out.weight", Shard(1, "tp", (32, 32))),  # the last leaf: all others were fine
+        "no_axis": ("proj_out.weight", Shard(0, "ep")),
+    }
+    real, moved, report = sharding._shard.dtensor_from_local, [], {}
+    sharding._shard.dtensor_from_local = lambda *a, **k: moved.append(1) or real(*a, **k)
+    try:
+        for name, (path, placement) in cases.items():
+            flat = dict(sharding._plan.leaves(sharding.plan(p, mesh)), **{path: placement})
+            try:
+                sharding.shard_params(p, mesh, fd._pytree.nest(flat))
+                report[name] = "accepted"
+            except ValueError as e:
+                report[name] = str(e)
+    finally:
+        sharding._shard.dtensor_from_local = real
+    report["moved"] = len(moved)
+    return report
+
+
+def _apply_layout(mesh) -> dict:
+    """fd.apply on layouts the local-view model code cannot compute: the output channels
+    split by a custom rule (it returned half the channels), an MLP edited to Replicate
+    (its row-parallel psum would sum the full product tp times)."""
+    import cases_flux1 as C
+
+    p, kw = fd.init(FLUX1, seed=0), C.inputs(FLUX1, batch=1, txt_len=3, h=2, w=2)
+    rules = {**sharding.DEFAULT_RULES, "out_channels": "tp"}
+    replicated_mlp = sharding.plan(p, mesh)
+    both = {"weight": Replicate(), "bias": Replicate()}
+    replicated_mlp["transformer_blocks"]["0"]["ff"] = {"net": {"0": {"proj": both}, "2": both}}
+    report = {}
+    for name, pl in (("rules", sharding.plan(p, mesh, rules)), ("replicated_mlp", replicated_mlp)):
+        try:
+            report[name] = tuple(fd.apply(sharding.shard_params(p, mesh, pl), **kw).shape)
+        except ValueError as e:
+            report[name] = str(e)
+    return report
+
+
+def _compiled_apply(mesh):
+    """fd.apply on TP-sharded params traces as one graph (functional collectives, the
+    plain-list mesh stack) and computes what eager does. aot_eager: dynamo and AOTAutograd
+    (functionalised collectives) without inductor's slow C++ compile."""
+    import cases_flux1 as C
+
+    s = sharding.shard_params(fd.init(FLUX1, seed=0), mesh)
+    kw = C.inputs(FLUX1, batch=2, txt_len=5, h=2, w=3, seed=1)
+    compiled = torch.compile(fd.apply, fullgraph=True, backend="aot_eager")(s, **kw)
+    return torch.equal(compiled, fd.apply(s, **kw)), compiled
 
 
 def test_two_ranks_collectives_shard_map_and_shard_params():
@@ -264,6 +360,8 @@ def test_two_ranks_collectives_shard_map_and_shard_params():
         assert torch.equal(r["psum"], x0 + x1) and r["psum_absent"]
         assert torch.equal(r["gather"], torch.cat([x0, x1], 1))
         assert torch.equal(r["a2a"], x0 + 100 * rank)
+        # rank r gets column chunk r of every rank's x, stacked in rank order along dim 0
+        assert torch.equal(r["a2a_once"], torch.cat([x0[:, 3 * rank : 3 * rank + 3], x1[:, 3 * rank : 3 * rank + 3]]))
         assert r["warnings"] == [], "collectives must not warn (e.g. funcol's deprecated all_gather_tensor)"
         rows, inner, tree, full, twice = r["shard_map"]
         assert torch.equal(rows, full) and torch.equal(tree, twice)
@@ -273,7 +371,24 @@ def test_two_ranks_collectives_shard_map_and_shard_params():
         assert r["edited_local"] == (FLUX2.inner_dim // 2, FLUX2.in_channels)
         assert r["unshard"] == (True, True)
         assert "plan: expected the keys of the params" in r["bad_plan"]
+        plans = r["user_plans"]
+        assert plans["moved"] == 0, "shard_params moved leaves before refusing the plan"
+        assert (
+            "to_qkv_mlp_proj.weight: dim 0 is fused from blocks (64, 64, 64, 192, 192), so it splits per block; "
+            "expected Shard(0, 'tp', (64, 64, 64, 192, 192))" in plans["contiguous"]
+        ), plans["contiguous"]
+        assert "plan: proj_out.weight: dim 1 is not fused" in plans["not_fused"], plans["not_fused"]
+        assert "plan: proj_out.weight: axis 'ep' is not a mesh dim" in plans["no_axis"], plans["no_axis"]
+        layout = r["apply_layout"]
+        assert "params: proj_out.weight: fd.apply's local view needs Replicate()" in layout["rules"], layout
+        assert (
+            "transformer_blocks.0.ff.net.0.proj.weight: fd.apply's local view needs Shard(" in layout["replicated_mlp"]
+        )
+        same, compiled = r["compiled"]
+        assert same, "torch.compile(fd.apply, fullgraph=True) differs from eager on sharded params"
+        assert "plan: x_embedder.weight is sharded in a tree without a config" in r["unshard_no_plan"]
     assert torch.equal(results[0]["shard_map"][1], results[1]["shard_map"][1])
+    assert torch.equal(results[0]["compiled"][1], results[1]["compiled"][1])
 
 
 # ----------------------------------------------------------------------------- failure bounds
@@ -283,19 +398,16 @@ SLACK = 20  # scheduling slack on a busy 2-core machine
 
 
 def _crash_work(rank, world, flag_dir):
-    """Rank 1 raises inside its first single-stream block and then stays alive without
-    closing its sockets (the worst case: a peer that neither answers nor hangs up)."""
-    mesh = sharding.make_mesh(sp=2, timeout=PG_TIMEOUT)
-    kw = dict(
-        x=torch.randn(2, 12, FLUX1.in_channels),
-        t=torch.rand(2),
-        txt=torch.randn(2, 7, FLUX1.joint_attention_dim),
-        pooled=torch.randn(2, FLUX1.pooled_projection_dim),
-        guidance=torch.ones(2),
-        img_ids=torch.randn(12, 3),
-        txt_ids=torch.randn(7, 3),
-    )
-    s = sharding.shard_params(fd.init(FLUX1), mesh)
+    """A tp=2 x sp=2 mesh on 4 ranks: neither axis spans the world, so every collective
+    runs on a mesh sub-group (whose timeout must be make_mesh's too, not torch's 30-minute
+    default). Rank 1 raises inside its first single-stream block and then stays alive
+    without closing its sockets (the worst case: a peer that neither answers nor hangs up)."""
+    import cases_flux1 as C
+
+    mesh = sharding.make_mesh(tp=2, sp=2, timeout=PG_TIMEOUT)
+    config = C.TINY_SCHNELL  # 4 heads: 2 per tp rank, 1 per (tp, sp) rank
+    kw = C.inputs(config, batch=2, txt_len=7, h=3, w=4, seed=0)
+    s = sharding.shard_params(fd.init(config), mesh)
     real = fd.flux1.single_block
 
     def block(*args, **kwargs):
@@ -310,20 +422,21 @@ def _crash_work(rank, world, flag_dir):
         return {"finished": True}
     except Exception as e:  # noqa: BLE001
         elapsed = time.monotonic() - start
-        done = os.path.join(flag_dir, "rank0_done")
-        if rank == 0:
-            open(done, "w").close()
-        else:
-            while not os.path.exists(done) and time.monotonic() - start < 3 * (PG_TIMEOUT + SLACK):
-                time.sleep(0.1)
+        open(os.path.join(flag_dir, f"rank{rank}_done"), "w").close()
+        # Stay alive (sockets open) until every rank has failed on its own.
+        while len(os.listdir(flag_dir)) < world and time.monotonic() - start < 3 * (PG_TIMEOUT + SLACK):
+            time.sleep(0.1)
         return {"error": f"{type(e).__name__}: {e}"[:300], "elapsed": elapsed}
 
 
 def test_a_rank_that_raises_mid_forward_fails_every_rank_in_bounded_time(tmp_path):
     start = time.monotonic()
-    r0, r1 = spawn(_crash_work, 2, str(tmp_path), init=False, timeout=4 * (PG_TIMEOUT + SLACK))
-    assert "injected failure on rank 1" in r1["error"]
-    assert "error" in r0, "rank 0 finished a forward its peer never joined"
-    assert r0["elapsed"] < PG_TIMEOUT + SLACK, r0  # failed by the process-group timeout, not hung
-    assert "Timed out" in r0["error"] or "timeout" in r0["error"].lower(), r0["error"]
+    results = spawn(_crash_work, 4, str(tmp_path), init=False, timeout=4 * (PG_TIMEOUT + SLACK))
+    assert "injected failure on rank 1" in results[1]["error"]
+    for rank, r in enumerate(results):
+        assert "error" in r, (rank, r)  # no rank finished a forward its peer never joined (or hung)
+        # Failed by the process-group timeout (or a peer's failure), not hung: a rank may
+        # first wait out one collective whose peer is itself waiting on the dead rank.
+        assert r["elapsed"] < 2 * PG_TIMEOUT + SLACK, (rank, r)
+    assert "Timed out" in results[0]["error"] or "timeout" in results[0]["error"].lower(), results[0]["error"]
     assert time.monotonic() - start < 3 * (PG_TIMEOUT + SLACK)
