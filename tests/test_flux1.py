@@ -256,6 +256,10 @@ BAD_INPUTS = [
     (lambda kw: _bad(kw, txt=kw["txt"].half()), "txt: expected dtype torch.float32 .* got torch.float16"),
     (lambda kw: _bad(kw, pooled=kw["pooled"].to(torch.bfloat16)), "pooled: expected dtype torch.float32"),
     (lambda kw: _bad(kw, x=kw["x"].to("meta")), "x: expected device cpu .* got meta"),
+    (lambda kw: _bad(kw, txt=kw["txt"].to("meta")), "txt: expected device cpu .* got meta"),
+    (lambda kw: _bad(kw, pooled=kw["pooled"].to("meta")), "pooled: expected device cpu .* got meta"),
+    (lambda kw: _bad(kw, t=kw["t"].to("meta")), "t: expected device cpu .* got meta"),
+    (lambda kw: _bad(kw, guidance=kw["guidance"].to("meta")), "guidance: expected device cpu .* got meta"),
     (lambda kw: _bad(kw, x=kw["x"].numpy()), r"x: expected a tensor of shape \(\*, \*, 16\), got ndarray"),
     # timesteps, guidance and ids are cast like diffusers casts them, but not from bool or complex
     (lambda kw: _bad(kw, t=kw["t"] > 0.5), "t: expected a real floating or integer tensor, got torch.bool"),

@@ -316,6 +316,20 @@ def test_torch_export_strict_returns_the_cache():
 
 
 @pytest.mark.parametrize("lib", ["optree", "torch"])
+def test_params_are_a_pytree(lib):
+    params = fd.init(TINY_KLEIN)
+    if lib == "optree":
+        leaves, spec = optree.tree_flatten(params)
+        back = optree.tree_unflatten(spec, [t * 2 for t in leaves])
+    else:
+        leaves, spec = torch_pytree.tree_flatten(params)
+        back = torch_pytree.tree_unflatten([t * 2 for t in leaves], spec)
+    assert len(leaves) == len(params.flat())
+    assert isinstance(back, fd.Params) and back.config == params.config
+    assert all(torch.equal(back.flat()[k], 2 * t) for k, t in params.flat().items())
+
+
+@pytest.mark.parametrize("lib", ["optree", "torch"])
 def test_cache_is_a_pytree(lib):
     params = fd.init(TINY_KLEIN)
     _, cache = fd.apply(params, **inputs(TINY_KLEIN, batch=2, ref_hw=(1, 3)))

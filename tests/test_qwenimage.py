@@ -7,8 +7,10 @@ import dataclasses
 import json
 import math
 
+import optree
 import pytest
 import torch
+import torch.utils._pytree as torch_pytree
 from cases_qwenimage import TINY, TINY_EDIT, TINY_LAYERED, diffusers_kwargs, inputs
 from diffusers import QwenImageTransformer2DModel
 from oracle import diffusers_model, max_err
@@ -291,6 +293,32 @@ def test_config_round_trip(fixture, request, tmp_path):
     module.save_config(tmp_path)
     assert fd.config_from_diffusers(tmp_path) == params.config
     assert json.loads((tmp_path / "config.json").read_text())["_class_name"] == name
+
+
+def test_functional_call_of_diffusers_module_equals_apply(edit):
+    module, _ = edit
+    params = fd.init(TINY_EDIT, seed=9)  # weights the module does not hold
+    kw = inputs(TINY_EDIT, batch=2, holes=True)
+    (ref,) = torch.func.functional_call(module, fd.to_state_dict(params), (), diffusers_kwargs(kw))
+    torch.testing.assert_close(fd.apply(params, **kw), ref, **FP32)
+
+
+@pytest.mark.parametrize("lib", ["optree", "torch"])
+def test_pytree_flatten_unflatten(lib):
+    params = fd.init(TINY_LAYERED)
+    flat = params.flat()
+    if lib == "optree":
+        paths, leaves, spec = optree.tree_flatten_with_path(params)
+        back = optree.tree_unflatten(spec, [t * 2 for t in leaves])
+        keys = [".".join(path[1:]) for path in paths]  # path[0] is Params' "tree" entry
+    else:
+        pairs, spec = torch_pytree.tree_flatten_with_path(params)
+        leaves = [t for _, t in pairs]
+        back = torch_pytree.tree_unflatten([t * 2 for t in leaves], spec)
+        keys = [".".join(k.key for k in path[1:]) for path, _ in pairs]
+    assert sorted(keys) == sorted(flat)  # leaf paths are the diffusers state_dict keys
+    assert isinstance(back, fd.Params) and back.config == params.config
+    assert all(torch.equal(back.flat()[k], 2 * t) for k, t in flat.items())
 
 
 def test_from_diffusers_shares_storage(layered):
