@@ -173,6 +173,22 @@ def test_cached_step_uses_the_cache(tiny):
     assert max_err(fd.apply(params, **step), fd.apply(params, **plain)) > 1e-3  # the cache matters
 
 
+def test_cache_key_order_does_not_matter(tiny):
+    """A cache is a tree keyed by block: one rebuilt with its keys in another order (say
+    sorted as strings, or single blocks first) is the same cache."""
+    _, params = tiny
+    kw = inputs(TINY, batch=2, ref_hw=(2, 2))
+    _, cache = fd.apply(params, **kw)
+    shuffled = fd.Flux2KVCache(
+        cache.config, cache.num_ref_tokens, fd._pytree.nest(dict(reversed(cache.flat().items())))
+    )
+    assert list(shuffled.flat()) != list(cache.flat())
+    step = next_step(kw, cache)
+    torch.testing.assert_close(
+        fd.apply(params, **{**step, "kv_cache": shuffled}), fd.apply(params, **step), rtol=0, atol=0
+    )
+
+
 def test_bf16_parity():
     """bf16 weights and activations. We run the same ops in the same order as diffusers, so
     on the CPU the result is bitwise equal (measured: 0); other kernels (CUDA, XLA) may fuse
