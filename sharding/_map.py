@@ -30,6 +30,10 @@ class P(tuple):
         for a in axes:
             if a is not None and not isinstance(a, str):
                 raise ValueError(f"P: expected mesh axis names or None, got {a!r}")
+        named = [a for a in axes if a is not None]
+        for a in named:
+            if named.count(a) > 1:
+                raise ValueError(f"P: mesh axis {a!r} is used by more than one dim: P{tuple.__repr__(axes)}")
         return super().__new__(cls, axes)
 
     def __repr__(self) -> str:
@@ -83,12 +87,32 @@ def _global(spec: P, y: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _check_axes(specs, names: tuple, where: str) -> None:
+    """ValueError for a spec naming an axis ``names`` lacks (JAX refuses it too; here an
+    absent axis has size 1, so a misspelt one would silently leave its dim unsplit)."""
+    if isinstance(specs, P):
+        for a in specs:
+            if a is not None and a not in names:
+                raise ValueError(f"{where}: axis {a!r} is not a mesh dim; the mesh has {names}")
+    elif isinstance(specs, Mapping):
+        for s in specs.values():
+            _check_axes(s, names, where)
+    elif isinstance(specs, (tuple, list)):
+        for s in specs:
+            _check_axes(s, names, where)
+
+
 def shard_map(fn, mesh, in_specs, out_specs):
     """``fn`` run on every rank in the local view of ``mesh`` (see the module docstring).
 
     ``in_specs``: a prefix of the positional arguments tuple (one spec per argument, or
     one for all); ``out_specs``: a prefix of the result. ``mesh``: a named DeviceMesh,
     or None (then ``fn`` runs on the full tensors)."""
+
+    names = None if mesh is None else tuple(mesh.mesh_dim_names or ())
+    if names is not None:
+        _check_axes(in_specs, names, "in_specs")
+        _check_axes(out_specs, names, "out_specs")
 
     @functools.wraps(fn)
     def wrapped(*args):

@@ -231,6 +231,51 @@ def test_shard_map_without_a_mesh_is_plain_call():
         P(1)
 
 
+def test_collectives_are_the_identity_without_a_mesh():
+    x = torch.randn(4, 6)
+
+    def check():
+        assert sharding.axis_size("tp") == 1 and sharding.axis_index("tp") == 0
+        assert sharding.psum(x, "tp") is x and sharding.all_gather(x, "sp", 1) is x
+        assert sharding.all_to_all(x, "sp", 1, 0) is x and sharding.shard(x, "dp", 0) is x
+        assert sharding.ulysses(lambda *a: a, x, x, x, None) == (x, x, x, None)
+
+    check()  # nothing bound
+    with sharding.bind(None):  # a bound None, as shard_map(fn, None, ...) binds
+        check()
+
+
+def test_shard_map_refuses_axes_the_mesh_lacks_and_repeated_axes():
+    """JAX raises for both; here a misspelt axis silently left the input unsplit (axis_size
+    of an absent axis is 1) and the function saw the whole tensor."""
+
+    class Mesh:  # what shard_map reads of a DeviceMesh before any collective
+        mesh_dim_names = ("dp", "sp", "tp")
+
+    with pytest.raises(
+        ValueError, match=r"in_specs: axis 'model' is not a mesh dim; the mesh has \('dp', 'sp', 'tp'\)"
+    ):
+        sharding.shard_map(lambda a: a, Mesh(), (P("model"),), P())(torch.ones(4))
+    with pytest.raises(ValueError, match=r"out_specs: axis 'mdl' is not a mesh dim"):
+        sharding.shard_map(lambda a: a, Mesh(), (P(),), P(None, "mdl"))(torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"P: mesh axis 'tp' is used by more than one dim: P\('tp', 'tp'\)"):
+        P("tp", "tp")
+
+
+def test_default_device_type_and_backends(monkeypatch):
+    acc = torch.accelerator
+    monkeypatch.setattr(acc, "current_accelerator", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sharding.default_device_type() == "cpu"
+    monkeypatch.setattr(acc, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    assert sharding.default_device_type() == "cuda"
+    monkeypatch.setattr(acc, "current_accelerator", lambda *a, **k: torch.device("mps"))
+    assert sharding.default_device_type() == "cpu"  # mps has no collectives backend
+    assert sharding.backend_for("cpu") == "gloo" and sharding.backend_for("cuda") == "nccl"
+    with pytest.raises(ValueError, match=r"device_type: no process-group backend is registered for 'warp'"):
+        sharding.backend_for("warp")
+
+
 # ----------------------------------------------------------------------------- 2 ranks
 
 
