@@ -134,7 +134,7 @@ def mesh_sizes(mesh) -> dict[str, int]:
             raise ValueError(f"mesh: expected a DeviceMesh with mesh_dim_names or a mapping, got {mesh!r}")
         sizes = dict(zip(names, mesh.shape))
     for axis, n in sizes.items():
-        if not isinstance(n, int) or n < 1:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"mesh: axis {axis!r} must have a positive int size, got {n!r}")
     return sizes
 

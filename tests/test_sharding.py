@@ -102,6 +102,7 @@ def test_plan_rejects_before_any_data_moves():
     )
     _expect(r"rules: expected a mapping", sharding.plan, FLUX1, {"tp": 2}, {"heads": 3})
     _expect(r"mesh: axis 'tp' must have a positive int size", sharding.plan, FLUX1, {"tp": 0})
+    _expect(r"mesh: axis 'sp' must have a positive int size, got True", sharding.plan, FLUX1, {"sp": True})
     _expect(r"params_or_config: expected a specs tree", sharding.plan, object(), {"tp": 2})
 
 
@@ -221,6 +222,9 @@ def test_make_mesh_rejects_a_wrong_world_size():
         sharding.make_mesh(tp=2, sp=2, device_type="cpu")
     with pytest.raises(ValueError, match=r"tp: expected a positive int, got 0"):
         sharding.make_mesh(tp=0)
+    with pytest.raises(ValueError, match=r"timeout: expected positive seconds or a timedelta, got 0"):
+        sharding.make_mesh(device_type="cpu", timeout=0)
+    assert not torch.distributed.is_initialized()  # every refusal came before a process group
 
 
 def test_shard_map_without_a_mesh_is_plain_call():
