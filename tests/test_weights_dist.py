@@ -166,6 +166,12 @@ def _bad_plans(jobs, mesh) -> list[str]:
             messages.append(f"{key} {placement}: accepted")
         except ValueError as e:
             messages.append(str(e))
+    for kw in (dict(plan=["not", "a", "plan"]), dict(device="meta")):
+        try:
+            weights.load(path, config=config, mesh=mesh, **kw)
+            messages.append(f"{kw}: accepted")
+        except ValueError as e:
+            messages.append(str(e))
     return messages
 
 
@@ -242,10 +248,12 @@ def test_streamed_sharded_load_equals_shard_params(tmp_path):
         for k, t in full.flat().items():
             assert torch.equal(saved.flat()[k], t), (name, k)
     for r in reports:
-        fused, plain, outside = r["bad_plans"]
+        fused, plain, outside, not_a_plan, device = r["bad_plans"]
         assert "to_qkv_mlp_proj.weight: dim 0 is fused from blocks (64, 64, 64, 192, 192)" in fused, fused
         assert "to_q.weight: dim 0 is not fused" in plain, plain
         assert "dim 2 is outside the parameter's shape (64, 64)" in outside, outside
+        assert not_a_plan.startswith("plan: expected None or a mapping shaped like the params"), not_a_plan
+        assert device.startswith("device: the mesh's shards live on cpu, got device='meta'"), device
         for key, m in r["other_meshes"].items():
             assert m["mismatched"] == [] and m["bytes_read"] == m["shard_bytes"], (key, m)
             full_bytes = sum(t.numel() * 4 for t in refs[key.split(":")[1]][0].leaves())

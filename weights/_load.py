@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import os
 import sys
+from collections.abc import Mapping
 
 import torch
 
@@ -199,6 +200,8 @@ def _flat_plan(config, specs: dict, mesh, plan) -> dict | None:
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if not names:
         raise ValueError(f"mesh: expected a named DeviceMesh (sharding.make_mesh), got {mesh!r}")
+    if plan is not None and not isinstance(plan, Mapping):
+        raise ValueError(f"plan: expected None or a mapping shaped like the params (sharding.plan), got {plan!r:.100}")
     plan = flatten(sharding.plan(config, mesh) if plan is None else plan)
     if set(plan) != set(specs):
         missing, extra = sorted(set(specs) - set(plan))[:10], sorted(set(plan) - set(specs))[:10]
@@ -244,18 +247,20 @@ def _region(shape, mesh, placement) -> tuple[list[tuple[int, int]], ...]:
 
 
 def _device(device, mesh):
+    """Where the tensors go: ``device``, or the mesh's device (``device`` must agree)."""
+    given = device
     if device is not None:
         try:
             device = torch.device(device)
         except (RuntimeError, TypeError, ValueError):
-            raise ValueError(f"device: expected a torch.device or a device string, got {device!r}") from None
+            raise ValueError(f"device: expected a torch.device or a device string, got {given!r}") from None
     if mesh is None:
         return device
     if not getattr(mesh, "mesh_dim_names", None):
         raise ValueError(f"mesh: expected a named DeviceMesh (sharding.make_mesh), got {mesh!r}")
     want = sharding.mesh_device(mesh)
     if device is not None and device.type != want.type:
-        raise ValueError(f"device: the mesh's shards live on {want.type}, got device={device!r}")
+        raise ValueError(f"device: the mesh's shards live on {want.type}, got device={given!r}")
     return want
 
 
