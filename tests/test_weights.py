@@ -195,6 +195,8 @@ def test_save_bad_arguments(tmp_path):
         weights.save(params, tmp_path / "a", progress="yes")
     with pytest.raises(ValueError, match="path: expected a str or os.PathLike"):
         weights.save(params, None)
+    with pytest.raises(ValueError, match="params: .* is on the meta device"):
+        weights.save(fd.init(_case("flux1")[1], device="meta"), tmp_path / "a")
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match=r"path: .*file' is a file; expected a folder"):
         weights.save(params, tmp_path / "file")

@@ -87,6 +87,8 @@ def save(params: fd.Params, path, max_shard_size="5GB", *, progress: bool | None
     for k, (dtype, _) in meta.items():
         if dtype not in F.TORCH_TO_ST:
             raise ValueError(f"params: {k} has dtype {dtype}, which safetensors cannot store")
+        if flat[k].device.type == "meta":
+            raise ValueError(f"params: {k} is on the meta device: it has a shape but no data to save")
     sizes = {k: F.TensorInfo("", k, F.TORCH_TO_ST[d], s, 0, 0).itemsize * _numel(s) for k, (d, s) in meta.items()}
     groups = shard_groups(sizes, limit)
     names = _shard_names(len(groups))
