@@ -115,6 +115,8 @@ def _packed_ok(p, s, mesh, shape) -> dict:
         ("single_transformer_blocks.0.proj_out.weight", "attn,mlp", 1),  # FLUX.1
         ("single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight", "q,k,v,gate,up", 0),  # FLUX.2
         ("single_transformer_blocks.0.attn.to_out.weight", "attn,mlp", 1),  # FLUX.2
+        ("transformer_blocks.0.ff.linear_in.weight", "gate,up", 0),  # FLUX.2 SwiGLU
+        ("transformer_blocks.0.ff_context.linear_in.weight", "gate,up", 0),
     ):
         full, local = p.flat().get(path), s.flat().get(path)
         if full is None:
@@ -209,4 +211,5 @@ def test_sharded_equals_unsharded(world, cases):
             assert r[key]["unshard_exact"] == [], (key, rank)
             assert all(r[key]["packed"].values()), (key, rank, r[key]["packed"])
             if shape.get("tp", 1) > 1 and not name.startswith("qwen"):  # Qwen-Image has no fused params
-                assert r[key]["packed"], (key, rank)
+                want_paths = 1 if name.startswith("flux1") else 4  # FLUX.1 proj_out; FLUX.2's four
+                assert len(r[key]["packed"]) == want_paths, (key, rank, r[key]["packed"])
