@@ -24,7 +24,9 @@ def check_tensor(name: str, x, shape, dtype=None, device=None) -> None:
 
 
 def check_floating(name: str, x) -> None:
-    if not (x.is_floating_point() or x.dtype in (torch.int32, torch.int64)):
+    """Timesteps, guidance: any real floating or integer dtype (cast as diffusers casts
+    them), never bool or complex."""
+    if x.is_complex() or x.dtype == torch.bool:
         raise ValueError(f"{name}: expected a real floating or integer tensor, got {x.dtype}")
 
 

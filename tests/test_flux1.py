@@ -348,6 +348,9 @@ def test_timesteps_and_ids_are_cast_like_diffusers(tiny):
     )
     (ref,) = module(**diffusers_kwargs(kw))
     torch.testing.assert_close(fd.apply(params, **kw), ref, **FP32)
+    ints = _bad(kw, t=torch.tensor([0, 1], dtype=torch.int16), guidance=torch.tensor([3, 4], dtype=torch.uint8))
+    (ref,) = module(**diffusers_kwargs(ints))  # integer timesteps of any width, as diffusers casts them
+    torch.testing.assert_close(fd.apply(params, **ints), ref, **FP32)
 
 
 def test_max_errors_are_reported(tiny, capsys):
