@@ -94,10 +94,13 @@ def _init_leaf(key: str, spec: ParamSpec, gen: torch.Generator) -> torch.Tensor:
 
 def init(config, seed: int = 0, dtype=torch.float32, device="cpu") -> Params:
     """Random params, deterministic per ``seed``: fan-in scaled normal weights, small
-    random biases, norm scales near 1 (no zero-init, so every path is exercised)."""
+    random biases, norm scales near 1 (no zero-init, so every path is exercised).
+    ``device="meta"`` allocates and draws nothing (shapes and dtypes only)."""
+    specs = flatten(param_specs(config))
+    if torch.device(device).type == "meta":
+        return Params(config, nest({k: torch.empty(s.shape, dtype=dtype, device="meta") for k, s in specs.items()}))
     gen = torch.Generator().manual_seed(seed)
-    flat = {k: _init_leaf(k, s, gen).to(device=device, dtype=dtype) for k, s in flatten(param_specs(config)).items()}
-    return Params(config, nest(flat))
+    return Params(config, nest({k: _init_leaf(k, s, gen).to(device=device, dtype=dtype) for k, s in specs.items()}))
 
 
 def from_state_dict(config, state: Mapping[str, torch.Tensor]) -> Params:
