@@ -387,16 +387,23 @@ def _apply_layout(mesh) -> dict:
     return report
 
 
-def _compiled_apply(mesh):
-    """fd.apply on TP-sharded params traces as one graph (functional collectives, the
-    plain-list mesh stack) and computes what eager does. aot_eager: dynamo and AOTAutograd
-    (functionalised collectives) without inductor's slow C++ compile."""
+def _compiled_apply(tp_mesh):
+    """fd.apply on sharded params traces as one graph (functional collectives, the
+    plain-list mesh stack) and computes what eager does: TP (psum) and Ulysses SP over an
+    odd sequence (all_to_all, all_gather, padding). aot_eager: dynamo and AOTAutograd
+    (functionalised collectives) without inductor's slow C++ compile; dynamic=False as
+    on XLA (a second mesh's shapes would otherwise go symbolic, and tracing crawls).
+    One block of each kind keeps the trace short."""
     import cases_flux1 as C
 
-    s = sharding.shard_params(fd.init(FLUX1, seed=0), mesh)
-    kw = C.inputs(FLUX1, batch=2, txt_len=5, h=2, w=3, seed=1)
-    compiled = torch.compile(fd.apply, fullgraph=True, backend="aot_eager")(s, **kw)
-    return torch.equal(compiled, fd.apply(s, **kw)), compiled
+    config = dataclasses.replace(FLUX1, num_layers=1, num_single_layers=1)
+    kw = C.inputs(config, batch=2, txt_len=5, h=2, w=3, seed=1)  # 5 + 6 tokens: sp pads
+    results = []
+    for mesh in (tp_mesh, sharding.make_mesh(sp=2)):
+        s = sharding.shard_params(fd.init(config, seed=0), mesh)
+        compiled = torch.compile(fd.apply, fullgraph=True, dynamic=False, backend="aot_eager")(s, **kw)
+        results.append((torch.equal(compiled, fd.apply(s, **kw)), compiled))
+    return results
 
 
 def test_two_ranks_collectives_shard_map_and_shard_params():
@@ -433,11 +440,12 @@ def test_two_ranks_collectives_shard_map_and_shard_params():
         assert (
             "transformer_blocks.0.ff.net.0.proj.weight: fd.apply's local view needs Shard(" in layout["replicated_mlp"]
         )
-        same, compiled = r["compiled"]
-        assert same, "torch.compile(fd.apply, fullgraph=True) differs from eager on sharded params"
+        for axis, (same, _) in zip(("tp", "sp"), r["compiled"]):
+            assert same, f"{axis}: torch.compile(fd.apply, fullgraph=True) differs from eager on sharded params"
         assert "plan: x_embedder.weight is sharded in a tree without a config" in r["unshard_no_plan"]
     assert torch.equal(results[0]["shard_map"][1], results[1]["shard_map"][1])
-    assert torch.equal(results[0]["compiled"][1], results[1]["compiled"][1])
+    for (_, a), (_, b) in zip(results[0]["compiled"], results[1]["compiled"]):
+        assert torch.equal(a, b)
 
 
 # ----------------------------------------------------------------------------- failure bounds
