@@ -27,6 +27,7 @@ from ._plan import (
     PACKED,
     Replicate,
     Shard,
+    _shape,
     check_placement,
     check_same_keys,
     config_of,
@@ -123,7 +124,7 @@ def shard_params(params, mesh, plan=None):
         if isinstance(full, DTensor):
             raise ValueError(f"params: {path} is already sharded (a DTensor); unshard it first")
         spec = specs[path] if specs is not None else tuple(full.shape)
-        if tuple(full.shape) != tuple(_shape_of(spec)):
+        if tuple(full.shape) != _shape(spec):
             raise ValueError(f"params: {path}: expected shape {tuple(spec.shape)}, got {tuple(full.shape)}")
         check_placement(path, flat_plan[path], spec, sizes)
 
@@ -135,10 +136,6 @@ def shard_params(params, mesh, plan=None):
         return dtensor_from_local(local.to(device), full.shape, placement, mesh)
 
     return _rebuild(params, map_tree(leaf, tree, placements))
-
-
-def _shape_of(spec) -> tuple:
-    return tuple(spec.shape) if hasattr(spec, "shape") else tuple(spec)
 
 
 def local_view(params):

@@ -181,6 +181,18 @@ def test_sharding_imports_neither_functional_dit_nor_weights():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
 
 
+def test_shard_params_refuses_a_misshaped_leaf_before_anything_moves():
+    class Mesh:  # what shard_params reads of a DeviceMesh before it cuts or moves a leaf
+        mesh_dim_names, shape, device_type = ("dp", "sp", "tp"), (1, 1, 2), "cpu"
+
+    p = fd.init(FLUX1)
+    tree = p.flat()
+    tree["proj_out.weight"] = torch.zeros(3, 3)
+    bad = fd._pytree.Params(FLUX1, fd._pytree.nest(tree))
+    with pytest.raises(ValueError, match=r"params: proj_out.weight: expected shape \(16, 32\), got \(3, 3\)"):
+        sharding.shard_params(bad, Mesh())
+
+
 # ----------------------------------------------------------------------------- bytes
 
 
