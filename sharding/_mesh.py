@@ -55,9 +55,14 @@ def _timeout(timeout) -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout)
 
 
-def _set_device(device_type: str) -> None:
+def _set_device(device_type: str, only_if_unset: bool = False) -> None:
+    """Select this process's accelerator from LOCAL_RANK (else RANK), modulo the device
+    count; with ``only_if_unset``, only when the device runtime is not initialised yet
+    (a device the user chose is kept), as ``init_device_mesh`` does."""
     module = getattr(torch, device_type, None)
     if device_type == "cpu" or module is None or not hasattr(module, "set_device"):
+        return
+    if only_if_unset and (not hasattr(module, "is_initialized") or module.is_initialized()):
         return
     count = module.device_count() if hasattr(module, "device_count") else 1
     local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
@@ -111,6 +116,8 @@ def make_mesh(tp: int = 1, sp: int = 1, dp: int = 1, device_type: str | None = N
             f"tp*sp*dp: expected the world size {dist.get_world_size()}, got {tp}*{sp}*{dp} = {world} "
             f"(tp={tp}, sp={sp}, dp={dp})"
         )
+    else:  # a group the caller made: pick the device if nobody has yet
+        _set_device(device_type, only_if_unset=True)
     ranks = torch.arange(world).reshape(dp, sp, tp)
     groups = [_dim_group(ranks, d, _timeout(timeout)) for d in range(ranks.ndim)]
     return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=AXES)

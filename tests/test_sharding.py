@@ -292,6 +292,36 @@ def test_default_device_type_and_backends(monkeypatch):
         sharding.backend_for("warp")
 
 
+def test_make_mesh_selects_the_local_device_unless_one_is_chosen(monkeypatch):
+    """What init_device_mesh did before make_mesh built its own sub-groups: with a process
+    group the caller made, the accelerator is picked from LOCAL_RANK only if unset."""
+
+    class Dev:
+        count, initialized, chosen = 4, False, []
+
+        @classmethod
+        def device_count(cls):
+            return cls.count
+
+        @classmethod
+        def is_initialized(cls):
+            return cls.initialized
+
+        @classmethod
+        def set_device(cls, i):
+            cls.chosen.append(i)
+
+    monkeypatch.setattr(torch, "fakedev", Dev, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "6")
+    sharding._mesh._set_device("fakedev", only_if_unset=True)
+    assert Dev.chosen == [2]  # 6 % 4 devices
+    Dev.initialized = True
+    sharding._mesh._set_device("fakedev", only_if_unset=True)
+    assert Dev.chosen == [2]  # the user's choice stands
+    sharding._mesh._set_device("fakedev")  # a process group make_mesh creates: always
+    assert Dev.chosen == [2, 2]
+
+
 # ----------------------------------------------------------------------------- 2 ranks
 
 
