@@ -206,33 +206,10 @@ def _flat_plan(config, specs: dict, mesh, plan) -> dict | None:
     if set(plan) != set(specs):
         missing, extra = sorted(set(specs) - set(plan))[:10], sorted(set(plan) - set(specs))[:10]
         raise ValueError(f"plan: expected the keys of the params; missing {missing}, unexpected {extra}")
-    for key, placement in plan.items():
-        _check_placement(key, placement, specs[key], names, mesh)
+    sizes = sharding.mesh_sizes(mesh)
+    for key, placement in plan.items():  # one sharding.plan could have made; fused dims per block
+        sharding.check_placement(key, placement, specs[key], sizes)
     return plan
-
-
-def _check_placement(key: str, placement, spec, names: tuple, mesh) -> None:
-    """A placement `sharding.plan` could have made: on a mesh dim, inside the tensor,
-    a fused dim split per block (and only a fused one), every piece divisible."""
-    if not isinstance(placement, (sharding.Replicate, sharding.Shard)):
-        raise ValueError(f"plan: {key}: expected Replicate() or Shard(...), got {placement!r}")
-    if isinstance(placement, sharding.Replicate):
-        return
-    if placement.axis not in names:
-        raise ValueError(f"plan: {key}: axis {placement.axis!r} is not a mesh dim; the mesh has {names}")
-    d = placement.dim
-    if not (isinstance(d, int) and 0 <= d < len(spec.shape)):
-        raise ValueError(f"plan: {key}: dim {d!r} is outside the parameter's shape {spec.shape}")
-    blocks = tuple(b.size for b in spec.blocks) if spec.axes[d] == fd.PACKED else None
-    given = tuple(placement.blocks) if placement.blocks is not None else None
-    if given != blocks:
-        what = f"fused from blocks {blocks}, so it splits per block" if blocks else "not fused"
-        raise ValueError(
-            f"plan: {key}: dim {d} is {what}; expected Shard({d}, {placement.axis!r}, {blocks}), got {placement!r}"
-        )
-    n = mesh.size(names.index(placement.axis))
-    if any(b % n for b in blocks or (spec.shape[d],)):
-        raise ValueError(f"plan: {key}: dim {d} {blocks or spec.shape[d]} does not divide by {placement.axis}={n}")
 
 
 def _region(shape, mesh, placement) -> tuple[list[tuple[int, int]], ...]:
