@@ -45,9 +45,11 @@ def load(
 
     ``path``: a diffusers model folder (``config.json`` + one safetensors file or an
     index and shards), a pipeline folder (its ``transformer/`` is used), or one
-    ``.safetensors`` file in diffusers or Black Forest Labs (FLUX.1, FLUX.2) layout.
+    ``.safetensors`` file in diffusers or Black Forest Labs (FLUX.1, FLUX.2) layout
+    (wrapped in ``model.diffusion_model.``, possibly next to a VAE and text encoders).
     ``config``: a preset name in ``fd.PRESETS`` or a config object; required for a
-    single file, optional (and checked against config.json) for a folder.
+    single file, optional (and checked against config.json) for a folder. The family
+    comes from config.json's ``_class_name``, else from the keys.
     ``mesh``/``plan``: shard as ``sharding.shard_params`` would, each rank reading only
     its own slices; ``plan`` defaults to ``sharding.plan(config, mesh)``.
     ``dtype``: cast every tensor to it while reading (default: keep the file's dtypes).
