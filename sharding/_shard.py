@@ -208,9 +208,11 @@ def _check_model_layout(path, x, expected, DTensor) -> None:
 
 
 def local_bytes(params) -> int:
-    """Bytes of the tensors this rank holds (local shards of DTensor leaves)."""
-    local, _ = local_view(params)
-    return sum(x.numel() * x.element_size() for _, x in leaves(_tree(local)) if isinstance(x, torch.Tensor))
+    """Bytes of the tensors this rank holds (local shards of DTensor leaves), whatever
+    the plan: counting needs no check of the layout fd.apply computes with."""
+    DTensor = _dtensor_cls()
+    local = [x.to_local() if DTensor is not None and isinstance(x, DTensor) else x for _, x in leaves(_tree(params))]
+    return sum(x.numel() * x.element_size() for x in local if isinstance(x, torch.Tensor))
 
 
 def unshard(sharded, plan=None):

@@ -115,11 +115,6 @@ def _audited_load(*args, **kwargs):
         safetensors.safe_open = _REAL_SAFE_OPEN
 
 
-def _local_bytes(params) -> int:
-    """Bytes of this rank's local shards (custom plans too: sharding.local_bytes takes
-    only what fd.apply can run on)."""
-    return sum(t.to_local().numel() * t.to_local().element_size() for t in params.flat().values())
-
 
 def _mismatched(a, b) -> list[str]:
     a, b = a.flat(), b.flat()
@@ -142,7 +137,7 @@ def _other_meshes(jobs, world):
             report[f"{axis}:{name}"] = dict(
                 mismatched=_mismatched(streamed, ref),
                 bytes_read=stats["bytes_read"],
-                shard_bytes=_local_bytes(streamed),
+                shard_bytes=sharding.local_bytes(streamed),
             )
     return report
 
@@ -197,7 +192,7 @@ def _rank_load_save(rank, world, jobs, out_dir):
         ref = sharding.shard_params(full, mesh)
         a, b = streamed.flat(), ref.flat()
         mismatched = [k for k in b if not _same_dtensor(a[k], b[k])]
-        shard_bytes = _local_bytes(streamed)
+        shard_bytes = sharding.local_bytes(streamed)
         if name.endswith("-bfl"):
             # Also shard the AdaLN rows: the swapped (scale, shift) halves of norm_out
             # then straddle the ranks; the forward needs them replicated, the loader must not care.
