@@ -492,7 +492,7 @@ def test_two_ranks_collectives_shard_map_and_shard_params():
 
 # ----------------------------------------------------------------------------- failure bounds
 
-PG_TIMEOUT = 5  # seconds per collective in the failure test
+PG_TIMEOUT = 10  # seconds per collective in the failure test (gloo set-up on a loaded 2-core CI machine needs some)
 SLACK = 20  # scheduling slack on a busy 2-core machine
 
 
