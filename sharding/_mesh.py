@@ -22,8 +22,11 @@ def default_device_type() -> str:
     """The available accelerator's device type (cuda, neuron, tpu, ...), else "cpu"."""
     acc = getattr(torch, "accelerator", None)  # torch >= 2.6
     if acc is not None and hasattr(acc, "current_accelerator"):
+        # torch 2.9 reports the build's accelerator even with no device or driver present
+        # (a CUDA wheel on a CPU machine), so require a device too.
         dev = acc.current_accelerator()
-        if dev is not None and dev.type != "mps":  # mps has no collectives backend
+        present = acc.device_count() > 0 if hasattr(acc, "device_count") else True
+        if dev is not None and present and dev.type != "mps":  # mps has no collectives backend
             return dev.type
     return "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -284,6 +284,9 @@ def test_default_device_type_and_backends(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert sharding.default_device_type() == "cpu"
     monkeypatch.setattr(acc, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(acc, "device_count", lambda: 0)  # a CUDA build without a GPU (torch 2.9 says cuda)
+    assert sharding.default_device_type() == "cpu"
+    monkeypatch.setattr(acc, "device_count", lambda: 1)
     assert sharding.default_device_type() == "cuda"
     monkeypatch.setattr(acc, "current_accelerator", lambda *a, **k: torch.device("mps"))
     assert sharding.default_device_type() == "cpu"  # mps has no collectives backend
