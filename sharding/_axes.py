@@ -32,20 +32,42 @@ def current_mesh():
     return _STACK[-1] if _STACK else None
 
 
+def _layout(mesh) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+    """(dim names, dim sizes, this rank's coordinate) of ``mesh``: plain constants.
+
+    Read eagerly even under torch.compile (``assume_constant_result``): torch 2.9's
+    dynamo cannot trace ``mesh.mesh_dim_names`` nor ``get_local_rank(axis)``, and a
+    mesh's layout never changes, so the traced graph may treat it as a constant."""
+    names = tuple(mesh.mesh_dim_names or ())
+    sizes = tuple(mesh.size(i) for i in range(len(names)))
+    coords = tuple(mesh.get_coordinate() or (0,) * len(names))
+    return names, sizes, coords
+
+
+if hasattr(torch, "compiler") and hasattr(torch.compiler, "assume_constant_result"):
+    _layout = torch.compiler.assume_constant_result(_layout)
+
+
+def _axis(axis: str) -> tuple[int, int]:
+    """(size, this rank's index) of ``axis`` on the bound mesh; (1, 0) when absent."""
+    mesh = current_mesh()
+    if mesh is None:
+        return 1, 0
+    names, sizes, coords = _layout(mesh)
+    for name, size, index in zip(names, sizes, coords):
+        if name == axis:
+            return size, index
+    return 1, 0
+
+
 def axis_size(axis: str) -> int:
     """Size of mesh axis ``axis``; 1 when no mesh is bound or it has no such axis."""
-    mesh = current_mesh()
-    if mesh is None or axis not in (mesh.mesh_dim_names or ()):
-        return 1
-    return mesh.size(mesh.mesh_dim_names.index(axis))
+    return _axis(axis)[0]
 
 
 def axis_index(axis: str) -> int:
     """This rank's coordinate on ``axis``; 0 when the axis is absent."""
-    if axis_size(axis) == 1:
-        return 0
-    mesh = current_mesh()
-    return mesh.get_local_rank(axis)
+    return _axis(axis)[1]
 
 
 def _group(axis: str):
