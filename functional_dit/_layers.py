@@ -137,7 +137,7 @@ def shard_joint(txt: torch.Tensor, img: torch.Tensor, pe, txt_bias: torch.Tensor
         txt_bias = sharding.shard(txt_bias, "sp", 1)
     biases = [sharding.pad_bias(T, "sp", img.device), sharding.pad_bias(S, "sp", img.device)]
     txt, img = sharding.shard(txt, "sp", 1), sharding.shard(img, "sp", 1)
-    if txt_bias is None and biases == [None, None]:
+    if txt_bias is None and all(b is None for b in biases):
         return txt, img, pe, None
     B = img.shape[0]
     tb = torch.zeros(B, txt.shape[1], device=img.device) if biases[0] is None else biases[0].expand(B, -1)
