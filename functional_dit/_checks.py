@@ -23,6 +23,28 @@ def check_tensor(name: str, x, shape, dtype=None, device=None) -> None:
         raise ValueError(f"{name}: expected device {device} (the params' device), got {x.device}")
 
 
+def check_streams(config, ref: torch.Tensor, x, t, txt) -> tuple[int, int]:
+    """The inputs every family shares: x (B, S, in_channels) and txt (B, S_txt,
+    joint_attention_dim) in the params' dtype and device, t (B,) real. Returns (B, S)."""
+    check_tensor("x", x, (None, None, config.in_channels), ref.dtype, ref.device)
+    B, S = x.shape[:2]
+    check_tensor("txt", txt, (B, None, config.joint_attention_dim), ref.dtype, ref.device)
+    check_tensor("t", t, (B,), device=ref.device)
+    check_floating("t", t)
+    return B, S
+
+
+def check_guidance(config, guidance, batch: int, device) -> None:
+    """guidance (B,) exactly when the model embeds it (``guidance_embeds``)."""
+    if config.guidance_embeds and guidance is None:
+        raise ValueError(f"guidance: this model has guidance_embeds=True and needs guidance of shape ({batch},)")
+    if not config.guidance_embeds and guidance is not None:
+        raise ValueError("guidance: this model has guidance_embeds=False; expected None, got a tensor")
+    if guidance is not None:
+        check_tensor("guidance", guidance, (batch,), device=device)
+        check_floating("guidance", guidance)
+
+
 def check_floating(name: str, x) -> None:
     """Timesteps, guidance: any real floating or integer dtype (cast as diffusers casts
     them), never bool or complex."""

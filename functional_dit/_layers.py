@@ -47,6 +47,11 @@ def rms_norm_fp32(p, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (y.to(w.dtype) if w.dtype in (torch.float16, torch.bfloat16) else y) * w
 
 
+def clip_fp16(x: torch.Tensor) -> torch.Tensor:
+    """Keep fp16 activations finite, as diffusers does after each block's residual."""
+    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """AdaLN: ``x * (1 + scale) + shift`` with (B, C) modulation over (B, S, C)."""
     return x * (1 + scale[:, None]) + shift[:, None]

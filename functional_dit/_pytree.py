@@ -62,6 +62,20 @@ class ParamSpec:
         return n
 
 
+def linear_spec(out_dim, in_dim, out_axis, in_axis, bias: bool = True, blocks=None) -> dict:
+    """Specs of an ``nn.Linear(in_dim, out_dim)``: weight (out, in) and bias (out,); a
+    packed output dim carries its ``blocks`` on the bias too (sliced per block alike)."""
+    w = ParamSpec((out_dim, in_dim), (out_axis, in_axis), blocks)
+    if not bias:
+        return {"weight": w}
+    return {"weight": w, "bias": ParamSpec((out_dim,), (out_axis,), blocks if out_axis == PACKED else None)}
+
+
+def norm_spec(dim: int, axis: str = "head_dim") -> dict:
+    """Specs of a norm's scale (QK RMS norms: over head_dim, replicated)."""
+    return {"weight": ParamSpec((dim,), (axis,))}
+
+
 def nest(flat: Mapping[str, Any]) -> dict:
     """``{"a.b.c": v}`` -> ``{"a": {"b": {"c": v}}}``, keeping insertion order."""
     tree: dict = {}

@@ -15,9 +15,16 @@ import torch
 import sharding
 
 from . import _layers as L
-from ._checks import check_floating, check_ids, check_tensor, check_unused, reference_leaf
+from ._checks import (
+    check_guidance,
+    check_ids,
+    check_streams,
+    check_tensor,
+    check_unused,
+    reference_leaf,
+)
 from ._config import require_bool, require_non_negative, require_positive, require_positive_or_none, require_rope_axes
-from ._pytree import PACKED, Block, ParamSpec, ordered_blocks
+from ._pytree import PACKED, Block, linear_spec, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "FluxTransformer2DModel"
 
@@ -90,24 +97,12 @@ PRESETS = {
 # ----------------------------------------------------------------------------- specs
 
 
-def _linear(out_dim, in_dim, out_axis, in_axis, bias=True, blocks=None):
-    w = ParamSpec((out_dim, in_dim), (out_axis, in_axis), blocks)
-    if not bias:
-        return {"weight": w}
-    bias_blocks = blocks if out_axis == PACKED else None
-    return {"weight": w, "bias": ParamSpec((out_dim,), (out_axis,), bias_blocks)}
-
-
-def _norm(dim, axis="head_dim"):
-    return {"weight": ParamSpec((dim,), (axis,))}
-
-
 def _col(c, out_dim, axis, in_dim=None):  # column-parallel: output dim sharded
-    return _linear(out_dim, in_dim or c.inner_dim, axis, "embed")
+    return linear_spec(out_dim, in_dim or c.inner_dim, axis, "embed")
 
 
 def _row(c, in_dim, axis):  # row-parallel: input dim sharded
-    return _linear(c.inner_dim, in_dim, "embed", axis)
+    return linear_spec(c.inner_dim, in_dim, "embed", axis)
 
 
 def _mlp(c):
@@ -116,8 +111,8 @@ def _mlp(c):
 
 def _time_text_specs(c) -> dict:
     emb = lambda d_in: {
-        "linear_1": _linear(c.inner_dim, d_in, "embed", "freq" if d_in == 256 else "pooled"),  # noqa: E731
-        "linear_2": _linear(c.inner_dim, c.inner_dim, "embed", "embed"),
+        "linear_1": linear_spec(c.inner_dim, d_in, "embed", "freq" if d_in == 256 else "pooled"),  # noqa: E731
+        "linear_2": linear_spec(c.inner_dim, c.inner_dim, "embed", "embed"),
     }
     tree = {"timestep_embedder": emb(256)}
     if c.guidance_embeds:
@@ -129,17 +124,17 @@ def _time_text_specs(c) -> dict:
 def _double_block_specs(c) -> dict:
     D, n = c.attention_head_dim, c.inner_dim
     return {
-        "norm1": {"linear": _linear(6 * n, n, "mod", "embed")},
-        "norm1_context": {"linear": _linear(6 * n, n, "mod", "embed")},
+        "norm1": {"linear": linear_spec(6 * n, n, "mod", "embed")},
+        "norm1_context": {"linear": linear_spec(6 * n, n, "mod", "embed")},
         "attn": {
-            "norm_q": _norm(D),
-            "norm_k": _norm(D),
+            "norm_q": norm_spec(D),
+            "norm_k": norm_spec(D),
             "to_q": _col(c, n, "heads"),
             "to_k": _col(c, n, "heads"),
             "to_v": _col(c, n, "heads"),
             "to_out": {"0": _row(c, n, "heads")},
-            "norm_added_q": _norm(D),
-            "norm_added_k": _norm(D),
+            "norm_added_q": norm_spec(D),
+            "norm_added_k": norm_spec(D),
             "add_q_proj": _col(c, n, "heads"),
             "add_k_proj": _col(c, n, "heads"),
             "add_v_proj": _col(c, n, "heads"),
@@ -155,12 +150,12 @@ def _single_block_specs(c) -> dict:
     # proj_out consumes cat([attn_out, mlp_hidden]): two independently sharded streams.
     packed = (Block("attn", n, "heads"), Block("mlp", m, "mlp"))
     return {
-        "norm": {"linear": _linear(3 * n, n, "mod", "embed")},
+        "norm": {"linear": linear_spec(3 * n, n, "mod", "embed")},
         "proj_mlp": _col(c, m, "mlp"),
-        "proj_out": _linear(n, n + m, "embed", PACKED, blocks=packed),
+        "proj_out": linear_spec(n, n + m, "embed", PACKED, blocks=packed),
         "attn": {
-            "norm_q": _norm(D),
-            "norm_k": _norm(D),
+            "norm_q": norm_spec(D),
+            "norm_k": norm_spec(D),
             "to_q": _col(c, n, "heads"),
             "to_k": _col(c, n, "heads"),
             "to_v": _col(c, n, "heads"),
@@ -173,12 +168,12 @@ def param_specs(c: Flux1Config) -> dict:
     n = c.inner_dim
     return {
         "time_text_embed": _time_text_specs(c),
-        "context_embedder": _linear(n, c.joint_attention_dim, "embed", "txt_embed"),
-        "x_embedder": _linear(n, c.in_channels, "embed", "channels"),
+        "context_embedder": linear_spec(n, c.joint_attention_dim, "embed", "txt_embed"),
+        "x_embedder": linear_spec(n, c.in_channels, "embed", "channels"),
         "transformer_blocks": {str(i): _double_block_specs(c) for i in range(c.num_layers)},
         "single_transformer_blocks": {str(i): _single_block_specs(c) for i in range(c.num_single_layers)},
-        "norm_out": {"linear": _linear(2 * n, n, "mod", "embed")},
-        "proj_out": _linear(c.out_dim, n, "out_channels", "embed"),
+        "norm_out": {"linear": linear_spec(2 * n, n, "mod", "embed")},
+        "proj_out": linear_spec(c.out_dim, n, "out_channels", "embed"),
     }
 
 
@@ -224,7 +219,7 @@ def double_block(p, img, txt, vec, pe, head_dim, key_bias=None):
     img = img + i_gate2[:, None] * L.gelu_mlp(p["ff"], L.modulate(L.layer_norm(img), i_shift2, i_scale2))
     txt = txt + t_gate[:, None] * L.row_linear(a["to_add_out"], t_out)
     txt = txt + t_gate2[:, None] * L.gelu_mlp(p["ff_context"], L.modulate(L.layer_norm(txt), t_shift2, t_scale2))
-    return img, _clip_fp16(txt)  # diffusers clips only the text stream here
+    return img, L.clip_fp16(txt)  # diffusers clips only the text stream here
 
 
 def single_block(p, x, vec, pe, head_dim, key_bias=None):
@@ -233,11 +228,7 @@ def single_block(p, x, vec, pe, head_dim, key_bias=None):
     h = L.modulate(L.layer_norm(x), shift, scale)
     mlp = torch.nn.functional.gelu(L.linear(p["proj_mlp"], h), approximate="tanh")
     attn = joint_attention(*qkv(p["attn"], h, head_dim), pe, key_bias)
-    return _clip_fp16(x + gate[:, None] * L.row_linear(p["proj_out"], torch.cat([attn, mlp], -1)))
-
-
-def _clip_fp16(x):
-    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+    return L.clip_fp16(x + gate[:, None] * L.row_linear(p["proj_out"], torch.cat([attn, mlp], -1)))
 
 
 def final_layer(p, x, vec):
@@ -248,21 +239,11 @@ def final_layer(p, x, vec):
 def _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids):
     c = params.config
     ref = reference_leaf(params, "x_embedder.weight")
-    check_tensor("x", x, (None, None, c.in_channels), ref.dtype, ref.device)
-    B, S = x.shape[:2]
-    check_tensor("txt", txt, (B, None, c.joint_attention_dim), ref.dtype, ref.device)
+    B, S = check_streams(c, ref, x, t, txt)
     if pooled is None:
         raise ValueError(f"pooled: FLUX.1 needs pooled text embeddings of shape ({B}, {c.pooled_projection_dim})")
     check_tensor("pooled", pooled, (B, c.pooled_projection_dim), ref.dtype, ref.device)
-    check_tensor("t", t, (B,), device=ref.device)
-    check_floating("t", t)
-    if c.guidance_embeds and guidance is None:
-        raise ValueError(f"guidance: this model has guidance_embeds=True and needs guidance of shape ({B},)")
-    if not c.guidance_embeds and guidance is not None:
-        raise ValueError("guidance: this model has guidance_embeds=False; expected None, got a tensor")
-    if guidance is not None:
-        check_tensor("guidance", guidance, (B,), device=ref.device)
-        check_floating("guidance", guidance)
+    check_guidance(c, guidance, B, ref.device)
     if img_ids is None:
         raise ValueError(f"img_ids: FLUX.1 needs image position ids of shape ({S}, {len(c.axes_dims_rope)})")
     n_axes = len(c.axes_dims_rope)

@@ -15,6 +15,7 @@ later steps pass ``kv_cache=cache`` with the img tokens only (diffusers' ``kv_ca
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import NamedTuple
 
@@ -26,7 +27,14 @@ import torch.utils._pytree as torch_pytree
 import sharding
 
 from . import _layers as L
-from ._checks import check_floating, check_ids, check_tensor, check_unused, reference_leaf
+from ._checks import (
+    check_guidance,
+    check_ids,
+    check_streams,
+    check_tensor,
+    check_unused,
+    reference_leaf,
+)
 from ._config import (
     require,
     require_bool,
@@ -36,7 +44,7 @@ from ._config import (
     require_positive_or_none,
     require_rope_axes,
 )
-from ._pytree import PACKED, Block, ParamSpec, flatten, nest, ordered_blocks
+from ._pytree import PACKED, Block, flatten, linear_spec, nest, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "Flux2Transformer2DModel"
 
@@ -136,26 +144,23 @@ PRESETS = {
 
 # ----------------------------------------------------------------------------- specs
 
-
-def _lin(out_dim, in_dim, out_axis, in_axis, blocks=None):
-    return {"weight": ParamSpec((out_dim, in_dim), (out_axis, in_axis), blocks)}
-
-
-def _norm(dim):
-    return {"weight": ParamSpec((dim,), ("head_dim",))}
+_lin = functools.partial(linear_spec, bias=False)  # FLUX.2 has no biases anywhere
 
 
 def _swiglu_specs(c) -> dict:
     n, m = c.inner_dim, c.mlp_hidden_dim
     gate_up = (Block("gate", m, "mlp"), Block("up", m, "mlp"))
-    return {"linear_in": _lin(2 * m, n, PACKED, "embed", gate_up), "linear_out": _lin(n, m, "embed", "mlp")}
+    return {
+        "linear_in": _lin(2 * m, n, PACKED, "embed", blocks=gate_up),
+        "linear_out": _lin(n, m, "embed", "mlp"),
+    }
 
 
 def _double_block_specs(c) -> dict:
     D, n = c.attention_head_dim, c.inner_dim
     col, row = _lin(n, n, "heads", "embed"), _lin(n, n, "embed", "heads")
-    attn = {"to_q": col, "to_k": col, "to_v": col, "norm_q": _norm(D), "norm_k": _norm(D), "to_out": {"0": row}}
-    attn |= {"norm_added_q": _norm(D), "norm_added_k": _norm(D)}
+    attn = {"to_q": col, "to_k": col, "to_v": col, "norm_q": norm_spec(D), "norm_k": norm_spec(D), "to_out": {"0": row}}
+    attn |= {"norm_added_q": norm_spec(D), "norm_added_k": norm_spec(D)}
     attn |= {"add_q_proj": col, "add_k_proj": col, "add_v_proj": col, "to_add_out": row}
     return {"attn": attn, "ff": _swiglu_specs(c), "ff_context": _swiglu_specs(c)}
 
@@ -166,10 +171,10 @@ def _single_block_specs(c) -> dict:
     attn_mlp = (Block("attn", n, "heads"), Block("mlp", m, "mlp"))  # to_out consumes cat([attn, mlp])
     return {
         "attn": {
-            "to_qkv_mlp_proj": _lin(3 * n + 2 * m, n, PACKED, "embed", qkv_mlp),
-            "norm_q": _norm(D),
-            "norm_k": _norm(D),
-            "to_out": _lin(n, n + m, "embed", PACKED, attn_mlp),
+            "to_qkv_mlp_proj": _lin(3 * n + 2 * m, n, PACKED, "embed", blocks=qkv_mlp),
+            "norm_q": norm_spec(D),
+            "norm_k": norm_spec(D),
+            "to_out": _lin(n, n + m, "embed", PACKED, blocks=attn_mlp),
         }
     }
 
@@ -177,7 +182,10 @@ def _single_block_specs(c) -> dict:
 def param_specs(c: Flux2Config) -> dict:
     """Nested dict of `ParamSpec` in diffusers ``state_dict`` order; allocates nothing."""
     n, f = c.inner_dim, c.timestep_guidance_channels
-    emb = {"linear_1": _lin(n, f, "embed", "freq"), "linear_2": _lin(n, n, "embed", "embed")}
+    emb = {
+        "linear_1": _lin(n, f, "embed", "freq"),
+        "linear_2": _lin(n, n, "embed", "embed"),
+    }
     time = {"timestep_embedder": emb, **({"guidance_embedder": emb} if c.guidance_embeds else {})}
     return {
         "time_guidance_embed": time,
@@ -361,7 +369,7 @@ def double_block(p, img, txt, mod_img, mod_txt, pe, head_dim, eps=1e-6, key_bias
         ref, ref_out = ref._replace(k=rk, v=rv), L.attention(rq, rk, rv, ref.bias)
     out = _attend(q, k, torch.cat([tv, iv], 1), T, key_bias, ref)
     img = _stream_out(img, out[:, T:], mod_img, a["to_out"]["0"], p["ff"], eps)
-    txt = _clip_fp16(_stream_out(txt, out[:, :T], mod_txt, a["to_add_out"], p["ff_context"], eps))
+    txt = L.clip_fp16(_stream_out(txt, out[:, :T], mod_txt, a["to_add_out"], p["ff_context"], eps))
     if ref_out is not None:
         ref = ref._replace(x=_stream_out(ref.x, ref_out, ref.mod, a["to_out"]["0"], p["ff"], eps))
     return img, txt, ref
@@ -383,7 +391,7 @@ def _single_in(a, x, mod, head_dim, eps):
 
 def _single_out(a, x, attn, mlp, mod):
     gate = mod[2]
-    return _clip_fp16(x + gate[:, None] * L.row_linear(a["to_out"], torch.cat([attn, swiglu(mlp)], -1)))
+    return L.clip_fp16(x + gate[:, None] * L.row_linear(a["to_out"], torch.cat([attn, swiglu(mlp)], -1)))
 
 
 def single_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None, txt_len=0, ref: Ref | None = None):
@@ -401,10 +409,6 @@ def single_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None, txt_len=0, re
     if ref_out is not None:
         ref = ref._replace(x=_single_out(a, ref.x, ref_out, rmlp, ref.mod))
     return out, ref
-
-
-def _clip_fp16(x):
-    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
 
 
 def final_layer(p, x, temb, eps=1e-6):
@@ -458,18 +462,8 @@ def _validate_cache(c, cache, B, ref):
 def _validate(params, x, t, txt, guidance, img_ids, txt_ids):
     c = params.config
     ref = reference_leaf(params, "x_embedder.weight")
-    check_tensor("x", x, (None, None, c.in_channels), ref.dtype, ref.device)
-    B, S = x.shape[:2]
-    check_tensor("txt", txt, (B, None, c.joint_attention_dim), ref.dtype, ref.device)
-    check_tensor("t", t, (B,), device=ref.device)
-    check_floating("t", t)
-    if c.guidance_embeds and guidance is None:
-        raise ValueError(f"guidance: this model has guidance_embeds=True and needs guidance of shape ({B},)")
-    if not c.guidance_embeds and guidance is not None:
-        raise ValueError("guidance: this model has guidance_embeds=False; expected None, got a tensor")
-    if guidance is not None:
-        check_tensor("guidance", guidance, (B,), device=ref.device)
-        check_floating("guidance", guidance)
+    B, S = check_streams(c, ref, x, t, txt)
+    check_guidance(c, guidance, B, ref.device)
     n_axes = len(c.axes_dims_rope)
     for name, ids, n in (("img_ids", img_ids, S), ("txt_ids", txt_ids, txt.shape[1])):
         if ids is None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import sharding
 
 from . import _layers as L
-from ._checks import check_floating, check_tensor, reference_leaf
+from ._checks import check_streams, check_tensor, reference_leaf
 from ._config import (
     is_int,
     require_bool,
@@ -34,7 +34,7 @@ from ._config import (
     require_positive_or_none,
     require_rope_axes,
 )
-from ._pytree import ParamSpec, ordered_blocks
+from ._pytree import ParamSpec, linear_spec, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
 THETA = 10000
@@ -109,28 +109,20 @@ PRESETS = {
 # ----------------------------------------------------------------------------- specs
 
 
-def _linear(out_dim, in_dim, out_axis, in_axis):
-    return {"weight": ParamSpec((out_dim, in_dim), (out_axis, in_axis)), "bias": ParamSpec((out_dim,), (out_axis,))}
-
-
-def _norm(dim, axis="head_dim"):
-    return {"weight": ParamSpec((dim,), (axis,))}
-
-
 def _mlp(c):
     n, m = c.inner_dim, c.mlp_hidden_dim
-    return {"net": {"0": {"proj": _linear(m, n, "mlp", "embed")}, "2": _linear(n, m, "embed", "mlp")}}
+    return {"net": {"0": {"proj": linear_spec(m, n, "mlp", "embed")}, "2": linear_spec(n, m, "embed", "mlp")}}
 
 
 def _block_specs(c) -> dict:
     D, n = c.attention_head_dim, c.inner_dim
-    col = lambda: _linear(n, n, "heads", "embed")  # noqa: E731  column-parallel over heads
-    row = lambda: _linear(n, n, "embed", "heads")  # noqa: E731  row-parallel over heads
+    col = lambda: linear_spec(n, n, "heads", "embed")  # noqa: E731  column-parallel over heads
+    row = lambda: linear_spec(n, n, "embed", "heads")  # noqa: E731  row-parallel over heads
     return {
-        "img_mod": {"1": _linear(6 * n, n, "mod", "embed")},
+        "img_mod": {"1": linear_spec(6 * n, n, "mod", "embed")},
         "attn": {
-            "norm_q": _norm(D),
-            "norm_k": _norm(D),
+            "norm_q": norm_spec(D),
+            "norm_k": norm_spec(D),
             "to_q": col(),
             "to_k": col(),
             "to_v": col(),
@@ -139,11 +131,11 @@ def _block_specs(c) -> dict:
             "add_q_proj": col(),
             "to_out": {"0": row()},
             "to_add_out": row(),
-            "norm_added_q": _norm(D),
-            "norm_added_k": _norm(D),
+            "norm_added_q": norm_spec(D),
+            "norm_added_k": norm_spec(D),
         },
         "img_mlp": _mlp(c),
-        "txt_mod": {"1": _linear(6 * n, n, "mod", "embed")},
+        "txt_mod": {"1": linear_spec(6 * n, n, "mod", "embed")},
         "txt_mlp": _mlp(c),
     }
 
@@ -152,18 +144,21 @@ def param_specs(c: QwenImageConfig) -> dict:
     """Nested dict of `ParamSpec` in diffusers ``state_dict`` order; allocates nothing."""
     n = c.inner_dim
     time = {
-        "timestep_embedder": {"linear_1": _linear(n, 256, "embed", "freq"), "linear_2": _linear(n, n, "embed", "embed")}
+        "timestep_embedder": {
+            "linear_1": linear_spec(n, 256, "embed", "freq"),
+            "linear_2": linear_spec(n, n, "embed", "embed"),
+        }
     }
     if c.use_additional_t_cond:
         time["addition_t_embedding"] = {"weight": ParamSpec((2, n), ("t_cond", "embed"))}
     return {
         "time_text_embed": time,
-        "txt_norm": _norm(c.joint_attention_dim, "txt_embed"),
-        "img_in": _linear(n, c.in_channels, "embed", "channels"),
-        "txt_in": _linear(n, c.joint_attention_dim, "embed", "txt_embed"),
+        "txt_norm": norm_spec(c.joint_attention_dim, "txt_embed"),
+        "img_in": linear_spec(n, c.in_channels, "embed", "channels"),
+        "txt_in": linear_spec(n, c.joint_attention_dim, "embed", "txt_embed"),
         "transformer_blocks": {str(i): _block_specs(c) for i in range(c.num_layers)},
-        "norm_out": {"linear": _linear(2 * n, n, "mod", "embed")},
-        "proj_out": _linear(c.out_dim, n, "out_channels", "embed"),
+        "norm_out": {"linear": linear_spec(2 * n, n, "mod", "embed")},
+        "proj_out": linear_spec(c.out_dim, n, "out_channels", "embed"),
     }
 
 
@@ -284,11 +279,7 @@ def block(p, img, txt, temb, pe, head_dim, key_bias=None, ref=None):
     img, txt = img + i_gate * img_a, txt + t_gate * txt_a
     img = img + i_gate2 * L.gelu_mlp(p["img_mlp"], _modulate(L.layer_norm(img), i_shift2, i_scale2))
     txt = txt + t_gate2 * L.gelu_mlp(p["txt_mlp"], _modulate(L.layer_norm(txt), t_shift2, t_scale2))
-    return _clip_fp16(img), _clip_fp16(txt)
-
-
-def _clip_fp16(x):
-    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+    return L.clip_fp16(img), L.clip_fp16(txt)
 
 
 def final_layer(p, x, temb):
@@ -373,11 +364,7 @@ def _check_t_cond(c, additional_t_cond, batch: int, device) -> None:
 def _validate(params, x, t, txt, txt_mask, img_shapes, guidance, additional_t_cond, unused):
     c = params.config
     ref = reference_leaf(params, "img_in.weight")
-    check_tensor("x", x, (None, None, c.in_channels), ref.dtype, ref.device)
-    B, S = x.shape[:2]
-    check_tensor("txt", txt, (B, None, c.joint_attention_dim), ref.dtype, ref.device)
-    check_tensor("t", t, (B,), device=ref.device)
-    check_floating("t", t)
+    B, S = check_streams(c, ref, x, t, txt)
     if txt_mask is not None:
         _check_mask(txt_mask, B, txt.shape[1], ref.device)
     if img_shapes is None:
