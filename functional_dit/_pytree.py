@@ -175,6 +175,10 @@ optree.register_pytree_node(
     lambda config, children: Params(config, children[0]),
     namespace=optree.registry.__GLOBAL_NAMESPACE,
 )
+# `torch.load(weights_only=True)` — the first, safe attempt of `torch.export.load` — may
+# rebuild a Params held in a saved program's example inputs; each family registers its
+# config class the same way.
+torch.serialization.add_safe_globals([Params])
 
 
 def ordered_blocks(blocks: Mapping[str, Any]) -> list:

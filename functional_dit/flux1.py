@@ -74,6 +74,8 @@ class Flux1Config:
         return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
 
 
+torch.serialization.add_safe_globals([Flux1Config])  # weights_only loads of saved programs
+
 PRESETS = {
     # black-forest-labs/FLUX.1-dev transformer/config.json: guidance-distilled.
     "flux1-dev": Flux1Config(guidance_embeds=True),

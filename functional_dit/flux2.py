@@ -105,6 +105,9 @@ class Flux2Config:
         return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
 
 
+torch.serialization.add_safe_globals([Flux2Config])  # weights_only loads of saved programs
+
+
 # Every released transformer: patch_size 1, in_channels 128 (32-channel AutoencoderKLFlux2
 # latents packed 2x2), head_dim 128, mlp_ratio 3, 4-axis RoPE (32, 32, 32, 32) with theta
 # 2000, eps 1e-6 - BFL flux2 src/flux2/model.py (Flux2Params, Klein9BParams, Klein4BParams)
@@ -259,6 +262,7 @@ optree.register_pytree_node(
     lambda context, children: _cache_unflatten(children, context),
     namespace=optree.registry.__GLOBAL_NAMESPACE,
 )
+torch.serialization.add_safe_globals([Flux2KVCache])
 
 
 def cache_shapes(c: Flux2Config, batch: int, num_ref_tokens: int) -> dict:

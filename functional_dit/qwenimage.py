@@ -82,6 +82,8 @@ class QwenImageConfig:
         return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
 
 
+torch.serialization.add_safe_globals([QwenImageConfig])  # weights_only loads of saved programs
+
 PRESETS = {
     # Qwen/Qwen-Image transformer/config.json (Qwen-Image-Edit and -Edit-2509 ship the same
     # transformer config): 60 layers, 24 heads x 128, Qwen2.5-VL text features of 3584.

@@ -11,18 +11,17 @@ import torch
 import torch.utils._pytree as torch_pytree
 from cases_flux2 import TINY, TINY_KLEIN, diffusers_kwargs, inputs, next_step, use_kv_processors
 from diffusers import Flux2Transformer2DModel
-from oracle import diffusers_model, max_err
+from oracle import assert_bf16_equal, diffusers_model, max_err
 
 import functional_dit as fd
 from functional_dit import flux2
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
-ERRORS: dict = {}  # case -> max abs error, printed by test_max_errors_are_reported
 
 
-def _close(name, out, ref, **tol):
-    ERRORS[name] = max(ERRORS.get(name, 0.0), max_err(out, ref))
-    torch.testing.assert_close(out, ref, **(tol or FP32))
+def _close(name, out, ref):
+    """fp32 parity, naming the case on failure (figures: examples/parity_report.py)."""
+    torch.testing.assert_close(out, ref, **FP32, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +36,17 @@ def klein():
     module, params = diffusers_model(TINY_KLEIN, seed=2)
     use_kv_processors(module)
     return module, params
+
+
+@pytest.fixture(scope="module")
+def tiny_default():
+    """diffusers' default attention processors, as Flux2Pipeline / Flux2KleinPipeline use them."""
+    return diffusers_model(TINY, seed=1)
+
+
+@pytest.fixture(scope="module")
+def klein_default():
+    return diffusers_model(TINY_KLEIN, seed=2)
 
 
 # ----------------------------------------------------------------------------- per block
@@ -107,14 +117,17 @@ MODEL_CASES = [  # (config fixture, batch, txt_len, (h, w), ids_3d)
 ]
 
 
+@pytest.mark.parametrize("processors", ["default", "kv"])
 @pytest.mark.parametrize("case,batch,txt_len,hw,ids_3d", MODEL_CASES)
-def test_model_parity(case, batch, txt_len, hw, ids_3d, request):
-    module, params = request.getfixturevalue(case)
+def test_model_parity(case, batch, txt_len, hw, ids_3d, processors, request):
+    """Against the stock module with its default attention processors and with the KV-cache
+    processors the KV pipeline installs (equal without KV arguments)."""
+    module, params = request.getfixturevalue(case if processors == "kv" else f"{case}_default")
     kw = inputs(params.config, batch=batch, txt_len=txt_len, h=hw[0], w=hw[1], ids_3d=ids_3d, seed=batch + txt_len)
     (ref,) = module(**diffusers_kwargs(kw))
     out = fd.apply(params, **kw)
     assert out.shape == ref.shape == (batch, hw[0] * hw[1], params.config.out_dim)
-    _close(f"{case} model B={batch} T={txt_len} {hw[0]}x{hw[1]}{' 3-D ids' if ids_3d else ''}", out, ref)
+    _close(f"{case} ({processors}) model B={batch} T={txt_len} {hw[0]}x{hw[1]}{' 3-D ids' if ids_3d else ''}", out, ref)
 
 
 def test_3d_ids_use_the_first_item_like_diffusers(tiny):
@@ -190,23 +203,21 @@ def test_cache_key_order_does_not_matter(tiny):
 
 
 def test_bf16_parity():
-    """bf16 weights and activations. We run the same ops in the same order as diffusers, so
-    on the CPU the result is bitwise equal (measured: 0); other kernels (CUDA, XLA) may fuse
-    differently, so allow about one bf16 ulp at |y| ~ 4: atol=rtol=2e-2."""
+    """bf16 weights and activations, plain and both KV-cache modes: the same ops in the same
+    order as diffusers, so bitwise equal on the CPU (`assert_bf16_equal` says what other
+    devices get)."""
     module, params = diffusers_model(TINY, seed=3, dtype=torch.bfloat16)
     use_kv_processors(module)
     kw = inputs(TINY, batch=2, txt_len=7, dtype=torch.bfloat16)
     (ref,) = module(**diffusers_kwargs(kw))
-    out = fd.apply(params, **kw)
-    assert out.dtype == torch.bfloat16
-    _close("tiny bf16 model", out, ref, rtol=2e-2, atol=2e-2)
+    assert_bf16_equal(fd.apply(params, **kw), ref)
     kw = inputs(TINY, batch=2, txt_len=7, dtype=torch.bfloat16, ref_hw=(2, 3), ref_fixed_timestep=0.1)
     ref, ref_cache = module(**diffusers_kwargs(kw))
     out, cache = fd.apply(params, **kw)
-    _close("tiny bf16 kv extract", out, ref, rtol=2e-2, atol=2e-2)
+    assert_bf16_equal(out, ref)
     step = next_step(kw, cache)
     (ref,) = module(**diffusers_kwargs(step, kv_cache=ref_cache))
-    _close("tiny bf16 kv cached", fd.apply(params, **step), ref, rtol=2e-2, atol=2e-2)
+    assert_bf16_equal(fd.apply(params, **step), ref)
 
 
 def test_functional_call_of_diffusers_module_equals_apply(tiny):
@@ -575,11 +586,3 @@ def test_timesteps_and_ids_are_cast_like_diffusers(tiny):
     )
     (ref,) = module(**diffusers_kwargs(kw))
     _close("tiny cast inputs", fd.apply(params, **kw), ref)
-
-
-def test_max_errors_are_reported(capsys):
-    """Not a check: prints the fp32 / bf16 max abs errors measured above, for the report."""
-    with capsys.disabled():
-        for name, err in sorted(ERRORS.items()):
-            print(f"\nflux2 max abs error {name}: {err:.3g}", end="")
-        print()

@@ -90,14 +90,12 @@ def tensors(result) -> list:
     return [out] + list(cache.flat().values())
 
 
+FAMILIES = ("flux1", "flux2", "qwen")  # name prefixes of the cases; every family must run
+
+
 def all_cases() -> list:
-    """(name, config, inputs builder) for every family whose test cases exist."""
-    cases = _flux1_cases() + _qwen_cases()
-    try:
-        cases += _flux2_cases()
-    except ModuleNotFoundError:  # tests/cases_flux2.py is not written yet
-        pass
-    return cases
+    """(name, config, inputs builder) for every family: a missing case module fails."""
+    return _flux1_cases() + _flux2_cases() + _qwen_cases()
 
 
 def fits(config, shape) -> bool:
@@ -188,10 +186,10 @@ def test_sharded_equals_unsharded(world, cases):
     references = {n: ref for n, _, _, ref in cases}
     per_rank = spawn(_work, world, MESHES[world], [c[:3] for c in cases], init=False, timeout=400)
     keys = per_rank[0].keys()
-    families = {n.split("-")[0] for n in configs}
+    assert {n.split("-")[0] for n in configs} == set(FAMILIES)
     for shape in MESHES[world]:  # every family runs on every mesh (some config of it fits)
         ran = {name.split("-")[0] for (s, name) in keys if s == tuple(shape.items())}
-        assert ran == families, (shape, ran)
+        assert ran == set(FAMILIES), (shape, ran)
     for key in keys:
         shape, name = dict(key[0]), key[1]
         outs, ref = [r[key]["out"] for r in per_rank], tensors(references[name])
