@@ -6,8 +6,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def pytest_report_header(config):
-    """The versions this run resolved (a fresh environment takes the newest releases)."""
+def pytest_terminal_summary(terminalreporter):
+    """The versions this run resolved (a fresh environment takes the newest releases),
+    printed even under ``-q``, just above the final counts."""
     names = ("torch", "diffusers", "transformers", "safetensors", "optree", "pytest", "hypothesis", "ruff")
     versions = []
     for name in names:
@@ -15,4 +16,4 @@ def pytest_report_header(config):
             versions.append(f"{name} {importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
             versions.append(f"{name} (not installed)")
-    return "packages: " + ", ".join(versions)
+    terminalreporter.write_line("packages: " + ", ".join(versions))
