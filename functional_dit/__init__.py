@@ -1,8 +1,9 @@
 """functional_dit: FLUX.1, FLUX.2 and Qwen-Image transformers as pure functions over
 parameter pytrees. See DESIGN.md for the public contract."""
 
-from . import _api, flux1, flux2, qwenimage
+from . import flux1, flux2, qwenimage
 from ._api import (
+    PRESETS,
     apply,
     config_from_diffusers,
     config_to_diffusers,
@@ -18,15 +19,6 @@ from .flux1 import Flux1Config
 from .flux2 import Flux2Config, Flux2KVCache
 from .qwenimage import QwenImageConfig
 
-flux1.CONFIG = Flux1Config
-_api.register_family(flux1)
-flux2.CONFIG = Flux2Config
-_api.register_family(flux2)
-qwenimage.CONFIG = QwenImageConfig
-_api.register_family(qwenimage)
-
-PRESETS = _api.presets()
-
 __all__ = [
     "PACKED",
     "PRESETS",
@@ -38,6 +30,9 @@ __all__ = [
     "Params",
     "QwenImageConfig",
     "apply",
+    "flux1",
+    "flux2",
+    "qwenimage",
     "config_from_diffusers",
     "config_to_diffusers",
     "from_diffusers",

@@ -13,28 +13,29 @@ import torch
 
 import sharding
 
-from . import _config
-from ._pytree import Params, ParamSpec, flatten, nest
+from . import _config, flux1, flux2, qwenimage
+from ._pytree import Params, ParamSpec, flatten, nest, register_pytree
 
-_FAMILIES: list = []  # family modules, registered by __init__
-
-
-def register_family(module) -> None:
-    _FAMILIES.append(module)
+# The families: config class -> the module that owns it (specs, apply, presets,
+# DIFFUSERS_CLASS). A static table: adding a family is one line here.
+FAMILIES = {
+    flux1.Flux1Config: flux1,
+    flux2.Flux2Config: flux2,
+    qwenimage.QwenImageConfig: qwenimage,
+}
+PRESETS = {name: cfg for fam in FAMILIES.values() for name, cfg in fam.PRESETS.items()}
+DIFFUSERS_CLASSES = {fam.DIFFUSERS_CLASS: cls for cls, fam in FAMILIES.items()}
+register_pytree(FAMILIES)
 
 
 def family(config):
     """The family module that owns ``config`` (a config instance or `Params`)."""
     config = config.config if isinstance(config, Params) else config
-    for fam in _FAMILIES:
-        if type(config) is fam.CONFIG:
-            return fam
-    known = [f.CONFIG.__name__ for f in _FAMILIES]
-    raise ValueError(f"config: expected one of {known}, got {type(config).__name__}")
-
-
-def presets() -> dict:
-    return {name: cfg for fam in _FAMILIES for name, cfg in fam.PRESETS.items()}
+    fam = FAMILIES.get(type(config))
+    if fam is None:
+        known = [cls.__name__ for cls in FAMILIES]
+        raise ValueError(f"config: expected one of {known}, got {type(config).__name__}")
+    return fam
 
 
 def config_from_diffusers(cfg):
@@ -49,13 +50,10 @@ def config_from_diffusers(cfg):
         raise ValueError(f"cfg: expected a mapping or a config.json path, got {type(cfg).__name__}")
     name = cfg.get("_class_name")
     if name is None:
-        raise ValueError(
-            f"cfg: no '_class_name' in the config; expected one of {[f.DIFFUSERS_CLASS for f in _FAMILIES]}"
-        )
-    for fam in _FAMILIES:
-        if name == fam.DIFFUSERS_CLASS:
-            return _config.from_mapping(fam.CONFIG, _drop_keys_diffusers_ignores(name, cfg))
-    raise ValueError(f"cfg: _class_name {name!r} is not one of {[f.DIFFUSERS_CLASS for f in _FAMILIES]}")
+        raise ValueError(f"cfg: no '_class_name' in the config; expected one of {list(DIFFUSERS_CLASSES)}")
+    if name not in DIFFUSERS_CLASSES:
+        raise ValueError(f"cfg: _class_name {name!r} is not one of {list(DIFFUSERS_CLASSES)}")
+    return _config.from_mapping(DIFFUSERS_CLASSES[name], _drop_keys_diffusers_ignores(name, cfg))
 
 
 def _drop_keys_diffusers_ignores(class_name: str, cfg: Mapping) -> dict:

@@ -149,32 +149,34 @@ def config_to_json(config) -> str:
     return json.dumps({"class": type(config).__name__, "fields": fields})
 
 
-def config_from_json(text: str):
-    """Inverse of `config_to_json`, for the config classes the families register."""
-    from . import _api  # late: _api imports this module
-
+def config_from_json(text: str, classes: Mapping[str, type]):
+    """Inverse of `config_to_json`; ``classes``: ``{class name: config class}``."""
     data = json.loads(text)
-    classes = {fam.CONFIG.__name__: fam.CONFIG for fam in _api._FAMILIES}
     if data.get("class") not in classes:
         raise ValueError(f"config: expected one of {sorted(classes)}, got {data.get('class')!r}")
     return classes[data["class"]](**data["fields"])
 
 
-torch_pytree.register_pytree_node(
-    Params,
-    _flatten,
-    _unflatten,
-    serialized_type_name="functional_dit.Params",
-    to_dumpable_context=config_to_json,
-    from_dumpable_context=config_from_json,
-    flatten_with_keys_fn=lambda p: ([(torch_pytree.GetAttrKey("tree"), p.tree)], p.config),
-)
-optree.register_pytree_node(
-    Params,
-    lambda p: ((p.tree,), p.config, ("tree",)),
-    lambda config, children: Params(config, children[0]),
-    namespace=optree.registry.__GLOBAL_NAMESPACE,
-)
+def register_pytree(config_classes) -> None:
+    """Make `Params` a pytree node of ``torch.utils._pytree`` and optree; a serialised
+    tree spec names its config by class, resolved among ``config_classes``. Called
+    once, by `_api`, which holds the families table."""
+    classes = {cls.__name__: cls for cls in config_classes}
+    torch_pytree.register_pytree_node(
+        Params,
+        _flatten,
+        _unflatten,
+        serialized_type_name="functional_dit.Params",
+        to_dumpable_context=config_to_json,
+        from_dumpable_context=lambda text: config_from_json(text, classes),
+        flatten_with_keys_fn=lambda p: ([(torch_pytree.GetAttrKey("tree"), p.tree)], p.config),
+    )
+    optree.register_pytree_node(
+        Params,
+        lambda p: ((p.tree,), p.config, ("tree",)),
+        lambda config, children: Params(config, children[0]),
+        namespace=optree.registry.__GLOBAL_NAMESPACE,
+    )
 
 
 def ordered_blocks(blocks: Mapping[str, Any]) -> list:

@@ -73,6 +73,10 @@ class Flux1Config:
     def out_dim(self) -> int:
         return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
 
+    def param_specs(self) -> dict:
+        """Nested dict of `ParamSpec` (the protocol `sharding.plan` reads specs by)."""
+        return param_specs(self)
+
 
 PRESETS = {
     # black-forest-labs/FLUX.1-dev transformer/config.json: guidance-distilled.

@@ -104,6 +104,10 @@ class Flux2Config:
     def out_dim(self) -> int:
         return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
 
+    def param_specs(self) -> dict:
+        """Nested dict of `ParamSpec` (the protocol `sharding.plan` reads specs by)."""
+        return param_specs(self)
+
 
 # Every released transformer: patch_size 1, in_channels 128 (32-channel AutoencoderKLFlux2
 # latents packed 2x2), head_dim 128, mlp_ratio 3, 4-axis RoPE (32, 32, 32, 32) with theta

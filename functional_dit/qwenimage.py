@@ -81,6 +81,10 @@ class QwenImageConfig:
     def out_dim(self) -> int:
         return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
 
+    def param_specs(self) -> dict:
+        """Nested dict of `ParamSpec` (the protocol `sharding.plan` reads specs by)."""
+        return param_specs(self)
+
 
 PRESETS = {
     # Qwen/Qwen-Image transformer/config.json (Qwen-Image-Edit and -Edit-2509 ship the same

@@ -14,16 +14,14 @@ size before any data moves. Users may edit the plan or pass their own rules.
 Where the specs come from — `sharding` imports neither ``functional_dit`` nor
 ``weights`` (DESIGN.md's dependency direction). ``plan`` takes either a specs tree
 (nested dicts of objects with ``.shape``, ``.axes`` and ``.blocks``), or a config, or a
-``Params`` (anything with ``.config`` and ``.tree``). A config's specs come from a small
-protocol: its ``param_specs()`` method if it has one, else the ``param_specs(config)``
-function of the module that defines the config class — the family-module convention
-every ``functional_dit`` family follows. Nothing is imported for it.
+``Params`` (anything with ``.config`` and ``.tree``). A config's specs come from a
+one-method protocol: its ``param_specs()`` method, which every ``functional_dit``
+config class has. Nothing is imported for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Callable, Mapping
 
 import torch
@@ -111,15 +109,12 @@ def specs_of(source) -> Mapping:
         return source
     config = config_of(source)
     method = getattr(config, "param_specs", None)
-    if callable(method):
-        return method()
-    fn = getattr(sys.modules.get(type(config).__module__), "param_specs", None)
-    if callable(fn):
-        return fn(config)
-    raise ValueError(
-        f"params_or_config: expected a specs tree, a config or Params whose config's module defines "
-        f"param_specs(config), got {type(source).__name__}"
-    )
+    if not callable(method):
+        raise ValueError(
+            f"params_or_config: expected a specs tree, a config with a param_specs() method or Params, "
+            f"got {type(source).__name__}"
+        )
+    return method()
 
 
 def mesh_sizes(mesh) -> dict[str, int]:
