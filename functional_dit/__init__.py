@@ -16,7 +16,8 @@ from ._api import (
 )
 from ._pytree import PACKED, Block, Params, ParamSpec
 from .flux1 import Flux1Config
-from .flux2 import Flux2Config, Flux2KVCache
+from .flux2 import Flux2Config
+from .flux2_kv import Flux2KVCache
 from .qwenimage import QwenImageConfig
 
 __all__ = [
