@@ -137,12 +137,46 @@ def from_diffusers(module) -> Params:
     return from_state_dict(config, {k: v.detach() for k, v in module.state_dict().items()})
 
 
+# The keywords of fd.apply's common signature; a family takes some (its ``ARGS``) and
+# accepts the others as None, so a generic caller may pass them all.
+COMMON_ARGS = ("img_ids", "txt_ids", "guidance", "pooled", "txt_mask", "img_shapes")
+
+
 def apply(params: Params, x, t, txt, **kwargs):
-    """The model as a pure function; see the family's ``apply`` for the arguments.
-    Sharded params (DTensor leaves) run in the local view on their mesh."""
+    """The model as a pure function: ``fd.apply(params, x, t, txt, *, img_ids=None,
+    txt_ids=None, guidance=None, pooled=None, txt_mask=None, img_shapes=None, ...)``; the
+    family's ``prepare`` documents the arguments it takes (``flux1.prepare``, ...).
+    Returns the diffusers class's ``forward(...)[0]``, replicated on every rank.
+
+    Sharded params (DTensor leaves) run in the local view on their mesh: inputs are
+    checked in the full view, x, t, txt and the family's batched inputs split over "dp",
+    and the output gathered over "sp" and "dp", here and only here."""
     fam = family(params)
-    local, mesh = sharding.local_view(params) if hasattr(sharding, "local_view") else (params, None)
+    kwargs = _family_args(fam, kwargs)
+    local, mesh = sharding.local_view(params)
     if mesh is None:  # plain tensors: run under whatever mesh the caller bound (shard_map), if any
-        return fam.apply(local, x, t, txt, **kwargs)
+        return _apply_local(fam, local, x, t, txt, kwargs)
     with sharding.bind(mesh):
-        return fam.apply(local, x, t, txt, **kwargs)
+        return _apply_local(fam, local, x, t, txt, kwargs)
+
+
+def _family_args(fam, kwargs: dict) -> dict:
+    """The keywords ``fam`` takes; a common one it does not take must be None."""
+    for name, value in kwargs.items():
+        if name in fam.ARGS:
+            continue
+        if name not in COMMON_ARGS:
+            raise ValueError(f"{name}: not an argument of {fam.NAME}'s apply; expected one of {list(fam.ARGS)}")
+        if value is not None:
+            raise ValueError(f"{name}: {fam.NAME} takes no {name}; expected None, got {type(value).__name__}")
+    return {k: v for k, v in kwargs.items() if k in fam.ARGS}
+
+
+def _apply_local(fam, params: Params, x, t, txt, kwargs: dict):
+    inputs = fam.prepare(params, x, t, txt, **kwargs)
+    B = x.shape[0]
+    x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
+    inputs = {k: sharding.shard(v, "dp", 0) if k in fam.BATCHED and v is not None else v for k, v in inputs.items()}
+    out, seq, extra = fam.forward(params, x, t, txt, **inputs)
+    out = sharding.gather(sharding.gather(out, "sp", 1, seq), "dp", 0, B)
+    return out if extra is None else (out, extra)

@@ -71,14 +71,6 @@ def check_ids(name: str, ids, seq: int, n_axes: int, batch: int, device=None) ->
     return ids
 
 
-def check_unused(family: str, **kwargs) -> None:
-    """Arguments of DESIGN's common ``apply`` signature that this family does not take:
-    accepted as None (a generic caller may pass them), an error otherwise."""
-    for name, value in kwargs.items():
-        if value is not None:
-            raise ValueError(f"{name}: {family} takes no {name}; expected None, got {type(value).__name__}")
-
-
 def reference_leaf(params, path: str) -> torch.Tensor:
     """The leaf whose dtype and device define the model's (``x_embedder.weight``, say)."""
     node = params.tree

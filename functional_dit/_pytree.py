@@ -179,6 +179,8 @@ def register_pytree(config_classes) -> None:
     )
 
 
-def ordered_blocks(blocks: Mapping[str, Any]) -> list:
-    """The values of a ``{"0": ..., "1": ...}`` block dict in numeric order."""
+def ordered_blocks(params, name: str) -> list:
+    """The blocks ``params[name]`` (a ``{"0": ..., "1": ...}`` dict) in numeric order; none
+    when the model has zero such blocks (`nest` makes no key for an empty dict)."""
+    blocks = params.tree.get(name, {})
     return [blocks[k] for k in sorted(blocks, key=int)]

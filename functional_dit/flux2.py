@@ -23,13 +23,7 @@ import sharding
 
 from . import _layers as L
 from . import flux2_kv as kv
-from ._checks import (
-    check_guidance,
-    check_ids,
-    check_streams,
-    check_unused,
-    reference_leaf,
-)
+from ._checks import check_guidance, check_ids, check_streams, reference_leaf
 from ._config import (
     require,
     require_bool,
@@ -43,6 +37,7 @@ from ._pytree import PACKED, Block, linear_spec, norm_spec, ordered_blocks
 from .flux2_kv import Ref
 
 DIFFUSERS_CLASS = "Flux2Transformer2DModel"
+NAME = "FLUX.2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,20 +369,24 @@ def _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache):
     """All blocks in the local view. Returns the img stream and, per block, its `Ref`."""
     c, (mod_img, mod_txt, mod_single), T, refs = params.config, mods, txt.shape[1], {}
     D, eps = c.attention_head_dim, c.eps
-    for i, p in enumerate(ordered_blocks(params["transformer_blocks"])):
+    for i, p in enumerate(ordered_blocks(params, "transformer_blocks")):
         ref = ref if cache is None else kv.local_cache(cache, "transformer_blocks", i, img.device)
         img, txt, ref = double_block(p, img, txt, mod_img, mod_txt, pe, D, eps, key_bias, ref)
         refs[f"transformer_blocks.{i}"] = ref
     x = torch.cat([txt, img], 1)
     ref = ref._replace(mod=ref_mod_single) if ref is not None and ref.x is not None else None
-    for i, p in enumerate(ordered_blocks(params["single_transformer_blocks"])):
+    for i, p in enumerate(ordered_blocks(params, "single_transformer_blocks")):
         ref = ref if cache is None else kv.local_cache(cache, "single_transformer_blocks", i, x.device)
         x, ref = single_block(p, x, mod_single, pe, D, eps, key_bias, T, ref)
         refs[f"single_transformer_blocks.{i}"] = ref
     return x[:, T:], refs
 
 
-def apply(
+ARGS = ("guidance", "img_ids", "txt_ids", "kv_cache", "num_ref_tokens", "ref_fixed_timestep")
+BATCHED = ("guidance",)  # of prepare's outputs, those split over "dp" with x, t, txt
+
+
+def prepare(
     params,
     x,
     t,
@@ -399,46 +398,49 @@ def apply(
     kv_cache=None,
     num_ref_tokens=None,
     ref_fixed_timestep=None,
-    pooled=None,
-    txt_mask=None,
-    img_shapes=None,
-):
-    """FLUX.2 forward: x (B, S_img, in_channels), t (B,) in [0, 1], txt (B, S_txt,
-    joint_attention_dim), guidance (B,) when the model is guidance-distilled, img_ids
-    (S_img, 4) / txt_ids (S_txt, 4) or their 3-D forms (B or 1, S, 4), of which, like
-    diffusers, only the first item is used. Returns (B, S_img, patch_size² · out_channels)
-    as ``Flux2Transformer2DModel(...)[0]``.
+) -> dict:
+    """Checks the FLUX.2 inputs (full view) and returns `forward`'s keywords: x (B, S_img,
+    in_channels), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim), guidance (B,) when
+    the model is guidance-distilled, img_ids (S_img, 4) / txt_ids (S_txt, 4) or their 3-D
+    forms (B or 1, S, 4), of which, like diffusers, only the first item is used. fd.apply
+    returns (B, S_img, patch_size² · out_channels) as ``Flux2Transformer2DModel(...)[0]``.
 
     Reference-token KV cache (FLUX.2-klein editing, diffusers' ``kv_cache_mode``):
     ``kv_cache="extract", num_ref_tokens=R, ref_fixed_timestep=0.0``: the first R tokens of
     x (and rows of img_ids) are reference tokens, modulated at the fixed timestep and
-    attending only to themselves; returns ``(out, cache)`` with out over the other tokens
-    and cache a `Flux2KVCache`. ``kv_cache=cache``: x holds no reference tokens; every
-    block's txt and img queries also attend to the cached reference keys and values.
-
-    ``pooled`` (FLUX.1's), ``txt_mask`` and ``img_shapes`` (Qwen-Image's) must be None.
+    attending only to themselves; fd.apply returns ``(out, cache)`` with out over the other
+    tokens and cache a `Flux2KVCache`. ``kv_cache=cache``: x holds no reference tokens;
+    every block's txt and img queries also attend to the cached reference keys and values.
     """
-    check_unused("FLUX.2", pooled=pooled, txt_mask=txt_mask, img_shapes=img_shapes)
     img_ids, txt_ids, leaf = _validate(params, x, t, txt, guidance, img_ids, txt_ids)
     c = params.config
     mode = kv.check_mode(c, x, kv_cache, num_ref_tokens, ref_fixed_timestep, leaf)
-    R = num_ref_tokens if mode == "extract" else 0
-    B, S = x.shape[0], x.shape[1] - R
     pe_img, pe_txt = (L.rope(ids, c.axes_dims_rope, theta=c.rope_theta) for ids in (img_ids, txt_ids))
-    x, t, txt, guidance = (None if a is None else sharding.shard(a, "dp", 0) for a in (x, t, txt, guidance))
+    return dict(
+        guidance=guidance,
+        pe_img=pe_img,
+        pe_txt=pe_txt,
+        num_ref_tokens=num_ref_tokens if mode == "extract" else 0,
+        ref_fixed_timestep=ref_fixed_timestep or 0.0,
+        cache=kv_cache if mode == "cached" else None,
+        batch=x.shape[0],
+    )
+
+
+def forward(params, x, t, txt, *, guidance, pe_img, pe_txt, num_ref_tokens, ref_fixed_timestep, cache, batch):
+    """The model on this rank's batch: returns (out sharded over "sp", its full length, and
+    the extracted `Flux2KVCache` or None)."""
+    c, R = params.config, num_ref_tokens
     t, guidance = t.to(x.dtype) * 1000, None if guidance is None else guidance.to(x.dtype) * 1000
     temb = time_guidance_embed(params["time_guidance_embed"], t, guidance, c.timestep_guidance_channels)
     ref = ref_mod_single = None
-    if mode == "extract":
+    if R:
         ref_pe = tuple(a[:R] for a in pe_img)
-        ref, ref_mod_single = _ref_stream(params, x[:, :R], ref_pe, t, guidance, ref_fixed_timestep or 0.0)
+        ref, ref_mod_single = _ref_stream(params, x[:, :R], ref_pe, t, guidance, ref_fixed_timestep)
         x, pe_img = x[:, R:], tuple(a[R:] for a in pe_img)
     img, txt = L.linear(params["x_embedder"], x), L.linear(params["context_embedder"], txt)
     pe = tuple(torch.cat([a, b]) for a, b in zip(pe_txt, pe_img))
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
-    cache = kv_cache if mode == "cached" else None
     img, refs = _blocks(params, img, txt, modulations(params, temb), pe, key_bias, ref, ref_mod_single, cache)
-    out = sharding.gather(sharding.gather(final_layer(params, img, temb, c.eps), "sp", 1, S), "dp", 0, B)
-    if mode != "extract":
-        return out
-    return out, kv.from_refs(c, refs, B, R)
+    out = final_layer(params, img, temb, c.eps)
+    return out, x.shape[1], kv.from_refs(c, refs, batch, R) if R else None

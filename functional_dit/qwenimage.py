@@ -37,6 +37,7 @@ from ._config import (
 from ._pytree import ParamSpec, linear_spec, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
+NAME = "Qwen-Image"
 THETA = 10000
 
 
@@ -365,7 +366,7 @@ def _check_t_cond(c, additional_t_cond, batch: int, device) -> None:
             raise ValueError(f"additional_t_cond: expected int64 or int32 (0 or 1), got {additional_t_cond.dtype}")
 
 
-def _validate(params, x, t, txt, txt_mask, img_shapes, guidance, additional_t_cond, unused):
+def _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond):
     c = params.config
     ref = reference_leaf(params, "img_in.weight")
     B, S = check_streams(c, ref, x, t, txt)
@@ -374,53 +375,38 @@ def _validate(params, x, t, txt, txt_mask, img_shapes, guidance, additional_t_co
     if img_shapes is None:
         raise ValueError(f"img_shapes: Qwen-Image needs per batch item a list of (frames, h, w); x has {S} tokens")
     shapes = check_img_shapes(img_shapes, B, S, c.use_layer3d_rope)
-    if guidance is not None:
-        raise ValueError(
-            "guidance: QwenImageTransformer2DModel has no guidance embedder (guidance_embeds creates no weights "
-            "and diffusers' forward fails on a guidance tensor); expected None, got a tensor"
-        )
     _check_t_cond(c, additional_t_cond, B, ref.device)
-    for name, value in unused.items():
-        if value is not None:
-            raise ValueError(f"{name}: Qwen-Image takes no {name} (positions come from img_shapes); expected None")
     return shapes
 
 
-def apply(
-    params,
-    x,
-    t,
-    txt,
-    *,
-    txt_mask=None,
-    img_shapes=None,
-    guidance=None,
-    additional_t_cond=None,
-    pooled=None,
-    img_ids=None,
-    txt_ids=None,
-):
-    """Qwen-Image forward: x (B, S_img, in_channels) packed latents (Edit: the target's then
-    the reference images' tokens), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim),
-    txt_mask (B, S_txt) bool/int, 1 = real token (None: all real), img_shapes per batch item
-    a list of (frames, h, w) whose tokens make S_img, additional_t_cond (B,) ints in {0, 1}
-    for the Layered model. Returns (B, S_img, patch_size² · out_channels), as
-    ``QwenImageTransformer2DModel(...)[0]``."""
-    unused = dict(pooled=pooled, img_ids=img_ids, txt_ids=txt_ids)
-    shapes = _validate(params, x, t, txt, txt_mask, img_shapes, guidance, additional_t_cond, unused)
-    c, D = params.config, params.config.attention_head_dim
-    B, S = x.shape[:2]
+ARGS = ("txt_mask", "img_shapes", "additional_t_cond")  # of fd.apply's keywords, the ones Qwen-Image takes
+BATCHED = ("bias", "t_cond")  # of prepare's outputs, those split over "dp" with x, t, txt
+
+
+def prepare(params, x, t, txt, *, txt_mask=None, img_shapes=None, additional_t_cond=None) -> dict:
+    """Checks the Qwen-Image inputs (full view) and returns `forward`'s keywords: x (B,
+    S_img, in_channels) packed latents (Edit: the target's then the reference images'
+    tokens), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim), txt_mask (B, S_txt)
+    bool/int, 1 = real token (None: all real), img_shapes per batch item a list of
+    (frames, h, w) whose tokens make S_img, additional_t_cond (B,) ints in {0, 1} for the
+    Layered model. fd.apply returns (B, S_img, patch_size² · out_channels), as
+    ``QwenImageTransformer2DModel(...)[0]``. The model has no guidance embedder
+    (diffusers' ``guidance_embeds`` creates no weights), so ``guidance`` must be None."""
+    c = params.config
+    shapes = _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond)
     pe = pos_embed(shapes, txt.shape[1], c.axes_dims_rope, c.use_layer3d_rope, x.device)
     ref = sharding.shard(ref_mask(shapes, x.device), "sp", 0) if c.zero_cond_t else None
     bias = None if txt_mask is None else mask_bias(txt_mask)
-    x, t, txt, bias, t_cond = (
-        None if a is None else sharding.shard(a, "dp", 0) for a in (x, t, txt, bias, additional_t_cond)
-    )
+    return dict(pe=pe, ref=ref, bias=bias, t_cond=additional_t_cond)
+
+
+def forward(params, x, t, txt, *, pe, ref, bias, t_cond):
+    """The model on this rank's batch: returns (out sharded over "sp", its full length, None)."""
+    c, S = params.config, x.shape[1]
     img = L.linear(params["img_in"], x)
     temb = time_embed(params["time_text_embed"], t.to(img.dtype), t_cond, c.zero_cond_t)
     txt = L.linear(params["txt_in"], L.rms_norm_fp32(params["txt_norm"], txt))
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe, bias)
-    for p in ordered_blocks(params["transformer_blocks"]):
-        img, txt = block(p, img, txt, temb, pe, D, key_bias, ref)
-    out = final_layer(params, img, temb[: img.shape[0]])
-    return sharding.gather(sharding.gather(out, "sp", 1, S), "dp", 0, B)
+    for p in ordered_blocks(params, "transformer_blocks"):
+        img, txt = block(p, img, txt, temb, pe, c.attention_head_dim, key_bias, ref)
+    return final_layer(params, img, temb[: img.shape[0]]), S, None

@@ -383,7 +383,11 @@ BAD = {  # id: (config, mutate kw, error pattern)
     "shapes-pair": (TINY, _set(img_shapes=[[(3, 4)]] * 2), r"img_shapes\[0\]: expected .*\(frames, height, width\)"),
     "shapes-differ": (TINY, _set(img_shapes=[[(1, 3, 4)], [(1, 4, 3)]]), r"img_shapes\[1\]: expected the same"),
     "shapes-tokens": (TINY, _x_tokens(1), r"img_shapes: \[\(1, 3, 4\)\] make 12 tokens; expected .* 13"),
-    "guidance": (TINY, _set(guidance=torch.ones(B)), "guidance: QwenImageTransformer2DModel has no guidance"),
+    "guidance": (
+        TINY,
+        _set(guidance=torch.ones(B)),
+        "guidance: Qwen-Image takes no guidance; expected None, got Tensor",
+    ),
     "pooled": (TINY, _set(pooled=torch.ones(B, 8)), "pooled: Qwen-Image takes no pooled"),
     "img-ids": (TINY, _set(img_ids=torch.zeros(12, 3)), "img_ids: Qwen-Image takes no img_ids"),
     "t-cond-given": (TINY, _set(additional_t_cond=torch.zeros(B, dtype=torch.long)), "use_additional_t_cond=False"),
