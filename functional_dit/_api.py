@@ -12,9 +12,10 @@ from collections.abc import Mapping
 import torch
 
 import sharding
+from sharding.tree import flatten, mismatch_report, nest
 
 from . import _config, flux1, flux2, qwenimage
-from ._pytree import Params, ParamSpec, flatten, nest, register_pytree
+from ._pytree import Params, ParamSpec, register_pytree
 
 # The families: config class -> the module that owns it (specs, apply, presets,
 # DIFFUSERS_CLASS). A static table: adding a family is one line here.
@@ -113,17 +114,10 @@ def from_state_dict(config, state: Mapping[str, torch.Tensor]) -> Params:
         if k in state and tuple(state[k].shape) != s.shape
     ]
     if missing or unexpected or shapes:
-        raise ValueError(_mismatch_report(type(config).__name__, missing, unexpected, shapes))
+        raise ValueError(
+            mismatch_report(f"state dict does not match {type(config).__name__}", missing, unexpected, shapes)
+        )
     return Params(config, nest({k: state[k] for k in specs}))
-
-
-def _mismatch_report(name, missing, unexpected, shapes, limit=20) -> str:
-    parts = []
-    for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes)):
-        if items:
-            more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
-            parts.append(f"{len(items)} {title}: {items[:limit]}{more}")
-    return f"state dict does not match {name}: " + "; ".join(parts)
 
 
 def to_state_dict(params: Params) -> dict:

@@ -1,4 +1,4 @@
-"""The parameter pytree: `Params`, `ParamSpec` and dotted-path helpers.
+"""The parameter pytree: `Params` and `ParamSpec` (dotted paths: `sharding.tree`).
 
 A `Params` is a config (static metadata) plus nested dicts of tensors whose dotted
 paths equal the diffusers ``state_dict`` keys. It is registered with both optree and
@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import optree
 import torch
 import torch.utils._pytree as torch_pytree
+
+from sharding.tree import flatten
 
 PACKED = "packed"  # logical axis of a dim that concatenates several blocks
 
@@ -56,10 +59,7 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def linear_spec(out_dim, in_dim, out_axis, in_axis, bias: bool = True, blocks=None) -> dict:
@@ -74,30 +74,6 @@ def linear_spec(out_dim, in_dim, out_axis, in_axis, bias: bool = True, blocks=No
 def norm_spec(dim: int, axis: str = "head_dim") -> dict:
     """Specs of a norm's scale (QK RMS norms: over head_dim, replicated)."""
     return {"weight": ParamSpec((dim,), (axis,))}
-
-
-def nest(flat: Mapping[str, Any]) -> dict:
-    """``{"a.b.c": v}`` -> ``{"a": {"b": {"c": v}}}``, keeping insertion order."""
-    tree: dict = {}
-    for key, value in flat.items():
-        *parents, leaf = key.split(".")
-        node = tree
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = value
-    return tree
-
-
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict:
-    """The inverse of `nest`: nested dicts -> ``{dotted path: leaf}``."""
-    flat = {}
-    for name, value in tree.items():
-        key = f"{prefix}{name}"
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, key + "."))
-        else:
-            flat[key] = value
-    return flat
 
 
 class Params:

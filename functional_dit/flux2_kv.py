@@ -19,9 +19,9 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 import sharding
+from sharding.tree import flatten, mismatch_report, nest
 
 from ._checks import check_tensor
-from ._pytree import flatten, nest
 
 
 class Flux2KVCache:
@@ -142,9 +142,8 @@ def check_cache(c, cache, B, ref):
         raise ValueError(f"kv_cache: built for a different model; expected config {c}, got {cache.config}")
     expected, flat = cache_shapes(c, B, cache.num_ref_tokens), cache.flat()
     if set(flat) != set(expected):  # any key order: blocks are looked up by name
-        missing = [k for k in expected if k not in flat]
-        extra = [k for k in flat if k not in expected]
-        raise ValueError(f"kv_cache: expected the keys {list(expected)[:4]}...; missing {missing}, unexpected {extra}")
+        missing, extra = [k for k in expected if k not in flat], [k for k in flat if k not in expected]
+        raise ValueError(mismatch_report("kv_cache: expected the keys of the model's blocks", missing, extra))
     for key, shape in expected.items():
         check_tensor(f"kv_cache[{key!r}]", flat[key], shape, ref.dtype, ref.device)
 

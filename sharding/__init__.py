@@ -1,5 +1,6 @@
 """Sharding as data: named meshes, placement pytrees and named-axis collectives."""
 
+from . import tree
 from ._axes import all_gather, all_to_all, axis_index, axis_size, bind, current_mesh, psum, ulysses
 from ._map import P, shard_map
 from ._mesh import AXES, backend_for, default_device_type, make_mesh
@@ -64,6 +65,7 @@ __all__ = [
     "shard_params",
     "specs_of",
     "take",
+    "tree",
     "ulysses",
     "unshard",
 ]

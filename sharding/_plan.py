@@ -22,9 +22,12 @@ config class has. Nothing is imported for it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Mapping
 
 import torch
+
+from .tree import check_same_keys, leaves, map_tree
 
 PACKED = "packed"  # the logical axis of a dim that concatenates several blocks (ParamSpec)
 DEFAULT_RULES = {"heads": "tp", "mlp": "tp"}
@@ -62,33 +65,6 @@ def is_spec(x) -> bool:
 
 def is_placement(x) -> bool:
     return isinstance(x, (Replicate, Shard))
-
-
-def map_tree(fn: Callable, tree: Mapping, *rest: Mapping, path: str = "") -> dict:
-    """``fn(dotted_path, leaf, *other_leaves)`` over nested dicts with the same keys."""
-    out = {}
-    for key, value in tree.items():
-        p = f"{path}{key}"
-        others = [r[key] for r in rest]
-        out[key] = map_tree(fn, value, *others, path=p + ".") if isinstance(value, Mapping) else fn(p, value, *others)
-    return out
-
-
-def leaves(tree: Mapping, path: str = ""):
-    """``(dotted_path, leaf)`` pairs of nested dicts, in order."""
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            yield from leaves(value, f"{path}{key}.")
-        else:
-            yield f"{path}{key}", value
-
-
-def check_same_keys(name: str, tree: Mapping, ref: Mapping, ref_name: str) -> None:
-    """ValueError naming the dotted paths in which ``tree`` and ``ref`` differ."""
-    a, b = {p for p, _ in leaves(tree)}, {p for p, _ in leaves(ref)}
-    if a != b:
-        missing, extra = sorted(b - a)[:10], sorted(a - b)[:10]
-        raise ValueError(f"{name}: expected the keys of {ref_name}; missing {missing}, unexpected {extra}")
 
 
 # ----------------------------------------------------------------------------- sources
@@ -347,11 +323,5 @@ def bytes_per_rank(specs, plan_or_rules=None, degrees=None, dtype=torch.bfloat16
     )
     placements = plan_or_rules if is_plan else plan(specs, sizes, plan_or_rules)
     check_same_keys("plan", placements, tree, "the specs")
-    total = 0
     flat = dict(leaves(placements))
-    for path, spec in leaves(tree):
-        n = 1
-        for s in local_shape(spec, flat[path], sizes):
-            n *= s
-        total += n
-    return total * dtype.itemsize
+    return sum(math.prod(local_shape(spec, flat[path], sizes)) for path, spec in leaves(tree)) * dtype.itemsize

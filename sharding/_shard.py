@@ -29,16 +29,14 @@ from ._plan import (
     Shard,
     _shape,
     check_placement,
-    check_same_keys,
     config_of,
-    leaves,
     local_slices,
-    map_tree,
     mesh_sizes,
     specs_of,
     take,
 )
 from ._plan import plan as make_plan
+from .tree import check_same_keys, get, leaves, map_tree
 
 
 def _dtensor_cls():
@@ -232,7 +230,7 @@ def unshard(sharded, plan=None):
     def leaf(path, x, *given):
         if DTensor is None or not isinstance(x, DTensor):
             return x
-        spec = _lookup(specs, path)
+        spec = None if specs is None else get(specs, path)
         if given:
             placement = given[0]
             check_placement(path, placement, spec if spec is not None else tuple(x.shape), mesh_sizes(x.device_mesh))
@@ -251,15 +249,6 @@ def unshard(sharded, plan=None):
         return full
 
     return _rebuild(sharded, map_tree(leaf, tree, *([plan] if plan is not None else [])))
-
-
-def _lookup(specs, path):
-    if specs is None:
-        return None
-    node = specs
-    for key in path.split("."):
-        node = node[key]
-    return node
 
 
 def placement_of(x, spec=None):

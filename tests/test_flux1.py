@@ -126,7 +126,7 @@ def test_param_specs_equal_diffusers_meta_state_dict(name):
             **{k: v for k, v in fd.config_to_diffusers(config).items() if not k.startswith("_")}
         )
     ref = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    specs = {k: s.shape for k, s in fd._pytree.flatten(fd.param_specs(config)).items()}
+    specs = {k: s.shape for k, s in sharding.tree.flatten(fd.param_specs(config)).items()}
     assert list(specs) == list(ref)  # same keys, same (state_dict) order
     assert specs == ref
     assert fd.num_params(config) == sum(p.numel() for p in module.parameters())

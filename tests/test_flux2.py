@@ -14,6 +14,7 @@ from diffusers import Flux2Transformer2DModel
 from oracle import diffusers_model, max_err
 
 import functional_dit as fd
+import sharding
 from functional_dit import flux2
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -180,7 +181,7 @@ def test_cache_key_order_does_not_matter(tiny):
     kw = inputs(TINY, batch=2, ref_hw=(2, 2))
     _, cache = fd.apply(params, **kw)
     shuffled = fd.Flux2KVCache(
-        cache.config, cache.num_ref_tokens, fd._pytree.nest(dict(reversed(cache.flat().items())))
+        cache.config, cache.num_ref_tokens, sharding.tree.nest(dict(reversed(cache.flat().items())))
     )
     assert list(shuffled.flat()) != list(cache.flat())
     step = next_step(kw, cache)
@@ -230,7 +231,7 @@ def test_param_specs_equal_diffusers_meta_state_dict(name):
     config = fd.PRESETS[name]
     module = _meta_module(config)
     ref = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    specs = {k: s.shape for k, s in fd._pytree.flatten(fd.param_specs(config)).items()}
+    specs = {k: s.shape for k, s in sharding.tree.flatten(fd.param_specs(config)).items()}
     assert list(specs) == list(ref)  # same keys, same (state_dict) order
     assert specs == ref
     assert fd.num_params(config) == sum(p.numel() for p in module.parameters())
@@ -271,7 +272,7 @@ def test_packed_specs():
         lin = specs["transformer_blocks"]["1"][ff]["linear_in"]["weight"]
         assert lin.axes == (fd.PACKED, "embed") and lin.blocks == (fd.Block("gate", m, "mlp"), fd.Block("up", m, "mlp"))
         assert specs["transformer_blocks"]["1"][ff]["linear_out"]["weight"].axes == ("embed", "mlp")
-    assert not any(k.endswith("bias") for k in fd._pytree.flatten(specs))
+    assert not any(k.endswith("bias") for k in sharding.tree.flatten(specs))
 
 
 def test_single_block_split_reads_the_local_width_from_shapes(tiny):
@@ -539,7 +540,7 @@ BAD_CACHES = [  # (change the cached step's kwargs, message); the cache holds (2
     (lambda kw, c: _bad(kw, kv_cache=fd.Flux2KVCache(c.config, 3, c.tree)),
      r"kv_cache\['transformer_blocks.0.k'\]: expected shape \(2, 3, 4, 16\), got \(2, 4, 4, 16\)"),
     (lambda kw, c: _bad(kw, kv_cache=fd.Flux2KVCache(c.config, 4, {"transformer_blocks": c["transformer_blocks"]})),
-     r"kv_cache: expected the keys .* missing \['single_transformer_blocks.0.k'"),
+     r"kv_cache: expected the keys .* missing: \['single_transformer_blocks.0.k'"),
     (lambda kw, c: _bad(kw, kv_cache=fd.Flux2KVCache(TINY_KLEIN, 4, c.tree)),
      "kv_cache: built for a different model; expected config Flux2Config.*num_attention_heads=4.*got Flux2Config"),
     (lambda kw, c: _bad(kw, num_ref_tokens=5), "num_ref_tokens: the cache holds 4 tokens, got 5"),

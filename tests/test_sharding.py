@@ -188,7 +188,7 @@ def test_shard_params_refuses_a_misshaped_leaf_before_anything_moves():
     p = fd.init(FLUX1)
     tree = p.flat()
     tree["proj_out.weight"] = torch.zeros(3, 3)
-    bad = fd._pytree.Params(FLUX1, fd._pytree.nest(tree))
+    bad = fd._pytree.Params(FLUX1, sharding.tree.nest(tree))
     with pytest.raises(ValueError, match=r"params: proj_out.weight: expected shape \(16, 32\), got \(3, 3\)"):
         sharding.shard_params(bad, Mesh())
 
@@ -371,7 +371,7 @@ def _core_work(rank, world):
     exact = lambda u: all(torch.equal(v, u[k]) for k, v in p.flat().items())  # noqa: E731
     out["unshard"] = (
         exact(sharding.unshard(s, edited).flat()),
-        exact(fd._pytree.flatten(sharding.unshard(tree_only, edited))),
+        exact(sharding.tree.flatten(sharding.unshard(tree_only, edited))),
     )
     try:
         sharding.shard_params(p, mesh, {"x_embedder": {}})
@@ -402,7 +402,7 @@ def _user_plans(p, mesh) -> dict:
         for name, (path, placement) in cases.items():
             flat = dict(sharding._plan.leaves(sharding.plan(p, mesh)), **{path: placement})
             try:
-                sharding.shard_params(p, mesh, fd._pytree.nest(flat))
+                sharding.shard_params(p, mesh, sharding.tree.nest(flat))
                 report[name] = "accepted"
             except ValueError as e:
                 report[name] = str(e)

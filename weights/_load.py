@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -20,7 +21,7 @@ import torch
 
 import functional_dit as fd
 import sharding
-from functional_dit._pytree import flatten, nest
+from sharding.tree import flatten, mismatch_report, nest
 
 from . import _format as F
 from . import _layouts as L
@@ -170,7 +171,7 @@ def _check_keys(src: Source, config, layout: str, resolved: L.Resolved) -> None:
     ]
     if missing or unexpected or shapes:
         name = f"{type(config).__name__} ({layout} layout) in {src.path}"
-        raise CheckpointError(fd._api._mismatch_report(name, missing, unexpected, shapes))
+        raise CheckpointError(mismatch_report(f"state dict does not match {name}", missing, unexpected, shapes))
 
 
 def _named(src_key: str, feeds: dict, layout: str) -> str:
@@ -247,7 +248,7 @@ def _fill(src: Source, resolved: L.Resolved, regions: dict, dtype, device, mesh,
     reader = F.Reader()
     sizes = {k: [sum(b - a for a, b in r) for r in regions[k]] for k in resolved.pieces}
     out_dtype = lambda k: dtype or src.tensors[resolved.pieces[k][0].src].torch_dtype  # noqa: E731
-    total = sum(_numel(s) * out_dtype(k).itemsize for k, s in sizes.items())
+    total = sum(math.prod(s) * out_dtype(k).itemsize for k, s in sizes.items())
     flat = {}
     with _bar(total, progress, mesh, f"loading {os.path.basename(os.path.normpath(src.path))}") as bar:
         for key, pieces in resolved.pieces.items():
@@ -258,13 +259,6 @@ def _fill(src: Source, resolved: L.Resolved, regions: dict, dtype, device, mesh,
     if stats is not None:
         stats.update(bytes_read=reader.bytes_read, local_bytes=total)
     return flat
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _fill_one(reader: F.Reader, src: Source, pieces: list[L.Piece], region, dest: torch.Tensor) -> None:
