@@ -30,10 +30,9 @@ import torch
 from .tree import check_same_keys, leaves, map_tree
 
 PACKED = "packed"  # the logical axis of a dim that concatenates several blocks (ParamSpec)
+# The layout fd.apply computes in (heads and MLP columns over "tp"; see
+# docs/architecture.md). Other rules make storage layouts (weights.load/save, unshard).
 DEFAULT_RULES = {"heads": "tp", "mlp": "tp"}
-# The local-view model code sums row-parallel partial products with psum(..., "tp"),
-# so on a mesh with tp > 1 these logical axes must be split over "tp" and no other.
-MODEL_CONTRACT = {"heads": "tp", "mlp": "tp"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,15 +123,18 @@ def plan(params_or_config, mesh, rules: Mapping | None = None) -> dict:
 
     ``params_or_config``: ``Params``, a config or a specs tree (see the module docstring).
     ``mesh``: a named ``DeviceMesh`` or a mapping ``{axis: size}`` (no processes needed).
-    ``rules``: logical axis -> mesh axis (default ``{"heads": "tp", "mlp": "tp"}``).
+    ``rules``: logical axis -> mesh axis name or None. The default, ``{"heads": "tp",
+    "mlp": "tp"}``, is the layout ``fd.apply`` computes in; a plan from other rules is a
+    storage layout (``weights.load`` / ``weights.save``, `unshard`), and ``fd.apply`` on
+    params sharded by it raises a ValueError naming the first leaf placed otherwise.
 
-    Raises ValueError, before any data moves, when a sharded dim or a fused block does
-    not divide by its axis size (naming the parameter, dim, size and degree), when the
-    heads do not divide by tp, or the local heads by sp (Ulysses), or when the rules
-    break the model's local-view contract (heads and MLP split over "tp").
+    Raises ValueError, before any data moves, when a rule names a logical axis the
+    parameters do not have or a mesh axis the mesh does not have, when a sharded dim or a
+    fused block does not divide by its axis size (naming the parameter, dim, size and
+    degree), or when the heads do not divide by tp, or the local heads by sp (Ulysses).
     """
     specs, sizes = specs_of(params_or_config), mesh_sizes(mesh)
-    rules = _check_rules(DEFAULT_RULES if rules is None else rules, specs, sizes)
+    rules = DEFAULT_RULES if rules is None else _check_rules(rules, specs, mesh, sizes)
     _check_heads(config_of(params_or_config), rules, sizes)
     return map_tree(lambda path, spec: _placement(path, spec, rules, sizes), specs)
 
@@ -142,21 +144,22 @@ def _logical_axes(specs) -> set:
     for _, spec in leaves(specs):
         axes.update(spec.axes)
         axes.update(b.axis for b in spec.blocks or ())
-    return axes
+    return axes - {None, PACKED}
 
 
-def _check_rules(rules, specs, sizes) -> dict:
+def _check_rules(rules, specs, mesh, sizes) -> dict:
+    """Rules name logical axes of these parameters and mesh axes of this mesh (a misspelt
+    axis is an error, as in ``shard_map``'s specs); the mesh axis may have any size."""
     if not isinstance(rules, Mapping) or not all(isinstance(v, (str, type(None))) for v in rules.values()):
         raise ValueError(f"rules: expected a mapping of logical axis -> mesh axis name or None, got {rules!r}")
-    used = _logical_axes(specs)
-    for logical, axis in MODEL_CONTRACT.items():
-        want = axis if sizes.get(axis, 1) > 1 else None
-        got = _effective(logical, rules, sizes)
-        if logical in used and got != want:
+    known = _logical_axes(specs)
+    for logical, axis in rules.items():
+        if logical not in known:
             raise ValueError(
-                f"rules: the model sums {logical!r} partial products over {axis!r} (psum), so on a mesh "
-                f"{sizes} {logical!r} must be split over {want!r}; the rules {dict(rules)} split it over {got!r}"
+                f"rules: {logical!r} is not a logical axis of these parameters; expected one of {sorted(known)}"
             )
+        if axis is not None and axis not in sizes:
+            raise ValueError(f"rules: {logical!r} -> {axis!r}: expected a mesh axis in {tuple(sizes)}, got {axis!r}")
     return dict(rules)
 
 
