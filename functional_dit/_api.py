@@ -3,6 +3,7 @@ family module (`flux1`, `flux2`, `qwenimage`) that owns a config class."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -12,10 +13,10 @@ from collections.abc import Mapping
 import torch
 
 import sharding
-from sharding.tree import flatten, mismatch_report, nest
+from sharding.tree import flatten, nest
 
 from . import _config, flux1, flux2, qwenimage
-from ._pytree import Params, ParamSpec, register_pytree
+from ._pytree import Params, ParamSpec, check_leaves, register_pytree
 
 # The families: config class -> the module that owns it (specs, apply, presets,
 # DIFFUSERS_CLASS). A static table: adding a family is one line here.
@@ -39,22 +40,74 @@ def family(config):
     return fam
 
 
+def as_config(config):
+    """The config meant by ``config``: a preset name in `PRESETS`, a config, `Params`
+    (its config) or a diffusers config mapping (see `config_from_diffusers`). Every
+    function that takes a config takes any of these."""
+    if isinstance(config, Params):
+        return config.config
+    if isinstance(config, str):
+        if config not in PRESETS:
+            raise ValueError(f"config: expected a preset name in {sorted(PRESETS)} or a config, got {config!r}")
+        return PRESETS[config]
+    if isinstance(config, Mapping):
+        return config_from_diffusers(config)
+    family(config)  # a ValueError naming the config classes
+    return config
+
+
 def config_from_diffusers(cfg):
-    """A config from a diffusers config mapping, a ``config.json`` path or a model folder."""
+    """A config from what users of diffusers hold: a config mapping (``pipe.transformer.config``,
+    a FrozenDict without ``_class_name``: the family is read off its keys), the transformer
+    module (also under ``torch.compile``), a ``config.json`` path, a model folder or a
+    pipeline folder (its ``transformer/config.json``)."""
+    module = getattr(cfg, "_orig_mod", cfg)  # torch.compile's OptimizedModule wraps the module
+    if isinstance(module, torch.nn.Module):
+        if not isinstance(getattr(module, "config", None), Mapping):
+            raise ValueError(
+                f"cfg: expected a diffusers transformer module with a .config, got {type(module).__name__}"
+            )
+        return config_from_diffusers({**module.config, "_class_name": type(module).__name__})
     if isinstance(cfg, (str, os.PathLike)):
-        path = os.fspath(cfg)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path) as f:
-            cfg = json.load(f)
+        cfg = _read_config_json(os.fspath(cfg))
     if not isinstance(cfg, Mapping):
-        raise ValueError(f"cfg: expected a mapping or a config.json path, got {type(cfg).__name__}")
+        raise ValueError(
+            f"cfg: expected a mapping, a diffusers module, a config.json path or a folder, got {type(cfg).__name__}"
+        )
     name = cfg.get("_class_name")
     if name is None:
-        raise ValueError(f"cfg: no '_class_name' in the config; expected one of {list(DIFFUSERS_CLASSES)}")
+        name = _class_from_keys(cfg)
     if name not in DIFFUSERS_CLASSES:
         raise ValueError(f"cfg: _class_name {name!r} is not one of {list(DIFFUSERS_CLASSES)}")
     return _config.from_mapping(DIFFUSERS_CLASSES[name], _drop_keys_diffusers_ignores(name, cfg))
+
+
+def _read_config_json(path: str) -> dict:
+    if isinstance(path, str) and path.lstrip().startswith("{"):
+        raise ValueError(
+            "cfg: got a JSON string; expected a mapping (json.loads(text)), a config.json path or a folder"
+        )
+    candidates = [path, os.path.join(path, "config.json"), os.path.join(path, "transformer", "config.json")]
+    for file in candidates if os.path.isdir(path) else candidates[:1]:
+        if os.path.isfile(file):
+            with open(file, encoding="utf-8") as f:
+                return json.load(f)
+    raise ValueError(
+        f"cfg: expected a config.json file, a model folder or a pipeline folder; found none at {path!r:.200}"
+    )
+
+
+def _class_from_keys(cfg: Mapping) -> str:
+    """The one family whose config has every (non-``_``) key of ``cfg``; ambiguous or none: an error."""
+    keys = {k for k in cfg if not k.startswith("_")}
+    fits = [fam.DIFFUSERS_CLASS for cls, fam in FAMILIES.items() if keys <= {f.name for f in dataclasses.fields(cls)}]
+    if len(fits) != 1:
+        what = f"fit {fits}" if fits else "fit none of the families"
+        raise ValueError(
+            f"cfg: no '_class_name', and its keys {sorted(keys)} {what}; expected exactly one of "
+            f"{list(DIFFUSERS_CLASSES)}: add '_class_name'"
+        )
+    return fits[0]
 
 
 def _drop_keys_diffusers_ignores(class_name: str, cfg: Mapping) -> dict:
@@ -71,15 +124,17 @@ def _drop_keys_diffusers_ignores(class_name: str, cfg: Mapping) -> dict:
 
 
 def config_to_diffusers(config) -> dict:
+    config = as_config(config)
     return _config.to_mapping(config, family(config).DIFFUSERS_CLASS)
 
 
 def param_specs(config) -> dict:
     """Nested dict of `ParamSpec` shaped like the params; allocates nothing."""
-    return family(config).param_specs(config)
+    return as_config(config).param_specs()
 
 
 def num_params(config) -> int:
+    """The parameter count of a config (or preset name, or `Params`)."""
     return sum(s.numel for s in flatten(param_specs(config)).values())
 
 
@@ -95,6 +150,11 @@ def init(config, seed: int = 0, dtype=torch.float32, device="cpu") -> Params:
     """Random params, deterministic per ``seed``: fan-in scaled normal weights, small
     random biases, norm scales near 1 (no zero-init, so every path is exercised).
     ``device="meta"`` allocates and draws nothing (shapes and dtypes only)."""
+    config = as_config(config)
+    if not _config.is_int(seed):
+        raise ValueError(f"seed: expected an int, got {seed!r}")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype: expected a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     specs = flatten(param_specs(config))
     if torch.device(device).type == "meta":
         return Params(config, nest({k: torch.empty(s.shape, dtype=dtype, device="meta") for k, s in specs.items()}))
@@ -104,20 +164,27 @@ def init(config, seed: int = 0, dtype=torch.float32, device="cpu") -> Params:
 
 def from_state_dict(config, state: Mapping[str, torch.Tensor]) -> Params:
     """Params from a diffusers-keyed state dict; strict: one ValueError lists every
-    missing, unexpected and mis-shaped key. Tensors are used as given (no copy)."""
-    specs = flatten(param_specs(config))
-    missing = [k for k in specs if k not in state]
-    unexpected = [k for k in state if k not in specs]
-    shapes = [
-        f"{k}: expected {s.shape}, got {tuple(state[k].shape)}"
-        for k, s in specs.items()
-        if k in state and tuple(state[k].shape) != s.shape
-    ]
-    if missing or unexpected or shapes:
+    missing, unexpected, mis-shaped and non-floating key (`check_leaves`), and refuses a
+    mix of dtypes or devices. Tensors are used as given (no copy)."""
+    config = as_config(config)
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state: expected a mapping of diffusers keys to tensors, got {type(state).__name__}")
+    _refuse_bfl_layout(config, state)
+    check_leaves(config, state)
+    return Params(config, nest({k: state[k] for k in flatten(param_specs(config))}))
+
+
+# The top-level names of Black Forest Labs' FLUX checkpoints (diffusers' are others).
+_BFL_NAMES = ("double_blocks", "single_blocks", "final_layer", "time_in", "vector_in", "guidance_in")
+
+
+def _refuse_bfl_layout(config, state: Mapping) -> None:
+    names = {k.removeprefix("model.diffusion_model.").split(".")[0] for k in state}
+    if names & set(_BFL_NAMES) and not names & set(param_specs(config)):
         raise ValueError(
-            mismatch_report(f"state dict does not match {type(config).__name__}", missing, unexpected, shapes)
+            f"state: the keys are in Black Forest Labs' layout ({sorted(names & set(_BFL_NAMES))}), not diffusers'; "
+            "save it as .safetensors and read it with weights.load(file, config=...), which converts the layout"
         )
-    return Params(config, nest({k: state[k] for k in specs}))
 
 
 def to_state_dict(params: Params) -> dict:
@@ -126,9 +193,11 @@ def to_state_dict(params: Params) -> dict:
 
 
 def from_diffusers(module) -> Params:
-    """Params sharing storage with a diffusers transformer module."""
-    config = config_from_diffusers(dict(module.config, _class_name=type(module).__name__))
-    return from_state_dict(config, {k: v.detach() for k, v in module.state_dict().items()})
+    """Params sharing storage with a diffusers transformer module (or its ``torch.compile``)."""
+    module = getattr(module, "_orig_mod", module)
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"module: expected a diffusers transformer module, got {type(module).__name__}")
+    return from_state_dict(config_from_diffusers(module), {k: v.detach() for k, v in module.state_dict().items()})
 
 
 # The keywords of fd.apply's common signature; a family takes some (its ``ARGS``) and

@@ -4,11 +4,21 @@ the diffusers config keys)."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping
 
 
 def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def as_ints(values) -> tuple:
+    """``values`` as a tuple whose integers (numpy's and 0-d tensors' too) are Python ints;
+    anything else is kept as is, for the checks to refuse by name."""
+    return tuple(
+        operator.index(v) if not isinstance(v, bool) and not isinstance(v, float) and hasattr(v, "__index__") else v
+        for v in values
+    )
 
 
 def require(cond: bool, message: str) -> None:

@@ -18,7 +18,7 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
-from sharding.tree import flatten
+from sharding.tree import flatten, mismatch_report
 
 PACKED = "packed"  # logical axis of a dim that concatenates several blocks
 
@@ -102,11 +102,55 @@ class Params:
         return iter(self.flat().values())
 
     def replace(self, tree: Mapping[str, Any]) -> Params:
+        """The same config with a new tree of full tensors, checked (`check_leaves`)."""
+        check_leaves(self.config, flatten(tree))
         return Params(self.config, tree)
 
     def __repr__(self) -> str:
         n = sum(t.numel() for t in self.leaves() if isinstance(t, torch.Tensor))
         return f"Params({type(self.config).__name__}, {len(self.flat())} tensors, {n:,} elements)"
+
+
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_leaves(config, flat: Mapping[str, Any]) -> None:
+    """Where parameters enter (`from_state_dict`, `Params.replace`): one ValueError listing
+    every missing, unexpected and mis-shaped key, every leaf that is not a tensor or not
+    floating point, and, if the leaves mix dtypes or devices, the leaves of each. Reads
+    only shapes, dtypes and devices (DTensor leaves: their global shape)."""
+    specs = flatten(config.param_specs())
+    name = f"state dict does not match {type(config).__name__}"
+    missing = [k for k in specs if k not in flat]
+    unexpected = [k for k in flat if k not in specs]
+    bad = [
+        f"{k}: expected a tensor, got {type(v).__name__}" for k, v in flat.items() if not isinstance(v, torch.Tensor)
+    ]
+    tensors = {k: v for k, v in flat.items() if k in specs and isinstance(v, torch.Tensor)}
+    shapes = [
+        f"{k}: expected {specs[k].shape}, got {tuple(v.shape)}"
+        for k, v in tensors.items()
+        if tuple(v.shape) != specs[k].shape
+    ]
+    if missing or unexpected or bad or shapes:
+        raise ValueError(mismatch_report(name, missing, unexpected, shapes, other={"not tensors": bad}))
+    bad = [f"{k}: {v.dtype}" for k, v in tensors.items() if not v.is_floating_point()]
+    if bad:
+        raise ValueError(
+            mismatch_report(
+                f"params: expected floating-point tensors {COMPUTE_DTYPES}", other={"not floating point": bad}
+            )
+        )
+    for what, of in (("dtype", lambda v: v.dtype), ("device", lambda v: v.device)):
+        groups: dict = {}
+        for k, v in tensors.items():
+            groups.setdefault(of(v), []).append(k)
+        if len(groups) > 1:
+            found = {str(g): (len(ks), ks[:3]) for g, ks in groups.items()}
+            raise ValueError(
+                f"params: expected one {what} for every tensor (the model computes in one), got {len(groups)}: "
+                f"{found} as (count, first keys); convert with .to() first"
+            )
 
 
 def _flatten(p: Params):

@@ -14,7 +14,14 @@ import torch
 
 from . import _layers as L
 from ._checks import check_guidance, check_ids, check_streams, check_tensor, reference_leaf
-from ._config import require_bool, require_non_negative, require_positive, require_positive_or_none, require_rope_axes
+from ._config import (
+    as_ints,
+    require_bool,
+    require_non_negative,
+    require_positive,
+    require_positive_or_none,
+    require_rope_axes,
+)
 from ._pytree import PACKED, Block, linear_spec, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "FluxTransformer2DModel"
@@ -38,7 +45,7 @@ class Flux1Config:
     axes_dims_rope: tuple[int, ...] = (16, 56, 56)  # (index, row, col) share of head_dim
 
     def __post_init__(self):
-        object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
+        object.__setattr__(self, "axes_dims_rope", as_ints(self.axes_dims_rope))
         require_positive(
             self,
             "patch_size",

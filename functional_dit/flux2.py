@@ -25,6 +25,7 @@ from . import _layers as L
 from . import flux2_kv as kv
 from ._checks import check_guidance, check_ids, check_streams, reference_leaf
 from ._config import (
+    as_ints,
     require,
     require_bool,
     require_non_negative,
@@ -60,7 +61,7 @@ class Flux2Config:
     guidance_embeds: bool = True  # True for the guidance-distilled dev model
 
     def __post_init__(self):
-        object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
+        object.__setattr__(self, "axes_dims_rope", as_ints(self.axes_dims_rope))
         require_positive(
             self,
             "patch_size",

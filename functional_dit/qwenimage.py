@@ -27,6 +27,7 @@ import sharding
 from . import _layers as L
 from ._checks import check_streams, check_tensor, reference_leaf
 from ._config import (
+    as_ints,
     is_int,
     require_bool,
     require_non_negative,
@@ -61,7 +62,7 @@ class QwenImageConfig:
     use_layer3d_rope: bool = False  # Layered: layers on the frame axis, the condition image at -1
 
     def __post_init__(self):
-        object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
+        object.__setattr__(self, "axes_dims_rope", as_ints(self.axes_dims_rope))
         require_positive(
             self, "patch_size", "in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim"
         )
@@ -310,25 +311,31 @@ def ref_mask(shapes, device=None) -> torch.Tensor:
 
 
 def _image_shapes(item, b: int) -> tuple[tuple[int, int, int], ...]:
-    """One batch item's img_shapes: a list of (frames, h, w), or one (frames, h, w)."""
-    is_shape = lambda s: isinstance(s, (list, tuple)) and len(s) == 3 and all(is_int(v) and v > 0 for v in s)  # noqa: E731
-    if isinstance(item, (list, tuple)) and len(item) == 3 and all(is_int(v) for v in item):
+    """One batch item's img_shapes: a list of (frames, h, w), or one (frames, h, w); the
+    numbers may be numpy or 0-d tensor integers (read on the host, as diffusers does)."""
+    as_shape = lambda s: as_ints(s) if isinstance(s, (list, tuple)) else s  # noqa: E731
+    is_shape = lambda s: isinstance(s, tuple) and len(s) == 3 and all(is_int(v) and v > 0 for v in s)  # noqa: E731
+    if isinstance(item, (list, tuple)) and len(item) == 3 and all(is_int(v) for v in as_shape(item)):
         item = [item]
-    if not isinstance(item, (list, tuple)) or not item or not all(is_shape(s) for s in item):
+    shapes = [as_shape(s) for s in item] if isinstance(item, (list, tuple)) else None
+    if not shapes or not all(is_shape(s) for s in shapes):
         raise ValueError(
             f"img_shapes[{b}]: expected a non-empty list of (frames, height, width) tuples of positive ints, "
             f"got {item!r}"
         )
-    return tuple(tuple(s) for s in item)
+    return tuple(shapes)
 
 
 def check_img_shapes(img_shapes, batch: int, seq: int, layer3d: bool) -> tuple[tuple[int, int, int], ...]:
     """img_shapes: per batch item a list of (frames, h, w) in token order, equal for every
     item (diffusers takes RoPE from the first and warns that others are wrong), whose token
-    count is x's sequence length. Returns the shared shapes."""
+    count is x's sequence length. Returns the shared shapes; for an empty batch (no item
+    to read them from), one image of 1 x 1 x seq, whose positions nothing uses."""
     if not isinstance(img_shapes, (list, tuple)) or len(img_shapes) != batch:
         got = f"length {len(img_shapes)}" if isinstance(img_shapes, (list, tuple)) else type(img_shapes).__name__
         raise ValueError(f"img_shapes: expected a list of {batch} items (one per batch item), got {got}")
+    if batch == 0:
+        return ((1, 1, seq),)
     per_item = [_image_shapes(item, b) for b, item in enumerate(img_shapes)]
     shapes = per_item[0]
     for b, s in enumerate(per_item):
@@ -364,6 +371,9 @@ def _check_t_cond(c, additional_t_cond, batch: int, device) -> None:
         check_tensor("additional_t_cond", additional_t_cond, (batch,), device=device)
         if additional_t_cond.dtype not in (torch.int32, torch.int64):  # what an embedding lookup takes
             raise ValueError(f"additional_t_cond: expected int64 or int32 (0 or 1), got {additional_t_cond.dtype}")
+        # A value check reads the tensor (a host sync): eager only, never inside a traced graph.
+        if not torch.compiler.is_compiling() and bool(((additional_t_cond < 0) | (additional_t_cond > 1)).any()):
+            raise ValueError(f"additional_t_cond: expected values in {{0, 1}}, got {additional_t_cond.tolist()}")
 
 
 def _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond):

@@ -55,7 +55,8 @@ def _tree(params) -> Mapping:
 
 
 def _rebuild(params, tree):
-    return params.replace(tree) if hasattr(params, "tree") and hasattr(params, "replace") else tree
+    """The same params type around ``tree`` (no checks: local shards have local shapes)."""
+    return type(params)(params.config, tree) if hasattr(params, "tree") and hasattr(params, "config") else tree
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:

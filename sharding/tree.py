@@ -59,16 +59,19 @@ def map_tree(fn: Callable, tree: Mapping, *rest: Mapping, path: str = "") -> dic
 
 
 def mismatch_report(
-    name: str, missing: Iterable = (), unexpected: Iterable = (), mis_shaped: Iterable = (), limit: int = 20
+    name: str,
+    missing: Iterable = (),
+    unexpected: Iterable = (),
+    mis_shaped: Iterable = (),
+    limit: int = 20,
+    other: Mapping[str, Iterable] | None = None,
 ) -> str:
     """``"<name>: 2 missing: [...]; 1 unexpected: [...]; 1 mis-shaped: [...]"``, each list
-    cut at ``limit`` items; the one format of every "these keys do not match" error."""
+    cut at ``limit`` items, then any ``other`` ``{title: items}``; the one format of every
+    "these keys do not match" error."""
     parts = []
-    for title, items in (
-        ("missing", list(missing)),
-        ("unexpected", list(unexpected)),
-        ("mis-shaped", list(mis_shaped)),
-    ):
+    groups = {"missing": missing, "unexpected": unexpected, "mis-shaped": mis_shaped, **(other or {})}
+    for title, items in ((t, list(i)) for t, i in groups.items()):
         if items:
             more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
             parts.append(f"{len(items)} {title}: {items[:limit]}{more}")

@@ -14,6 +14,7 @@ from diffusers import FluxTransformer2DModel
 from oracle import diffusers_model, max_err
 
 import functional_dit as fd
+import sharding
 from functional_dit import flux1
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -243,9 +244,9 @@ BAD_INPUTS = [
     (lambda kw: _bad(kw, x=kw["x"][..., :-1]), r"x: expected shape \(\*, \*, 16\), got \(2, 12, 15\)"),
     (lambda kw: _bad(kw, txt=kw["txt"][:1]), r"txt: expected shape \(2, \*, 32\), got \(1, 7, 32\)"),
     (lambda kw: _bad(kw, pooled=kw["pooled"][:1]), r"pooled: expected shape \(2, 24\), got \(1, 24\)"),
-    (lambda kw: _bad(kw, t=kw["t"][:1]), r"t: expected shape \(2\), got \(1,\)"),
-    (lambda kw: _bad(kw, t=torch.tensor(0.5)), r"t: expected shape \(2\), got \(\)"),
-    (lambda kw: _bad(kw, guidance=kw["guidance"][None]), r"guidance: expected shape \(2\), got \(1, 2\)"),
+    (lambda kw: _bad(kw, t=kw["t"][:1]), r"t: expected shape \(2,\), got \(1,\)"),
+    (lambda kw: _bad(kw, t=torch.tensor(0.5)), r"t: expected shape \(2,\), got \(\)"),
+    (lambda kw: _bad(kw, guidance=kw["guidance"][None]), r"guidance: expected shape \(2,\), got \(1, 2\)"),
     (lambda kw: _bad(kw, pooled=None), r"pooled: FLUX.1 needs pooled text embeddings of shape \(2, 24\)"),
     (lambda kw: _bad(kw, guidance=None), "guidance: this model has guidance_embeds=True"),
     (lambda kw: _bad(kw, img_ids=None), r"img_ids: FLUX.1 needs image position ids of shape \(12, 3\)"),

@@ -16,6 +16,7 @@ from diffusers import QwenImageTransformer2DModel
 from oracle import diffusers_model, max_err
 
 import functional_dit as fd
+import sharding
 from functional_dit import qwenimage as Q
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -364,7 +365,7 @@ BAD = {  # id: (config, mutate kw, error pattern)
     "txt-batch": (TINY, _set(txt=torch.randn(3, T, 32)), r"txt: expected shape \(2, \*, 32\), got \(3, 7, 32\)"),
     "txt-dim": (TINY, _set(txt=torch.randn(B, T, 31)), r"txt: expected shape \(2, \*, 32\), got \(2, 7, 31\)"),
     "txt-dtype": (TINY, _set(txt=torch.randn(B, T, 32).bfloat16()), "txt: expected dtype torch.float32"),
-    "t-shape": (TINY, _set(t=torch.rand(B, 1)), r"t: expected shape \(2\), got \(2, 1\)"),
+    "t-shape": (TINY, _set(t=torch.rand(B, 1)), r"t: expected shape \(2,\), got \(2, 1\)"),
     "t-dtype": (TINY, _set(t=torch.ones(B, dtype=torch.bool)), "t: expected a real floating or integer tensor"),
     "t-complex": (TINY, _set(t=torch.ones(B, dtype=torch.complex64)), "t: expected a real floating .* torch.complex64"),
     "t-device": (TINY, _set(t=torch.ones(B, device="meta")), "t: expected device cpu .* got meta"),
@@ -394,7 +395,7 @@ BAD = {  # id: (config, mutate kw, error pattern)
     "t-cond-missing": (TINY_LAYERED, _set(additional_t_cond=None), r"additional_t_cond: .*needs \(2,\) ints"),
     "t-cond-float": (TINY_LAYERED, _set(additional_t_cond=torch.zeros(B)), "additional_t_cond: expected int64 or"),
     "t-cond-uint8": (TINY_LAYERED, _set(additional_t_cond=torch.zeros(B, dtype=torch.uint8)), "got torch.uint8"),
-    "t-cond-shape": (TINY_LAYERED, _set(additional_t_cond=torch.zeros(3, dtype=torch.long)), r"expected shape \(2\)"),
+    "t-cond-shape": (TINY_LAYERED, _set(additional_t_cond=torch.zeros(3, dtype=torch.long)), r"expected shape \(2,\)"),
     "layer3d-frames": (
         TINY_LAYERED,
         lambda kw: kw.update(img_shapes=[[(1, 2, 3)] * 3 + [(2, 2, 3)]] * 2, x=torch.randn(B, 30, 16)),
