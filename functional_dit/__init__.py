@@ -5,6 +5,7 @@ from . import flux1, flux2, qwenimage
 from ._api import (
     PRESETS,
     apply,
+    as_config,
     config_from_diffusers,
     config_to_diffusers,
     from_diffusers,
@@ -31,6 +32,7 @@ __all__ = [
     "Params",
     "QwenImageConfig",
     "apply",
+    "as_config",
     "flux1",
     "flux2",
     "qwenimage",

@@ -83,6 +83,11 @@ def specs_of(source) -> Mapping:
     if isinstance(source, Mapping):
         return source
     config = config_of(source)
+    if isinstance(config, str):
+        raise ValueError(
+            f"params_or_config: got the name {config!r}; sharding imports no model package, so pass the "
+            f"config (functional_dit.as_config({config!r}) or fd.PRESETS[{config!r}]), Params or a specs tree"
+        )
     method = getattr(config, "param_specs", None)
     if not callable(method):
         raise ValueError(

@@ -41,6 +41,7 @@ def load(
     *,
     progress: bool | None = None,
     stats: dict | None = None,
+    variant: str | None = None,
 ) -> fd.Params:
     """Load a transformer checkpoint into `Params`.
 
@@ -48,7 +49,8 @@ def load(
     index and shards), a pipeline folder (its ``transformer/`` is used), or one
     ``.safetensors`` file in diffusers or Black Forest Labs (FLUX.1, FLUX.2) layout
     (wrapped in ``model.diffusion_model.``, possibly next to a VAE and text encoders).
-    ``config``: a preset name in ``fd.PRESETS`` or a config object; required for a
+    ``config``: a preset name in ``fd.PRESETS``, a config object or a diffusers config
+    mapping (anything `fd.as_config` takes); required for a
     single file, optional (and checked against config.json) for a folder. The family
     comes from config.json's ``_class_name``, else from the keys.
     ``mesh``/``plan``: shard as ``sharding.shard_params`` would, each rank reading only
@@ -56,6 +58,8 @@ def load(
     ``dtype``: cast every tensor to it while reading (default: keep the file's dtypes).
     ``progress``: a tqdm bar; None shows one on a terminal for checkpoints >= 1 GiB.
     ``stats``: if a dict, receives ``bytes_read`` and ``local_bytes`` for this rank.
+    ``variant``: in a folder, read ``diffusion_pytorch_model.<variant>.safetensors`` (or its
+    sharded index), as diffusers' ``from_pretrained(variant=...)`` does.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype: expected None or a floating torch.dtype, got {dtype!r}")
@@ -63,7 +67,7 @@ def load(
     if stats is not None and not isinstance(stats, dict):
         raise ValueError(f"stats: expected None or a dict, got {type(stats).__name__}")
     device = _device(device, mesh)
-    src = open_source(path)
+    src = open_source(path, variant)
     detected = L.detect(src.tensors)
     config = _config(config, src, detected)
     cls = fd.config_to_diffusers(config)["_class_name"]
@@ -128,14 +132,8 @@ def _differences(a, b) -> str:
 
 
 def _given_config(config):
-    if config is None:
-        return None
-    if isinstance(config, str):
-        if config not in fd.PRESETS:
-            raise ValueError(f"config: expected a preset name in {sorted(fd.PRESETS)} or a config, got {config!r}")
-        return fd.PRESETS[config]
-    fd.config_to_diffusers(config)  # raises a ValueError naming the known config classes
-    return config
+    """``config=``: a preset name, a config or a diffusers config mapping (`fd.as_config`)."""
+    return None if config is None else fd.as_config(config)
 
 
 def _no_config_message(src: Source, detected) -> str:
