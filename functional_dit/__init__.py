@@ -1,5 +1,5 @@
 """functional_dit: FLUX.1, FLUX.2 and Qwen-Image transformers as pure functions over
-parameter pytrees. See DESIGN.md for the public contract."""
+parameter pytrees. See docs/architecture.md for the design."""
 
 from . import flux1, flux2, qwenimage
 from ._api import (

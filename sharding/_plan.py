@@ -4,7 +4,7 @@ A *plan* is a pytree shaped like the params (nested dicts, the same keys) whose 
 are placements: `Replicate()`, `Shard(dim, axis)` or, for a fused projection,
 `Shard(dim, axis, blocks)` — each block of the fused dim split independently, rank r
 holding the r-th slice of every block, concatenated in block order (a contiguous split
-of a fused dim is the classic TP bug, see LESSONS.md).
+of a fused dim is the classic TP bug, see docs/architecture.md#plans-and-rules).
 
 `plan` derives it from each parameter's ``ParamSpec`` (``shape``, logical ``axes`` and
 ``blocks``) through a rules table mapping logical axes to mesh axes, as maxdiffusion
@@ -12,7 +12,7 @@ and haliax do (default ``{"heads": "tp", "mlp": "tp"}``), and validates every sh
 size before any data moves. Users may edit the plan or pass their own rules.
 
 Where the specs come from — `sharding` imports neither ``functional_dit`` nor
-``weights`` (DESIGN.md's dependency direction). ``plan`` takes either a specs tree
+``weights`` (docs/architecture.md: the dependency direction). ``plan`` takes either a specs tree
 (nested dicts of objects with ``.shape``, ``.axes`` and ``.blocks``), or a config, or a
 ``Params`` (anything with ``.config`` and ``.tree``). A config's specs come from a
 one-method protocol: its ``param_specs()`` method, which every ``functional_dit``

@@ -273,7 +273,7 @@ BAD_INPUTS = [
     ),
     (lambda kw: _bad(kw, img_ids=kw["img_ids"].to("meta")), "img_ids: expected device cpu .* got meta"),
     (lambda kw: _bad(kw, txt_ids=kw["txt_ids"].to("meta")), "txt_ids: expected device cpu .* got meta"),
-    # the other families' arguments (DESIGN's common signature): accepted as None, an error otherwise
+    # the other families' arguments (the common signature, docs/architecture.md): accepted as None, an error otherwise
     (lambda kw: _bad(kw, txt_mask=torch.ones(2, 7)), "txt_mask: FLUX.1 takes no txt_mask; expected None"),
     (lambda kw: _bad(kw, img_shapes=[[(1, 3, 4)]] * 2), "img_shapes: FLUX.1 takes no img_shapes; expected None"),
 ]
@@ -287,7 +287,7 @@ def test_bad_input_raises(make, message):
 
 
 def test_other_families_arguments_as_none_are_accepted(tiny):
-    """DESIGN's one signature for every family: a generic caller may pass txt_mask=None and
+    """The one signature for every family (docs/architecture.md): a generic caller may pass txt_mask=None and
     img_shapes=None to a FLUX.1 model."""
     _, params = tiny
     kw = inputs(TINY, batch=2)

@@ -443,7 +443,7 @@ BAD_INPUTS = [  # TINY, inputs(batch=2, txt_len=7, h=3, w=4): x (2, 12, 16), txt
     (lambda kw: _bad(kw, txt_ids=kw["txt_ids"].to("meta")), "txt_ids: expected device cpu .* got meta"),
     (lambda kw: _bad(kw, t=kw["t"].to(torch.complex64)), "t: expected a real floating .* got torch.complex64"),
     (lambda kw: _bad(kw, guidance=kw["guidance"] > 2), "guidance: expected a real floating .* got torch.bool"),
-    # the other families' arguments (DESIGN's common signature): accepted as None, an error otherwise
+    # the other families' arguments (the common signature, docs/architecture.md): accepted as None, an error otherwise
     (lambda kw: _bad(kw, pooled=torch.ones(2, 8)), "pooled: FLUX.2 takes no pooled; expected None, got Tensor"),
     (lambda kw: _bad(kw, txt_mask=torch.ones(2, 7)), "txt_mask: FLUX.2 takes no txt_mask; expected None"),
     (lambda kw: _bad(kw, img_shapes=[[(1, 3, 4)]] * 2), "img_shapes: FLUX.2 takes no img_shapes; expected None"),
@@ -475,7 +475,7 @@ def test_bad_input_raises(make, message):
 
 
 def test_other_families_arguments_as_none_are_accepted(tiny):
-    """DESIGN's one signature for every family: pooled, txt_mask and img_shapes may be None."""
+    """The one signature for every family (docs/architecture.md): pooled, txt_mask and img_shapes may be None."""
     _, params = tiny
     kw = inputs(TINY, batch=2)
     out = fd.apply(params, **kw, pooled=None, txt_mask=None, img_shapes=None)

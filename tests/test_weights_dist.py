@@ -24,7 +24,7 @@ import sharding
 import weights
 from sharding.tree import flatten, nest
 
-FP32 = dict(rtol=1e-5, atol=1e-5)  # DESIGN.md: sharded vs unsharded at the fp32 tolerance
+FP32 = dict(rtol=1e-5, atol=1e-5)  # docs/architecture.md#numerics: sharded vs unsharded at the fp32 tolerance
 
 
 def _cases():
