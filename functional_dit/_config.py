@@ -8,6 +8,20 @@ import operator
 from collections.abc import Mapping
 
 
+class DiTConfig:
+    """What every family config derives the same way from its diffusers fields; a family
+    config is a frozen dataclass subclassing it (its fields are the diffusers keys)."""
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def out_dim(self) -> int:
+        """Output channels per token: patch_size² · (out_channels or in_channels)."""
+        return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
+
+
 def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

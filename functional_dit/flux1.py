@@ -15,6 +15,7 @@ import torch
 from . import _layers as L
 from ._checks import check_guidance, check_ids, check_streams, check_tensor, reference_leaf
 from ._config import (
+    DiTConfig,
     as_ints,
     require_bool,
     require_non_negative,
@@ -29,7 +30,7 @@ NAME = "FLUX.1"
 
 
 @dataclasses.dataclass(frozen=True)
-class Flux1Config:
+class Flux1Config(DiTConfig):
     """diffusers ``FluxTransformer2DModel`` config; defaults are FLUX.1-schnell's."""
 
     patch_size: int = 1
@@ -61,16 +62,8 @@ class Flux1Config:
         require_rope_axes(self)
 
     @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
-    @property
     def mlp_hidden_dim(self) -> int:
         return 4 * self.inner_dim  # mlp_ratio 4.0 in both block kinds
-
-    @property
-    def out_dim(self) -> int:
-        return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
 
     def param_specs(self) -> dict:
         """Nested dict of `ParamSpec` (the protocol `sharding.plan` reads specs by)."""

@@ -25,6 +25,7 @@ from . import _layers as L
 from . import flux2_kv as kv
 from ._checks import check_guidance, check_ids, check_streams, reference_leaf
 from ._config import (
+    DiTConfig,
     as_ints,
     require,
     require_bool,
@@ -42,7 +43,7 @@ NAME = "FLUX.2"
 
 
 @dataclasses.dataclass(frozen=True)
-class Flux2Config:
+class Flux2Config(DiTConfig):
     """diffusers ``Flux2Transformer2DModel`` config; defaults are FLUX.2-dev's."""
 
     patch_size: int = 1
@@ -85,16 +86,8 @@ class Flux2Config:
         require_rope_axes(self)
 
     @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
-    @property
     def mlp_hidden_dim(self) -> int:
         return int(self.inner_dim * self.mlp_ratio)  # as diffusers: int(dim * mlp_ratio)
-
-    @property
-    def out_dim(self) -> int:
-        return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
 
     def param_specs(self) -> dict:
         """Nested dict of `ParamSpec` (the protocol `sharding.plan` reads specs by)."""

@@ -27,6 +27,7 @@ import sharding
 from . import _layers as L
 from ._checks import check_streams, check_tensor, reference_leaf
 from ._config import (
+    DiTConfig,
     as_ints,
     is_int,
     require_bool,
@@ -43,7 +44,7 @@ THETA = 10000
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenImageConfig:
+class QwenImageConfig(DiTConfig):
     """diffusers ``QwenImageTransformer2DModel`` config; defaults are Qwen-Image's."""
 
     patch_size: int = 2
@@ -72,16 +73,8 @@ class QwenImageConfig:
         require_rope_axes(self, n_axes=3)  # (frame, row, col)
 
     @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
-    @property
     def mlp_hidden_dim(self) -> int:
         return 4 * self.inner_dim  # diffusers FeedForward, mult 4
-
-    @property
-    def out_dim(self) -> int:
-        return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
 
     def param_specs(self) -> dict:
         """Nested dict of `ParamSpec` (the protocol `sharding.plan` reads specs by)."""
