@@ -232,6 +232,23 @@ def test_weights_load_takes_a_diffusers_config_mapping(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(loaded.leaves(), params.leaves()))
 
 
+def test_weights_load_of_mixed_dtypes_asks_for_one(tmp_path):
+    from safetensors.torch import save_file
+
+    state = fd.to_state_dict(fd.init("flux1-tiny", seed=5))
+    state = {k: (v.half() if k.startswith("proj_out") else v).contiguous() for k, v in state.items()}
+    save_file(state, str(tmp_path / "mixed.safetensors"))
+    _raises(
+        r"dtype: the checkpoint mixes dtypes \{'F32': \(110, .*'F16': \(2, \['proj_out.weight', 'proj_out.bias'\]\)\}"
+        r".* expected dtype= one of them .*, got None",
+        weights.load,
+        tmp_path / "mixed.safetensors",
+        config="flux1-tiny",
+    )
+    loaded = weights.load(tmp_path / "mixed.safetensors", config="flux1-tiny", dtype=torch.float32)
+    assert {t.dtype for t in loaded.leaves()} == {torch.float32}
+
+
 @pytest.mark.parametrize("max_shard_size", ["5GB", 40_000])  # one file, and an index with shards
 def test_weights_load_reads_a_variant(tmp_path, max_shard_size):
     params = fd.init("flux1-tiny", seed=4, dtype=torch.float16)

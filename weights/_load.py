@@ -76,7 +76,7 @@ def load(
     shapes = {k: s.shape for k, s in specs.items()}
     resolved = L.identity(shapes) if layout == "diffusers" else L.resolve(L.BFL_TABLES[cls], shapes)
     _check_keys(src, config, layout, resolved)
-    _check_dtypes(src, resolved)
+    _check_dtypes(src, resolved, dtype)
     plan = _flat_plan(config, specs, mesh, plan)
     regions = {k: _region(s.shape, mesh, plan and plan[k]) for k, s in specs.items()}
     flat = _fill(src, resolved, regions, dtype, device, mesh, progress, stats)
@@ -178,7 +178,7 @@ def _named(src_key: str, feeds: dict, layout: str) -> str:
     return f"{src_key} (-> {', '.join(dict.fromkeys(feeds[src_key]))})"
 
 
-def _check_dtypes(src: Source, resolved: L.Resolved) -> None:
+def _check_dtypes(src: Source, resolved: L.Resolved, dtype) -> None:
     bad = [
         f"{info.file}: tensor {k!r} has dtype {info.dtype}"
         for k in resolved.source_shapes
@@ -187,6 +187,15 @@ def _check_dtypes(src: Source, resolved: L.Resolved) -> None:
     if bad:
         more = f" ... and {len(bad) - 20} more" if len(bad) > 20 else ""
         raise CheckpointError(f"expected floating-point parameters ({', '.join(F.FLOAT_DTYPES)}): {bad[:20]}{more}")
+    by_dtype: dict[str, list[str]] = {}
+    for k in resolved.source_shapes:
+        by_dtype.setdefault(src.tensors[k].dtype, []).append(k)
+    if dtype is None and len(by_dtype) > 1:
+        found = {d: (len(ks), ks[:3]) for d, ks in by_dtype.items()}
+        raise ValueError(
+            f"dtype: the checkpoint mixes dtypes {found} as (count, first keys) and fd.apply computes in one; "
+            f"expected dtype= one of them (e.g. torch.bfloat16) to cast while reading, got None"
+        )
 
 
 # ----------------------------------------------------------------------------- regions and filling
