@@ -18,7 +18,7 @@ from sharding.tree import flatten, nest
 from . import _config, flux1, flux2, qwenimage
 from ._pytree import Params, ParamSpec, check_leaves, register_pytree
 
-# The families: config class -> the module that owns it (specs, apply, presets,
+# The families: config class -> the module that owns it (specs, prepare, forward, presets,
 # DIFFUSERS_CLASS). A static table: adding a family is one line here.
 FAMILIES = {
     flux1.Flux1Config: flux1,
