@@ -1,9 +1,11 @@
 """functional_dit: FLUX.1, FLUX.2 and Qwen-Image transformers as pure functions over
-parameter pytrees. See DESIGN.md for the public contract."""
+parameter pytrees. See docs/architecture.md for the design."""
 
-from . import _api, flux1, flux2, qwenimage
+from . import flux1, flux2, qwenimage
 from ._api import (
+    PRESETS,
     apply,
+    as_config,
     config_from_diffusers,
     config_to_diffusers,
     from_diffusers,
@@ -15,17 +17,9 @@ from ._api import (
 )
 from ._pytree import PACKED, Block, Params, ParamSpec
 from .flux1 import Flux1Config
-from .flux2 import Flux2Config, Flux2KVCache
+from .flux2 import Flux2Config
+from .flux2_kv import Flux2KVCache
 from .qwenimage import QwenImageConfig
-
-flux1.CONFIG = Flux1Config
-_api.register_family(flux1)
-flux2.CONFIG = Flux2Config
-_api.register_family(flux2)
-qwenimage.CONFIG = QwenImageConfig
-_api.register_family(qwenimage)
-
-PRESETS = _api.presets()
 
 __all__ = [
     "PACKED",
@@ -38,6 +32,10 @@ __all__ = [
     "Params",
     "QwenImageConfig",
     "apply",
+    "as_config",
+    "flux1",
+    "flux2",
+    "qwenimage",
     "config_from_diffusers",
     "config_to_diffusers",
     "from_diffusers",

@@ -3,6 +3,7 @@ family module (`flux1`, `flux2`, `qwenimage`) that owns a config class."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -12,50 +13,101 @@ from collections.abc import Mapping
 import torch
 
 import sharding
+from sharding.tree import flatten, nest
 
-from . import _config
-from ._pytree import Params, ParamSpec, flatten, nest
+from . import _config, flux1, flux2, qwenimage
+from ._pytree import Params, ParamSpec, check_leaves, register_pytree
 
-_FAMILIES: list = []  # family modules, registered by __init__
-
-
-def register_family(module) -> None:
-    _FAMILIES.append(module)
+# The families: config class -> the module that owns it (specs, prepare, forward, presets,
+# DIFFUSERS_CLASS). A static table: adding a family is one line here.
+FAMILIES = {
+    flux1.Flux1Config: flux1,
+    flux2.Flux2Config: flux2,
+    qwenimage.QwenImageConfig: qwenimage,
+}
+PRESETS = {name: cfg for fam in FAMILIES.values() for name, cfg in fam.PRESETS.items()}
+DIFFUSERS_CLASSES = {fam.DIFFUSERS_CLASS: cls for cls, fam in FAMILIES.items()}
+register_pytree(FAMILIES)
 
 
 def family(config):
     """The family module that owns ``config`` (a config instance or `Params`)."""
     config = config.config if isinstance(config, Params) else config
-    for fam in _FAMILIES:
-        if type(config) is fam.CONFIG:
-            return fam
-    known = [f.CONFIG.__name__ for f in _FAMILIES]
-    raise ValueError(f"config: expected one of {known}, got {type(config).__name__}")
+    fam = FAMILIES.get(type(config))
+    if fam is None:
+        known = [cls.__name__ for cls in FAMILIES]
+        raise ValueError(f"config: expected one of {known}, got {type(config).__name__}")
+    return fam
 
 
-def presets() -> dict:
-    return {name: cfg for fam in _FAMILIES for name, cfg in fam.PRESETS.items()}
+def as_config(config):
+    """The config meant by ``config``: a preset name in `PRESETS`, a config, `Params`
+    (its config) or a diffusers config mapping (see `config_from_diffusers`). Every
+    function that takes a config takes any of these."""
+    if isinstance(config, Params):
+        return config.config
+    if isinstance(config, str):
+        if config not in PRESETS:
+            raise ValueError(f"config: expected a preset name in {sorted(PRESETS)} or a config, got {config!r}")
+        return PRESETS[config]
+    if isinstance(config, Mapping):
+        return config_from_diffusers(config)
+    family(config)  # a ValueError naming the config classes
+    return config
 
 
 def config_from_diffusers(cfg):
-    """A config from a diffusers config mapping, a ``config.json`` path or a model folder."""
+    """A config from what users of diffusers hold: a config mapping (``pipe.transformer.config``,
+    a FrozenDict without ``_class_name``: the family is read off its keys), the transformer
+    module (also under ``torch.compile``), a ``config.json`` path, a model folder or a
+    pipeline folder (its ``transformer/config.json``)."""
+    module = getattr(cfg, "_orig_mod", cfg)  # torch.compile's OptimizedModule wraps the module
+    if isinstance(module, torch.nn.Module):
+        if not isinstance(getattr(module, "config", None), Mapping):
+            raise ValueError(
+                f"cfg: expected a diffusers transformer module with a .config, got {type(module).__name__}"
+            )
+        return config_from_diffusers({**module.config, "_class_name": type(module).__name__})
     if isinstance(cfg, (str, os.PathLike)):
-        path = os.fspath(cfg)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path) as f:
-            cfg = json.load(f)
+        cfg = _read_config_json(os.fspath(cfg))
     if not isinstance(cfg, Mapping):
-        raise ValueError(f"cfg: expected a mapping or a config.json path, got {type(cfg).__name__}")
+        raise ValueError(
+            f"cfg: expected a mapping, a diffusers module, a config.json path or a folder, got {type(cfg).__name__}"
+        )
     name = cfg.get("_class_name")
     if name is None:
+        name = _class_from_keys(cfg)
+    if name not in DIFFUSERS_CLASSES:
+        raise ValueError(f"cfg: _class_name {name!r} is not one of {list(DIFFUSERS_CLASSES)}")
+    return _config.from_mapping(DIFFUSERS_CLASSES[name], _drop_keys_diffusers_ignores(name, cfg))
+
+
+def _read_config_json(path: str) -> dict:
+    if isinstance(path, str) and path.lstrip().startswith("{"):
         raise ValueError(
-            f"cfg: no '_class_name' in the config; expected one of {[f.DIFFUSERS_CLASS for f in _FAMILIES]}"
+            "cfg: got a JSON string; expected a mapping (json.loads(text)), a config.json path or a folder"
         )
-    for fam in _FAMILIES:
-        if name == fam.DIFFUSERS_CLASS:
-            return _config.from_mapping(fam.CONFIG, _drop_keys_diffusers_ignores(name, cfg))
-    raise ValueError(f"cfg: _class_name {name!r} is not one of {[f.DIFFUSERS_CLASS for f in _FAMILIES]}")
+    candidates = [path, os.path.join(path, "config.json"), os.path.join(path, "transformer", "config.json")]
+    for file in candidates if os.path.isdir(path) else candidates[:1]:
+        if os.path.isfile(file):
+            with open(file, encoding="utf-8") as f:
+                return json.load(f)
+    raise ValueError(
+        f"cfg: expected a config.json file, a model folder or a pipeline folder; found none at {path!r:.200}"
+    )
+
+
+def _class_from_keys(cfg: Mapping) -> str:
+    """The one family whose config has every (non-``_``) key of ``cfg``; ambiguous or none: an error."""
+    keys = {k for k in cfg if not k.startswith("_")}
+    fits = [fam.DIFFUSERS_CLASS for cls, fam in FAMILIES.items() if keys <= {f.name for f in dataclasses.fields(cls)}]
+    if len(fits) != 1:
+        what = f"fit {fits}" if fits else "fit none of the families"
+        raise ValueError(
+            f"cfg: no '_class_name', and its keys {sorted(keys)} {what}; expected exactly one of "
+            f"{list(DIFFUSERS_CLASSES)}: add '_class_name'"
+        )
+    return fits[0]
 
 
 def _drop_keys_diffusers_ignores(class_name: str, cfg: Mapping) -> dict:
@@ -72,15 +124,17 @@ def _drop_keys_diffusers_ignores(class_name: str, cfg: Mapping) -> dict:
 
 
 def config_to_diffusers(config) -> dict:
+    config = as_config(config)
     return _config.to_mapping(config, family(config).DIFFUSERS_CLASS)
 
 
 def param_specs(config) -> dict:
     """Nested dict of `ParamSpec` shaped like the params; allocates nothing."""
-    return family(config).param_specs(config)
+    return as_config(config).param_specs()
 
 
 def num_params(config) -> int:
+    """The parameter count of a config (or preset name, or `Params`)."""
     return sum(s.numel for s in flatten(param_specs(config)).values())
 
 
@@ -96,6 +150,11 @@ def init(config, seed: int = 0, dtype=torch.float32, device="cpu") -> Params:
     """Random params, deterministic per ``seed``: fan-in scaled normal weights, small
     random biases, norm scales near 1 (no zero-init, so every path is exercised).
     ``device="meta"`` allocates and draws nothing (shapes and dtypes only)."""
+    config = as_config(config)
+    if not _config.is_int(seed):
+        raise ValueError(f"seed: expected an int, got {seed!r}")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype: expected a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     specs = flatten(param_specs(config))
     if torch.device(device).type == "meta":
         return Params(config, nest({k: torch.empty(s.shape, dtype=dtype, device="meta") for k, s in specs.items()}))
@@ -105,27 +164,27 @@ def init(config, seed: int = 0, dtype=torch.float32, device="cpu") -> Params:
 
 def from_state_dict(config, state: Mapping[str, torch.Tensor]) -> Params:
     """Params from a diffusers-keyed state dict; strict: one ValueError lists every
-    missing, unexpected and mis-shaped key. Tensors are used as given (no copy)."""
-    specs = flatten(param_specs(config))
-    missing = [k for k in specs if k not in state]
-    unexpected = [k for k in state if k not in specs]
-    shapes = [
-        f"{k}: expected {s.shape}, got {tuple(state[k].shape)}"
-        for k, s in specs.items()
-        if k in state and tuple(state[k].shape) != s.shape
-    ]
-    if missing or unexpected or shapes:
-        raise ValueError(_mismatch_report(type(config).__name__, missing, unexpected, shapes))
-    return Params(config, nest({k: state[k] for k in specs}))
+    missing, unexpected, mis-shaped and non-floating key (`check_leaves`), and refuses a
+    mix of dtypes or devices. Tensors are used as given (no copy)."""
+    config = as_config(config)
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state: expected a mapping of diffusers keys to tensors, got {type(state).__name__}")
+    _refuse_bfl_layout(config, state)
+    check_leaves(config, state)
+    return Params(config, nest({k: state[k] for k in flatten(param_specs(config))}))
 
 
-def _mismatch_report(name, missing, unexpected, shapes, limit=20) -> str:
-    parts = []
-    for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes)):
-        if items:
-            more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
-            parts.append(f"{len(items)} {title}: {items[:limit]}{more}")
-    return f"state dict does not match {name}: " + "; ".join(parts)
+# The top-level names of Black Forest Labs' FLUX checkpoints (diffusers' are others).
+_BFL_NAMES = ("double_blocks", "single_blocks", "final_layer", "time_in", "vector_in", "guidance_in")
+
+
+def _refuse_bfl_layout(config, state: Mapping) -> None:
+    names = {k.removeprefix("model.diffusion_model.").split(".")[0] for k in state}
+    if names & set(_BFL_NAMES) and not names & set(param_specs(config)):
+        raise ValueError(
+            f"state: the keys are in Black Forest Labs' layout ({sorted(names & set(_BFL_NAMES))}), not diffusers'; "
+            "save it as .safetensors and read it with weights.load(file, config=...), which converts the layout"
+        )
 
 
 def to_state_dict(params: Params) -> dict:
@@ -134,17 +193,53 @@ def to_state_dict(params: Params) -> dict:
 
 
 def from_diffusers(module) -> Params:
-    """Params sharing storage with a diffusers transformer module."""
-    config = config_from_diffusers(dict(module.config, _class_name=type(module).__name__))
-    return from_state_dict(config, {k: v.detach() for k, v in module.state_dict().items()})
+    """Params sharing storage with a diffusers transformer module (or its ``torch.compile``)."""
+    module = getattr(module, "_orig_mod", module)
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"module: expected a diffusers transformer module, got {type(module).__name__}")
+    return from_state_dict(config_from_diffusers(module), {k: v.detach() for k, v in module.state_dict().items()})
+
+
+# The keywords of fd.apply's common signature; a family takes some (its ``ARGS``) and
+# accepts the others as None, so a generic caller may pass them all.
+COMMON_ARGS = ("img_ids", "txt_ids", "guidance", "pooled", "txt_mask", "img_shapes")
 
 
 def apply(params: Params, x, t, txt, **kwargs):
-    """The model as a pure function; see the family's ``apply`` for the arguments.
-    Sharded params (DTensor leaves) run in the local view on their mesh."""
+    """The model as a pure function: ``fd.apply(params, x, t, txt, *, img_ids=None,
+    txt_ids=None, guidance=None, pooled=None, txt_mask=None, img_shapes=None, ...)``; the
+    family's ``prepare`` documents the arguments it takes (``flux1.prepare``, ...).
+    Returns the diffusers class's ``forward(...)[0]``, replicated on every rank.
+
+    Sharded params (DTensor leaves) run in the local view on their mesh: inputs are
+    checked in the full view, x, t, txt and the family's batched inputs split over "dp",
+    and the output gathered over "sp" and "dp", here and only here."""
     fam = family(params)
-    local, mesh = sharding.local_view(params) if hasattr(sharding, "local_view") else (params, None)
+    kwargs = _family_args(fam, kwargs)
+    local, mesh = sharding.local_view(params)
     if mesh is None:  # plain tensors: run under whatever mesh the caller bound (shard_map), if any
-        return fam.apply(local, x, t, txt, **kwargs)
+        return _apply_local(fam, local, x, t, txt, kwargs)
     with sharding.bind(mesh):
-        return fam.apply(local, x, t, txt, **kwargs)
+        return _apply_local(fam, local, x, t, txt, kwargs)
+
+
+def _family_args(fam, kwargs: dict) -> dict:
+    """The keywords ``fam`` takes; a common one it does not take must be None."""
+    for name, value in kwargs.items():
+        if name in fam.ARGS:
+            continue
+        if name not in COMMON_ARGS:
+            raise ValueError(f"{name}: not an argument of {fam.NAME}'s apply; expected one of {list(fam.ARGS)}")
+        if value is not None:
+            raise ValueError(f"{name}: {fam.NAME} takes no {name}; expected None, got {type(value).__name__}")
+    return {k: v for k, v in kwargs.items() if k in fam.ARGS}
+
+
+def _apply_local(fam, params: Params, x, t, txt, kwargs: dict):
+    inputs = fam.prepare(params, x, t, txt, **kwargs)
+    B = x.shape[0]
+    x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
+    inputs = {k: sharding.shard(v, "dp", 0) if k in fam.BATCHED and v is not None else v for k, v in inputs.items()}
+    out, seq, extra = fam.forward(params, x, t, txt, **inputs)
+    out = sharding.gather(sharding.gather(out, "sp", 1, seq), "dp", 0, B)
+    return out if extra is None else (out, extra)

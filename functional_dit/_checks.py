@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import torch
 
+from ._pytree import COMPUTE_DTYPES
+
 
 def _fmt(shape) -> str:
-    return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+    """A shape as Python prints a tuple (``(2,)``, ``(2, 3)``), ``*`` for any size."""
+    items = ["*" if s is None else str(s) for s in shape]
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 def check_tensor(name: str, x, shape, dtype=None, device=None) -> None:
@@ -25,7 +29,14 @@ def check_tensor(name: str, x, shape, dtype=None, device=None) -> None:
 
 def check_streams(config, ref: torch.Tensor, x, t, txt) -> tuple[int, int]:
     """The inputs every family shares: x (B, S, in_channels) and txt (B, S_txt,
-    joint_attention_dim) in the params' dtype and device, t (B,) real. Returns (B, S)."""
+    joint_attention_dim) in the params' dtype and device, t (B,) real. Returns (B, S).
+    Params in a dtype the model cannot compute in (fp8 checkpoints) are refused first."""
+    if ref.dtype not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"params: stored as {ref.dtype}, which fd.apply cannot compute in (no fp8 compute yet); expected one of "
+            f"{COMPUTE_DTYPES}: load with weights.load(..., dtype=torch.bfloat16) or convert: "
+            "torch.utils._pytree.tree_map(lambda t: t.to(torch.bfloat16), params)"
+        )
     check_tensor("x", x, (None, None, config.in_channels), ref.dtype, ref.device)
     B, S = x.shape[:2]
     check_tensor("txt", txt, (B, None, config.joint_attention_dim), ref.dtype, ref.device)
@@ -69,14 +80,6 @@ def check_ids(name: str, ids, seq: int, n_axes: int, batch: int, device=None) ->
     if device is not None and ids.device != device:
         raise ValueError(f"{name}: expected device {device} (the params' device), got {ids.device}")
     return ids
-
-
-def check_unused(family: str, **kwargs) -> None:
-    """Arguments of DESIGN's common ``apply`` signature that this family does not take:
-    accepted as None (a generic caller may pass them), an error otherwise."""
-    for name, value in kwargs.items():
-        if value is not None:
-            raise ValueError(f"{name}: {family} takes no {name}; expected None, got {type(value).__name__}")
 
 
 def reference_leaf(params, path: str) -> torch.Tensor:

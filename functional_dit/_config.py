@@ -4,11 +4,35 @@ the diffusers config keys)."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping
+
+
+class DiTConfig:
+    """What every family config derives the same way from its diffusers fields; a family
+    config is a frozen dataclass subclassing it (its fields are the diffusers keys)."""
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def out_dim(self) -> int:
+        """Output channels per token: patch_size² · (out_channels or in_channels)."""
+        return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
 
 
 def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def as_ints(values) -> tuple:
+    """``values`` as a tuple whose integers (numpy's and 0-d tensors' too) are Python ints;
+    anything else is kept as is, for the checks to refuse by name."""
+    return tuple(
+        operator.index(v) if not isinstance(v, bool) and not isinstance(v, float) and hasattr(v, "__index__") else v
+        for v in values
+    )
 
 
 def require(cond: bool, message: str) -> None:

@@ -1,4 +1,4 @@
-"""The parameter pytree: `Params`, `ParamSpec` and dotted-path helpers.
+"""The parameter pytree: `Params` and `ParamSpec` (dotted paths: `sharding.tree`).
 
 A `Params` is a config (static metadata) plus nested dicts of tensors whose dotted
 paths equal the diffusers ``state_dict`` keys. It is registered with both optree and
@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import optree
 import torch
 import torch.utils._pytree as torch_pytree
+
+from sharding.tree import flatten, mismatch_report
 
 PACKED = "packed"  # logical axis of a dim that concatenates several blocks
 
@@ -56,10 +59,7 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def linear_spec(out_dim, in_dim, out_axis, in_axis, bias: bool = True, blocks=None) -> dict:
@@ -74,30 +74,6 @@ def linear_spec(out_dim, in_dim, out_axis, in_axis, bias: bool = True, blocks=No
 def norm_spec(dim: int, axis: str = "head_dim") -> dict:
     """Specs of a norm's scale (QK RMS norms: over head_dim, replicated)."""
     return {"weight": ParamSpec((dim,), (axis,))}
-
-
-def nest(flat: Mapping[str, Any]) -> dict:
-    """``{"a.b.c": v}`` -> ``{"a": {"b": {"c": v}}}``, keeping insertion order."""
-    tree: dict = {}
-    for key, value in flat.items():
-        *parents, leaf = key.split(".")
-        node = tree
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = value
-    return tree
-
-
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict:
-    """The inverse of `nest`: nested dicts -> ``{dotted path: leaf}``."""
-    flat = {}
-    for name, value in tree.items():
-        key = f"{prefix}{name}"
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, key + "."))
-        else:
-            flat[key] = value
-    return flat
 
 
 class Params:
@@ -126,11 +102,55 @@ class Params:
         return iter(self.flat().values())
 
     def replace(self, tree: Mapping[str, Any]) -> Params:
+        """The same config with a new tree of full tensors, checked (`check_leaves`)."""
+        check_leaves(self.config, flatten(tree))
         return Params(self.config, tree)
 
     def __repr__(self) -> str:
         n = sum(t.numel() for t in self.leaves() if isinstance(t, torch.Tensor))
         return f"Params({type(self.config).__name__}, {len(self.flat())} tensors, {n:,} elements)"
+
+
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_leaves(config, flat: Mapping[str, Any]) -> None:
+    """Where parameters enter (`from_state_dict`, `Params.replace`): one ValueError listing
+    every missing, unexpected and mis-shaped key, every leaf that is not a tensor or not
+    floating point, and, if the leaves mix dtypes or devices, the leaves of each. Reads
+    only shapes, dtypes and devices (DTensor leaves: their global shape)."""
+    specs = flatten(config.param_specs())
+    name = f"state dict does not match {type(config).__name__}"
+    missing = [k for k in specs if k not in flat]
+    unexpected = [k for k in flat if k not in specs]
+    bad = [
+        f"{k}: expected a tensor, got {type(v).__name__}" for k, v in flat.items() if not isinstance(v, torch.Tensor)
+    ]
+    tensors = {k: v for k, v in flat.items() if k in specs and isinstance(v, torch.Tensor)}
+    shapes = [
+        f"{k}: expected {specs[k].shape}, got {tuple(v.shape)}"
+        for k, v in tensors.items()
+        if tuple(v.shape) != specs[k].shape
+    ]
+    if missing or unexpected or bad or shapes:
+        raise ValueError(mismatch_report(name, missing, unexpected, shapes, other={"not tensors": bad}))
+    bad = [f"{k}: {v.dtype}" for k, v in tensors.items() if not v.is_floating_point()]
+    if bad:
+        raise ValueError(
+            mismatch_report(
+                f"params: expected floating-point tensors {COMPUTE_DTYPES}", other={"not floating point": bad}
+            )
+        )
+    for what, of in (("dtype", lambda v: v.dtype), ("device", lambda v: v.device)):
+        groups: dict = {}
+        for k, v in tensors.items():
+            groups.setdefault(of(v), []).append(k)
+        if len(groups) > 1:
+            found = {str(g): (len(ks), ks[:3]) for g, ks in groups.items()}
+            raise ValueError(
+                f"params: expected one {what} for every tensor (the model computes in one), got {len(groups)}: "
+                f"{found} as (count, first keys); convert with .to() first"
+            )
 
 
 def _flatten(p: Params):
@@ -149,38 +169,41 @@ def config_to_json(config) -> str:
     return json.dumps({"class": type(config).__name__, "fields": fields})
 
 
-def config_from_json(text: str):
-    """Inverse of `config_to_json`, for the config classes the families register."""
-    from . import _api  # late: _api imports this module
-
+def config_from_json(text: str, classes: Mapping[str, type]):
+    """Inverse of `config_to_json`; ``classes``: ``{class name: config class}``."""
     data = json.loads(text)
-    classes = {fam.CONFIG.__name__: fam.CONFIG for fam in _api._FAMILIES}
     if data.get("class") not in classes:
         raise ValueError(f"config: expected one of {sorted(classes)}, got {data.get('class')!r}")
     return classes[data["class"]](**data["fields"])
 
 
-torch_pytree.register_pytree_node(
-    Params,
-    _flatten,
-    _unflatten,
-    serialized_type_name="functional_dit.Params",
-    to_dumpable_context=config_to_json,
-    from_dumpable_context=config_from_json,
-    flatten_with_keys_fn=lambda p: ([(torch_pytree.GetAttrKey("tree"), p.tree)], p.config),
-)
-optree.register_pytree_node(
-    Params,
-    lambda p: ((p.tree,), p.config, ("tree",)),
-    lambda config, children: Params(config, children[0]),
-    namespace=optree.registry.__GLOBAL_NAMESPACE,
-)
-# `torch.load(weights_only=True)` — the first, safe attempt of `torch.export.load` — may
-# rebuild a Params held in a saved program's example inputs; each family registers its
-# config class the same way.
-torch.serialization.add_safe_globals([Params])
+def register_pytree(config_classes) -> None:
+    """Make `Params` a pytree node of ``torch.utils._pytree`` and optree; a serialised
+    tree spec names its config by class, resolved among ``config_classes``. Called
+    once, by `_api`, which holds the families table."""
+    classes = {cls.__name__: cls for cls in config_classes}
+    torch_pytree.register_pytree_node(
+        Params,
+        _flatten,
+        _unflatten,
+        serialized_type_name="functional_dit.Params",
+        to_dumpable_context=config_to_json,
+        from_dumpable_context=lambda text: config_from_json(text, classes),
+        flatten_with_keys_fn=lambda p: ([(torch_pytree.GetAttrKey("tree"), p.tree)], p.config),
+    )
+    optree.register_pytree_node(
+        Params,
+        lambda p: ((p.tree,), p.config, ("tree",)),
+        lambda config, children: Params(config, children[0]),
+        namespace=optree.registry.__GLOBAL_NAMESPACE,
+    )
+    # `torch.load(weights_only=True)` — the first, safe attempt of `torch.export.load` —
+    # rebuilds the Params (and configs) held in a saved program's example inputs.
+    torch.serialization.add_safe_globals([Params, *config_classes])
 
 
-def ordered_blocks(blocks: Mapping[str, Any]) -> list:
-    """The values of a ``{"0": ..., "1": ...}`` block dict in numeric order."""
+def ordered_blocks(params, name: str) -> list:
+    """The blocks ``params[name]`` (a ``{"0": ..., "1": ...}`` dict) in numeric order; none
+    when the model has zero such blocks (`nest` makes no key for an empty dict)."""
+    blocks = params.tree.get(name, {})
     return [blocks[k] for k in sorted(blocks, key=int)]

@@ -12,25 +12,25 @@ import dataclasses
 
 import torch
 
-import sharding
-
 from . import _layers as L
-from ._checks import (
-    check_guidance,
-    check_ids,
-    check_streams,
-    check_tensor,
-    check_unused,
-    reference_leaf,
+from ._checks import check_guidance, check_ids, check_streams, check_tensor, reference_leaf
+from ._config import (
+    DiTConfig,
+    as_ints,
+    require_bool,
+    require_non_negative,
+    require_positive,
+    require_positive_or_none,
+    require_rope_axes,
 )
-from ._config import require_bool, require_non_negative, require_positive, require_positive_or_none, require_rope_axes
 from ._pytree import PACKED, Block, linear_spec, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "FluxTransformer2DModel"
+NAME = "FLUX.1"
 
 
 @dataclasses.dataclass(frozen=True)
-class Flux1Config:
+class Flux1Config(DiTConfig):
     """diffusers ``FluxTransformer2DModel`` config; defaults are FLUX.1-schnell's."""
 
     patch_size: int = 1
@@ -46,7 +46,7 @@ class Flux1Config:
     axes_dims_rope: tuple[int, ...] = (16, 56, 56)  # (index, row, col) share of head_dim
 
     def __post_init__(self):
-        object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
+        object.__setattr__(self, "axes_dims_rope", as_ints(self.axes_dims_rope))
         require_positive(
             self,
             "patch_size",
@@ -62,19 +62,13 @@ class Flux1Config:
         require_rope_axes(self)
 
     @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
-    @property
     def mlp_hidden_dim(self) -> int:
         return 4 * self.inner_dim  # mlp_ratio 4.0 in both block kinds
 
-    @property
-    def out_dim(self) -> int:
-        return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
+    def param_specs(self) -> dict:
+        """Nested dict of `ParamSpec` (the protocol `sharding.plan` reads specs by)."""
+        return param_specs(self)
 
-
-torch.serialization.add_safe_globals([Flux1Config])  # weights_only loads of saved programs
 
 PRESETS = {
     # black-forest-labs/FLUX.1-dev transformer/config.json: guidance-distilled.
@@ -256,30 +250,33 @@ def _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids):
     return img_ids, txt_ids
 
 
-def apply(params, x, t, txt, *, pooled=None, guidance=None, img_ids=None, txt_ids=None, txt_mask=None, img_shapes=None):
-    """FLUX.1 forward: x (B, S_img, in_channels), t (B,) in [0, 1], txt (B, S_txt,
-    joint_attention_dim), pooled (B, pooled_projection_dim), guidance (B,) when the model
-    is guidance-distilled, img_ids (S_img, 3) / txt_ids (S_txt, 3) or their 3-D forms.
-    ``txt_mask`` and ``img_shapes`` (Qwen-Image's) must be None.
-    Returns (B, S_img, patch_size² · out_channels), as ``FluxTransformer2DModel(...)[0]``."""
-    check_unused("FLUX.1", txt_mask=txt_mask, img_shapes=img_shapes)
+ARGS = ("pooled", "guidance", "img_ids", "txt_ids")  # of fd.apply's keywords, the ones FLUX.1 takes
+BATCHED = ("pooled", "guidance")  # of prepare's outputs, those split over "dp" with x, t, txt
+
+
+def prepare(params, x, t, txt, *, pooled=None, guidance=None, img_ids=None, txt_ids=None) -> dict:
+    """Checks the FLUX.1 inputs (full view) and returns `forward`'s keywords: x (B, S_img,
+    in_channels), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim), pooled (B,
+    pooled_projection_dim), guidance (B,) when the model is guidance-distilled, img_ids
+    (S_img, 3) / txt_ids (S_txt, 3) or their 3-D forms. fd.apply returns (B, S_img,
+    patch_size² · out_channels), as ``FluxTransformer2DModel(...)[0]``."""
     img_ids, txt_ids = _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids)
-    c, D = params.config, params.config.attention_head_dim
-    B, S = x.shape[:2]
-    pe = L.rope(torch.cat([txt_ids, img_ids], 0), c.axes_dims_rope, theta=10000.0)
-    x, t, txt, pooled, guidance = (
-        None if a is None else sharding.shard(a, "dp", 0) for a in (x, t, txt, pooled, guidance)
-    )
+    pe = L.rope(torch.cat([txt_ids, img_ids], 0), params.config.axes_dims_rope, theta=10000.0)
+    return dict(pooled=pooled, guidance=guidance, pe=pe)
+
+
+def forward(params, x, t, txt, *, pooled, guidance, pe):
+    """The model on this rank's batch: returns (out sharded over "sp", its full length, None)."""
+    D, S = params.config.attention_head_dim, x.shape[1]
     img = L.linear(params["x_embedder"], x)
     t = t.to(img.dtype) * 1000
     guidance = None if guidance is None else guidance.to(img.dtype) * 1000
     vec = time_text_embed(params["time_text_embed"], t, guidance, pooled)
     txt = L.linear(params["context_embedder"], txt)
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
-    for p in ordered_blocks(params["transformer_blocks"]):
+    for p in ordered_blocks(params, "transformer_blocks"):
         img, txt = double_block(p, img, txt, vec, pe, D, key_bias)
     x = torch.cat([txt, img], 1)
-    for p in ordered_blocks(params["single_transformer_blocks"]):
+    for p in ordered_blocks(params, "single_transformer_blocks"):
         x = single_block(p, x, vec, pe, D, key_bias)
-    out = final_layer(params, x[:, txt.shape[1] :], vec)
-    return sharding.gather(sharding.gather(out, "sp", 1, S), "dp", 0, B)
+    return final_layer(params, x[:, txt.shape[1] :], vec), S, None

@@ -6,36 +6,27 @@ blocks whose AdaLN modulation is computed once from the timestep (and guidance) 
 shared by every block, SwiGLU MLPs, fused ``to_qkv_mlp_proj`` / ``to_out`` projections in
 the single blocks, 4-axis RoPE over (txt; img) ids, and no biases anywhere.
 
-FLUX.2-klein image editing can cache the reference image tokens' keys and values: the
-first step runs with ``kv_cache="extract"`` on (ref; img) tokens and returns the cache,
-later steps pass ``kv_cache=cache`` with the img tokens only (diffusers' ``kv_cache_mode``
-"extract" / "cached", ``Flux2KleinKVPipeline``).
+FLUX.2-klein image editing can cache the reference image tokens' keys and values
+(``kv_cache="extract"`` / ``kv_cache=cache``); the cache type and its checks live in
+`flux2_kv`, the block maths that use it here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-from typing import NamedTuple
 
-import optree
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as torch_pytree
 
 import sharding
 
 from . import _layers as L
-from ._checks import (
-    check_guidance,
-    check_ids,
-    check_streams,
-    check_tensor,
-    check_unused,
-    reference_leaf,
-)
+from . import flux2_kv as kv
+from ._checks import check_guidance, check_ids, check_streams, reference_leaf
 from ._config import (
+    DiTConfig,
+    as_ints,
     require,
     require_bool,
     require_non_negative,
@@ -44,13 +35,15 @@ from ._config import (
     require_positive_or_none,
     require_rope_axes,
 )
-from ._pytree import PACKED, Block, flatten, linear_spec, nest, norm_spec, ordered_blocks
+from ._pytree import PACKED, Block, linear_spec, norm_spec, ordered_blocks
+from .flux2_kv import Ref
 
 DIFFUSERS_CLASS = "Flux2Transformer2DModel"
+NAME = "FLUX.2"
 
 
 @dataclasses.dataclass(frozen=True)
-class Flux2Config:
+class Flux2Config(DiTConfig):
     """diffusers ``Flux2Transformer2DModel`` config; defaults are FLUX.2-dev's."""
 
     patch_size: int = 1
@@ -69,7 +62,7 @@ class Flux2Config:
     guidance_embeds: bool = True  # True for the guidance-distilled dev model
 
     def __post_init__(self):
-        object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
+        object.__setattr__(self, "axes_dims_rope", as_ints(self.axes_dims_rope))
         require_positive(
             self,
             "patch_size",
@@ -93,20 +86,15 @@ class Flux2Config:
         require_rope_axes(self)
 
     @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
-    @property
     def mlp_hidden_dim(self) -> int:
         return int(self.inner_dim * self.mlp_ratio)  # as diffusers: int(dim * mlp_ratio)
 
-    @property
-    def out_dim(self) -> int:
-        return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
+    def param_specs(self) -> dict:
+        """Nested dict of `ParamSpec` (the protocol `sharding.plan` reads specs by)."""
+        return param_specs(self)
 
 
-torch.serialization.add_safe_globals([Flux2Config])  # weights_only loads of saved programs
-
+kv.register_pytree(Flux2Config)
 
 # Every released transformer: patch_size 1, in_channels 128 (32-channel AutoencoderKLFlux2
 # latents packed 2x2), head_dim 128, mlp_ratio 3, 4-axis RoPE (32, 32, 32, 32) with theta
@@ -202,91 +190,6 @@ def param_specs(c: Flux2Config) -> dict:
         "norm_out": {"linear": _lin(2 * n, n, "mod", "embed")},
         "proj_out": _lin(c.out_dim, n, "out_channels", "embed"),
     }
-
-
-# ----------------------------------------------------------------------------- KV cache
-
-
-class Flux2KVCache:
-    """The reference tokens' keys and values in every block, after QK norm and RoPE.
-
-    ``tree`` is ``{"transformer_blocks": {"0": {"k": t, "v": t}, ...},
-    "single_transformer_blocks": {...}}`` with t (B, num_ref_tokens, heads, head_dim),
-    full (unsharded) on every rank; ``config`` and ``num_ref_tokens`` are static metadata.
-    A pytree node for optree and ``torch.utils._pytree``, like `Params`. Treat as immutable.
-    """
-
-    __slots__ = ("config", "num_ref_tokens", "tree")
-
-    def __init__(self, config, num_ref_tokens: int, tree):
-        self.config, self.num_ref_tokens, self.tree = config, num_ref_tokens, dict(tree)
-
-    def __getitem__(self, key: str):
-        return self.tree[key]
-
-    def flat(self) -> dict:
-        return flatten(self.tree)
-
-    def __repr__(self) -> str:
-        return f"Flux2KVCache({self.num_ref_tokens} reference tokens, {len(self.flat())} tensors)"
-
-
-def _cache_context(c: Flux2KVCache) -> tuple:
-    """Static metadata as plain constants (the config's field values): ``torch.export``
-    cannot rebuild a frozen dataclass held in an output's tree spec."""
-    return (c.num_ref_tokens, *(getattr(c.config, f.name) for f in dataclasses.fields(c.config)))
-
-
-def _cache_unflatten(children, context) -> Flux2KVCache:
-    return Flux2KVCache(Flux2Config(*context[1:]), context[0], children[0])
-
-
-def _cache_context_from_json(text: str) -> tuple:
-    """`torch.export.load`: JSON gives lists; the context must equal `_cache_context`'s
-    tuple again, or the loaded program refuses the cache as an input."""
-    return tuple(tuple(v) if isinstance(v, list) else v for v in json.loads(text))
-
-
-torch_pytree.register_pytree_node(
-    Flux2KVCache,
-    lambda c: ([c.tree], _cache_context(c)),
-    _cache_unflatten,
-    serialized_type_name="functional_dit.Flux2KVCache",
-    to_dumpable_context=json.dumps,
-    from_dumpable_context=_cache_context_from_json,
-    flatten_with_keys_fn=lambda c: ([(torch_pytree.GetAttrKey("tree"), c.tree)], _cache_context(c)),
-)
-optree.register_pytree_node(
-    Flux2KVCache,
-    lambda c: ((c.tree,), _cache_context(c), ("tree",)),
-    lambda context, children: _cache_unflatten(children, context),
-    namespace=optree.registry.__GLOBAL_NAMESPACE,
-)
-torch.serialization.add_safe_globals([Flux2KVCache])
-
-
-def cache_shapes(c: Flux2Config, batch: int, num_ref_tokens: int) -> dict:
-    """``{dotted path: shape}`` of the cache `apply(..., kv_cache="extract")` returns."""
-    shape = (batch, num_ref_tokens, c.num_attention_heads, c.attention_head_dim)
-    kinds = (("transformer_blocks", c.num_layers), ("single_transformer_blocks", c.num_single_layers))
-    return {f"{kind}.{i}.{kv}": shape for kind, n in kinds for i in range(n) for kv in "kv"}
-
-
-class Ref(NamedTuple):
-    """The reference tokens as the blocks see them, in the local view.
-
-    Extract: ``x`` (B, R, C) their hidden states, ``mod`` their modulation (from the fixed
-    timestep), ``pe`` their RoPE rows; a block returns it with this layer's ``k``/``v``.
-    Cached: ``x`` None and ``k``/``v`` (B, R, H, D) this layer's cached keys and values.
-    ``bias`` (B, R) is the additive key bias of sequence-parallel padding, or None.
-    """
-
-    x: torch.Tensor | None = None
-    mod: tuple | None = None
-    pe: tuple | None = None
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    bias: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------- forward
@@ -423,46 +326,6 @@ def final_layer(p, x, temb, eps=1e-6):
 # ----------------------------------------------------------------------------- validation
 
 
-def _validate_mode(c, x, kv_cache, num_ref_tokens, ref_fixed_timestep, ref):
-    """Returns "extract", "cached" or None, after checking the KV-cache arguments."""
-    B, S = x.shape[:2]
-    if kv_cache is None:
-        for name, v in (("num_ref_tokens", num_ref_tokens), ("ref_fixed_timestep", ref_fixed_timestep)):
-            if v is not None:
-                raise ValueError(f"{name}: only used with kv_cache='extract'; expected None, got {v!r}")
-        return None
-    if isinstance(kv_cache, str):
-        if kv_cache != "extract":
-            raise ValueError(f"kv_cache: expected None, 'extract' or a Flux2KVCache, got {kv_cache!r}")
-        R = num_ref_tokens
-        if not isinstance(R, int) or isinstance(R, bool) or not 0 < R < S:
-            raise ValueError(f"num_ref_tokens: expected an int in [1, {S - 1}] (x has {S} tokens), got {R!r}")
-        t_ref = ref_fixed_timestep
-        if t_ref is not None and (not isinstance(t_ref, (int, float)) or isinstance(t_ref, bool)):
-            raise ValueError(f"ref_fixed_timestep: expected a Python number (0.0 by default), got {t_ref!r}")
-        return "extract"
-    if not isinstance(kv_cache, Flux2KVCache):
-        raise ValueError(f"kv_cache: expected None, 'extract' or a Flux2KVCache, got {type(kv_cache).__name__}")
-    _validate_cache(c, kv_cache, B, ref)
-    if num_ref_tokens is not None and num_ref_tokens != kv_cache.num_ref_tokens:
-        raise ValueError(f"num_ref_tokens: the cache holds {kv_cache.num_ref_tokens} tokens, got {num_ref_tokens!r}")
-    if ref_fixed_timestep is not None:
-        raise ValueError(f"ref_fixed_timestep: only used with kv_cache='extract'; got {ref_fixed_timestep!r}")
-    return "cached"
-
-
-def _validate_cache(c, cache, B, ref):
-    if cache.config != c:
-        raise ValueError(f"kv_cache: built for a different model; expected config {c}, got {cache.config}")
-    expected, flat = cache_shapes(c, B, cache.num_ref_tokens), cache.flat()
-    if set(flat) != set(expected):  # any key order: blocks are looked up by name
-        missing = [k for k in expected if k not in flat]
-        extra = [k for k in flat if k not in expected]
-        raise ValueError(f"kv_cache: expected the keys {list(expected)[:4]}...; missing {missing}, unexpected {extra}")
-    for key, shape in expected.items():
-        check_tensor(f"kv_cache[{key!r}]", flat[key], shape, ref.dtype, ref.device)
-
-
 def _validate(params, x, t, txt, guidance, img_ids, txt_ids):
     c = params.config
     ref = reference_leaf(params, "x_embedder.weight")
@@ -477,19 +340,6 @@ def _validate(params, x, t, txt, guidance, img_ids, txt_ids):
 
 
 # ----------------------------------------------------------------------------- apply
-
-
-def _local_cache(cache: Flux2KVCache, kind: str, i: int, device) -> Ref:
-    """Block i's cached k, v in the local view (batch over dp, tokens over sp, heads over tp)."""
-    kv = cache[kind][str(i)]
-    k, v = (sharding.shard(sharding.shard(sharding.shard(kv[n], "dp", 0), "sp", 1), "tp", 2) for n in "kv")
-    bias = sharding.pad_bias(cache.num_ref_tokens, "sp", device)
-    return Ref(k=k, v=v, bias=None if bias is None else bias.expand(k.shape[0], -1))
-
-
-def _full(t: torch.Tensor, B: int, R: int, H: int) -> torch.Tensor:
-    """Inverse of `_local_cache`'s slicing: the full (B, R, H, D) tensor on every rank."""
-    return sharding.gather(sharding.gather(sharding.gather(t, "tp", 2, H), "sp", 1, R), "dp", 0, B)
 
 
 def _ref_stream(params, x, pe, t, guidance, ref_fixed_timestep):
@@ -513,20 +363,24 @@ def _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache):
     """All blocks in the local view. Returns the img stream and, per block, its `Ref`."""
     c, (mod_img, mod_txt, mod_single), T, refs = params.config, mods, txt.shape[1], {}
     D, eps = c.attention_head_dim, c.eps
-    for i, p in enumerate(ordered_blocks(params["transformer_blocks"])):
-        ref = ref if cache is None else _local_cache(cache, "transformer_blocks", i, img.device)
+    for i, p in enumerate(ordered_blocks(params, "transformer_blocks")):
+        ref = ref if cache is None else kv.local_cache(cache, "transformer_blocks", i, img.device)
         img, txt, ref = double_block(p, img, txt, mod_img, mod_txt, pe, D, eps, key_bias, ref)
         refs[f"transformer_blocks.{i}"] = ref
     x = torch.cat([txt, img], 1)
     ref = ref._replace(mod=ref_mod_single) if ref is not None and ref.x is not None else None
-    for i, p in enumerate(ordered_blocks(params["single_transformer_blocks"])):
-        ref = ref if cache is None else _local_cache(cache, "single_transformer_blocks", i, x.device)
+    for i, p in enumerate(ordered_blocks(params, "single_transformer_blocks")):
+        ref = ref if cache is None else kv.local_cache(cache, "single_transformer_blocks", i, x.device)
         x, ref = single_block(p, x, mod_single, pe, D, eps, key_bias, T, ref)
         refs[f"single_transformer_blocks.{i}"] = ref
     return x[:, T:], refs
 
 
-def apply(
+ARGS = ("guidance", "img_ids", "txt_ids", "kv_cache", "num_ref_tokens", "ref_fixed_timestep")
+BATCHED = ("guidance",)  # of prepare's outputs, those split over "dp" with x, t, txt
+
+
+def prepare(
     params,
     x,
     t,
@@ -538,48 +392,49 @@ def apply(
     kv_cache=None,
     num_ref_tokens=None,
     ref_fixed_timestep=None,
-    pooled=None,
-    txt_mask=None,
-    img_shapes=None,
-):
-    """FLUX.2 forward: x (B, S_img, in_channels), t (B,) in [0, 1], txt (B, S_txt,
-    joint_attention_dim), guidance (B,) when the model is guidance-distilled, img_ids
-    (S_img, 4) / txt_ids (S_txt, 4) or their 3-D forms (B or 1, S, 4), of which, like
-    diffusers, only the first item is used. Returns (B, S_img, patch_size² · out_channels)
-    as ``Flux2Transformer2DModel(...)[0]``.
+) -> dict:
+    """Checks the FLUX.2 inputs (full view) and returns `forward`'s keywords: x (B, S_img,
+    in_channels), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim), guidance (B,) when
+    the model is guidance-distilled, img_ids (S_img, 4) / txt_ids (S_txt, 4) or their 3-D
+    forms (B or 1, S, 4), of which, like diffusers, only the first item is used. fd.apply
+    returns (B, S_img, patch_size² · out_channels) as ``Flux2Transformer2DModel(...)[0]``.
 
     Reference-token KV cache (FLUX.2-klein editing, diffusers' ``kv_cache_mode``):
     ``kv_cache="extract", num_ref_tokens=R, ref_fixed_timestep=0.0``: the first R tokens of
     x (and rows of img_ids) are reference tokens, modulated at the fixed timestep and
-    attending only to themselves; returns ``(out, cache)`` with out over the other tokens
-    and cache a `Flux2KVCache`. ``kv_cache=cache``: x holds no reference tokens; every
-    block's txt and img queries also attend to the cached reference keys and values.
-
-    ``pooled`` (FLUX.1's), ``txt_mask`` and ``img_shapes`` (Qwen-Image's) must be None.
+    attending only to themselves; fd.apply returns ``(out, cache)`` with out over the other
+    tokens and cache a `Flux2KVCache`. ``kv_cache=cache``: x holds no reference tokens;
+    every block's txt and img queries also attend to the cached reference keys and values.
     """
-    check_unused("FLUX.2", pooled=pooled, txt_mask=txt_mask, img_shapes=img_shapes)
     img_ids, txt_ids, leaf = _validate(params, x, t, txt, guidance, img_ids, txt_ids)
     c = params.config
-    mode = _validate_mode(c, x, kv_cache, num_ref_tokens, ref_fixed_timestep, leaf)
-    R = num_ref_tokens if mode == "extract" else 0
-    B, S = x.shape[0], x.shape[1] - R
+    mode = kv.check_mode(c, x, kv_cache, num_ref_tokens, ref_fixed_timestep, leaf)
     pe_img, pe_txt = (L.rope(ids, c.axes_dims_rope, theta=c.rope_theta) for ids in (img_ids, txt_ids))
-    x, t, txt, guidance = (None if a is None else sharding.shard(a, "dp", 0) for a in (x, t, txt, guidance))
+    return dict(
+        guidance=guidance,
+        pe_img=pe_img,
+        pe_txt=pe_txt,
+        num_ref_tokens=num_ref_tokens if mode == "extract" else 0,
+        ref_fixed_timestep=ref_fixed_timestep or 0.0,
+        cache=kv_cache if mode == "cached" else None,
+        batch=x.shape[0],
+    )
+
+
+def forward(params, x, t, txt, *, guidance, pe_img, pe_txt, num_ref_tokens, ref_fixed_timestep, cache, batch):
+    """The model on this rank's batch: returns (out sharded over "sp", its full length, and
+    the extracted `Flux2KVCache` or None)."""
+    c, R = params.config, num_ref_tokens
     t, guidance = t.to(x.dtype) * 1000, None if guidance is None else guidance.to(x.dtype) * 1000
     temb = time_guidance_embed(params["time_guidance_embed"], t, guidance, c.timestep_guidance_channels)
     ref = ref_mod_single = None
-    if mode == "extract":
+    if R:
         ref_pe = tuple(a[:R] for a in pe_img)
-        ref, ref_mod_single = _ref_stream(params, x[:, :R], ref_pe, t, guidance, ref_fixed_timestep or 0.0)
+        ref, ref_mod_single = _ref_stream(params, x[:, :R], ref_pe, t, guidance, ref_fixed_timestep)
         x, pe_img = x[:, R:], tuple(a[R:] for a in pe_img)
     img, txt = L.linear(params["x_embedder"], x), L.linear(params["context_embedder"], txt)
     pe = tuple(torch.cat([a, b]) for a, b in zip(pe_txt, pe_img))
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
-    cache = kv_cache if mode == "cached" else None
     img, refs = _blocks(params, img, txt, modulations(params, temb), pe, key_bias, ref, ref_mod_single, cache)
-    out = sharding.gather(sharding.gather(final_layer(params, img, temb, c.eps), "sp", 1, S), "dp", 0, B)
-    if mode != "extract":
-        return out
-    H = c.num_attention_heads
-    flat = {f"{key}.{n}": _full(getattr(r, n), B, R, H) for key, r in refs.items() for n in "kv"}
-    return out, Flux2KVCache(c, R, nest(flat))
+    out = final_layer(params, img, temb, c.eps)
+    return out, x.shape[1], kv.from_refs(c, refs, batch, R) if R else None

@@ -27,6 +27,8 @@ import sharding
 from . import _layers as L
 from ._checks import check_streams, check_tensor, reference_leaf
 from ._config import (
+    DiTConfig,
+    as_ints,
     is_int,
     require_bool,
     require_non_negative,
@@ -37,11 +39,12 @@ from ._config import (
 from ._pytree import ParamSpec, linear_spec, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
+NAME = "Qwen-Image"
 THETA = 10000
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenImageConfig:
+class QwenImageConfig(DiTConfig):
     """diffusers ``QwenImageTransformer2DModel`` config; defaults are Qwen-Image's."""
 
     patch_size: int = 2
@@ -60,7 +63,7 @@ class QwenImageConfig:
     use_layer3d_rope: bool = False  # Layered: layers on the frame axis, the condition image at -1
 
     def __post_init__(self):
-        object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
+        object.__setattr__(self, "axes_dims_rope", as_ints(self.axes_dims_rope))
         require_positive(
             self, "patch_size", "in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim"
         )
@@ -70,19 +73,13 @@ class QwenImageConfig:
         require_rope_axes(self, n_axes=3)  # (frame, row, col)
 
     @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
-
-    @property
     def mlp_hidden_dim(self) -> int:
         return 4 * self.inner_dim  # diffusers FeedForward, mult 4
 
-    @property
-    def out_dim(self) -> int:
-        return self.patch_size * self.patch_size * (self.out_channels or self.in_channels)
+    def param_specs(self) -> dict:
+        """Nested dict of `ParamSpec` (the protocol `sharding.plan` reads specs by)."""
+        return param_specs(self)
 
-
-torch.serialization.add_safe_globals([QwenImageConfig])  # weights_only loads of saved programs
 
 PRESETS = {
     # Qwen/Qwen-Image transformer/config.json (Qwen-Image-Edit and -Edit-2509 ship the same
@@ -307,25 +304,31 @@ def ref_mask(shapes, device=None) -> torch.Tensor:
 
 
 def _image_shapes(item, b: int) -> tuple[tuple[int, int, int], ...]:
-    """One batch item's img_shapes: a list of (frames, h, w), or one (frames, h, w)."""
-    is_shape = lambda s: isinstance(s, (list, tuple)) and len(s) == 3 and all(is_int(v) and v > 0 for v in s)  # noqa: E731
-    if isinstance(item, (list, tuple)) and len(item) == 3 and all(is_int(v) for v in item):
+    """One batch item's img_shapes: a list of (frames, h, w), or one (frames, h, w); the
+    numbers may be numpy or 0-d tensor integers (read on the host, as diffusers does)."""
+    as_shape = lambda s: as_ints(s) if isinstance(s, (list, tuple)) else s  # noqa: E731
+    is_shape = lambda s: isinstance(s, tuple) and len(s) == 3 and all(is_int(v) and v > 0 for v in s)  # noqa: E731
+    if isinstance(item, (list, tuple)) and len(item) == 3 and all(is_int(v) for v in as_shape(item)):
         item = [item]
-    if not isinstance(item, (list, tuple)) or not item or not all(is_shape(s) for s in item):
+    shapes = [as_shape(s) for s in item] if isinstance(item, (list, tuple)) else None
+    if not shapes or not all(is_shape(s) for s in shapes):
         raise ValueError(
             f"img_shapes[{b}]: expected a non-empty list of (frames, height, width) tuples of positive ints, "
             f"got {item!r}"
         )
-    return tuple(tuple(s) for s in item)
+    return tuple(shapes)
 
 
 def check_img_shapes(img_shapes, batch: int, seq: int, layer3d: bool) -> tuple[tuple[int, int, int], ...]:
     """img_shapes: per batch item a list of (frames, h, w) in token order, equal for every
     item (diffusers takes RoPE from the first and warns that others are wrong), whose token
-    count is x's sequence length. Returns the shared shapes."""
+    count is x's sequence length. Returns the shared shapes; for an empty batch (no item
+    to read them from), one image of 1 x 1 x seq, whose positions nothing uses."""
     if not isinstance(img_shapes, (list, tuple)) or len(img_shapes) != batch:
         got = f"length {len(img_shapes)}" if isinstance(img_shapes, (list, tuple)) else type(img_shapes).__name__
         raise ValueError(f"img_shapes: expected a list of {batch} items (one per batch item), got {got}")
+    if batch == 0:
+        return ((1, 1, seq),)
     per_item = [_image_shapes(item, b) for b, item in enumerate(img_shapes)]
     shapes = per_item[0]
     for b, s in enumerate(per_item):
@@ -361,9 +364,12 @@ def _check_t_cond(c, additional_t_cond, batch: int, device) -> None:
         check_tensor("additional_t_cond", additional_t_cond, (batch,), device=device)
         if additional_t_cond.dtype not in (torch.int32, torch.int64):  # what an embedding lookup takes
             raise ValueError(f"additional_t_cond: expected int64 or int32 (0 or 1), got {additional_t_cond.dtype}")
+        # A value check reads the tensor (a host sync): eager only, never inside a traced graph.
+        if not torch.compiler.is_compiling() and bool(((additional_t_cond < 0) | (additional_t_cond > 1)).any()):
+            raise ValueError(f"additional_t_cond: expected values in {{0, 1}}, got {additional_t_cond.tolist()}")
 
 
-def _validate(params, x, t, txt, txt_mask, img_shapes, guidance, additional_t_cond, unused):
+def _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond):
     c = params.config
     ref = reference_leaf(params, "img_in.weight")
     B, S = check_streams(c, ref, x, t, txt)
@@ -372,53 +378,38 @@ def _validate(params, x, t, txt, txt_mask, img_shapes, guidance, additional_t_co
     if img_shapes is None:
         raise ValueError(f"img_shapes: Qwen-Image needs per batch item a list of (frames, h, w); x has {S} tokens")
     shapes = check_img_shapes(img_shapes, B, S, c.use_layer3d_rope)
-    if guidance is not None:
-        raise ValueError(
-            "guidance: QwenImageTransformer2DModel has no guidance embedder (guidance_embeds creates no weights "
-            "and diffusers' forward fails on a guidance tensor); expected None, got a tensor"
-        )
     _check_t_cond(c, additional_t_cond, B, ref.device)
-    for name, value in unused.items():
-        if value is not None:
-            raise ValueError(f"{name}: Qwen-Image takes no {name} (positions come from img_shapes); expected None")
     return shapes
 
 
-def apply(
-    params,
-    x,
-    t,
-    txt,
-    *,
-    txt_mask=None,
-    img_shapes=None,
-    guidance=None,
-    additional_t_cond=None,
-    pooled=None,
-    img_ids=None,
-    txt_ids=None,
-):
-    """Qwen-Image forward: x (B, S_img, in_channels) packed latents (Edit: the target's then
-    the reference images' tokens), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim),
-    txt_mask (B, S_txt) bool/int, 1 = real token (None: all real), img_shapes per batch item
-    a list of (frames, h, w) whose tokens make S_img, additional_t_cond (B,) ints in {0, 1}
-    for the Layered model. Returns (B, S_img, patch_size² · out_channels), as
-    ``QwenImageTransformer2DModel(...)[0]``."""
-    unused = dict(pooled=pooled, img_ids=img_ids, txt_ids=txt_ids)
-    shapes = _validate(params, x, t, txt, txt_mask, img_shapes, guidance, additional_t_cond, unused)
-    c, D = params.config, params.config.attention_head_dim
-    B, S = x.shape[:2]
+ARGS = ("txt_mask", "img_shapes", "additional_t_cond")  # of fd.apply's keywords, the ones Qwen-Image takes
+BATCHED = ("bias", "t_cond")  # of prepare's outputs, those split over "dp" with x, t, txt
+
+
+def prepare(params, x, t, txt, *, txt_mask=None, img_shapes=None, additional_t_cond=None) -> dict:
+    """Checks the Qwen-Image inputs (full view) and returns `forward`'s keywords: x (B,
+    S_img, in_channels) packed latents (Edit: the target's then the reference images'
+    tokens), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim), txt_mask (B, S_txt)
+    bool/int, 1 = real token (None: all real), img_shapes per batch item a list of
+    (frames, h, w) whose tokens make S_img, additional_t_cond (B,) ints in {0, 1} for the
+    Layered model. fd.apply returns (B, S_img, patch_size² · out_channels), as
+    ``QwenImageTransformer2DModel(...)[0]``. The model has no guidance embedder
+    (diffusers' ``guidance_embeds`` creates no weights), so ``guidance`` must be None."""
+    c = params.config
+    shapes = _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond)
     pe = pos_embed(shapes, txt.shape[1], c.axes_dims_rope, c.use_layer3d_rope, x.device)
     ref = sharding.shard(ref_mask(shapes, x.device), "sp", 0) if c.zero_cond_t else None
     bias = None if txt_mask is None else mask_bias(txt_mask)
-    x, t, txt, bias, t_cond = (
-        None if a is None else sharding.shard(a, "dp", 0) for a in (x, t, txt, bias, additional_t_cond)
-    )
+    return dict(pe=pe, ref=ref, bias=bias, t_cond=additional_t_cond)
+
+
+def forward(params, x, t, txt, *, pe, ref, bias, t_cond):
+    """The model on this rank's batch: returns (out sharded over "sp", its full length, None)."""
+    c, S = params.config, x.shape[1]
     img = L.linear(params["img_in"], x)
     temb = time_embed(params["time_text_embed"], t.to(img.dtype), t_cond, c.zero_cond_t)
     txt = L.linear(params["txt_in"], L.rms_norm_fp32(params["txt_norm"], txt))
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe, bias)
-    for p in ordered_blocks(params["transformer_blocks"]):
-        img, txt = block(p, img, txt, temb, pe, D, key_bias, ref)
-    out = final_layer(params, img, temb[: img.shape[0]])
-    return sharding.gather(sharding.gather(out, "sp", 1, S), "dp", 0, B)
+    for p in ordered_blocks(params, "transformer_blocks"):
+        img, txt = block(p, img, txt, temb, pe, c.attention_head_dim, key_bias, ref)
+    return final_layer(params, img, temb[: img.shape[0]]), S, None

@@ -1,5 +1,6 @@
 """Sharding as data: named meshes, placement pytrees and named-axis collectives."""
 
+from . import tree
 from ._axes import all_gather, all_to_all, axis_index, axis_size, bind, current_mesh, psum, ulysses
 from ._map import P, shard_map
 from ._mesh import AXES, backend_for, default_device_type, make_mesh
@@ -16,6 +17,7 @@ from ._plan import (
     specs_of,
     take,
 )
+from ._replicated import check_replicated
 from ._seq import gather, local_len, pad_bias, shard
 from ._shard import (
     dtensor_from_local,
@@ -42,6 +44,7 @@ __all__ = [
     "bind",
     "bytes_per_rank",
     "check_placement",
+    "check_replicated",
     "current_mesh",
     "default_device_type",
     "dtensor_from_local",
@@ -64,6 +67,7 @@ __all__ = [
     "shard_params",
     "specs_of",
     "take",
+    "tree",
     "ulysses",
     "unshard",
 ]

@@ -4,7 +4,7 @@ A *plan* is a pytree shaped like the params (nested dicts, the same keys) whose 
 are placements: `Replicate()`, `Shard(dim, axis)` or, for a fused projection,
 `Shard(dim, axis, blocks)` — each block of the fused dim split independently, rank r
 holding the r-th slice of every block, concatenated in block order (a contiguous split
-of a fused dim is the classic TP bug, see LESSONS.md).
+of a fused dim is the classic TP bug, see docs/architecture.md#plans-and-rules).
 
 `plan` derives it from each parameter's ``ParamSpec`` (``shape``, logical ``axes`` and
 ``blocks``) through a rules table mapping logical axes to mesh axes, as maxdiffusion
@@ -12,27 +12,27 @@ and haliax do (default ``{"heads": "tp", "mlp": "tp"}``), and validates every sh
 size before any data moves. Users may edit the plan or pass their own rules.
 
 Where the specs come from — `sharding` imports neither ``functional_dit`` nor
-``weights`` (DESIGN.md's dependency direction). ``plan`` takes either a specs tree
+``weights`` (docs/architecture.md: the dependency direction). ``plan`` takes either a specs tree
 (nested dicts of objects with ``.shape``, ``.axes`` and ``.blocks``), or a config, or a
-``Params`` (anything with ``.config`` and ``.tree``). A config's specs come from a small
-protocol: its ``param_specs()`` method if it has one, else the ``param_specs(config)``
-function of the module that defines the config class — the family-module convention
-every ``functional_dit`` family follows. Nothing is imported for it.
+``Params`` (anything with ``.config`` and ``.tree``). A config's specs come from a
+one-method protocol: its ``param_specs()`` method, which every ``functional_dit``
+config class has. Nothing is imported for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Mapping
 
 import torch
 
+from .tree import check_same_keys, leaves, map_tree
+
 PACKED = "packed"  # the logical axis of a dim that concatenates several blocks (ParamSpec)
+# The layout fd.apply computes in (heads and MLP columns over "tp"; see
+# docs/architecture.md). Other rules make storage layouts (weights.load/save, unshard).
 DEFAULT_RULES = {"heads": "tp", "mlp": "tp"}
-# The local-view model code sums row-parallel partial products with psum(..., "tp"),
-# so on a mesh with tp > 1 these logical axes must be split over "tp" and no other.
-MODEL_CONTRACT = {"heads": "tp", "mlp": "tp"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,33 +66,6 @@ def is_placement(x) -> bool:
     return isinstance(x, (Replicate, Shard))
 
 
-def map_tree(fn: Callable, tree: Mapping, *rest: Mapping, path: str = "") -> dict:
-    """``fn(dotted_path, leaf, *other_leaves)`` over nested dicts with the same keys."""
-    out = {}
-    for key, value in tree.items():
-        p = f"{path}{key}"
-        others = [r[key] for r in rest]
-        out[key] = map_tree(fn, value, *others, path=p + ".") if isinstance(value, Mapping) else fn(p, value, *others)
-    return out
-
-
-def leaves(tree: Mapping, path: str = ""):
-    """``(dotted_path, leaf)`` pairs of nested dicts, in order."""
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            yield from leaves(value, f"{path}{key}.")
-        else:
-            yield f"{path}{key}", value
-
-
-def check_same_keys(name: str, tree: Mapping, ref: Mapping, ref_name: str) -> None:
-    """ValueError naming the dotted paths in which ``tree`` and ``ref`` differ."""
-    a, b = {p for p, _ in leaves(tree)}, {p for p, _ in leaves(ref)}
-    if a != b:
-        missing, extra = sorted(b - a)[:10], sorted(a - b)[:10]
-        raise ValueError(f"{name}: expected the keys of {ref_name}; missing {missing}, unexpected {extra}")
-
-
 # ----------------------------------------------------------------------------- sources
 
 
@@ -110,16 +83,18 @@ def specs_of(source) -> Mapping:
     if isinstance(source, Mapping):
         return source
     config = config_of(source)
+    if isinstance(config, str):
+        raise ValueError(
+            f"params_or_config: got the name {config!r}; sharding imports no model package, so pass the "
+            f"config (functional_dit.as_config({config!r}) or fd.PRESETS[{config!r}]), Params or a specs tree"
+        )
     method = getattr(config, "param_specs", None)
-    if callable(method):
-        return method()
-    fn = getattr(sys.modules.get(type(config).__module__), "param_specs", None)
-    if callable(fn):
-        return fn(config)
-    raise ValueError(
-        f"params_or_config: expected a specs tree, a config or Params whose config's module defines "
-        f"param_specs(config), got {type(source).__name__}"
-    )
+    if not callable(method):
+        raise ValueError(
+            f"params_or_config: expected a specs tree, a config with a param_specs() method or Params, "
+            f"got {type(source).__name__}"
+        )
+    return method()
 
 
 def mesh_sizes(mesh) -> dict[str, int]:
@@ -153,15 +128,18 @@ def plan(params_or_config, mesh, rules: Mapping | None = None) -> dict:
 
     ``params_or_config``: ``Params``, a config or a specs tree (see the module docstring).
     ``mesh``: a named ``DeviceMesh`` or a mapping ``{axis: size}`` (no processes needed).
-    ``rules``: logical axis -> mesh axis (default ``{"heads": "tp", "mlp": "tp"}``).
+    ``rules``: logical axis -> mesh axis name or None. The default, ``{"heads": "tp",
+    "mlp": "tp"}``, is the layout ``fd.apply`` computes in; a plan from other rules is a
+    storage layout (``weights.load`` / ``weights.save``, `unshard`), and ``fd.apply`` on
+    params sharded by it raises a ValueError naming the first leaf placed otherwise.
 
-    Raises ValueError, before any data moves, when a sharded dim or a fused block does
-    not divide by its axis size (naming the parameter, dim, size and degree), when the
-    heads do not divide by tp, or the local heads by sp (Ulysses), or when the rules
-    break the model's local-view contract (heads and MLP split over "tp").
+    Raises ValueError, before any data moves, when a rule names a logical axis the
+    parameters do not have or a mesh axis the mesh does not have, when a sharded dim or a
+    fused block does not divide by its axis size (naming the parameter, dim, size and
+    degree), or when the heads do not divide by tp, or the local heads by sp (Ulysses).
     """
     specs, sizes = specs_of(params_or_config), mesh_sizes(mesh)
-    rules = _check_rules(DEFAULT_RULES if rules is None else rules, specs, sizes)
+    rules = DEFAULT_RULES if rules is None else _check_rules(rules, specs, mesh, sizes)
     _check_heads(config_of(params_or_config), rules, sizes)
     return map_tree(lambda path, spec: _placement(path, spec, rules, sizes), specs)
 
@@ -171,21 +149,22 @@ def _logical_axes(specs) -> set:
     for _, spec in leaves(specs):
         axes.update(spec.axes)
         axes.update(b.axis for b in spec.blocks or ())
-    return axes
+    return axes - {None, PACKED}
 
 
-def _check_rules(rules, specs, sizes) -> dict:
+def _check_rules(rules, specs, mesh, sizes) -> dict:
+    """Rules name logical axes of these parameters and mesh axes of this mesh (a misspelt
+    axis is an error, as in ``shard_map``'s specs); the mesh axis may have any size."""
     if not isinstance(rules, Mapping) or not all(isinstance(v, (str, type(None))) for v in rules.values()):
         raise ValueError(f"rules: expected a mapping of logical axis -> mesh axis name or None, got {rules!r}")
-    used = _logical_axes(specs)
-    for logical, axis in MODEL_CONTRACT.items():
-        want = axis if sizes.get(axis, 1) > 1 else None
-        got = _effective(logical, rules, sizes)
-        if logical in used and got != want:
+    known = _logical_axes(specs)
+    for logical, axis in rules.items():
+        if logical not in known:
             raise ValueError(
-                f"rules: the model sums {logical!r} partial products over {axis!r} (psum), so on a mesh "
-                f"{sizes} {logical!r} must be split over {want!r}; the rules {dict(rules)} split it over {got!r}"
+                f"rules: {logical!r} is not a logical axis of these parameters; expected one of {sorted(known)}"
             )
+        if axis is not None and axis not in sizes:
+            raise ValueError(f"rules: {logical!r} -> {axis!r}: expected a mesh axis in {tuple(sizes)}, got {axis!r}")
     return dict(rules)
 
 
@@ -352,11 +331,5 @@ def bytes_per_rank(specs, plan_or_rules=None, degrees=None, dtype=torch.bfloat16
     )
     placements = plan_or_rules if is_plan else plan(specs, sizes, plan_or_rules)
     check_same_keys("plan", placements, tree, "the specs")
-    total = 0
     flat = dict(leaves(placements))
-    for path, spec in leaves(tree):
-        n = 1
-        for s in local_shape(spec, flat[path], sizes):
-            n *= s
-        total += n
-    return total * dtype.itemsize
+    return sum(math.prod(local_shape(spec, flat[path], sizes)) for path, spec in leaves(tree)) * dtype.itemsize

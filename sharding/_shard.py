@@ -19,6 +19,7 @@ is what ``functional_dit.apply`` runs on: no DTensor op dispatch on the hot path
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -29,16 +30,14 @@ from ._plan import (
     Shard,
     _shape,
     check_placement,
-    check_same_keys,
     config_of,
-    leaves,
     local_slices,
-    map_tree,
     mesh_sizes,
     specs_of,
     take,
 )
 from ._plan import plan as make_plan
+from .tree import check_same_keys, get, leaves, map_tree
 
 
 def _dtensor_cls():
@@ -56,7 +55,8 @@ def _tree(params) -> Mapping:
 
 
 def _rebuild(params, tree):
-    return params.replace(tree) if hasattr(params, "tree") and hasattr(params, "replace") else tree
+    """The same params type around ``tree`` (no checks: local shards have local shapes)."""
+    return type(params)(params.config, tree) if hasattr(params, "tree") and hasattr(params, "config") else tree
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:
@@ -143,11 +143,8 @@ def local_view(params):
     or None when there are none (then ``params`` is returned as is).
 
     For ``Params`` every leaf must be placed as ``sharding.plan(config, mesh)`` (the
-    default rules) places it: that is the only layout the model's local-view code
-    computes correctly (e.g. a replicated row-parallel weight would be summed tp times,
-    a split output projection would return a slice of the channels). A plan edited or
-    built from custom rules serves storage (``weights.save`` / ``load``, `unshard`); the
-    forward then raises a ValueError naming the leaf instead of returning garbage."""
+    default rules) places it (`check_compute_layout`); a plan edited or built from other
+    rules serves storage (``weights.save`` / ``load``, `unshard`)."""
     DTensor = _dtensor_cls()
     tree = _tree(params)
     first = None if DTensor is None else next((x for _, x in leaves(tree) if isinstance(x, DTensor)), None)
@@ -158,11 +155,10 @@ def local_view(params):
     # CPU); without grads the DTensor's own local tensor is the same thing. Traced code
     # keeps the public to_local() (and skips the layout check: shapes are then guarded).
     slow = torch.compiler.is_compiling() or not hasattr(first, "_local_tensor")
-    model = None if slow or config_of(params) is None else _model_placements(config_of(params), mesh)
+    if not slow and config_of(params) is not None:
+        check_compute_layout(tree, config_of(params), mesh, DTensor)
 
     def leaf(path, x):
-        if model is not None:
-            _check_model_layout(path, x, model[path], DTensor)
         if not isinstance(x, DTensor):
             return x
         if x.device_mesh is not mesh and x.device_mesh != mesh:
@@ -172,39 +168,28 @@ def local_view(params):
     return _rebuild(params, map_tree(leaf, tree)), mesh
 
 
-_MODEL_PLACEMENTS: dict = {}
+@functools.lru_cache(maxsize=64)
+def _compute_layout(config, names: tuple, shape: tuple) -> dict:
+    """``{path: (placement, DTensor placements)}`` of ``plan(config, mesh)``, default rules."""
+    return {p: (pl, dtensor_placements(pl, names)) for p, pl in leaves(make_plan(config, dict(zip(names, shape))))}
 
 
-def _model_placements(config, mesh) -> dict:
-    """``{path: (plan placement, DTensor placements)}`` of the default plan of ``config``
-    on ``mesh``, cached per (config, mesh layout)."""
+def check_compute_layout(tree, config, mesh, DTensor) -> None:
+    """The one layout fd.apply computes in is the default plan's: a ValueError naming the
+    first leaf placed otherwise (a replicated row-parallel weight would be summed tp times,
+    a split output projection would return a slice of the channels)."""
+    from torch.distributed.tensor import Replicate as DReplicate
+
     names = tuple(mesh.mesh_dim_names)
-    key = (config, names, tuple(mesh.shape))
-    try:
-        hit = _MODEL_PLACEMENTS.get(key)
-    except TypeError:  # an unhashable config: no cache
-        key, hit = None, None
-    if hit is None:
-        hit = {p: (pl, dtensor_placements(pl, names)) for p, pl in leaves(make_plan(config, mesh_sizes(mesh)))}
-        if key is not None:
-            _MODEL_PLACEMENTS[key] = hit
-    return hit
-
-
-def _check_model_layout(path, x, expected, DTensor) -> None:
-    want, dims = expected
-    if isinstance(x, DTensor):
-        if tuple(x.placements) == dims:
-            return
-        got = f"a DTensor with placements {tuple(x.placements)}"
-    elif isinstance(want, Replicate):
-        return  # a plain tensor is the whole, i.e. replicated
-    else:
-        got = "a plain tensor"
-    raise ValueError(
-        f"params: {path}: fd.apply's local view needs {want} (DTensor placements {dims}) on this mesh, as "
-        f"sharding.plan's default rules place it; got {got}. An edited plan or custom rules serve storage only"
-    )
+    layout = _compute_layout(config, names, tuple(mesh.shape))
+    for path, x in leaves(tree):
+        got = tuple(x.placements) if isinstance(x, DTensor) else tuple(DReplicate() for _ in names)
+        want, dims = layout[path]
+        if got != dims:
+            raise ValueError(
+                f"params: {path}: fd.apply computes in the default layout, {want} (DTensor placements {dims}) on "
+                f"this mesh; got {got}. A plan from other rules, or edited, serves storage only (weights.save/load)"
+            )
 
 
 def local_bytes(params) -> int:
@@ -232,7 +217,7 @@ def unshard(sharded, plan=None):
     def leaf(path, x, *given):
         if DTensor is None or not isinstance(x, DTensor):
             return x
-        spec = _lookup(specs, path)
+        spec = None if specs is None else get(specs, path)
         if given:
             placement = given[0]
             check_placement(path, placement, spec if spec is not None else tuple(x.shape), mesh_sizes(x.device_mesh))
@@ -251,15 +236,6 @@ def unshard(sharded, plan=None):
         return full
 
     return _rebuild(sharded, map_tree(leaf, tree, *([plan] if plan is not None else [])))
-
-
-def _lookup(specs, path):
-    if specs is None:
-        return None
-    node = specs
-    for key in path.split("."):
-        node = node[key]
-    return node
 
 
 def placement_of(x, spec=None):

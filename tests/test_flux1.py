@@ -14,6 +14,7 @@ from diffusers import FluxTransformer2DModel
 from oracle import assert_bf16_equal, diffusers_model, max_err
 
 import functional_dit as fd
+import sharding
 from functional_dit import flux1
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -123,7 +124,7 @@ def test_param_specs_equal_diffusers_meta_state_dict(name):
             **{k: v for k, v in fd.config_to_diffusers(config).items() if not k.startswith("_")}
         )
     ref = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    specs = {k: s.shape for k, s in fd._pytree.flatten(fd.param_specs(config)).items()}
+    specs = {k: s.shape for k, s in sharding.tree.flatten(fd.param_specs(config)).items()}
     assert list(specs) == list(ref)  # same keys, same (state_dict) order
     assert specs == ref
     assert fd.num_params(config) == sum(p.numel() for p in module.parameters())
@@ -240,9 +241,9 @@ BAD_INPUTS = [
     (lambda kw: _bad(kw, x=kw["x"][..., :-1]), r"x: expected shape \(\*, \*, 16\), got \(2, 12, 15\)"),
     (lambda kw: _bad(kw, txt=kw["txt"][:1]), r"txt: expected shape \(2, \*, 32\), got \(1, 7, 32\)"),
     (lambda kw: _bad(kw, pooled=kw["pooled"][:1]), r"pooled: expected shape \(2, 24\), got \(1, 24\)"),
-    (lambda kw: _bad(kw, t=kw["t"][:1]), r"t: expected shape \(2\), got \(1,\)"),
-    (lambda kw: _bad(kw, t=torch.tensor(0.5)), r"t: expected shape \(2\), got \(\)"),
-    (lambda kw: _bad(kw, guidance=kw["guidance"][None]), r"guidance: expected shape \(2\), got \(1, 2\)"),
+    (lambda kw: _bad(kw, t=kw["t"][:1]), r"t: expected shape \(2,\), got \(1,\)"),
+    (lambda kw: _bad(kw, t=torch.tensor(0.5)), r"t: expected shape \(2,\), got \(\)"),
+    (lambda kw: _bad(kw, guidance=kw["guidance"][None]), r"guidance: expected shape \(2,\), got \(1, 2\)"),
     (lambda kw: _bad(kw, pooled=None), r"pooled: FLUX.1 needs pooled text embeddings of shape \(2, 24\)"),
     (lambda kw: _bad(kw, guidance=None), "guidance: this model has guidance_embeds=True"),
     (lambda kw: _bad(kw, img_ids=None), r"img_ids: FLUX.1 needs image position ids of shape \(12, 3\)"),
@@ -269,7 +270,7 @@ BAD_INPUTS = [
     ),
     (lambda kw: _bad(kw, img_ids=kw["img_ids"].to("meta")), "img_ids: expected device cpu .* got meta"),
     (lambda kw: _bad(kw, txt_ids=kw["txt_ids"].to("meta")), "txt_ids: expected device cpu .* got meta"),
-    # the other families' arguments (DESIGN's common signature): accepted as None, an error otherwise
+    # the other families' arguments (the common signature, docs/architecture.md): accepted as None, an error otherwise
     (lambda kw: _bad(kw, txt_mask=torch.ones(2, 7)), "txt_mask: FLUX.1 takes no txt_mask; expected None"),
     (lambda kw: _bad(kw, img_shapes=[[(1, 3, 4)]] * 2), "img_shapes: FLUX.1 takes no img_shapes; expected None"),
 ]
@@ -283,7 +284,7 @@ def test_bad_input_raises(make, message):
 
 
 def test_other_families_arguments_as_none_are_accepted(tiny):
-    """DESIGN's one signature for every family: a generic caller may pass txt_mask=None and
+    """The one signature for every family (docs/architecture.md): a generic caller may pass txt_mask=None and
     img_shapes=None to a FLUX.1 model."""
     _, params = tiny
     kw = inputs(TINY, batch=2)

@@ -14,6 +14,7 @@ from diffusers import Flux2Transformer2DModel
 from oracle import assert_bf16_equal, diffusers_model, max_err
 
 import functional_dit as fd
+import sharding
 from functional_dit import flux2
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -193,7 +194,7 @@ def test_cache_key_order_does_not_matter(tiny):
     kw = inputs(TINY, batch=2, ref_hw=(2, 2))
     _, cache = fd.apply(params, **kw)
     shuffled = fd.Flux2KVCache(
-        cache.config, cache.num_ref_tokens, fd._pytree.nest(dict(reversed(cache.flat().items())))
+        cache.config, cache.num_ref_tokens, sharding.tree.nest(dict(reversed(cache.flat().items())))
     )
     assert list(shuffled.flat()) != list(cache.flat())
     step = next_step(kw, cache)
@@ -241,7 +242,7 @@ def test_param_specs_equal_diffusers_meta_state_dict(name):
     config = fd.PRESETS[name]
     module = _meta_module(config)
     ref = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    specs = {k: s.shape for k, s in fd._pytree.flatten(fd.param_specs(config)).items()}
+    specs = {k: s.shape for k, s in sharding.tree.flatten(fd.param_specs(config)).items()}
     assert list(specs) == list(ref)  # same keys, same (state_dict) order
     assert specs == ref
     assert fd.num_params(config) == sum(p.numel() for p in module.parameters())
@@ -282,7 +283,7 @@ def test_packed_specs():
         lin = specs["transformer_blocks"]["1"][ff]["linear_in"]["weight"]
         assert lin.axes == (fd.PACKED, "embed") and lin.blocks == (fd.Block("gate", m, "mlp"), fd.Block("up", m, "mlp"))
         assert specs["transformer_blocks"]["1"][ff]["linear_out"]["weight"].axes == ("embed", "mlp")
-    assert not any(k.endswith("bias") for k in fd._pytree.flatten(specs))
+    assert not any(k.endswith("bias") for k in sharding.tree.flatten(specs))
 
 
 def test_single_block_split_reads_the_local_width_from_shapes(tiny):
@@ -433,10 +434,10 @@ BAD_INPUTS = [  # TINY, inputs(batch=2, txt_len=7, h=3, w=4): x (2, 12, 16), txt
     (lambda kw: _bad(kw, x=kw["x"][0]), r"x: expected shape \(\*, \*, 16\), got \(12, 16\)"),
     (lambda kw: _bad(kw, txt=kw["txt"][:1]), r"txt: expected shape \(2, \*, 40\), got \(1, 7, 40\)"),
     (lambda kw: _bad(kw, txt=kw["txt"][..., :-2]), r"txt: expected shape \(2, \*, 40\), got \(2, 7, 38\)"),
-    (lambda kw: _bad(kw, t=kw["t"][:1]), r"t: expected shape \(2\), got \(1,\)"),
-    (lambda kw: _bad(kw, t=torch.tensor(0.5)), r"t: expected shape \(2\), got \(\)"),
+    (lambda kw: _bad(kw, t=kw["t"][:1]), r"t: expected shape \(2,\), got \(1,\)"),
+    (lambda kw: _bad(kw, t=torch.tensor(0.5)), r"t: expected shape \(2,\), got \(\)"),
     (lambda kw: _bad(kw, t=kw["t"] > 0), "t: expected a real floating or integer tensor, got torch.bool"),
-    (lambda kw: _bad(kw, guidance=kw["guidance"][None]), r"guidance: expected shape \(2\), got \(1, 2\)"),
+    (lambda kw: _bad(kw, guidance=kw["guidance"][None]), r"guidance: expected shape \(2,\), got \(1, 2\)"),
     (lambda kw: _bad(kw, guidance=None), r"guidance: this model has guidance_embeds=True and needs .* \(2,\)"),
     (lambda kw: _bad(kw, img_ids=None), r"img_ids: FLUX.2 needs position ids of shape \(12, 4\) or \(2, 12, 4\)"),
     (lambda kw: _bad(kw, txt_ids=None), r"txt_ids: FLUX.2 needs position ids of shape \(7, 4\)"),
@@ -453,7 +454,7 @@ BAD_INPUTS = [  # TINY, inputs(batch=2, txt_len=7, h=3, w=4): x (2, 12, 16), txt
     (lambda kw: _bad(kw, txt_ids=kw["txt_ids"].to("meta")), "txt_ids: expected device cpu .* got meta"),
     (lambda kw: _bad(kw, t=kw["t"].to(torch.complex64)), "t: expected a real floating .* got torch.complex64"),
     (lambda kw: _bad(kw, guidance=kw["guidance"] > 2), "guidance: expected a real floating .* got torch.bool"),
-    # the other families' arguments (DESIGN's common signature): accepted as None, an error otherwise
+    # the other families' arguments (the common signature, docs/architecture.md): accepted as None, an error otherwise
     (lambda kw: _bad(kw, pooled=torch.ones(2, 8)), "pooled: FLUX.2 takes no pooled; expected None, got Tensor"),
     (lambda kw: _bad(kw, txt_mask=torch.ones(2, 7)), "txt_mask: FLUX.2 takes no txt_mask; expected None"),
     (lambda kw: _bad(kw, img_shapes=[[(1, 3, 4)]] * 2), "img_shapes: FLUX.2 takes no img_shapes; expected None"),
@@ -485,7 +486,7 @@ def test_bad_input_raises(make, message):
 
 
 def test_other_families_arguments_as_none_are_accepted(tiny):
-    """DESIGN's one signature for every family: pooled, txt_mask and img_shapes may be None."""
+    """The one signature for every family (docs/architecture.md): pooled, txt_mask and img_shapes may be None."""
     _, params = tiny
     kw = inputs(TINY, batch=2)
     out = fd.apply(params, **kw, pooled=None, txt_mask=None, img_shapes=None)
@@ -550,7 +551,7 @@ BAD_CACHES = [  # (change the cached step's kwargs, message); the cache holds (2
     (lambda kw, c: _bad(kw, kv_cache=fd.Flux2KVCache(c.config, 3, c.tree)),
      r"kv_cache\['transformer_blocks.0.k'\]: expected shape \(2, 3, 4, 16\), got \(2, 4, 4, 16\)"),
     (lambda kw, c: _bad(kw, kv_cache=fd.Flux2KVCache(c.config, 4, {"transformer_blocks": c["transformer_blocks"]})),
-     r"kv_cache: expected the keys .* missing \['single_transformer_blocks.0.k'"),
+     r"kv_cache: expected the keys .* missing: \['single_transformer_blocks.0.k'"),
     (lambda kw, c: _bad(kw, kv_cache=fd.Flux2KVCache(TINY_KLEIN, 4, c.tree)),
      "kv_cache: built for a different model; expected config Flux2Config.*num_attention_heads=4.*got Flux2Config"),
     (lambda kw, c: _bad(kw, num_ref_tokens=5), "num_ref_tokens: the cache holds 4 tokens, got 5"),

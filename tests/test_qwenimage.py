@@ -16,6 +16,7 @@ from diffusers import QwenImageTransformer2DModel
 from oracle import assert_bf16_equal, diffusers_model, max_err
 
 import functional_dit as fd
+import sharding
 from functional_dit import qwenimage as Q
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -259,7 +260,7 @@ def test_param_specs_equal_diffusers_meta_state_dict(name):
             **{k: v for k, v in fd.config_to_diffusers(config).items() if not k.startswith("_")}
         )
     ref = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    specs = {k: s.shape for k, s in fd._pytree.flatten(fd.param_specs(config)).items()}
+    specs = {k: s.shape for k, s in sharding.tree.flatten(fd.param_specs(config)).items()}
     assert list(specs) == list(ref)  # same keys, same (state_dict) order
     assert specs == ref
     assert fd.num_params(config) == sum(p.numel() for p in module.parameters())
@@ -360,7 +361,7 @@ BAD = {  # id: (config, mutate kw, error pattern)
     "txt-batch": (TINY, _set(txt=torch.randn(3, T, 32)), r"txt: expected shape \(2, \*, 32\), got \(3, 7, 32\)"),
     "txt-dim": (TINY, _set(txt=torch.randn(B, T, 31)), r"txt: expected shape \(2, \*, 32\), got \(2, 7, 31\)"),
     "txt-dtype": (TINY, _set(txt=torch.randn(B, T, 32).bfloat16()), "txt: expected dtype torch.float32"),
-    "t-shape": (TINY, _set(t=torch.rand(B, 1)), r"t: expected shape \(2\), got \(2, 1\)"),
+    "t-shape": (TINY, _set(t=torch.rand(B, 1)), r"t: expected shape \(2,\), got \(2, 1\)"),
     "t-dtype": (TINY, _set(t=torch.ones(B, dtype=torch.bool)), "t: expected a real floating or integer tensor"),
     "t-complex": (TINY, _set(t=torch.ones(B, dtype=torch.complex64)), "t: expected a real floating .* torch.complex64"),
     "t-device": (TINY, _set(t=torch.ones(B, device="meta")), "t: expected device cpu .* got meta"),
@@ -379,14 +380,18 @@ BAD = {  # id: (config, mutate kw, error pattern)
     "shapes-pair": (TINY, _set(img_shapes=[[(3, 4)]] * 2), r"img_shapes\[0\]: expected .*\(frames, height, width\)"),
     "shapes-differ": (TINY, _set(img_shapes=[[(1, 3, 4)], [(1, 4, 3)]]), r"img_shapes\[1\]: expected the same"),
     "shapes-tokens": (TINY, _x_tokens(1), r"img_shapes: \[\(1, 3, 4\)\] make 12 tokens; expected .* 13"),
-    "guidance": (TINY, _set(guidance=torch.ones(B)), "guidance: QwenImageTransformer2DModel has no guidance"),
+    "guidance": (
+        TINY,
+        _set(guidance=torch.ones(B)),
+        "guidance: Qwen-Image takes no guidance; expected None, got Tensor",
+    ),
     "pooled": (TINY, _set(pooled=torch.ones(B, 8)), "pooled: Qwen-Image takes no pooled"),
     "img-ids": (TINY, _set(img_ids=torch.zeros(12, 3)), "img_ids: Qwen-Image takes no img_ids"),
     "t-cond-given": (TINY, _set(additional_t_cond=torch.zeros(B, dtype=torch.long)), "use_additional_t_cond=False"),
     "t-cond-missing": (TINY_LAYERED, _set(additional_t_cond=None), r"additional_t_cond: .*needs \(2,\) ints"),
     "t-cond-float": (TINY_LAYERED, _set(additional_t_cond=torch.zeros(B)), "additional_t_cond: expected int64 or"),
     "t-cond-uint8": (TINY_LAYERED, _set(additional_t_cond=torch.zeros(B, dtype=torch.uint8)), "got torch.uint8"),
-    "t-cond-shape": (TINY_LAYERED, _set(additional_t_cond=torch.zeros(3, dtype=torch.long)), r"expected shape \(2\)"),
+    "t-cond-shape": (TINY_LAYERED, _set(additional_t_cond=torch.zeros(3, dtype=torch.long)), r"expected shape \(2,\)"),
     "layer3d-frames": (
         TINY_LAYERED,
         lambda kw: kw.update(img_shapes=[[(1, 2, 3)] * 3 + [(2, 2, 3)]] * 2, x=torch.randn(B, 30, 16)),

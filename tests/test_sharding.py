@@ -60,8 +60,12 @@ def test_plan_accepts_params_config_specs_and_rules():
     p = fd.init(FLUX1)
     a = sharding.plan(p, {"tp": 2})
     assert a == sharding.plan(FLUX1, {"tp": 2}) == sharding.plan(fd.param_specs(FLUX1), {"tp": 2})
-    # extra rules for axes the model does not split are fine; the contract axes must stay on tp
+    # a rule for an axis the defaults do not split is fine
     assert sharding.plan(FLUX1, {"tp": 2}, {"heads": "tp", "mlp": "tp", "head_dim": None}) == a
+    # other rules make storage layouts: here the modulation rows split too (fd.apply refuses
+    # such params, see test_two_ranks_collectives_shard_map_and_shard_params)
+    storage = sharding.plan(FLUX1, {"tp": 2}, {**sharding.DEFAULT_RULES, "mod": "tp"})
+    assert storage["norm_out"]["linear"]["weight"] == Shard(0, "tp")
 
 
 def _expect(match, fn, *args):
@@ -92,13 +96,19 @@ def test_plan_rejects_before_any_data_moves():
     )
     mixed = {"x": ParamSpec((8, 4), (PACKED, "embed"), (Block("a", 4, "heads"), Block("b", 4, None)))}
     _expect(r"x: the fused blocks .* map to different mesh axes", sharding.plan, mixed, {"tp": 2})
-    _expect(r"rules: the model sums 'mlp' .* over 'tp'", sharding.plan, FLUX1, {"tp": 2}, {"heads": "tp"})
     _expect(
-        r"rules: the model sums 'heads' .* over 'tp'",
+        r"rules: 'headz' is not a logical axis of these parameters; expected one of \[.*'heads'",
         sharding.plan,
         FLUX1,
-        {"tp": 2, "sp": 2},
-        {"heads": "sp", "mlp": "tp"},
+        {"tp": 2},
+        {**sharding.DEFAULT_RULES, "headz": "tp"},
+    )
+    _expect(
+        r"rules: 'embed' -> 'model': expected a mesh axis in \('tp',\), got 'model'",
+        sharding.plan,
+        FLUX1,
+        {"tp": 2},
+        {"embed": "model"},
     )
     _expect(r"rules: expected a mapping", sharding.plan, FLUX1, {"tp": 2}, {"heads": 3})
     _expect(r"mesh: axis 'tp' must have a positive int size", sharding.plan, FLUX1, {"tp": 0})
@@ -188,7 +198,7 @@ def test_shard_params_refuses_a_misshaped_leaf_before_anything_moves():
     p = fd.init(FLUX1)
     tree = p.flat()
     tree["proj_out.weight"] = torch.zeros(3, 3)
-    bad = fd._pytree.Params(FLUX1, fd._pytree.nest(tree))
+    bad = fd._pytree.Params(FLUX1, sharding.tree.nest(tree))
     with pytest.raises(ValueError, match=r"params: proj_out.weight: expected shape \(16, 32\), got \(3, 3\)"):
         sharding.shard_params(bad, Mesh())
 
@@ -371,7 +381,7 @@ def _core_work(rank, world):
     exact = lambda u: all(torch.equal(v, u[k]) for k, v in p.flat().items())  # noqa: E731
     out["unshard"] = (
         exact(sharding.unshard(s, edited).flat()),
-        exact(fd._pytree.flatten(sharding.unshard(tree_only, edited))),
+        exact(sharding.tree.flatten(sharding.unshard(tree_only, edited))),
     )
     try:
         sharding.shard_params(p, mesh, {"x_embedder": {}})
@@ -402,7 +412,7 @@ def _user_plans(p, mesh) -> dict:
         for name, (path, placement) in cases.items():
             flat = dict(sharding._plan.leaves(sharding.plan(p, mesh)), **{path: placement})
             try:
-                sharding.shard_params(p, mesh, fd._pytree.nest(flat))
+                sharding.shard_params(p, mesh, sharding.tree.nest(flat))
                 report[name] = "accepted"
             except ValueError as e:
                 report[name] = str(e)
@@ -481,9 +491,12 @@ def test_two_ranks_collectives_shard_map_and_shard_params():
         assert "plan: proj_out.weight: dim 1 is not fused" in plans["not_fused"], plans["not_fused"]
         assert "plan: proj_out.weight: axis 'ep' is not a mesh dim" in plans["no_axis"], plans["no_axis"]
         layout = r["apply_layout"]
-        assert "params: proj_out.weight: fd.apply's local view needs Replicate()" in layout["rules"], layout
+        assert "params: proj_out.weight: fd.apply computes in the default layout, Replicate()" in layout["rules"], (
+            layout
+        )
         assert (
-            "transformer_blocks.0.ff.net.0.proj.weight: fd.apply's local view needs Shard(" in layout["replicated_mlp"]
+            "transformer_blocks.0.ff.net.0.proj.weight: fd.apply computes in the default layout, Shard("
+            in layout["replicated_mlp"]
         )
         for axis, (same, _) in zip(("tp", "sp"), r["compiled"]):
             assert same, f"{axis}: torch.compile(fd.apply, fullgraph=True) differs from eager on sharded params"

@@ -3,7 +3,7 @@ DP and their combinations on one named mesh.
 
 One spawn per world size (2 and 4 ranks) runs every mesh shape and every case inside.
 The reference is the unsharded `fd.apply` computed in the pytest process. Per mesh and
-case each rank returns its output (compared to the reference at the DESIGN.md fp32
+case each rank returns its output (compared to the reference at the docs/architecture.md fp32
 tolerance and bitwise across ranks), its local parameter bytes, whether
 `unshard(shard_params(p))` equals ``p`` exactly and, on TP meshes, an explicit check of
 the per-block packed shards.
@@ -18,7 +18,7 @@ from _dist import spawn
 import functional_dit as fd
 import sharding
 
-FP32 = dict(rtol=1e-5, atol=1e-5)  # DESIGN.md: sharded vs unsharded at the fp32 tolerance
+FP32 = dict(rtol=1e-5, atol=1e-5)  # docs/architecture.md#numerics: sharded vs unsharded at the fp32 tolerance
 
 SEED = 7  # params seed, the same in the parent (reference) and on every rank
 MESHES = {  # world size -> mesh shapes (dp, sp, tp) run in that world's single spawn

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 import functional_dit as fd
 import weights
 
-FP32 = dict(rtol=1e-5, atol=1e-5)  # DESIGN.md fp32 parity with diffusers
+FP32 = dict(rtol=1e-5, atol=1e-5)  # docs/architecture.md#numerics: fp32 parity with diffusers
 
 
 # ----------------------------------------------------------------------------- BFL key sets

@@ -22,9 +22,9 @@ from test_weights_bfl import bfl_flux1_shapes, bfl_flux2_shapes, random_state
 import functional_dit as fd
 import sharding
 import weights
-from functional_dit._pytree import flatten, nest
+from sharding.tree import flatten, nest
 
-FP32 = dict(rtol=1e-5, atol=1e-5)  # DESIGN.md: sharded vs unsharded at the fp32 tolerance
+FP32 = dict(rtol=1e-5, atol=1e-5)  # docs/architecture.md#numerics: sharded vs unsharded at the fp32 tolerance
 
 
 def _cases():

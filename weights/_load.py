@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -20,7 +21,7 @@ import torch
 
 import functional_dit as fd
 import sharding
-from functional_dit._pytree import flatten, nest
+from sharding.tree import flatten, mismatch_report, nest
 
 from . import _format as F
 from . import _layouts as L
@@ -40,6 +41,7 @@ def load(
     *,
     progress: bool | None = None,
     stats: dict | None = None,
+    variant: str | None = None,
 ) -> fd.Params:
     """Load a transformer checkpoint into `Params`.
 
@@ -47,7 +49,8 @@ def load(
     index and shards), a pipeline folder (its ``transformer/`` is used), or one
     ``.safetensors`` file in diffusers or Black Forest Labs (FLUX.1, FLUX.2) layout
     (wrapped in ``model.diffusion_model.``, possibly next to a VAE and text encoders).
-    ``config``: a preset name in ``fd.PRESETS`` or a config object; required for a
+    ``config``: a preset name in ``fd.PRESETS``, a config object or a diffusers config
+    mapping (anything `fd.as_config` takes); required for a
     single file, optional (and checked against config.json) for a folder. The family
     comes from config.json's ``_class_name``, else from the keys.
     ``mesh``/``plan``: shard as ``sharding.shard_params`` would, each rank reading only
@@ -55,6 +58,8 @@ def load(
     ``dtype``: cast every tensor to it while reading (default: keep the file's dtypes).
     ``progress``: a tqdm bar; None shows one on a terminal for checkpoints >= 1 GiB.
     ``stats``: if a dict, receives ``bytes_read`` and ``local_bytes`` for this rank.
+    ``variant``: in a folder, read ``diffusion_pytorch_model.<variant>.safetensors`` (or its
+    sharded index), as diffusers' ``from_pretrained(variant=...)`` does.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype: expected None or a floating torch.dtype, got {dtype!r}")
@@ -62,7 +67,7 @@ def load(
     if stats is not None and not isinstance(stats, dict):
         raise ValueError(f"stats: expected None or a dict, got {type(stats).__name__}")
     device = _device(device, mesh)
-    src = open_source(path)
+    src = open_source(path, variant)
     detected = L.detect(src.tensors)
     config = _config(config, src, detected)
     cls = fd.config_to_diffusers(config)["_class_name"]
@@ -71,7 +76,7 @@ def load(
     shapes = {k: s.shape for k, s in specs.items()}
     resolved = L.identity(shapes) if layout == "diffusers" else L.resolve(L.BFL_TABLES[cls], shapes)
     _check_keys(src, config, layout, resolved)
-    _check_dtypes(src, resolved)
+    _check_dtypes(src, resolved, dtype)
     plan = _flat_plan(config, specs, mesh, plan)
     regions = {k: _region(s.shape, mesh, plan and plan[k]) for k, s in specs.items()}
     flat = _fill(src, resolved, regions, dtype, device, mesh, progress, stats)
@@ -127,14 +132,8 @@ def _differences(a, b) -> str:
 
 
 def _given_config(config):
-    if config is None:
-        return None
-    if isinstance(config, str):
-        if config not in fd.PRESETS:
-            raise ValueError(f"config: expected a preset name in {sorted(fd.PRESETS)} or a config, got {config!r}")
-        return fd.PRESETS[config]
-    fd.config_to_diffusers(config)  # raises a ValueError naming the known config classes
-    return config
+    """``config=``: a preset name, a config or a diffusers config mapping (`fd.as_config`)."""
+    return None if config is None else fd.as_config(config)
 
 
 def _no_config_message(src: Source, detected) -> str:
@@ -170,7 +169,7 @@ def _check_keys(src: Source, config, layout: str, resolved: L.Resolved) -> None:
     ]
     if missing or unexpected or shapes:
         name = f"{type(config).__name__} ({layout} layout) in {src.path}"
-        raise CheckpointError(fd._api._mismatch_report(name, missing, unexpected, shapes))
+        raise CheckpointError(mismatch_report(f"state dict does not match {name}", missing, unexpected, shapes))
 
 
 def _named(src_key: str, feeds: dict, layout: str) -> str:
@@ -179,7 +178,7 @@ def _named(src_key: str, feeds: dict, layout: str) -> str:
     return f"{src_key} (-> {', '.join(dict.fromkeys(feeds[src_key]))})"
 
 
-def _check_dtypes(src: Source, resolved: L.Resolved) -> None:
+def _check_dtypes(src: Source, resolved: L.Resolved, dtype) -> None:
     bad = [
         f"{info.file}: tensor {k!r} has dtype {info.dtype}"
         for k in resolved.source_shapes
@@ -188,6 +187,15 @@ def _check_dtypes(src: Source, resolved: L.Resolved) -> None:
     if bad:
         more = f" ... and {len(bad) - 20} more" if len(bad) > 20 else ""
         raise CheckpointError(f"expected floating-point parameters ({', '.join(F.FLOAT_DTYPES)}): {bad[:20]}{more}")
+    by_dtype: dict[str, list[str]] = {}
+    for k in resolved.source_shapes:
+        by_dtype.setdefault(src.tensors[k].dtype, []).append(k)
+    if dtype is None and len(by_dtype) > 1:
+        found = {d: (len(ks), ks[:3]) for d, ks in by_dtype.items()}
+        raise ValueError(
+            f"dtype: the checkpoint mixes dtypes {found} as (count, first keys) and fd.apply computes in one; "
+            f"expected dtype= one of them (e.g. torch.bfloat16) to cast while reading, got None"
+        )
 
 
 # ----------------------------------------------------------------------------- regions and filling
@@ -247,7 +255,7 @@ def _fill(src: Source, resolved: L.Resolved, regions: dict, dtype, device, mesh,
     reader = F.Reader()
     sizes = {k: [sum(b - a for a, b in r) for r in regions[k]] for k in resolved.pieces}
     out_dtype = lambda k: dtype or src.tensors[resolved.pieces[k][0].src].torch_dtype  # noqa: E731
-    total = sum(_numel(s) * out_dtype(k).itemsize for k, s in sizes.items())
+    total = sum(math.prod(s) * out_dtype(k).itemsize for k, s in sizes.items())
     flat = {}
     with _bar(total, progress, mesh, f"loading {os.path.basename(os.path.normpath(src.path))}") as bar:
         for key, pieces in resolved.pieces.items():
@@ -258,13 +266,6 @@ def _fill(src: Source, resolved: L.Resolved, regions: dict, dtype, device, mesh,
     if stats is not None:
         stats.update(bytes_read=reader.bytes_read, local_bytes=total)
     return flat
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _fill_one(reader: F.Reader, src: Source, pieces: list[L.Piece], region, dest: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 import re
 
@@ -23,7 +24,7 @@ import torch
 
 import functional_dit as fd
 import sharding
-from functional_dit._pytree import flatten
+from sharding.tree import flatten
 
 from . import _format as F
 from ._load import _bar, check_progress
@@ -71,14 +72,42 @@ def save(params: fd.Params, path, max_shard_size="5GB", *, progress: bool | None
     the new one does not use are removed last; a save that fails leaves the old
     checkpoint as it was.
     """
+    path = _check_args(params, path, progress)
+    limit = parse_size(max_shard_size)
+    flat, specs, meta, sizes = _describe(params)
+    groups = shard_groups(sizes, limit)
+    names = _shard_names(len(groups))
+    mesh = _mesh_of(flat)
+    writing = mesh is None or torch.distributed.get_rank() == 0
+    out = _Folder(path, defer=mesh is not None) if writing else None
+    if out is not None:
+        out.run(out.prepare)
+    label = f"saving {os.path.basename(os.path.normpath(path))}"
+    with _bar(sum(sizes.values()), progress, mesh, label) as bar:
+        for name, keys in zip(names, groups):
+            _write_shard(out, name, keys, flat, specs, meta, bar)
+    if out is not None:
+        index = None
+        if len(groups) > 1:
+            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": _weight_map(names, groups)}
+        config = {**fd.config_to_diffusers(params.config), "_diffusers_version": _diffusers_version()}
+        out.run(out.commit, index, config)
+    if mesh is not None:
+        _agree(mesh, out)
+
+
+def _check_args(params, path, progress) -> str:
     if not isinstance(params, fd.Params):
         raise ValueError(f"params: expected functional_dit.Params, got {type(params).__name__}")
     if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
         raise ValueError(f"path: expected a str or os.PathLike naming a folder, got {path!r:.100}")
-    path = os.fspath(path)
     check_progress(progress)
-    limit = parse_size(max_shard_size)
-    cfg = fd.config_to_diffusers(params.config)
+    return os.fspath(path)
+
+
+def _describe(params: fd.Params):
+    """``(flat params, flat specs, {key: (dtype, shape)}, {key: bytes})``, after checking
+    that every leaf is one safetensors can store and the config's specs describe."""
     flat = params.flat()
     specs = flatten(fd.param_specs(params.config))
     if list(specs) != list(flat) or any(tuple(flat[k].shape) != s.shape for k, s in specs.items()):
@@ -89,34 +118,22 @@ def save(params: fd.Params, path, max_shard_size="5GB", *, progress: bool | None
             raise ValueError(f"params: {k} has dtype {dtype}, which safetensors cannot store")
         if flat[k].device.type == "meta":
             raise ValueError(f"params: {k} is on the meta device: it has a shape but no data to save")
-    sizes = {k: F.TensorInfo("", k, F.TORCH_TO_ST[d], s, 0, 0).itemsize * _numel(s) for k, (d, s) in meta.items()}
-    groups = shard_groups(sizes, limit)
-    names = _shard_names(len(groups))
-    mesh = _mesh_of(flat)
-    writing = mesh is None or torch.distributed.get_rank() == 0
-    out = _Folder(path, defer=mesh is not None) if writing else None
+    sizes = {k: F.TensorInfo("", k, F.TORCH_TO_ST[d], s, 0, 0).itemsize * math.prod(s) for k, (d, s) in meta.items()}
+    return flat, specs, meta, sizes
+
+
+def _write_shard(out, name: str, keys: list[str], flat: dict, specs: dict, meta: dict, bar) -> None:
+    """One safetensors file: every rank gathers each leaf in turn; rank 0 (``out``) writes it."""
     if out is not None:
-        out.run(out.prepare)
-    with _bar(sum(sizes.values()), progress, mesh, f"saving {os.path.basename(os.path.normpath(path))}") as bar:
-        for name, keys in zip(names, groups):
-            if out is not None:
-                out.run(out.open, name, {k: meta[k] for k in keys})
-            for k in keys:
-                full = _full(flat[k], specs[k])  # every rank takes part in the gather
-                if out is not None:
-                    out.run(out.write, k, full)
-                bar.update(full.numel() * full.element_size())
-                del full
-            if out is not None:
-                out.run(out.close)
+        out.run(out.open, name, {k: meta[k] for k in keys})
+    for k in keys:
+        full = _full(flat[k], specs[k])  # every rank takes part in the gather
+        if out is not None:
+            out.run(out.write, k, full)
+        bar.update(full.numel() * full.element_size())
+        del full
     if out is not None:
-        index = None
-        if len(groups) > 1:
-            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": _weight_map(names, groups)}
-        config = {**cfg, "_diffusers_version": _diffusers_version()}
-        out.run(out.commit, index, config)
-    if mesh is not None:
-        _agree(mesh, out)
+        out.run(out.close)
 
 
 def _agree(mesh, out) -> None:
@@ -194,13 +211,6 @@ class _Folder:
             if os.path.lexists(temp):
                 os.remove(temp)
         self.temps = []
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _shard_names(n: int) -> list[str]:

@@ -25,8 +25,21 @@ class Source:
     config_path: str | None = None  # where it is
 
 
-def open_source(path) -> Source:
-    """Resolve ``path`` (model folder, pipeline folder or one .safetensors file)."""
+def variant_names(variant: str | None) -> tuple[str, str]:
+    """(weights file, index file) names of a diffusers folder, for ``variant`` as
+    diffusers' ``from_pretrained(variant=...)`` names them: ``diffusion_pytorch_model.fp16.safetensors``
+    and ``diffusion_pytorch_model.safetensors.index.fp16.json``."""
+    if variant is None:
+        return WEIGHTS_NAME, INDEX_NAME
+    if not isinstance(variant, str) or not variant or any(c in variant for c in "./\\"):
+        raise ValueError(f"variant: expected None or a name such as 'fp16' (no '.', '/'), got {variant!r}")
+    return f"diffusion_pytorch_model.{variant}.safetensors", f"{WEIGHTS_NAME}.index.{variant}.json"
+
+
+def open_source(path, variant: str | None = None) -> Source:
+    """Resolve ``path`` (model folder, pipeline folder or one .safetensors file); in a
+    folder, ``variant`` picks the weights files of that variant."""
+    names = variant_names(variant)
     if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
         raise ValueError(f"path: expected a str or os.PathLike naming a folder or a file, got {path!r:.100}")
     path = os.fspath(path)
@@ -38,47 +51,49 @@ def open_source(path) -> Source:
             raise ValueError(f"path: {path!r} is not a regular file or a folder (a FIFO, socket or device)")
         if not path.endswith(".safetensors"):
             raise ValueError(f"path: expected a .safetensors file or a diffusers folder, got the file {path!r}")
+        if variant is not None:
+            raise ValueError(f"variant: names files in a folder; expected None for the file {path!r}, got {variant!r}")
         return Source(path, [path], _tensors([path]), None)
-    folder = _model_folder(path)
-    files = _folder_files(folder)
+    folder = _model_folder(path, names)
+    files = _folder_files(folder, names)
     config = _config(folder)
-    return Source(path, files, _tensors(files, _index(folder)), config, os.path.join(folder, CONFIG_NAME))
+    return Source(path, files, _tensors(files, _index(folder, names)), config, os.path.join(folder, CONFIG_NAME))
 
 
-def _model_folder(path: str) -> str:
+def _model_folder(path: str, names: tuple[str, str]) -> str:
     """A pipeline folder (model_index.json) holds the transformer in transformer/."""
-    if os.path.lexists(os.path.join(path, CONFIG_NAME)) or _has_weights(path):
+    if os.path.lexists(os.path.join(path, CONFIG_NAME)) or _has_weights(path, names):
         return path
     sub = os.path.join(path, "transformer")
     if os.path.isdir(sub):
         return sub
     raise ValueError(
-        f"path: {path!r} is neither a diffusers model folder (config.json and {WEIGHTS_NAME} or {INDEX_NAME}) "
+        f"path: {path!r} is neither a diffusers model folder (config.json and {names[0]} or {names[1]}) "
         f"nor a pipeline folder with a transformer/ subfolder; it holds {sorted(os.listdir(path))[:20]}"
     )
 
 
-def _has_weights(folder: str) -> bool:
+def _has_weights(folder: str, names: tuple[str, str]) -> bool:
     # lexists: a broken link or a directory in their place is reported as such by read_header
-    return any(os.path.lexists(os.path.join(folder, n)) for n in (WEIGHTS_NAME, INDEX_NAME))
+    return any(os.path.lexists(os.path.join(folder, n)) for n in names)
 
 
-def _folder_files(folder: str) -> list[str]:
-    index = _index(folder)
+def _folder_files(folder: str, names: tuple[str, str]) -> list[str]:
+    index = _index(folder, names)
     if index is not None:
         return sorted({os.path.join(folder, f) for f in index.values()})
-    single = os.path.join(folder, WEIGHTS_NAME)
+    single = os.path.join(folder, names[0])
     if os.path.lexists(single):
         return [single]
     pickles = [n for n in sorted(os.listdir(folder)) if n.lower().endswith(F.PICKLE_SUFFIXES)]
     if pickles:
         F.refuse_pickle(os.path.join(folder, pickles[0]))
-    raise ValueError(f"path: {folder!r} has no {WEIGHTS_NAME} or {INDEX_NAME}; it holds {sorted(os.listdir(folder))}")
+    raise ValueError(f"path: {folder!r} has no {names[0]} or {names[1]}; it holds {sorted(os.listdir(folder))}")
 
 
-def _index(folder: str) -> dict[str, str] | None:
+def _index(folder: str, names: tuple[str, str]) -> dict[str, str] | None:
     """The weight_map of the folder's index json: {key: file name}, validated."""
-    path = os.path.join(folder, INDEX_NAME)
+    path = os.path.join(folder, names[1])
     if not os.path.lexists(path):
         return None
     F.check_regular_file(path)
