@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Mapping
 
 import torch
+import torch.utils._pytree as pytree
 
 import sharding
 
@@ -145,6 +146,25 @@ def apply(params: Params, x, t, txt, **kwargs):
     fam = family(params)
     local, mesh = sharding.local_view(params) if hasattr(sharding, "local_view") else (params, None)
     if mesh is None:  # plain tensors: run under whatever mesh the caller bound (shard_map), if any
-        return fam.apply(local, x, t, txt, **kwargs)
+        return _call(fam, local, x, t, txt, kwargs)
     with sharding.bind(mesh):
-        return fam.apply(local, x, t, txt, **kwargs)
+        return _call(fam, local, x, t, txt, kwargs)
+
+
+_SHARE_AXES = ("sp", "dp")
+
+
+def _call(fam, params, x, t, txt, kwargs):
+    """``fam.apply`` with the params and inputs marked by ``sharding.pvary`` over sp and
+    dp: each rank computes with its own tokens and batch items, so the gradient of any
+    of them (each is whole on every rank) comes as per-rank shares, summed over those
+    axes here, once. (Over tp the model pairs its collectives Megatron-style instead.)"""
+    if any(sharding.axis_size(a) > 1 for a in _SHARE_AXES):
+        params, x, t, txt, kwargs = pytree.tree_map(_share, (params, x, t, txt, kwargs))
+    return fam.apply(params, x, t, txt, **kwargs)
+
+
+def _share(x):
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return sharding.pvary(x, _SHARE_AXES)
+    return x
