@@ -11,6 +11,9 @@ run in another order, so exact equality is not expected; the errors seen are ~1e
 
 from __future__ import annotations
 
+import os
+import runpy
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -117,3 +120,28 @@ def test_sharded_grads_equal_unsharded(world):
                 errs = rel_errors(r[how], refs[key[1]])
                 worst = max(errs, key=errs.get)
                 assert errs[worst] <= REL, f"rank {rank} {key} {how}: {worst} off by {errs[worst]:.2e} of its max"
+
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "finetune_tp.py")
+
+
+def _finetune_rank(rank, world, path):
+    ns = runpy.run_path(path, run_name="__main__")  # the script as torchrun runs it
+    params, losses = ns["finetune"](fd.init(ns["CONFIG"], seed=0), mesh=sharding.make_mesh(tp=2))
+    DTensor = torch.distributed.tensor.DTensor
+    return sharding.unshard(params).flat(), losses, all(isinstance(x, DTensor) for x in params.leaves())
+
+
+def test_finetune_example_tp2_ends_at_unsharded_weights():
+    """examples/finetune_tp.py: 3 SGD steps under tp=2 end at the weights of the same
+    steps unsharded (fp32 tolerance), and the params stay sharded."""
+    ns = runpy.run_path(EXAMPLE, run_name="finetune_tp")
+    start = fd.init(ns["CONFIG"], seed=0)
+    plain, plain_losses = ns["finetune"](fd.init(ns["CONFIG"], seed=0))
+    moved = max((a - b).abs().max().item() for a, b in zip(plain.leaves(), start.leaves()))
+    assert moved > 1e-3  # the steps really change the weights
+    for full, losses, sharded in spawn(_finetune_rank, 2, EXAMPLE, init=False, timeout=400):
+        assert sharded
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+        for k, w in plain.flat().items():
+            torch.testing.assert_close(full[k], w.detach(), rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
