@@ -179,3 +179,52 @@ def test_compiled_backward_equals_eager():
     kw = F1.inputs(F1.TINY, batch=3, txt_len=5, h=3, w=3, seed=1)
     for gaps in spawn(_compiled_grads, 2, kw, init=False, timeout=600):
         assert len(gaps) == 2 and max(gaps.values()) <= 1e-6, gaps
+
+
+def _kv_loss(params, inputs, rest):
+    """FLUX.2 reference-token KV cache: the loss reads the output and, in extract mode,
+    every cache tensor (weighted differently), so gradients flow back through both."""
+    result = fd.apply(params, **rest, **inputs)
+    if not isinstance(result, tuple):
+        return (result**2).sum()
+    out, cache = result
+    return (out**2).sum() + sum((v * (i + 1)).sum() for i, v in enumerate(cache.flat().values()))
+
+
+def _kv_grads(params, kw):
+    """torch.func.grad w.r.t. params, x, txt and (cached mode) every cache tensor."""
+    inputs = {k: kw[k] for k in ("x", "txt")}
+    if not isinstance(kw.get("kv_cache"), (str, type(None))):
+        inputs["kv_cache"] = kw["kv_cache"]
+    rest = {k: v for k, v in kw.items() if k not in inputs}
+    g_p, g_in = torch.func.grad(_kv_loss, argnums=(0, 1))(params, inputs, rest)
+    g_p = sharding.unshard(g_p) if any(hasattr(t, "placements") for t in params.leaves()) else g_p
+    return {**g_p.flat(), **{f"input.{i}": g for i, g in enumerate(pytree.tree_leaves(g_in))}}
+
+
+def _kv_work(rank, world, cases):
+    import cases_flux2 as F2
+
+    out = {}
+    for shape in MESHES[world]:
+        mesh = sharding.make_mesh(**shape)
+        for name, kw in cases:
+            out[(tuple(shape.items()), name)] = _kv_grads(sharding.shard_params(fd.init(F2.TINY, seed=SEED), mesh), kw)
+    return out
+
+
+def test_flux2_kv_cache_grads_equal_unsharded():
+    """Extract mode (gradients through the returned cache) and cached mode (gradients
+    w.r.t. the cache tensors) on tp=2, sp=2, dp=2."""
+    import cases_flux2 as F2
+
+    extract = F2.inputs(F2.TINY, batch=3, txt_len=5, h=3, w=3, ref_hw=(2, 3), ref_fixed_timestep=0.0, seed=4)
+    cached = F2.next_step(extract, fd.apply(fd.init(F2.TINY, seed=SEED), **extract)[1])
+    cases = [("extract", extract), ("cached", cached)]
+    refs = {name: _kv_grads(fd.init(F2.TINY, seed=SEED), kw) for name, kw in cases}
+    assert len(refs["cached"]) > len(refs["extract"])  # the cache tensors are among the inputs
+    for rank, results in enumerate(spawn(_kv_work, 2, cases, init=False, timeout=600)):
+        for key, got in results.items():
+            errs = rel_errors(got, refs[key[1]])
+            worst = max(errs, key=errs.get)
+            assert errs[worst] <= REL, f"rank {rank} {key}: {worst} off by {errs[worst]:.2e} of its max"
