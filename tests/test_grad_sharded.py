@@ -228,3 +228,43 @@ def test_flux2_kv_cache_grads_equal_unsharded():
             errs = rel_errors(got, refs[key[1]])
             worst = max(errs, key=errs.get)
             assert errs[worst] <= REL, f"rank {rank} {key}: {worst} off by {errs[worst]:.2e} of its max"
+
+
+def _rules(rank, world):
+    """Each collective's backward, jvp and vmap on 2 ranks (tp), against the rule it must
+    follow; x_r is rank r's local tensor, w a cotangent every rank holds whole."""
+    mesh = sharding.make_mesh(tp=2)
+    g = torch.Generator().manual_seed(0)
+    xs, w, v = torch.randn(2, 3, 4, generator=g), torch.randn(3, 8, generator=g), torch.randn(4, 2, generator=g)
+    x = xs[rank]
+    out = {}
+    with sharding.bind(mesh):
+        grad = lambda f, x: torch.func.grad(lambda x: (f(x) * w[..., : f(x).shape[-1]]).sum())(x)  # noqa: E731
+        out["all_gather"] = grad(lambda x: sharding.all_gather(x, "tp", 1), x)  # this rank's slice of w
+        out["psum"] = grad(lambda x: sharding.psum(x, "tp"), x)  # w itself
+        out["pvary"] = grad(lambda x: sharding.pvary(x, "tp") * (rank + 1), x)  # sum over ranks of (r + 1)
+        # (2, 4) -> (4, 2): column block c of every rank's x goes to rank c, stacked by rank
+        out["all_to_all"] = torch.func.grad(lambda x: (sharding.all_to_all(x, "tp", 1, 0) * v).sum())(x[:2])
+        stack = torch.stack([x, 2 * x, -x])
+        out["vmap_gather"] = torch.func.vmap(lambda x: sharding.all_gather(x, "tp", 1))(stack)
+        out["loop_gather"] = torch.stack([sharding.all_gather(a, "tp", 1) for a in stack])
+        out["jvp_psum"] = torch.func.jvp(lambda x: sharding.psum(x, "tp"), (x,), (2 * x,))[1]
+        out["psum_2x"] = sharding.psum(2 * x, "tp")
+    full = torch.cat(list(xs), 1)
+    f = sharding.shard_map(lambda a: a * 3, mesh, (sharding.P(None, "tp"),), sharding.P(None, "tp"))
+    out["shard_map"] = torch.func.grad(lambda a: (f(a) * w).sum())(full)  # 3 w
+    return out
+
+
+def test_collective_rules():
+    g = torch.Generator().manual_seed(0)
+    _, w, v = torch.randn(2, 3, 4, generator=g), torch.randn(3, 8, generator=g), torch.randn(4, 2, generator=g)
+    for rank, r in enumerate(spawn(_rules, 2, init=False, timeout=300)):
+        torch.testing.assert_close(r["all_gather"], w[:, 4 * rank : 4 * rank + 4])
+        torch.testing.assert_close(r["psum"], w[:, :4])
+        torch.testing.assert_close(r["pvary"], 3 * w[:, :4])
+        # the reverse swap: rank r's column block c gets rows 2r, 2r+1 of rank c's cotangent v
+        torch.testing.assert_close(r["all_to_all"], torch.cat([v[2 * rank : 2 * rank + 2]] * 2, 1))
+        torch.testing.assert_close(r["vmap_gather"], r["loop_gather"])
+        torch.testing.assert_close(r["jvp_psum"], r["psum_2x"])
+        torch.testing.assert_close(r["shard_map"], 3 * w)
