@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Mapping
 
 import torch
+import torch.utils._pytree as pytree
 
 import sharding
 from sharding.tree import flatten, nest
@@ -235,7 +236,18 @@ def _family_args(fam, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in fam.ARGS}
 
 
+_SHARE_AXES = ("sp", "dp")
+
+
 def _apply_local(fam, params: Params, x, t, txt, kwargs: dict):
+    """Checks in the full view, the dp split, the family's forward, the sp/dp gathers.
+
+    Params and inputs are first marked by ``sharding.pvary`` over sp and dp: each rank
+    computes with its own tokens and batch items, so the gradient of any of them (each is
+    whole on every rank) comes as per-rank shares, summed over those axes here, once.
+    (Over tp the model pairs its collectives Megatron-style instead.)"""
+    if torch.is_grad_enabled() and any(sharding.axis_size(a) > 1 for a in _SHARE_AXES):  # only backward sums
+        params, x, t, txt, kwargs = pytree.tree_map(_share, (params, x, t, txt, kwargs))
     inputs = fam.prepare(params, x, t, txt, **kwargs)
     B = x.shape[0]
     x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
@@ -243,3 +255,9 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict):
     out, seq, extra = fam.forward(params, x, t, txt, **inputs)
     out = sharding.gather(sharding.gather(out, "sp", 1, seq), "dp", 0, B)
     return out if extra is None else (out, extra)
+
+
+def _share(x):
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return sharding.pvary(x, _SHARE_AXES)
+    return x

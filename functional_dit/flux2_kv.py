@@ -152,9 +152,15 @@ def check_cache(c, cache, B, ref):
 def local_cache(cache: Flux2KVCache, kind: str, i: int, device) -> Ref:
     """Block i's cached k, v in the local view (batch over dp, tokens over sp, heads over tp)."""
     kv = cache[kind][str(i)]
-    k, v = (sharding.shard(sharding.shard(sharding.shard(kv[n], "dp", 0), "sp", 1), "tp", 2) for n in "kv")
+    k, v = (sharding.shard(sharding.shard(_heads(kv[n]), "dp", 0), "sp", 1) for n in "kv")
     bias = sharding.pad_bias(cache.num_ref_tokens, "sp", device)
     return Ref(k=k, v=v, bias=None if bias is None else bias.expand(k.shape[0], -1))
+
+
+def _heads(t: torch.Tensor) -> torch.Tensor:
+    """This rank's heads (dim 2) of a cached k or v every rank holds whole; its gradient
+    is a per-rank share, summed over tp."""
+    return sharding.shard(sharding.pvary(t, "tp"), "tp", 2)
 
 
 def full(t: torch.Tensor, B: int, R: int, H: int) -> torch.Tensor:

@@ -144,25 +144,35 @@ def local_view(params):
 
     For ``Params`` every leaf must be placed as ``sharding.plan(config, mesh)`` (the
     default rules) places it (`check_compute_layout`); a plan edited or built from other
-    rules serves storage (``weights.save`` / ``load``, `unshard`)."""
+    rules serves storage (``weights.save`` / ``load``, `unshard`).
+
+    Differentiable: the gradient of a local leaf flows back to its DTensor as a DTensor
+    of the same placements, under ``loss.backward()`` and under ``torch.func`` (grad, vjp,
+    jvp over sharded params: the DTensors then arrive wrapped, see `_unwrapped`)."""
     DTensor = _dtensor_cls()
     tree = _tree(params)
-    first = None if DTensor is None else next((x for _, x in leaves(tree) if isinstance(x, DTensor)), None)
+    compiling = torch.compiler.is_compiling()
+    first = None
+    if DTensor is not None:
+        first = next((b for _, x in leaves(tree) if isinstance(b := _unwrapped(x, compiling), DTensor)), None)
     if first is None:
         return params, None
     mesh = first.device_mesh
     # to_local() is an autograd Function (~25 us a leaf, 30 ms per FLUX.1 call on a slow
     # CPU); without grads the DTensor's own local tensor is the same thing. Traced code
     # keeps the public to_local() (and skips the layout check: shapes are then guarded).
-    slow = torch.compiler.is_compiling() or not hasattr(first, "_local_tensor")
+    slow = compiling or not hasattr(first, "_local_tensor")
     if not slow and config_of(params) is not None:
         check_compute_layout(tree, config_of(params), mesh, DTensor)
 
     def leaf(path, x):
-        if not isinstance(x, DTensor):
+        base = _unwrapped(x, compiling)
+        if not isinstance(base, DTensor):
             return x
-        if x.device_mesh is not mesh and x.device_mesh != mesh:
-            raise ValueError(f"params: {path} lives on mesh {x.device_mesh}, expected {mesh} like the others")
+        if base.device_mesh is not mesh and base.device_mesh != mesh:
+            raise ValueError(f"params: {path} lives on mesh {base.device_mesh}, expected {mesh} like the others")
+        if base is not x:  # a torch.func wrapper around a DTensor
+            return LocalOf.apply(x, _layout_of(base))
         return x.to_local() if slow or (x.requires_grad and torch.is_grad_enabled()) else x._local_tensor
 
     return _rebuild(params, map_tree(leaf, tree)), mesh
@@ -174,6 +184,67 @@ def _compute_layout(config, names: tuple, shape: tuple) -> dict:
     return {p: (pl, dtensor_placements(pl, names)) for p, pl in leaves(make_plan(config, dict(zip(names, shape))))}
 
 
+def _unwrapped(x, compiling: bool = False):
+    """``x`` without its ``torch.func`` wrappers (the grad / jvp / vmap levels a transform
+    put around a leaf), i.e. the DTensor under a transform over sharded params."""
+    if compiling or not isinstance(x, torch.Tensor):
+        return x
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(x):
+        x = functorch.get_unwrapped(x)
+    return x
+
+
+class LocalOf(torch.autograd.Function):
+    """A DTensor's local tensor, differentiably: the gradient (or tangent) of the local
+    tensor becomes a DTensor of the same layout ``meta`` (mesh, placements, shape,
+    stride). ``torch.func``-compatible (setup_context; DTensor's own ``to_local`` is not),
+    so grad / vjp / jvp over sharded params work. Its forward runs below the transform,
+    on the plain DTensor, where ``to_local`` is fine."""
+
+    @staticmethod
+    def forward(x, meta):
+        return x.to_local()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.meta = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return DTensorOf.apply(g, ctx.meta), None
+
+    @staticmethod
+    def jvp(ctx, tx, _):
+        return LocalOf.apply(tx, ctx.meta)
+
+
+class DTensorOf(torch.autograd.Function):
+    """The inverse of `LocalOf`: a local tensor as the DTensor of layout ``meta`` (no communication)."""
+
+    @staticmethod
+    def forward(local, meta):
+        mesh, placements, shape, stride = meta
+        return _dtensor_cls().from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.meta = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return LocalOf.apply(g, ctx.meta), None
+
+    @staticmethod
+    def jvp(ctx, tx, _):
+        return DTensorOf.apply(tx, ctx.meta)
+
+
+def _layout_of(x) -> tuple:
+    """What `DTensorOf` needs to rebuild a DTensor like ``x``: (mesh, placements, shape, stride)."""
+    return x.device_mesh, tuple(x.placements), x.shape, x.stride()
+
+
 def check_compute_layout(tree, config, mesh, DTensor) -> None:
     """The one layout fd.apply computes in is the default plan's: a ValueError naming the
     first leaf placed otherwise (a replicated row-parallel weight would be summed tp times,
@@ -183,6 +254,7 @@ def check_compute_layout(tree, config, mesh, DTensor) -> None:
     names = tuple(mesh.mesh_dim_names)
     layout = _compute_layout(config, names, tuple(mesh.shape))
     for path, x in leaves(tree):
+        x = _unwrapped(x)  # under torch.func, the DTensor inside the transform's wrappers
         got = tuple(x.placements) if isinstance(x, DTensor) else tuple(DReplicate() for _ in names)
         want, dims = layout[path]
         if got != dims:
