@@ -13,6 +13,7 @@ relative to the largest entry of its own gradient (fp32).
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 import torch
@@ -111,9 +112,7 @@ def main():
     print(f"{'family':<12}{'mesh':<14}{'backward':>12}{'func.grad':>12}   max |g - g_ref| / max |g_ref|, fp32")
     ctx = mp.get_context("spawn")
     for world in MESHES:
-        from socket import socket
-
-        with socket() as s:
+        with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         queue = ctx.Queue()
