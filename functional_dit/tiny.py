@@ -39,10 +39,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from . import _api
-from .flux1 import Flux1Config
-from .flux2 import Flux2Config
-from .qwenimage import QwenImageConfig
+from . import Flux1Config, Flux2Config, QwenImageConfig, config_to_diffusers, init, to_state_dict
 
 KINDS = (
     "flux",
@@ -455,10 +452,10 @@ def transformer_config(kind: str):
 
 def stock_transformer(kind: str, *, seed: int = 0, dtype=torch.float32):
     """The stock diffusers transformer for ``kind`` with ``fd.init(config, seed)`` weights."""
-    cfg = _api.config_to_diffusers(transformer_config(kind))
+    cfg = config_to_diffusers(transformer_config(kind))
     cls = getattr(diffusers, cfg.pop("_class_name"))
     module = cls(**cfg)
-    module.load_state_dict(_api.to_state_dict(_api.init(transformer_config(kind), seed=seed)))
+    module.load_state_dict(to_state_dict(init(transformer_config(kind), seed=seed)))
     return module.to(dtype).eval().requires_grad_(False)
 
 
