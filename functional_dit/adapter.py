@@ -7,7 +7,10 @@ params (plain or sharded) and returns what the stock class returns. Everything a
 pipeline touches besides ``forward`` is here: ``config`` with the diffusers keys,
 ``dtype`` / ``device`` / ``to``, ``cache_context``, the block lists whose attention
 processors the FLUX.2-klein KV pipeline sets, ``save_pretrained`` and
-``from_pretrained``. Arguments it cannot honour (ControlNet residuals, IP-Adapter
+``from_pretrained``. The parameter leaves are registered as frozen ``nn.Parameter``s
+under the diffusers names (``state_dict()`` keys equal the stock class's), so
+``to()``, accelerate's CPU offload and ``fd.from_diffusers(adapter)`` work as on the
+stock module; each forward reads them back into `Params`. Arguments it cannot honour (ControlNet residuals, IP-Adapter
 embeddings, a LoRA ``scale``, custom attention processors) raise a ``ValueError``.
 
 Calling ``DiffusersTransformer(params)`` gives an instance of the family's subclass,
@@ -23,12 +26,12 @@ import contextlib
 import os
 
 import diffusers
-import optree
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
 
 from . import Flux2KVCache, Params, apply, config_to_diffusers
+from ._pytree import nest
 
 _FAMILY_OF_CLASS = {"Flux1Config": "flux1", "Flux2Config": "flux2", "QwenImageConfig": "qwenimage"}
 _STOCK_CLASS = {
@@ -91,12 +94,22 @@ class KVCache:
         return f"KVCache({self.cache!r})"
 
 
-class _Attention:
-    """Stands for one block's ``attn`` module: holds the attention processor a pipeline
-    sets, accepting only the stock processors whose maths `fd.apply` computes."""
+class _Node(torch.nn.Module):
+    """One level of the parameter tree, named as in the stock module (so the adapter's
+    ``state_dict`` keys are the diffusers keys)."""
+
+    def forward(self, *args, **kwargs):
+        raise ValueError(f"{type(self).__name__}: a parameter container of DiffusersTransformer, not callable")
+
+
+class _Attention(_Node):
+    """A block's ``attn``: holds the attention processor a pipeline sets (the FLUX.2-klein
+    KV pipeline sets its own at construction), accepting only the stock processors whose
+    maths `fd.apply` computes."""
 
     def __init__(self, owner: str, accepted: set[str]):
-        self._owner, self._accepted, self.processor = owner, accepted, None
+        super().__init__()
+        self.__dict__.update(_owner=owner, _accepted=accepted, processor=None)
 
     def set_processor(self, processor) -> None:
         name = type(processor).__name__
@@ -105,15 +118,29 @@ class _Attention:
                 f"processor: {self._owner} computes attention as one of {sorted(self._accepted)}; got {name}, "
                 "which it cannot honour"
             )
-        self.processor = processor
+        self.__dict__["processor"] = processor
 
     def get_processor(self, return_deprecated_lora: bool = False):
         return self.processor
 
 
-class _Block:
-    def __init__(self, owner: str, accepted: set[str]):
-        self.attn = _Attention(owner, accepted)
+def _tree_module(node: torch.nn.Module, subtree: dict, path: tuple, owner: str, fam: str) -> None:
+    """Register ``subtree``'s tensors on ``node`` as frozen parameters, its dicts as child
+    modules (`nn.ModuleList` for block lists, `_Attention` for a block's ``attn``)."""
+    for name, value in subtree.items():
+        if isinstance(value, torch.Tensor):
+            node.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
+            continue
+        if len(path) == 2 and name == "attn":
+            child = _Attention(owner, _PROCESSORS[(fam, path[0])])
+        else:
+            child = _Node()
+        _tree_module(child, value, (*path, name), owner, fam)
+        if value and sorted(value, key=int if all(k.isdigit() for k in value) else str) == [
+            str(i) for i in range(len(value))
+        ]:
+            child = torch.nn.ModuleList([child.get_submodule(str(i)) for i in range(len(value))])
+        node.add_module(name, child)
 
 
 class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
@@ -144,24 +171,24 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
         cfg = config_to_diffusers(params.config)
         cfg.pop("_class_name")
         self.register_to_config(**cfg)
-        self._params = params
+        self.__dict__["_fd_config"] = params.config
+        _tree_module(self, params.tree, (), type(self).__name__, fam)
         # What diffusers records in a pipeline's model_index.json: the stock class, whose
         # checkpoint folder save_pretrained writes (see the module docstring).
         self.__dict__["__module__"] = "diffusers"
-        lists = ["transformer_blocks"] + (["single_transformer_blocks"] if fam != "qwenimage" else [])
-        for name in lists:
-            n = self.config.num_layers if name == "transformer_blocks" else self.config.num_single_layers
-            accepted = _PROCESSORS[(fam, name)]
-            self.__dict__[name] = tuple(_Block(type(self).__name__, accepted) for _ in range(n))
 
     # ---------------------------------------------------------------- state
 
     @property
     def params(self) -> Params:
-        return self._params
+        """The current parameters as `Params` (sharing storage with this module)."""
+        flat = dict(self.named_parameters(remove_duplicate=False))
+        return Params(
+            self._fd_config, nest({k: p.detach() if isinstance(p, torch.nn.Parameter) else p for k, p in flat.items()})
+        )
 
     def _leaf(self) -> torch.Tensor:
-        return optree.tree_leaves(self._params)[0]
+        return next(self.parameters())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -171,14 +198,6 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
     def device(self) -> torch.device:
         return self._leaf().device
 
-    def _apply(self, fn, recurse=True):
-        """What ``to()``, ``float()``, ``cpu()`` and accelerate's offload hooks call:
-        ``fn`` on every parameter leaf."""
-        super()._apply(fn, recurse)
-        with torch.no_grad():
-            self._params = optree.tree_map(fn, self._params)
-        return self
-
     @contextlib.contextmanager
     def cache_context(self, name: str, **kwargs):
         """Accepted for the pipelines' ``with transformer.cache_context("cond")``; this
@@ -186,7 +205,7 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
         yield
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(fd.apply over {type(self._params.config).__name__}, dtype={self.dtype})"
+        return f"{type(self).__name__}(fd.apply over {type(self.params.config).__name__}, dtype={self.dtype})"
 
     # ---------------------------------------------------------------- forward
 
@@ -212,7 +231,7 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
             args.update(self._flux2_args(**kwargs))
         else:
             args.update(self._qwen_args(**kwargs))
-        out = apply(self._params, hidden_states, timestep, encoder_hidden_states, **args)
+        out = apply(self.params, hidden_states, timestep, encoder_hidden_states, **args)
         if isinstance(out, tuple):
             out, cache = out[0], KVCache(out[1])
         if not return_dict:
@@ -229,7 +248,7 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
             others = [f for f, keys in _FAMILY_ARGS.items() if key in keys]
             if others:
                 raise ValueError(
-                    f"{key}: this {name} adapter runs {type(self._params.config).__name__} params "
+                    f"{key}: this {name} adapter runs {type(self.params.config).__name__} params "
                     f"({_PIPELINES[fam]}), but {key} is an argument of "
                     f"{' / '.join(_STOCK_CLASS[f] for f in others)} ({' or '.join(_PIPELINES[f] for f in others)}); "
                     "is this adapter in the wrong pipeline?"
@@ -311,7 +330,7 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
             raise ValueError(f"variant: variant file names are not supported, got {variant!r}")
         if kwargs:
             raise ValueError(f"save_pretrained: unsupported arguments {sorted(kwargs)}")
-        weights.save(self._params, os.fspath(save_directory), max_shard_size=max_shard_size or "5GB")
+        weights.save(self.params, os.fspath(save_directory), max_shard_size=max_shard_size or "5GB")
 
     @classmethod
     def from_pretrained(
