@@ -270,8 +270,9 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
         self._lora_scale("joint_attention_kwargs", joint_attention_kwargs)
         if pooled_projections is None:
             raise ValueError(
-                f"pooled_projections: {type(self).__name__} (FLUX.1 params) needs the CLIP pooled embedding, got None; "
-                f"is this adapter in a pipeline for another family? It belongs in {_PIPELINES['flux1']}"
+                f"pooled_projections: {type(self).__name__} (FLUX.1 params) needs the CLIP pooled embedding, got None, "
+                "as the FLUX.2 and Qwen-Image pipelines call their transformers; is this adapter in the wrong "
+                f"pipeline? It belongs in {_PIPELINES['flux1']}"
             )
         return dict(pooled=pooled_projections, img_ids=img_ids, txt_ids=txt_ids)
 
