@@ -271,3 +271,18 @@ def test_unsupported_arguments_raise():
         fd.DiffusersTransformer({})
     with pytest.raises(ValueError, match="safe_serialization"):
         ad.save_pretrained("unused", safe_serialization=False)
+
+
+def test_readme_swap_runs():
+    """The README's three-line swap and tiny-pipeline examples, run as written."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = text[text.index("### diffusers pipelines: the three-line swap") : text.index("## What works")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    scope: dict = {}
+    exec(blocks[0], scope)  # the swap
+    assert isinstance(scope["pipe"].transformer, fd.DiffusersTransformer) and scope["latents"].shape == (1, 4, 16)
+    exec("import functional_dit as fd\n" + blocks[-1], scope)  # the tiny pipelines
+    assert type(scope["pipe"]).__name__ == "QwenImagePipeline" and scope["latents"].shape == (1, 4, 16)
