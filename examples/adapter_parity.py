@@ -39,7 +39,7 @@ CASES = {  # name -> (kind, call arguments), as in tests/test_adapter.py
     ),
     "QwenImagePipeline (ragged, true CFG)": (
         "qwen-image",
-        dict(prompt=["a cat", PROMPT + " under a lamp"], negative_prompt=["blurry", "dark"], true_cfg_scale=2.0),
+        dict(prompt=["a cat", PROMPT + " under a lamp"], negative_prompt="blurry", true_cfg_scale=2.0),
     ),
     "QwenImageEditPipeline": ("qwen-image-edit", dict(prompt=PROMPT, image=IMAGE)),
     "QwenImageEditPlusPipeline (2 images)": ("qwen-image-edit-plus", dict(prompt=PROMPT, image=[IMAGE, IMAGE2])),

@@ -69,6 +69,19 @@ _PROCESSORS = {
 }
 
 
+def _broadcast_text(x, txt, args):
+    """One text for a batch of images, as the stock classes accept (their modulation
+    broadcasts it; QwenImagePipeline sends one negative prompt for a batch of prompts):
+    expand ``txt`` and its mask to the batch, explicitly. Other mismatches stay errors."""
+    B = x.shape[0]
+    if txt is None or txt.shape[0] != 1 or B == 1:
+        return x, txt, args
+    mask = args.get("txt_mask")
+    if mask is not None and mask.shape[0] == 1:
+        args = dict(args, txt_mask=mask.expand(B, *mask.shape[1:]))
+    return x, txt.expand(B, *txt.shape[1:]), args
+
+
 def _family(params) -> str:
     if not isinstance(params, Params):
         raise ValueError(f"params: expected functional_dit.Params, got {type(params).__name__}")
@@ -231,6 +244,7 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
             args.update(self._flux2_args(**kwargs))
         else:
             args.update(self._qwen_args(**kwargs))
+        hidden_states, encoder_hidden_states, args = _broadcast_text(hidden_states, encoder_hidden_states, args)
         out = apply(self.params, hidden_states, timestep, encoder_hidden_states, **args)
         if isinstance(out, tuple):
             out, cache = out[0], KVCache(out[1])
