@@ -59,6 +59,12 @@ _FAMILY_ARGS = {
     },
     "qwenimage": {"encoder_hidden_states_mask", "img_shapes", "attention_kwargs", "additional_t_cond"},
 }
+# Stock forward arguments the adapter does not implement, with their defaults (accepted).
+_UNSUPPORTED = {
+    "controlnet_block_samples": None,
+    "controlnet_single_block_samples": None,
+    "controlnet_blocks_repeat": False,
+}
 # The stock attention processors whose maths fd.apply computes, per block list.
 _PROCESSORS = {
     ("flux1", "transformer_blocks"): {"FluxAttnProcessor"},
@@ -226,6 +232,7 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
         self,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor = None,
+        *,
         timestep: torch.Tensor = None,
         guidance: torch.Tensor = None,
         return_dict: bool = True,
@@ -235,7 +242,7 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
         ``return_dict=False`` (``(sample, cache)`` for FLUX.2 ``kv_cache_mode="extract"``),
         else the stock output dataclass."""
         fam = self._family_name
-        self._check_args(kwargs)
+        kwargs = self._check_args(kwargs)
         args = dict(guidance=guidance)
         cache = None
         if fam == "flux1":
@@ -254,7 +261,9 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
             return Flux2Transformer2DModelOutput(sample=out, kv_cache=cache)
         return Transformer2DModelOutput(sample=out)
 
-    def _check_args(self, kwargs) -> None:
+    def _check_args(self, kwargs) -> dict:
+        """``kwargs`` less the unsupported stock options left at their defaults; any other
+        argument this family does not take is a ValueError."""
         fam, name = self._family_name, type(self).__name__
         for key, value in kwargs.items():
             if key in _FAMILY_ARGS[fam]:
@@ -267,9 +276,10 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
                     f"{' / '.join(_STOCK_CLASS[f] for f in others)} ({' or '.join(_PIPELINES[f] for f in others)}); "
                     "is this adapter in the wrong pipeline?"
                 )
-            if value is None or value is False:  # stock options left at their defaults
+            if key in _UNSUPPORTED and value is _UNSUPPORTED[key]:  # a stock option left at its default
                 continue
             raise ValueError(f"{key}: not supported by functional_dit's {name} adapter, got {type(value).__name__}")
+        return {k: v for k, v in kwargs.items() if k in _FAMILY_ARGS[fam]}
 
     def _lora_scale(self, argname: str, attention_kwargs) -> None:
         """The hook for the LoRA ``scale`` the pipelines pass in ``joint_attention_kwargs`` /

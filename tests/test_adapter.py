@@ -260,7 +260,10 @@ def test_unsupported_arguments_raise():
     with pytest.raises(ValueError, match="controlnet_block_samples: not supported"):
         ad(**args, controlnet_block_samples=[torch.zeros(1)])
     with pytest.raises(ValueError, match="bogus: not supported"):
-        ad(**args, bogus=1)
+        ad(**args, bogus=None)
+    ad(**args, controlnet_block_samples=None, controlnet_blocks_repeat=False)  # stock defaults are fine
+    with pytest.raises(TypeError):  # keyword-only past encoder_hidden_states: stock orders differ per class
+        ad(args["hidden_states"], args["encoder_hidden_states"], args["pooled_projections"])
     with pytest.raises(ValueError, match="kv_cache: this FluxTransformer2DModel"):
         ad(**args, kv_cache="extract")
     q = adapter("qwen-image")
