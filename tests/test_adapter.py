@@ -237,7 +237,7 @@ def test_pipeline_save_reloads_with_stock_diffusers(tmp_path):
 
 def test_wrong_family_in_pipeline_names_both():
     with pytest.raises(ValueError, match=r"pooled_projections.*Flux2Transformer2DModel.*FluxTransformer2DModel"):
-        run(tiny.pipeline("flux", seed=SEED, transformer=adapter("flux2")), prompt=PROMPT)
+        run(tiny.pipeline("flux", seed=SEED, transformer=adapter("flux2")), prompt=PROMPT, **SHORT)
     with pytest.raises(
         ValueError,
         match=r"(encoder_hidden_states_mask|img_shapes): this FluxTransformer2DModel.*QwenImageTransformer2DModel",
@@ -245,7 +245,7 @@ def test_wrong_family_in_pipeline_names_both():
         pipe = tiny.pipeline("qwen-image", seed=SEED, transformer=adapter("flux"))
         run(pipe, prompt=PROMPT, guidance_scale=1.0)  # the pipeline reads guidance_embeds (True) first
     with pytest.raises(ValueError, match=r"pooled_projections: FluxTransformer2DModel.*FLUX.1.*FluxPipeline"):
-        run(tiny.pipeline("flux2-klein", seed=SEED, transformer=adapter("flux")), prompt=PROMPT)
+        run(tiny.pipeline("flux2-klein", seed=SEED, transformer=adapter("flux")), prompt=PROMPT, **SHORT)
     with pytest.raises(ValueError, match=r"processor: QwenImageTransformer2DModel.*Flux2KVAttnProcessor"):
         tiny.pipeline("flux2-klein-kv", seed=SEED, transformer=adapter("qwen-image"))
 
