@@ -5,8 +5,9 @@ that prints figures, not a test.
 
     python examples/adapter_parity.py [--repeats 3] [--dtype bfloat16]
 
-Times are the best of ``--repeats`` calls (after one warm-up call); on these tiny
-models they are dominated by the text encoders and VAEs, which both runs share.
+Times are the best of ``--repeats`` calls (after one warm-up call): the whole call,
+dominated on these tiny models by the text encoders and VAEs, which both runs share,
+and the time spent inside the transformer (forward hooks). Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -52,14 +53,19 @@ def call(pipe, kwargs) -> torch.Tensor:
     return pipe(generator=torch.Generator().manual_seed(0), **args).images
 
 
-def timed(pipe, kwargs, repeats: int) -> tuple[torch.Tensor, float]:
+def timed(pipe, kwargs, repeats: int) -> tuple[torch.Tensor, float, float]:
+    """(latents, best seconds per pipeline call, best seconds inside the transformer per call)."""
+    inside = [0.0]
+    pipe.transformer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, inside[0] - time.perf_counter()))
+    pipe.transformer.register_forward_hook(lambda *_: inside.__setitem__(0, inside[0] + time.perf_counter()))
     out = call(pipe, kwargs)
-    best = float("inf")
+    best, best_inside = float("inf"), float("inf")
     for _ in range(repeats):
+        inside[0] = 0.0
         start = time.perf_counter()
         call(pipe, kwargs)
-        best = min(best, time.perf_counter() - start)
-    return out, best
+        best, best_inside = min(best, time.perf_counter() - start), min(best_inside, inside[0])
+    return out, best, best_inside
 
 
 def main() -> None:
@@ -68,15 +74,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    print(f"{'pipeline':<40}{'max |latent diff|':>19}{'stock s':>10}{'adapter s':>11}   ({args.dtype}, CPU)")
+    head = ["max abs latent diff", "call s: stock / adapter", "transformer s: stock / adapter"]
+    print(f"| pipeline ({args.dtype}, CPU) | " + " | ".join(head) + " |")
+    print("|---|---|---|---|")
     for name, (kind, kwargs) in CASES.items():
-        stock, t_stock = timed(tiny.pipeline(kind, seed=3, dtype=dtype), kwargs, args.repeats)
+        stock, t_stock, in_stock = timed(tiny.pipeline(kind, seed=3, dtype=dtype), kwargs, args.repeats)
         params = fd.init(tiny.transformer_config(kind), seed=3, dtype=dtype)
-        ours, t_ours = timed(
-            tiny.pipeline(kind, seed=3, dtype=dtype, transformer=fd.DiffusersTransformer(params)), kwargs, args.repeats
-        )
+        pipe = tiny.pipeline(kind, seed=3, dtype=dtype, transformer=fd.DiffusersTransformer(params))
+        ours, t_ours, in_ours = timed(pipe, kwargs, args.repeats)
         diff = (ours.float() - stock.float()).abs().max().item()
-        print(f"{name:<40}{diff:>19.3g}{t_stock:>10.2f}{t_ours:>11.2f}")
+        print(f"| {name} | {diff:.3g} | {t_stock:.2f} / {t_ours:.2f} | {in_stock:.3f} / {in_ours:.3f} |")
 
 
 if __name__ == "__main__":
