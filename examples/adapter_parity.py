@@ -3,7 +3,7 @@ the max latent difference and the wall time of one pipeline call each, on the ti
 offline pipelines of `functional_dit.tiny` (fp32, CPU, random weights). A benchmark
 that prints figures, not a test.
 
-    python examples/adapter_parity.py [--repeats 3] [--dtype bfloat16]
+    python examples/adapter_parity.py [--repeats 3] [--dtype bfloat16] [--threads 1]
 
 Times are the best of ``--repeats`` calls (after one warm-up call): the whole call,
 dominated on these tiny models by the text encoders and VAEs, which both runs share,
@@ -72,7 +72,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier timings)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     head = ["max abs latent diff", "call s: stock / adapter", "transformer s: stock / adapter"]
     print(f"| pipeline ({args.dtype}, CPU) | " + " | ".join(head) + " |")
