@@ -17,12 +17,14 @@ from ._api import (
 )
 from ._pytree import PACKED, Block, Params, ParamSpec
 from ._stack import stack_params, unstack_params
+from .adapter import DiffusersTransformer
 from .flux1 import Flux1Config
 from .flux2 import Flux2Config
 from .flux2_kv import Flux2KVCache
 from .qwenimage import QwenImageConfig
 
 __all__ = [
+    "DiffusersTransformer",
     "PACKED",
     "PRESETS",
     "Block",
