@@ -14,6 +14,7 @@ from ._api import (
     to_state_dict,
 )
 from ._pytree import PACKED, Block, Params, ParamSpec
+from ._sample import sample
 from .flux1 import Flux1Config
 from .flux2 import Flux2Config, Flux2KVCache
 from .qwenimage import QwenImageConfig
@@ -45,5 +46,6 @@ __all__ = [
     "init",
     "num_params",
     "param_specs",
+    "sample",
     "to_state_dict",
 ]

@@ -30,6 +30,8 @@ from . import _layers as L
 from ._checks import (
     check_guidance,
     check_ids,
+    check_rope,
+    check_rope_or_ids,
     check_streams,
     check_tensor,
     check_unused,
@@ -459,17 +461,31 @@ def _validate_cache(c, cache, B, ref):
         check_tensor(f"kv_cache[{key!r}]", flat[key], shape, ref.dtype, ref.device)
 
 
-def _validate(params, x, t, txt, guidance, img_ids, txt_ids):
+def _validate(params, x, t, txt, guidance, img_ids, txt_ids, rope=None):
+    """Returns the RoPE tables of the txt and img rows, and the reference leaf."""
     c = params.config
     ref = reference_leaf(params, "x_embedder.weight")
     B, S = check_streams(c, ref, x, t, txt)
     check_guidance(c, guidance, B, ref.device)
+    if rope is not None:
+        check_rope_or_ids(rope, img_ids=img_ids, txt_ids=txt_ids)
+        T = txt.shape[1]
+        rope = check_rope(rope, T + S, c.attention_head_dim, ref.device)
+        return tuple(a[T:] for a in rope), tuple(a[:T] for a in rope), ref
     n_axes = len(c.axes_dims_rope)
     for name, ids, n in (("img_ids", img_ids, S), ("txt_ids", txt_ids, txt.shape[1])):
         if ids is None:
             raise ValueError(f"{name}: FLUX.2 needs position ids of shape ({n}, {n_axes}) or ({B}, {n}, {n_axes})")
     img_ids = check_ids("img_ids", img_ids, S, n_axes, B, ref.device)
-    return img_ids, check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, ref.device), ref
+    txt_ids = check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, ref.device)
+    return *(L.rope(ids, c.axes_dims_rope, theta=c.rope_theta) for ids in (img_ids, txt_ids)), ref
+
+
+def rope_table(config: Flux2Config, img_ids, txt_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cos, sin) table `apply` builds from 2-D ids: (S_txt + S_img, attention_head_dim)
+    fp32, txt rows first (with reference tokens, img_ids holds their rows too)."""
+    pe_txt, pe_img = (L.rope(ids, config.axes_dims_rope, theta=config.rope_theta) for ids in (txt_ids, img_ids))
+    return tuple(torch.cat([a, b]) for a, b in zip(pe_txt, pe_img))
 
 
 # ----------------------------------------------------------------------------- apply
@@ -537,6 +553,7 @@ def apply(
     pooled=None,
     txt_mask=None,
     img_shapes=None,
+    rope=None,
 ):
     """FLUX.2 forward: x (B, S_img, in_channels), t (B,) in [0, 1], txt (B, S_txt,
     joint_attention_dim), guidance (B,) when the model is guidance-distilled, img_ids
@@ -551,15 +568,18 @@ def apply(
     and cache a `Flux2KVCache`. ``kv_cache=cache``: x holds no reference tokens; every
     block's txt and img queries also attend to the cached reference keys and values.
 
+    ``rope``: instead of the ids, their RoPE table (cos, sin), each (S_txt + S_img,
+    attention_head_dim) fp32 with S_img counting x's rows (reference tokens included), as
+    `rope_table` builds it (to build it once per sampling run).
+
     ``pooled`` (FLUX.1's), ``txt_mask`` and ``img_shapes`` (Qwen-Image's) must be None.
     """
     check_unused("FLUX.2", pooled=pooled, txt_mask=txt_mask, img_shapes=img_shapes)
-    img_ids, txt_ids, leaf = _validate(params, x, t, txt, guidance, img_ids, txt_ids)
+    pe_img, pe_txt, leaf = _validate(params, x, t, txt, guidance, img_ids, txt_ids, rope)
     c = params.config
     mode = _validate_mode(c, x, kv_cache, num_ref_tokens, ref_fixed_timestep, leaf)
     R = num_ref_tokens if mode == "extract" else 0
     B, S = x.shape[0], x.shape[1] - R
-    pe_img, pe_txt = (L.rope(ids, c.axes_dims_rope, theta=c.rope_theta) for ids in (img_ids, txt_ids))
     x, t, txt, guidance = (None if a is None else sharding.shard(a, "dp", 0) for a in (x, t, txt, guidance))
     t, guidance = t.to(x.dtype) * 1000, None if guidance is None else guidance.to(x.dtype) * 1000
     temb = time_guidance_embed(params["time_guidance_embed"], t, guidance, c.timestep_guidance_channels)

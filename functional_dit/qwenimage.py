@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import sharding
 
 from . import _layers as L
-from ._checks import check_streams, check_tensor, reference_leaf
+from ._checks import check_rope, check_streams, check_tensor, reference_leaf
 from ._config import (
     is_int,
     require_bool,
@@ -395,18 +395,24 @@ def apply(
     pooled=None,
     img_ids=None,
     txt_ids=None,
+    rope=None,
 ):
     """Qwen-Image forward: x (B, S_img, in_channels) packed latents (Edit: the target's then
     the reference images' tokens), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim),
     txt_mask (B, S_txt) bool/int, 1 = real token (None: all real), img_shapes per batch item
     a list of (frames, h, w) whose tokens make S_img, additional_t_cond (B,) ints in {0, 1}
-    for the Layered model. Returns (B, S_img, patch_size² · out_channels), as
+    for the Layered model. ``rope``: the RoPE table (cos, sin) `pos_embed` builds from
+    img_shapes and S_txt, each (S_txt + S_img, attention_head_dim) fp32, to build it once
+    per sampling run. Returns (B, S_img, patch_size² · out_channels), as
     ``QwenImageTransformer2DModel(...)[0]``."""
     unused = dict(pooled=pooled, img_ids=img_ids, txt_ids=txt_ids)
     shapes = _validate(params, x, t, txt, txt_mask, img_shapes, guidance, additional_t_cond, unused)
     c, D = params.config, params.config.attention_head_dim
     B, S = x.shape[:2]
-    pe = pos_embed(shapes, txt.shape[1], c.axes_dims_rope, c.use_layer3d_rope, x.device)
+    if rope is None:
+        pe = pos_embed(shapes, txt.shape[1], c.axes_dims_rope, c.use_layer3d_rope, x.device)
+    else:
+        pe = check_rope(rope, txt.shape[1] + S, D, reference_leaf(params, "img_in.weight").device)
     ref = sharding.shard(ref_mask(shapes, x.device), "sp", 0) if c.zero_cond_t else None
     bias = None if txt_mask is None else mask_bias(txt_mask)
     x, t, txt, bias, t_cond = (

@@ -16,6 +16,7 @@ from ._plan import (
     specs_of,
     take,
 )
+from ._replicated import check_replicated
 from ._seq import gather, local_len, pad_bias, shard
 from ._shard import (
     dtensor_from_local,
@@ -42,6 +43,7 @@ __all__ = [
     "bind",
     "bytes_per_rank",
     "check_placement",
+    "check_replicated",
     "current_mesh",
     "default_device_type",
     "dtensor_from_local",
