@@ -230,7 +230,10 @@ def run(args) -> int:
     device, dtype = _device_dtype(args, mesh)
     rank0 = _rank() == 0
     if not rank0:
+        import transformers
+
         diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
     start = time.perf_counter()
     pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=None, torch_dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
