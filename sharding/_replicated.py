@@ -1,48 +1,60 @@
-"""`check_replicated`: one cheap collective that tells whether every rank holds the same
-tensors — the check to run once where the maths needs identical inputs on every rank
-(same prompt, same seed), instead of a broadcast that would overwrite and hide a
-divergence."""
+"""`check_replicated`: do all ranks hold the same inputs? One cheap collective, run once.
+
+Sharded ``fd.apply`` assumes every rank passes the same ``x``, ``t`` and ``txt``: ranks
+that disagree return silently wrong, rank-dependent outputs, and ranks with different
+sequence lengths deadlock or abort inside a collective of mismatched size. Checking on
+every call would cost a collective per step, so it is a separate function for callers
+to run once (a sampler on its first step).
+"""
 
 from __future__ import annotations
-
-import hashlib
 
 import torch
 
 
-def fingerprint(t: torch.Tensor) -> str:
-    """A digest of a tensor's shape, dtype and exact bytes (read on the host)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{tuple(t.shape)}|{t.dtype}|".encode())
-    h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+def _describe(x) -> tuple | None:
+    """(dtype, shape, checksums) of a tensor on the host: its float64 sum and an
+    index-weighted sum (so a permutation shows too), as hex strings (NaN equals NaN)."""
+    if x is None:
+        return None
+    flat = x.detach().reshape(-1).to(torch.float64)
+    weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) % 1009 + 1
+    sums = torch.stack([flat.sum(), (flat * weights).sum()]).cpu().tolist()
+    return str(x.dtype), tuple(x.shape), tuple(float(s).hex() for s in sums)
 
 
-def check_replicated(*tensors: torch.Tensor, names=None, group=None) -> None:
-    """Raise ``ValueError`` on every rank of ``group`` (default: the world) unless every
-    rank passed bitwise-equal ``tensors`` (shape, dtype, values). ``names`` (one per
-    tensor) name them in the message, which also lists the ranks that differ from rank 0.
-    One ``all_gather_object`` of a digest per tensor; a no-op without a process group or
-    on one rank."""
+def _show(d) -> str:
+    return "None" if d is None else f"shape {d[1]} {d[0]} checksum {d[2][0]}"
+
+
+def check_replicated(*tensors, names=None, group=None) -> None:
+    """Raise the same ValueError on every rank unless all ranks of ``group`` (default: the
+    world) passed equal ``tensors``: same count, dtype, shape and content (up to float64
+    checksums). The message names the argument (``names[i]``, else ``arg{i}``) and which
+    ranks hold what. One ``all_gather_object`` of a few numbers per tensor: shapes are
+    compared before any collective on tensor data could be sized by them. Without an
+    initialised process group it only checks its arguments. Eager only (reads values)."""
     import torch.distributed as dist
 
-    names = [f"tensors[{i}]" for i in range(len(tensors))] if names is None else list(names)
+    names = [f"arg{i}" for i in range(len(tensors))] if names is None else list(names)
     if len(names) != len(tensors):
         raise ValueError(f"names: expected {len(tensors)} names (one per tensor), got {len(names)}")
-    for name, t in zip(names, tensors):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    for name, x in zip(names, tensors):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor or None, got {type(x).__name__}")
+    if not (dist.is_available() and dist.is_initialized()):
         return
-    mine = [fingerprint(t) for t in tensors]
+    mine = (tuple(names), tuple(_describe(x) for x in tensors))
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
-    bad = []
+    ranks = list(range(len(every))) if group is None else dist.get_process_group_ranks(group)
+    counts = {r: len(e[1]) for r, e in zip(ranks, every)}
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"check_replicated: expected the same number of tensors on every rank, got {counts} by rank")
     for i, name in enumerate(names):
-        ranks = [r for r, prints in enumerate(every) if prints[i] != every[0][i]]
-        if ranks:
-            bad.append(f"{name} differs on ranks {ranks} from rank 0")
-    if bad:
-        raise ValueError(
-            "inputs differ across ranks (every rank must pass the same prompt, seed and images): " + "; ".join(bad)
-        )
+        held: dict = {}
+        for r, e in zip(ranks, every):
+            held.setdefault(e[1][i], []).append(r)
+        if len(held) > 1:
+            found = "; ".join(f"ranks {rs}: {_show(d)}" for d, rs in held.items())
+            raise ValueError(f"{name}: expected the same tensor on every rank, got {found}")
