@@ -115,6 +115,7 @@ def _audited_load(*args, **kwargs):
         safetensors.safe_open = _REAL_SAFE_OPEN
 
 
+
 def _mismatched(a, b) -> list[str]:
     a, b = a.flat(), b.flat()
     return [k for k in b if not _same_dtensor(a[k], b[k])] + ([] if list(a) == list(b) else ["key order"])
