@@ -102,7 +102,7 @@ def _pipeline_class(fam: str, comps: Mapping) -> str:
 # ----------------------------------------------------------------------------- checks
 
 
-def _check_args(pipe, params, prompt, height, width, steps, seed, output_type):
+def _check_args(pipe, prompt, height, width, steps, seed, output_type):
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValueError(f"prompt: expected a string or a non-empty list of strings, got {prompt!r}")
@@ -221,7 +221,7 @@ class _Flux1:
         self.rope = flux1.rope_table(self.c, img_ids, txt_ids)
         self.guidance = 3.5 if guidance is None else guidance
 
-    def __call__(self, x, t, cond: Prompt, step: int):
+    def __call__(self, x, t, cond: Prompt):
         g = torch.full((x.shape[0],), float(self.guidance), device=x.device) if self.c.guidance_embeds else None
         return _api.apply(self.params, x, t, cond.txt, pooled=cond.pooled, guidance=g, rope=self.rope)
 
@@ -271,7 +271,7 @@ class _Flux2:
             self.rope_cached = tuple(torch.cat([a[:n], a[a.shape[0] - S :]]) for a in self.rope)
         self.guidance = (4.0 if guidance is None else guidance) if self.c.guidance_embeds else None
 
-    def __call__(self, x, t, cond: Prompt, step: int):
+    def __call__(self, x, t, cond: Prompt):
         B, S = x.shape[:2]
         g = None if self.guidance is None else torch.full((B,), float(self.guidance), device=x.device)
         kw = dict(guidance=g)
@@ -333,7 +333,7 @@ class _Qwen:
         self.shapes = [(1, h // 2, w // 2)] + ([self.ref_shape] if self.ref is not None else [])
         self.rope = _qwen.pos_embed(self.shapes, cond.txt.shape[1], self.c.axes_dims_rope, device=device)
 
-    def __call__(self, x, t, cond: Prompt, step: int):
+    def __call__(self, x, t, cond: Prompt):
         B, S = x.shape[:2]
         if self.ref is not None:
             x = torch.cat([x, _batch(self.ref, B).to(x.dtype)], 1)
@@ -456,52 +456,64 @@ def sample(
     "latent" (the packed latents the pipelines return for ``output_type="latent"``).
     ``callback(step, latents)`` runs after every step.
     """
-    import diffusers
-
     fam = _family_name(params)
     pipe = as_pipeline(encoders, params)
-    prompts = _check_args(pipe, params, prompt, height, width, steps, seed, output_type)
+    prompts = _check_args(pipe, prompt, height, width, steps, seed, output_type)
     device, dtype = _param_device_dtype(params)
-    if kv_cache is None:
-        kv_cache = isinstance(pipe, diffusers.Flux2KleinKVPipeline)
-    images = None if image is None else (list(image) if isinstance(image, (list, tuple)) else [image])
-    if images is not None and (fam == "flux1" or isinstance(pipe, diffusers.QwenImagePipeline)):
-        raise ValueError(f"image: a {type(pipe).__name__} takes no reference image; expected None")
-    if kv_cache and fam != "flux2":
-        raise ValueError(f"kv_cache: the reference KV cache is FLUX.2's; expected None or False for {fam}")
-    model = {"flux1": lambda: _Flux1(params, pipe), "flux2": lambda: _Flux2(params, pipe, bool(kv_cache))}.get(
-        fam, lambda: _Qwen(params, pipe)
-    )()
+    model = _family_model(fam, params, pipe, image, kv_cache)
     B, h, w = len(prompts), 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
-
+    cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
     with torch.no_grad():
-        if images is not None:
-            model.images(images, B, device)
+        if image is not None:
+            model.images(image if isinstance(image, (list, tuple)) else [image], B, device)
         cond = _to(model.encode(prompts, max_sequence_length), dtype, device)
-        cfg = true_cfg is not None and true_cfg > 1
-        if cfg:
-            cond = cfg_batch(
-                cond, _to(model.encode(_negatives(negative_prompt, B), max_sequence_length), dtype, device)
-            )
+        if cfg is not None:
+            neg = _to(model.encode(_negatives(negative_prompt, B), max_sequence_length), dtype, device)
+            cond = cfg_batch(cond, neg)
         x = model.latents(B, h, w, seed, dtype, device)
         model.prepare(cond, h, w, guidance, device)
         sched = _scheduler(pipe, fam, x.shape[1], steps, device)
         _check_ranks(x, cond, model)
-        for i, t in enumerate(sched.timesteps):
-            xin = torch.cat([x, x]) if cfg else x
-            tt = t.expand(xin.shape[0]).to(x.dtype) / 1000
-            pred = model(xin, tt, cond, i)
-            if cfg:
-                pred = combine(pred, float(true_cfg), normalise=fam == "qwenimage")
-            x = sched.step(pred, t, x, return_dict=False)[0]
-            if callback is not None:
-                callback(i, x)
-        if output_type == "latent":
-            return x
-        z = model.decode_latents(x, h, w).to(pipe.vae.device, pipe.vae.dtype)
-        img = pipe.vae.decode(z, return_dict=False)[0]
-        img = img[:, :, 0] if img.ndim == 5 else img
-        return pipe.image_processor.postprocess(img, output_type=output_type)
+        x = _denoise(model, sched, x, cond, cfg, fam == "qwenimage", callback)
+        return x if output_type == "latent" else _decode(model, pipe, x, h, w, output_type)
+
+
+def _family_model(fam: str, params, pipe, image, kv_cache):
+    """The per-family sampling steps (`_Flux1`, `_Flux2`, `_Qwen`) after the argument checks."""
+    import diffusers
+
+    if image is not None and (fam == "flux1" or isinstance(pipe, diffusers.QwenImagePipeline)):
+        raise ValueError(f"image: a {type(pipe).__name__} takes no reference image; expected None")
+    if kv_cache and fam != "flux2":
+        raise ValueError(f"kv_cache: the reference KV cache is FLUX.2's; expected None or False for {fam}")
+    if fam == "flux1":
+        return _Flux1(params, pipe)
+    if fam == "flux2":
+        return _Flux2(params, pipe, isinstance(pipe, diffusers.Flux2KleinKVPipeline) if kv_cache is None else kv_cache)
+    return _Qwen(params, pipe)
+
+
+def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, callback):
+    """The loop: one model call per step ([cond; uncond] as one batch with CFG), then the
+    scheduler's Euler step."""
+    for i, t in enumerate(sched.timesteps):
+        xin = torch.cat([x, x]) if cfg is not None else x
+        pred = model(xin, t.expand(xin.shape[0]).to(x.dtype) / 1000, cond)
+        if cfg is not None:
+            pred = combine(pred, cfg, normalise)
+        x = sched.step(pred, t, x, return_dict=False)[0]
+        if callback is not None:
+            callback(i, x)
+    return x
+
+
+def _decode(model, pipe, x, h: int, w: int, output_type: str):
+    """Packed latents -> the VAE's input (the family's unpacking and de-normalisation) ->
+    images through the pipeline's image processor."""
+    z = model.decode_latents(x, h, w).to(pipe.vae.device, pipe.vae.dtype)
+    img = pipe.vae.decode(z, return_dict=False)[0]
+    img = img[:, :, 0] if img.ndim == 5 else img  # Qwen-Image's VAE has a frame axis
+    return pipe.image_processor.postprocess(img, output_type=output_type)
 
 
 def _to(p: Prompt, dtype, device) -> Prompt:
