@@ -66,7 +66,12 @@ class Prompt:
 
 
 def _family_name(params) -> str:
-    return _api.family(params).__name__.rsplit(".", 1)[-1]
+    """ "flux1", "flux2" or "qwenimage" from the params' config class."""
+    config = getattr(params, "config", None)
+    for name, cls in (("flux1", flux1.Flux1Config), ("flux2", flux2.Flux2Config), ("qwenimage", _qwen.QwenImageConfig)):
+        if isinstance(config, cls):
+            return name
+    raise ValueError(f"params: expected fd.Params of FLUX.1, FLUX.2 or Qwen-Image, got {type(params).__name__}")
 
 
 def as_pipeline(encoders, params):
