@@ -21,6 +21,8 @@ the conditional and unconditional branches are one batch of 2B, so on a ``dp=2``
 each rank computes one branch (CFG parallelism). Every rank draws the same noise from
 ``seed``; before the first step `sharding.check_replicated` compares the inputs across
 ranks and raises on every rank if they differ (nothing is broadcast).
+
+docs/sampling.md lists what is reproduced per pipeline class.
 """
 
 from __future__ import annotations
