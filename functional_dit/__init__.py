@@ -16,6 +16,7 @@ from ._api import (
     to_state_dict,
 )
 from ._pytree import PACKED, Block, Params, ParamSpec
+from ._sample import sample
 from ._stack import stack_params, unstack_params
 from .adapter import DiffusersTransformer
 from .flux1 import Flux1Config
@@ -46,6 +47,7 @@ __all__ = [
     "init",
     "num_params",
     "param_specs",
+    "sample",
     "stack_params",
     "to_state_dict",
     "unstack_params",

@@ -203,13 +203,15 @@ def from_diffusers(module) -> Params:
 
 # The keywords of fd.apply's common signature; a family takes some (its ``ARGS``) and
 # accepts the others as None, so a generic caller may pass them all.
-COMMON_ARGS = ("img_ids", "txt_ids", "guidance", "pooled", "txt_mask", "img_shapes")
+COMMON_ARGS = ("img_ids", "txt_ids", "guidance", "pooled", "txt_mask", "img_shapes", "rope")
 
 
 def apply(params: Params, x, t, txt, **kwargs):
     """The model as a pure function: ``fd.apply(params, x, t, txt, *, img_ids=None,
-    txt_ids=None, guidance=None, pooled=None, txt_mask=None, img_shapes=None, ...)``; the
-    family's ``prepare`` documents the arguments it takes (``flux1.prepare``, ...).
+    txt_ids=None, guidance=None, pooled=None, txt_mask=None, img_shapes=None, rope=None,
+    ...)``; the family's ``prepare`` documents the arguments it takes (``flux1.prepare``,
+    ...). ``rope=(cos, sin)``: a precomputed RoPE table in place of the position ids
+    (``flux1.rope_table``, ``flux2.rope_table``, ``qwenimage.pos_embed``).
     Returns the diffusers class's ``forward(...)[0]``, replicated on every rank.
 
     Sharded params (DTensor leaves) run in the local view on their mesh: inputs are

@@ -88,3 +88,20 @@ def reference_leaf(params, path: str) -> torch.Tensor:
     for k in path.split("."):
         node = node[k]
     return node
+
+
+def check_rope(rope, rows: int, head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A precomputed RoPE table as ``apply`` builds it from position ids: (cos, sin), each
+    (rows, head_dim) float32, rows in (txt; img) order. Returns the pair as a tuple."""
+    if not isinstance(rope, (tuple, list)) or len(rope) != 2:
+        raise ValueError(f"rope: expected a (cos, sin) pair of tensors, got {type(rope).__name__}")
+    for name, a in zip(("rope[0] (cos)", "rope[1] (sin)"), rope):
+        check_tensor(name, a, (rows, head_dim), torch.float32, device)
+    return tuple(rope)
+
+
+def check_rope_or_ids(rope, **ids) -> None:
+    """``rope`` replaces the position ids: passing both is ambiguous."""
+    given = [name for name, v in ids.items() if v is not None]
+    if rope is not None and given:
+        raise ValueError(f"rope: replaces {' and '.join(ids)}; pass either rope or {given[0]}, not both")

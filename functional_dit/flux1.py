@@ -13,7 +13,15 @@ import dataclasses
 import torch
 
 from . import _layers as L
-from ._checks import check_guidance, check_ids, check_streams, check_tensor, reference_leaf
+from ._checks import (
+    check_guidance,
+    check_ids,
+    check_rope,
+    check_rope_or_ids,
+    check_streams,
+    check_tensor,
+    reference_leaf,
+)
 from ._config import (
     DiTConfig,
     as_ints,
@@ -232,7 +240,7 @@ def final_layer(p, x, vec):
     return L.linear(p["proj_out"], L.modulate(L.layer_norm(x), shift, scale))
 
 
-def _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids):
+def _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids, rope=None):
     c = params.config
     ref = reference_leaf(params, "x_embedder.weight")
     B, S = check_streams(c, ref, x, t, txt)
@@ -240,28 +248,36 @@ def _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids):
         raise ValueError(f"pooled: FLUX.1 needs pooled text embeddings of shape ({B}, {c.pooled_projection_dim})")
     check_tensor("pooled", pooled, (B, c.pooled_projection_dim), ref.dtype, ref.device)
     check_guidance(c, guidance, B, ref.device)
+    if rope is not None:
+        check_rope_or_ids(rope, img_ids=img_ids, txt_ids=txt_ids)
+        return check_rope(rope, txt.shape[1] + S, c.attention_head_dim, ref.device)
     if img_ids is None:
         raise ValueError(f"img_ids: FLUX.1 needs image position ids of shape ({S}, {len(c.axes_dims_rope)})")
     n_axes = len(c.axes_dims_rope)
     img_ids = check_ids("img_ids", img_ids, S, n_axes, B, ref.device)
     if txt_ids is None:  # what the diffusers pipelines pass
         txt_ids = torch.zeros(txt.shape[1], n_axes, device=ref.device, dtype=img_ids.dtype)
-    txt_ids = check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, ref.device)
-    return img_ids, txt_ids
+    return rope_table(c, img_ids, check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, ref.device))
 
 
-ARGS = ("pooled", "guidance", "img_ids", "txt_ids")  # of fd.apply's keywords, the ones FLUX.1 takes
+def rope_table(config: Flux1Config, img_ids, txt_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cos, sin) table `prepare` builds from 2-D ids: (S_txt + S_img, attention_head_dim) fp32."""
+    return L.rope(torch.cat([txt_ids, img_ids], 0), config.axes_dims_rope, theta=10000.0)
+
+
+ARGS = ("pooled", "guidance", "img_ids", "txt_ids", "rope")  # of fd.apply's keywords, the ones FLUX.1 takes
 BATCHED = ("pooled", "guidance")  # of prepare's outputs, those split over "dp" with x, t, txt
 
 
-def prepare(params, x, t, txt, *, pooled=None, guidance=None, img_ids=None, txt_ids=None) -> dict:
+def prepare(params, x, t, txt, *, pooled=None, guidance=None, img_ids=None, txt_ids=None, rope=None) -> dict:
     """Checks the FLUX.1 inputs (full view) and returns `forward`'s keywords: x (B, S_img,
     in_channels), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim), pooled (B,
     pooled_projection_dim), guidance (B,) when the model is guidance-distilled, img_ids
-    (S_img, 3) / txt_ids (S_txt, 3) or their 3-D forms. fd.apply returns (B, S_img,
+    (S_img, 3) / txt_ids (S_txt, 3) or their 3-D forms. ``rope``: instead of the ids, their
+    RoPE table (cos, sin), each (S_txt + S_img, attention_head_dim) fp32, as `rope_table`
+    builds it (to build it once per sampling run). fd.apply returns (B, S_img,
     patch_size² · out_channels), as ``FluxTransformer2DModel(...)[0]``."""
-    img_ids, txt_ids = _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids)
-    pe = L.rope(torch.cat([txt_ids, img_ids], 0), params.config.axes_dims_rope, theta=10000.0)
+    pe = _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids, rope)
     return dict(pooled=pooled, guidance=guidance, pe=pe)
 
 

@@ -23,7 +23,7 @@ import sharding
 
 from . import _layers as L
 from . import flux2_kv as kv
-from ._checks import check_guidance, check_ids, check_streams, reference_leaf
+from ._checks import check_guidance, check_ids, check_rope, check_rope_or_ids, check_streams, reference_leaf
 from ._config import (
     DiTConfig,
     as_ints,
@@ -326,17 +326,31 @@ def final_layer(p, x, temb, eps=1e-6):
 # ----------------------------------------------------------------------------- validation
 
 
-def _validate(params, x, t, txt, guidance, img_ids, txt_ids):
+def _validate(params, x, t, txt, guidance, img_ids, txt_ids, rope=None):
+    """Returns the RoPE tables of the img and txt rows, and the reference leaf."""
     c = params.config
     ref = reference_leaf(params, "x_embedder.weight")
     B, S = check_streams(c, ref, x, t, txt)
     check_guidance(c, guidance, B, ref.device)
+    if rope is not None:
+        check_rope_or_ids(rope, img_ids=img_ids, txt_ids=txt_ids)
+        T = txt.shape[1]
+        rope = check_rope(rope, T + S, c.attention_head_dim, ref.device)
+        return tuple(a[T:] for a in rope), tuple(a[:T] for a in rope), ref
     n_axes = len(c.axes_dims_rope)
     for name, ids, n in (("img_ids", img_ids, S), ("txt_ids", txt_ids, txt.shape[1])):
         if ids is None:
             raise ValueError(f"{name}: FLUX.2 needs position ids of shape ({n}, {n_axes}) or ({B}, {n}, {n_axes})")
     img_ids = check_ids("img_ids", img_ids, S, n_axes, B, ref.device)
-    return img_ids, check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, ref.device), ref
+    txt_ids = check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, ref.device)
+    return *(L.rope(ids, c.axes_dims_rope, theta=c.rope_theta) for ids in (img_ids, txt_ids)), ref
+
+
+def rope_table(config: Flux2Config, img_ids, txt_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cos, sin) table `prepare` builds from 2-D ids: (S_txt + S_img, attention_head_dim)
+    fp32, txt rows first (with reference tokens, img_ids holds their rows too)."""
+    pe_txt, pe_img = (L.rope(ids, config.axes_dims_rope, theta=config.rope_theta) for ids in (txt_ids, img_ids))
+    return tuple(torch.cat([a, b]) for a, b in zip(pe_txt, pe_img))
 
 
 # ----------------------------------------------------------------------------- apply
@@ -376,7 +390,7 @@ def _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache):
     return x[:, T:], refs
 
 
-ARGS = ("guidance", "img_ids", "txt_ids", "kv_cache", "num_ref_tokens", "ref_fixed_timestep")
+ARGS = ("guidance", "img_ids", "txt_ids", "rope", "kv_cache", "num_ref_tokens", "ref_fixed_timestep")
 BATCHED = ("guidance",)  # of prepare's outputs, those split over "dp" with x, t, txt
 
 
@@ -392,6 +406,7 @@ def prepare(
     kv_cache=None,
     num_ref_tokens=None,
     ref_fixed_timestep=None,
+    rope=None,
 ) -> dict:
     """Checks the FLUX.2 inputs (full view) and returns `forward`'s keywords: x (B, S_img,
     in_channels), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim), guidance (B,) when
@@ -405,11 +420,14 @@ def prepare(
     attending only to themselves; fd.apply returns ``(out, cache)`` with out over the other
     tokens and cache a `Flux2KVCache`. ``kv_cache=cache``: x holds no reference tokens;
     every block's txt and img queries also attend to the cached reference keys and values.
+
+    ``rope``: instead of the ids, their RoPE table (cos, sin), each (S_txt + S_img,
+    attention_head_dim) fp32 with S_img counting x's rows (reference tokens included), as
+    `rope_table` builds it (to build it once per sampling run).
     """
-    img_ids, txt_ids, leaf = _validate(params, x, t, txt, guidance, img_ids, txt_ids)
+    pe_img, pe_txt, leaf = _validate(params, x, t, txt, guidance, img_ids, txt_ids, rope)
     c = params.config
     mode = kv.check_mode(c, x, kv_cache, num_ref_tokens, ref_fixed_timestep, leaf)
-    pe_img, pe_txt = (L.rope(ids, c.axes_dims_rope, theta=c.rope_theta) for ids in (img_ids, txt_ids))
     return dict(
         guidance=guidance,
         pe_img=pe_img,

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import sharding
 
 from . import _layers as L
-from ._checks import check_streams, check_tensor, reference_leaf
+from ._checks import check_rope, check_streams, check_tensor, reference_leaf
 from ._config import (
     DiTConfig,
     as_ints,
@@ -382,22 +382,28 @@ def _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond):
     return shapes
 
 
-ARGS = ("txt_mask", "img_shapes", "additional_t_cond")  # of fd.apply's keywords, the ones Qwen-Image takes
+ARGS = ("txt_mask", "img_shapes", "additional_t_cond", "rope")  # of fd.apply's keywords, the ones Qwen-Image takes
 BATCHED = ("bias", "t_cond")  # of prepare's outputs, those split over "dp" with x, t, txt
 
 
-def prepare(params, x, t, txt, *, txt_mask=None, img_shapes=None, additional_t_cond=None) -> dict:
+def prepare(params, x, t, txt, *, txt_mask=None, img_shapes=None, additional_t_cond=None, rope=None) -> dict:
     """Checks the Qwen-Image inputs (full view) and returns `forward`'s keywords: x (B,
     S_img, in_channels) packed latents (Edit: the target's then the reference images'
     tokens), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim), txt_mask (B, S_txt)
     bool/int, 1 = real token (None: all real), img_shapes per batch item a list of
     (frames, h, w) whose tokens make S_img, additional_t_cond (B,) ints in {0, 1} for the
-    Layered model. fd.apply returns (B, S_img, patch_size² · out_channels), as
+    Layered model. ``rope``: the RoPE table (cos, sin) `pos_embed` builds from img_shapes
+    and S_txt, each (S_txt + S_img, attention_head_dim) fp32, to build it once per sampling
+    run. fd.apply returns (B, S_img, patch_size² · out_channels), as
     ``QwenImageTransformer2DModel(...)[0]``. The model has no guidance embedder
     (diffusers' ``guidance_embeds`` creates no weights), so ``guidance`` must be None."""
     c = params.config
     shapes = _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond)
-    pe = pos_embed(shapes, txt.shape[1], c.axes_dims_rope, c.use_layer3d_rope, x.device)
+    if rope is None:
+        pe = pos_embed(shapes, txt.shape[1], c.axes_dims_rope, c.use_layer3d_rope, x.device)
+    else:
+        rows = txt.shape[1] + x.shape[1]
+        pe = check_rope(rope, rows, c.attention_head_dim, reference_leaf(params, "img_in.weight").device)
     ref = sharding.shard(ref_mask(shapes, x.device), "sp", 0) if c.zero_cond_t else None
     bias = None if txt_mask is None else mask_bias(txt_mask)
     return dict(pe=pe, ref=ref, bias=bias, t_cond=additional_t_cond)

@@ -1,0 +1,37 @@
+"""``python -m functional_dit <command>``: a small dispatcher over subcommands.
+
+Each command group lives in its own module and registers its subparsers through
+``add_commands(subparsers)``, setting ``run`` (a function of the parsed arguments that
+returns an exit status). Expected failures (bad arguments, missing files) print one
+line, ``error: ...``, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import _cli
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m functional_dit",
+        description="FLUX.1, FLUX.2 and Qwen-Image as pure functions: demo, generation.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _cli.add_commands(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except _cli.CLIError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

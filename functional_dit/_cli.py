@@ -1,0 +1,87 @@
+"""The ``demo`` and ``generate`` commands: argument parsing (the work is in `_demo` and
+`_generate`)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class CLIError(Exception):
+    """An expected failure: printed as one line (``error: ...``), exit status 2."""
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return v
+
+
+def _run_demo(args) -> int:
+    from . import _demo  # imported on use: `--help` stays fast
+
+    return _demo.run(args)
+
+
+def _run_generate(args) -> int:
+    from . import _generate
+
+    return _generate.run(args)
+
+
+def add_commands(sub) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="tiny offline models: one image per family with fd.sample, compared with diffusers",
+        description="Builds the tiny offline model set, generates one image per family with fd.sample, "
+        "compares the latents with the stock diffusers pipeline at the same seed, runs FLUX.1 again on "
+        "2 local CPU ranks with tp=2, writes PNGs and a contact sheet, and prints a table.",
+    )
+    demo.add_argument("--out", default="demo_out", help="output folder (default: demo_out)")
+    demo.add_argument("--steps", type=_positive, default=4, help="denoising steps (default: 4)")
+    demo.add_argument("--size", type=_positive, default=64, help="image height and width in pixels (default: 64)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--only", nargs="+", default=None, metavar="NAME", help="run only these rows (e.g. flux1-dev qwen-image)"
+    )
+    demo.add_argument("--ranks", type=int, default=2, help="CPU ranks for the tp run (0 skips it; default: 2)")
+    demo.set_defaults(run=_run_demo)
+
+    gen = sub.add_parser(
+        "generate",
+        help="an image from a checkpoint (diffusers pipeline folder, or a transformer file + --base)",
+        description="Generate an image with fd.sample. Under torchrun, --tp/--sp/--dp shard the model "
+        "over the ranks (tp*sp*dp = the number of ranks); rank 0 shows progress and writes the image.",
+    )
+    gen.add_argument(
+        "--model",
+        required=True,
+        help="a diffusers pipeline folder, a transformer folder or "
+        ".safetensors file (with --base), or a preset name with weights in the Hugging Face cache",
+    )
+    gen.add_argument("--base", default=None, help="pipeline folder for the text encoders, VAE and scheduler")
+    gen.add_argument("--config", default=None, help="preset for a single transformer file without a config")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--negative-prompt", default=None)
+    gen.add_argument("--image", nargs="+", default=None, help="reference image(s) (FLUX.2, Qwen-Image-Edit)")
+    gen.add_argument("--height", type=_positive, default=1024)
+    gen.add_argument("--width", type=_positive, default=1024)
+    gen.add_argument("--steps", type=_positive, default=28)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--guidance", type=float, default=None, help="embedded guidance (FLUX.1-dev, FLUX.2-dev)")
+    gen.add_argument("--true-cfg", type=float, default=None, help="classifier-free guidance scale (> 1 enables)")
+    gen.add_argument("--tp", type=_positive, default=1)
+    gen.add_argument("--sp", type=_positive, default=1)
+    gen.add_argument("--dp", type=_positive, default=1)
+    gen.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator, else cpu)")
+    gen.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default: bfloat16 on an accelerator, float32 on the CPU",
+    )
+    gen.add_argument("--out", required=True, help="the image file to write (.png, .jpg, .webp)")
+    gen.set_defaults(run=_run_generate)

@@ -1,0 +1,243 @@
+"""``python -m functional_dit demo``: the project's main job on its embedded default.
+
+Builds the tiny offline model set (`functional_dit.tiny`: random weights, byte-level
+tokenizers, no network), generates one image per family with `fd.sample`, runs the stock
+diffusers pipeline with the stock transformer at the same seed and reports the largest
+latent difference, then runs FLUX.1 again on local CPU ranks with tp=2 (processes
+spawned here, gloo). Writes one PNG per row and a contact sheet to the output folder
+and prints a table: family, pipeline, max latent difference vs stock, time, file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tempfile
+import time
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+PROMPT = "a red fox sitting in fresh snow, soft morning light, detailed fur"
+NEGATIVE = "blurry, low quality"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str  # also the PNG's name
+    family: str
+    kind: str  # functional_dit.tiny kind (the stock pipeline class)
+    ours: dict  # fd.sample keyword arguments beyond prompt, size, steps, seed
+    stock: dict  # the same for the stock pipeline call
+
+
+def reference_image(size: int = 96) -> Image.Image:
+    """A deterministic reference picture for the editing rows: a disc on a gradient."""
+    y, x = np.mgrid[0:size, 0:size] / size
+    img = np.stack([x, y, 1 - x], -1)
+    img[(x - 0.5) ** 2 + (y - 0.55) ** 2 < 0.08] = (0.95, 0.45, 0.1)
+    return Image.fromarray((img * 255).astype("uint8"))
+
+
+def rows() -> list[Row]:
+    ref = reference_image()
+    cfg = dict(true_cfg=4.0, negative_prompt=NEGATIVE)
+    return [
+        Row("flux1-dev", "FLUX.1", "flux", dict(guidance=3.5), dict(guidance_scale=3.5)),
+        Row("flux2-dev", "FLUX.2", "flux2", dict(guidance=4.0), dict(guidance_scale=4.0)),
+        Row("flux2-klein-kv", "FLUX.2", "flux2-klein-kv", dict(image=ref), dict(image=ref)),
+        Row("qwen-image", "Qwen-Image", "qwen-image", cfg, dict(true_cfg_scale=4.0, negative_prompt=NEGATIVE)),
+        Row("qwen-image-edit", "Qwen-Image", "qwen-image-edit", dict(image=ref), dict(image=ref, true_cfg_scale=1.0)),
+    ]
+
+
+def _stock_latents(pipe, seed: int, **kw) -> torch.Tensor:
+    """The stock pipeline's packed latents after its last step."""
+    got = {}
+
+    def grab(_pipe, _i, _t, tensors):
+        got["latents"] = tensors["latents"]
+        return {}
+
+    pipe(**kw, generator=torch.Generator().manual_seed(seed), callback_on_step_end=grab, output_type="latent")
+    return got["latents"]
+
+
+def _ours(params, pipe, row: Row, args):
+    """fd.sample's image, its final latents and its wall time."""
+    import functional_dit as fd
+
+    got = {}
+    start = time.perf_counter()
+    image = fd.sample(
+        params,
+        pipe,
+        PROMPT,
+        height=args["size"],
+        width=args["size"],
+        steps=args["steps"],
+        seed=args["seed"],
+        callback=lambda i, x: got.update(latents=x),
+        **row.ours,
+    )[0]
+    return image, got["latents"], time.perf_counter() - start
+
+
+def run_row(row: Row, args: dict) -> dict:
+    import functional_dit as fd
+    from functional_dit import tiny
+
+    pipe = tiny.pipeline(row.kind, seed=0)
+    params = fd.from_diffusers(pipe.transformer)
+    image, latents, seconds = _ours(params, pipe, row, args)
+    size = dict(height=args["size"], width=args["size"], num_inference_steps=args["steps"])
+    stock = _stock_latents(pipe, args["seed"], prompt=PROMPT, **size, **row.stock)
+    diff = (latents - stock).abs().max().item()
+    return dict(image=image, diff=diff, seconds=seconds, pipeline=type(pipe).__name__, latents=latents)
+
+
+# ----------------------------------------------------------------------------- tp ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
+    """One CPU rank of the tp run: the FLUX.1 row with params sharded tp=world."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import functional_dit as fd
+    import sharding
+    from functional_dit import tiny
+
+    try:
+        mesh = sharding.make_mesh(tp=world, device_type="cpu", timeout=300)
+        row = rows()[0]
+        pipe = tiny.pipeline(row.kind, seed=0)
+        params = sharding.shard_params(fd.from_diffusers(pipe.transformer), mesh)
+        image, latents, seconds = _ours(params, pipe, row, args)
+        record = dict(ok=True, image=np.asarray(image), latents=latents, seconds=seconds)
+    except Exception as e:  # noqa: BLE001 - reported by the parent
+        record = dict(ok=False, error=f"{type(e).__name__}: {e}")
+    torch.save(record, os.path.join(out, f"rank{rank}.pt"))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_tp(args: dict, world: int) -> dict:
+    """The FLUX.1 row on ``world`` spawned CPU processes with tp=world; rank 0's result
+    (every rank's latents must be bitwise equal)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="fd_demo_") as out:
+        port = _free_port()
+        procs = [ctx.Process(target=_rank_main, args=(r, world, port, args, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(600)
+            if p.is_alive():
+                p.kill()
+        records = []
+        for r in range(world):
+            path = os.path.join(out, f"rank{r}.pt")
+            records.append(torch.load(path, weights_only=False) if os.path.exists(path) else dict(ok=False))
+    failed = [f"rank {r}: {rec.get('error', 'no result')}" for r, rec in enumerate(records) if not rec["ok"]]
+    if failed:
+        raise RuntimeError("the tp run failed: " + "; ".join(failed))
+    if not all(torch.equal(rec["latents"], records[0]["latents"]) for rec in records):
+        raise RuntimeError("the tp run's ranks returned different latents")
+    first = records[0]
+    return dict(image=Image.fromarray(first["image"]), latents=first["latents"], seconds=first["seconds"])
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def contact_sheet(tiles: list[tuple[str, str, Image.Image]], tile: int = 160) -> Image.Image:
+    """The images side by side, scaled to ``tile`` px (nearest), two caption lines each."""
+    pad, caption = 8, 30
+    sheet = Image.new("RGB", (len(tiles) * (tile + pad) + pad, tile + caption + 2 * pad), "white")
+    draw = ImageDraw.Draw(sheet)
+    for i, (title, sub, img) in enumerate(tiles):
+        x = pad + i * (tile + pad)
+        sheet.paste(img.convert("RGB").resize((tile, tile), Image.NEAREST), (x, pad))
+        draw.text((x, pad + tile + 3), title, fill="black")
+        draw.text((x, pad + tile + 16), sub, fill="dimgray")
+    return sheet
+
+
+def table(lines: list[tuple]) -> str:
+    head = ("family", "pipeline", "max |latent diff| vs stock", "time", "output")
+    cells = [head] + [(f, p, f"{d:.1e}" if d else "0 (bitwise)", f"{s:.2f} s", o) for f, p, d, s, o in lines]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(cells[0]), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in cells[1:]])
+
+
+def run(args) -> int:
+    from ._cli import CLIError
+
+    selected = rows()
+    if args.only:
+        known = [r.name for r in selected] + ["flux1-dev-tp"]
+        unknown = [n for n in args.only if n not in known]
+        if unknown:
+            raise CLIError(f"--only: unknown rows {unknown}; expected some of {known}")
+        selected = [r for r in selected if r.name in args.only]
+    if args.ranks == 1 or args.ranks < 0:
+        raise CLIError(f"--ranks: expected 0 (skip the tp run) or at least 2, got {args.ranks}")
+    multiple = 16  # every tiny VAE is x8, and latents pack 2x2
+    if args.size % multiple:
+        raise CLIError(f"--size: expected a multiple of {multiple} (VAE scale 8 x 2x2 packing), got {args.size}")
+    cfg = dict(size=args.size, steps=args.steps, seed=args.seed)
+    start = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    lines, tiles = [], []
+    for row in selected:
+        res = run_row(row, cfg)
+        path = os.path.join(args.out, f"{row.name}.png")
+        res["image"].save(path)
+        lines.append((row.family, res["pipeline"], res["diff"], res["seconds"], path))
+        tiles.append((row.name, f"diff {res['diff']:.0e}", res["image"]))
+        print(f"  {row.name}: done", flush=True)
+    run_tp_row = args.ranks >= 2 and (not args.only or "flux1-dev-tp" in args.only or "flux1-dev" in args.only)
+    if run_tp_row:
+        from functional_dit import tiny
+
+        pipe = tiny.pipeline("flux", seed=0)
+        stock = _stock_latents(
+            pipe,
+            args.seed,
+            prompt=PROMPT,
+            height=args.size,
+            width=args.size,
+            num_inference_steps=args.steps,
+            **rows()[0].stock,
+        )
+        res = run_tp(cfg, args.ranks)
+        diff = (res["latents"] - stock).abs().max().item()
+        name = f"flux1-dev-tp{args.ranks}"
+        path = os.path.join(args.out, f"{name}.png")
+        res["image"].save(path)
+        lines.append(("FLUX.1", f"FluxPipeline, tp={args.ranks} on {args.ranks} CPU ranks", diff, res["seconds"], path))
+        tiles.append((name, f"diff {diff:.0e}", res["image"]))
+        print(f"  {name}: done", flush=True)
+    sheet = os.path.join(args.out, "contact_sheet.png")
+    contact_sheet(tiles).save(sheet)
+    print()
+    print(table(lines))
+    print(
+        f"\ncontact sheet: {sheet}; {args.size}x{args.size} px, {args.steps} steps, seed {args.seed}; "
+        f"wall time {time.perf_counter() - start:.1f} s"
+    )
+    return 0

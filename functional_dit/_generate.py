@@ -1,0 +1,280 @@
+"""``python -m functional_dit generate``: an image from a real checkpoint with `fd.sample`.
+
+``--model`` is a diffusers pipeline folder (``model_index.json``: transformer, text
+encoders, VAE and scheduler together), a transformer folder or ``.safetensors`` file (in
+diffusers or Black Forest Labs layout) with ``--base`` naming the pipeline folder for the
+rest, or a preset name whose released weights are in the local Hugging Face cache (nothing
+is downloaded). Under ``torchrun`` ``--tp/--sp/--dp`` shard the model over the ranks and
+each rank reads only its own slices; rank 0 shows a progress bar, writes the image and
+reports the time per step and the peak memory.
+
+Everything that can be checked before the heavy loading is (paths, the checkpoint kind,
+sizes against the VAE scale, the world size), each failure as one line; the image is
+written to a temporary file next to ``--out`` and renamed, so nothing partial is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+
+import torch
+
+from ._cli import CLIError
+
+# Released weights of the presets on the Hugging Face Hub (looked up in the local cache only).
+PRESET_REPOS = {
+    "flux1-dev": "black-forest-labs/FLUX.1-dev",
+    "flux1-schnell": "black-forest-labs/FLUX.1-schnell",
+    "flux2-dev": "black-forest-labs/FLUX.2-dev",
+    "flux2-klein-4b": "black-forest-labs/FLUX.2-klein-4B",
+    "flux2-klein-9b": "black-forest-labs/FLUX.2-klein-9B",
+    "qwen-image": "Qwen/Qwen-Image",
+    "qwen-image-edit-2511": "Qwen/Qwen-Image-Edit-2511",
+}
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+
+
+# ----------------------------------------------------------------------------- paths
+
+
+def _preset_folder(name: str) -> str:
+    import functional_dit as fd
+
+    if name not in fd.PRESETS:
+        raise CLIError(f"--model: {name!r} is no file or folder, nor a preset ({', '.join(sorted(fd.PRESETS))})")
+    repo = PRESET_REPOS.get(name)
+    if repo is None:
+        raise CLIError(f"--model: preset {name!r} has no released weights to generate with; pass a checkpoint")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo, local_files_only=True)
+    except Exception:  # noqa: BLE001 - any miss of the local cache means the same to the user
+        raise CLIError(
+            f"--model: preset {name!r} has no weights on this machine ({repo} is not in the Hugging Face cache); "
+            f"download it first (hf download {repo}) or pass a local folder"
+        ) from None
+
+
+def _pipeline_class(folder: str, flag: str) -> str:
+    path = os.path.join(folder, "model_index.json")
+    if not os.path.isfile(path):
+        raise CLIError(f"{flag}: {folder} is not a checkpoint: no model_index.json (a diffusers pipeline folder)")
+    from ._sample import PIPELINES
+
+    with open(path) as f:
+        name = json.load(f).get("_class_name")
+    if name not in PIPELINES:
+        raise CLIError(f"{flag}: {folder} holds a {name}; expected one of {sorted(PIPELINES)}")
+    return name
+
+
+def resolve(args) -> tuple[str, str, str | None]:
+    """(transformer checkpoint, pipeline folder for the encoders/VAE/scheduler, config)."""
+    model = args.model
+    if not os.path.exists(model):
+        if os.sep in model or model.endswith(".safetensors"):
+            raise CLIError(f"--model: {model} does not exist")
+        model = _preset_folder(model)
+    if args.base is not None and not os.path.isdir(args.base):
+        raise CLIError(f"--base: {args.base} is not a folder")
+    if os.path.isdir(model) and os.path.isfile(os.path.join(model, "model_index.json")):
+        base = args.base or model
+    elif os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
+        if args.base is None:
+            raise CLIError(f"--model: {model} is a transformer folder; add --base PIPELINE_FOLDER for the encoders")
+        base = args.base
+    elif os.path.isdir(model):
+        raise CLIError(
+            f"--model: {model} is not a checkpoint: no model_index.json (pipeline folder) or config.json "
+            "(transformer folder)"
+        )
+    elif not model.endswith(".safetensors"):
+        raise CLIError(f"--model: {model} is not a checkpoint: expected a .safetensors file or a folder")
+    elif args.base is None:
+        raise CLIError(f"--model: {model} is a transformer file; add --base PIPELINE_FOLDER for the encoders and VAE")
+    else:
+        base = args.base
+    _pipeline_class(base, "--base" if args.base else "--model")
+    config = args.config
+    if config is None and os.path.isfile(model):
+        found = os.path.join(base, "transformer", "config.json")
+        if not os.path.isfile(found):
+            raise CLIError(
+                f"--config: {model} is a single file and {base} has no transformer/config.json; name a preset"
+            )
+        config = found
+    return model, base, _config(config)
+
+
+def _config(config):
+    """A preset name stays a name (weights.load takes it); a config.json path becomes a config."""
+    import functional_dit as fd
+
+    if config is None or config in fd.PRESETS:
+        return config
+    if not os.path.isfile(config):
+        raise CLIError(f"--config: expected a preset ({', '.join(sorted(fd.PRESETS))}) or a config.json, got {config}")
+    try:
+        return fd.config_from_diffusers(config)
+    except ValueError as e:
+        raise CLIError(f"--config: {config}: {str(e).splitlines()[0]}") from None
+
+
+def _check_out(out: str) -> None:
+    if not out.lower().endswith(IMAGE_SUFFIXES):
+        raise CLIError(f"--out: expected an image file name ending in {', '.join(IMAGE_SUFFIXES)}, got {out}")
+    if os.path.isdir(out):
+        raise CLIError(f"--out: {out} is a folder; expected an image file name")
+
+
+def _check_images(paths) -> list:
+    from PIL import Image
+
+    for p in paths or []:
+        if not os.path.isfile(p):
+            raise CLIError(f"--image: {p} does not exist")
+    return [Image.open(p).convert("RGB") for p in paths] if paths else None
+
+
+def vae_scale(base: str) -> int:
+    """The VAE's downscaling factor, read from ``vae/config.json`` as the pipelines compute
+    it (Qwen-Image: 2 ** len(temperal_downsample); the others: 2 ** (levels - 1))."""
+    path = os.path.join(base, "vae", "config.json")
+    if not os.path.isfile(path):
+        raise CLIError(f"--base: {base} is not a checkpoint: no vae/config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    if "temperal_downsample" in cfg:
+        return 2 ** len(cfg["temperal_downsample"])
+    return 2 ** (len(cfg.get("block_out_channels", [0] * 4)) - 1)
+
+
+def _check_size(base: str, height: int, width: int) -> None:
+    scale = vae_scale(base)
+    for flag, v in (("--height", height), ("--width", width)):
+        if v % (2 * scale):
+            raise CLIError(f"{flag}: expected a multiple of {2 * scale} (VAE scale {scale} x 2x2 packing), got {v}")
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def _mesh(args):
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    want = args.tp * args.sp * args.dp
+    if want != world_env:
+        where = "torchrun's WORLD_SIZE" if "WORLD_SIZE" in os.environ else "a single process (no torchrun)"
+        raise CLIError(f"--tp*--sp*--dp: expected {world_env} for {where}, got {args.tp}*{args.sp}*{args.dp} = {want}")
+    if want == 1:
+        return None
+    import sharding
+
+    return sharding.make_mesh(tp=args.tp, sp=args.sp, dp=args.dp, device_type=args.device)
+
+
+def _device_dtype(args, mesh):
+    import sharding
+
+    device = (
+        sharding.mesh_device(mesh) if mesh is not None else torch.device(args.device or sharding.default_device_type())
+    )
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    return device, dtype
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _peak_memory_gib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def write_image(image, out: str) -> None:
+    """Write through a temporary file in the target folder, then rename: never a partial file."""
+    folder = os.path.dirname(os.path.abspath(out))
+    os.makedirs(folder, exist_ok=True)
+    stem, suffix = os.path.splitext(os.path.basename(out))
+    tmp = os.path.join(folder, f".{stem}.partial-{os.getpid()}{suffix}")
+    try:
+        image.save(tmp)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def run(args) -> int:
+    import diffusers
+    from tqdm.auto import tqdm
+
+    import functional_dit as fd
+    import weights
+
+    _check_out(args.out)
+    model, base, config = resolve(args)
+    _check_size(base, args.height, args.width)
+    images = _check_images(args.image)
+    mesh = _mesh(args)
+    device, dtype = _device_dtype(args, mesh)
+    rank0 = _rank() == 0
+    if not rank0:
+        import transformers
+
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+    start = time.perf_counter()
+    pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=None, torch_dtype=dtype).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    try:
+        params = weights.load(model, config=config, mesh=mesh, dtype=dtype, device=None if mesh else device)
+    except ValueError as e:
+        raise CLIError(f"--model: {str(e).splitlines()[0]}") from None
+    loaded = time.perf_counter()
+    bar = tqdm(total=args.steps, desc="denoising", disable=not rank0)
+    stamps = []
+
+    def step(i, latents):
+        stamps.append(time.perf_counter())
+        bar.update()
+
+    try:
+        image = fd.sample(
+            params,
+            pipe,
+            args.prompt,
+            height=args.height,
+            width=args.width,
+            steps=args.steps,
+            seed=args.seed,
+            guidance=args.guidance,
+            true_cfg=args.true_cfg,
+            negative_prompt=args.negative_prompt,
+            image=images,
+            callback=step,
+        )[0]
+    except ValueError as e:
+        raise CLIError(str(e).splitlines()[0]) from None
+    finally:
+        bar.close()
+    if rank0:
+        write_image(image, args.out)
+        per_step = [b - a for a, b in zip(stamps, stamps[1:])]
+        mean = sum(per_step) / len(per_step) if per_step else stamps[0] - loaded
+        print(
+            f"wrote {args.out} ({args.width}x{args.height}, {args.steps} steps, seed {args.seed}); "
+            f"load {loaded - start:.1f} s, {mean:.3f} s/step, total {time.perf_counter() - start:.1f} s, "
+            f"peak memory {_peak_memory_gib(device):.2f} GiB ({device.type})"
+        )
+    return 0

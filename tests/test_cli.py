@@ -1,0 +1,138 @@
+"""``python -m functional_dit``: the demo (shortened) and ``generate`` on a tiny pipeline
+folder saved to disk, its errors (one line, status 2, nothing written)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+import functional_dit as fd
+from functional_dit import tiny
+from functional_dit.__main__ import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def flux_folder(tmp_path_factory):
+    """A tiny FluxPipeline saved as a diffusers folder, and its stock image (seed 3)."""
+    folder = str(tmp_path_factory.mktemp("tiny_flux"))
+    pipe = tiny.pipeline("flux")
+    pipe.save_pretrained(folder)
+    stock = pipe("a cube", height=32, width=48, num_inference_steps=2, generator=torch.Generator().manual_seed(3))
+    return folder, np.asarray(stock.images[0]), fd.from_diffusers(pipe.transformer)
+
+
+GEN = ["--prompt", "a cube", "--height", "32", "--width", "48", "--steps", "2", "--seed", "3"]
+
+
+def test_help_lists_the_commands():
+    out = subprocess.run([sys.executable, "-m", "functional_dit", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and "demo" in out.stdout and "generate" in out.stdout
+
+
+def test_generate_pipeline_folder_writes_the_stock_image(flux_folder, tmp_path, capsys):
+    folder, stock, _ = flux_folder
+    out = tmp_path / "new" / "cube.png"
+    assert main(["generate", "--model", folder, *GEN, "--out", str(out)]) == 0
+    assert np.array_equal(np.asarray(Image.open(out)), stock)
+    said = capsys.readouterr().out
+    assert re.search(r"wrote .*cube\.png \(48x32, 2 steps, seed 3\).* s/step.*peak memory [\d.]+ GiB", said), said
+    assert os.listdir(out.parent) == ["cube.png"]  # no temporary file left
+
+
+def test_generate_transformer_file_with_base(flux_folder, tmp_path):
+    folder, stock, params = flux_folder
+    file = tmp_path / "transformer.safetensors"
+    save_file(fd.to_state_dict(params), str(file))
+    out = tmp_path / "cube.png"
+    assert main(["generate", "--model", str(file), "--base", folder, *GEN, "--out", str(out)]) == 0
+    assert np.array_equal(np.asarray(Image.open(out)), stock)
+
+
+def _error(argv, capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "model, extra, match",
+    [
+        ("{tmp}/missing", [], "--model: {tmp}/missing does not exist"),
+        ("{tmp}/empty", [], "--model: {tmp}/empty is not a checkpoint: no model_index.json"),
+        ("{tmp}/w.bin", [], "--model: {tmp}/w.bin is not a checkpoint: expected a .safetensors file"),
+        ("{tmp}/t.safetensors", [], "is a transformer file; add --base"),
+        ("{folder}", ["--base", "{tmp}/empty"], "--base: {tmp}/empty is not a checkpoint: no model_index.json"),
+        ("flux1-dev", [], "preset 'flux1-dev' has no weights on this machine"),
+        ("flux1-tiny", [], "preset 'flux1-tiny' has no released weights"),
+        ("no-such-model", [], "'no-such-model' is no file or folder, nor a preset"),
+        ("{folder}", ["--height", "40"], "--height: expected a multiple of 16 (VAE scale 8 x 2x2 packing), got 40"),
+        ("{folder}", ["--width", "8"], "--width: expected a multiple of 16"),
+        ("{folder}", ["--tp", "2"], "--tp*--sp*--dp: expected 1 for a single process"),
+        ("{folder}", ["--image", "{tmp}/nope.png"], "--image: {tmp}/nope.png does not exist"),
+    ],
+)
+def test_generate_errors_are_one_line_and_write_nothing(
+    flux_folder, tmp_path, capsys, monkeypatch, model, extra, match
+):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # an empty cache
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "w.bin").write_bytes(b"")
+    (tmp_path / "t.safetensors").write_bytes(b"")
+    fill = lambda s: s.format(tmp=tmp_path, folder=flux_folder[0])  # noqa: E731
+    out = tmp_path / "out" / "x.png"
+    argv = ["generate", "--model", fill(model), *GEN, *[fill(a) for a in extra], "--out", str(out)]
+    # argparse keeps an option's last value: extra --height/--width override GEN's
+    assert fill(match) in _error(argv, capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_generate_refuses_an_output_that_is_not_an_image(flux_folder, tmp_path, capsys):
+    err = _error(["generate", "--model", flux_folder[0], *GEN, "--out", str(tmp_path / "x.txt")], capsys)
+    assert "--out: expected an image file name ending in .png" in err
+
+
+def test_generate_under_torchrun_tp2_writes_the_stock_image(flux_folder, tmp_path):
+    folder, stock, _ = flux_folder
+    out = tmp_path / "cube.png"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "functional_dit", "generate", "--model", folder, *GEN, "--tp", "2", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("wrote ") == 1  # rank 0 only
+    assert np.array_equal(np.asarray(Image.open(out)), stock)
+
+
+def test_demo_shortened_writes_pngs_and_a_table(tmp_path, capsys):
+    """The FLUX.1 row and its tp=2 run on 2 spawned CPU ranks (the full demo has a row per
+    family; every family's fd.sample is checked against its stock pipeline in test_sample)."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--only", "flux1-dev", "--steps", "2", "--size", "32"]) == 0
+    for name in ("flux1-dev", "flux1-dev-tp2", "contact_sheet"):
+        path = out / f"{name}.png"
+        assert path.stat().st_size > 0 and Image.open(path).size[0] >= 32
+    table = capsys.readouterr().out
+    rows = [line for line in table.splitlines() if line.startswith(("FLUX", "Qwen"))]
+    assert len(rows) == 2 and "FluxPipeline, tp=2 on 2 CPU ranks" in rows[1], table
+    for line in rows:
+        cell = re.split(r"\s{2,}", line)[2]
+        assert cell == "0 (bitwise)" or float(cell) <= 1e-5, line  # fd.sample vs stock at the fp32 bound
+
+
+def test_demo_bad_arguments(tmp_path, capsys):
+    assert "--only: unknown rows ['nope']" in _error(["demo", "--out", str(tmp_path), "--only", "nope"], capsys)
+    assert "--size: expected a multiple of 16" in _error(["demo", "--out", str(tmp_path), "--size", "40"], capsys)
+    assert "--ranks: expected 0" in _error(["demo", "--out", str(tmp_path), "--ranks", "1"], capsys)
