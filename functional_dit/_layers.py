@@ -57,9 +57,31 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return x * (1 + scale[:, None]) + shift[:, None]
 
 
-def adaln(p, emb: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    """``n`` modulation vectors (B, C) from ``linear(silu(emb))``; replicated on every rank."""
-    return linear(p, F.silu(emb)).chunk(n, dim=-1)
+def adaln(p, emb: torch.Tensor, n: int, axis: str = "tp") -> tuple[torch.Tensor, ...]:
+    """``n`` modulation vectors (B, C) from ``linear(silu(emb))`` (emb (B, C)).
+
+    The projection may be sharded per chunk over ``axis`` (its ``"mod"`` blocks): the
+    local output (B, n·C/tp) then holds this rank's slice of every chunk and is
+    all-gathered (a few KB) and put back in chunk order. Whether it is sharded is read off
+    the local weight's rows (n·C: whole), so replicated weights work too."""
+    y = linear(p, F.silu(emb))
+    C = emb.shape[-1]
+    if y.shape[-1] != n * C:
+        y = gather_chunks(y, n, axis)
+    return y.chunk(n, dim=-1)
+
+
+def gather_chunks(y: torch.Tensor, n: int, axis: str = "tp") -> torch.Tensor:
+    """(..., n·c) holding this rank's slice c of each of n chunks -> (..., n·c·size(axis))
+    in chunk order: all-gather over ``axis`` (rank-major) and swap rank and chunk."""
+    size = sharding.axis_size(axis)
+    if y.shape[-1] % n or size == 1:
+        raise ValueError(
+            f"modulation: the local projection gives {y.shape[-1]} rows for {n} chunks, which is neither the "
+            f"whole (n x embed dim) nor a per-chunk shard over {axis!r} (size {size})"
+        )
+    g = sharding.all_gather(y, axis, dim=-1)  # (..., size * n * c), rank-major
+    return g.unflatten(-1, (size, n, -1)).transpose(-3, -2).flatten(-3)
 
 
 def gelu_mlp(p, x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from ._checks import (
     reference_leaf,
 )
 from ._config import require_bool, require_non_negative, require_positive, require_positive_or_none, require_rope_axes
-from ._pytree import PACKED, Block, linear_spec, norm_spec, ordered_blocks
+from ._pytree import MOD3, MOD6, MOD_OUT, PACKED, Block, linear_spec, mod_spec, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "FluxTransformer2DModel"
 
@@ -124,8 +124,8 @@ def _time_text_specs(c) -> dict:
 def _double_block_specs(c) -> dict:
     D, n = c.attention_head_dim, c.inner_dim
     return {
-        "norm1": {"linear": linear_spec(6 * n, n, "mod", "embed")},
-        "norm1_context": {"linear": linear_spec(6 * n, n, "mod", "embed")},
+        "norm1": {"linear": mod_spec(n, MOD6)},
+        "norm1_context": {"linear": mod_spec(n, MOD6)},
         "attn": {
             "norm_q": norm_spec(D),
             "norm_k": norm_spec(D),
@@ -150,7 +150,7 @@ def _single_block_specs(c) -> dict:
     # proj_out consumes cat([attn_out, mlp_hidden]): two independently sharded streams.
     packed = (Block("attn", n, "heads"), Block("mlp", m, "mlp"))
     return {
-        "norm": {"linear": linear_spec(3 * n, n, "mod", "embed")},
+        "norm": {"linear": mod_spec(n, MOD3)},
         "proj_mlp": _col(c, m, "mlp"),
         "proj_out": linear_spec(n, n + m, "embed", PACKED, blocks=packed),
         "attn": {
@@ -172,7 +172,7 @@ def param_specs(c: Flux1Config) -> dict:
         "x_embedder": linear_spec(n, c.in_channels, "embed", "channels"),
         "transformer_blocks": {str(i): _double_block_specs(c) for i in range(c.num_layers)},
         "single_transformer_blocks": {str(i): _single_block_specs(c) for i in range(c.num_single_layers)},
-        "norm_out": {"linear": linear_spec(2 * n, n, "mod", "embed")},
+        "norm_out": {"linear": mod_spec(n, MOD_OUT)},
         "proj_out": linear_spec(c.out_dim, n, "out_channels", "embed"),
     }
 

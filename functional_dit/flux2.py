@@ -44,7 +44,7 @@ from ._config import (
     require_positive_or_none,
     require_rope_axes,
 )
-from ._pytree import PACKED, Block, flatten, linear_spec, nest, norm_spec, ordered_blocks
+from ._pytree import MOD3, MOD6, MOD_OUT, PACKED, Block, flatten, linear_spec, mod_spec, nest, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "Flux2Transformer2DModel"
 
@@ -189,14 +189,14 @@ def param_specs(c: Flux2Config) -> dict:
     time = {"timestep_embedder": emb, **({"guidance_embedder": emb} if c.guidance_embeds else {})}
     return {
         "time_guidance_embed": time,
-        "double_stream_modulation_img": {"linear": _lin(6 * n, n, "mod", "embed")},
-        "double_stream_modulation_txt": {"linear": _lin(6 * n, n, "mod", "embed")},
-        "single_stream_modulation": {"linear": _lin(3 * n, n, "mod", "embed")},
+        "double_stream_modulation_img": {"linear": mod_spec(n, MOD6, bias=False)},
+        "double_stream_modulation_txt": {"linear": mod_spec(n, MOD6, bias=False)},
+        "single_stream_modulation": {"linear": mod_spec(n, MOD3, bias=False)},
         "x_embedder": _lin(n, c.in_channels, "embed", "channels"),
         "context_embedder": _lin(n, c.joint_attention_dim, "embed", "txt_embed"),
         "transformer_blocks": {str(i): _double_block_specs(c) for i in range(c.num_layers)},
         "single_transformer_blocks": {str(i): _single_block_specs(c) for i in range(c.num_single_layers)},
-        "norm_out": {"linear": _lin(2 * n, n, "mod", "embed")},
+        "norm_out": {"linear": mod_spec(n, MOD_OUT, bias=False)},
         "proj_out": _lin(c.out_dim, n, "out_channels", "embed"),
     }
 

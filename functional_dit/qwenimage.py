@@ -34,7 +34,7 @@ from ._config import (
     require_positive_or_none,
     require_rope_axes,
 )
-from ._pytree import ParamSpec, linear_spec, norm_spec, ordered_blocks
+from ._pytree import MOD6, MOD_OUT, ParamSpec, linear_spec, mod_spec, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
 THETA = 10000
@@ -119,7 +119,7 @@ def _block_specs(c) -> dict:
     col = lambda: linear_spec(n, n, "heads", "embed")  # noqa: E731  column-parallel over heads
     row = lambda: linear_spec(n, n, "embed", "heads")  # noqa: E731  row-parallel over heads
     return {
-        "img_mod": {"1": linear_spec(6 * n, n, "mod", "embed")},
+        "img_mod": {"1": mod_spec(n, MOD6)},
         "attn": {
             "norm_q": norm_spec(D),
             "norm_k": norm_spec(D),
@@ -135,7 +135,7 @@ def _block_specs(c) -> dict:
             "norm_added_k": norm_spec(D),
         },
         "img_mlp": _mlp(c),
-        "txt_mod": {"1": linear_spec(6 * n, n, "mod", "embed")},
+        "txt_mod": {"1": mod_spec(n, MOD6)},
         "txt_mlp": _mlp(c),
     }
 
@@ -157,7 +157,7 @@ def param_specs(c: QwenImageConfig) -> dict:
         "img_in": linear_spec(n, c.in_channels, "embed", "channels"),
         "txt_in": linear_spec(n, c.joint_attention_dim, "embed", "txt_embed"),
         "transformer_blocks": {str(i): _block_specs(c) for i in range(c.num_layers)},
-        "norm_out": {"linear": linear_spec(2 * n, n, "mod", "embed")},
+        "norm_out": {"linear": mod_spec(n, MOD_OUT)},
         "proj_out": linear_spec(c.out_dim, n, "out_channels", "embed"),
     }
 

@@ -8,7 +8,7 @@ of a fused dim is the classic TP bug, see LESSONS.md).
 
 `plan` derives it from each parameter's ``ParamSpec`` (``shape``, logical ``axes`` and
 ``blocks``) through a rules table mapping logical axes to mesh axes, as maxdiffusion
-and haliax do (default ``{"heads": "tp", "mlp": "tp"}``), and validates every sharded
+and haliax do (default ``{"heads": "tp", "mlp": "tp", "mod": "tp"}``), and validates every sharded
 size before any data moves. Users may edit the plan or pass their own rules.
 
 Where the specs come from — `sharding` imports neither ``functional_dit`` nor
@@ -29,7 +29,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 PACKED = "packed"  # the logical axis of a dim that concatenates several blocks (ParamSpec)
-DEFAULT_RULES = {"heads": "tp", "mlp": "tp"}
+# "mod": the AdaLN modulation rows, split per chunk; the model all-gathers their output.
+DEFAULT_RULES = {"heads": "tp", "mlp": "tp", "mod": "tp"}
 # The local-view model code sums row-parallel partial products with psum(..., "tp"),
 # so on a mesh with tp > 1 these logical axes must be split over "tp" and no other.
 MODEL_CONTRACT = {"heads": "tp", "mlp": "tp"}
@@ -153,7 +154,7 @@ def plan(params_or_config, mesh, rules: Mapping | None = None) -> dict:
 
     ``params_or_config``: ``Params``, a config or a specs tree (see the module docstring).
     ``mesh``: a named ``DeviceMesh`` or a mapping ``{axis: size}`` (no processes needed).
-    ``rules``: logical axis -> mesh axis (default ``{"heads": "tp", "mlp": "tp"}``).
+    ``rules``: logical axis -> mesh axis (default ``{"heads": "tp", "mlp": "tp", "mod": "tp"}``).
 
     Raises ValueError, before any data moves, when a sharded dim or a fused block does
     not divide by its axis size (naming the parameter, dim, size and degree), when the
