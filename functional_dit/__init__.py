@@ -11,6 +11,7 @@ from ._api import (
     init,
     num_params,
     param_specs,
+    prepare,
     to_state_dict,
 )
 from ._pytree import PACKED, Block, Params, ParamSpec
@@ -45,5 +46,6 @@ __all__ = [
     "init",
     "num_params",
     "param_specs",
+    "prepare",
     "to_state_dict",
 ]

@@ -139,6 +139,18 @@ def from_diffusers(module) -> Params:
     return from_state_dict(config, {k: v.detach() for k, v in module.state_dict().items()})
 
 
+def prepare(params: Params) -> Params:
+    """``params`` laid out for the fast eager path: each group of projections that read
+    the same input (q/k/v; FLUX.1's single-block q/k/v + MLP input) becomes row views of
+    one buffer, so `apply` runs it as one matmul. The same keys, shapes and values (a
+    derived layout, not a new format); plain or sharded params (each rank's local rows,
+    so the fused weight shards per block). For inference: params that require grad are
+    refused. See `functional_dit._fuse`."""
+    from . import _fuse
+
+    return _fuse.prepare(params, family(params).FUSED)
+
+
 def apply(params: Params, x, t, txt, **kwargs):
     """The model as a pure function; see the family's ``apply`` for the arguments.
     Sharded params (DTensor leaves) run in the local view on their mesh."""

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 import sharding
 
+from ._fuse import linear_group  # noqa: F401  (re-exported: the families' fused projections)
+
 
 def linear(p, x: torch.Tensor) -> torch.Tensor:
     """``x @ W.T + b``; a column-parallel projection needs nothing more."""

@@ -177,6 +177,17 @@ def param_specs(c: Flux1Config) -> dict:
     }
 
 
+# Projections that read the same input, fused into one matmul by `fd.prepare` (BFL's
+# qkv and linear1 layouts): {block list: [paths inside a block, ...]}.
+FUSED = {
+    "transformer_blocks": [
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    ],
+    "single_transformer_blocks": [("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")],
+}
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -188,10 +199,12 @@ def time_text_embed(p, t, guidance, pooled) -> torch.Tensor:
     return vec + L.mlp_embed(p["text_embedder"], pooled)
 
 
-def qkv(p, x, head_dim, names=("to_q", "to_k", "to_v"), norms=("norm_q", "norm_k")):
-    """Project to q, k, v (B, S, H, D) and RMS-normalise q and k over D."""
-    q, k, v = (L.split_heads(L.linear(p[n], x), head_dim) for n in names)
-    return L.rms_norm(p[norms[0]], q), L.rms_norm(p[norms[1]], k), v
+def qkv(p, x, head_dim, names=("to_q", "to_k", "to_v"), norms=("norm_q", "norm_k"), extra=()):
+    """Project to q, k, v (B, S, H, D) and RMS-normalise q and k over D; ``extra`` linear
+    layers reading the same x are projected in the same (fused) matmul and returned after."""
+    q, k, v, *rest = L.linear_group([p[n] for n in names] + list(extra), x)
+    q, k, v = (L.split_heads(y, head_dim) for y in (q, k, v))
+    return L.rms_norm(p[norms[0]], q), L.rms_norm(p[norms[1]], k), v, *rest
 
 
 def joint_attention(q, k, v, pe, key_bias=None) -> torch.Tensor:
@@ -226,8 +239,9 @@ def single_block(p, x, vec, pe, head_dim, key_bias=None):
     """Parallel attention + MLP over the joint (txt; img) sequence x (B, S, C)."""
     shift, scale, gate = L.adaln(p["norm"]["linear"], vec, 3)
     h = L.modulate(L.layer_norm(x), shift, scale)
-    mlp = torch.nn.functional.gelu(L.linear(p["proj_mlp"], h), approximate="tanh")
-    attn = joint_attention(*qkv(p["attn"], h, head_dim), pe, key_bias)
+    q, k, v, mlp = qkv(p["attn"], h, head_dim, extra=[p["proj_mlp"]])  # BFL's linear1: one matmul
+    mlp = torch.nn.functional.gelu(mlp, approximate="tanh")
+    attn = joint_attention(q, k, v, pe, key_bias)
     return L.clip_fp16(x + gate[:, None] * L.row_linear(p["proj_out"], torch.cat([attn, mlp], -1)))
 
 

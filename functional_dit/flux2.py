@@ -285,6 +285,16 @@ class Ref(NamedTuple):
     bias: torch.Tensor | None = None
 
 
+# Projections that read the same input, fused into one matmul by `fd.prepare` (BFL's
+# qkv layout; the single blocks' to_qkv_mlp_proj is fused already).
+FUSED = {
+    "transformer_blocks": [
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    ],
+}
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -325,7 +335,7 @@ def _stream_qkv(a, x, mod, head_dim, eps, names):
     """One stream of a double block: AdaLN, then q, k, v (B, S, H, D) with q, k RMS-normalised."""
     (proj, norms), (shift, scale) = names, mod[:2]
     h = L.modulate(L.layer_norm(x, eps), shift, scale)
-    q, k, v = (L.split_heads(L.linear(a[n], h), head_dim) for n in proj)
+    q, k, v = (L.split_heads(y, head_dim) for y in L.linear_group([a[n] for n in proj], h))
     return L.rms_norm(a[norms[0]], q, eps), L.rms_norm(a[norms[1]], k, eps), v
 
 

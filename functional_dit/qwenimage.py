@@ -205,6 +205,15 @@ def pos_embed(shapes, txt_len: int, axes_dim, layer3d: bool = False, device=None
     return rope(ids, axes_dim)
 
 
+# Projections that read the same input, fused into one matmul by `fd.prepare`.
+FUSED = {
+    "transformer_blocks": [
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    ],
+}
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -246,7 +255,7 @@ def img_modulation(p, temb: torch.Tensor, ref: torch.Tensor | None) -> list[torc
 
 def qkv(p, x, head_dim, names, norms):
     """Project to q, k, v (B, S, H, D); fp32-variance RMS norm on q and k over D."""
-    q, k, v = (L.split_heads(L.linear(p[n], x), head_dim) for n in names)
+    q, k, v = (L.split_heads(y, head_dim) for y in L.linear_group([p[n] for n in names], x))
     return L.rms_norm_fp32(p[norms[0]], q), L.rms_norm_fp32(p[norms[1]], k), v
 
 
