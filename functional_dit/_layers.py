@@ -8,6 +8,7 @@ so head counts are read from the tensors, never from the config.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -16,6 +17,25 @@ import torch.nn.functional as F
 import sharding
 
 from ._fuse import linear_group  # noqa: F401  (re-exported: the families' fused projections)
+
+
+def region(fn):
+    """Mark a block function as a region ``torch.compile`` compiles once and reuses for
+    every layer of the same shapes (``torch.compiler.nested_compile_region``, torch >=
+    2.8; hierarchical compilation): full-depth compile time stays near one block's.
+    A no-op in eager and where the API is missing; ``torch.export`` traces the plain
+    function (strict export refuses the region's aliased inputs, e.g. modulation chunks)."""
+    mark = getattr(torch.compiler, "nested_compile_region", None)
+    if mark is None:
+        return fn
+    marked = mark(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        exporting = getattr(torch.compiler, "is_exporting", lambda: False)()
+        return fn(*args, **kwargs) if exporting else marked(*args, **kwargs)
+
+    return call
 
 
 def linear(p, x: torch.Tensor) -> torch.Tensor:

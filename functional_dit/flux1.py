@@ -245,6 +245,9 @@ def single_block(p, x, vec, pe, head_dim, key_bias=None):
     return L.clip_fp16(x + gate[:, None] * L.row_linear(p["proj_out"], torch.cat([attn, mlp], -1)))
 
 
+_double_region, _single_region = L.region(double_block), L.region(single_block)  # compiled once, every layer
+
+
 def final_layer(p, x, vec):
     scale, shift = L.adaln(p["norm_out"]["linear"], vec, 2)  # note: (scale, shift) order
     return L.linear(p["proj_out"], L.modulate(L.layer_norm(x), shift, scale))
@@ -289,9 +292,9 @@ def apply(params, x, t, txt, *, pooled=None, guidance=None, img_ids=None, txt_id
     txt = L.linear(params["context_embedder"], txt)
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
     for p in ordered_blocks(params["transformer_blocks"]):
-        img, txt = double_block(p, img, txt, vec, pe, D, key_bias)
+        img, txt = _double_region(p, img, txt, vec, pe, D, key_bias)
     x = torch.cat([txt, img], 1)
     for p in ordered_blocks(params["single_transformer_blocks"]):
-        x = single_block(p, x, vec, pe, D, key_bias)
+        x = _single_region(p, x, vec, pe, D, key_bias)
     out = final_layer(params, x[:, txt.shape[1] :], vec)
     return sharding.gather(sharding.gather(out, "sp", 1, S), "dp", 0, B)

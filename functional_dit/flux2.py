@@ -421,6 +421,9 @@ def single_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None, txt_len=0, re
     return out, ref
 
 
+_double_region, _single_region = L.region(double_block), L.region(single_block)  # compiled once, every layer
+
+
 def final_layer(p, x, temb, eps=1e-6):
     scale, shift = L.adaln(p["norm_out"]["linear"], temb, 2)  # note: (scale, shift) order
     return L.linear(p["proj_out"], L.modulate(L.layer_norm(x, eps), shift, scale))
@@ -519,15 +522,19 @@ def _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache):
     """All blocks in the local view. Returns the img stream and, per block, its `Ref`."""
     c, (mod_img, mod_txt, mod_single), T, refs = params.config, mods, txt.shape[1], {}
     D, eps = c.attention_head_dim, c.eps
+    double, single = double_block, single_block
+    if ref is None and cache is None:  # regional compilation; its inputs must not alias
+        double, single = _double_region, _single_region
+        mod_img, mod_txt, mod_single = (tuple(m.clone() for m in mod) for mod in (mod_img, mod_txt, mod_single))
     for i, p in enumerate(ordered_blocks(params["transformer_blocks"])):
         ref = ref if cache is None else _local_cache(cache, "transformer_blocks", i, img.device)
-        img, txt, ref = double_block(p, img, txt, mod_img, mod_txt, pe, D, eps, key_bias, ref)
+        img, txt, ref = double(p, img, txt, mod_img, mod_txt, pe, D, eps, key_bias, ref)
         refs[f"transformer_blocks.{i}"] = ref
     x = torch.cat([txt, img], 1)
     ref = ref._replace(mod=ref_mod_single) if ref is not None and ref.x is not None else None
     for i, p in enumerate(ordered_blocks(params["single_transformer_blocks"])):
         ref = ref if cache is None else _local_cache(cache, "single_transformer_blocks", i, x.device)
-        x, ref = single_block(p, x, mod_single, pe, D, eps, key_bias, T, ref)
+        x, ref = single(p, x, mod_single, pe, D, eps, key_bias, T, ref)
         refs[f"single_transformer_blocks.{i}"] = ref
     return x[:, T:], refs
 

@@ -291,6 +291,9 @@ def block(p, img, txt, temb, pe, head_dim, key_bias=None, ref=None):
     return L.clip_fp16(img), L.clip_fp16(txt)
 
 
+_block_region = L.region(block)  # compiled once, reused for every layer
+
+
 def final_layer(p, x, temb):
     scale, shift = L.adaln(p["norm_out"]["linear"], temb, 2)  # note: (scale, shift) order
     return L.linear(p["proj_out"], L.modulate(L.layer_norm(x), shift, scale))
@@ -426,6 +429,6 @@ def apply(
     txt = L.linear(params["txt_in"], L.rms_norm_fp32(params["txt_norm"], txt))
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe, bias)
     for p in ordered_blocks(params["transformer_blocks"]):
-        img, txt = block(p, img, txt, temb, pe, D, key_bias, ref)
+        img, txt = _block_region(p, img, txt, temb, pe, D, key_bias, ref)
     out = final_layer(params, img, temb[: img.shape[0]])
     return sharding.gather(sharding.gather(out, "sp", 1, S), "dp", 0, B)
