@@ -144,8 +144,10 @@ def prepare(params: Params) -> Params:
     the same input (q/k/v; FLUX.1's single-block q/k/v + MLP input) becomes row views of
     one buffer, so `apply` runs it as one matmul. The same keys, shapes and values (a
     derived layout, not a new format); plain or sharded params (each rank's local rows,
-    so the fused weight shards per block). For inference: params that require grad are
-    refused. See `functional_dit._fuse`."""
+    so the fused weight shards per block). For eager inference: params that require grad
+    are refused, and ``torch.compile`` wants the params as they are (its per-block
+    regions refuse inputs that share storage; compiled code gains nothing from the
+    layout). See `functional_dit._fuse`."""
     from . import _fuse
 
     return _fuse.prepare(params, family(params).FUSED)

@@ -245,7 +245,9 @@ def single_block(p, x, vec, pe, head_dim, key_bias=None):
     return L.clip_fp16(x + gate[:, None] * L.row_linear(p["proj_out"], torch.cat([attn, mlp], -1)))
 
 
-_double_region, _single_region = L.region(double_block), L.region(single_block)  # compiled once, every layer
+# Compiled once, reused for every layer; the block functions are looked up at call time.
+_double_region = L.region(lambda *args: double_block(*args))
+_single_region = L.region(lambda *args: single_block(*args))
 
 
 def final_layer(p, x, vec):

@@ -421,7 +421,9 @@ def single_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None, txt_len=0, re
     return out, ref
 
 
-_double_region, _single_region = L.region(double_block), L.region(single_block)  # compiled once, every layer
+# Compiled once, reused for every layer; the block functions are looked up at call time.
+_double_region = L.region(lambda *args: double_block(*args))
+_single_region = L.region(lambda *args: single_block(*args))
 
 
 def final_layer(p, x, temb, eps=1e-6):

@@ -291,7 +291,7 @@ def block(p, img, txt, temb, pe, head_dim, key_bias=None, ref=None):
     return L.clip_fp16(img), L.clip_fp16(txt)
 
 
-_block_region = L.region(block)  # compiled once, reused for every layer
+_block_region = L.region(lambda *args: block(*args))  # compiled once, reused for every layer
 
 
 def final_layer(p, x, temb):

@@ -146,7 +146,7 @@ def test_prepare_refuses_params_that_require_grad_and_grads_flow_unfused():
 
 def _sharded_breaks(rank, world):
     """Per family at tp=world: graph breaks and graphs of torch.compile(fd.apply) on
-    prepared sharded params, and whether it matches eager."""
+    sharded params, and whether it matches eager (on the `fd.prepare`d layout)."""
     import cases_flux1
     import cases_flux2
     import cases_qwenimage
@@ -155,11 +155,11 @@ def _sharded_breaks(rank, world):
     report = {}
     for mod in (cases_flux1, cases_flux2, cases_qwenimage):
         config = mod.TINY
-        s = fd.prepare(sharding.shard_params(fd.init(config, seed=0), mesh))
+        s = sharding.shard_params(fd.init(config, seed=0), mesh)
         kw = mod.inputs(config, batch=1, seed=0)
         out, breaks, graphs = _compile_counts(fd.apply, s, **kw)
         with torch.no_grad():
-            eager = fd.apply(s, **kw)
+            eager = fd.apply(fd.prepare(s), **kw)
         report[type(config).__name__] = (breaks, len(graphs), (out - eager).abs().max().item())
     return report
 
