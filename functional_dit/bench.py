@@ -11,8 +11,10 @@ round and each figure is the median of ``--runs`` rounds. Prints a table and wri
 BENCHMARKS.md (date, machine, the exact command, every figure).
 
 diffusers refuses tensor parallelism on CPU meshes: this benchmark widens only that
-device-type check (``diffusers.hooks.tensor_parallel._SUPPORTED_TP_DEVICES``) and says
-so in its output.
+device-type check (``diffusers.hooks.tensor_parallel._SUPPORTED_TP_DEVICES``) and runs
+``enable_parallelism``'s tensor-parallel steps with the CPU mesh's device (that method
+looks the device up from ``torch.accelerator``, absent on a CPU machine); it says so in
+its output.
 """
 
 from __future__ import annotations
@@ -268,6 +270,29 @@ def _widen_diffusers_tp_devices() -> None:
         tp._SUPPORTED_TP_DEVICES = (*tp._SUPPORTED_TP_DEVICES, "cpu")
 
 
+def _diffusers_tp(module, tp_config, rank, world) -> None:
+    """``module.enable_parallelism(config=tp_config)``'s tensor-parallel steps, in its order:
+    diffusers' own checks, shard specs, config setup and ``apply_tensor_parallel`` with the
+    model's ``_tp_plan``. Only the device lookup differs: enable_parallelism takes the device
+    from ``torch.accelerator`` (none on a CPU machine: it divides by a device count of 0),
+    here it is the CPU mesh's."""
+    from diffusers.hooks.tensor_parallel import (
+        _check_tp_supported,
+        _tp_degree,
+        apply_tensor_parallel,
+        resolve_tp_shard_specs,
+    )
+    from diffusers.models._modeling_parallel import ParallelConfig
+
+    heads = getattr(module.config, "num_attention_heads", None)
+    _check_tp_supported(type(module).__name__, module._tp_plan, heads, tp_config, model=module)
+    resolve_tp_shard_specs(module, module._tp_plan, _tp_degree(tp_config))
+    config = ParallelConfig(tensor_parallel_config=tp_config)
+    config.setup(rank, world, torch.device("cpu"), mesh=tp_config.mesh)
+    module._parallel_config = config
+    apply_tensor_parallel(module, config.tensor_parallel_config, module._tp_plan)
+
+
 def _tp_rank(rank, world, port, name, config, runs, dtype, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -282,7 +307,7 @@ def _tp_rank(rank, world, port, name, config, runs, dtype, out_path):
         _widen_diffusers_tp_devices()
         module = diffusers_module(params, "cpu", dtype)
         tp_mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        module.enable_parallelism(config=TensorParallelConfig(mesh=tp_mesh))
+        _diffusers_tp(module, TensorParallelConfig(mesh=tp_mesh), rank, world)
         contenders = {"ours": lambda: _api.apply(ours, **kw), "diffusers": lambda: module(**dkw)[0]}
         with torch.no_grad():
             err = _err(contenders["ours"](), contenders["diffusers"]())
@@ -413,8 +438,10 @@ def markdown(results, peak, args, command, started, elapsed) -> str:
         "dynamic=False)`; cold compile = first call with the FX graph cache off (inductor's C++ kernel cache may "
         "reuse kernels compiled earlier in the run; ours compile first, so any reuse favours diffusers)",
         "- tp=2: 2 gloo processes on this machine, 1 thread each; diffusers' own tensor parallelism "
-        "(`enable_parallelism(TensorParallelConfig)`), with its device-type check widened to allow CPU "
-        "(`diffusers.hooks.tensor_parallel._SUPPORTED_TP_DEVICES` += 'cpu'), nothing else changed",
+        "(`enable_parallelism(TensorParallelConfig)`'s steps: its checks, shard specs, `apply_tensor_parallel` with "
+        "the model's `_tp_plan`), with its device-type check widened to allow CPU "
+        "(`diffusers.hooks.tensor_parallel._SUPPORTED_TP_DEVICES` += 'cpu') and the device taken from the CPU mesh "
+        "instead of `torch.accelerator` (none on a CPU machine); nothing else changed",
         "",
     ]
     lines += table(results, peak)
