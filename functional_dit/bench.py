@@ -120,12 +120,20 @@ def diffusers_module(params, device, dtype):
     """The diffusers class of ``params.config`` holding the same weights (a copy)."""
     import diffusers
 
-    cfg = _api.config_to_diffusers(params.config)
-    cls = getattr(diffusers, cfg["_class_name"])
-    with torch.device("meta"):
-        module = cls(**{k: v for k, v in cfg.items() if not k.startswith("_")})
+    def build(config):
+        cfg = _api.config_to_diffusers(config)
+        return getattr(diffusers, cfg["_class_name"])(**{k: v for k, v in cfg.items() if not k.startswith("_")})
+
+    with torch.device("meta"):  # no full-size random init (a released preset's shape on a GPU)
+        module = build(params.config)
     module.load_state_dict({k: v.detach().clone() for k, v in params.flat().items()}, assign=True)
-    return module.to(device).eval().requires_grad_(False)  # already in dtype
+    meta = [name for name, b in module.named_buffers() if b.is_meta]
+    if meta:  # non-persistent buffers (Qwen-Image's RoPE tables): from a real one-block module
+        donor = dict(build(one_block(params.config)).named_buffers())
+        for name in meta:
+            owner, _, leaf = name.rpartition(".")
+            module.get_submodule(owner)._buffers[leaf] = donor[name]
+    return module.to(device).eval().requires_grad_(False)  # weights already in dtype
 
 
 # ----------------------------------------------------------------------------- timing
