@@ -28,5 +28,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
+    args.argv = argv  # the exact command line, for reports
     sys.exit(importlib.import_module(args._module).run(args))

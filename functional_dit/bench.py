@@ -502,12 +502,13 @@ def run(args) -> int:
     import torch._inductor.config as inductor_config
 
     inductor_config.fx_graph_cache = False  # cold compile times
-    command = "python -m functional_dit " + " ".join(sys.argv[1:])
+    configs = _configs(args)
+    command = "python -m functional_dit " + " ".join(getattr(args, "argv", sys.argv[1:]))
     started, t0 = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
     peak = matmul_peak(args.device, args.dtype)
     print(f"matmul peak {peak / 1e9:.1f} GFLOP/s ({args.device}, {args.dtype})", flush=True)
     results = {}
-    for name, config in _configs(args).items():
+    for name, config in configs.items():
         print(f"{name}: eager ...", flush=True)
         r = eager_section(name, config, args)
         if not args.no_compile:
