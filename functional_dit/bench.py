@@ -116,6 +116,14 @@ def inputs(config, device, dtype, seed: int = 0, hw=IMG_HW, txt_len: int = TXT_L
     return kw, dkw
 
 
+def _holds_meta_state(module) -> bool:
+    """A parameter-free module left with meta tensors (buffers or plain attributes)."""
+    if any(True for _ in module.parameters()):
+        return False
+    tensors = [*module.buffers(recurse=False), *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]
+    return any(t.is_meta for t in tensors)
+
+
 def diffusers_module(params, device, dtype):
     """The diffusers class of ``params.config`` holding the same weights (a copy)."""
     import diffusers
@@ -127,12 +135,12 @@ def diffusers_module(params, device, dtype):
     with torch.device("meta"):  # no full-size random init (a released preset's shape on a GPU)
         module = build(params.config)
     module.load_state_dict({k: v.detach().clone() for k, v in params.flat().items()}, assign=True)
-    meta = [name for name, b in module.named_buffers() if b.is_meta]
-    if meta:  # non-persistent buffers (Qwen-Image's RoPE tables): from a real one-block module
-        donor = dict(build(one_block(params.config)).named_buffers())
-        for name in meta:
-            owner, _, leaf = name.rpartition(".")
-            module.get_submodule(owner)._buffers[leaf] = donor[name]
+    stale = [name for name, sub in module.named_modules() if name and _holds_meta_state(sub)]
+    if stale:  # tables that are not weights (Qwen-Image's RoPE): the modules of a real one-block model
+        donor = build(one_block(params.config))
+        for name in stale:
+            parent, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(parent), leaf, donor.get_submodule(name))
     return module.to(device).eval().requires_grad_(False)  # weights already in dtype
 
 
