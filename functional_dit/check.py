@@ -1,7 +1,7 @@
 """``python -m functional_dit check --device DEV``: a one-command hardware check.
 
-For each family's tiny config: ``fd.apply`` on the device vs CPU eager (fp32) at the
-same weights and inputs — parity; a second call with another timestep must not
+For each family's tiny config: ``fd.apply`` on the device vs CPU eager (same dtype) at
+the same weights and inputs — parity; a second call with another timestep must not
 recompile; and on XLA devices (torch_xla: TPU, Neuron, or its CPU device) no
 ``aten::`` op may fall back to the CPU (``torch_xla.debug.metrics``).
 
@@ -37,7 +37,7 @@ def _to(kw: dict, device, dtype) -> dict:
     out = {}
     for k, v in kw.items():
         if isinstance(v, torch.Tensor):
-            v = v.to(device, dtype) if v.is_floating_point() and k not in ("t", "guidance") else v.to(device)
+            v = v.to(device, dtype) if k in ("x", "txt", "pooled") else v.to(device)  # ids, t stay fp32
         out[k] = v
     return out
 
@@ -60,10 +60,10 @@ def _aten_fallbacks(met) -> list[str]:
 
 
 def check_family(name, config, device, dtype, mode, backend, tol) -> dict:
-    params = _api.init(config, seed=0)
+    params = _api.init(config, seed=0, dtype=dtype)  # the reference: CPU eager in the same dtype
     kw = _tiny_inputs(config)
     with torch.no_grad():
-        want = _api.apply(params, **kw)
+        want = _api.apply(params, **_to(kw, "cpu", dtype)).float()
     dev_params = _api.init(config, seed=0, dtype=dtype, device=device)
     kw_dev, kw2 = _to(kw, device, dtype), _to(dict(kw, t=kw["t"] * 0.5), device, dtype)
     met = _xla() if torch.device(device).type == "xla" else None
