@@ -158,14 +158,20 @@ def _sharded_breaks(rank, world):
         s = sharding.shard_params(fd.init(config, seed=0), mesh)
         kw = mod.inputs(config, batch=1, seed=0)
         out, breaks, graphs = _compile_counts(fd.apply, s, **kw)
+        prepared = fd.prepare(s)
+        local, _ = sharding.local_view(prepared)
+        attn = local["transformer_blocks"]["0"]["attn"]
+        fused = fd._fuse.fused([attn["to_q"], attn["to_k"], attn["to_v"]])  # this rank's rows, one buffer
         with torch.no_grad():
-            eager = fd.apply(fd.prepare(s), **kw)
-        report[type(config).__name__] = (breaks, len(graphs), (out - eager).abs().max().item())
+            eager = fd.apply(prepared, **kw)
+        err = (out - eager).abs().max().item()
+        report[type(config).__name__] = (breaks, len(graphs), err, None if fused is None else fused[0].shape[0])
     return report
 
 
-def test_sharded_compile_has_zero_graph_breaks():
+def test_sharded_compile_has_zero_graph_breaks_and_prepare_fuses_local_rows():
     for rank_report in spawn(_sharded_breaks, 2, timeout=600):
-        for name, (breaks, graphs, err) in rank_report.items():
+        for name, (breaks, graphs, err, fused_rows) in rank_report.items():
             assert breaks == 0 and graphs == 1, f"{name}: {breaks} graph breaks, {graphs} graphs"
-            assert err < 1e-5, f"{name}: compiled differs from eager by {err}"
+            assert err < 1e-5, f"{name}: compiled differs from eager (prepared) by {err}"
+            assert fused_rows is not None, f"{name}: the prepared local q/k/v are not one buffer"
