@@ -526,6 +526,7 @@ def run(args) -> int:
             print(f"{name}: tp=2 ...", flush=True)
             r["tp"] = tp_section(name, config, args)
         results[name] = r
+        print(f"{name}: {r}", flush=True)  # every figure as soon as the family is done
     elapsed = time.perf_counter() - t0
     text = markdown(results, peak, args, command, started, elapsed)
     print("\n".join(table(results, peak)))
