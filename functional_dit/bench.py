@@ -249,25 +249,66 @@ def _compile_first_call(fn, device) -> tuple[object, float]:
     return out, time.perf_counter() - start
 
 
-def compile_section(name, config, args) -> dict:
-    """Cold compile (first call, with the FX graph cache off) at full depth and one block,
-    ours then diffusers; then compiled vs compiled, alternating."""
-    out = {}
-    compiled = {}
-    for depth, cfg in (("full", config), ("one_block", one_block(config))):
-        params = _api.init(cfg, seed=0, dtype=args.dtype, device=args.device)
-        kw, dkw = inputs(cfg, args.device, args.dtype)
-        module = diffusers_module(params, args.device, args.dtype)
-        torch._dynamo.reset()
+def _cold_worker(which, config, dtype, device, cache_dir, out_path):
+    """In a fresh process: the first call of a compiled ``which`` ("ours" | "diffusers")."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = False
+    params = _api.init(config, seed=0, dtype=dtype, device=device)
+    kw, dkw = inputs(config, device, dtype)
+    if which == "ours":
         f = torch.compile(_api.apply, fullgraph=True, dynamic=False)
-        _, out[f"compile_ours_{depth}"] = _compile_first_call(lambda: f(params, **kw), args.device)  # noqa: B023
-        torch._dynamo.reset()
-        g = torch.compile(module, fullgraph=True, dynamic=False)
-        _, out[f"compile_diffusers_{depth}"] = _compile_first_call(lambda: g(**dkw), args.device)  # noqa: B023
-        if depth == "full":
-            compiled = {"ours": lambda: f(params, **kw), "diffusers": lambda: g(**dkw)[0]}  # noqa: B023
-            med = alternate(compiled, args.runs, args.device)
-            out.update(compiled_ours=med["ours"], compiled_diffusers=med["diffusers"])
+        _, secs = _compile_first_call(lambda: f(params, **kw), device)
+    else:
+        g = torch.compile(diffusers_module(params, device, dtype), fullgraph=True, dynamic=False)
+        _, secs = _compile_first_call(lambda: g(**dkw), device)
+    torch.save(secs, out_path)
+
+
+def _warm_worker(cache_dir):
+    """Build inductor's per-machine artefacts (headers, toolchain probes) into ``cache_dir``."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    torch.compile(lambda x: (x.sin() + 1).sum())(torch.randn(8))
+
+
+def _in_process(target, *args) -> None:
+    import torch.multiprocessing as mp
+
+    proc = mp.get_context("spawn").Process(target=target, args=args)
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"bench: {target.__name__}{args[:1]} failed in its process (exit code {proc.exitcode})")
+
+
+def cold_compile(which, config, args, warm_dir) -> float:
+    """Seconds of the first compiled call in a fresh process whose inductor cache is a copy
+    of ``warm_dir``: the toolchain is warm, no kernel or graph of this model is cached."""
+    import shutil
+
+    with tempfile.TemporaryDirectory() as d:
+        cache, path = os.path.join(d, "cache"), os.path.join(d, "secs.pt")
+        shutil.copytree(warm_dir, cache)
+        _in_process(_cold_worker, which, config, args.dtype, args.device, cache, path)
+        return torch.load(path)
+
+
+def compile_section(name, config, args, warm_dir) -> dict:
+    """Cold compile time (each in a fresh process, see `cold_compile`) at full depth and one
+    block, ours and diffusers; then compiled vs compiled, alternating."""
+    out = {}
+    for depth, cfg in (("full", config), ("one_block", one_block(config))):
+        for which in ("ours", "diffusers"):
+            out[f"compile_{which}_{depth}"] = cold_compile(which, cfg, args, warm_dir)
+    params = _api.init(config, seed=0, dtype=args.dtype, device=args.device)
+    kw, dkw = inputs(config, args.device, args.dtype)
+    module = diffusers_module(params, args.device, args.dtype)
+    torch._dynamo.reset()
+    f = torch.compile(_api.apply, fullgraph=True, dynamic=False)
+    g = torch.compile(module, fullgraph=True, dynamic=False)
+    med = alternate({"ours": lambda: f(params, **kw), "diffusers": lambda: g(**dkw)[0]}, args.runs, args.device)
+    out.update(compiled_ours=med["ours"], compiled_diffusers=med["diffusers"])
     out["ratio_compiled"] = out["compiled_ours"] / out["compiled_diffusers"]
     out["ratio_compile_time"] = out["compile_ours_full"] / out["compile_diffusers_full"]
     out["ours_full_over_one_block"] = out["compile_ours_full"] / out["compile_ours_one_block"]
@@ -451,8 +492,8 @@ def markdown(results, peak, args, command, started, elapsed) -> str:
         f"same load); {peak / 1e9:.1f} GFLOP/s measured alone at the start",
         "- ours: `fd.apply` on `fd.prepare`d params (fused q/k/v); compiled: "
         "`torch.compile(fd.apply, fullgraph=True, dynamic=False)` vs `torch.compile(module, fullgraph=True, "
-        "dynamic=False)`; cold compile = first call with the FX graph cache off (inductor's C++ kernel cache may "
-        "reuse kernels compiled earlier in the run; ours compile first, so any reuse favours diffusers)",
+        "dynamic=False)`; cold compile = the first compiled call in a fresh process whose inductor cache holds "
+        "only a trivial warm-up (toolchain ready, no kernel or graph of the model cached), FX graph cache off",
         "- tp=2: 2 gloo processes on this machine, 1 thread each; diffusers' own tensor parallelism "
         "(`enable_parallelism(TensorParallelConfig)`'s steps: its checks, shard specs, `apply_tensor_parallel` with "
         "the model's `_tp_plan`), with its device-type check widened to allow CPU "
@@ -516,12 +557,15 @@ def run(args) -> int:
     peak = matmul_peak(args.device, args.dtype)
     print(f"matmul peak {peak / 1e9:.1f} GFLOP/s ({args.device}, {args.dtype})", flush=True)
     results = {}
+    warm = tempfile.TemporaryDirectory()
+    if not args.no_compile:
+        _in_process(_warm_worker, warm.name)
     for name, config in configs.items():
         print(f"{name}: eager ...", flush=True)
         r = eager_section(name, config, args)
         if not args.no_compile:
             print(f"{name}: compile ...", flush=True)
-            r["compile"] = compile_section(name, config, args)
+            r["compile"] = compile_section(name, config, args, warm.name)
         if not args.no_tp and torch.device(args.device).type == "cpu":
             print(f"{name}: tp=2 ...", flush=True)
             r["tp"] = tp_section(name, config, args)
