@@ -13,6 +13,7 @@ from ._api import (
     init,
     num_params,
     param_specs,
+    prepare,
     to_state_dict,
 )
 from ._pytree import PACKED, Block, Params, ParamSpec
@@ -46,6 +47,7 @@ __all__ = [
     "init",
     "num_params",
     "param_specs",
+    "prepare",
     "stack_params",
     "to_state_dict",
     "unstack_params",
