@@ -13,6 +13,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree
 
 import sharding
 
@@ -24,7 +25,13 @@ def region(fn):
     every layer of the same shapes (``torch.compiler.nested_compile_region``, torch >=
     2.8; hierarchical compilation): full-depth compile time stays near one block's.
     A no-op in eager and where the API is missing; ``torch.export`` traces the plain
-    function (strict export refuses the region's aliased inputs, e.g. modulation chunks)."""
+    function (strict export refuses the region's aliased inputs, e.g. modulation chunks).
+
+    Under autograd (grad enabled and any tensor argument requiring grad) the block is
+    traced inline too: a region's backward sums the per-layer gradient contributions in
+    another order than eager autograd, so compiled gradients would drift from eager ones
+    by float rounding (~1e-7 relative); inline, compiled training matches eager exactly.
+    Regions serve inference (sampling), where compile time matters."""
     mark = getattr(torch.compiler, "nested_compile_region", None)
     if mark is None:
         return fn
@@ -33,9 +40,15 @@ def region(fn):
     @functools.wraps(fn)
     def call(*args, **kwargs):
         exporting = getattr(torch.compiler, "is_exporting", lambda: False)()
-        return fn(*args, **kwargs) if exporting else marked(*args, **kwargs)
+        if exporting or (torch.is_grad_enabled() and _any_requires_grad((args, kwargs))):
+            return fn(*args, **kwargs)
+        return marked(*args, **kwargs)
 
     return call
+
+
+def _any_requires_grad(tree) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in torch.utils._pytree.tree_leaves(tree))
 
 
 def linear(p, x: torch.Tensor) -> torch.Tensor:
