@@ -9,8 +9,8 @@ consecutive rows of one buffer, the leaves becoming row *views* of it: the same 
 shapes and values, no extra memory once the old params are dropped. The forward
 (`linear_group`) recognises such a layout from the tensors' storage and runs one
 matmul over the whole buffer, splitting its output (views, no copy); anything else
-(unprepared params, tensors that require grad while grad is enabled, traced code) runs
-the projections one by one, as diffusers does. Because the check reads the storage on
+(unprepared params, tensors that require grad while grad is enabled, traced code, params
+inside a ``torch.func`` transform) runs the projections one by one, as diffusers does. Because the check reads the storage on
 every call, a prepared layout can never be stale: a leaf replaced by another tensor
 breaks the adjacency and that group simply runs unfused; an in-place update of a
 leaf is an update of the buffer.
@@ -60,6 +60,8 @@ def fused(ps: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         return None
     ws = [p["weight"] for p in ps]
     bs = [p.get("bias") for p in ps]
+    if any(t is not None and _functorch_wrapped(t) for t in ws + bs):
+        return None  # under a torch.func transform (grad, jvp, vmap): no storage to read
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ws + bs):
         return None
     w = _rows_of_one_buffer(ws)
@@ -71,6 +73,10 @@ def fused(ps: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         return None
     b = _rows_of_one_buffer(bs)
     return None if b is None else (w, b)
+
+
+def _functorch_wrapped(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def linear_group(ps: list, x: torch.Tensor, axis: str = "tp") -> list[torch.Tensor]:

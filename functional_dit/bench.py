@@ -399,7 +399,7 @@ def tp_section(name, config, args) -> dict:
 def memory_section() -> list[tuple[str, float, float]]:
     """(preset, GB per rank at tp=8, ideal GB) for every released preset, bf16."""
     rows = []
-    for preset, config in _api.presets().items():
+    for preset, config in _api.PRESETS.items():
         if preset.endswith("-tiny"):
             continue
         try:
@@ -530,7 +530,7 @@ def add_arguments(p) -> None:
 
 def _configs(args) -> dict:
     if args.preset is not None:
-        presets = _api.presets()
+        presets = _api.PRESETS
         if args.preset not in presets:
             raise ValueError(f"--preset: expected one of {sorted(presets)}, got {args.preset!r}")
         return {args.preset: presets[args.preset]}

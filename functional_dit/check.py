@@ -109,7 +109,7 @@ def run(args) -> int:
     backend = args.backend or ("openxla" if torch.device(device).type == "xla" else "inductor")
     tol = 1e-4 if dtype == torch.float32 else 5e-2  # fp32: kernel order only; bf16: storage rounding
     ok = True
-    for name, config in _api.presets().items():
+    for name, config in _api.PRESETS.items():
         if not name.endswith("-tiny"):
             continue
         r = check_family(name, config, device, dtype, mode, backend, tol)
