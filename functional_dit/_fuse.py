@@ -10,10 +10,10 @@ shapes and values, no extra memory once the old params are dropped. The forward
 (`linear_group`) recognises such a layout from the tensors' storage and runs one
 matmul over the whole buffer, splitting its output (views, no copy); anything else
 (unprepared params, tensors that require grad while grad is enabled, traced code, params
-inside a ``torch.func`` transform) runs the projections one by one, as diffusers does. Because the check reads the storage on
-every call, a prepared layout can never be stale: a leaf replaced by another tensor
-breaks the adjacency and that group simply runs unfused; an in-place update of a
-leaf is an update of the buffer.
+inside a ``torch.func`` transform) runs the projections one by one, as diffusers does.
+Because the check reads the storage on every call, a prepared layout can never be
+stale: a leaf replaced by another tensor breaks the adjacency and that group simply
+runs unfused; an in-place update of a leaf is an update of the buffer.
 
 Under tensor parallelism each rank's local rows of each projection are laid out
 the same way (`prepare` works on sharded params too), so the fused weight is sharded
