@@ -13,6 +13,7 @@ from ._api import (
     init,
     num_params,
     param_specs,
+    prepare,
     to_state_dict,
 )
 from ._pytree import PACKED, Block, Params, ParamSpec
@@ -47,6 +48,7 @@ __all__ = [
     "init",
     "num_params",
     "param_specs",
+    "prepare",
     "sample",
     "stack_params",
     "to_state_dict",

@@ -2,8 +2,8 @@
 
 Each command group lives in its own module and registers its subparsers through
 ``add_commands(subparsers)``, setting ``run`` (a function of the parsed arguments that
-returns an exit status). Expected failures (bad arguments, missing files) print one
-line, ``error: ...``, and exit with status 2.
+returns an exit status). Expected failures (bad arguments, missing files, a ``ValueError``
+naming a refused value) print one line, ``error: ...``, and exit with status 2.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
+    args.argv = argv  # the exact command line, for reports (bench writes it)
     try:
         return args.run(args) or 0
-    except _cli.CLIError as e:
+    except (_cli.CLIError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -206,6 +206,20 @@ def from_diffusers(module) -> Params:
 COMMON_ARGS = ("img_ids", "txt_ids", "guidance", "pooled", "txt_mask", "img_shapes", "rope")
 
 
+def prepare(params: Params) -> Params:
+    """``params`` laid out for the fast eager path: each group of projections that read
+    the same input (q/k/v; FLUX.1's single-block q/k/v + MLP input) becomes row views of
+    one buffer, so `apply` runs it as one matmul. The same keys, shapes and values (a
+    derived layout, not a new format); plain or sharded params (each rank's local rows,
+    so the fused weight shards per block). For eager inference: params that require grad
+    are refused, and ``torch.compile`` wants the params as they are (its per-block
+    regions refuse inputs that share storage; compiled code gains nothing from the
+    layout). See `functional_dit._fuse`."""
+    from . import _fuse
+
+    return _fuse.prepare(params, family(params).FUSED)
+
+
 def apply(params: Params, x, t, txt, **kwargs):
     """The model as a pure function: ``fd.apply(params, x, t, txt, *, img_ids=None,
     txt_ids=None, guidance=None, pooled=None, txt_mask=None, img_shapes=None, rope=None,

@@ -1,9 +1,11 @@
-"""The ``demo`` and ``generate`` commands: argument parsing (the work is in `_demo` and
-`_generate`)."""
+"""The commands: argument parsing for ``demo`` and ``generate`` (the work is in `_demo`
+and `_generate`); ``bench`` and ``check`` register their own arguments (`bench`, `check`:
+``add_arguments(parser)`` and ``run(args) -> int``)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 
 
 class CLIError(Exception):
@@ -32,7 +34,21 @@ def _run_generate(args) -> int:
     return _generate.run(args)
 
 
+MODULE_COMMANDS = {  # name -> (module with add_arguments / run, one-line help)
+    "bench": ("functional_dit.bench", "speed and memory side by side with diffusers; writes BENCHMARKS.md"),
+    "check": ("functional_dit.check", "hardware check: fd.apply on a device vs CPU eager at a tiny config"),
+}
+
+
+def _run_module(args) -> int:
+    return importlib.import_module(args._module).run(args)
+
+
 def add_commands(sub) -> None:
+    for name, (module, help_text) in MODULE_COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module, run=_run_module)
+        importlib.import_module(module).add_arguments(p)
     demo = sub.add_parser(
         "demo",
         help="tiny offline models: one image per family with fd.sample, compared with diffusers",

@@ -8,12 +8,47 @@ so head counts are read from the tensors, never from the config.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree
 
 import sharding
+
+from ._fuse import linear_group  # noqa: F401  (re-exported: the families' fused projections)
+
+
+def region(fn):
+    """Mark a block function as a region ``torch.compile`` compiles once and reuses for
+    every layer of the same shapes (``torch.compiler.nested_compile_region``, torch >=
+    2.8; hierarchical compilation): full-depth compile time stays near one block's.
+    A no-op in eager and where the API is missing; ``torch.export`` traces the plain
+    function (strict export refuses the region's aliased inputs, e.g. modulation chunks).
+
+    Under autograd (grad enabled and any tensor argument requiring grad) the block is
+    traced inline too: a region's backward sums the per-layer gradient contributions in
+    another order than eager autograd, so compiled gradients would drift from eager ones
+    by float rounding (~1e-7 relative); inline, compiled training matches eager exactly.
+    Regions serve inference (sampling), where compile time matters."""
+    mark = getattr(torch.compiler, "nested_compile_region", None)
+    if mark is None:
+        return fn
+    marked = mark(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        exporting = getattr(torch.compiler, "is_exporting", lambda: False)()
+        if exporting or (torch.is_grad_enabled() and _any_requires_grad((args, kwargs))):
+            return fn(*args, **kwargs)
+        return marked(*args, **kwargs)
+
+    return call
+
+
+def _any_requires_grad(tree) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in torch.utils._pytree.tree_leaves(tree))
 
 
 def linear(p, x: torch.Tensor) -> torch.Tensor:
@@ -69,9 +104,32 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return x * (1 + scale[:, None]) + shift[:, None]
 
 
-def adaln(p, emb: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    """``n`` modulation vectors (B, C) from ``linear(silu(emb))``; replicated on every rank."""
-    return linear(p, F.silu(emb)).chunk(n, dim=-1)
+def adaln(p, emb: torch.Tensor, n: int, axis: str = "tp") -> tuple[torch.Tensor, ...]:
+    """``n`` modulation vectors (B, C) from ``linear(silu(emb))`` (emb (B, C)).
+
+    The projection may be sharded per chunk over ``axis`` (its ``"mod"`` blocks): the
+    local output (B, n·C/tp) then holds this rank's slice of every chunk and is
+    all-gathered (a few KB) and put back in chunk order. Whether it is sharded is read off
+    the local weight's rows (n·C: whole), so replicated weights work too. A sharded
+    projection is column-parallel (`col_linear`: ``emb``'s gradient is summed over
+    ``axis``); the all-gather's backward takes this rank's slice, nothing more."""
+    h = F.silu(emb)
+    if p["weight"].shape[0] == n * emb.shape[-1]:
+        return linear(p, h).chunk(n, dim=-1)
+    return gather_chunks(col_linear(p, h, axis), n, axis).chunk(n, dim=-1)
+
+
+def gather_chunks(y: torch.Tensor, n: int, axis: str = "tp") -> torch.Tensor:
+    """(..., n·c) holding this rank's slice c of each of n chunks -> (..., n·c·size(axis))
+    in chunk order: all-gather over ``axis`` (rank-major) and swap rank and chunk."""
+    size = sharding.axis_size(axis)
+    if y.shape[-1] % n or size == 1:
+        raise ValueError(
+            f"modulation: the local projection gives {y.shape[-1]} rows for {n} chunks, which is neither the "
+            f"whole (n x embed dim) nor a per-chunk shard over {axis!r} (size {size})"
+        )
+    g = sharding.all_gather(y, axis, dim=-1)  # (..., size * n * c), rank-major
+    return g.unflatten(-1, (size, n, -1)).transpose(-3, -2).flatten(-3)
 
 
 def gelu_mlp(p, x: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,20 @@ def linear_spec(out_dim, in_dim, out_axis, in_axis, bias: bool = True, blocks=No
     return {"weight": w, "bias": ParamSpec((out_dim,), (out_axis,), blocks if out_axis == PACKED else None)}
 
 
+MOD6 = ("shift", "scale", "gate", "shift2", "scale2", "gate2")  # double blocks: attn and MLP
+MOD3 = ("shift", "scale", "gate")  # single blocks
+MOD_OUT = ("scale", "shift")  # the final AdaLN: diffusers' (scale, shift) order
+
+
+def mod_spec(dim: int, chunks: tuple[str, ...], bias: bool = True) -> dict:
+    """Specs of an AdaLN modulation projection ``nn.Linear(dim, len(chunks) * dim)``: its
+    output is ``len(chunks)`` vectors (shift, scale, gate, ...) of ``dim`` each, so the
+    output dim is packed from one ``"mod"`` block per chunk and shards per chunk (rank r
+    holds the r-th slice of every chunk; the model all-gathers the small (B, k·C) output)."""
+    blocks = tuple(Block(name, dim, "mod") for name in chunks)
+    return linear_spec(len(chunks) * dim, dim, PACKED, "embed", bias=bias, blocks=blocks)
+
+
 def norm_spec(dim: int, axis: str = "head_dim") -> dict:
     """Specs of a norm's scale (QK RMS norms: over head_dim, replicated)."""
     return {"weight": ParamSpec((dim,), (axis,))}

@@ -31,7 +31,7 @@ from ._config import (
     require_positive_or_none,
     require_rope_axes,
 )
-from ._pytree import PACKED, Block, linear_spec, norm_spec, ordered_blocks
+from ._pytree import MOD3, MOD6, MOD_OUT, PACKED, Block, linear_spec, mod_spec, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "FluxTransformer2DModel"
 NAME = "FLUX.1"
@@ -128,8 +128,8 @@ def _time_text_specs(c) -> dict:
 def _double_block_specs(c) -> dict:
     D, n = c.attention_head_dim, c.inner_dim
     return {
-        "norm1": {"linear": linear_spec(6 * n, n, "mod", "embed")},
-        "norm1_context": {"linear": linear_spec(6 * n, n, "mod", "embed")},
+        "norm1": {"linear": mod_spec(n, MOD6)},
+        "norm1_context": {"linear": mod_spec(n, MOD6)},
         "attn": {
             "norm_q": norm_spec(D),
             "norm_k": norm_spec(D),
@@ -154,7 +154,7 @@ def _single_block_specs(c) -> dict:
     # proj_out consumes cat([attn_out, mlp_hidden]): two independently sharded streams.
     packed = (Block("attn", n, "heads"), Block("mlp", m, "mlp"))
     return {
-        "norm": {"linear": linear_spec(3 * n, n, "mod", "embed")},
+        "norm": {"linear": mod_spec(n, MOD3)},
         "proj_mlp": _col(c, m, "mlp"),
         "proj_out": linear_spec(n, n + m, "embed", PACKED, blocks=packed),
         "attn": {
@@ -176,9 +176,20 @@ def param_specs(c: Flux1Config) -> dict:
         "x_embedder": linear_spec(n, c.in_channels, "embed", "channels"),
         "transformer_blocks": {str(i): _double_block_specs(c) for i in range(c.num_layers)},
         "single_transformer_blocks": {str(i): _single_block_specs(c) for i in range(c.num_single_layers)},
-        "norm_out": {"linear": linear_spec(2 * n, n, "mod", "embed")},
+        "norm_out": {"linear": mod_spec(n, MOD_OUT)},
         "proj_out": linear_spec(c.out_dim, n, "out_channels", "embed"),
     }
+
+
+# Projections that read the same input, fused into one matmul by `fd.prepare` (BFL's
+# qkv and linear1 layouts): {block list: [paths inside a block, ...]}.
+FUSED = {
+    "transformer_blocks": [
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    ],
+    "single_transformer_blocks": [("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")],
+}
 
 
 # ----------------------------------------------------------------------------- forward
@@ -192,10 +203,13 @@ def time_text_embed(p, t, guidance, pooled) -> torch.Tensor:
     return vec + L.mlp_embed(p["text_embedder"], pooled)
 
 
-def qkv(p, x, head_dim, names=("to_q", "to_k", "to_v"), norms=("norm_q", "norm_k")):
-    """Project to q, k, v (B, S, H, D) and RMS-normalise q and k over D."""
-    q, k, v = (L.split_heads(L.col_linear(p[n], x), head_dim) for n in names)
-    return L.rms_norm(L.per_head(p[norms[0]]), q), L.rms_norm(L.per_head(p[norms[1]]), k), v
+def qkv(p, x, head_dim, names=("to_q", "to_k", "to_v"), norms=("norm_q", "norm_k"), extra=()):
+    """Project to q, k, v (B, S, H, D) and RMS-normalise q and k over D; ``extra``
+    column-parallel layers reading the same x are projected in the same (fused) matmul
+    and returned after."""
+    q, k, v, *rest = L.linear_group([p[n] for n in names] + list(extra), x)
+    q, k, v = (L.split_heads(y, head_dim) for y in (q, k, v))
+    return L.rms_norm(L.per_head(p[norms[0]]), q), L.rms_norm(L.per_head(p[norms[1]]), k), v, *rest
 
 
 def joint_attention(q, k, v, pe, key_bias=None) -> torch.Tensor:
@@ -230,9 +244,15 @@ def single_block(p, x, vec, pe, head_dim, key_bias=None):
     """Parallel attention + MLP over the joint (txt; img) sequence x (B, S, C)."""
     shift, scale, gate = L.adaln(p["norm"]["linear"], vec, 3)
     h = L.modulate(L.layer_norm(x), shift, scale)
-    mlp = torch.nn.functional.gelu(L.col_linear(p["proj_mlp"], h), approximate="tanh")
-    attn = joint_attention(*qkv(p["attn"], h, head_dim), pe, key_bias)
+    q, k, v, mlp = qkv(p["attn"], h, head_dim, extra=[p["proj_mlp"]])  # BFL's linear1: one matmul
+    mlp = torch.nn.functional.gelu(mlp, approximate="tanh")
+    attn = joint_attention(q, k, v, pe, key_bias)
     return L.clip_fp16(x + gate[:, None] * L.row_linear(p["proj_out"], torch.cat([attn, mlp], -1)))
+
+
+# Compiled once, reused for every layer; the block functions are looked up at call time.
+_double_region = L.region(lambda *args: double_block(*args))
+_single_region = L.region(lambda *args: single_block(*args))
 
 
 def final_layer(p, x, vec):
@@ -291,8 +311,8 @@ def forward(params, x, t, txt, *, pooled, guidance, pe):
     txt = L.linear(params["context_embedder"], txt)
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
     for p in ordered_blocks(params, "transformer_blocks"):
-        img, txt = double_block(p, img, txt, vec, pe, D, key_bias)
+        img, txt = _double_region(p, img, txt, vec, pe, D, key_bias)
     x = torch.cat([txt, img], 1)
     for p in ordered_blocks(params, "single_transformer_blocks"):
-        x = single_block(p, x, vec, pe, D, key_bias)
+        x = _single_region(p, x, vec, pe, D, key_bias)
     return final_layer(params, x[:, txt.shape[1] :], vec), S, None

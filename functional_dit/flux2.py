@@ -35,7 +35,7 @@ from ._config import (
     require_positive_or_none,
     require_rope_axes,
 )
-from ._pytree import PACKED, Block, linear_spec, norm_spec, ordered_blocks
+from ._pytree import MOD3, MOD6, MOD_OUT, PACKED, Block, linear_spec, mod_spec, norm_spec, ordered_blocks
 from .flux2_kv import Ref
 
 DIFFUSERS_CLASS = "Flux2Transformer2DModel"
@@ -180,16 +180,26 @@ def param_specs(c: Flux2Config) -> dict:
     time = {"timestep_embedder": emb, **({"guidance_embedder": emb} if c.guidance_embeds else {})}
     return {
         "time_guidance_embed": time,
-        "double_stream_modulation_img": {"linear": _lin(6 * n, n, "mod", "embed")},
-        "double_stream_modulation_txt": {"linear": _lin(6 * n, n, "mod", "embed")},
-        "single_stream_modulation": {"linear": _lin(3 * n, n, "mod", "embed")},
+        "double_stream_modulation_img": {"linear": mod_spec(n, MOD6, bias=False)},
+        "double_stream_modulation_txt": {"linear": mod_spec(n, MOD6, bias=False)},
+        "single_stream_modulation": {"linear": mod_spec(n, MOD3, bias=False)},
         "x_embedder": _lin(n, c.in_channels, "embed", "channels"),
         "context_embedder": _lin(n, c.joint_attention_dim, "embed", "txt_embed"),
         "transformer_blocks": {str(i): _double_block_specs(c) for i in range(c.num_layers)},
         "single_transformer_blocks": {str(i): _single_block_specs(c) for i in range(c.num_single_layers)},
-        "norm_out": {"linear": _lin(2 * n, n, "mod", "embed")},
+        "norm_out": {"linear": mod_spec(n, MOD_OUT, bias=False)},
         "proj_out": _lin(c.out_dim, n, "out_channels", "embed"),
     }
+
+
+# Projections that read the same input, fused into one matmul by `fd.prepare` (BFL's
+# qkv layout; the single blocks' to_qkv_mlp_proj is fused already).
+FUSED = {
+    "transformer_blocks": [
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    ],
+}
 
 
 # ----------------------------------------------------------------------------- forward
@@ -232,7 +242,7 @@ def _stream_qkv(a, x, mod, head_dim, eps, names):
     """One stream of a double block: AdaLN, then q, k, v (B, S, H, D) with q, k RMS-normalised."""
     (proj, norms), (shift, scale) = names, mod[:2]
     h = L.modulate(L.layer_norm(x, eps), shift, scale)
-    q, k, v = (L.split_heads(L.col_linear(a[n], h), head_dim) for n in proj)
+    q, k, v = (L.split_heads(y, head_dim) for y in L.linear_group([a[n] for n in proj], h))
     return L.rms_norm(L.per_head(a[norms[0]]), q, eps), L.rms_norm(L.per_head(a[norms[1]]), k, eps), v
 
 
@@ -318,6 +328,11 @@ def single_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None, txt_len=0, re
     return out, ref
 
 
+# Compiled once, reused for every layer; the block functions are looked up at call time.
+_double_region = L.region(lambda *args: double_block(*args))
+_single_region = L.region(lambda *args: single_block(*args))
+
+
 def final_layer(p, x, temb, eps=1e-6):
     scale, shift = L.adaln(p["norm_out"]["linear"], temb, 2)  # note: (scale, shift) order
     return L.linear(p["proj_out"], L.modulate(L.layer_norm(x, eps), shift, scale))
@@ -377,15 +392,19 @@ def _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache):
     """All blocks in the local view. Returns the img stream and, per block, its `Ref`."""
     c, (mod_img, mod_txt, mod_single), T, refs = params.config, mods, txt.shape[1], {}
     D, eps = c.attention_head_dim, c.eps
+    double, single = double_block, single_block
+    if ref is None and cache is None:  # regional compilation; its inputs must not alias
+        double, single = _double_region, _single_region
+        mod_img, mod_txt, mod_single = (tuple(m.clone() for m in mod) for mod in (mod_img, mod_txt, mod_single))
     for i, p in enumerate(ordered_blocks(params, "transformer_blocks")):
         ref = ref if cache is None else kv.local_cache(cache, "transformer_blocks", i, img.device)
-        img, txt, ref = double_block(p, img, txt, mod_img, mod_txt, pe, D, eps, key_bias, ref)
+        img, txt, ref = double(p, img, txt, mod_img, mod_txt, pe, D, eps, key_bias, ref)
         refs[f"transformer_blocks.{i}"] = ref
     x = torch.cat([txt, img], 1)
     ref = ref._replace(mod=ref_mod_single) if ref is not None and ref.x is not None else None
     for i, p in enumerate(ordered_blocks(params, "single_transformer_blocks")):
         ref = ref if cache is None else kv.local_cache(cache, "single_transformer_blocks", i, x.device)
-        x, ref = single_block(p, x, mod_single, pe, D, eps, key_bias, T, ref)
+        x, ref = single(p, x, mod_single, pe, D, eps, key_bias, T, ref)
         refs[f"single_transformer_blocks.{i}"] = ref
     return x[:, T:], refs
 

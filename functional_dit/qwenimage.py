@@ -36,7 +36,7 @@ from ._config import (
     require_positive_or_none,
     require_rope_axes,
 )
-from ._pytree import ParamSpec, linear_spec, norm_spec, ordered_blocks
+from ._pytree import MOD6, MOD_OUT, ParamSpec, linear_spec, mod_spec, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
 NAME = "Qwen-Image"
@@ -118,7 +118,7 @@ def _block_specs(c) -> dict:
     col = lambda: linear_spec(n, n, "heads", "embed")  # noqa: E731  column-parallel over heads
     row = lambda: linear_spec(n, n, "embed", "heads")  # noqa: E731  row-parallel over heads
     return {
-        "img_mod": {"1": linear_spec(6 * n, n, "mod", "embed")},
+        "img_mod": {"1": mod_spec(n, MOD6)},
         "attn": {
             "norm_q": norm_spec(D),
             "norm_k": norm_spec(D),
@@ -134,7 +134,7 @@ def _block_specs(c) -> dict:
             "norm_added_k": norm_spec(D),
         },
         "img_mlp": _mlp(c),
-        "txt_mod": {"1": linear_spec(6 * n, n, "mod", "embed")},
+        "txt_mod": {"1": mod_spec(n, MOD6)},
         "txt_mlp": _mlp(c),
     }
 
@@ -156,7 +156,7 @@ def param_specs(c: QwenImageConfig) -> dict:
         "img_in": linear_spec(n, c.in_channels, "embed", "channels"),
         "txt_in": linear_spec(n, c.joint_attention_dim, "embed", "txt_embed"),
         "transformer_blocks": {str(i): _block_specs(c) for i in range(c.num_layers)},
-        "norm_out": {"linear": linear_spec(2 * n, n, "mod", "embed")},
+        "norm_out": {"linear": mod_spec(n, MOD_OUT)},
         "proj_out": linear_spec(c.out_dim, n, "out_channels", "embed"),
     }
 
@@ -204,6 +204,15 @@ def pos_embed(shapes, txt_len: int, axes_dim, layer3d: bool = False, device=None
     return rope(ids, axes_dim)
 
 
+# Projections that read the same input, fused into one matmul by `fd.prepare`.
+FUSED = {
+    "transformer_blocks": [
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    ],
+}
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -245,7 +254,7 @@ def img_modulation(p, temb: torch.Tensor, ref: torch.Tensor | None) -> list[torc
 
 def qkv(p, x, head_dim, names, norms):
     """Project to q, k, v (B, S, H, D); fp32-variance RMS norm on q and k over D."""
-    q, k, v = (L.split_heads(L.col_linear(p[n], x), head_dim) for n in names)
+    q, k, v = (L.split_heads(y, head_dim) for y in L.linear_group([p[n] for n in names], x))
     return L.rms_norm_fp32(L.per_head(p[norms[0]]), q), L.rms_norm_fp32(L.per_head(p[norms[1]]), k), v
 
 
@@ -279,6 +288,9 @@ def block(p, img, txt, temb, pe, head_dim, key_bias=None, ref=None):
     img = img + i_gate2 * L.gelu_mlp(p["img_mlp"], _modulate(L.layer_norm(img), i_shift2, i_scale2))
     txt = txt + t_gate2 * L.gelu_mlp(p["txt_mlp"], _modulate(L.layer_norm(txt), t_shift2, t_scale2))
     return L.clip_fp16(img), L.clip_fp16(txt)
+
+
+_block_region = L.region(lambda *args: block(*args))  # compiled once, reused for every layer
 
 
 def final_layer(p, x, temb):
@@ -417,5 +429,5 @@ def forward(params, x, t, txt, *, pe, ref, bias, t_cond):
     txt = L.linear(params["txt_in"], L.rms_norm_fp32(params["txt_norm"], txt))
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe, bias)
     for p in ordered_blocks(params, "transformer_blocks"):
-        img, txt = block(p, img, txt, temb, pe, c.attention_head_dim, key_bias, ref)
+        img, txt = _block_region(p, img, txt, temb, pe, c.attention_head_dim, key_bias, ref)
     return final_layer(params, img, temb[: img.shape[0]]), S, None

@@ -8,7 +8,7 @@ of a fused dim is the classic TP bug, see docs/architecture.md#plans-and-rules).
 
 `plan` derives it from each parameter's ``ParamSpec`` (``shape``, logical ``axes`` and
 ``blocks``) through a rules table mapping logical axes to mesh axes, as maxdiffusion
-and haliax do (default ``{"heads": "tp", "mlp": "tp"}``), and validates every sharded
+and haliax do (default ``{"heads": "tp", "mlp": "tp", "mod": "tp"}``), and validates every sharded
 size before any data moves. Users may edit the plan or pass their own rules.
 
 Where the specs come from — `sharding` imports neither ``functional_dit`` nor
@@ -30,9 +30,10 @@ import torch
 from .tree import check_same_keys, leaves, map_tree
 
 PACKED = "packed"  # the logical axis of a dim that concatenates several blocks (ParamSpec)
-# The layout fd.apply computes in (heads and MLP columns over "tp"; see
+# The layout fd.apply computes in (heads, MLP columns and the AdaLN modulation rows, per
+# chunk, over "tp"; the model all-gathers the modulation output; see
 # docs/architecture.md). Other rules make storage layouts (weights.load/save, unshard).
-DEFAULT_RULES = {"heads": "tp", "mlp": "tp"}
+DEFAULT_RULES = {"heads": "tp", "mlp": "tp", "mod": "tp"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +130,7 @@ def plan(params_or_config, mesh, rules: Mapping | None = None) -> dict:
     ``params_or_config``: ``Params``, a config or a specs tree (see the module docstring).
     ``mesh``: a named ``DeviceMesh`` or a mapping ``{axis: size}`` (no processes needed).
     ``rules``: logical axis -> mesh axis name or None. The default, ``{"heads": "tp",
-    "mlp": "tp"}``, is the layout ``fd.apply`` computes in; a plan from other rules is a
+    "mlp": "tp", "mod": "tp"}``, is the layout ``fd.apply`` computes in; a plan from other rules is a
     storage layout (``weights.load`` / ``weights.save``, `unshard`), and ``fd.apply`` on
     params sharded by it raises a ValueError naming the first leaf placed otherwise.
 

@@ -136,3 +136,31 @@ def test_demo_bad_arguments(tmp_path, capsys):
     assert "--only: unknown rows ['nope']" in _error(["demo", "--out", str(tmp_path), "--only", "nope"], capsys)
     assert "--size: expected a multiple of 16" in _error(["demo", "--out", str(tmp_path), "--size", "40"], capsys)
     assert "--ranks: expected 0" in _error(["demo", "--out", str(tmp_path), "--ranks", "1"], capsys)
+
+
+# ----------------------------------------------------------------------------- check, bench
+
+
+def test_check_on_cpu_passes_for_every_family(capsys):
+    code = main(["check", "--device", "cpu", "--backend", "aot_eager"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for name in ("flux1-tiny", "flux2-tiny", "qwen-image-tiny"):
+        assert f"{name}" in out and "recompiled on a new timestep: False" in out
+
+
+def test_bench_smoke_writes_the_report(tmp_path, capsys):
+    out = tmp_path / "BENCHMARKS.md"
+    args = ["bench", "--preset", "flux1-tiny", "--runs", "1", "--no-compile", "--no-tp", "--out", str(out)]
+    assert main(args) == 0
+    text = out.read_text()
+    for want in ("- date:", "- machine:", "- command: `python -m functional_dit", "| flux1-tiny |", "GFLOP/s"):
+        assert want in text, want
+    assert "| flux1-tiny |" in capsys.readouterr().out
+
+
+def test_unknown_bench_choices_are_refused(capsys):
+    assert main(["bench", "--preset", "nope", "--no-compile", "--no-tp", "--out", ""]) == 2
+    assert re.fullmatch(r"error: --preset: expected one of .*\n", capsys.readouterr().err)
+    assert main(["bench", "--families", "flux3", "--no-compile", "--no-tp", "--out", ""]) == 2
+    assert re.fullmatch(r"error: --families: expected a subset of .*\n", capsys.readouterr().err)

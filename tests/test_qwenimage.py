@@ -279,7 +279,10 @@ def test_spec_axes():
     assert specs["attn"]["to_add_out"]["weight"].axes == ("embed", "heads")
     assert specs["img_mlp"]["net"]["0"]["proj"]["weight"].axes == ("mlp", "embed")
     assert specs["txt_mlp"]["net"]["2"]["weight"].axes == ("embed", "mlp")
-    assert specs["img_mod"]["1"]["weight"].axes == ("mod", "embed")  # replicated modulation
+    mod = specs["img_mod"]["1"]["weight"]  # AdaLN modulation: 6 chunks, each split over tp on its own
+    assert mod.axes == ("packed", "embed") and [(b.name, b.axis) for b in mod.blocks] == [
+        (name, "mod") for name in ("shift", "scale", "gate", "shift2", "scale2", "gate2")
+    ]
 
 
 @pytest.mark.parametrize("fixture", ["tiny", "edit", "layered"])

@@ -193,9 +193,10 @@ def _rank_load_save(rank, world, jobs, out_dir):
         mismatched = [k for k in b if not _same_dtensor(a[k], b[k])]
         shard_bytes = sharding.local_bytes(streamed)
         if name.endswith("-bfl"):
-            # Also shard the AdaLN rows: the swapped (scale, shift) halves of norm_out
-            # then straddle the ranks; the forward needs them replicated, the loader must not care.
-            plan = sharding.plan(config, mesh, rules={**sharding.DEFAULT_RULES, "mod": "tp"})
+            # Also keep the AdaLN rows whole (a storage layout): the default splits them per
+            # chunk, so the swapped (scale, shift) halves of norm_out straddle the ranks; the
+            # loader must get both layouts right.
+            plan = sharding.plan(config, mesh, rules={**sharding.DEFAULT_RULES, "mod": None})
             mod = weights.load(path, config=config, mesh=mesh, plan=plan).flat()
             ref_mod = sharding.shard_params(full, mesh, plan).flat()
             mismatched += [f"mod-sharded {k}" for k in ref_mod if not _same_dtensor(mod[k], ref_mod[k])]

@@ -1,0 +1,155 @@
+"""Fused projections: q/k/v (and FLUX.1's single-block MLP input) as one matmul.
+
+Black Forest Labs' reference code stores q, k and v as one ``qkv`` weight and FLUX.1's
+single block as one ``linear1`` = [q; k; v; mlp]; diffusers keeps them as separate
+``nn.Linear`` modules, and so do our parameter trees (their keys are diffusers' keys).
+
+`prepare(params)` lays each group of projections that read the same input out as
+consecutive rows of one buffer, the leaves becoming row *views* of it: the same keys,
+shapes and values, no extra memory once the old params are dropped. The forward
+(`linear_group`) recognises such a layout from the tensors' storage and runs one
+matmul over the whole buffer, splitting its output (views, no copy); anything else
+(unprepared params, tensors that require grad while grad is enabled, traced code, params
+inside a ``torch.func`` transform) runs the projections one by one, as diffusers does.
+Because the check reads the storage on every call, a prepared layout can never be
+stale: a leaf replaced by another tensor breaks the adjacency and that group simply
+runs unfused; an in-place update of a leaf is an update of the buffer.
+
+Under tensor parallelism each rank's local rows of each projection are laid out
+the same way (`prepare` works on sharded params too), so the fused weight is sharded
+per block, as every fused projection of the plan is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import sharding
+
+from ._pytree import Params
+
+_FUSABLE_DEVICES = ("cpu", "cuda")
+
+
+def _rows_of_one_buffer(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor spanning ``ts`` when they are consecutive, contiguous row blocks of
+    one storage (same dtype, device and trailing shape); else None."""
+    t0 = ts[0]
+    if t0.device.type not in _FUSABLE_DEVICES or not t0.is_contiguous():
+        return None
+    ptr, tail = t0.untyped_storage().data_ptr(), t0.shape[1:]
+    offset, rows = t0.storage_offset() + t0.numel(), t0.shape[0]
+    for t in ts[1:]:
+        if (
+            t.dtype != t0.dtype
+            or t.shape[1:] != tail
+            or not t.is_contiguous()
+            or t.storage_offset() != offset
+            or t.untyped_storage().data_ptr() != ptr
+        ):
+            return None
+        offset, rows = offset + t.numel(), rows + t.shape[0]
+    return t0.as_strided((rows, *tail), t0.stride(), t0.storage_offset())
+
+
+def fused(ps: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) spanning the linear layers ``ps`` when `prepare` laid them out as
+    one buffer and this call may use it (eager, no grad needed); else None."""
+    if torch.compiler.is_compiling():
+        return None
+    ws = [p["weight"] for p in ps]
+    bs = [p.get("bias") for p in ps]
+    if any(t is not None and _functorch_wrapped(t) for t in ws + bs):
+        return None  # under a torch.func transform (grad, jvp, vmap): no storage to read
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ws + bs):
+        return None
+    w = _rows_of_one_buffer(ws)
+    if w is None:
+        return None
+    if all(b is None for b in bs):
+        return w, None
+    if any(b is None for b in bs):
+        return None
+    b = _rows_of_one_buffer(bs)
+    return None if b is None else (w, b)
+
+
+def _functorch_wrapped(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def linear_group(ps: list, x: torch.Tensor, axis: str = "tp") -> list[torch.Tensor]:
+    """Column-parallel ``[col_linear(p, x) for p in ps]``, as one matmul when the weights
+    are one buffer. ``x`` (whole on every rank) goes through ``sharding.pvary`` over
+    ``axis`` once, so its gradient under tensor parallelism is the sum of the per-rank
+    shares, fused or not."""
+    x = sharding.pvary(x, axis)
+    wb = fused(ps)
+    if wb is None:
+        return [F.linear(x, p["weight"], p.get("bias")) for p in ps]
+    y = F.linear(x, *wb)
+    return list(y.split([p["weight"].shape[0] for p in ps], dim=-1))
+
+
+# ----------------------------------------------------------------------------- prepare
+
+
+def _get(tree, path: str):
+    for key in path.split("."):
+        tree = tree[key]
+    return tree
+
+
+def _concat_rows(leaves: list) -> list:
+    """New leaves with the values of ``leaves``, row views of one fresh buffer (for
+    DTensor leaves: of one local buffer, each re-wrapped with its placements)."""
+    DTensor = sharding._shard._dtensor_cls()
+    is_d = [DTensor is not None and isinstance(t, DTensor) for t in leaves]
+    if any(is_d) and not all(is_d):
+        return leaves
+    local = [t._local_tensor if d else t for t, d in zip(leaves, is_d)]
+    if len({(t.dtype, t.device, t.shape[1:]) for t in local}) != 1:
+        return leaves
+    buffer = torch.cat([t.detach() for t in local])
+    views = list(buffer.split([t.shape[0] for t in local]))
+    if not any(is_d):
+        return views
+    return [
+        DTensor.from_local(v, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+        for v, t in zip(views, leaves)
+    ]
+
+
+def _set(tree: dict, path: str, value) -> None:
+    *parents, leaf = path.split(".")
+    for key in parents:
+        tree = tree[key]
+    tree[leaf] = value
+
+
+def _copy_dicts(tree):
+    return {k: _copy_dicts(v) if isinstance(v, dict) else v for k, v in tree.items()}
+
+
+def prepare(params: Params, groups) -> Params:
+    """``params`` with every group of ``groups`` laid out as one buffer (see the module
+    docstring). ``groups``: ``{block list key: [(projection path, ...), ...]}``."""
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in params.leaves()):
+        raise ValueError(
+            "params: prepare is for inference and copies the fused projections into new buffers that do not "
+            "require grad; got params that require grad (train with the params as they are)"
+        )
+    tree = _copy_dicts(params.tree)
+    for blocks_key, block_groups in groups.items():
+        for block in tree.get(blocks_key, {}).values():
+            for group in block_groups:
+                for leaf in ("weight", "bias"):
+                    paths = [f"{p}.{leaf}" for p in group]
+                    try:
+                        leaves = [_get(block, p) for p in paths]
+                    except KeyError:
+                        continue
+                    for path, new in zip(paths, _concat_rows(leaves)):
+                        _set(block, path, new)
+    return params.replace(tree)

@@ -1,0 +1,582 @@
+"""``python -m functional_dit bench``: speed and memory side by side with diffusers.
+
+Per family, at a mid-size config (~37-40 M params, 1024 image + 128 text tokens,
+random weights) or at a released preset's shape (``--preset``), with the same weights
+in both: eager ``fd.apply`` (on `fd.prepare`'d params) vs the diffusers module and vs
+the module after its own ``fuse_qkv_projections()``; compiled vs compiled; cold compile
+time at full depth and at one block; tp=2 on 2 gloo processes vs diffusers' own tensor
+parallelism; achieved FLOP/s (``torch.utils.flop_counter``) as a fraction of the
+measured matmul peak; per-rank parameter memory. Contenders alternate within every
+round and each figure is the median of ``--runs`` rounds. Prints a table and writes
+BENCHMARKS.md (date, machine, the exact command, every figure).
+
+diffusers refuses tensor parallelism on CPU meshes: this benchmark widens only that
+device-type check (``diffusers.hooks.tensor_parallel._SUPPORTED_TP_DEVICES``) and runs
+``enable_parallelism``'s tensor-parallel steps with the CPU mesh's device (that method
+looks the device up from ``torch.accelerator``, absent on a CPU machine); it says so in
+its output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import sharding
+
+from . import _api
+
+IMG_HW = (32, 32)  # 1024 image tokens
+TXT_LEN = 128
+
+
+def mid_configs() -> dict:
+    """The mid-size configs (8 heads x 64 = 512 wide), ~37-40 M params each."""
+    from . import Flux1Config, Flux2Config, QwenImageConfig
+
+    return {
+        "flux1": Flux1Config(
+            in_channels=64,
+            num_layers=2,
+            num_single_layers=4,
+            attention_head_dim=64,
+            num_attention_heads=8,
+            joint_attention_dim=512,
+            pooled_projection_dim=256,
+            guidance_embeds=True,
+            axes_dims_rope=(8, 28, 28),
+        ),
+        "flux2": Flux2Config(
+            in_channels=128,
+            num_layers=2,
+            num_single_layers=6,
+            attention_head_dim=64,
+            num_attention_heads=8,
+            joint_attention_dim=512,
+            axes_dims_rope=(16, 16, 16, 16),
+        ),
+        "qwenimage": QwenImageConfig(
+            in_channels=64,
+            num_layers=4,
+            attention_head_dim=64,
+            num_attention_heads=8,
+            joint_attention_dim=512,
+            axes_dims_rope=(8, 28, 28),
+        ),
+    }
+
+
+def one_block(config):
+    """The same config with one block of each kind (for the one-block compile time)."""
+    kw = {"num_layers": 1}
+    if hasattr(config, "num_single_layers"):
+        kw["num_single_layers"] = 1
+    return dataclasses.replace(config, **kw)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def inputs(config, device, dtype, seed: int = 0, hw=IMG_HW, txt_len: int = TXT_LEN):
+    """(fd.apply kwargs, diffusers forward kwargs) for one image of ``hw`` latent tokens."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = hw
+    fam = _api.family(config).__name__.rsplit(".", 1)[-1]
+    x = torch.randn(1, h * w, config.in_channels, generator=g).to(device, dtype)
+    t = torch.rand(1, generator=g).to(device)
+    txt = torch.randn(1, txt_len, config.joint_attention_dim, generator=g).to(device, dtype)
+    rows, cols = torch.meshgrid(torch.arange(h) * 1.0, torch.arange(w) * 1.0, indexing="ij")
+    guidance = torch.full((1,), 3.5, device=device) if getattr(config, "guidance_embeds", False) else None
+    if fam == "qwenimage":
+        kw = dict(x=x, t=t, txt=txt, img_shapes=[[(1, h, w)]])
+        dkw = dict(hidden_states=x, encoder_hidden_states=txt, timestep=t, img_shapes=[[(1, h, w)]])
+        return kw, dict(dkw, return_dict=False)
+    if fam == "flux1":
+        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).to(device)
+        txt_ids = torch.zeros(txt_len, 3, device=device)
+        pooled = torch.randn(1, config.pooled_projection_dim, generator=g).to(device, dtype)
+        kw = dict(x=x, t=t, txt=txt, pooled=pooled, guidance=guidance, img_ids=img_ids, txt_ids=txt_ids)
+        dkw = dict(pooled_projections=pooled)
+    else:
+        img_ids = torch.stack([torch.zeros_like(rows), rows, cols, torch.zeros_like(rows)], -1).reshape(-1, 4)
+        img_ids = img_ids.to(device)
+        txt_ids = torch.stack([torch.zeros(txt_len)] * 3 + [torch.arange(txt_len) * 1.0], -1).to(device)
+        kw = dict(x=x, t=t, txt=txt, guidance=guidance, img_ids=img_ids, txt_ids=txt_ids)
+        dkw = {}
+    dkw.update(hidden_states=x, timestep=t, encoder_hidden_states=txt, guidance=guidance)
+    dkw.update(img_ids=img_ids, txt_ids=txt_ids, return_dict=False)
+    return kw, dkw
+
+
+def _holds_meta_state(module) -> bool:
+    """A parameter-free module left with meta tensors (buffers or plain attributes)."""
+    if any(True for _ in module.parameters()):
+        return False
+    tensors = [*module.buffers(recurse=False), *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]
+    return any(t.is_meta for t in tensors)
+
+
+def diffusers_module(params, device, dtype):
+    """The diffusers class of ``params.config`` holding the same weights (a copy)."""
+    import diffusers
+
+    def build(config):
+        cfg = _api.config_to_diffusers(config)
+        return getattr(diffusers, cfg["_class_name"])(**{k: v for k, v in cfg.items() if not k.startswith("_")})
+
+    with torch.device("meta"):  # no full-size random init (a released preset's shape on a GPU)
+        module = build(params.config)
+    module.load_state_dict({k: v.detach().clone() for k, v in params.flat().items()}, assign=True)
+    stale = [name for name, sub in module.named_modules() if name and _holds_meta_state(sub)]
+    if stale:  # tables that are not weights (Qwen-Image's RoPE): the modules of a real one-block model
+        donor = build(one_block(params.config))
+        for name in stale:
+            parent, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(parent), leaf, donor.get_submodule(name))
+    return module.to(device).eval().requires_grad_(False)  # weights already in dtype
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _sync(device) -> None:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type not in ("cpu", "meta") and hasattr(getattr(torch, dev.type, None), "synchronize"):
+        getattr(torch, dev.type).synchronize()
+
+
+def _timed(fn, device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def alternate(contenders: dict, runs: int, device, warmup: int = 1) -> dict:
+    """``{name: median seconds}``: every round runs each contender once, in turn."""
+    with torch.no_grad():
+        for fn in contenders.values():
+            for _ in range(warmup):
+                fn()
+        times = {name: [] for name in contenders}
+        for _ in range(runs):
+            for name, fn in contenders.items():
+                times[name].append(_timed(fn, device))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+PEAK_N = 2048  # the GEMM that measures the matmul peak: n x n x n
+
+
+def matmul_peak(device, dtype, n: int = PEAK_N, runs: int = 7) -> float:
+    """Measured matmul FLOP/s: median time of an n x n x n GEMM (2 n³ FLOPs)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    secs = alternate({"mm": lambda: a @ b}, runs, device, warmup=2)["mm"]
+    return 2 * n**3 / secs
+
+
+def count_flops(fn) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def _err(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def eager_section(name, config, args) -> dict:
+    params = _api.init(config, seed=0, dtype=args.dtype, device=args.device)
+    ours = _api.prepare(params)
+    kw, dkw = inputs(config, args.device, args.dtype)
+    module = diffusers_module(params, args.device, args.dtype)
+    fused, fused_note = diffusers_module(params, args.device, args.dtype), ""
+    try:
+        fused.fuse_qkv_projections()
+    except (ValueError, AttributeError, NotImplementedError) as e:  # e.g. added KV projections
+        fused, fused_note = None, f"{type(e).__name__}: {e}"
+    contenders = {"ours": lambda: _api.apply(ours, **kw), "diffusers": lambda: module(**dkw)[0]}
+    if fused is not None:
+        contenders["diffusers_fused"] = lambda: fused(**dkw)[0]
+    n = PEAK_N
+    a, b = (torch.randn(n, n, device=args.device, dtype=args.dtype) for _ in range(2))
+    contenders["matmul"] = lambda: a @ b  # the peak, measured in the same rounds (same load)
+    with torch.no_grad():
+        err = _err(contenders["ours"](), contenders["diffusers"]())
+    med = alternate(contenders, args.runs, args.device)
+    flops = count_flops(contenders["ours"])
+    peak = 2 * n**3 / med["matmul"]
+    out = dict(
+        params=_api.num_params(config),
+        eager_ours=med["ours"],
+        eager_diffusers=med["diffusers"],
+        eager_diffusers_fused=med.get("diffusers_fused"),
+        fused_note=fused_note,
+        max_abs_err=err,
+        flops=flops,
+        flops_per_s=flops / med["ours"],
+        peak_flops_per_s=peak,
+        fraction_of_peak=flops / med["ours"] / peak,
+    )
+    out["ratio_eager"] = med["ours"] / med["diffusers"]
+    if fused is not None:
+        out["ratio_eager_fused"] = med["ours"] / med["diffusers_fused"]
+    return out
+
+
+def _compile_first_call(fn, device) -> tuple[object, float]:
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = fn()
+    _sync(device)
+    return out, time.perf_counter() - start
+
+
+def _cold_worker(which, config, dtype, device, cache_dir, out_path):
+    """In a fresh process: the first call of a compiled ``which`` ("ours" | "diffusers")."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = False
+    params = _api.init(config, seed=0, dtype=dtype, device=device)
+    kw, dkw = inputs(config, device, dtype)
+    if which == "ours":
+        f = torch.compile(_api.apply, fullgraph=True, dynamic=False)
+        _, secs = _compile_first_call(lambda: f(params, **kw), device)
+    else:
+        g = torch.compile(diffusers_module(params, device, dtype), fullgraph=True, dynamic=False)
+        _, secs = _compile_first_call(lambda: g(**dkw), device)
+    torch.save(secs, out_path)
+
+
+def _warm_worker(cache_dir):
+    """Build inductor's per-machine artefacts (headers, toolchain probes) into ``cache_dir``."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    torch.compile(lambda x: (x.sin() + 1).sum())(torch.randn(8))
+
+
+def _in_process(target, *args) -> None:
+    import torch.multiprocessing as mp
+
+    proc = mp.get_context("spawn").Process(target=target, args=args)
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"bench: {target.__name__}{args[:1]} failed in its process (exit code {proc.exitcode})")
+
+
+def cold_compile(which, config, args, warm_dir) -> float:
+    """Seconds of the first compiled call in a fresh process whose inductor cache is a copy
+    of ``warm_dir``: the toolchain is warm, no kernel or graph of this model is cached."""
+    import shutil
+
+    with tempfile.TemporaryDirectory() as d:
+        cache, path = os.path.join(d, "cache"), os.path.join(d, "secs.pt")
+        shutil.copytree(warm_dir, cache)
+        _in_process(_cold_worker, which, config, args.dtype, args.device, cache, path)
+        return torch.load(path)
+
+
+def compile_section(name, config, args, warm_dir) -> dict:
+    """Cold compile time (each in a fresh process, see `cold_compile`) at full depth and one
+    block, ours and diffusers; then compiled vs compiled, alternating."""
+    out = {}
+    for depth, cfg in (("full", config), ("one_block", one_block(config))):
+        for which in ("ours", "diffusers"):
+            out[f"compile_{which}_{depth}"] = cold_compile(which, cfg, args, warm_dir)
+    params = _api.init(config, seed=0, dtype=args.dtype, device=args.device)
+    kw, dkw = inputs(config, args.device, args.dtype)
+    module = diffusers_module(params, args.device, args.dtype)
+    torch._dynamo.reset()
+    f = torch.compile(_api.apply, fullgraph=True, dynamic=False)
+    g = torch.compile(module, fullgraph=True, dynamic=False)
+    med = alternate({"ours": lambda: f(params, **kw), "diffusers": lambda: g(**dkw)[0]}, args.runs, args.device)
+    out.update(compiled_ours=med["ours"], compiled_diffusers=med["diffusers"])
+    out["ratio_compiled"] = out["compiled_ours"] / out["compiled_diffusers"]
+    out["ratio_compile_time"] = out["compile_ours_full"] / out["compile_diffusers_full"]
+    out["ours_full_over_one_block"] = out["compile_ours_full"] / out["compile_ours_one_block"]
+    out["diffusers_full_over_one_block"] = out["compile_diffusers_full"] / out["compile_diffusers_one_block"]
+    return out
+
+
+# ----------------------------------------------------------------------------- tp=2
+
+
+def _widen_diffusers_tp_devices() -> None:
+    """diffusers' TP refuses CPU meshes; allow "cpu" (this check only, nothing else)."""
+    import diffusers.hooks.tensor_parallel as tp
+
+    if "cpu" not in tp._SUPPORTED_TP_DEVICES:
+        tp._SUPPORTED_TP_DEVICES = (*tp._SUPPORTED_TP_DEVICES, "cpu")
+
+
+def _diffusers_tp(module, tp_config, rank, world) -> None:
+    """``module.enable_parallelism(config=tp_config)``'s tensor-parallel steps, in its order:
+    diffusers' own checks, shard specs, config setup and ``apply_tensor_parallel`` with the
+    model's ``_tp_plan``. Only the device lookup differs: enable_parallelism takes the device
+    from ``torch.accelerator`` (none on a CPU machine: it divides by a device count of 0),
+    here it is the CPU mesh's."""
+    from diffusers.hooks.tensor_parallel import (
+        _check_tp_supported,
+        _tp_degree,
+        apply_tensor_parallel,
+        resolve_tp_shard_specs,
+    )
+    from diffusers.models._modeling_parallel import ParallelConfig
+
+    heads = getattr(module.config, "num_attention_heads", None)
+    _check_tp_supported(type(module).__name__, module._tp_plan, heads, tp_config, model=module)
+    resolve_tp_shard_specs(module, module._tp_plan, _tp_degree(tp_config))
+    config = ParallelConfig(tensor_parallel_config=tp_config)
+    config.setup(rank, world, torch.device("cpu"), mesh=tp_config.mesh)
+    module._parallel_config = config
+    apply_tensor_parallel(module, config.tensor_parallel_config, module._tp_plan)
+
+
+def _tp_rank(rank, world, port, name, config, runs, dtype, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from diffusers.models._modeling_parallel import TensorParallelConfig
+
+        mesh = sharding.make_mesh(tp=world, device_type="cpu")
+        params = _api.init(config, seed=0, dtype=dtype)
+        ours = _api.prepare(sharding.shard_params(params, mesh))
+        kw, dkw = inputs(config, "cpu", dtype)
+        _widen_diffusers_tp_devices()
+        module = diffusers_module(params, "cpu", dtype)
+        tp_mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        _diffusers_tp(module, TensorParallelConfig(mesh=tp_mesh), rank, world)
+        contenders = {"ours": lambda: _api.apply(ours, **kw), "diffusers": lambda: module(**dkw)[0]}
+        with torch.no_grad():
+            err = _err(contenders["ours"](), contenders["diffusers"]())
+        med = alternate(contenders, runs, "cpu")
+        mine = sharding.local_bytes(ours)
+        theirs = sum(
+            (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in module.parameters()
+        )
+        if rank == 0:
+            torch.save(dict(tp_ours=med["ours"], tp_diffusers=med["diffusers"], tp_err=err, bytes_ours=mine,
+                            bytes_diffusers=theirs), out_path)  # fmt: skip
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def tp_section(name, config, args) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "tp.pt")
+        mp.spawn(_tp_rank, args=(2, port, name, config, args.runs, args.dtype, path), nprocs=2, join=True)
+        out = torch.load(path)
+    out["ratio_tp"] = out["tp_ours"] / out["tp_diffusers"]
+    return out
+
+
+def memory_section() -> list[tuple[str, float, float]]:
+    """(preset, GB per rank at tp=8, ideal GB) for every released preset, bf16."""
+    rows = []
+    for preset, config in _api.PRESETS.items():
+        if preset.endswith("-tiny"):
+            continue
+        try:
+            got = sharding.bytes_per_rank(config, None, {"tp": 8}, torch.bfloat16) / 1e9
+        except ValueError:
+            continue
+        rows.append((preset, got, _api.num_params(config) * 2 / 1e9 / 8))
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import diffusers
+
+    dev = ""
+    if torch.cuda.is_available():
+        dev = f", GPU {torch.cuda.get_device_name()}"
+    return (
+        f"{cpu}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads{dev}; "
+        f"Python {platform.python_version()}, torch {torch.__version__}, diffusers {diffusers.__version__}"
+    )
+
+
+def _f(v, spec="{:.3f}") -> str:
+    return "n/a" if v is None else spec.format(v)
+
+
+def table(results: dict, peak: float) -> list[str]:
+    head = [
+        "family",
+        "params",
+        "eager ours s",
+        "diffusers s",
+        "ours/diffusers",
+        "ours/diffusers fused",
+        "FLOP/s vs peak",
+        "compiled ours/diffusers",
+        "cold compile ours/diffusers s",
+        "full/one block ours (diffusers)",
+        "tp=2 ours/diffusers s",
+        "tp=2 MB/rank ours (diffusers)",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in results.items():
+        c = r.get("compile") or {}
+        tp = r.get("tp") or {}
+        compiled = f" ({c['compiled_ours']:.3f} / {c['compiled_diffusers']:.3f} s)" if c else ""
+        cold = (
+            f"{c['compile_ours_full']:.1f} / {c['compile_diffusers_full']:.1f} = {c['ratio_compile_time']:.2f}"
+            if c
+            else "n/a"
+        )
+        row = [
+            name,
+            f"{r['params'] / 1e6:.1f}M",
+            _f(r["eager_ours"]),
+            _f(r["eager_diffusers"]),
+            _f(r["ratio_eager"], "{:.2f}"),
+            _f(r.get("ratio_eager_fused"), "{:.2f}"),
+            f"{r['flops_per_s'] / 1e9:.1f} / {r['peak_flops_per_s'] / 1e9:.1f} GFLOP/s = {r['fraction_of_peak']:.2f}",
+            _f(c.get("ratio_compiled"), "{:.2f}") + compiled,
+            cold,
+            (f"{c['ours_full_over_one_block']:.2f} ({c['diffusers_full_over_one_block']:.2f})" if c else "n/a"),
+            (f"{tp['tp_ours']:.3f} / {tp['tp_diffusers']:.3f} = {tp['ratio_tp']:.2f}" if tp else "n/a"),
+            (f"{tp['bytes_ours'] / 1e6:.1f} ({tp['bytes_diffusers'] / 1e6:.1f})" if tp else "n/a"),
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def markdown(results, peak, args, command, started, elapsed) -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        f"- date: {started:%Y-%m-%d %H:%M} UTC; wall time {elapsed / 60:.1f} min",
+        f"- machine: {machine()}",
+        f"- command: `{command}`",
+        f"- device {args.device}, dtype {str(args.dtype).removeprefix('torch.')}, batch 1, "
+        f"{IMG_HW[0] * IMG_HW[1]} image + {TXT_LEN} text tokens, random weights (the same in both), "
+        f"median of {args.runs} alternating rounds",
+        f"- matmul peak: a {PEAK_N}³ GEMM, timed in the same alternating rounds as each family (so under the "
+        f"same load); {peak / 1e9:.1f} GFLOP/s measured alone at the start",
+        "- ours: `fd.apply` on `fd.prepare`d params (fused q/k/v); compiled: "
+        "`torch.compile(fd.apply, fullgraph=True, dynamic=False)` vs `torch.compile(module, fullgraph=True, "
+        "dynamic=False)`; cold compile = the first compiled call in a fresh process whose inductor cache holds "
+        "only a trivial warm-up (toolchain ready, no kernel or graph of the model cached), FX graph cache off",
+        "- tp=2: 2 gloo processes on this machine, 1 thread each; diffusers' own tensor parallelism "
+        "(`enable_parallelism(TensorParallelConfig)`'s steps: its checks, shard specs, `apply_tensor_parallel` with "
+        "the model's `_tp_plan`), with its device-type check widened to allow CPU "
+        "(`diffusers.hooks.tensor_parallel._SUPPORTED_TP_DEVICES` += 'cpu') and the device taken from the CPU mesh "
+        "instead of `torch.accelerator` (none on a CPU machine); nothing else changed",
+        "",
+    ]
+    lines += table(results, peak)
+    lines += ["", "Every figure:", "", "```"]
+    for name, r in results.items():
+        lines.append(f"{name}: {r}")
+    lines += ["```", "", "Per-rank parameter memory at tp=8 (bf16, GB; ideal = params / 8):", ""]
+    lines += ["| preset | GB per rank | ideal | ratio |", "|---|---|---|---|"]
+    lines += [f"| {p} | {g:.2f} | {i:.2f} | {g / i:.3f} |" for p, g, i in memory_section()]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument(
+        "--preset", default=None, help="a released preset's shape (random weights) instead of the mid configs"
+    )
+    p.add_argument("--families", default="flux1,flux2,qwenimage", help="comma-separated subset of the mid configs")
+    p.add_argument("--runs", type=int, default=7, help="rounds per figure (median); >= 7 for a full run")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--no-compile", action="store_true", help="skip the compile figures")
+    p.add_argument("--no-tp", action="store_true", help="skip tp=2 (CPU only)")
+    p.add_argument("--out", default="BENCHMARKS.md", help="where to write the report ('' for none)")
+
+
+def _configs(args) -> dict:
+    if args.preset is not None:
+        presets = _api.PRESETS
+        if args.preset not in presets:
+            raise ValueError(f"--preset: expected one of {sorted(presets)}, got {args.preset!r}")
+        return {args.preset: presets[args.preset]}
+    mids = mid_configs()
+    names = [n for n in args.families.split(",") if n]
+    unknown = [n for n in names if n not in mids]
+    if unknown:
+        raise ValueError(f"--families: expected a subset of {sorted(mids)}, got {unknown}")
+    return {n: mids[n] for n in names}
+
+
+def run(args) -> int:
+    args.dtype = getattr(torch, args.dtype) if isinstance(args.dtype, str) else args.dtype
+    if not isinstance(args.dtype, torch.dtype):
+        raise ValueError(f"--dtype: expected a torch dtype name, got {args.dtype!r}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = False  # cold compile times
+    configs = _configs(args)
+    command = "python -m functional_dit " + " ".join(getattr(args, "argv", sys.argv[1:]))
+    started, t0 = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
+    peak = matmul_peak(args.device, args.dtype)
+    print(f"matmul peak {peak / 1e9:.1f} GFLOP/s ({args.device}, {args.dtype})", flush=True)
+    results = {}
+    warm = tempfile.TemporaryDirectory()
+    if not args.no_compile:
+        _in_process(_warm_worker, warm.name)
+    for name, config in configs.items():
+        print(f"{name}: eager ...", flush=True)
+        r = eager_section(name, config, args)
+        if not args.no_compile:
+            print(f"{name}: compile ...", flush=True)
+            r["compile"] = compile_section(name, config, args, warm.name)
+        if not args.no_tp and torch.device(args.device).type == "cpu":
+            print(f"{name}: tp=2 ...", flush=True)
+            r["tp"] = tp_section(name, config, args)
+        results[name] = r
+        print(f"{name}: {r}", flush=True)  # every figure as soon as the family is done
+    elapsed = time.perf_counter() - t0
+    text = markdown(results, peak, args, command, started, elapsed)
+    print("\n".join(table(results, peak)))
+    print(f"wall time {elapsed / 60:.1f} min")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(f"wrote {args.out}")
+    return 0

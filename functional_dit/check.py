@@ -1,0 +1,123 @@
+"""``python -m functional_dit check --device DEV``: a one-command hardware check.
+
+For each family's tiny config: ``fd.apply`` on the device vs CPU eager (same dtype) at
+the same weights and inputs — parity; a second call with another timestep must not
+recompile; and on XLA devices (torch_xla: TPU, Neuron, or its CPU device) no
+``aten::`` op may fall back to the CPU (``torch_xla.debug.metrics``).
+
+Modes: ``--mode compile`` (default off XLA) runs ``torch.compile(fd.apply,
+fullgraph=True, dynamic=False, backend=--backend)`` and checks dynamo's recompiles;
+``--mode lazy`` (default on XLA) runs ``fd.apply`` on lazy tensors and checks that XLA
+compiled no new graph on the second call (``CompileTime`` count).
+
+torch_xla's CPU device, in its own environment (torch 2.9 + torch_xla 2.9)::
+
+    python -m venv xla && xla/bin/pip install torch==2.9.* torch_xla==2.9.* diffusers
+    PJRT_DEVICE=CPU xla/bin/python -m functional_dit check --device xla
+
+Not part of the test suite (that environment is several GB).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _api
+
+
+def _tiny_inputs(config, seed: int = 0):
+    """Small fd.apply kwargs on the CPU for a tiny config (batch 1, 4 x 4 latents, 8 text tokens)."""
+    from .bench import inputs
+
+    kw, _ = inputs(config, "cpu", torch.float32, seed=seed, hw=(4, 4), txt_len=8)
+    return kw
+
+
+def _to(kw: dict, device, dtype) -> dict:
+    out = {}
+    for k, v in kw.items():
+        if isinstance(v, torch.Tensor):
+            v = v.to(device, dtype) if k in ("x", "txt", "pooled") else v.to(device)  # ids, t stay fp32
+        out[k] = v
+    return out
+
+
+def _xla():
+    try:
+        import torch_xla.debug.metrics as met
+    except ImportError:
+        return None
+    return met
+
+
+def _xla_compiles(met) -> int:
+    data = met.metric_data("CompileTime")
+    return 0 if data is None else data[0]
+
+
+def _aten_fallbacks(met) -> list[str]:
+    return [name for name in met.counter_names() if name.startswith("aten::")]
+
+
+def check_family(name, config, device, dtype, mode, backend, tol) -> dict:
+    params = _api.init(config, seed=0, dtype=dtype)  # the reference: CPU eager in the same dtype
+    kw = _tiny_inputs(config)
+    with torch.no_grad():
+        want = _api.apply(params, **_to(kw, "cpu", dtype)).float()
+    dev_params = _api.init(config, seed=0, dtype=dtype, device=device)
+    kw_dev, kw2 = _to(kw, device, dtype), _to(dict(kw, t=kw["t"] * 0.5), device, dtype)
+    met = _xla() if torch.device(device).type == "xla" else None
+    if met is not None:
+        met.clear_all()
+    report = {}
+    with torch.no_grad():
+        if mode == "compile":
+            torch._dynamo.reset()
+            f = torch.compile(_api.apply, fullgraph=True, dynamic=False, backend=backend)
+            got = f(dev_params, **kw_dev).cpu()
+            try:
+                with torch._dynamo.config.patch(error_on_recompile=True):
+                    f(dev_params, **kw2).cpu()
+                report["recompiled"] = False
+            except Exception as e:  # dynamo raises its RecompileError (torch._dynamo.exc)
+                report["recompiled"] = f"{type(e).__name__}: {e}"
+        else:
+            got = _api.apply(dev_params, **kw_dev).cpu()
+            before = _xla_compiles(met) if met is not None else None
+            _api.apply(dev_params, **kw2).cpu()
+            report["recompiled"] = False if met is None else _xla_compiles(met) != before
+    err = (got.float() - want).abs().max().item()
+    report.update(max_abs_err=err, scale=want.abs().max().item(), parity=err <= tol * max(1.0, want.abs().max().item()))
+    report["aten_fallbacks"] = _aten_fallbacks(met) if met is not None else []
+    report["ok"] = report["parity"] and report["recompiled"] is False and not report["aten_fallbacks"]
+    return report
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--device", required=True, help="cuda, xla, neuron, ... (cpu checks the check itself)")
+    p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    p.add_argument("--mode", choices=("compile", "lazy"), default=None, help="default: lazy on xla, else compile")
+    p.add_argument("--backend", default=None, help="torch.compile backend (default: inductor; openxla on xla)")
+
+
+def run(args) -> int:
+    dtype = getattr(torch, args.dtype)
+    device = args.device
+    if torch.device(device).type == "xla":
+        import torch_xla  # noqa: F401  (registers the device)
+    mode = args.mode or ("lazy" if torch.device(device).type == "xla" else "compile")
+    backend = args.backend or ("openxla" if torch.device(device).type == "xla" else "inductor")
+    tol = 1e-4 if dtype == torch.float32 else 5e-2  # fp32: kernel order only; bf16: storage rounding
+    ok = True
+    for name, config in _api.PRESETS.items():
+        if not name.endswith("-tiny"):
+            continue
+        r = check_family(name, config, device, dtype, mode, backend, tol)
+        ok &= r["ok"]
+        status = "ok" if r["ok"] else "FAIL"
+        print(
+            f"{name:<18} {status:<5} max|err| {r['max_abs_err']:.2e} (output scale {r['scale']:.2f}, tol {tol:g}); "
+            f"recompiled on a new timestep: {r['recompiled']}; aten:: fallbacks: {r['aten_fallbacks'] or 'none'}"
+        )
+    print(f"device {device}, dtype {args.dtype}, mode {mode}" + (f", backend {backend}" if mode == "compile" else ""))
+    return 0 if ok else 1
