@@ -139,12 +139,19 @@ def from_diffusers(module) -> Params:
     return from_state_dict(config, {k: v.detach() for k, v in module.state_dict().items()})
 
 
-def apply(params: Params, x, t, txt, **kwargs):
+def apply(params: Params, x, t, txt, *, lora=None, **kwargs):
     """The model as a pure function; see the family's ``apply`` for the arguments.
-    Sharded params (DTensor leaves) run in the local view on their mesh."""
+    Sharded params (DTensor leaves) run in the local view on their mesh.
+
+    ``lora``: a list of ``(adapter, scale)`` pairs (``functional_dit.lora``) applied on the
+    fly, unmerged; sharded params need the adapters placed on the same mesh."""
     fam = family(params)
     local, mesh = sharding.local_view(params) if hasattr(sharding, "local_view") else (params, None)
+    if lora:
+        from .lora import _apply as lora_apply  # late: the lora package imports this module
+
+        adapters = lora_apply.local_adapters(lora_apply.check(params, lora), mesh)
     if mesh is None:  # plain tensors: run under whatever mesh the caller bound (shard_map), if any
-        return fam.apply(local, x, t, txt, **kwargs)
+        return fam.apply(lora_apply.attach(local, adapters) if lora else local, x, t, txt, **kwargs)
     with sharding.bind(mesh):
-        return fam.apply(local, x, t, txt, **kwargs)
+        return fam.apply(lora_apply.attach(local, adapters) if lora else local, x, t, txt, **kwargs)
