@@ -27,7 +27,10 @@ _api.register_family(qwenimage)
 
 PRESETS = _api.presets()
 
+from .adapter import DiffusersTransformer  # noqa: E402  (wraps the public functions above)
+
 __all__ = [
+    "DiffusersTransformer",
     "PACKED",
     "PRESETS",
     "Block",

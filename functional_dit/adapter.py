@@ -1,0 +1,362 @@
+"""`DiffusersTransformer`: `fd.apply` behind the stock diffusers transformer interface,
+a drop-in ``transformer`` for the diffusers FLUX.1, FLUX.2 and Qwen-Image pipelines.
+
+It takes the stock forward arguments (``FluxTransformer2DModel``,
+``Flux2Transformer2DModel``, ``QwenImageTransformer2DModel``), runs `fd.apply` on its
+params (plain or sharded) and returns what the stock class returns. Everything a
+pipeline touches besides ``forward`` is here: ``config`` with the diffusers keys,
+``dtype`` / ``device`` / ``to``, ``cache_context``, the block lists whose attention
+processors the FLUX.2-klein KV pipeline sets, ``save_pretrained`` and
+``from_pretrained``. The parameter leaves are registered as frozen ``nn.Parameter``s
+under the diffusers names (``state_dict()`` keys equal the stock class's), so
+``to()``, accelerate's CPU offload and ``fd.from_diffusers(adapter)`` work as on the
+stock module; each forward reads them back into `Params`. Arguments it cannot honour (ControlNet residuals, IP-Adapter
+embeddings, a LoRA ``scale``, custom attention processors) raise a ``ValueError``.
+
+Calling ``DiffusersTransformer(params)`` gives an instance of the family's subclass,
+named after the stock class it stands in for. A pipeline holding it records it in
+``model_index.json`` as ``["diffusers", "<stock class>"]``, and ``save_pretrained``
+writes a stock checkpoint folder (`weights.save`), so a saved pipeline reloads with
+stock diffusers and the stock transformer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import diffusers
+import torch
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
+
+from . import Flux2KVCache, Params, apply, config_to_diffusers
+from ._pytree import nest
+
+_FAMILY_OF_CLASS = {"Flux1Config": "flux1", "Flux2Config": "flux2", "QwenImageConfig": "qwenimage"}
+_STOCK_CLASS = {
+    "flux1": "FluxTransformer2DModel",
+    "flux2": "Flux2Transformer2DModel",
+    "qwenimage": "QwenImageTransformer2DModel",
+}
+_PIPELINES = {
+    "flux1": "FluxPipeline / FluxKontextPipeline",
+    "flux2": "Flux2Pipeline / Flux2KleinPipeline / Flux2KleinKVPipeline",
+    "qwenimage": "QwenImagePipeline / QwenImageEditPipeline / QwenImageEditPlusPipeline",
+}
+# Forward arguments beyond the shared ones (hidden_states, timestep,
+# encoder_hidden_states, guidance, return_dict), per family.
+_FAMILY_ARGS = {
+    "flux1": {"pooled_projections", "img_ids", "txt_ids", "joint_attention_kwargs"},
+    "flux2": {
+        "img_ids",
+        "txt_ids",
+        "joint_attention_kwargs",
+        "kv_cache",
+        "kv_cache_mode",
+        "num_ref_tokens",
+        "ref_fixed_timestep",
+    },
+    "qwenimage": {"encoder_hidden_states_mask", "img_shapes", "attention_kwargs", "additional_t_cond"},
+}
+# The stock attention processors whose maths fd.apply computes, per block list.
+_PROCESSORS = {
+    ("flux1", "transformer_blocks"): {"FluxAttnProcessor"},
+    ("flux1", "single_transformer_blocks"): {"FluxAttnProcessor"},
+    ("flux2", "transformer_blocks"): {"Flux2AttnProcessor", "Flux2KVAttnProcessor"},
+    ("flux2", "single_transformer_blocks"): {"Flux2ParallelSelfAttnProcessor", "Flux2KVParallelSelfAttnProcessor"},
+    ("qwenimage", "transformer_blocks"): {"QwenDoubleStreamAttnProcessor2_0"},
+}
+
+
+def _family(params) -> str:
+    if not isinstance(params, Params):
+        raise ValueError(f"params: expected functional_dit.Params, got {type(params).__name__}")
+    return _FAMILY_OF_CLASS[type(params.config).__name__]
+
+
+class KVCache:
+    """The reference-token KV cache a FLUX.2 extract call returns, as the pipelines use
+    it: pass it back with ``kv_cache_mode="cached"``; ``clear()`` drops the tensors.
+    ``cache`` is the `fd.Flux2KVCache` (None once cleared)."""
+
+    def __init__(self, cache: Flux2KVCache):
+        self.cache = cache
+
+    @property
+    def num_ref_tokens(self) -> int:
+        return 0 if self.cache is None else self.cache.num_ref_tokens
+
+    def clear(self) -> None:
+        self.cache = None
+
+    def __repr__(self) -> str:
+        return f"KVCache({self.cache!r})"
+
+
+class _Node(torch.nn.Module):
+    """One level of the parameter tree, named as in the stock module (so the adapter's
+    ``state_dict`` keys are the diffusers keys)."""
+
+    def forward(self, *args, **kwargs):
+        raise ValueError(f"{type(self).__name__}: a parameter container of DiffusersTransformer, not callable")
+
+
+class _Attention(_Node):
+    """A block's ``attn``: holds the attention processor a pipeline sets (the FLUX.2-klein
+    KV pipeline sets its own at construction), accepting only the stock processors whose
+    maths `fd.apply` computes."""
+
+    def __init__(self, owner: str, accepted: set[str]):
+        super().__init__()
+        self.__dict__.update(_owner=owner, _accepted=accepted, processor=None)
+
+    def set_processor(self, processor) -> None:
+        name = type(processor).__name__
+        if name not in self._accepted:
+            raise ValueError(
+                f"processor: {self._owner} computes attention as one of {sorted(self._accepted)}; got {name}, "
+                "which it cannot honour"
+            )
+        self.__dict__["processor"] = processor
+
+    def get_processor(self, return_deprecated_lora: bool = False):
+        return self.processor
+
+
+def _tree_module(node: torch.nn.Module, subtree: dict, path: tuple, owner: str, fam: str) -> None:
+    """Register ``subtree``'s tensors on ``node`` as frozen parameters, its dicts as child
+    modules (`nn.ModuleList` for block lists, `_Attention` for a block's ``attn``)."""
+    for name, value in subtree.items():
+        if isinstance(value, torch.Tensor):
+            node.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
+            continue
+        if len(path) == 2 and name == "attn":
+            child = _Attention(owner, _PROCESSORS[(fam, path[0])])
+        else:
+            child = _Node()
+        _tree_module(child, value, (*path, name), owner, fam)
+        if value and sorted(value, key=int if all(k.isdigit() for k in value) else str) == [
+            str(i) for i in range(len(value))
+        ]:
+            child = torch.nn.ModuleList([child.get_submodule(str(i)) for i in range(len(value))])
+        node.add_module(name, child)
+
+
+class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
+    """A drop-in ``transformer`` for diffusers pipelines computing with `fd.apply`.
+
+    ``DiffusersTransformer(params)`` with `Params` from `fd.init`, `fd.from_diffusers`,
+    `weights.load` or sharded by `sharding.shard_params` (then every rank runs the same
+    pipeline call). ``adapter.params`` is the current pytree; ``to(...)`` moves and
+    casts it.
+    """
+
+    config_name = "config.json"
+    _family_name: str = ""
+
+    def __new__(cls, params=None, *args, **kwargs):
+        if cls is DiffusersTransformer:
+            cls = _SUBCLASSES[_family(params)]
+        return super().__new__(cls)
+
+    def __init__(self, params: Params):
+        fam = _family(params)
+        if fam != self._family_name:
+            raise ValueError(
+                f"params: {type(self).__name__} wraps {_STOCK_CLASS[self._family_name]} params, "
+                f"got {type(params.config).__name__}"
+            )
+        super().__init__()
+        cfg = config_to_diffusers(params.config)
+        cfg.pop("_class_name")
+        self.register_to_config(**cfg)
+        self.__dict__["_fd_config"] = params.config
+        _tree_module(self, params.tree, (), type(self).__name__, fam)
+        # What diffusers records in a pipeline's model_index.json: the stock class, whose
+        # checkpoint folder save_pretrained writes (see the module docstring).
+        self.__dict__["__module__"] = "diffusers"
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def params(self) -> Params:
+        """The current parameters as `Params` (sharing storage with this module)."""
+        flat = dict(self.named_parameters(remove_duplicate=False))
+        return Params(
+            self._fd_config, nest({k: p.detach() if isinstance(p, torch.nn.Parameter) else p for k, p in flat.items()})
+        )
+
+    def _leaf(self) -> torch.Tensor:
+        return next(self.parameters())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._leaf().dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._leaf().device
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str, **kwargs):
+        """Accepted for the pipelines' ``with transformer.cache_context("cond")``; this
+        adapter has no caching hooks, so the context does nothing."""
+        yield
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(fd.apply over {type(self.params.config).__name__}, dtype={self.dtype})"
+
+    # ---------------------------------------------------------------- forward
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor = None,
+        timestep: torch.Tensor = None,
+        guidance: torch.Tensor = None,
+        return_dict: bool = True,
+        **kwargs,
+    ):
+        """The stock class's forward (see its docstring); returns ``(sample,)`` with
+        ``return_dict=False`` (``(sample, cache)`` for FLUX.2 ``kv_cache_mode="extract"``),
+        else the stock output dataclass."""
+        fam = self._family_name
+        self._check_args(kwargs)
+        args = dict(guidance=guidance)
+        cache = None
+        if fam == "flux1":
+            args.update(self._flux1_args(**kwargs))
+        elif fam == "flux2":
+            args.update(self._flux2_args(**kwargs))
+        else:
+            args.update(self._qwen_args(**kwargs))
+        out = apply(self.params, hidden_states, timestep, encoder_hidden_states, **args)
+        if isinstance(out, tuple):
+            out, cache = out[0], KVCache(out[1])
+        if not return_dict:
+            return (out,) if cache is None else (out, cache)
+        if fam == "flux2":
+            return Flux2Transformer2DModelOutput(sample=out, kv_cache=cache)
+        return Transformer2DModelOutput(sample=out)
+
+    def _check_args(self, kwargs) -> None:
+        fam, name = self._family_name, type(self).__name__
+        for key, value in kwargs.items():
+            if key in _FAMILY_ARGS[fam]:
+                continue
+            others = [f for f, keys in _FAMILY_ARGS.items() if key in keys]
+            if others:
+                raise ValueError(
+                    f"{key}: this {name} adapter runs {type(self.params.config).__name__} params "
+                    f"({_PIPELINES[fam]}), but {key} is an argument of "
+                    f"{' / '.join(_STOCK_CLASS[f] for f in others)} ({' or '.join(_PIPELINES[f] for f in others)}); "
+                    "is this adapter in the wrong pipeline?"
+                )
+            if value is None or value is False:  # stock options left at their defaults
+                continue
+            raise ValueError(f"{key}: not supported by functional_dit's {name} adapter, got {type(value).__name__}")
+
+    def _lora_scale(self, argname: str, attention_kwargs) -> None:
+        """The hook for the LoRA ``scale`` the pipelines pass in ``joint_attention_kwargs`` /
+        ``attention_kwargs``. No LoRA is supported yet, so any entry is an error."""
+        if attention_kwargs:
+            raise ValueError(
+                f"{argname}: expected None or {{}}, got keys {sorted(attention_kwargs)}; "
+                f"{type(self).__name__} supports neither a LoRA scale nor IP-Adapter or other attention arguments"
+            )
+
+    def _flux1_args(self, pooled_projections=None, img_ids=None, txt_ids=None, joint_attention_kwargs=None):
+        self._lora_scale("joint_attention_kwargs", joint_attention_kwargs)
+        if pooled_projections is None:
+            raise ValueError(
+                f"pooled_projections: {type(self).__name__} (FLUX.1 params) needs the CLIP pooled embedding, got None; "
+                f"is this adapter in a pipeline for another family? It belongs in {_PIPELINES['flux1']}"
+            )
+        return dict(pooled=pooled_projections, img_ids=img_ids, txt_ids=txt_ids)
+
+    def _flux2_args(
+        self,
+        img_ids=None,
+        txt_ids=None,
+        joint_attention_kwargs=None,
+        kv_cache=None,
+        kv_cache_mode=None,
+        num_ref_tokens=0,
+        ref_fixed_timestep=0.0,
+    ):
+        self._lora_scale("joint_attention_kwargs", joint_attention_kwargs)
+        args = dict(img_ids=img_ids, txt_ids=txt_ids)
+        if kv_cache_mode is None:
+            if kv_cache is not None or num_ref_tokens or ref_fixed_timestep:
+                raise ValueError(
+                    f"kv_cache_mode: None runs without a KV cache, but got kv_cache={kv_cache!r}, "
+                    f"num_ref_tokens={num_ref_tokens!r}, ref_fixed_timestep={ref_fixed_timestep!r}"
+                )
+            return args
+        if kv_cache_mode == "extract":
+            if kv_cache is not None:
+                raise ValueError(f"kv_cache: expected None with kv_cache_mode='extract', got {kv_cache!r}")
+            return dict(args, kv_cache="extract", num_ref_tokens=num_ref_tokens, ref_fixed_timestep=ref_fixed_timestep)
+        if kv_cache_mode == "cached":
+            cache = kv_cache.cache if isinstance(kv_cache, KVCache) else kv_cache
+            if not isinstance(cache, Flux2KVCache):
+                raise ValueError(
+                    "kv_cache: expected the cache an extract call returned (not cleared) with kv_cache_mode='cached', "
+                    f"got {kv_cache!r}"
+                )
+            return dict(args, kv_cache=cache)
+        raise ValueError(f"kv_cache_mode: expected None, 'extract' or 'cached', got {kv_cache_mode!r}")
+
+    def _qwen_args(
+        self, encoder_hidden_states_mask=None, img_shapes=None, attention_kwargs=None, additional_t_cond=None
+    ):
+        self._lora_scale("attention_kwargs", attention_kwargs)
+        return dict(txt_mask=encoder_hidden_states_mask, img_shapes=img_shapes, additional_t_cond=additional_t_cond)
+
+    # ---------------------------------------------------------------- save / load
+
+    def save_pretrained(
+        self, save_directory, safe_serialization: bool = True, variant=None, max_shard_size="5GB", **kwargs
+    ) -> None:
+        """Write a stock diffusers checkpoint folder (``config.json`` + safetensors) with
+        `weights.save`; the stock class's ``from_pretrained`` loads it. With sharded
+        params every rank must call it (rank 0 writes)."""
+        import weights
+
+        if not safe_serialization:
+            raise ValueError("safe_serialization: only safetensors are written (pickle is refused), got False")
+        if variant is not None:
+            raise ValueError(f"variant: variant file names are not supported, got {variant!r}")
+        if kwargs:
+            raise ValueError(f"save_pretrained: unsupported arguments {sorted(kwargs)}")
+        weights.save(self.params, os.fspath(save_directory), max_shard_size=max_shard_size or "5GB")
+
+    @classmethod
+    def from_pretrained(
+        cls, path, *, subfolder: str | None = None, mesh=None, plan=None, dtype=None, device=None
+    ) -> DiffusersTransformer:
+        """An adapter over `weights.load` of a diffusers model or pipeline folder (or a
+        single safetensors file): ``mesh`` / ``plan`` stream each rank's own slices
+        (sharded params), ``dtype`` / ``device`` as in `weights.load`."""
+        import weights
+
+        path = os.fspath(path)
+        if subfolder:
+            path = os.path.join(path, subfolder)
+        params = weights.load(path, mesh=mesh, plan=plan, dtype=dtype, device=device)
+        if cls is not DiffusersTransformer and _family(params) != cls._family_name:
+            raise ValueError(
+                f"path: {cls.__name__} expects a {_STOCK_CLASS[cls._family_name]} checkpoint, "
+                f"got {type(params.config).__name__} params from {path}"
+            )
+        return DiffusersTransformer(params)
+
+
+def _subclass(family: str) -> type:
+    name = _STOCK_CLASS[family]
+    doc = f"`DiffusersTransformer` for {name} params (made by ``DiffusersTransformer(params)``)."
+    return type(name, (DiffusersTransformer,), {"_family_name": family, "__doc__": doc, "__module__": __name__})
+
+
+_SUBCLASSES = {fam: _subclass(fam) for fam in _STOCK_CLASS}
