@@ -10,13 +10,14 @@ same plan as the base weights.
 
 from ._adapter import DEFAULT_TARGETS, RANK, Adapter, LoraConfig, factor_specs, init, linear_modules
 from ._apply import merge
-from ._io import from_state_dict, load, save, to_state_dict
+from ._io import METADATA_KEY, from_state_dict, load, save, to_state_dict
 
 __all__ = [
     "DEFAULT_TARGETS",
     "RANK",
     "Adapter",
     "LoraConfig",
+    "METADATA_KEY",
     "factor_specs",
     "from_state_dict",
     "init",
