@@ -14,6 +14,7 @@ from ._api import (
     to_state_dict,
 )
 from ._pytree import PACKED, Block, Params, ParamSpec
+from ._stack import stack_params, unstack_params
 from .flux1 import Flux1Config
 from .flux2 import Flux2Config, Flux2KVCache
 from .qwenimage import QwenImageConfig
@@ -48,5 +49,7 @@ __all__ = [
     "init",
     "num_params",
     "param_specs",
+    "stack_params",
     "to_state_dict",
+    "unstack_params",
 ]

@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Mapping
 
 import torch
+import torch.utils._pytree as pytree
 
 import sharding
 
@@ -152,6 +153,25 @@ def apply(params: Params, x, t, txt, *, lora=None, **kwargs):
 
         adapters = lora_apply.local_adapters(lora_apply.check(params, lora), mesh)
     if mesh is None:  # plain tensors: run under whatever mesh the caller bound (shard_map), if any
-        return fam.apply(lora_apply.attach(local, adapters) if lora else local, x, t, txt, **kwargs)
+        return _call(fam, lora_apply.attach(local, adapters) if lora else local, x, t, txt, kwargs)
     with sharding.bind(mesh):
-        return fam.apply(lora_apply.attach(local, adapters) if lora else local, x, t, txt, **kwargs)
+        return _call(fam, lora_apply.attach(local, adapters) if lora else local, x, t, txt, kwargs)
+
+
+_SHARE_AXES = ("sp", "dp")
+
+
+def _call(fam, params, x, t, txt, kwargs):
+    """``fam.apply`` with the params and inputs marked by ``sharding.pvary`` over sp and
+    dp: each rank computes with its own tokens and batch items, so the gradient of any
+    of them (each is whole on every rank) comes as per-rank shares, summed over those
+    axes here, once. (Over tp the model pairs its collectives Megatron-style instead.)"""
+    if any(sharding.axis_size(a) > 1 for a in _SHARE_AXES):
+        params, x, t, txt, kwargs = pytree.tree_map(_share, (params, x, t, txt, kwargs))
+    return fam.apply(params, x, t, txt, **kwargs)
+
+
+def _share(x):
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return sharding.pvary(x, _SHARE_AXES)
+    return x

@@ -17,8 +17,8 @@ import sharding
 
 
 def linear(p, x: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T + b``; a column-parallel projection needs nothing more. With LoRA factors
-    attached (``p["lora"]``, see ``functional_dit.lora``) their updates are added."""
+    """``x @ W.T + b`` with whole (replicated) weights, or as the local half of a sharded one.
+    With LoRA factors attached (``p["lora"]``, see ``functional_dit.lora``) their updates are added."""
     y = F.linear(x, p["weight"], p.get("bias"))
     return y if "lora" not in p else _add_lora(y, [F.linear(x.to(a.dtype), a) for a, _, _ in p["lora"]], p["lora"])
 
@@ -30,6 +30,18 @@ def _add_lora(y: torch.Tensor, hs, factors) -> torch.Tensor:
     for h, (_, b, s) in zip(hs, factors):
         out = out + F.linear(h, b) * s
     return out.to(y.dtype)
+
+
+def col_linear(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
+    """A column-parallel projection: this rank's output columns of a ``x`` every rank holds
+    whole, so ``x``'s gradient is a per-rank share summed over ``axis`` (Megatron's f)."""
+    return linear(p, sharding.pvary(x, axis))
+
+
+def per_head(p, axis: str = "tp") -> dict:
+    """A replicated parameter dict applied to each of this rank's heads (the QK norms):
+    its gradient is a per-rank share, summed over ``axis``."""
+    return {k: sharding.pvary(v, axis) for k, v in p.items()}
 
 
 def row_linear(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
@@ -82,7 +94,7 @@ def adaln(p, emb: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
 
 def gelu_mlp(p, x: torch.Tensor) -> torch.Tensor:
     """diffusers ``FeedForward(activation_fn="gelu-approximate")``: ``net.0.proj``, ``net.2``."""
-    h = F.gelu(linear(p["net"]["0"]["proj"], x), approximate="tanh")
+    h = F.gelu(col_linear(p["net"]["0"]["proj"], x), approximate="tanh")
     return row_linear(p["net"]["2"], h)
 
 
@@ -136,6 +148,8 @@ def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
 def _sdpa(q, k, v, key_bias):
     mask = None if key_bias is None else key_bias[:, None, None, :].to(q.dtype)  # (B, 1, 1, S_k)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+    if sharding.forward_ad_active():  # the fused CPU/GPU kernels have no forward-mode rule
+        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask)[0].transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
 
 

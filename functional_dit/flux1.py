@@ -190,8 +190,8 @@ def time_text_embed(p, t, guidance, pooled) -> torch.Tensor:
 
 def qkv(p, x, head_dim, names=("to_q", "to_k", "to_v"), norms=("norm_q", "norm_k")):
     """Project to q, k, v (B, S, H, D) and RMS-normalise q and k over D."""
-    q, k, v = (L.split_heads(L.linear(p[n], x), head_dim) for n in names)
-    return L.rms_norm(p[norms[0]], q), L.rms_norm(p[norms[1]], k), v
+    q, k, v = (L.split_heads(L.col_linear(p[n], x), head_dim) for n in names)
+    return L.rms_norm(L.per_head(p[norms[0]]), q), L.rms_norm(L.per_head(p[norms[1]]), k), v
 
 
 def joint_attention(q, k, v, pe, key_bias=None) -> torch.Tensor:
@@ -226,7 +226,7 @@ def single_block(p, x, vec, pe, head_dim, key_bias=None):
     """Parallel attention + MLP over the joint (txt; img) sequence x (B, S, C)."""
     shift, scale, gate = L.adaln(p["norm"]["linear"], vec, 3)
     h = L.modulate(L.layer_norm(x), shift, scale)
-    mlp = torch.nn.functional.gelu(L.linear(p["proj_mlp"], h), approximate="tanh")
+    mlp = torch.nn.functional.gelu(L.col_linear(p["proj_mlp"], h), approximate="tanh")
     attn = joint_attention(*qkv(p["attn"], h, head_dim), pe, key_bias)
     return L.clip_fp16(x + gate[:, None] * L.row_linear(p["proj_out"], torch.cat([attn, mlp], -1)))
 

@@ -314,7 +314,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 
 def feed_forward(p, x: torch.Tensor) -> torch.Tensor:
     """diffusers ``Flux2FeedForward``: ``linear_out(swiglu(linear_in(x)))``."""
-    return L.row_linear(p["linear_out"], swiglu(L.linear(p["linear_in"], x)))
+    return L.row_linear(p["linear_out"], swiglu(L.col_linear(p["linear_in"], x)))
 
 
 _IMG = (("to_q", "to_k", "to_v"), ("norm_q", "norm_k"))
@@ -325,8 +325,8 @@ def _stream_qkv(a, x, mod, head_dim, eps, names):
     """One stream of a double block: AdaLN, then q, k, v (B, S, H, D) with q, k RMS-normalised."""
     (proj, norms), (shift, scale) = names, mod[:2]
     h = L.modulate(L.layer_norm(x, eps), shift, scale)
-    q, k, v = (L.split_heads(L.linear(a[n], h), head_dim) for n in proj)
-    return L.rms_norm(a[norms[0]], q, eps), L.rms_norm(a[norms[1]], k, eps), v
+    q, k, v = (L.split_heads(L.col_linear(a[n], h), head_dim) for n in proj)
+    return L.rms_norm(L.per_head(a[norms[0]]), q, eps), L.rms_norm(L.per_head(a[norms[1]]), k, eps), v
 
 
 def _stream_out(x, attn, mod, p_out, p_ff, eps):
@@ -382,11 +382,11 @@ def _single_in(a, x, mod, head_dim, eps):
     n + m, so this rank's width n of q is read off the two shapes (TP-agnostic).
     """
     shift, scale, _ = mod
-    h = L.linear(a["to_qkv_mlp_proj"], L.modulate(L.layer_norm(x, eps), shift, scale))
+    h = L.col_linear(a["to_qkv_mlp_proj"], L.modulate(L.layer_norm(x, eps), shift, scale))
     n = a["to_qkv_mlp_proj"]["weight"].shape[0] - 2 * a["to_out"]["weight"].shape[1]
     qkv, mlp = h.split([3 * n, h.shape[-1] - 3 * n], dim=-1)
     q, k, v = (L.split_heads(t, head_dim) for t in qkv.chunk(3, dim=-1))
-    return L.rms_norm(a["norm_q"], q, eps), L.rms_norm(a["norm_k"], k, eps), v, mlp
+    return L.rms_norm(L.per_head(a["norm_q"]), q, eps), L.rms_norm(L.per_head(a["norm_k"]), k, eps), v, mlp
 
 
 def _single_out(a, x, attn, mlp, mod):
@@ -478,9 +478,15 @@ def _validate(params, x, t, txt, guidance, img_ids, txt_ids):
 def _local_cache(cache: Flux2KVCache, kind: str, i: int, device) -> Ref:
     """Block i's cached k, v in the local view (batch over dp, tokens over sp, heads over tp)."""
     kv = cache[kind][str(i)]
-    k, v = (sharding.shard(sharding.shard(sharding.shard(kv[n], "dp", 0), "sp", 1), "tp", 2) for n in "kv")
+    k, v = (sharding.shard(sharding.shard(_heads(kv[n]), "dp", 0), "sp", 1) for n in "kv")
     bias = sharding.pad_bias(cache.num_ref_tokens, "sp", device)
     return Ref(k=k, v=v, bias=None if bias is None else bias.expand(k.shape[0], -1))
+
+
+def _heads(t: torch.Tensor) -> torch.Tensor:
+    """This rank's heads (dim 2) of a cached k or v every rank holds whole; its gradient
+    is a per-rank share, summed over tp."""
+    return sharding.shard(sharding.pvary(t, "tp"), "tp", 2)
 
 
 def _full(t: torch.Tensor, B: int, R: int, H: int) -> torch.Tensor:

@@ -246,8 +246,8 @@ def img_modulation(p, temb: torch.Tensor, ref: torch.Tensor | None) -> list[torc
 
 def qkv(p, x, head_dim, names, norms):
     """Project to q, k, v (B, S, H, D); fp32-variance RMS norm on q and k over D."""
-    q, k, v = (L.split_heads(L.linear(p[n], x), head_dim) for n in names)
-    return L.rms_norm_fp32(p[norms[0]], q), L.rms_norm_fp32(p[norms[1]], k), v
+    q, k, v = (L.split_heads(L.col_linear(p[n], x), head_dim) for n in names)
+    return L.rms_norm_fp32(L.per_head(p[norms[0]]), q), L.rms_norm_fp32(L.per_head(p[norms[1]]), k), v
 
 
 def joint_attention(p, img, txt, pe, head_dim, key_bias=None):

@@ -1,6 +1,7 @@
 """Sharding as data: named meshes, placement pytrees and named-axis collectives."""
 
-from ._axes import all_gather, all_to_all, axis_index, axis_size, bind, current_mesh, psum, ulysses
+from ._autodiff import forward_ad_active
+from ._axes import all_gather, all_to_all, axis_index, axis_size, bind, current_mesh, psum, pvary, ulysses
 from ._map import P, shard_map
 from ._mesh import AXES, backend_for, default_device_type, make_mesh
 from ._plan import (
@@ -46,6 +47,7 @@ __all__ = [
     "default_device_type",
     "dtensor_from_local",
     "dtensor_placements",
+    "forward_ad_active",
     "gather",
     "local_bytes",
     "local_len",
@@ -59,6 +61,7 @@ __all__ = [
     "placement_of",
     "plan",
     "psum",
+    "pvary",
     "shard",
     "shard_map",
     "shard_params",

@@ -4,7 +4,8 @@ Model code is written in the local view and names mesh axes ("tp", "sp", "dp").
 `bind(mesh)` makes a mesh current; with no mesh bound, or an axis of size 1, every
 collective is the identity, so one code path serves one device and many. The
 collectives are ``torch.distributed._functional_collectives`` so ``torch.compile``
-traces them.
+traces them; `_autodiff` gives them the backward, jvp and vmap rules under which a
+sharded model's gradients equal the unsharded ones.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from . import _autodiff
 
 # The bound meshes, innermost last. A plain list rather than a ContextVar: torch.compile
 # (dynamo) traces list mutation but not ContextVar.set, and apply must compile fullgraph.
@@ -75,60 +78,48 @@ def _group(axis: str):
     return mesh.get_group(axis)
 
 
-def _funcol():
-    import torch.distributed._functional_collectives as funcol
-
-    return funcol
-
-
-def _done(t: torch.Tensor) -> torch.Tensor:
-    """The finished result of a functional collective. Eager funcol returns an
-    ``AsyncCollectiveTensor`` that waits only when an op dispatches on it; views of it
-    (``narrow``, ``movedim``) stay un-waited, and a reader that bypasses dispatch
-    (``torch.save``, ``.numpy()``) would see the buffer before the collective filled it.
-    So every collective here waits at once. (Traced code gets plain tensors and an
-    explicit ``wait_tensor`` from funcol, so this is a no-op under torch.compile/export.)"""
-    funcol = _funcol()
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
-
-
 def psum(x: torch.Tensor, axis: str) -> torch.Tensor:
-    """Sum ``x`` over ``axis`` (an all-reduce)."""
+    """Sum ``x`` over ``axis`` (an all-reduce). Backward: the identity (the sum is
+    replicated, so is its gradient), as a row-parallel projection needs."""
     if axis_size(axis) == 1:
         return x
-    return _done(_funcol().all_reduce(x, "sum", _group(axis)))
+    return _autodiff.psum(x, _group(axis))
+
+
+def pvary(x: torch.Tensor, axes) -> torch.Tensor:
+    """``x`` as is, marked as entering code that differs across ``axes`` (a name or a
+    tuple of names), as JAX's ``pvary``. Backward: the gradient summed over ``axes``.
+
+    Put it where a tensor that every rank holds whole meets rank-dependent code: the
+    input of a column-parallel projection (over "tp"), a parameter used on this rank's
+    tokens or batch items (over "sp", "dp"). Each rank's gradient is then its share of
+    the whole and the sum is the gradient of the unsharded model."""
+    for axis in (axes,) if isinstance(axes, str) else tuple(axes):
+        if axis_size(axis) > 1:
+            x = _autodiff.pvary(x, _group(axis))
+    return x
 
 
 def all_gather(x: torch.Tensor, axis: str, dim: int = 0) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` in axis order."""
-    n = axis_size(axis)
+    """Concatenate every rank's ``x`` along ``dim`` in axis order. Backward: this rank's
+    slice of the (replicated) gradient."""
+    n, index = _axis(axis)
     if n == 1:
         return x
-    dim = dim % x.ndim
-    out = _done(_all_gather_dim0()(x.movedim(dim, 0).contiguous(), 0, _group(axis)))
-    return out.movedim(0, dim)
-
-
-def _all_gather_dim0():
-    # torch 2.13 renamed funcol.all_gather_tensor to all_gather_single and made the old
-    # name warn (FutureWarning) on every eager call; torch 2.9 has only the old name.
-    funcol = _funcol()
-    return getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return _autodiff.gather(x, _group(axis), dim % x.ndim, index)
 
 
 def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int) -> torch.Tensor:
     """Split ``x`` along ``split_dim`` into one chunk per rank, send chunk r to rank r
-    and concatenate what arrives along ``concat_dim`` (Ulysses' sequence/heads swap)."""
+    and concatenate what arrives along ``concat_dim`` (Ulysses' sequence/heads swap).
+    Backward: the reverse all-to-all."""
     n = axis_size(axis)
     if n == 1:
         return x
     split_dim, concat_dim = split_dim % x.ndim, concat_dim % x.ndim
     if x.shape[split_dim] % n:
         raise ValueError(f"all_to_all: dim {split_dim} of size {x.shape[split_dim]} does not divide by {axis}={n}")
-    chunks = x.movedim(split_dim, 0).unflatten(0, (n, -1)).contiguous()  # (n, chunk, ...)
-    out = _done(_funcol().all_to_all_single(chunks.flatten(0, 1), None, None, _group(axis)))
-    out = out.unflatten(0, (n, -1)).movedim(1, split_dim + 1)  # (n, ..., chunk at split_dim, ...)
-    return out.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
+    return _autodiff.swap(x, _group(axis), n, split_dim, concat_dim)
 
 
 def ulysses(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None, axis: str = "sp"):

@@ -147,29 +147,94 @@ def local_view(params):
     computes correctly (e.g. a replicated row-parallel weight would be summed tp times,
     a split output projection would return a slice of the channels). A plan edited or
     built from custom rules serves storage (``weights.save`` / ``load``, `unshard`); the
-    forward then raises a ValueError naming the leaf instead of returning garbage."""
+    forward then raises a ValueError naming the leaf instead of returning garbage.
+
+    Differentiable: the gradient of a local leaf flows back to its DTensor as a DTensor
+    of the same placements, under ``loss.backward()`` and under ``torch.func`` (grad, vjp,
+    jvp over sharded params: the DTensors then arrive wrapped, see `_unwrapped`)."""
     DTensor = _dtensor_cls()
     tree = _tree(params)
-    first = None if DTensor is None else next((x for _, x in leaves(tree) if isinstance(x, DTensor)), None)
+    compiling = torch.compiler.is_compiling()
+    first = None
+    if DTensor is not None:
+        first = next((b for _, x in leaves(tree) if isinstance(b := _unwrapped(x, compiling), DTensor)), None)
     if first is None:
         return params, None
     mesh = first.device_mesh
     # to_local() is an autograd Function (~25 us a leaf, 30 ms per FLUX.1 call on a slow
     # CPU); without grads the DTensor's own local tensor is the same thing. Traced code
     # keeps the public to_local() (and skips the layout check: shapes are then guarded).
-    slow = torch.compiler.is_compiling() or not hasattr(first, "_local_tensor")
+    slow = compiling or not hasattr(first, "_local_tensor")
     model = None if slow or config_of(params) is None else _model_placements(config_of(params), mesh)
 
     def leaf(path, x):
+        base = _unwrapped(x, compiling)
         if model is not None:
-            _check_model_layout(path, x, model[path], DTensor)
-        if not isinstance(x, DTensor):
+            _check_model_layout(path, base, model[path], DTensor)
+        if not isinstance(base, DTensor):
             return x
-        if x.device_mesh is not mesh and x.device_mesh != mesh:
-            raise ValueError(f"params: {path} lives on mesh {x.device_mesh}, expected {mesh} like the others")
+        if base.device_mesh is not mesh and base.device_mesh != mesh:
+            raise ValueError(f"params: {path} lives on mesh {base.device_mesh}, expected {mesh} like the others")
+        if base is not x:  # a torch.func wrapper around a DTensor
+            return LocalOf.apply(x, base._spec)
         return x.to_local() if slow or (x.requires_grad and torch.is_grad_enabled()) else x._local_tensor
 
     return _rebuild(params, map_tree(leaf, tree)), mesh
+
+
+def _unwrapped(x, compiling: bool = False):
+    """``x`` without its ``torch.func`` wrappers (the grad / jvp / vmap levels a transform
+    put around a leaf), i.e. the DTensor under a transform over sharded params."""
+    if compiling or not isinstance(x, torch.Tensor):
+        return x
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(x):
+        x = functorch.get_unwrapped(x)
+    return x
+
+
+class LocalOf(torch.autograd.Function):
+    """A DTensor's local tensor, differentiably: the gradient (or tangent) of the local
+    tensor becomes a DTensor with the same spec. ``torch.func``-compatible (setup_context;
+    DTensor's own ``to_local`` is not), so grad / vjp / jvp over sharded params work."""
+
+    @staticmethod
+    def forward(x, spec):
+        local = x._local_tensor
+        return local.view_as(local)  # a fresh tensor object: autograd metadata goes on it
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.spec = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return DTensorOf.apply(g, ctx.spec), None
+
+    @staticmethod
+    def jvp(ctx, tx, _):
+        return LocalOf.apply(tx, ctx.spec)
+
+
+class DTensorOf(torch.autograd.Function):
+    """The inverse of `LocalOf`: a local tensor as the DTensor of ``spec`` (no communication)."""
+
+    @staticmethod
+    def forward(local, spec):
+        DTensor = _dtensor_cls()
+        return DTensor(local, spec, requires_grad=False)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.spec = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return LocalOf.apply(g, ctx.spec), None
+
+    @staticmethod
+    def jvp(ctx, tx, _):
+        return DTensorOf.apply(tx, ctx.spec)
 
 
 _MODEL_PLACEMENTS: dict = {}

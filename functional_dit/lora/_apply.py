@@ -74,8 +74,7 @@ def _column_axes(config, sizes: tuple) -> dict[str, str]:
 def _replicated_input(a: torch.Tensor, axis: str) -> torch.Tensor:
     """``A`` of a column-parallel layer: whole on every rank, but each rank's gradient is
     only its output rows' share, summed over ``axis`` (Megatron's f, as for the layer's input)."""
-    pvary = getattr(sharding, "pvary", None)
-    return a if pvary is None else pvary(a, axis)
+    return sharding.pvary(a, axis)
 
 
 def attach(params: Params, pairs) -> Params:

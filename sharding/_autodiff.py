@@ -1,0 +1,242 @@
+"""Differentiation rules of the named-axis collectives (autograd, ``torch.func``).
+
+Model code runs in the local view and the loss is computed identically on every rank
+from the replicated output. Each collective's backward is then fixed by asking that
+every rank's gradients equal the unsharded ones (Megatron-LM's pairing):
+
+=================  ======================  =========================================
+op                 forward                 backward (vjp)
+=================  ======================  =========================================
+``psum``           all-reduce              identity (the sum's cotangent is replicated)
+``pvary``          identity                all-reduce (a replicated input used by
+                                           rank-dependent code: each rank holds a share)
+``all_gather``     all-gather              this rank's slice of the cotangent
+``all_to_all``     all-to-all              the reverse all-to-all
+=================  ======================  =========================================
+
+All four are linear, so their forward-mode rule (jvp) is the op itself on the tangent,
+and their vmap rule is the op on the batched tensor (the batch dim moved in front).
+
+Each op is a ``torch.autograd.Function`` with ``setup_context`` and a ``vmap``
+staticmethod, which ``torch.func`` (grad, vjp, vmap) composes with. The forward-mode
+``jvp`` staticmethod lives on a subclass used only while forward AD is active, because
+dynamo refuses to trace (``fullgraph=True``) a Function that defines ``jvp`` when a
+gradient is required; without one, compiled training graphs hold the collectives.
+
+The process group travels as a non-tensor argument; dims arrive non-negative.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _funcol():
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def _done(t: torch.Tensor) -> torch.Tensor:
+    """The finished result of a functional collective. Eager funcol returns an
+    ``AsyncCollectiveTensor`` that waits only when an op dispatches on it; views of it
+    (``narrow``, ``movedim``) stay un-waited, and a reader that bypasses dispatch
+    (``torch.save``, ``.numpy()``) would see the buffer before the collective filled it.
+    So every collective here waits at once. (Traced code gets plain tensors and an
+    explicit ``wait_tensor`` from funcol, so this is a no-op under torch.compile/export.)"""
+    funcol = _funcol()
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _all_gather_dim0():
+    # torch 2.13 renamed funcol.all_gather_tensor to all_gather_single and made the old
+    # name warn (FutureWarning) on every eager call; torch 2.9 has only the old name.
+    funcol = _funcol()
+    return getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+# ----------------------------------------------------------------------------- the raw collectives
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    return _done(_funcol().all_reduce(x, "sum", group))
+
+
+def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    out = _done(_all_gather_dim0()(x.movedim(dim, 0).contiguous(), 0, group))
+    return out.movedim(0, dim)
+
+
+def all_to_all(x: torch.Tensor, group, n: int, split_dim: int, concat_dim: int) -> torch.Tensor:
+    chunks = x.movedim(split_dim, 0).unflatten(0, (n, -1)).contiguous()  # (n, chunk, ...)
+    out = _done(_funcol().all_to_all_single(chunks.flatten(0, 1), None, None, group))
+    out = out.unflatten(0, (n, -1)).movedim(1, split_dim + 1)  # (n, ..., chunk at split_dim, ...)
+    return out.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
+
+
+def forward_ad_active() -> bool:
+    """True while forward-mode AD is recording: a ``torch.autograd.forward_ad`` dual
+    level, or a ``torch.func.jvp`` / ``jacfwd`` transform on the functorch stack."""
+    if torch.compiler.is_compiling():
+        return False
+    from torch.autograd import forward_ad
+
+    if forward_ad._current_level >= 0:
+        return True
+    stack = torch._C._functorch.get_interpreter_stack() or ()
+    jvp = torch._C._functorch.TransformType.Jvp
+    return any(i.key() == jvp for i in stack)
+
+
+def _front(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
+    """The vmapped ``x`` with its batch dim in front (a size-1 one when unbatched)."""
+    return x.unsqueeze(0) if bdim is None else x.movedim(bdim, 0)
+
+
+# ----------------------------------------------------------------------------- the rules
+
+
+class Psum(torch.autograd.Function):
+    """All-reduce (sum) forward; identity backward."""
+
+    @staticmethod
+    def forward(x, group):
+        return all_reduce(x, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, group):
+        return psum(x, group), in_dims[0]
+
+
+class Pvary(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) backward."""
+
+    @staticmethod
+    def forward(x, group):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return psum(g, ctx.group), None
+
+    @staticmethod
+    def vmap(info, in_dims, x, group):
+        return pvary(x, group), in_dims[0]
+
+
+class AllGather(torch.autograd.Function):
+    """All-gather along ``dim`` forward; this rank's slice (``index``) backward."""
+
+    @staticmethod
+    def forward(x, group, dim, index):
+        return all_gather(x, group, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, ctx.group, ctx.dim, ctx.index = inputs
+        ctx.chunk = x.shape[ctx.dim]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.narrow(ctx.dim, ctx.index * ctx.chunk, ctx.chunk), None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, dim, index):
+        return gather(_front(x, in_dims[0]), group, dim + 1, index), 0
+
+
+class AllToAll(torch.autograd.Function):
+    """Ulysses' all-to-all forward; the reverse all-to-all backward."""
+
+    @staticmethod
+    def forward(x, group, n, split_dim, concat_dim):
+        return all_to_all(x, group, n, split_dim, concat_dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.n, ctx.split_dim, ctx.concat_dim = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        return swap(g, ctx.group, ctx.n, ctx.concat_dim, ctx.split_dim), None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, n, split_dim, concat_dim):
+        return swap(_front(x, in_dims[0]), group, n, split_dim + 1, concat_dim + 1), 0
+
+
+class _PsumJvp(Psum):
+    @staticmethod
+    def jvp(ctx, tx, _):
+        return psum(tx, ctx.group)
+
+
+class _PvaryJvp(Pvary):
+    @staticmethod
+    def jvp(ctx, tx, _):
+        return tx
+
+
+class _AllGatherJvp(AllGather):
+    @staticmethod
+    def jvp(ctx, tx, *_):
+        return gather(tx, ctx.group, ctx.dim, ctx.index)
+
+
+class _AllToAllJvp(AllToAll):
+    @staticmethod
+    def jvp(ctx, tx, *_):
+        return swap(tx, ctx.group, ctx.n, ctx.split_dim, ctx.concat_dim)
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def _needs_rules(x: torch.Tensor) -> bool:
+    """Whether ``x`` takes part in differentiation (reverse or forward mode) or is a
+    ``torch.func`` wrapper (vmap, grad, jvp): only then is the Function worth its cost."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return True
+    if torch.compiler.is_compiling():  # traced inference: the plain collective, as before
+        return False
+    return torch._C._functorch.is_functorch_wrapped_tensor(x) or forward_ad_active()
+
+
+def _fn(plain, with_jvp):
+    return with_jvp if forward_ad_active() else plain
+
+
+def psum(x: torch.Tensor, group) -> torch.Tensor:
+    if not _needs_rules(x):
+        return all_reduce(x, group)
+    return _fn(Psum, _PsumJvp).apply(x, group)
+
+
+def pvary(x: torch.Tensor, group) -> torch.Tensor:
+    if not _needs_rules(x):
+        return x
+    return _fn(Pvary, _PvaryJvp).apply(x, group)
+
+
+def gather(x: torch.Tensor, group, dim: int, index: int) -> torch.Tensor:
+    if not _needs_rules(x):
+        return all_gather(x, group, dim)
+    return _fn(AllGather, _AllGatherJvp).apply(x, group, dim, index)
+
+
+def swap(x: torch.Tensor, group, n: int, split_dim: int, concat_dim: int) -> torch.Tensor:
+    if not _needs_rules(x):
+        return all_to_all(x, group, n, split_dim, concat_dim)
+    return _fn(AllToAll, _AllToAllJvp).apply(x, group, n, split_dim, concat_dim)
