@@ -8,7 +8,8 @@ single-block ``proj_out``) and ``B`` is whole. The reference is computed in the 
 process on unsharded params and adapters:
 
 - on-the-fly LoRA (two adapters, separate scales) and merged LoRA under tp=2 equal the
-  single-device output at the DESIGN.md fp32 tolerance, bitwise across ranks;
+  single-device output at the DESIGN.md fp32 tolerance, bitwise across ranks; so does
+  on-the-fly LoRA under Ulysses sp=2 (adapters replicated);
 - the gradients of a loss w.r.t. the LoRA factors only (base frozen) under tp=2,
   gathered, equal the single-device gradients.
 """
@@ -90,22 +91,20 @@ def _work(rank, world, cases, path_a):
         with torch.no_grad():
             fly = call(s, kw, lora=[(sa, SCALES[0]), (sb, SCALES[1])])
             merged = call(lora.merge(lora.merge(s, sa, SCALES[0]), sb, SCALES[1]), kw)
-        grads = None
-        try:
-            g = sa.replace({k: v for k, v in sa.tree.items()})
-            leaves = [v.requires_grad_() for v in g.leaves()]
-            loss_fn(call(s, kw, lora=[(g, SCALES[0])])).backward()
-            grads = sharding.unshard(g.replace(_grad_tree(g.tree)))
-            grads = {k: v for k, v in grads.flat().items()}
-            del leaves
+        try:  # LoRA factors trained, base frozen: DTensor grads with the factors' placements
+            for v in sa.leaves():
+                v.requires_grad_()
+            loss_fn(call(s, kw, lora=[(sa, SCALES[0])])).backward()
+            grads = sharding.unshard(torch.utils._pytree.tree_map(lambda v: v.grad, sa)).flat()
         except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
             grads = f"{type(e).__name__}: {e}"
         results[name] = dict(fly=fly, merged=merged, placed=placed, grads=grads)
+    sp = sharding.make_mesh(sp=world)  # Ulysses: params and adapters replicated, tokens split
+    for name, (config, kw, _) in cases.items():
+        s = sharding.shard_params(fd.init(config, seed=SEED), sp)
+        sa = lora.load(path_a[name], s)
+        results[name]["sp"] = call(s, kw, lora=[(sa, SCALES[0])]).detach()
     return results
-
-
-def _grad_tree(tree):
-    return {k: _grad_tree(v) if isinstance(v, dict) else v.grad for k, v in tree.items()}
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +126,9 @@ def run(tmp_path_factory):
         for v in ga.leaves():
             v.requires_grad_()
         loss_fn(call(p, kw, lora=[(ga, SCALES[0])])).backward()
-        refs[name] = dict(out=out, grads={k: v.grad for k, v in ga.flat().items()})
+        with torch.no_grad():
+            one = call(p, kw, lora=[(a, SCALES[0])])
+        refs[name] = dict(out=out, one=one, grads={k: v.grad for k, v in ga.flat().items()})
         cases[name] = (config, kw, fused)
     per_rank = spawn(_work, 2, cases, paths, init=False, timeout=500)
     return refs, per_rank
@@ -144,6 +145,13 @@ def test_lora_tp2_forward_equals_single_device(run, name):
         torch.testing.assert_close(r["merged"], ref, **FP32)
         assert torch.equal(r["fly"], per_rank[0][name]["fly"]), f"rank {rank} differs from rank 0"
     print(f"{name}: max |tp2 - single| on the fly {(per_rank[0][name]['fly'] - ref).abs().max():.2e}")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_lora_sp2_forward_equals_single_device(run, name):
+    refs, per_rank = run
+    for res in per_rank:
+        torch.testing.assert_close(res[name]["sp"], refs[name]["one"], **FP32)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
