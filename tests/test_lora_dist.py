@@ -85,6 +85,8 @@ def _work(rank, world, cases, path_a):
         for module, factor, dim in fused:
             key = f"{module}.{factor}.weight"
             placed[key] = _blocks_ok(a.flat()[key], sa.flat()[key].to_local(), specs[key], dim, r, world)
+        explicit = lora.load(path_a[name], p, mesh=mesh)  # plain params, mesh given
+        placed["mesh="] = all(torch.equal(x.to_local(), y.to_local()) for x, y in zip(explicit.leaves(), sa.leaves()))
         other = "lora_A" if fused[0][1] == "lora_B" else "lora_B"
         key = f"{fused[0][0]}.{other}.weight"
         placed[key + " (replicated)"] = torch.equal(sa.flat()[key].to_local(), a.flat()[key])

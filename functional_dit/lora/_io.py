@@ -31,7 +31,7 @@ METADATA_KEY = "lora_adapter_metadata"  # diffusers' safetensors metadata entry
 
 
 def _family(config) -> str:
-    return _api.family(config).DIFFUSERS_CLASS
+    return _api.config_to_diffusers(config)["_class_name"]
 
 
 def _index(config) -> dict:
@@ -192,7 +192,9 @@ def _other_family(config, state) -> str:
     names = {_strip(p[0]) for k in state if (p := _split_key(k)) is not None}
     names = {re.sub(r"\.\d+\.", ".{}.", n) for n in names}
     best = None
-    for preset in _api.presets().values():
+    import functional_dit  # late: PRESETS is built after this package's parents import
+
+    for preset in functional_dit.PRESETS.values():
         if type(preset) is type(config):
             continue
         idx = {re.sub(r"\.\d+\.", ".{}.", k) for k in _index(preset)}
