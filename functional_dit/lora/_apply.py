@@ -20,7 +20,7 @@ import torch
 
 import sharding
 
-from .._pytree import Params
+from .._pytree import Params, flatten
 from ._adapter import Adapter
 
 LORA = "lora"  # the key under which a layer dict carries its ((A, B, scale), ...) in attach
@@ -62,7 +62,7 @@ def local_adapters(pairs, mesh) -> list[tuple[Adapter, object]]:
 @functools.lru_cache(maxsize=64)
 def _column_axes(config, sizes: tuple) -> dict[str, str]:
     """``{module: mesh axis}`` of the column-parallel modules (``B`` sharded, ``A`` whole)."""
-    plan = dict(sharding._plan.leaves(sharding.plan(config, dict(sizes))))
+    plan = flatten(sharding.plan(config, dict(sizes)))
     out = {}
     for m, _, _ in config.modules:
         b = plan[f"{m}.lora_B.weight"]
@@ -92,7 +92,7 @@ def attach(params: Params, pairs) -> Params:
                 A = _replicated_input(A, column[m])
             node = _copy_path(tree, m)
             node[LORA] = node.get(LORA, ()) + ((A, B, scale * ad.config.scale(m)),)
-    return params.replace(tree)
+    return Params(params.config, tree)  # not .replace: the tree now holds (A, B, s) tuples, not only tensors
 
 
 def _copy_path(tree: dict, path: str) -> dict:
@@ -116,7 +116,7 @@ def merge(params: Params, adapter: Adapter, scale: float = 1.0) -> Params:
         W = new[f"{m}.weight"]
         delta = (B.float() @ A.float()) * (scale * ad.config.scale(m))
         flat[f"{m}.weight"] = _rewrap((W.float() + delta).to(W.dtype), flat[f"{m}.weight"])
-    return params.replace(_nest_like(params.tree, flat))
+    return Params(params.config, _nest_like(params.tree, flat))
 
 
 def _rewrap(local: torch.Tensor, like):
