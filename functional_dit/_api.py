@@ -166,7 +166,7 @@ def _call(fam, params, x, t, txt, kwargs):
     dp: each rank computes with its own tokens and batch items, so the gradient of any
     of them (each is whole on every rank) comes as per-rank shares, summed over those
     axes here, once. (Over tp the model pairs its collectives Megatron-style instead.)"""
-    if any(sharding.axis_size(a) > 1 for a in _SHARE_AXES):
+    if torch.is_grad_enabled() and any(sharding.axis_size(a) > 1 for a in _SHARE_AXES):  # only backward sums
         params, x, t, txt, kwargs = pytree.tree_map(_share, (params, x, t, txt, kwargs))
     return fam.apply(params, x, t, txt, **kwargs)
 

@@ -10,6 +10,12 @@ prefixes of the arguments / the result: one spec may cover a whole subtree (a di
 block on the spot (no communication); DTensor inputs contribute their local shard.
 Outputs are all-gathered along their split dims, so every rank returns the full
 result; a ``P()`` output is returned as computed (it must already agree across ranks).
+
+Differentiable: an input split over axes gets the gradient of the whole (the chunks'
+gradients summed over those axes); an output's gradient reaches each rank as its chunk.
+An input used whole (``P()``) alongside split ones gets this rank's share of its
+gradient; ``fn`` sums it (``sharding.pvary``) where the sum is meant, as ``fd.apply``
+does for its parameters.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections.abc import Mapping
 import torch
 import torch.utils._pytree as pytree
 
-from ._axes import all_gather, axis_index, axis_size, bind
+from ._axes import all_gather, axis_index, axis_size, bind, pvary
 
 
 class P(tuple):
@@ -68,6 +74,7 @@ def _local(spec: P, x: torch.Tensor) -> torch.Tensor:
     if hasattr(x, "to_local") and hasattr(x, "device_mesh"):  # a DTensor: its shard is the local view
         return x.to_local()
     _check_rank(spec, x)
+    x = pvary(x, tuple(a for a in spec if a))  # each rank's chunk gradient, summed into the whole
     for d, axis in enumerate(spec):
         n = axis_size(axis) if axis else 1
         if n == 1:

@@ -20,7 +20,11 @@ def local_len(n: int, axis: str) -> int:
 
 
 def shard(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
-    """This rank's chunk of ``x`` along ``dim``, zero-padded at the end to equal chunks."""
+    """This rank's chunk of ``x`` along ``dim``, zero-padded at the end to equal chunks.
+
+    Backward (plain autograd): the chunk's gradient in place, zeros elsewhere — this
+    rank's share of ``x``'s gradient; `pvary` on ``x`` over ``axis`` sums the shares
+    (``fd.apply`` does so once, for every parameter and input, over sp and dp)."""
     n = axis_size(axis)
     if n == 1:
         return x
@@ -34,7 +38,8 @@ def shard(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
 
 
 def gather(x: torch.Tensor, axis: str, dim: int, n: int) -> torch.Tensor:
-    """Inverse of `shard`: every rank's chunk along ``dim``, concatenated and cut to ``n``."""
+    """Inverse of `shard`: every rank's chunk along ``dim``, concatenated and cut to ``n``.
+    Backward: this rank's chunk of the (replicated) gradient (`all_gather`'s rule)."""
     if axis_size(axis) == 1:
         return x
     return all_gather(x, axis, dim).narrow(dim % x.ndim, 0, n)

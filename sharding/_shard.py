@@ -176,7 +176,7 @@ def local_view(params):
         if base.device_mesh is not mesh and base.device_mesh != mesh:
             raise ValueError(f"params: {path} lives on mesh {base.device_mesh}, expected {mesh} like the others")
         if base is not x:  # a torch.func wrapper around a DTensor
-            return LocalOf.apply(x, base._spec)
+            return LocalOf.apply(x, _layout_of(base))
         return x.to_local() if slow or (x.requires_grad and torch.is_grad_enabled()) else x._local_tensor
 
     return _rebuild(params, map_tree(leaf, tree)), mesh
@@ -195,46 +195,52 @@ def _unwrapped(x, compiling: bool = False):
 
 class LocalOf(torch.autograd.Function):
     """A DTensor's local tensor, differentiably: the gradient (or tangent) of the local
-    tensor becomes a DTensor with the same spec. ``torch.func``-compatible (setup_context;
-    DTensor's own ``to_local`` is not), so grad / vjp / jvp over sharded params work."""
+    tensor becomes a DTensor of the same layout ``meta`` (mesh, placements, shape,
+    stride). ``torch.func``-compatible (setup_context; DTensor's own ``to_local`` is not),
+    so grad / vjp / jvp over sharded params work. Its forward runs below the transform,
+    on the plain DTensor, where ``to_local`` is fine."""
 
     @staticmethod
-    def forward(x, spec):
-        local = x._local_tensor
-        return local.view_as(local)  # a fresh tensor object: autograd metadata goes on it
+    def forward(x, meta):
+        return x.to_local()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.spec = inputs[1]
+        ctx.meta = inputs[1]
 
     @staticmethod
     def backward(ctx, g):
-        return DTensorOf.apply(g, ctx.spec), None
+        return DTensorOf.apply(g, ctx.meta), None
 
     @staticmethod
     def jvp(ctx, tx, _):
-        return LocalOf.apply(tx, ctx.spec)
+        return LocalOf.apply(tx, ctx.meta)
 
 
 class DTensorOf(torch.autograd.Function):
-    """The inverse of `LocalOf`: a local tensor as the DTensor of ``spec`` (no communication)."""
+    """The inverse of `LocalOf`: a local tensor as the DTensor of layout ``meta`` (no communication)."""
 
     @staticmethod
-    def forward(local, spec):
-        DTensor = _dtensor_cls()
-        return DTensor(local, spec, requires_grad=False)
+    def forward(local, meta):
+        mesh, placements, shape, stride = meta
+        return _dtensor_cls().from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.spec = inputs[1]
+        ctx.meta = inputs[1]
 
     @staticmethod
     def backward(ctx, g):
-        return LocalOf.apply(g, ctx.spec), None
+        return LocalOf.apply(g, ctx.meta), None
 
     @staticmethod
     def jvp(ctx, tx, _):
-        return DTensorOf.apply(tx, ctx.spec)
+        return DTensorOf.apply(tx, ctx.meta)
+
+
+def _layout_of(x) -> tuple:
+    """What `DTensorOf` needs to rebuild a DTensor like ``x``: (mesh, placements, shape, stride)."""
+    return x.device_mesh, tuple(x.placements), x.shape, x.stride()
 
 
 _MODEL_PLACEMENTS: dict = {}

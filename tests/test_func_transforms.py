@@ -5,8 +5,9 @@
   the math attention kernel itself while forward AD is active (the reference needs
   ``sdpa_kernel(MATH)``: the fused CPU kernel has no double backward).
 - ``torch.func.vmap`` over 3 stacked parameter sets (`fd.stack_params`) equals 3 calls.
-- Sharded (tp=2, sp=2, dp=2): jvp w.r.t. t and x equals the unsharded jvp, and vmap over
-  a stack of inputs equals the loop of sharded calls.
+- Sharded (tp=2, sp=2, dp=2): jvp w.r.t. t and x and w.r.t. the sharded params equals the
+  unsharded jvp; vjp over sharded params gives sharded cotangents equal to the unsharded
+  ones; vmap over a stack of inputs equals the loop of sharded calls.
 """
 
 from __future__ import annotations
@@ -128,7 +129,19 @@ def _sharded_work(rank, world, cases):
             tangents = _tangents(kw)
             xs = torch.stack([kw["x"], kw["x"] * 0.5, -kw["x"]])
             vm = torch.func.vmap(lambda x, f=f, t=kw["t"]: f(t, x))(xs)
+            t_params = sharding.shard_params(fd.init(config, seed=SEED + 1), mesh)  # a tangent / cotangent
+            apply = lambda p, kw=kw: fd.apply(p, **kw)  # noqa: E731
+            out_s, vjp_fn = torch.func.vjp(apply, s)
+            (cot,) = vjp_fn(torch.ones_like(out_s))
+            # jvp w.r.t. sharded params runs in the local view: torch.func.jvp's make_dual has no
+            # DTensor rule (aten._has_same_storage_numel), so DTensor primals cannot enter it
+            (local, _), (t_local, _) = sharding.local_view(s), sharding.local_view(t_params)
+            with sharding.bind(mesh):
+                params_jvp = torch.func.jvp(apply, (local,), (t_local,))[1]
             out[(tuple(shape.items()), name)] = dict(
+                params_jvp=params_jvp,
+                params_vjp=sharding.unshard(cot).flat(),
+                vjp_placements=all(a.placements == b.placements for a, b in zip(s.leaves(), cot.leaves())),
                 jvp=torch.func.jvp(f, (kw["t"], kw["x"]), tangents),
                 vmap=vm,
                 loop=torch.stack([f(kw["t"], x) for x in xs]),
@@ -141,6 +154,10 @@ def test_sharded_jvp_and_vmap():
     for name, config, kw in CASES:
         params = fd.init(config, seed=SEED)
         ref_out, ref_jvp = torch.func.jvp(_fn(params, kw), (kw["t"], kw["x"]), _tangents(kw))
+        apply = lambda p, kw=kw: fd.apply(p, **kw)  # noqa: E731
+        ref_params_jvp = torch.func.jvp(apply, (params,), (fd.init(config, seed=SEED + 1),))[1]
+        out_p, vjp_fn = torch.func.vjp(apply, params)
+        ref_vjp = vjp_fn(torch.ones_like(out_p))[0].flat()
         for rank, results in enumerate(per_rank):
             for shape in MESHES:
                 r = results[(tuple(shape.items()), name)]
@@ -151,3 +168,8 @@ def test_sharded_jvp_and_vmap():
                 err = (r["jvp"][1] - ref_jvp).abs().max() / ref_jvp.abs().max()
                 assert err <= 1e-5, msg(f"jvp off by {err:.2e} of its largest entry")
                 torch.testing.assert_close(r["vmap"], r["loop"], **FP32, msg=msg)
+                torch.testing.assert_close(r["params_jvp"], ref_params_jvp, **FP32, msg=msg)
+                assert r["vjp_placements"], msg("vjp cotangents lack the params' placements")
+                for k, want in ref_vjp.items():
+                    err = (r["params_vjp"][k] - want).abs().max() / want.abs().max().clamp_min(1e-30)
+                    assert err <= 1e-4, msg(f"vjp {k} off by {err:.2e} of its largest entry")
