@@ -66,6 +66,12 @@ _FAMILY_ARGS = {
     },
     "qwenimage": {"encoder_hidden_states_mask", "img_shapes", "attention_kwargs", "additional_t_cond"},
 }
+# Stock forward arguments the adapter does not implement, with their defaults (accepted).
+_UNSUPPORTED = {
+    "controlnet_block_samples": None,
+    "controlnet_single_block_samples": None,
+    "controlnet_blocks_repeat": False,
+}
 # The stock attention processors whose maths fd.apply computes, per block list.
 _PROCESSORS = {
     ("flux1", "transformer_blocks"): {"FluxAttnProcessor"},
@@ -74,6 +80,19 @@ _PROCESSORS = {
     ("flux2", "single_transformer_blocks"): {"Flux2ParallelSelfAttnProcessor", "Flux2KVParallelSelfAttnProcessor"},
     ("qwenimage", "transformer_blocks"): {"QwenDoubleStreamAttnProcessor2_0"},
 }
+
+
+def _broadcast_text(x, txt, args):
+    """One text for a batch of images, as the stock classes accept (their modulation
+    broadcasts it; QwenImagePipeline sends one negative prompt for a batch of prompts):
+    expand ``txt`` and its mask to the batch, explicitly. Other mismatches stay errors."""
+    B = x.shape[0]
+    if txt is None or txt.shape[0] != 1 or B == 1:
+        return x, txt, args
+    mask = args.get("txt_mask")
+    if mask is not None and mask.shape[0] == 1:
+        args = dict(args, txt_mask=mask.expand(B, *mask.shape[1:]))
+    return x, txt.expand(B, *txt.shape[1:]), args
 
 
 def _family(params) -> str:
@@ -225,6 +244,7 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
         self,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor = None,
+        *,
         timestep: torch.Tensor = None,
         guidance: torch.Tensor = None,
         return_dict: bool = True,
@@ -234,7 +254,7 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
         ``return_dict=False`` (``(sample, cache)`` for FLUX.2 ``kv_cache_mode="extract"``),
         else the stock output dataclass."""
         fam = self._family_name
-        self._check_args(kwargs)
+        kwargs = self._check_args(kwargs)
         args = dict(guidance=guidance)
         cache = None
         if fam == "flux1":
@@ -243,6 +263,7 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
             args.update(self._flux2_args(**kwargs))
         else:
             args.update(self._qwen_args(**kwargs))
+        hidden_states, encoder_hidden_states, args = _broadcast_text(hidden_states, encoder_hidden_states, args)
         scale = self.__dict__.pop("_call_scale", 1.0)
         pairs = [(ad, s * scale) for ad, s in self.get_lora()]
         out = apply(self.params, hidden_states, timestep, encoder_hidden_states, lora=pairs or None, **args)
@@ -254,7 +275,9 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
             return Flux2Transformer2DModelOutput(sample=out, kv_cache=cache)
         return Transformer2DModelOutput(sample=out)
 
-    def _check_args(self, kwargs) -> None:
+    def _check_args(self, kwargs) -> dict:
+        """``kwargs`` less the unsupported stock options left at their defaults; any other
+        argument this family does not take is a ValueError."""
         fam, name = self._family_name, type(self).__name__
         for key, value in kwargs.items():
             if key in _FAMILY_ARGS[fam]:
@@ -267,9 +290,10 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
                     f"{' / '.join(_STOCK_CLASS[f] for f in others)} ({' or '.join(_PIPELINES[f] for f in others)}); "
                     "is this adapter in the wrong pipeline?"
                 )
-            if value is None or value is False:  # stock options left at their defaults
+            if key in _UNSUPPORTED and value is _UNSUPPORTED[key]:  # a stock option left at its default
                 continue
             raise ValueError(f"{key}: not supported by functional_dit's {name} adapter, got {type(value).__name__}")
+        return {k: v for k, v in kwargs.items() if k in _FAMILY_ARGS[fam]}
 
     def _lora_scale(self, argname: str, attention_kwargs) -> None:
         """The LoRA ``scale`` the pipelines pass in ``joint_attention_kwargs`` /
@@ -331,8 +355,9 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
         self._lora_scale("joint_attention_kwargs", joint_attention_kwargs)
         if pooled_projections is None:
             raise ValueError(
-                f"pooled_projections: {type(self).__name__} (FLUX.1 params) needs the CLIP pooled embedding, got None; "
-                f"is this adapter in a pipeline for another family? It belongs in {_PIPELINES['flux1']}"
+                f"pooled_projections: {type(self).__name__} (FLUX.1 params) needs the CLIP pooled embedding, got None, "
+                "as the FLUX.2 and Qwen-Image pipelines call their transformers; is this adapter in the wrong "
+                f"pipeline? It belongs in {_PIPELINES['flux1']}"
             )
         return dict(pooled=pooled_projections, img_ids=img_ids, txt_ids=txt_ids)
 

@@ -17,8 +17,11 @@ Kinds (`KINDS`): ``flux`` (FluxPipeline), ``flux-kontext`` (FluxKontextPipeline)
 (QwenImageEditPipeline), ``qwen-image-edit-plus`` (QwenImageEditPlusPipeline).
 
 The tokenizers are byte-level (one token per byte, no merges), so prompts are long in
-tokens: the text encoders see the whole prompt at the pipelines' default
-``max_sequence_length`` and different prompts embed differently. The text encoders have
+tokens: at the pipelines' default ``max_sequence_length`` the text encoders see the
+whole prompt and different prompts embed differently. Shorter lengths save time but
+must still reach past the fixed text before the prompt: 64 is enough for FLUX.1 and
+FLUX.2-klein; FLUX.2's Mistral system prompt is ~190 tokens and Qwen-Image keeps the
+template's tail after dropping 34 tokens, so use >= 256 there. The text encoders have
 as many layers as the pipelines read hidden states from (FLUX.2 stacks layers 10, 20,
 30; klein 9, 18, 27), each a few thousand parameters wide. The Edit pipelines resize
 their reference image to about 1024x1024 whatever is passed; their ×8 VAE keeps that
