@@ -327,3 +327,31 @@ def test_apply_argument_errors():
         _call(params, kw, lora=[(ad, "x")])
     with pytest.raises(ValueError, match="the adapter was made for"):
         _call(params, kw, lora=[(other, 1.0)])
+
+
+def test_flux2_bfl_names_match_diffusers_converter():
+    """A FLUX.2 LoRA under BFL names (``diffusion_model.double_blocks.0.img_attn.qkv.lora_A``)
+    against diffusers' ``_convert_non_diffusers_flux2_lora_to_diffusers``. One difference
+    by design: BFL's final AdaLN stores (shift, scale) and the FLUX.2 checkpoint converter
+    swaps the halves of its weight, so we swap the halves of its LoRA update too; diffusers'
+    LoRA converter does not (its ``norm_out.linear`` update is checked swapped here)."""
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_flux2_lora_to_diffusers
+    from test_weights_bfl import bfl_flux2_shapes
+
+    config = fd.PRESETS["flux2-tiny"]
+    g = torch.Generator().manual_seed(4)
+    state = {}
+    for key, shape in bfl_flux2_shapes(config).items():
+        if key.endswith(".weight") and len(shape) == 2:
+            name = "diffusion_model." + key[: -len(".weight")]
+            state[f"{name}.lora_A.weight"] = torch.randn(3, shape[1], generator=g)
+            state[f"{name}.lora_B.weight"] = torch.randn(shape[0], 3, generator=g)
+    ours = _deltas(lora.from_state_dict(state, config))
+    theirs = _convert_non_diffusers_flux2_lora_to_diffusers(dict(state))
+    modules = {k.removeprefix("transformer.")[: -len(".lora_A.weight")] for k in theirs if ".lora_A." in k}
+    assert modules == set(ours)
+    for m in modules:
+        want = theirs[f"transformer.{m}.lora_B.weight"] @ theirs[f"transformer.{m}.lora_A.weight"]
+        if m == "norm_out.linear":
+            want = torch.cat(want.chunk(2, 0)[::-1], 0)
+        torch.testing.assert_close(ours[m], want, rtol=1e-6, atol=1e-6, msg=m)
