@@ -355,3 +355,20 @@ def test_flux2_bfl_names_match_diffusers_converter():
         if m == "norm_out.linear":
             want = torch.cat(want.chunk(2, 0)[::-1], 0)
         torch.testing.assert_close(ours[m], want, rtol=1e-6, atol=1e-6, msg=m)
+
+
+def test_qwen_image_kohya_and_prefixed_names_equal_peft():
+    """Qwen-Image LoRAs use the diffusers module names: under Kohya's ``lora_unet_`` form
+    (dots as "_", lora_down / lora_up) or a ``diffusion_model.`` prefix they load the same."""
+    config = fd.PRESETS["qwen-image-tiny"]
+    ad = lora.init(config, rank=2, targets=lora.linear_modules(config), seed=5, zero_b=False)
+    kohya, comfy = {}, {}
+    for m, *_ in ad.config.modules:
+        A, B = ad.factors(m)
+        name = "lora_unet_" + m.replace(".", "_")
+        kohya |= {f"{name}.lora_down.weight": A, f"{name}.lora_up.weight": B, f"{name}.alpha": torch.tensor(2.0)}
+        comfy |= {f"diffusion_model.{m}.lora_A.weight": A, f"diffusion_model.{m}.lora_B.weight": B}
+    for state in (kohya, comfy):
+        got = lora.from_state_dict(state, config)
+        assert got.config == ad.config
+        assert all(torch.equal(got.flat()[k], v) for k, v in ad.flat().items())
