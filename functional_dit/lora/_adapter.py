@@ -17,6 +17,7 @@ for a fused projection), the other replicated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 
@@ -68,10 +69,13 @@ class LoraConfig:
             if not (isinstance(r, int) and r > 0) or not math.isfinite(a):
                 raise ValueError(f"modules: {m}: expected a positive int rank and a finite alpha, got {r!r}, {a!r}")
 
+    @functools.cached_property
+    def _scales(self) -> dict[str, float]:  # cached on the instance; not a field (eq and hash ignore it)
+        return {m: a / math.sqrt(r) if self.use_rslora else a / r for m, r, a in self.modules}
+
     def scale(self, module: str) -> float:
         """``alpha / rank`` (or ``alpha / sqrt(rank)``) of ``module``."""
-        _, r, a = next(x for x in self.modules if x[0] == module)
-        return a / math.sqrt(r) if self.use_rslora else a / r
+        return self._scales[module]
 
     def param_specs(self) -> dict:
         """Nested dict of the factors' `ParamSpec` s (read by `sharding.plan`)."""
