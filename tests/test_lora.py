@@ -321,8 +321,12 @@ def test_apply_argument_errors():
     ad = lora.init(fd.PRESETS["flux1-tiny"], rank=2)
     other = lora.init(cases.TINY_SCHNELL, rank=2)
     kw = cases.inputs(config)
-    with pytest.raises(ValueError, match="expected a list of"):
-        _call(params, kw, lora=ad)
+    base = _call(params, kw)
+    for none in (None, [], ()):  # no adapters: the base model, exactly
+        torch.testing.assert_close(_call(params, kw, lora=none), base, rtol=0, atol=0)
+    for bad in (ad, 0, False, "ad"):  # falsy or not, anything but a list of pairs is refused
+        with pytest.raises(ValueError, match="lora: expected a list of"):
+            _call(params, kw, lora=bad)
     with pytest.raises(ValueError, match="scale must be a real number"):
         _call(params, kw, lora=[(ad, "x")])
     with pytest.raises(ValueError, match="the adapter was made for"):
