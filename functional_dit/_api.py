@@ -220,24 +220,39 @@ def prepare(params: Params) -> Params:
     return _fuse.prepare(params, family(params).FUSED)
 
 
-def apply(params: Params, x, t, txt, **kwargs):
+def apply(params: Params, x, t, txt, *, lora=None, **kwargs):
     """The model as a pure function: ``fd.apply(params, x, t, txt, *, img_ids=None,
     txt_ids=None, guidance=None, pooled=None, txt_mask=None, img_shapes=None, rope=None,
-    ...)``; the family's ``prepare`` documents the arguments it takes (``flux1.prepare``,
-    ...). ``rope=(cos, sin)``: a precomputed RoPE table in place of the position ids
-    (``flux1.rope_table``, ``flux2.rope_table``, ``qwenimage.pos_embed``).
+    lora=None, ...)``; the family's ``prepare`` documents the arguments it takes
+    (``flux1.prepare``, ...). ``rope=(cos, sin)``: a precomputed RoPE table in place of the
+    position ids (``flux1.rope_table``, ``flux2.rope_table``, ``qwenimage.pos_embed``).
+    ``lora=[(adapter, scale), ...]``: LoRA adapters applied on the fly (`functional_dit.lora`).
     Returns the diffusers class's ``forward(...)[0]``, replicated on every rank.
 
     Sharded params (DTensor leaves) run in the local view on their mesh: inputs are
     checked in the full view, x, t, txt and the family's batched inputs split over "dp",
-    and the output gathered over "sp" and "dp", here and only here."""
+    and the output gathered over "sp" and "dp", here and only here.
+
+    ``lora`` (every family): a list of ``(adapter, scale)`` pairs (``functional_dit.lora``)
+    applied on the fly, unmerged; sharded params need the adapters placed on the same mesh."""
     fam = family(params)
     kwargs = _family_args(fam, kwargs)
     local, mesh = sharding.local_view(params)
+    adapters = _lora_adapters(params, lora, mesh)
     if mesh is None:  # plain tensors: run under whatever mesh the caller bound (shard_map), if any
-        return _apply_local(fam, local, x, t, txt, kwargs)
+        return _apply_local(fam, local, x, t, txt, kwargs, adapters)
     with sharding.bind(mesh):
-        return _apply_local(fam, local, x, t, txt, kwargs)
+        return _apply_local(fam, local, x, t, txt, kwargs, adapters)
+
+
+def _lora_adapters(params: Params, lora, mesh) -> list:
+    """``lora`` checked against ``params`` (a list of ``(adapter, scale)``; None: none), as
+    the adapters' local views on the params' mesh."""
+    if lora is None:
+        return []
+    from .lora import _apply as lora_apply  # late: the lora package imports this module
+
+    return lora_apply.local_adapters(lora_apply.check(params, lora), mesh)
 
 
 def _family_args(fam, kwargs: dict) -> dict:
@@ -255,13 +270,18 @@ def _family_args(fam, kwargs: dict) -> dict:
 _SHARE_AXES = ("sp", "dp")
 
 
-def _apply_local(fam, params: Params, x, t, txt, kwargs: dict):
-    """Checks in the full view, the dp split, the family's forward, the sp/dp gathers.
+def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
+    """Checks in the full view, the dp split, the family's forward, the sp/dp gathers;
+    LoRA ``adapters`` (local views) attached to their layers first, under the bound mesh.
 
     Params and inputs are first marked by ``sharding.pvary`` over sp and dp: each rank
     computes with its own tokens and batch items, so the gradient of any of them (each is
     whole on every rank) comes as per-rank shares, summed over those axes here, once.
     (Over tp the model pairs its collectives Megatron-style instead.)"""
+    if adapters:
+        from .lora import _apply as lora_apply
+
+        params = lora_apply.attach(params, adapters)
     if torch.is_grad_enabled() and any(sharding.axis_size(a) > 1 for a in _SHARE_AXES):  # only backward sums
         params, x, t, txt, kwargs = pytree.tree_map(_share, (params, x, t, txt, kwargs))
     inputs = fam.prepare(params, x, t, txt, **kwargs)

@@ -7,7 +7,7 @@ single block as one ``linear1`` = [q; k; v; mlp]; diffusers keeps them as separa
 `prepare(params)` lays each group of projections that read the same input out as
 consecutive rows of one buffer, the leaves becoming row *views* of it: the same keys,
 shapes and values, no extra memory once the old params are dropped. The forward
-(`linear_group`) recognises such a layout from the tensors' storage and runs one
+(`_layers.linear_group`) recognises such a layout from the tensors' storage and runs one
 matmul over the whole buffer, splitting its output (views, no copy); anything else
 (unprepared params, tensors that require grad while grad is enabled, traced code, params
 inside a ``torch.func`` transform) runs the projections one by one, as diffusers does.
@@ -23,7 +23,6 @@ per block, as every fused projection of the plan is.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 import sharding
 
@@ -77,19 +76,6 @@ def fused(ps: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 
 def _functorch_wrapped(t: torch.Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
-
-
-def linear_group(ps: list, x: torch.Tensor, axis: str = "tp") -> list[torch.Tensor]:
-    """Column-parallel ``[col_linear(p, x) for p in ps]``, as one matmul when the weights
-    are one buffer. ``x`` (whole on every rank) goes through ``sharding.pvary`` over
-    ``axis`` once, so its gradient under tensor parallelism is the sum of the per-rank
-    shares, fused or not."""
-    x = sharding.pvary(x, axis)
-    wb = fused(ps)
-    if wb is None:
-        return [F.linear(x, p["weight"], p.get("bias")) for p in ps]
-    y = F.linear(x, *wb)
-    return list(y.split([p["weight"].shape[0] for p in ps], dim=-1))
 
 
 # ----------------------------------------------------------------------------- prepare

@@ -17,7 +17,7 @@ import torch.utils._pytree
 
 import sharding
 
-from ._fuse import linear_group  # noqa: F401  (re-exported: the families' fused projections)
+from . import _fuse
 
 
 def region(fn):
@@ -52,14 +52,39 @@ def _any_requires_grad(tree) -> bool:
 
 
 def linear(p, x: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T + b`` with whole (replicated) weights, or as the local half of a sharded one."""
-    return F.linear(x, p["weight"], p.get("bias"))
+    """``x @ W.T + b`` with whole (replicated) weights, or as the local half of a sharded one.
+    With LoRA factors attached (``p["lora"]``, see ``functional_dit.lora``) their updates are added."""
+    y = F.linear(x, p["weight"], p.get("bias"))
+    return y if "lora" not in p else _add_lora(y, [F.linear(x.to(a.dtype), a) for a, _, _ in p["lora"]], p["lora"])
+
+
+def _add_lora(y: torch.Tensor, hs, factors) -> torch.Tensor:
+    """``y + sum(s * h @ B.T)`` over the attached ``(A, B, s)`` with ``h = x @ A.T``, summed
+    in the adapters' dtype and cast to ``y``'s, as PEFT's ``LoraLayer`` does."""
+    out = y
+    for h, (_, b, s) in zip(hs, factors):
+        out = out + F.linear(h, b) * s
+    return out.to(y.dtype)
 
 
 def col_linear(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
     """A column-parallel projection: this rank's output columns of a ``x`` every rank holds
     whole, so ``x``'s gradient is a per-rank share summed over ``axis`` (Megatron's f)."""
     return linear(p, sharding.pvary(x, axis))
+
+
+def linear_group(ps: list, x: torch.Tensor, axis: str = "tp") -> list[torch.Tensor]:
+    """Column-parallel ``[col_linear(p, x) for p in ps]``, as one matmul when `fd.prepare`
+    laid the weights out as one buffer (`_fuse.fused`) and no LoRA factors are attached
+    (their updates are per layer). ``x`` (whole on every rank) goes through
+    ``sharding.pvary`` over ``axis`` once, so its gradient under tensor parallelism is the
+    sum of the per-rank shares, fused or not."""
+    x = sharding.pvary(x, axis)
+    wb = None if any("lora" in p for p in ps) else _fuse.fused(ps)
+    if wb is None:
+        return [linear(p, x) for p in ps]
+    y = F.linear(x, *wb)
+    return list(y.split([p["weight"].shape[0] for p in ps], dim=-1))
 
 
 def per_head(p, axis: str = "tp") -> dict:
@@ -69,11 +94,18 @@ def per_head(p, axis: str = "tp") -> dict:
 
 
 def row_linear(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
-    """A row-parallel projection: partial products summed over ``axis``, bias added once."""
+    """A row-parallel projection: partial products summed over ``axis``, bias added once.
+    LoRA: the rank-r products ``x @ A.T`` of this rank's columns are summed over ``axis``
+    too (one small all-reduce) before ``B``, so ``B`` sees the whole product."""
     if sharding.axis_size(axis) == 1:
         return linear(p, x)
     y = sharding.psum(F.linear(x, p["weight"]), axis)
-    return y if p.get("bias") is None else y + p["bias"]
+    y = y if p.get("bias") is None else y + p["bias"]
+    if "lora" not in p:
+        return y
+    hs = [F.linear(x.to(a.dtype), a) for a, _, _ in p["lora"]]
+    h = sharding.psum(torch.cat(hs, -1), axis).split([t.shape[-1] for t in hs], -1)
+    return _add_lora(y, h, p["lora"])
 
 
 def layer_norm(x: torch.Tensor, eps: float = 1e-6, p=None) -> torch.Tensor:

@@ -11,7 +11,14 @@ processors the FLUX.2-klein KV pipeline sets, ``save_pretrained`` and
 under the diffusers names (``state_dict()`` keys equal the stock class's), so
 ``to()``, accelerate's CPU offload and ``fd.from_diffusers(adapter)`` work as on the
 stock module; each forward reads them back into `Params`. Arguments it cannot honour (ControlNet residuals, IP-Adapter
-embeddings, a LoRA ``scale``, custom attention processors) raise a ``ValueError``.
+embeddings, custom attention processors) raise a ``ValueError``.
+
+LoRA: ``adapter.set_lora([(lora_adapter, scale), ...])`` applies `functional_dit.lora`
+adapters on the fly in every forward (plain or sharded, several at separate scales,
+nothing merged); ``pipe.load_lora_weights(path)`` reaches ``load_lora_adapter``, which
+reads the file with `functional_dit.lora` and adds it at scale 1. The LoRA ``scale``
+the pipelines pass in ``joint_attention_kwargs`` / ``attention_kwargs`` multiplies
+every adapter's scale for that call, as diffusers' ``scale_lora_layers`` does.
 
 Calling ``DiffusersTransformer(params)`` gives an instance of the family's subclass,
 named after the stock class it stands in for. A pipeline holding it records it in
@@ -122,6 +129,11 @@ class _Node(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         raise ValueError(f"{type(self).__name__}: a parameter container of DiffusersTransformer, not callable")
+
+    def __getitem__(self, index):
+        """``node[0]`` as on the stock ``nn.Sequential`` containers (``ff.net``), which
+        diffusers' LoRA loading indexes (``get_submodule_by_name``)."""
+        return self.get_submodule(str(index))
 
 
 class _Attention(_Node):
@@ -255,7 +267,9 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
         else:
             args.update(self._qwen_args(**kwargs))
         hidden_states, encoder_hidden_states, args = _broadcast_text(hidden_states, encoder_hidden_states, args)
-        out = apply(self.params, hidden_states, timestep, encoder_hidden_states, **args)
+        scale = self.__dict__.pop("_call_scale", 1.0)
+        pairs = [(ad, s * scale) for ad, s in self.get_lora()]
+        out = apply(self.params, hidden_states, timestep, encoder_hidden_states, lora=pairs or None, **args)
         if isinstance(out, tuple):
             out, cache = out[0], KVCache(out[1])
         if not return_dict:
@@ -285,13 +299,60 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
         return {k: v for k, v in kwargs.items() if k in _FAMILY_ARGS[fam]}
 
     def _lora_scale(self, argname: str, attention_kwargs) -> None:
-        """The hook for the LoRA ``scale`` the pipelines pass in ``joint_attention_kwargs`` /
-        ``attention_kwargs``. No LoRA is supported yet, so any entry is an error."""
-        if attention_kwargs:
+        """The LoRA ``scale`` the pipelines pass in ``joint_attention_kwargs`` /
+        ``attention_kwargs``: kept for this call (1.0 when absent); any other key is an error."""
+        extra = sorted(set(attention_kwargs or {}) - {"scale"})
+        if extra:
             raise ValueError(
-                f"{argname}: expected None or {{}}, got keys {sorted(attention_kwargs)}; "
-                f"{type(self).__name__} supports neither a LoRA scale nor IP-Adapter or other attention arguments"
+                f"{argname}: expected None, {{}} or {{'scale': float}}, got keys {sorted(attention_kwargs)}; "
+                f"{type(self).__name__} supports a LoRA scale but no IP-Adapter or other attention arguments"
             )
+        scale = (attention_kwargs or {}).get("scale", 1.0)
+        if scale is None:
+            scale = 1.0
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise ValueError(f"{argname}: 'scale' must be a real number, got {scale!r}")
+        self.__dict__["_call_scale"] = float(scale)
+
+    # ---------------------------------------------------------------- LoRA
+
+    def set_lora(self, lora) -> None:
+        """Apply ``lora`` — a list of ``(adapter, scale)`` pairs of `functional_dit.lora`
+        adapters made for these params, or None / [] for none — on the fly in every
+        forward from now on. Sharded params need the adapters on the same mesh."""
+        from .lora import _apply as lora_apply
+
+        pairs = [] if not lora else lora_apply.check(self.params, lora)
+        self.__dict__["_lora"] = list(pairs)
+
+    def get_lora(self) -> list:
+        """The ``(adapter, scale)`` pairs `set_lora` / ``load_lora_adapter`` set."""
+        return list(self.__dict__.get("_lora", []))
+
+    def load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="transformer", metadata=None, **kwargs):
+        """What ``pipe.load_lora_weights(...)`` calls: read the LoRA (a state dict, a
+        safetensors file or a folder holding ``pytorch_lora_weights.safetensors``) with
+        `functional_dit.lora` and add it at scale 1. ``network_alphas`` are honoured;
+        ``adapter_name`` is recorded; hub downloads, hotswapping and pickles are not supported."""
+        import functional_dit.lora as lora
+
+        alphas = kwargs.pop("network_alphas", None) or {}
+        name = kwargs.pop("adapter_name", None)
+        if kwargs.pop("hotswap", False):
+            raise ValueError("hotswap: not supported by functional_dit's adapter; use set_lora to swap adapters")
+        for ignored in ("_pipeline", "low_cpu_mem_usage"):
+            kwargs.pop(ignored, None)
+        if kwargs:
+            raise ValueError(f"load_lora_adapter: unsupported arguments {sorted(kwargs)}")
+        source = pretrained_model_name_or_path_or_dict
+        if isinstance(source, dict):
+            own = {k: v for k, v in source.items() if prefix is None or k.startswith(f"{prefix}.")}
+            own.update({k: torch.as_tensor(v) for k, v in alphas.items()})
+            ad = lora.from_state_dict(own, self.params, None if metadata is None else {lora.METADATA_KEY: metadata})
+        else:
+            ad = lora.load(source, self.params)
+        self.__dict__["_lora"] = self.get_lora() + [(ad, 1.0)]
+        self.__dict__.setdefault("_lora_names", []).append(name)
 
     def _flux1_args(self, pooled_projections=None, img_ids=None, txt_ids=None, joint_attention_kwargs=None):
         self._lora_scale("joint_attention_kwargs", joint_attention_kwargs)

@@ -1,0 +1,176 @@
+"""The LoRA adapter pytree: `LoraConfig` (static) and `Adapter` (factors as leaves).
+
+An adapter holds, for every adapted linear module ``m`` of a base model, the factors
+``A`` = ``m.lora_A.weight`` (rank, in) and ``B`` = ``m.lora_B.weight`` (out, rank) of
+the low-rank update ``W + s * (alpha / rank) * B @ A`` (Hu et al., "LoRA", 2021; PEFT's
+``LoraLayer``). Like `functional_dit.Params`, its flattened dotted paths are the
+diffusers/PEFT state-dict keys (without the pipeline's ``transformer.`` prefix), its
+config is static metadata, and it is a pytree for ``torch.func`` and optree alike.
+
+Each factor has a `ParamSpec` derived from its base weight's: ``A`` keeps the base's
+input axis, ``B`` its output axis (with the fused blocks of either), the rank axis is
+``"lora_rank"``. So `sharding.plan` / `sharding.shard_params` place the factors from
+the same rules as the base: the factor on the base's sharded dim is sharded (per block
+for a fused projection), the other replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+
+from sharding.tree import flatten, nest
+
+from .. import _api
+from .._pytree import Params, ParamSpec
+
+RANK = "lora_rank"  # logical axis of a factor's rank dim; no rule maps it: replicated
+
+
+def linear_modules(config) -> dict[str, ParamSpec]:
+    """``{module path: weight ParamSpec}`` of every linear layer of a base model config."""
+    specs = flatten(_api.param_specs(config))
+    return {k[: -len(".weight")]: s for k, s in specs.items() if k.endswith(".weight") and len(s.shape) == 2}
+
+
+def factor_specs(weight: ParamSpec, rank: int) -> dict:
+    """``{"lora_A": {"weight": spec}, "lora_B": {"weight": spec}}`` for a base ``weight`` spec."""
+    (out_dim, in_dim), (out_axis, in_axis) = weight.shape, weight.axes
+    blocks = weight.blocks
+    a_blocks = blocks if weight.block_dim == 1 else None
+    b_blocks = blocks if weight.block_dim == 0 else None
+    return {
+        "lora_A": {"weight": ParamSpec((rank, in_dim), (RANK, in_axis), a_blocks)},
+        "lora_B": {"weight": ParamSpec((out_dim, rank), (out_axis, RANK), b_blocks)},
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """What an adapter adapts: the ``base`` model config and, per module, its ``rank`` and
+    ``alpha`` (``modules``: a tuple of ``(path, rank, alpha)``, in the base's order). The
+    update of module ``m`` is scaled by ``alpha / rank`` (``alpha / sqrt(rank)`` with
+    ``use_rslora``, PEFT's rank-stabilised LoRA), times the scale the caller passes."""
+
+    base: object
+    modules: tuple[tuple[str, int, float], ...]
+    use_rslora: bool = False
+
+    def __post_init__(self):
+        known = linear_modules(self.base)
+        bad = [m for m, _, _ in self.modules if m not in known]
+        if bad:
+            raise ValueError(f"modules: {bad[:10]} are not linear layers of {type(self.base).__name__}")
+        for m, r, a in self.modules:
+            if not (isinstance(r, int) and r > 0) or not math.isfinite(a):
+                raise ValueError(f"modules: {m}: expected a positive int rank and a finite alpha, got {r!r}, {a!r}")
+
+    @functools.cached_property
+    def _scales(self) -> dict[str, float]:  # cached on the instance; not a field (eq and hash ignore it)
+        return {m: a / math.sqrt(r) if self.use_rslora else a / r for m, r, a in self.modules}
+
+    def scale(self, module: str) -> float:
+        """``alpha / rank`` (or ``alpha / sqrt(rank)``) of ``module``."""
+        return self._scales[module]
+
+    def param_specs(self) -> dict:
+        """Nested dict of the factors' `ParamSpec` s (read by `sharding.plan`)."""
+        known = linear_modules(self.base)
+        return nest({f"{m}.{k}": s for m, r, _ in self.modules for k, s in flatten(factor_specs(known[m], r)).items()})
+
+
+class Adapter(Params):
+    """LoRA factors: ``config`` (a `LoraConfig`) and ``tree`` (nested dicts whose dotted
+    paths are ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``). Treat it as
+    immutable; a pytree like `Params` (``torch.func.grad`` over it returns an Adapter)."""
+
+    __slots__ = ()
+
+    def factors(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        node = self.tree
+        for name in module.split("."):
+            node = node[name]
+        return node["lora_A"]["weight"], node["lora_B"]["weight"]
+
+    def replace(self, tree: Mapping) -> Adapter:
+        return Adapter(self.config, tree)
+
+    def __repr__(self) -> str:
+        n = sum(t.numel() for t in self.leaves() if isinstance(t, torch.Tensor))
+        ranks = sorted({r for _, r, _ in self.config.modules})
+        return (
+            f"Adapter({type(self.config.base).__name__}, {len(self.config.modules)} modules, "
+            f"rank {ranks[0] if len(ranks) == 1 else ranks}, {n:,} elements)"
+        )
+
+
+torch_pytree.register_pytree_node(
+    Adapter,
+    lambda a: ([a.tree], a.config),
+    lambda children, config: Adapter(config, children[0]),
+    flatten_with_keys_fn=lambda a: ([(torch_pytree.GetAttrKey("tree"), a.tree)], a.config),
+)
+optree.register_pytree_node(
+    Adapter,
+    lambda a: ((a.tree,), a.config, ("tree",)),
+    lambda config, children: Adapter(config, children[0]),
+    namespace=optree.registry.__GLOBAL_NAMESPACE,
+)
+
+
+def base_config(params_or_config):
+    return params_or_config.config if isinstance(params_or_config, Params) else params_or_config
+
+
+def init(
+    params_or_config,
+    rank: int = 4,
+    targets=None,
+    alpha: float | None = None,
+    seed: int = 0,
+    dtype=torch.float32,
+    device="cpu",
+    zero_b: bool = True,
+) -> Adapter:
+    """A fresh adapter as PEFT initialises one: ``A`` Kaiming-uniform, ``B`` zero (so the
+    adapted model starts equal to the base); ``zero_b=False`` draws ``B`` small and random
+    too (tests). ``targets``: module paths, or suffixes such as ``"attn.to_q"`` (default:
+    every attention q/k/v/out projection); ``alpha`` defaults to ``rank`` (scale 1)."""
+    config = base_config(params_or_config)
+    known = linear_modules(config)
+    targets = DEFAULT_TARGETS if targets is None else tuple(targets)
+    modules = [m for m in known if any(m == t or m.endswith("." + t) for t in targets)]
+    if not modules:
+        raise ValueError(f"targets: {targets} match no linear layer of {type(config).__name__}")
+    lcfg = LoraConfig(config, tuple((m, int(rank), float(rank if alpha is None else alpha)) for m in modules))
+    gen = torch.Generator().manual_seed(seed)
+    flat = {}
+    for m in modules:
+        out_dim, in_dim = known[m].shape
+        bound = 1 / math.sqrt(in_dim)  # kaiming_uniform_(a=sqrt(5)) on (rank, in)
+        flat[f"{m}.lora_A.weight"] = (torch.rand(rank, in_dim, generator=gen) * 2 - 1) * bound
+        b = torch.randn(out_dim, rank, generator=gen) * 0.1 if not zero_b else torch.zeros(out_dim, rank)
+        flat[f"{m}.lora_B.weight"] = b
+    return Adapter(lcfg, nest({k: v.to(device=device, dtype=dtype) for k, v in flat.items()}))
+
+
+# The projections LoRA trainers adapt by default (diffusers' training scripts: to_q, to_k,
+# to_v, to_out.0 and their context twins; FLUX.2's fused single-block projections).
+DEFAULT_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "attn.to_qkv_mlp_proj",
+    "attn.to_out",
+)

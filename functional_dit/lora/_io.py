@@ -1,0 +1,275 @@
+"""Reading and writing LoRA files: the diffusers/PEFT layout, Kohya's and the BFL names.
+
+`from_state_dict` resolves every key through `_layouts` (strict: one ValueError lists
+every unknown module, missing or extra factor, rank or shape mismatch), reads the
+scaling from ``alpha`` keys or diffusers' ``lora_adapter_metadata`` (``lora_alpha``,
+``alpha_pattern``, ``use_rslora``) and refuses DoRA and LoRA biases, which it does not
+implement. `load` reads only safetensors: pickles (``.bin``, ``.pt``, ``.ckpt``) can run
+code when loaded and are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from collections.abc import Mapping
+
+import torch
+
+import sharding
+from sharding.tree import nest
+
+from .. import _api
+from .._pytree import Params
+from . import _layouts
+from ._adapter import Adapter, LoraConfig, base_config, linear_modules
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes
+METADATA_KEY = "lora_adapter_metadata"  # diffusers' safetensors metadata entry
+
+
+def _family(config) -> str:
+    return _api.config_to_diffusers(config)["_class_name"]
+
+
+def _index(config) -> dict:
+    """``{source module name: [Target]}`` for ``config``: diffusers names, BFL names and
+    both in Kohya's underscored form."""
+    shapes = {m: s.shape for m, s in linear_modules(config).items()}
+    count = lambda prefix: len({m.split(".")[1] for m in shapes if m.startswith(prefix + ".")})  # noqa: E731
+    blocks = {"double_blocks": count("transformer_blocks"), "single_blocks": count("single_transformer_blocks")}
+    index = _layouts.source_index(_layouts.BFL_TABLES.get(_family(config), ()), shapes, blocks)
+    index.update({_layouts.kohya_name(k): v for k, v in list(index.items())})
+    return index
+
+
+def _split_key(key: str):
+    """(module name, factor "A"/"B"/"alpha", layout) of a file key, or None if it is no LoRA key."""
+    for suffix, (factor, layout) in _layouts.FACTORS.items():
+        if key.endswith("." + suffix):
+            return key[: -len(suffix) - 1], factor, layout
+    if key.endswith(".alpha"):
+        return key[: -len(".alpha")], "alpha", None
+    return None
+
+
+def _strip(name: str) -> str:
+    for p in _layouts.PREFIXES:
+        if name.startswith(p):
+            return name[len(p) :]
+    return name
+
+
+def _refuse_unsupported(state: Mapping, meta: dict) -> None:
+    dora = [k for k in state if any(m in k for m in _layouts.DORA_MARKERS)]
+    if dora or meta.get("use_dora"):
+        raise ValueError(
+            f"lora: DoRA adapters (weight-decomposed LoRA) are not supported: the file has "
+            f"{len(dora)} magnitude keys such as {dora[:3]} (use_dora={meta.get('use_dora')}); "
+            "merge it into the weights with PEFT first, or use a plain LoRA"
+        )
+    if meta.get("lora_bias"):
+        raise ValueError("lora: LoRA with a bias on lora_B (lora_bias=True) is not supported")
+
+
+def _metadata(metadata: Mapping | None) -> dict:
+    """diffusers' ``lora_adapter_metadata`` (``transformer.``-prefixed LoraConfig fields)."""
+    if not metadata or METADATA_KEY not in metadata:
+        return {}
+    raw = json.loads(metadata[METADATA_KEY]) if isinstance(metadata[METADATA_KEY], str) else metadata[METADATA_KEY]
+    out = {k[len("transformer.") :]: v for k, v in raw.items() if k.startswith("transformer.")}
+    return out or {k: v for k, v in raw.items() if "." not in k}
+
+
+def _pattern_value(patterns: Mapping, module: str, default):
+    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup: a key matches a module path ending in it."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def from_state_dict(state: Mapping[str, torch.Tensor], params_or_config, metadata: Mapping | None = None) -> Adapter:
+    """An `Adapter` for the model ``params_or_config`` (Params or a config) from a LoRA
+    state dict in the diffusers/PEFT, Kohya or BFL layout. ``metadata``: the safetensors
+    metadata (diffusers stores the LoraConfig there). Strict: one ValueError lists every
+    problem. Text-encoder LoRA keys are skipped with a warning."""
+    config = base_config(params_or_config)
+    meta = _metadata(metadata)
+    _refuse_unsupported(state, meta)
+    index, known = _index(config), linear_modules(config)
+    other = [k for k in state if k.startswith(_layouts.OTHER_COMPONENTS)]
+    if other:
+        warnings.warn(f"lora: skipped {len(other)} keys of other pipeline components, e.g. {other[:2]}", stacklevel=3)
+    sources, problems = {}, []  # source module -> {"A": t, "B": t, "alpha": t}
+    for key, value in state.items():
+        if key in other:
+            continue
+        parts = _split_key(key)
+        if parts is None:
+            problems.append(f"{key}: not a LoRA factor (expected .lora_A/.lora_B/.lora_down/.lora_up.weight or .alpha)")
+            continue
+        name, factor, _ = parts
+        name = _strip(name)
+        if name not in index:
+            problems.append(f"{key}: no linear layer {name!r} in {type(config).__name__}")
+            continue
+        sources.setdefault(name, {})[factor] = value
+    flat, modules, seen = {}, [], {}
+    for name, f in sources.items():
+        err = _check_source(name, f, index[name], known)
+        if err:
+            problems.append(err)
+            continue
+        A, B = f["A"], f["B"]
+        r = A.shape[0]
+        alpha = float(f["alpha"]) if "alpha" in f else None
+        for tgt in index[name]:
+            if tgt.module in seen:
+                problems.append(f"{tgt.module}: given twice (as {seen[tgt.module]!r} and {name!r})")
+                continue
+            seen[tgt.module] = name
+            b = B if (tgt.start, tgt.stop) == (0, B.shape[0]) else B[tgt.start : tgt.stop].contiguous()
+            if tgt.swap:
+                b = torch.cat(b.chunk(2, 0)[::-1], 0)
+            a_alpha = alpha if alpha is not None else _pattern_value(meta.get("alpha_pattern"), tgt.module, None)
+            if a_alpha is None:
+                a_alpha = meta.get("lora_alpha", r)
+            want_r = _pattern_value(meta.get("rank_pattern"), tgt.module, meta.get("r", r))
+            if want_r != r:
+                problems.append(f"{tgt.module}: rank {r} in the factors, {want_r} in the file's metadata")
+            flat[f"{tgt.module}.lora_A.weight"] = A
+            flat[f"{tgt.module}.lora_B.weight"] = b
+            modules.append((tgt.module, r, float(a_alpha)))
+    if problems or not modules:
+        raise ValueError(_report(config, problems or ["no LoRA factors in the file"], state))
+    order = {m: i for i, m in enumerate(known)}
+    modules.sort(key=lambda m: order[m[0]])
+    lcfg = LoraConfig(config, tuple(modules), bool(meta.get("use_rslora", False)))
+    return Adapter(
+        lcfg, nest({k: flat[k] for m, _, _ in modules for k in (f"{m}.lora_A.weight", f"{m}.lora_B.weight")})
+    )
+
+
+def _check_source(name: str, f: dict, targets, known) -> str | None:
+    missing = [x for x in ("A", "B") if x not in f]
+    if missing:
+        return f"{name}: missing factor(s) {['lora_A' if x == 'A' else 'lora_B' for x in missing]}"
+    A, B = f["A"], f["B"]
+    if A.ndim != 2 or B.ndim != 2:
+        return f"{name}: expected 2-D factors, got lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)}"
+    if A.shape[0] != B.shape[1]:
+        return (
+            f"{name}: rank mismatch: lora_A {tuple(A.shape)} is rank {A.shape[0]}, lora_B {tuple(B.shape)} {B.shape[1]}"
+        )
+    out_dim = sum(t.stop - t.start for t in targets)
+    in_dim = known[targets[0].module].shape[1]
+    if tuple(A.shape[1:]) != (in_dim,) or B.shape[0] != out_dim:
+        return (
+            f"{name}: expected lora_A (r, {in_dim}) and lora_B ({out_dim}, r) for {[t.module for t in targets]}, "
+            f"got {tuple(A.shape)} and {tuple(B.shape)}"
+        )
+    if "alpha" in f and (not isinstance(f["alpha"], torch.Tensor) or f["alpha"].numel() != 1):
+        return f"{name}: alpha must be a scalar, got {f['alpha']!r}"
+    return None
+
+
+def _report(config, problems, state, limit=20) -> str:
+    more = f" ... and {len(problems) - limit} more" if len(problems) > limit else ""
+    hint = _other_family(config, state)
+    return (
+        f"lora: the file does not match {type(config).__name__} ({len(problems)} problems): "
+        + "; ".join(problems[:limit])
+        + more
+        + hint
+    )
+
+
+def _other_family(config, state) -> str:
+    """A hint when the keys fit another family's layout better (a LoRA for the wrong model)."""
+    names = {_strip(p[0]) for k in state if (p := _split_key(k)) is not None}
+    names = {re.sub(r"\.\d+\.", ".{}.", n) for n in names}
+    best = None
+    import functional_dit  # late: PRESETS is built after this package's parents import
+
+    for preset in functional_dit.PRESETS.values():
+        if type(preset) is type(config):
+            continue
+        idx = {re.sub(r"\.\d+\.", ".{}.", k) for k in _index(preset)}
+        hits = len(names & idx)
+        if hits and (best is None or hits > best[1]):
+            best = (type(preset).__name__, hits)
+    if best and best[1] > len(names & {re.sub(r"\.\d+\.", ".{}.", k) for k in _index(config)}):
+        return f". The keys look like a LoRA for {best[0]}, not {type(config).__name__}"
+    return ""
+
+
+def _read(path) -> tuple[dict, dict | None]:
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, DIFFUSERS_FILE)
+    if path.endswith(PICKLE_SUFFIXES) or _is_pickle(path):
+        raise ValueError(
+            f"path: {path!r} is a pickle (torch.save) file; pickles can run arbitrary code when loaded and are "
+            "refused. Convert it to safetensors with a tool you trust"
+        )
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for a bad header
+        raise ValueError(f"path: {path!r} is not a safetensors file ({e})") from e
+
+
+def _is_pickle(path: str) -> bool:
+    """torch.save writes a zip (``PK``) or a raw pickle (protocol byte 0x80)."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
+
+
+def load(path, params, mesh=None, dtype=None, device=None) -> Adapter:
+    """Read a LoRA safetensors file (or a folder with ``pytorch_lora_weights.safetensors``)
+    for ``params`` (Params or a config). ``dtype`` / ``device`` convert the factors.
+    With a ``mesh`` — or when ``params`` are sharded, on their mesh — the factors are
+    placed by `sharding.shard_params` from the base weights' plan."""
+    state, metadata = _read(path)
+    ad = from_state_dict(state, params, metadata)
+    if dtype is not None or device is not None:
+        ad = ad.replace(nest({k: v.to(device=device, dtype=dtype) for k, v in ad.flat().items()}))
+    if mesh is None and isinstance(params, Params):
+        _, mesh = sharding.local_view(params)
+    return ad if mesh is None else sharding.shard_params(ad, mesh)
+
+
+def to_state_dict(adapter: Adapter, prefix: str = "transformer.") -> dict:
+    """The diffusers/PEFT state dict (``transformer.``-prefixed, as pipelines save it)."""
+    return {prefix + k: v for k, v in adapter.flat().items()}
+
+
+def save(adapter: Adapter, path) -> None:
+    """Write ``adapter`` as a diffusers LoRA file (its LoraConfig in the metadata), which
+    ``pipe.load_lora_weights`` and `load` read back. Sharded factors are gathered first."""
+    from safetensors.torch import save_file
+
+    ad = sharding.unshard(adapter) if sharding.local_view(adapter)[1] is not None else adapter
+    ranks = {m: r for m, r, _ in ad.config.modules}
+    alphas = {m: a for m, _, a in ad.config.modules}
+    meta = {
+        "transformer.r": max(set(ranks.values()), key=list(ranks.values()).count),
+        "transformer.lora_alpha": max(set(alphas.values()), key=list(alphas.values()).count),
+        "transformer.target_modules": sorted(ranks),
+        "transformer.use_rslora": ad.config.use_rslora,
+    }
+    meta["transformer.rank_pattern"] = {m: r for m, r in ranks.items() if r != meta["transformer.r"]}
+    meta["transformer.alpha_pattern"] = {m: a for m, a in alphas.items() if a != meta["transformer.lora_alpha"]}
+    state = {k: v.detach().contiguous() for k, v in to_state_dict(ad).items()}
+    save_file(state, os.fspath(path), metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
