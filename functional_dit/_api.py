@@ -16,7 +16,8 @@ import torch.utils._pytree as pytree
 import sharding
 from sharding.tree import flatten, nest
 
-from . import _config, flux1, flux2, qwenimage
+from . import _config, _fuse, flux1, flux2, qwenimage
+from . import _layers as L
 from ._pytree import Params, ParamSpec, check_leaves, register_pytree
 
 # The families: config class -> the module that owns it (specs, prepare, forward, presets,
@@ -215,7 +216,6 @@ def prepare(params: Params) -> Params:
     are refused, and ``torch.compile`` wants the params as they are (its per-block
     regions refuse inputs that share storage; compiled code gains nothing from the
     layout). See `functional_dit._fuse`."""
-    from . import _fuse
 
     return _fuse.prepare(params, family(params).FUSED)
 
@@ -288,7 +288,11 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
     B = x.shape[0]
     x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
     inputs = {k: sharding.shard(v, "dp", 0) if k in fam.BATCHED and v is not None else v for k, v in inputs.items()}
-    out, seq, extra = fam.forward(params, x, t, txt, **inputs)
+    if _fuse.active(params, fam.FUSED, (x, t, txt, inputs)):  # fd.prepare'd params, inference
+        with L.fast_kernels():
+            out, seq, extra = fam.forward(params, x, t, txt, **inputs)
+    else:
+        out, seq, extra = fam.forward(params, x, t, txt, **inputs)
     out = sharding.gather(sharding.gather(out, "sp", 1, seq), "dp", 0, B)
     return out if extra is None else (out, extra)
 

@@ -23,6 +23,7 @@ per block, as every fused projection of the plan is.
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree
 
 import sharding
 
@@ -72,6 +73,25 @@ def fused(ps: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         return None
     b = _rows_of_one_buffer(bs)
     return None if b is None else (w, b)
+
+
+def active(params, groups, inputs) -> bool:
+    """Whether this call of the model runs the prepared fast path: its first fused group is
+    laid out as one buffer and usable (`fused`), and no input needs autograd or sits in a
+    ``torch.func`` transform (the fast kernels work in place and call backend ops that
+    have no batching or derivative rules). ``groups`` as `prepare`'s; ``inputs`` a pytree."""
+    for blocks_key, block_groups in groups.items():
+        for block in (params.tree.get(blocks_key) or {}).values():
+            try:
+                ps = [_get(block, path) for path in block_groups[0]]
+            except KeyError:
+                return False
+            if fused(ps) is None:
+                return False
+            tensors = [t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            return not grad and not any(_functorch_wrapped(t) for t in tensors)
+    return False
 
 
 def _functorch_wrapped(t: torch.Tensor) -> bool:

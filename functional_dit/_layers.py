@@ -8,6 +8,8 @@ so head counts are read from the tensors, never from the config.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -18,6 +20,91 @@ import torch.utils._pytree
 import sharding
 
 from . import _fuse
+
+# ----------------------------------------------------------------------------- fast kernels
+
+_FAST = contextvars.ContextVar("functional_dit_fast_kernels", default=False)
+
+
+@contextlib.contextmanager
+def fast_kernels(enabled: bool = True):
+    """Run the layers below with the fast eager kernels (`fd.prepare`'d params, inference):
+    fused elementwise ops (``addcmul``, LayerNorm's own affine for AdaLN at batch 1, RoPE
+    as one complex product), a linear layer's GELU fused into its GEMM where the backend
+    has one (oneDNN on CPU), a concatenated input's projection as a sum of two GEMMs, and
+    in-place activations on fresh outputs. The same maths in another rounding order:
+    equal to the exact kernels within float tolerance, not bitwise (bf16 included). Set by
+    `fd.apply` for prepared params only, and never under ``torch.compile``, a
+    ``torch.func`` transform or autograd (in-place ops), where the exact kernels run."""
+    token = _FAST.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _FAST.reset(token)
+
+
+def fast() -> bool:
+    """Whether the fast eager kernels are on (see `fast_kernels`)."""
+    return not torch.compiler.is_compiling() and _FAST.get()
+
+
+def _onednn_linear_pointwise():
+    """oneDNN's linear with a fused epilogue (CPU, fp32), or None where torch lacks it."""
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    return op if op is not None and torch.backends.mkldnn.is_available() else None
+
+
+def linear_gelu(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
+    """``gelu(col_linear(p, x), approximate="tanh")``; with the fast kernels, one oneDNN
+    GEMM with bias and GELU fused on a CPU in fp32, else an in-place GELU on the fresh
+    GEMM output."""
+    if not fast() or "lora" in p:
+        return F.gelu(col_linear(p, x, axis), approximate="tanh")
+    w, b = p["weight"], p.get("bias")
+    op = _onednn_linear_pointwise()
+    if op is not None and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32:
+        return op(x, w, b, "gelu", [], "tanh")
+    return torch.ops.aten.gelu_(F.linear(x, w, b), approximate="tanh")
+
+
+def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """AdaLN: ``layer_norm(x) * (1 + scale) + shift`` (no affine weights of its own) over x
+    (B, S, C), the modulation (B, C) or already broadcastable ((B, 1, C), (B, S, C)). Fast
+    kernels: one modulation row at batch 1 becomes the LayerNorm's own affine (one pass),
+    else one ``addcmul`` after the norm."""
+    shift, scale = (m[:, None] if m.dim() == 2 else m for m in (shift, scale))
+    if not fast():
+        return layer_norm(x, eps) * (1 + scale) + shift
+    if x.shape[0] == 1 and scale.shape[1] == 1 and shift.shape[1] == 1:
+        return F.layer_norm(x, x.shape[-1:], 1 + scale[0, 0], shift[0, 0], eps)
+    return torch.addcmul(shift, layer_norm(x, eps), 1 + scale)
+
+
+def gated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The gated residual ``x + gate * y`` (``gate`` broadcast over y's rows, e.g. (B, 1, C));
+    one ``addcmul`` with the fast kernels."""
+    return torch.addcmul(x, gate, y) if fast() else x + gate * y
+
+
+def row_linear_cat(p, xs: list, axis: str = "tp") -> torch.Tensor:
+    """``row_linear(p, torch.cat(xs, -1))``; with the fast kernels, without the
+    concatenation: the weight's column blocks multiply their parts and accumulate in one
+    output (``addmm_``), partial sums over ``axis`` as `row_linear`."""
+    if not fast() or "lora" in p:
+        return row_linear(p, torch.cat(xs, -1), axis)
+    w, b = p["weight"], p.get("bias")
+    whole = sharding.axis_size(axis) == 1
+    lead = xs[0].shape[:-1]
+    parts = zip((x.reshape(-1, x.shape[-1]) for x in xs), w.split([x.shape[-1] for x in xs], dim=1))
+    x0, w0 = next(parts)
+    y = torch.addmm(b, x0, w0.t()) if whole and b is not None else x0 @ w0.t()
+    for xi, wi in parts:
+        y.addmm_(xi, wi.t())
+    y = y.view(*lead, -1)
+    if whole:
+        return y
+    y = sharding.psum(y, axis)
+    return y if b is None else y + b
 
 
 def region(fn):
@@ -87,6 +174,17 @@ def linear_group(ps: list, x: torch.Tensor, axis: str = "tp") -> list[torch.Tens
     return list(y.split([p["weight"].shape[0] for p in ps], dim=-1))
 
 
+def col_linear_split(p, x: torch.Tensor, sizes: list, axis: str = "tp") -> list[torch.Tensor]:
+    """`col_linear` split into its output blocks of ``sizes`` (the weight's row blocks, e.g.
+    a packed [gate; up]): one GEMM and views of its output, or with the fast kernels one
+    GEMM per block, so each block's output is contiguous for the elementwise work after."""
+    if not fast() or "lora" in p:
+        return list(col_linear(p, x, axis).split(sizes, dim=-1))
+    b = p.get("bias")
+    bs = [None] * len(sizes) if b is None else b.split(sizes)
+    return [linear({"weight": w, "bias": bi}, x) for w, bi in zip(p["weight"].split(sizes), bs)]
+
+
 def per_head(p, axis: str = "tp") -> dict:
     """A replicated parameter dict applied to each of this rank's heads (the QK norms):
     its gradient is a per-rank share, summed over ``axis``."""
@@ -115,12 +213,26 @@ def layer_norm(x: torch.Tensor, eps: float = 1e-6, p=None) -> torch.Tensor:
 
 def rms_norm(p, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``torch.nn.RMSNorm`` (FLUX.1/FLUX.2 QK norms)."""
+    if fast():
+        return _rms_norm_fast(x, p["weight"], eps)
     return F.rms_norm(x, x.shape[-1:], p["weight"], eps)
+
+
+def _rms_norm_fast(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm over the last dim in three passes (the fused kernel is six on a CPU): the
+    norm as one reduction (fp32), then ``x * rsqrt(norm² / D + eps) * w``; one rounding
+    to x's dtype at the end."""
+    r = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    r = r.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+    return (x.float() * r).mul_(w).to(x.dtype)
 
 
 def rms_norm_fp32(p, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """diffusers ``RMSNorm`` (Qwen-Image): variance in fp32; the normalised x is cast to a
-    half-precision weight's dtype before the scale (an fp32 weight keeps it fp32)."""
+    half-precision weight's dtype before the scale (an fp32 weight keeps it fp32). Fast
+    kernels: `_rms_norm_fast` (fp32 inside, one rounding at the end)."""
+    if fast():
+        return _rms_norm_fast(x, p["weight"], eps)
     y = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     w = p["weight"]
     return (y.to(w.dtype) if w.dtype in (torch.float16, torch.bfloat16) else y) * w
@@ -166,8 +278,7 @@ def gather_chunks(y: torch.Tensor, n: int, axis: str = "tp") -> torch.Tensor:
 
 def gelu_mlp(p, x: torch.Tensor) -> torch.Tensor:
     """diffusers ``FeedForward(activation_fn="gelu-approximate")``: ``net.0.proj``, ``net.2``."""
-    h = F.gelu(col_linear(p["net"]["0"]["proj"], x), approximate="tanh")
-    return row_linear(p["net"]["2"], h)
+    return row_linear(p["net"]["2"], linear_gelu(p["net"]["0"]["proj"], x))
 
 
 def timestep_embedding(
@@ -206,10 +317,24 @@ def rope(ids: torch.Tensor, axes_dim, theta: float) -> tuple[torch.Tensor, torch
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of x (B, S, H, D) by cos/sin (S, D) in fp32."""
+    """Rotate interleaved pairs of x (B, S, H, D) by cos/sin (S, D) in fp32. Fast kernels:
+    one complex product of (x_2i, x_2i+1) by (cos, sin), as diffusers' Qwen-Image does."""
+    if fast():
+        xf = x.float()
+        if xf.stride(-1) == 1 and all(st % 2 == 0 for st in xf.stride()[:-1]) and xf.storage_offset() % 2 == 0:
+            freqs = torch.complex(cos[:, None, 0::2], sin[:, None, 0::2])  # (S, 1, D/2)
+            xc = torch.view_as_complex(xf.unflatten(-1, (-1, 2)))
+            return torch.view_as_real(xc * freqs).flatten(-2).to(x.dtype)
     xr, xi = x.unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack([-xi, xr], dim=-1).flatten(-2)
     return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
+
+
+def split_rows(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S, C) -> its first ``n`` rows and the rest, each contiguous as diffusers makes
+    them (the same GEMM path after, so bf16 matches bitwise); views with the fast kernels."""
+    a, b = x[:, :n], x[:, n:]
+    return (a, b) if fast() else (a.contiguous(), b.contiguous())
 
 
 def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:

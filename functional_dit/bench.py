@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -176,21 +177,40 @@ def alternate(contenders: dict, runs: int, device, warmup: int = 1) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-PEAK_N = 2048  # the GEMM that measures the matmul peak: n x n x n
+PEAK_N = 2048  # the GEMM that measures the matmul peak on a CPU: n x n x n
+PEAK_N_ACCELERATOR = 8192  # a GPU needs a bigger one to reach its peak
 
 
-def matmul_peak(device, dtype, n: int = PEAK_N, runs: int = 7) -> float:
+def peak_n(device) -> int:
+    return PEAK_N if torch.device(device).type == "cpu" else PEAK_N_ACCELERATOR
+
+
+def matmul_peak(device, dtype, n: int | None = None, runs: int = 7) -> float:
     """Measured matmul FLOP/s: median time of an n x n x n GEMM (2 n³ FLOPs)."""
+    n = n or peak_n(device)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     secs = alternate({"mm": lambda: a @ b}, runs, device, warmup=2)["mm"]
     return 2 * n**3 / secs
 
 
+def _cpu_flash_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
 def count_flops(fn) -> int:
+    """FLOPs of one call (``torch.utils.flop_counter``). torch's table has no entry for the
+    CPU flash-attention kernel (it would count attention as 0 FLOPs on a CPU): this adds
+    the same formula torch uses for the GPU attention kernels."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    extra = {}
+    cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if cpu_flash is not None:
+        extra[cpu_flash] = _cpu_flash_flops
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=extra) as counter:
         fn()
     return counter.get_total_flops()
 
@@ -202,20 +222,35 @@ def _err(a, b) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+def _no_room_for_another_copy(params, device) -> str:
+    """Why a third copy of the weights (diffusers after ``fuse_qkv_projections``) is left out
+    on an accelerator without room for it, or "" (a released preset's shape on one GPU)."""
+    if torch.device(device).type != "cuda":
+        return ""
+    need = 1.5 * sum(t.numel() * t.element_size() for t in params.leaves())  # weights + fused copies + work
+    free = torch.cuda.mem_get_info(torch.device(device))[0]
+    if free >= need:
+        return ""
+    return f"skipped: {free / 2**30:.1f} GiB free on {device}, a fused copy needs ~{need / 2**30:.1f} GiB"
+
+
 def eager_section(name, config, args) -> dict:
     params = _api.init(config, seed=0, dtype=args.dtype, device=args.device)
     ours = _api.prepare(params)
-    kw, dkw = inputs(config, args.device, args.dtype)
+    kw, dkw = inputs(config, args.device, args.dtype, **shape(args))
     module = diffusers_module(params, args.device, args.dtype)
-    fused, fused_note = diffusers_module(params, args.device, args.dtype), ""
-    try:
-        fused.fuse_qkv_projections()
-    except (ValueError, AttributeError, NotImplementedError) as e:  # e.g. added KV projections
-        fused, fused_note = None, f"{type(e).__name__}: {e}"
+    fused, fused_note = None, _no_room_for_another_copy(params, args.device)
+    if not fused_note:
+        fused = diffusers_module(params, args.device, args.dtype)
+        try:
+            fused.fuse_qkv_projections()
+        except (ValueError, AttributeError, NotImplementedError) as e:  # e.g. added KV projections
+            fused, fused_note = None, f"{type(e).__name__}: {e}"
+    del params  # `ours` holds what it needs (the fused groups in new buffers)
     contenders = {"ours": lambda: _api.apply(ours, **kw), "diffusers": lambda: module(**dkw)[0]}
     if fused is not None:
         contenders["diffusers_fused"] = lambda: fused(**dkw)[0]
-    n = PEAK_N
+    n = peak_n(args.device)
     a, b = (torch.randn(n, n, device=args.device, dtype=args.dtype) for _ in range(2))
     contenders["matmul"] = lambda: a @ b  # the peak, measured in the same rounds (same load)
     with torch.no_grad():
@@ -249,14 +284,14 @@ def _compile_first_call(fn, device) -> tuple[object, float]:
     return out, time.perf_counter() - start
 
 
-def _cold_worker(which, config, dtype, device, cache_dir, out_path):
+def _cold_worker(which, config, dtype, device, shape_kw, cache_dir, out_path):
     """In a fresh process: the first call of a compiled ``which`` ("ours" | "diffusers")."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     import torch._inductor.config as inductor_config
 
     inductor_config.fx_graph_cache = False
     params = _api.init(config, seed=0, dtype=dtype, device=device)
-    kw, dkw = inputs(config, device, dtype)
+    kw, dkw = inputs(config, device, dtype, **shape_kw)
     if which == "ours":
         f = torch.compile(_api.apply, fullgraph=True, dynamic=False)
         _, secs = _compile_first_call(lambda: f(params, **kw), device)
@@ -290,7 +325,7 @@ def cold_compile(which, config, args, warm_dir) -> float:
     with tempfile.TemporaryDirectory() as d:
         cache, path = os.path.join(d, "cache"), os.path.join(d, "secs.pt")
         shutil.copytree(warm_dir, cache)
-        _in_process(_cold_worker, which, config, args.dtype, args.device, cache, path)
+        _in_process(_cold_worker, which, config, args.dtype, args.device, shape(args), cache, path)
         return torch.load(path)
 
 
@@ -302,7 +337,7 @@ def compile_section(name, config, args, warm_dir) -> dict:
         for which in ("ours", "diffusers"):
             out[f"compile_{which}_{depth}"] = cold_compile(which, cfg, args, warm_dir)
     params = _api.init(config, seed=0, dtype=args.dtype, device=args.device)
-    kw, dkw = inputs(config, args.device, args.dtype)
+    kw, dkw = inputs(config, args.device, args.dtype, **shape(args))
     module = diffusers_module(params, args.device, args.dtype)
     torch._dynamo.reset()
     f = torch.compile(_api.apply, fullgraph=True, dynamic=False)
@@ -350,7 +385,7 @@ def _diffusers_tp(module, tp_config, rank, world) -> None:
     apply_tensor_parallel(module, config.tensor_parallel_config, module._tp_plan)
 
 
-def _tp_rank(rank, world, port, name, config, runs, dtype, out_path):
+def _tp_rank(rank, world, port, name, config, runs, dtype, shape_kw, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
@@ -360,7 +395,7 @@ def _tp_rank(rank, world, port, name, config, runs, dtype, out_path):
         mesh = sharding.make_mesh(tp=world, device_type="cpu")
         params = _api.init(config, seed=0, dtype=dtype)
         ours = _api.prepare(sharding.shard_params(params, mesh))
-        kw, dkw = inputs(config, "cpu", dtype)
+        kw, dkw = inputs(config, "cpu", dtype, **shape_kw)
         _widen_diffusers_tp_devices()
         module = diffusers_module(params, "cpu", dtype)
         tp_mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -390,7 +425,7 @@ def tp_section(name, config, args) -> dict:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "tp.pt")
-        mp.spawn(_tp_rank, args=(2, port, name, config, args.runs, args.dtype, path), nprocs=2, join=True)
+        mp.spawn(_tp_rank, args=(2, port, name, config, args.runs, args.dtype, shape(args), path), nprocs=2, join=True)
         out = torch.load(path)
     out["ratio_tp"] = out["tp_ours"] / out["tp_diffusers"]
     return out
@@ -486,10 +521,10 @@ def markdown(results, peak, args, command, started, elapsed) -> str:
         f"- machine: {machine()}",
         f"- command: `{command}`",
         f"- device {args.device}, dtype {str(args.dtype).removeprefix('torch.')}, batch 1, "
-        f"{IMG_HW[0] * IMG_HW[1]} image + {TXT_LEN} text tokens, random weights (the same in both), "
+        f"{args.image_tokens} image + {args.text_tokens} text tokens, random weights (the same in both), "
         f"median of {args.runs} alternating rounds",
-        f"- matmul peak: a {PEAK_N}³ GEMM, timed in the same alternating rounds as each family (so under the "
-        f"same load); {peak / 1e9:.1f} GFLOP/s measured alone at the start",
+        f"- matmul peak: a {peak_n(args.device)}³ GEMM, timed in the same alternating rounds as each family "
+        f"(so under the same load); {peak / 1e9:.1f} GFLOP/s measured alone at the start",
         "- ours: `fd.apply` on `fd.prepare`d params (fused q/k/v); compiled: "
         "`torch.compile(fd.apply, fullgraph=True, dynamic=False)` vs `torch.compile(module, fullgraph=True, "
         "dynamic=False)`; cold compile = the first compiled call in a fresh process whose inductor cache holds "
@@ -520,12 +555,26 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--preset", default=None, help="a released preset's shape (random weights) instead of the mid configs"
     )
+    p.add_argument(
+        "--image-tokens", type=int, default=IMG_HW[0] * IMG_HW[1], help="latent tokens, a square (default 1024)"
+    )
+    p.add_argument("--text-tokens", type=int, default=TXT_LEN, help="text tokens (default 128)")
     p.add_argument("--families", default="flux1,flux2,qwenimage", help="comma-separated subset of the mid configs")
     p.add_argument("--runs", type=int, default=7, help="rounds per figure (median); >= 7 for a full run")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-compile", action="store_true", help="skip the compile figures")
     p.add_argument("--no-tp", action="store_true", help="skip tp=2 (CPU only)")
     p.add_argument("--out", default="BENCHMARKS.md", help="where to write the report ('' for none)")
+
+
+def shape(args) -> dict:
+    """`inputs`' keywords for ``--image-tokens`` (a square of latent tokens) and ``--text-tokens``."""
+    side = math.isqrt(args.image_tokens)
+    if side * side != args.image_tokens or side < 1:
+        raise ValueError(f"--image-tokens: expected a square number of latent tokens, got {args.image_tokens}")
+    if args.text_tokens < 1:
+        raise ValueError(f"--text-tokens: expected a positive number of text tokens, got {args.text_tokens}")
+    return dict(hw=(side, side), txt_len=args.text_tokens)
 
 
 def _configs(args) -> dict:
@@ -552,6 +601,7 @@ def run(args) -> int:
 
     inductor_config.fx_graph_cache = False  # cold compile times
     configs = _configs(args)
+    shape(args)  # bad token counts fail before any work
     command = "python -m functional_dit " + " ".join(getattr(args, "argv", sys.argv[1:]))
     started, t0 = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
     peak = matmul_peak(args.device, args.dtype)

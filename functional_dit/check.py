@@ -8,7 +8,8 @@ recompile; and on XLA devices (torch_xla: TPU, Neuron, or its CPU device) no
 Modes: ``--mode compile`` (default off XLA) runs ``torch.compile(fd.apply,
 fullgraph=True, dynamic=False, backend=--backend)`` and checks dynamo's recompiles;
 ``--mode lazy`` (default on XLA) runs ``fd.apply`` on lazy tensors and checks that XLA
-compiled no new graph on the second call (``CompileTime`` count).
+compiled no new graph on the second call (``CompileTime`` count); ``--mode eager`` runs
+``fd.apply`` on `fd.prepare`'d params (the fast eager kernels) on the device.
 
 torch_xla's CPU device, in its own environment (torch 2.9 + torch_xla 2.9)::
 
@@ -81,6 +82,9 @@ def check_family(name, config, device, dtype, mode, backend, tol) -> dict:
                 report["recompiled"] = False
             except Exception as e:  # dynamo raises its RecompileError (torch._dynamo.exc)
                 report["recompiled"] = f"{type(e).__name__}: {e}"
+        elif mode == "eager":  # the prepared layout: fast eager kernels on the device
+            got = _api.apply(_api.prepare(dev_params), **kw_dev).cpu()
+            report["recompiled"] = False  # nothing is compiled
         else:
             got = _api.apply(dev_params, **kw_dev).cpu()
             before = _xla_compiles(met) if met is not None else None
@@ -96,7 +100,7 @@ def check_family(name, config, device, dtype, mode, backend, tol) -> dict:
 def add_arguments(p) -> None:
     p.add_argument("--device", required=True, help="cuda, xla, neuron, ... (cpu checks the check itself)")
     p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
-    p.add_argument("--mode", choices=("compile", "lazy"), default=None, help="default: lazy on xla, else compile")
+    p.add_argument("--mode", choices=("compile", "lazy", "eager"), default=None, help="default: lazy on xla, else compile")
     p.add_argument("--backend", default=None, help="torch.compile backend (default: inductor; openxla on xla)")
 
 

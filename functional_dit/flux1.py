@@ -222,32 +222,35 @@ def double_block(p, img, txt, vec, pe, head_dim, key_bias=None):
     i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = L.adaln(p["norm1"]["linear"], vec, 6)
     t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = L.adaln(p["norm1_context"]["linear"], vec, 6)
     a = p["attn"]
-    iq, ik, iv = qkv(a, L.modulate(L.layer_norm(img), i_shift, i_scale), head_dim)
+    iq, ik, iv = qkv(a, L.norm_modulate(img, i_shift, i_scale), head_dim)
     tq, tk, tv = qkv(
         a,
-        L.modulate(L.layer_norm(txt), t_shift, t_scale),
+        L.norm_modulate(txt, t_shift, t_scale),
         head_dim,
         ("add_q_proj", "add_k_proj", "add_v_proj"),
         ("norm_added_q", "norm_added_k"),
     )
     out = joint_attention(torch.cat([tq, iq], 1), torch.cat([tk, ik], 1), torch.cat([tv, iv], 1), pe, key_bias)
-    # contiguous like diffusers: the same GEMM path, so bf16 results match bitwise too
-    t_out, i_out = out[:, : txt.shape[1]].contiguous(), out[:, txt.shape[1] :].contiguous()
-    img = img + i_gate[:, None] * L.row_linear(a["to_out"]["0"], i_out)
-    img = img + i_gate2[:, None] * L.gelu_mlp(p["ff"], L.modulate(L.layer_norm(img), i_shift2, i_scale2))
-    txt = txt + t_gate[:, None] * L.row_linear(a["to_add_out"], t_out)
-    txt = txt + t_gate2[:, None] * L.gelu_mlp(p["ff_context"], L.modulate(L.layer_norm(txt), t_shift2, t_scale2))
+    t_out, i_out = L.split_rows(out, txt.shape[1])
+    img = L.gated(img, i_gate[:, None], L.row_linear(a["to_out"]["0"], i_out))
+    img = L.gated(img, i_gate2[:, None], L.gelu_mlp(p["ff"], L.norm_modulate(img, i_shift2, i_scale2)))
+    txt = L.gated(txt, t_gate[:, None], L.row_linear(a["to_add_out"], t_out))
+    txt = L.gated(txt, t_gate2[:, None], L.gelu_mlp(p["ff_context"], L.norm_modulate(txt, t_shift2, t_scale2)))
     return img, L.clip_fp16(txt)  # diffusers clips only the text stream here
 
 
 def single_block(p, x, vec, pe, head_dim, key_bias=None):
     """Parallel attention + MLP over the joint (txt; img) sequence x (B, S, C)."""
     shift, scale, gate = L.adaln(p["norm"]["linear"], vec, 3)
-    h = L.modulate(L.layer_norm(x), shift, scale)
-    q, k, v, mlp = qkv(p["attn"], h, head_dim, extra=[p["proj_mlp"]])  # BFL's linear1: one matmul
-    mlp = torch.nn.functional.gelu(mlp, approximate="tanh")
+    h = L.norm_modulate(x, shift, scale)
+    if L.fast():  # q/k/v as one GEMM, the MLP input with its GELU fused in another
+        q, k, v = qkv(p["attn"], h, head_dim)
+        mlp = L.linear_gelu(p["proj_mlp"], h)
+    else:
+        q, k, v, mlp = qkv(p["attn"], h, head_dim, extra=[p["proj_mlp"]])  # BFL's linear1: one matmul
+        mlp = torch.nn.functional.gelu(mlp, approximate="tanh")
     attn = joint_attention(q, k, v, pe, key_bias)
-    return L.clip_fp16(x + gate[:, None] * L.row_linear(p["proj_out"], torch.cat([attn, mlp], -1)))
+    return L.clip_fp16(L.gated(x, gate[:, None], L.row_linear_cat(p["proj_out"], [attn, mlp])))
 
 
 # Compiled once, reused for every layer; the block functions are looked up at call time.
@@ -257,7 +260,7 @@ _single_region = L.region(lambda *args: single_block(*args))
 
 def final_layer(p, x, vec):
     scale, shift = L.adaln(p["norm_out"]["linear"], vec, 2)  # note: (scale, shift) order
-    return L.linear(p["proj_out"], L.modulate(L.layer_norm(x), shift, scale))
+    return L.linear(p["proj_out"], L.norm_modulate(x, shift, scale))
 
 
 def _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids, rope=None):

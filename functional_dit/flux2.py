@@ -223,15 +223,16 @@ def modulations(params, temb):
     )
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` over the [gate, up] halves (each rank holds its slice of both)."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``; in place on ``gate`` (a fresh GEMM output) with the fast kernels."""
+    return F.silu(gate, inplace=True).mul_(up) if L.fast() else F.silu(gate) * up
 
 
 def feed_forward(p, x: torch.Tensor) -> torch.Tensor:
-    """diffusers ``Flux2FeedForward``: ``linear_out(swiglu(linear_in(x)))``."""
-    return L.row_linear(p["linear_out"], swiglu(L.col_linear(p["linear_in"], x)))
+    """diffusers ``Flux2FeedForward``: ``linear_out(swiglu(linear_in(x)))``, ``linear_in``'s
+    rows [gate; up] (each rank holds its slice of both halves)."""
+    m = p["linear_in"]["weight"].shape[0] // 2
+    return L.row_linear(p["linear_out"], swiglu(*L.col_linear_split(p["linear_in"], x, [m, m])))
 
 
 _IMG = (("to_q", "to_k", "to_v"), ("norm_q", "norm_k"))
@@ -241,7 +242,7 @@ _TXT = (("add_q_proj", "add_k_proj", "add_v_proj"), ("norm_added_q", "norm_added
 def _stream_qkv(a, x, mod, head_dim, eps, names):
     """One stream of a double block: AdaLN, then q, k, v (B, S, H, D) with q, k RMS-normalised."""
     (proj, norms), (shift, scale) = names, mod[:2]
-    h = L.modulate(L.layer_norm(x, eps), shift, scale)
+    h = L.norm_modulate(x, shift, scale, eps)
     q, k, v = (L.split_heads(y, head_dim) for y in L.linear_group([a[n] for n in proj], h))
     return L.rms_norm(L.per_head(a[norms[0]]), q, eps), L.rms_norm(L.per_head(a[norms[1]]), k, eps), v
 
@@ -249,8 +250,8 @@ def _stream_qkv(a, x, mod, head_dim, eps, names):
 def _stream_out(x, attn, mod, p_out, p_ff, eps):
     """Gated residual attention output, then the gated residual SwiGLU MLP."""
     _, _, gate, shift2, scale2, gate2 = mod
-    x = x + gate[:, None] * L.row_linear(p_out, attn)
-    return x + gate2[:, None] * feed_forward(p_ff, L.modulate(L.layer_norm(x, eps), shift2, scale2))
+    x = L.gated(x, gate[:, None], L.row_linear(p_out, attn))
+    return L.gated(x, gate2[:, None], feed_forward(p_ff, L.norm_modulate(x, shift2, scale2, eps)))
 
 
 def _attend(q, k, v, T: int, key_bias, ref: Ref | None):
@@ -296,19 +297,22 @@ def _single_in(a, x, mod, head_dim, eps):
     """AdaLN, then the fused projection to q, k, v (B, S, H, D) and the MLP input.
 
     The local rows are [q, k, v, gate, up] = 3n + 2m and ``to_out``'s local columns
-    n + m, so this rank's width n of q is read off the two shapes (TP-agnostic).
+    n + m, so this rank's width n of q is read off the two shapes (TP-agnostic). Returns
+    q, k, v and the MLP's (gate, up).
     """
     shift, scale, _ = mod
-    h = L.col_linear(a["to_qkv_mlp_proj"], L.modulate(L.layer_norm(x, eps), shift, scale))
     n = a["to_qkv_mlp_proj"]["weight"].shape[0] - 2 * a["to_out"]["weight"].shape[1]
-    qkv, mlp = h.split([3 * n, h.shape[-1] - 3 * n], dim=-1)
+    m = a["to_out"]["weight"].shape[1] - n
+    h = L.norm_modulate(x, shift, scale, eps)
+    qkv, gate, up = L.col_linear_split(a["to_qkv_mlp_proj"], h, [3 * n, m, m])
     q, k, v = (L.split_heads(t, head_dim) for t in qkv.chunk(3, dim=-1))
-    return L.rms_norm(L.per_head(a["norm_q"]), q, eps), L.rms_norm(L.per_head(a["norm_k"]), k, eps), v, mlp
+    q, k = L.rms_norm(L.per_head(a["norm_q"]), q, eps), L.rms_norm(L.per_head(a["norm_k"]), k, eps)
+    return q, k, v, (gate, up)
 
 
 def _single_out(a, x, attn, mlp, mod):
     gate = mod[2]
-    return L.clip_fp16(x + gate[:, None] * L.row_linear(a["to_out"], torch.cat([attn, swiglu(mlp)], -1)))
+    return L.clip_fp16(L.gated(x, gate[:, None], L.row_linear_cat(a["to_out"], [attn, swiglu(*mlp)])))
 
 
 def single_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None, txt_len=0, ref: Ref | None = None):
@@ -335,7 +339,7 @@ _single_region = L.region(lambda *args: single_block(*args))
 
 def final_layer(p, x, temb, eps=1e-6):
     scale, shift = L.adaln(p["norm_out"]["linear"], temb, 2)  # note: (scale, shift) order
-    return L.linear(p["proj_out"], L.modulate(L.layer_norm(x, eps), shift, scale))
+    return L.linear(p["proj_out"], L.norm_modulate(x, shift, scale, eps))
 
 
 # ----------------------------------------------------------------------------- validation

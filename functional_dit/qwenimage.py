@@ -237,10 +237,6 @@ def time_embed(p, t: torch.Tensor, t_cond: torch.Tensor | None = None, zero_cond
     return temb + extra.repeat(temb.shape[0] // extra.shape[0], 1)
 
 
-def _modulate(x, shift, scale):
-    return x * (1 + scale) + shift
-
-
 def img_modulation(p, temb: torch.Tensor, ref: torch.Tensor | None) -> list[torch.Tensor]:
     """Six (shift, scale, gate) x 2 modulation tensors for the image stream, (B, 1, C); with
     ``zero_cond_t``, temb is (2B, C) and ``ref`` (S_img, 1) picks the t = 0 half for reference
@@ -266,8 +262,7 @@ def joint_attention(p, img, txt, pe, head_dim, key_bias=None):
     cos, sin = pe
     q, k = (L.apply_rope(torch.cat(pair, 1), cos, sin) for pair in ((tq, iq), (tk, ik)))
     out = L.attention(q, k, torch.cat([tv, iv], 1), key_bias)  # (B, T + S, H*D)
-    T = txt.shape[1]  # contiguous slices, as diffusers: bf16 GEMMs round strided inputs differently
-    i_out, t_out = out[:, T:].contiguous(), out[:, :T].contiguous()
+    t_out, i_out = L.split_rows(out, txt.shape[1])
     return L.row_linear(p["to_out"]["0"], i_out), L.row_linear(p["to_add_out"], t_out)
 
 
@@ -278,15 +273,15 @@ def block(p, img, txt, temb, pe, head_dim, key_bias=None, ref=None):
     t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = mods
     img_a, txt_a = joint_attention(
         p["attn"],
-        _modulate(L.layer_norm(img), i_shift, i_scale),
-        _modulate(L.layer_norm(txt), t_shift, t_scale),
+        L.norm_modulate(img, i_shift, i_scale),
+        L.norm_modulate(txt, t_shift, t_scale),
         pe,
         head_dim,
         key_bias,
     )
-    img, txt = img + i_gate * img_a, txt + t_gate * txt_a
-    img = img + i_gate2 * L.gelu_mlp(p["img_mlp"], _modulate(L.layer_norm(img), i_shift2, i_scale2))
-    txt = txt + t_gate2 * L.gelu_mlp(p["txt_mlp"], _modulate(L.layer_norm(txt), t_shift2, t_scale2))
+    img, txt = L.gated(img, i_gate, img_a), L.gated(txt, t_gate, txt_a)
+    img = L.gated(img, i_gate2, L.gelu_mlp(p["img_mlp"], L.norm_modulate(img, i_shift2, i_scale2)))
+    txt = L.gated(txt, t_gate2, L.gelu_mlp(p["txt_mlp"], L.norm_modulate(txt, t_shift2, t_scale2)))
     return L.clip_fp16(img), L.clip_fp16(txt)
 
 
@@ -295,7 +290,7 @@ _block_region = L.region(lambda *args: block(*args))  # compiled once, reused fo
 
 def final_layer(p, x, temb):
     scale, shift = L.adaln(p["norm_out"]["linear"], temb, 2)  # note: (scale, shift) order
-    return L.linear(p["proj_out"], L.modulate(L.layer_norm(x), shift, scale))
+    return L.linear(p["proj_out"], L.norm_modulate(x, shift, scale))
 
 
 def mask_bias(txt_mask: torch.Tensor) -> torch.Tensor:

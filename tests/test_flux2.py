@@ -304,6 +304,7 @@ def test_single_block_split_reads_the_local_width_from_shapes(tiny):
     H = c.num_attention_heads
     for a, b in ((q, fq), (k, fk), (v, fv)):
         torch.testing.assert_close(a, b[:, :, : H // 2], rtol=0, atol=0)
+    mlp, fmlp = torch.cat(mlp, -1), torch.cat(fmlp, -1)  # (gate, up) each
     torch.testing.assert_close(mlp, torch.cat([fmlp[..., : m // 2], fmlp[..., m : m + m // 2]], -1), rtol=0, atol=0)
 
 
