@@ -141,11 +141,13 @@ def num_params(config) -> int:
 
 
 def _init_leaf(key: str, spec: ParamSpec, gen: torch.Generator) -> torch.Tensor:
+    """One leaf of `init`, drawn (fp32) on ``gen``'s device."""
+    draw = torch.randn(spec.shape, generator=gen, device=gen.device)
     if key.endswith("bias"):
-        return torch.randn(spec.shape, generator=gen) * 0.02
+        return draw * 0.02
     if len(spec.shape) == 1:  # norm scales
-        return 1.0 + torch.randn(spec.shape, generator=gen) * 0.02
-    return torch.randn(spec.shape, generator=gen) / spec.shape[-1] ** 0.5
+        return 1.0 + draw * 0.02
+    return draw / spec.shape[-1] ** 0.5
 
 
 def init(config, seed: int = 0, dtype=torch.float32, device="cpu") -> Params:

@@ -213,13 +213,14 @@ def layer_norm(x: torch.Tensor, eps: float = 1e-6, p=None) -> torch.Tensor:
 
 def rms_norm(p, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``torch.nn.RMSNorm`` (FLUX.1/FLUX.2 QK norms)."""
-    if fast():
+    if fast() and x.device.type == "cpu":
         return _rms_norm_fast(x, p["weight"], eps)
     return F.rms_norm(x, x.shape[-1:], p["weight"], eps)
 
 
 def _rms_norm_fast(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm over the last dim in three passes (the fused kernel is six on a CPU): the
+    """RMS norm over the last dim in three passes (torch's is six on a CPU; on a GPU its
+    fused kernel is faster, measured 0.07 vs 0.21 ms on an H200, so this is CPU-only): the
     norm as one reduction (fp32), then ``x * rsqrt(norm² / D + eps) * w``; one rounding
     to x's dtype at the end."""
     r = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
@@ -230,9 +231,14 @@ def _rms_norm_fast(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
 def rms_norm_fp32(p, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """diffusers ``RMSNorm`` (Qwen-Image): variance in fp32; the normalised x is cast to a
     half-precision weight's dtype before the scale (an fp32 weight keeps it fp32). Fast
-    kernels: `_rms_norm_fast` (fp32 inside, one rounding at the end)."""
+    kernels: `_rms_norm_fast` on a CPU, torch's fused kernel elsewhere (fp32 inside, one
+    rounding at the end)."""
     if fast():
-        return _rms_norm_fast(x, p["weight"], eps)
+        return (
+            _rms_norm_fast(x, p["weight"], eps)
+            if x.device.type == "cpu"
+            else F.rms_norm(x, x.shape[-1:], p["weight"], eps)
+        )
     y = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     w = p["weight"]
     return (y.to(w.dtype) if w.dtype in (torch.float16, torch.bfloat16) else y) * w

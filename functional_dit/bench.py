@@ -75,6 +75,16 @@ def mid_configs() -> dict:
     }
 
 
+def random_params(config, device, dtype, seed: int = 0):
+    """`fd.init`'s params; on an accelerator drawn there (`fd.init` draws on the CPU, minutes
+    for a released preset's 10-30 B parameters), the same distribution, other values."""
+    if torch.device(device).type == "cpu":
+        return _api.init(config, seed=seed, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    specs = sharding.tree.flatten(_api.param_specs(config))
+    return _api.Params(config, sharding.tree.nest({k: _api._init_leaf(k, s, gen).to(dtype) for k, s in specs.items()}))
+
+
 def one_block(config):
     """The same config with one block of each kind (for the one-block compile time)."""
     kw = {"num_layers": 1}
@@ -235,7 +245,7 @@ def _no_room_for_another_copy(params, device) -> str:
 
 
 def eager_section(name, config, args) -> dict:
-    params = _api.init(config, seed=0, dtype=args.dtype, device=args.device)
+    params = random_params(config, args.device, args.dtype)
     ours = _api.prepare(params)
     kw, dkw = inputs(config, args.device, args.dtype, **shape(args))
     module = diffusers_module(params, args.device, args.dtype)
@@ -290,7 +300,7 @@ def _cold_worker(which, config, dtype, device, shape_kw, cache_dir, out_path):
     import torch._inductor.config as inductor_config
 
     inductor_config.fx_graph_cache = False
-    params = _api.init(config, seed=0, dtype=dtype, device=device)
+    params = random_params(config, device, dtype)
     kw, dkw = inputs(config, device, dtype, **shape_kw)
     if which == "ours":
         f = torch.compile(_api.apply, fullgraph=True, dynamic=False)
@@ -336,7 +346,7 @@ def compile_section(name, config, args, warm_dir) -> dict:
     for depth, cfg in (("full", config), ("one_block", one_block(config))):
         for which in ("ours", "diffusers"):
             out[f"compile_{which}_{depth}"] = cold_compile(which, cfg, args, warm_dir)
-    params = _api.init(config, seed=0, dtype=args.dtype, device=args.device)
+    params = random_params(config, args.device, args.dtype)
     kw, dkw = inputs(config, args.device, args.dtype, **shape(args))
     module = diffusers_module(params, args.device, args.dtype)
     torch._dynamo.reset()

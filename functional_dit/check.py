@@ -100,7 +100,9 @@ def check_family(name, config, device, dtype, mode, backend, tol) -> dict:
 def add_arguments(p) -> None:
     p.add_argument("--device", required=True, help="cuda, xla, neuron, ... (cpu checks the check itself)")
     p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
-    p.add_argument("--mode", choices=("compile", "lazy", "eager"), default=None, help="default: lazy on xla, else compile")
+    p.add_argument(
+        "--mode", choices=("compile", "lazy", "eager"), default=None, help="default: lazy on xla, else compile"
+    )
     p.add_argument("--backend", default=None, help="torch.compile backend (default: inductor; openxla on xla)")
 
 

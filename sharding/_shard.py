@@ -153,8 +153,12 @@ def local_view(params):
     tree = _tree(params)
     compiling = torch.compiler.is_compiling()
     first = None
-    if DTensor is not None:
-        first = next((b for _, x in leaves(tree) if isinstance(b := _unwrapped(x, compiling), DTensor)), None)
+    if DTensor is not None:  # a plain loop: dynamo (torch 2.11) cannot trace a walrus inside a generator
+        for _, x in leaves(tree):
+            b = _unwrapped(x, compiling)
+            if isinstance(b, DTensor):
+                first = b
+                break
     if first is None:
         return params, None
     mesh = first.device_mesh
