@@ -164,3 +164,28 @@ def test_unknown_bench_choices_are_refused(capsys):
     assert re.fullmatch(r"error: --preset: expected one of .*\n", capsys.readouterr().err)
     assert main(["bench", "--families", "flux3", "--no-compile", "--no-tp", "--out", ""]) == 2
     assert re.fullmatch(r"error: --families: expected a subset of .*\n", capsys.readouterr().err)
+
+
+def test_check_eager_mode_runs_the_prepared_fast_path(capsys):
+    assert main(["check", "--device", "cpu", "--mode", "eager"]) == 0
+    out = capsys.readouterr().out
+    assert "mode eager" in out and out.count(" ok ") == 3, out
+
+
+def test_check_compiles_bf16_with_eager_rounding():
+    """bf16 under inductor: with `check`'s precision-cast setting the compiled FLUX.1 equals
+    eager (without it inductor keeps t in fp32 before ``* 1000`` and the timestep embedding
+    moves: ~0.9 off at |y| ~ 3, diffusers' module alike)."""
+    from functional_dit import check
+
+    config = fd.PRESETS["flux1-tiny"]
+    report = check.check_family("flux1-tiny", config, "cpu", torch.bfloat16, "compile", "inductor", 5e-2)
+    assert report["ok"] and report["max_abs_err"] <= 2e-2, report
+
+
+def test_bench_refuses_bad_token_counts(capsys):
+    base = ["bench", "--families", "flux1", "--no-compile", "--no-tp", "--out", ""]
+    assert main([*base, "--image-tokens", "1000"]) == 2
+    assert "--image-tokens: expected a square number of latent tokens, got 1000" in capsys.readouterr().err
+    assert main([*base, "--text-tokens", "0"]) == 2
+    assert "--text-tokens: expected a positive number of text tokens, got 0" in capsys.readouterr().err
