@@ -232,10 +232,16 @@ def double_block(p, img, txt, vec, pe, head_dim, key_bias=None):
     )
     out = joint_attention(torch.cat([tq, iq], 1), torch.cat([tk, ik], 1), torch.cat([tv, iv], 1), pe, key_bias)
     t_out, i_out = L.split_rows(out, txt.shape[1])
-    img = L.gated(img, i_gate[:, None], L.row_linear(a["to_out"]["0"], i_out))
-    img = L.gated(img, i_gate2[:, None], L.gelu_mlp(p["ff"], L.norm_modulate(img, i_shift2, i_scale2)))
-    txt = L.gated(txt, t_gate[:, None], L.row_linear(a["to_add_out"], t_out))
-    txt = L.gated(txt, t_gate2[:, None], L.gelu_mlp(p["ff_context"], L.norm_modulate(txt, t_shift2, t_scale2)))
+    # the two streams side by side: under TP each pair of output projections is one all-reduce
+    i_attn, t_attn = L.row_linears([(a["to_out"]["0"], i_out), (a["to_add_out"], t_out)])
+    img, txt = L.gated(img, i_gate[:, None], i_attn), L.gated(txt, t_gate[:, None], t_attn)
+    i_ff, t_ff = L.gelu_mlps(
+        [
+            (p["ff"], L.norm_modulate(img, i_shift2, i_scale2)),
+            (p["ff_context"], L.norm_modulate(txt, t_shift2, t_scale2)),
+        ]
+    )
+    img, txt = L.gated(img, i_gate2[:, None], i_ff), L.gated(txt, t_gate2[:, None], t_ff)
     return img, L.clip_fp16(txt)  # diffusers clips only the text stream here
 
 

@@ -229,10 +229,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def feed_forward(p, x: torch.Tensor) -> torch.Tensor:
-    """diffusers ``Flux2FeedForward``: ``linear_out(swiglu(linear_in(x)))``, ``linear_in``'s
-    rows [gate; up] (each rank holds its slice of both halves)."""
+    """diffusers ``Flux2FeedForward``: ``linear_out(swiglu(linear_in(x)))``."""
+    return L.row_linear(p["linear_out"], _ff_hidden(p, x))
+
+
+def _ff_hidden(p, x: torch.Tensor) -> torch.Tensor:
+    """``swiglu(linear_in(x))``, ``linear_in``'s rows [gate; up] (each rank holds its slice of both halves)."""
     m = p["linear_in"]["weight"].shape[0] // 2
-    return L.row_linear(p["linear_out"], swiglu(*L.col_linear_split(p["linear_in"], x, [m, m])))
+    return swiglu(*L.col_linear_split(p["linear_in"], x, [m, m]))
 
 
 _IMG = (("to_q", "to_k", "to_v"), ("norm_q", "norm_k"))
@@ -247,11 +251,15 @@ def _stream_qkv(a, x, mod, head_dim, eps, names):
     return L.rms_norm(L.per_head(a[norms[0]]), q, eps), L.rms_norm(L.per_head(a[norms[1]]), k, eps), v
 
 
-def _stream_out(x, attn, mod, p_out, p_ff, eps):
-    """Gated residual attention output, then the gated residual SwiGLU MLP."""
-    _, _, gate, shift2, scale2, gate2 = mod
-    x = L.gated(x, gate[:, None], L.row_linear(p_out, attn))
-    return L.gated(x, gate2[:, None], feed_forward(p_ff, L.norm_modulate(x, shift2, scale2, eps)))
+def _streams_out(streams, eps):
+    """Per stream ``(x, attn, mod, p_out, p_ff)``: the gated residual attention output, then
+    the gated residual SwiGLU MLP. The streams go side by side, so under TP each of the two
+    steps is one all-reduce for all of them (`L.row_linears`)."""
+    ys = L.row_linears([(p_out, attn) for _, attn, _, p_out, _ in streams])
+    xs = [L.gated(x, mod[2][:, None], y) for (x, _, mod, _, _), y in zip(streams, ys)]
+    hs = [_ff_hidden(p_ff, L.norm_modulate(x, mod[3], mod[4], eps)) for x, (_, _, mod, _, p_ff) in zip(xs, streams)]
+    ys = L.row_linears([(p_ff["linear_out"], h) for h, (*_, p_ff) in zip(hs, streams)])
+    return [L.gated(x, mod[5][:, None], y) for x, (_, _, mod, _, _), y in zip(xs, streams, ys)]
 
 
 def _attend(q, k, v, T: int, key_bias, ref: Ref | None):
@@ -286,11 +294,16 @@ def double_block(p, img, txt, mod_img, mod_txt, pe, head_dim, eps=1e-6, key_bias
         rq, rk = _rope_qk(rq, rk, ref.pe)
         ref, ref_out = ref._replace(k=rk, v=rv), L.attention(rq, rk, rv, ref.bias)
     out = _attend(q, k, torch.cat([tv, iv], 1), T, key_bias, ref)
-    img = _stream_out(img, out[:, T:], mod_img, a["to_out"]["0"], p["ff"], eps)
-    txt = L.clip_fp16(_stream_out(txt, out[:, :T], mod_txt, a["to_add_out"], p["ff_context"], eps))
+    streams = [
+        (img, out[:, T:], mod_img, a["to_out"]["0"], p["ff"]),
+        (txt, out[:, :T], mod_txt, a["to_add_out"], p["ff_context"]),
+    ]
     if ref_out is not None:
-        ref = ref._replace(x=_stream_out(ref.x, ref_out, ref.mod, a["to_out"]["0"], p["ff"], eps))
-    return img, txt, ref
+        streams.append((ref.x, ref_out, ref.mod, a["to_out"]["0"], p["ff"]))
+    img, txt, *rest = _streams_out(streams, eps)
+    if rest:
+        ref = ref._replace(x=rest[0])
+    return img, L.clip_fp16(txt), ref
 
 
 def _single_in(a, x, mod, head_dim, eps):

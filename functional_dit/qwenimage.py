@@ -263,7 +263,7 @@ def joint_attention(p, img, txt, pe, head_dim, key_bias=None):
     q, k = (L.apply_rope(torch.cat(pair, 1), cos, sin) for pair in ((tq, iq), (tk, ik)))
     out = L.attention(q, k, torch.cat([tv, iv], 1), key_bias)  # (B, T + S, H*D)
     t_out, i_out = L.split_rows(out, txt.shape[1])
-    return L.row_linear(p["to_out"]["0"], i_out), L.row_linear(p["to_add_out"], t_out)
+    return L.row_linears([(p["to_out"]["0"], i_out), (p["to_add_out"], t_out)])  # under TP: one all-reduce
 
 
 def block(p, img, txt, temb, pe, head_dim, key_bias=None, ref=None):
@@ -280,8 +280,13 @@ def block(p, img, txt, temb, pe, head_dim, key_bias=None, ref=None):
         key_bias,
     )
     img, txt = L.gated(img, i_gate, img_a), L.gated(txt, t_gate, txt_a)
-    img = L.gated(img, i_gate2, L.gelu_mlp(p["img_mlp"], L.norm_modulate(img, i_shift2, i_scale2)))
-    txt = L.gated(txt, t_gate2, L.gelu_mlp(p["txt_mlp"], L.norm_modulate(txt, t_shift2, t_scale2)))
+    i_ff, t_ff = L.gelu_mlps(
+        [
+            (p["img_mlp"], L.norm_modulate(img, i_shift2, i_scale2)),
+            (p["txt_mlp"], L.norm_modulate(txt, t_shift2, t_scale2)),
+        ]
+    )
+    img, txt = L.gated(img, i_gate2, i_ff), L.gated(txt, t_gate2, t_ff)
     return L.clip_fp16(img), L.clip_fp16(txt)
 
 
