@@ -267,31 +267,39 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 def adaln(p, emb: torch.Tensor, n: int, axis: str = "tp") -> tuple[torch.Tensor, ...]:
-    """``n`` modulation vectors (B, C) from ``linear(silu(emb))`` (emb (B, C)).
-
-    The projection may be sharded per chunk over ``axis`` (its ``"mod"`` blocks): the
-    local output (B, n·C/tp) then holds this rank's slice of every chunk and is
-    all-gathered (a few KB) and put back in chunk order. Whether it is sharded is read off
-    the local weight's rows (n·C: whole), so replicated weights work too. A sharded
-    projection is column-parallel (`col_linear`: ``emb``'s gradient is summed over
-    ``axis``); the all-gather's backward takes this rank's slice, nothing more."""
-    h = F.silu(emb)
-    if p["weight"].shape[0] == n * emb.shape[-1]:
-        return linear(p, h).chunk(n, dim=-1)
-    return gather_chunks(col_linear(p, h, axis), n, axis).chunk(n, dim=-1)
+    """``n`` modulation vectors (B, C) from ``linear(silu(emb))`` (emb (B, C)); see `modulations`."""
+    return modulations([(p, n)], emb, axis)[0].chunk(n, dim=-1)
 
 
-def gather_chunks(y: torch.Tensor, n: int, axis: str = "tp") -> torch.Tensor:
-    """(..., n·c) holding this rank's slice c of each of n chunks -> (..., n·c·size(axis))
-    in chunk order: all-gather over ``axis`` (rank-major) and swap rank and chunk."""
-    size = sharding.axis_size(axis)
-    if y.shape[-1] % n or size == 1:
-        raise ValueError(
-            f"modulation: the local projection gives {y.shape[-1]} rows for {n} chunks, which is neither the "
-            f"whole (n x embed dim) nor a per-chunk shard over {axis!r} (size {size})"
-        )
-    g = sharding.all_gather(y, axis, dim=-1)  # (..., size * n * c), rank-major
-    return g.unflatten(-1, (size, n, -1)).transpose(-3, -2).flatten(-3)
+def modulations(layers: list, emb: torch.Tensor, axis: str = "tp") -> list[torch.Tensor]:
+    """``[linear(p, silu(emb)) for p, n in layers]``: each AdaLN projection's (B, n·C)
+    modulation (n chunks of C, emb (B, C)), for every block of a model at once.
+
+    A projection may be sharded per chunk over ``axis`` (its ``"mod"`` blocks): its local
+    output (B, n·C/tp) holds this rank's slice of every chunk. The sharded ones are
+    all-gathered in ONE collective (a few KB per block) and put back in chunk order, so a
+    model pays one all-gather per call, not one per block. Whether a projection is sharded
+    is read off its local rows (n·C: whole). A sharded projection is column-parallel
+    (`col_linear`: ``emb``'s gradient is summed over ``axis``); the all-gather's backward
+    takes this rank's slice, nothing more. Each result has its own storage."""
+    h, C = F.silu(emb), emb.shape[-1]
+    out = [linear(p, h) if p["weight"].shape[0] == n * C else None for p, n in layers]
+    sharded = [i for i, y in enumerate(out) if y is None]
+    if not sharded:
+        return out
+    size, hv = sharding.axis_size(axis), sharding.pvary(h, axis)
+    local = [linear(layers[i][0], hv) for i in sharded]
+    for i, y in zip(sharded, local):
+        n = layers[i][1]
+        if y.shape[-1] % n or y.shape[-1] * size != n * C:
+            raise ValueError(
+                f"modulation: the local projection gives {y.shape[-1]} rows for {n} chunks of {C}, which is neither "
+                f"the whole (n x embed dim) nor a per-chunk shard over {axis!r} (size {size})"
+            )
+    g = sharding.all_gather(torch.cat(local, -1), axis, dim=-1).unflatten(-1, (size, -1))  # rank-major
+    for i, piece in zip(sharded, g.split([y.shape[-1] for y in local], dim=-1)):  # piece: (..., size, n·c)
+        out[i] = piece.unflatten(-1, (layers[i][1], -1)).transpose(-3, -2).flatten(-3)  # chunk order (a copy)
+    return out
 
 
 def gelu_mlp(p, x: torch.Tensor) -> torch.Tensor:

@@ -217,10 +217,11 @@ def joint_attention(q, k, v, pe, key_bias=None) -> torch.Tensor:
     return L.attention(L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v, key_bias)
 
 
-def double_block(p, img, txt, vec, pe, head_dim, key_bias=None):
-    """MMDiT block: separate weights per stream, one joint attention over (txt; img)."""
-    i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = L.adaln(p["norm1"]["linear"], vec, 6)
-    t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = L.adaln(p["norm1_context"]["linear"], vec, 6)
+def double_block(p, img, txt, img_mod, txt_mod, pe, head_dim, key_bias=None):
+    """MMDiT block: separate weights per stream, one joint attention over (txt; img);
+    ``img_mod``/``txt_mod`` (B, 6C) its ``norm1``/``norm1_context`` modulations (`modulations`)."""
+    i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=-1)
+    t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=-1)
     a = p["attn"]
     iq, ik, iv = qkv(a, L.norm_modulate(img, i_shift, i_scale), head_dim)
     tq, tk, tv = qkv(
@@ -245,9 +246,10 @@ def double_block(p, img, txt, vec, pe, head_dim, key_bias=None):
     return img, L.clip_fp16(txt)  # diffusers clips only the text stream here
 
 
-def single_block(p, x, vec, pe, head_dim, key_bias=None):
-    """Parallel attention + MLP over the joint (txt; img) sequence x (B, S, C)."""
-    shift, scale, gate = L.adaln(p["norm"]["linear"], vec, 3)
+def single_block(p, x, mod, pe, head_dim, key_bias=None):
+    """Parallel attention + MLP over the joint (txt; img) sequence x (B, S, C); ``mod``
+    (B, 3C) its ``norm`` modulation (`modulations`)."""
+    shift, scale, gate = mod.chunk(3, dim=-1)
     h = L.norm_modulate(x, shift, scale)
     if L.fast():  # q/k/v as one GEMM, the MLP input with its GELU fused in another
         q, k, v = qkv(p["attn"], h, head_dim)
@@ -264,8 +266,21 @@ _double_region = L.region(lambda *args: double_block(*args))
 _single_region = L.region(lambda *args: single_block(*args))
 
 
-def final_layer(p, x, vec):
-    scale, shift = L.adaln(p["norm_out"]["linear"], vec, 2)  # note: (scale, shift) order
+def modulations(params, vec) -> tuple[list, list, list, torch.Tensor]:
+    """Every AdaLN modulation of the model from vec (B, C), in one go (under TP one
+    all-gather for all): per double block (B, 6C) for img and txt, per single block
+    (B, 3C), and the final layer's (B, 2C)."""
+    doubles = ordered_blocks(params, "transformer_blocks")
+    singles = ordered_blocks(params, "single_transformer_blocks")
+    layers = [(b["norm1"]["linear"], 6) for b in doubles] + [(b["norm1_context"]["linear"], 6) for b in doubles]
+    layers += [(b["norm"]["linear"], 3) for b in singles] + [(params["norm_out"]["linear"], 2)]
+    mods = L.modulations(layers, vec)
+    n = len(doubles)
+    return mods[:n], mods[n : 2 * n], mods[2 * n : -1], mods[-1]
+
+
+def final_layer(p, x, mod):
+    scale, shift = mod.chunk(2, dim=-1)  # note: (scale, shift) order
     return L.linear(p["proj_out"], L.norm_modulate(x, shift, scale))
 
 
@@ -319,9 +334,10 @@ def forward(params, x, t, txt, *, pooled, guidance, pe):
     vec = time_text_embed(params["time_text_embed"], t, guidance, pooled)
     txt = L.linear(params["context_embedder"], txt)
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
-    for p in ordered_blocks(params, "transformer_blocks"):
-        img, txt = _double_region(p, img, txt, vec, pe, D, key_bias)
+    img_mods, txt_mods, single_mods, out_mod = modulations(params, vec)
+    for p, img_mod, txt_mod in zip(ordered_blocks(params, "transformer_blocks"), img_mods, txt_mods):
+        img, txt = _double_region(p, img, txt, img_mod, txt_mod, pe, D, key_bias)
     x = torch.cat([txt, img], 1)
-    for p in ordered_blocks(params, "single_transformer_blocks"):
-        x = _single_region(p, x, vec, pe, D, key_bias)
-    return final_layer(params, x[:, txt.shape[1] :], vec), S, None
+    for p, mod in zip(ordered_blocks(params, "single_transformer_blocks"), single_mods):
+        x = _single_region(p, x, mod, pe, D, key_bias)
+    return final_layer(params, x[:, txt.shape[1] :], out_mod), S, None

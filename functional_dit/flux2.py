@@ -216,11 +216,9 @@ def time_guidance_embed(p, t, guidance, channels: int) -> torch.Tensor:
 def modulations(params, temb):
     """The shared modulation vectors (B, C): 6 for the img and 6 for the txt stream of the
     double blocks, (shift, scale, gate) x (attn, mlp); 3 for the single blocks."""
-    return (
-        L.adaln(params["double_stream_modulation_img"]["linear"], temb, 6),
-        L.adaln(params["double_stream_modulation_txt"]["linear"], temb, 6),
-        L.adaln(params["single_stream_modulation"]["linear"], temb, 3),
-    )
+    names, ns = ("double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation"), (6, 6, 3)
+    mods = L.modulations([(params[name]["linear"], n) for name, n in zip(names, ns)], temb)  # one all-gather
+    return tuple(m.chunk(n, dim=-1) for m, n in zip(mods, ns))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

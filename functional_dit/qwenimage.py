@@ -237,14 +237,26 @@ def time_embed(p, t: torch.Tensor, t_cond: torch.Tensor | None = None, zero_cond
     return temb + extra.repeat(temb.shape[0] // extra.shape[0], 1)
 
 
-def img_modulation(p, temb: torch.Tensor, ref: torch.Tensor | None) -> list[torch.Tensor]:
-    """Six (shift, scale, gate) x 2 modulation tensors for the image stream, (B, 1, C); with
-    ``zero_cond_t``, temb is (2B, C) and ``ref`` (S_img, 1) picks the t = 0 half for reference
-    tokens, giving (B, S_img, C)."""
-    mods = [m[:, None] for m in L.adaln(p, temb, 6)]
+def modulations(params, temb: torch.Tensor, batch: int) -> tuple[list, list, torch.Tensor]:
+    """Every AdaLN modulation of the model (under TP two all-gathers for all): per block the
+    image stream's (B or 2B, 6C) from temb (2B rows with ``zero_cond_t``) and the text
+    stream's (B, 6C) from its first ``batch`` rows, and the final layer's (B, 2C)."""
+    blocks = ordered_blocks(params, "transformer_blocks")
+    img = L.modulations([(b["img_mod"]["1"], 6) for b in blocks], temb)
+    *txt, out = L.modulations(
+        [(b["txt_mod"]["1"], 6) for b in blocks] + [(params["norm_out"]["linear"], 2)], temb[:batch]
+    )
+    return img, txt, out
+
+
+def img_modulation(mod: torch.Tensor, ref: torch.Tensor | None) -> list[torch.Tensor]:
+    """Six (shift, scale, gate) x 2 modulation tensors for the image stream, (B, 1, C), from
+    its (B, 6C) modulation; with ``zero_cond_t`` that is (2B, 6C) and ``ref`` (S_img, 1)
+    picks the t = 0 half for reference tokens, giving (B, S_img, C)."""
+    mods = [m[:, None] for m in mod.chunk(6, dim=-1)]
     if ref is None:
         return mods
-    B = temb.shape[0] // 2
+    B = mod.shape[0] // 2
     return [torch.where(ref, m[B:], m[:B]) for m in mods]
 
 
@@ -266,11 +278,11 @@ def joint_attention(p, img, txt, pe, head_dim, key_bias=None):
     return L.row_linears([(p["to_out"]["0"], i_out), (p["to_add_out"], t_out)])  # under TP: one all-reduce
 
 
-def block(p, img, txt, temb, pe, head_dim, key_bias=None, ref=None):
-    """MMDiT block: img (B, S, C), txt (B, T, C), temb (B, C) or (2B, C) with ``ref``."""
-    i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_modulation(p["img_mod"]["1"], temb, ref)
-    mods = [m[:, None] for m in L.adaln(p["txt_mod"]["1"], temb[: txt.shape[0]], 6)]
-    t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = mods
+def block(p, img, txt, img_mod, txt_mod, pe, head_dim, key_bias=None, ref=None):
+    """MMDiT block: img (B, S, C), txt (B, T, C); its modulations (`modulations`) img_mod
+    (B, 6C), or (2B, 6C) with ``ref``, and txt_mod (B, 6C)."""
+    i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_modulation(img_mod, ref)
+    t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = (m[:, None] for m in txt_mod.chunk(6, dim=-1))
     img_a, txt_a = joint_attention(
         p["attn"],
         L.norm_modulate(img, i_shift, i_scale),
@@ -293,8 +305,8 @@ def block(p, img, txt, temb, pe, head_dim, key_bias=None, ref=None):
 _block_region = L.region(lambda *args: block(*args))  # compiled once, reused for every layer
 
 
-def final_layer(p, x, temb):
-    scale, shift = L.adaln(p["norm_out"]["linear"], temb, 2)  # note: (scale, shift) order
+def final_layer(p, x, mod):
+    scale, shift = mod.chunk(2, dim=-1)  # note: (scale, shift) order
     return L.linear(p["proj_out"], L.norm_modulate(x, shift, scale))
 
 
@@ -428,6 +440,7 @@ def forward(params, x, t, txt, *, pe, ref, bias, t_cond):
     temb = time_embed(params["time_text_embed"], t.to(img.dtype), t_cond, c.zero_cond_t)
     txt = L.linear(params["txt_in"], L.rms_norm_fp32(params["txt_norm"], txt))
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe, bias)
-    for p in ordered_blocks(params, "transformer_blocks"):
-        img, txt = _block_region(p, img, txt, temb, pe, c.attention_head_dim, key_bias, ref)
-    return final_layer(params, img, temb[: img.shape[0]]), S, None
+    img_mods, txt_mods, out_mod = modulations(params, temb, img.shape[0])
+    for p, img_mod, txt_mod in zip(ordered_blocks(params, "transformer_blocks"), img_mods, txt_mods):
+        img, txt = _block_region(p, img, txt, img_mod, txt_mod, pe, c.attention_head_dim, key_bias, ref)
+    return final_layer(params, img, out_mod), S, None

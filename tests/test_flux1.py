@@ -41,13 +41,25 @@ def _block_inputs(config, module, B=2, T=5, S=6, seed=0):
     return img, txt, vec[:, 0], module.pos_embed(ids), fd._layers.rope(ids, config.axes_dims_rope, 10000.0)
 
 
+def _double_mods(params, vec, block="0"):
+    """A double block's (img, txt) modulations (B, 6C) from vec, as `flux1.forward` computes them."""
+    p = params["transformer_blocks"][block]
+    return fd._layers.modulations([(p["norm1"]["linear"], 6), (p["norm1_context"]["linear"], 6)], vec)
+
+
+def _single_mod(params, vec, block):
+    return fd._layers.modulations([(params["single_transformer_blocks"][block]["norm"]["linear"], 3)], vec)[0]
+
+
 @pytest.mark.parametrize("case", ["tiny", "schnell"])
 def test_double_block_parity(case, request):
     module, params = request.getfixturevalue(case)
     c = params.config
     img, txt, vec, ref_pe, pe = _block_inputs(c, module)
     ref_txt, ref_img = module.transformer_blocks[0](img, txt, vec, ref_pe)
-    out_img, out_txt = flux1.double_block(params["transformer_blocks"]["0"], img, txt, vec, pe, c.attention_head_dim)
+    out_img, out_txt = flux1.double_block(
+        params["transformer_blocks"]["0"], img, txt, *_double_mods(params, vec), pe, c.attention_head_dim
+    )
     torch.testing.assert_close(out_img, ref_img, **FP32)
     torch.testing.assert_close(out_txt, ref_txt, **FP32)
 
@@ -59,7 +71,11 @@ def test_single_block_parity(case, request):
     img, txt, vec, ref_pe, pe = _block_inputs(c, module)
     ref_txt, ref_img = module.single_transformer_blocks[1](img, txt, vec, ref_pe)
     out = flux1.single_block(
-        params["single_transformer_blocks"]["1"], torch.cat([txt, img], 1), vec, pe, c.attention_head_dim
+        params["single_transformer_blocks"]["1"],
+        torch.cat([txt, img], 1),
+        _single_mod(params, vec, "1"),
+        pe,
+        c.attention_head_dim,
     )
     torch.testing.assert_close(out, torch.cat([ref_txt, ref_img], 1), **FP32)
 
@@ -316,12 +332,16 @@ def test_fp16_clipping_as_diffusers():
     ids = torch.randn(T + S, 3) * 4
     ref_txt, ref_img = double(img, txt, vec, module.pos_embed(ids))
     pe = fd._layers.rope(ids, TINY.axes_dims_rope, 10000.0)
-    out_img, out_txt = flux1.double_block(params["transformer_blocks"]["0"], img, txt, vec, pe, TINY.attention_head_dim)
+    out_img, out_txt = flux1.double_block(
+        params["transformer_blocks"]["0"], img, txt, *_double_mods(params, vec), pe, TINY.attention_head_dim
+    )
     assert ref_img.isinf().any() and not ref_txt.isinf().any()  # the case we mean to test
     torch.testing.assert_close(out_img, ref_img, rtol=0, atol=0)
     torch.testing.assert_close(out_txt, ref_txt, rtol=0, atol=0)
     ref = torch.cat(single(img, txt, vec, module.pos_embed(ids)), 1)
-    out = flux1.single_block(params["single_transformer_blocks"]["0"], torch.cat([txt, img], 1), vec, pe, 16)
+    out = flux1.single_block(
+        params["single_transformer_blocks"]["0"], torch.cat([txt, img], 1), _single_mod(params, vec, "0"), pe, 16
+    )
     assert ref.abs().max() == 65504 and not ref.isinf().any()
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 

@@ -104,6 +104,15 @@ BLOCK_CASES = [("tiny", [(1, 3, 4)]), ("tiny", [(1, 2, 3), (1, 3, 3)]), ("edit",
 BLOCK_CASES += [("layered", [(1, 2, 2)] * 2 + [(1, 3, 2)])]
 
 
+def _mods(params, temb, txt):
+    """Block 0's (img, txt) modulations as `qwenimage.modulations` computes them: img from
+    temb (2B rows with zero_cond_t), txt from its first B rows."""
+    p = params["transformer_blocks"]["0"]
+    (img_mod,) = fd._layers.modulations([(p["img_mod"]["1"], 6)], temb)
+    (txt_mod,) = fd._layers.modulations([(p["txt_mod"]["1"], 6)], temb[: txt.shape[0]])
+    return img_mod, txt_mod
+
+
 @pytest.mark.parametrize("case,shapes", BLOCK_CASES)
 @pytest.mark.parametrize("masked", [False, True])
 def test_block_parity(case, shapes, masked, request):
@@ -118,7 +127,9 @@ def test_block_parity(case, shapes, masked, request):
         img, txt, mask if masked else None, temb, ref_pe, modulate_index=index
     )
     bias = torch.cat([Q.mask_bias(mask), torch.zeros(img.shape[:2])], 1) if masked else None  # (B, T + S)
-    out_img, out_txt = Q.block(params["transformer_blocks"]["0"], img, txt, temb, pe, c.attention_head_dim, bias, ref)
+    out_img, out_txt = Q.block(
+        params["transformer_blocks"]["0"], img, txt, *_mods(params, temb, txt), pe, c.attention_head_dim, bias, ref
+    )
     torch.testing.assert_close(out_img, ref_img, **FP32)
     torch.testing.assert_close(out_txt, ref_txt, **FP32)
 
@@ -194,7 +205,9 @@ def test_fp16_clipping_as_diffusers():
     temb = torch.randn(2, n).half()
     ref_txt, ref_img = block(img, txt, None, temb, module.pos_embed([shapes] * 2, max_txt_seq_len=5, device=CPU))
     pe = Q.pos_embed(shapes, 5, TINY.axes_dims_rope)
-    out_img, out_txt = Q.block(params["transformer_blocks"]["0"], img, txt, temb, pe, TINY.attention_head_dim)
+    out_img, out_txt = Q.block(
+        params["transformer_blocks"]["0"], img, txt, *_mods(params, temb, txt), pe, TINY.attention_head_dim
+    )
     for out, ref in ((out_img, ref_img), (out_txt, ref_txt)):
         assert ref.abs().max() == 65504 and not ref.isinf().any()  # the case we mean to test
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
