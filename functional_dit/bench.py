@@ -86,6 +86,19 @@ def random_params(config, device, dtype, seed: int = 0):
     return _api.Params(config, sharding.tree.nest({k: _api._init_leaf(k, s, gen).to(dtype) for k, s in specs.items()}))
 
 
+RELEASED_DEPTH = {"flux1": "flux1-dev", "flux2": "flux2-dev", "qwenimage": "qwen-image"}
+
+
+def released_depth(name: str, config):
+    """A mid config with the block counts of its family's released model (``--depth
+    released``): mid width, real depth, where compile time per block matters."""
+    preset = _api.PRESETS[RELEASED_DEPTH[name]]
+    kw = {"num_layers": preset.num_layers}
+    if hasattr(preset, "num_single_layers"):
+        kw["num_single_layers"] = preset.num_single_layers
+    return dataclasses.replace(config, **kw)
+
+
 def one_block(config):
     """The same config with one block of each kind (for the one-block compile time)."""
     kw = {"num_layers": 1}
@@ -536,6 +549,9 @@ def markdown(results, peak, args, command, started, elapsed) -> str:
         f"- device {args.device}, dtype {str(args.dtype).removeprefix('torch.')}, batch 1, "
         f"{args.image_tokens} image + {args.text_tokens} text tokens, random weights (the same in both), "
         f"median of {args.runs} alternating rounds",
+        "- blocks (double + single): "
+        + ", ".join(f"{n} {b}" for n, b in getattr(args, "blocks", {}).items())
+        + ("" if getattr(args, "depth", "mid") == "mid" else " (the released models' depth, mid width)"),
         f"- matmul peak: a {peak_n(args.device)}³ GEMM, timed in the same alternating rounds as each family "
         f"(so under the same load); {peak / 1e9:.1f} GFLOP/s measured alone at the start",
         "- ours: `fd.apply` on `fd.prepare`d params (fused q/k/v and the fast eager kernels, `_layers.fast_kernels`); "
@@ -580,6 +596,12 @@ def add_arguments(p) -> None:
         "--image-tokens", type=int, default=IMG_HW[0] * IMG_HW[1], help="latent tokens, a square (default 1024)"
     )
     p.add_argument("--text-tokens", type=int, default=TXT_LEN, help="text tokens (default 128)")
+    p.add_argument(
+        "--depth",
+        choices=("mid", "released"),
+        default="mid",
+        help="the mid configs' block counts (default) or their released models' (flux1-dev 19 + 38, ...)",
+    )
     p.add_argument("--families", default="flux1,flux2,qwenimage", help="comma-separated subset of the mid configs")
     p.add_argument("--runs", type=int, default=7, help="rounds per figure (median); >= 7 for a full run")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -609,6 +631,8 @@ def _configs(args) -> dict:
     unknown = [n for n in names if n not in mids]
     if unknown:
         raise ValueError(f"--families: expected a subset of {sorted(mids)}, got {unknown}")
+    if args.depth == "released":
+        return {n: released_depth(n, mids[n]) for n in names}
     return {n: mids[n] for n in names}
 
 
@@ -622,6 +646,8 @@ def run(args) -> int:
 
     inductor_config.fx_graph_cache = False  # cold compile times
     configs = _configs(args)
+    args.blocks = {n: "+".join(str(getattr(c, k)) for k in ("num_layers", "num_single_layers") if hasattr(c, k))
+                   for n, c in configs.items()}  # fmt: skip
     shape(args)  # bad token counts fail before any work
     command = "python -m functional_dit " + " ".join(getattr(args, "argv", sys.argv[1:]))
     started, t0 = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()

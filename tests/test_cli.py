@@ -189,3 +189,16 @@ def test_bench_refuses_bad_token_counts(capsys):
     assert "--image-tokens: expected a square number of latent tokens, got 1000" in capsys.readouterr().err
     assert main([*base, "--text-tokens", "0"]) == 2
     assert "--text-tokens: expected a positive number of text tokens, got 0" in capsys.readouterr().err
+
+
+def test_bench_released_depth_keeps_the_mid_width():
+    import argparse
+
+    from functional_dit import bench
+
+    args = argparse.Namespace(preset=None, families="flux1,flux2,qwenimage", depth="released")
+    configs, mids = bench._configs(args), bench.mid_configs()
+    assert (configs["flux1"].num_layers, configs["flux1"].num_single_layers) == (19, 38)
+    assert (configs["flux2"].num_layers, configs["flux2"].num_single_layers) == (8, 48)
+    assert configs["qwenimage"].num_layers == 60
+    assert all(configs[n].inner_dim == mids[n].inner_dim for n in mids)
