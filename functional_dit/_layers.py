@@ -111,8 +111,10 @@ def region(fn):
     """Mark a block function as a region ``torch.compile`` compiles once and reuses for
     every layer of the same shapes (``torch.compiler.nested_compile_region``, torch >=
     2.8; hierarchical compilation): full-depth compile time stays near one block's.
-    A no-op in eager and where the API is missing; ``torch.export`` traces the plain
-    function (strict export refuses the region's aliased inputs, e.g. modulation chunks).
+    A no-op in eager and where the API is missing. Its inputs must not alias one another
+    (each block's modulation has its own storage, `modulations`). There is no test of
+    ``torch.compiler.is_exporting()`` here: under ``torch.compile`` torch 2.9 reports True,
+    which inlined every region there; strict ``torch.export`` takes the regions as they are.
 
     Under autograd (grad enabled and any tensor argument requiring grad) the block is
     traced inline too: a region's backward sums the per-layer gradient contributions in
@@ -126,8 +128,7 @@ def region(fn):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        exporting = getattr(torch.compiler, "is_exporting", lambda: False)()
-        if exporting or (torch.is_grad_enabled() and _any_requires_grad((args, kwargs))):
+        if torch.is_grad_enabled() and _any_requires_grad((args, kwargs)):
             return fn(*args, **kwargs)
         return marked(*args, **kwargs)
 
