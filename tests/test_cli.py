@@ -172,6 +172,10 @@ def test_check_eager_mode_runs_the_prepared_fast_path(capsys):
     assert "mode eager" in out and out.count(" ok ") == 3, out
 
 
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 10),
+    reason="torch 2.9's inductor CPU code generator crashes with emulate_precision_casts",
+)
 def test_check_compiles_bf16_with_eager_rounding():
     """bf16 under inductor: with `check`'s precision-cast setting the compiled FLUX.1 equals
     eager (without it inductor keeps t in fp32 before ``* 1000`` and the timestep embedding
