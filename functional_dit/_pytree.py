@@ -167,15 +167,6 @@ def check_leaves(config, flat: Mapping[str, Any]) -> None:
             )
 
 
-def _flatten(p: Params):
-    return [p.tree], p.config
-
-
-def _unflatten(children, config) -> Params:
-    (tree,) = children
-    return Params(config, tree)
-
-
 def config_to_json(config) -> str:
     """A family config as JSON (class name and fields): a tree spec holding it then
     serialises, so `torch.export.save` can write a program that takes `Params`."""
@@ -191,29 +182,47 @@ def config_from_json(text: str, classes: Mapping[str, type]):
     return classes[data["class"]](**data["fields"])
 
 
-def register_pytree(config_classes) -> None:
-    """Make `Params` a pytree node of ``torch.utils._pytree`` and optree; a serialised
-    tree spec names its config by class, resolved among ``config_classes``. Called
-    once, by `_api`, which holds the families table."""
-    classes = {cls.__name__: cls for cls in config_classes}
+def register_tree_node(cls, context, rebuild, *, name=None, to_json=None, from_json=None, safe=()) -> None:
+    """Make ``cls`` — a node holding one nested dict ``.tree`` and static metadata — a pytree
+    node of ``torch.utils._pytree`` and optree: its one child is the tree, its context
+    ``context(obj)``, rebuilt as ``rebuild(context, tree)``. ``name``, ``to_json`` and
+    ``from_json`` let a tree spec holding it be serialised (``torch.export.save``);
+    ``safe`` lists the classes besides ``cls`` that ``torch.load(weights_only=True)`` — the
+    first, safe attempt of ``torch.export.load`` — may rebuild from a saved program."""
+    serialised = {} if name is None else dict(
+        serialized_type_name=name, to_dumpable_context=to_json, from_dumpable_context=from_json
+    )  # fmt: skip
     torch_pytree.register_pytree_node(
-        Params,
-        _flatten,
-        _unflatten,
-        serialized_type_name="functional_dit.Params",
-        to_dumpable_context=config_to_json,
-        from_dumpable_context=lambda text: config_from_json(text, classes),
-        flatten_with_keys_fn=lambda p: ([(torch_pytree.GetAttrKey("tree"), p.tree)], p.config),
+        cls,
+        lambda obj: ([obj.tree], context(obj)),
+        lambda children, ctx: rebuild(ctx, children[0]),
+        flatten_with_keys_fn=lambda obj: ([(torch_pytree.GetAttrKey("tree"), obj.tree)], context(obj)),
+        **serialised,
     )
     optree.register_pytree_node(
-        Params,
-        lambda p: ((p.tree,), p.config, ("tree",)),
-        lambda config, children: Params(config, children[0]),
+        cls,
+        lambda obj: ((obj.tree,), context(obj), ("tree",)),
+        lambda ctx, children: rebuild(ctx, children[0]),
         namespace=optree.registry.__GLOBAL_NAMESPACE,
     )
-    # `torch.load(weights_only=True)` — the first, safe attempt of `torch.export.load` —
-    # rebuilds the Params (and configs) held in a saved program's example inputs.
-    torch.serialization.add_safe_globals([Params, *config_classes])
+    if name is not None:
+        torch.serialization.add_safe_globals([cls, *safe])
+
+
+def register_pytree(config_classes) -> None:
+    """Make `Params` a pytree node (`register_tree_node`); a serialised tree spec names its
+    config by class, resolved among ``config_classes``. Called once, by `_api`, which
+    holds the families table."""
+    classes = {cls.__name__: cls for cls in config_classes}
+    register_tree_node(
+        Params,
+        lambda p: p.config,
+        Params,
+        name="functional_dit.Params",
+        to_json=config_to_json,
+        from_json=lambda text: config_from_json(text, classes),
+        safe=config_classes,
+    )
 
 
 def ordered_blocks(params, name: str) -> list:

@@ -14,14 +14,13 @@ import dataclasses
 import json
 from typing import NamedTuple
 
-import optree
 import torch
-import torch.utils._pytree as torch_pytree
 
 import sharding
 from sharding.tree import flatten, mismatch_report, nest
 
 from ._checks import check_tensor
+from ._pytree import register_tree_node
 
 
 class Flux2KVCache:
@@ -61,29 +60,17 @@ def _cache_context_from_json(text: str) -> tuple:
 
 
 def register_pytree(config_cls) -> None:
-    """Make `Flux2KVCache` a pytree node of ``torch.utils._pytree`` and optree; its
-    config is rebuilt as ``config_cls(*fields)``. Called once, by `flux2`, which owns the
-    config class (this module does not import it)."""
-
-    def unflatten(children, context) -> Flux2KVCache:
-        return Flux2KVCache(config_cls(*context[1:]), context[0], children[0])
-
-    torch_pytree.register_pytree_node(
+    """Make `Flux2KVCache` a pytree node (`_pytree.register_tree_node`); its config is
+    rebuilt as ``config_cls(*fields)``. Called once, by `flux2`, which owns the config
+    class (this module does not import it)."""
+    register_tree_node(
         Flux2KVCache,
-        lambda c: ([c.tree], _cache_context(c)),
-        unflatten,
-        serialized_type_name="functional_dit.Flux2KVCache",
-        to_dumpable_context=json.dumps,
-        from_dumpable_context=_cache_context_from_json,
-        flatten_with_keys_fn=lambda c: ([(torch_pytree.GetAttrKey("tree"), c.tree)], _cache_context(c)),
+        _cache_context,
+        lambda context, tree: Flux2KVCache(config_cls(*context[1:]), context[0], tree),
+        name="functional_dit.Flux2KVCache",
+        to_json=json.dumps,
+        from_json=_cache_context_from_json,
     )
-    optree.register_pytree_node(
-        Flux2KVCache,
-        lambda c: ((c.tree,), _cache_context(c), ("tree",)),
-        lambda context, children: unflatten(children, context),
-        namespace=optree.registry.__GLOBAL_NAMESPACE,
-    )
-    torch.serialization.add_safe_globals([Flux2KVCache])  # weights_only loads of saved programs
 
 
 def cache_shapes(c, batch: int, num_ref_tokens: int) -> dict:

@@ -21,14 +21,12 @@ import functools
 import math
 from collections.abc import Mapping
 
-import optree
 import torch
-import torch.utils._pytree as torch_pytree
 
 from sharding.tree import flatten, nest
 
 from .. import _api
-from .._pytree import Params, ParamSpec
+from .._pytree import Params, ParamSpec, register_tree_node
 
 RANK = "lora_rank"  # logical axis of a factor's rank dim; no rule maps it: replicated
 
@@ -110,18 +108,7 @@ class Adapter(Params):
         )
 
 
-torch_pytree.register_pytree_node(
-    Adapter,
-    lambda a: ([a.tree], a.config),
-    lambda children, config: Adapter(config, children[0]),
-    flatten_with_keys_fn=lambda a: ([(torch_pytree.GetAttrKey("tree"), a.tree)], a.config),
-)
-optree.register_pytree_node(
-    Adapter,
-    lambda a: ((a.tree,), a.config, ("tree",)),
-    lambda config, children: Adapter(config, children[0]),
-    namespace=optree.registry.__GLOBAL_NAMESPACE,
-)
+register_tree_node(Adapter, lambda a: a.config, Adapter)
 
 
 def base_config(params_or_config):
