@@ -262,11 +262,6 @@ def clip_fp16(x: torch.Tensor) -> torch.Tensor:
     return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
 
 
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """AdaLN: ``x * (1 + scale) + shift`` with (B, C) modulation over (B, S, C)."""
-    return x * (1 + scale[:, None]) + shift[:, None]
-
-
 def adaln(p, emb: torch.Tensor, n: int, axis: str = "tp") -> tuple[torch.Tensor, ...]:
     """``n`` modulation vectors (B, C) from ``linear(silu(emb))`` (emb (B, C)); see `modulations`."""
     return modulations([(p, n)], emb, axis)[0].chunk(n, dim=-1)
