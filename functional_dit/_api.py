@@ -222,7 +222,7 @@ def prepare(params: Params) -> Params:
     return _fuse.prepare(params, family(params).FUSED)
 
 
-def apply(params: Params, x, t, txt, *, lora=None, **kwargs):
+def apply(params: Params, x, t, txt, *, lora=None, checkpoint: bool = False, **kwargs):
     """The model as a pure function: ``fd.apply(params, x, t, txt, *, img_ids=None,
     txt_ids=None, guidance=None, pooled=None, txt_mask=None, img_shapes=None, rope=None,
     lora=None, ...)``; the family's ``prepare`` documents the arguments it takes
@@ -236,15 +236,22 @@ def apply(params: Params, x, t, txt, *, lora=None, **kwargs):
     and the output gathered over "sp" and "dp", here and only here.
 
     ``lora`` (every family): a list of ``(adapter, scale)`` pairs (``functional_dit.lora``)
-    applied on the fly, unmerged; sharded params need the adapters placed on the same mesh."""
+    applied on the fly, unmerged; sharded params need the adapters placed on the same mesh.
+
+    ``checkpoint=True``: gradient (activation) checkpointing, per block: under autograd
+    each transformer block keeps only its inputs and recomputes its activations in
+    backward (the same gradients, less memory; `_layers.recompute_blocks`)."""
+    if not isinstance(checkpoint, bool):
+        raise ValueError(f"checkpoint: expected True or False, got {checkpoint!r}")
     fam = family(params)
     kwargs = _family_args(fam, kwargs)
     local, mesh = sharding.local_view(params)
     adapters = _lora_adapters(params, lora, mesh)
-    if mesh is None:  # plain tensors: run under whatever mesh the caller bound (shard_map), if any
-        return _apply_local(fam, local, x, t, txt, kwargs, adapters)
-    with sharding.bind(mesh):
-        return _apply_local(fam, local, x, t, txt, kwargs, adapters)
+    with L.recompute_blocks(checkpoint):
+        if mesh is None:  # plain tensors: run under whatever mesh the caller bound (shard_map), if any
+            return _apply_local(fam, local, x, t, txt, kwargs, adapters)
+        with sharding.bind(mesh):
+            return _apply_local(fam, local, x, t, txt, kwargs, adapters)
 
 
 def _lora_adapters(params: Params, lora, mesh) -> list:

@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree
+import torch.utils.checkpoint
 
 import sharding
 
@@ -111,7 +112,7 @@ def region(fn):
     """Mark a block function as a region ``torch.compile`` compiles once and reuses for
     every layer of the same shapes (``torch.compiler.nested_compile_region``, torch >=
     2.8; hierarchical compilation): full-depth compile time stays near one block's.
-    A no-op in eager and where the API is missing. Its inputs must not alias one another
+    A no-op in eager and where the API is missing, except for `recompute_blocks`. Its inputs must not alias one another
     (each block's modulation has its own storage, `modulations`). There is no test of
     ``torch.compiler.is_exporting()`` here: under ``torch.compile`` torch 2.9 reports True,
     which inlined every region there; strict ``torch.export`` takes the regions as they are.
@@ -122,17 +123,45 @@ def region(fn):
     by float rounding (~1e-7 relative); inline, compiled training matches eager exactly.
     Regions serve inference (sampling), where compile time matters."""
     mark = getattr(torch.compiler, "nested_compile_region", None)
-    if mark is None:
-        return fn
-    marked = mark(fn)
+    marked = fn if mark is None else mark(fn)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if torch.is_grad_enabled() and _any_requires_grad((args, kwargs)):
-            return fn(*args, **kwargs)
+            return _recomputed(fn, args, kwargs) if _RECOMPUTE and _RECOMPUTE[-1] else fn(*args, **kwargs)
         return marked(*args, **kwargs)
 
     return call
+
+
+# Whether block activations are recomputed in backward (`recompute_blocks`), innermost
+# last. A plain list, as sharding's bound meshes: dynamo traces list reads.
+_RECOMPUTE: list = []
+
+
+@contextlib.contextmanager
+def recompute_blocks(enabled: bool = True):
+    """Gradient (activation) checkpointing per block: under autograd each `region` block
+    keeps only its inputs and recomputes its activations in backward
+    (``torch.utils.checkpoint``, non-reentrant). Set by ``fd.apply(..., checkpoint=True)``."""
+    _RECOMPUTE.append(bool(enabled))
+    try:
+        yield
+    finally:
+        _RECOMPUTE.pop()
+
+
+def _recomputed(fn, args, kwargs):
+    """``fn(*args, **kwargs)`` under ``torch.utils.checkpoint``; the recomputation in
+    backward runs under the mesh bound now (backward runs outside `fd.apply`'s binding,
+    and a block's collectives need it)."""
+    mesh = sharding.current_mesh()
+
+    def rerun(*a, **kw):
+        with sharding.bind(mesh):
+            return fn(*a, **kw)
+
+    return torch.utils.checkpoint.checkpoint(rerun, *args, use_reentrant=False, **kwargs)
 
 
 def _any_requires_grad(tree) -> bool:

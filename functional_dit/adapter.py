@@ -39,9 +39,14 @@ from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DMo
 
 from sharding.tree import nest
 
-from ._api import apply, config_to_diffusers
+from . import _adapter_io as io
+from . import _adapter_kv as kv
+from ._adapter_peft import PeftMixin
+from ._adapter_surface import SurfaceMixin
+from ._api import apply, config_to_diffusers, family
 from ._pytree import Params
-from .flux2_kv import Flux2KVCache
+
+KVCache = kv.KVCache  # the cache a FLUX.2 extract call returns: a diffusers Flux2KVCache
 
 _FAMILY_OF_CLASS = {"Flux1Config": "flux1", "Flux2Config": "flux2", "QwenImageConfig": "qwenimage"}
 _STOCK_CLASS = {
@@ -104,25 +109,6 @@ def _family(params) -> str:
     return _FAMILY_OF_CLASS[type(params.config).__name__]
 
 
-class KVCache:
-    """The reference-token KV cache a FLUX.2 extract call returns, as the pipelines use
-    it: pass it back with ``kv_cache_mode="cached"``; ``clear()`` drops the tensors.
-    ``cache`` is the `fd.Flux2KVCache` (None once cleared)."""
-
-    def __init__(self, cache: Flux2KVCache):
-        self.cache = cache
-
-    @property
-    def num_ref_tokens(self) -> int:
-        return 0 if self.cache is None else self.cache.num_ref_tokens
-
-    def clear(self) -> None:
-        self.cache = None
-
-    def __repr__(self) -> str:
-        return f"KVCache({self.cache!r})"
-
-
 class _Node(torch.nn.Module):
     """One level of the parameter tree, named as in the stock module (so the adapter's
     ``state_dict`` keys are the diffusers keys)."""
@@ -159,11 +145,12 @@ class _Attention(_Node):
 
 
 def _tree_module(node: torch.nn.Module, subtree: dict, path: tuple, owner: str, fam: str) -> None:
-    """Register ``subtree``'s tensors on ``node`` as frozen parameters, its dicts as child
-    modules (`nn.ModuleList` for block lists, `_Attention` for a block's ``attn``)."""
+    """Register ``subtree``'s tensors on ``node`` as parameters (requiring grad, as a stock
+    module's do), its dicts as child modules (`nn.ModuleList` for block lists,
+    `_Attention` for a block's ``attn``)."""
     for name, value in subtree.items():
         if isinstance(value, torch.Tensor):
-            node.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
+            node.register_parameter(name, torch.nn.Parameter(value, requires_grad=True))
             continue
         if len(path) == 2 and name == "attn":
             child = _Attention(owner, _PROCESSORS[(fam, path[0])])
@@ -177,7 +164,7 @@ def _tree_module(node: torch.nn.Module, subtree: dict, path: tuple, owner: str, 
         node.add_module(name, child)
 
 
-class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
+class DiffusersTransformer(PeftMixin, SurfaceMixin, diffusers.ModelMixin, diffusers.ConfigMixin):
     """A drop-in ``transformer`` for diffusers pipelines computing with `fd.apply`.
 
     ``DiffusersTransformer(params)`` with `Params` from `fd.init`, `fd.from_diffusers`,
@@ -207,6 +194,7 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
         self.register_to_config(**cfg)
         self.__dict__["_fd_config"] = params.config
         _tree_module(self, params.tree, (), type(self).__name__, fam)
+        self.gradient_checkpointing = False  # what the stock classes hold (enable_gradient_checkpointing)
         # What diffusers records in a pipeline's model_index.json: the stock class, whose
         # checkpoint folder save_pretrained writes (see the module docstring).
         self.__dict__["__module__"] = "diffusers"
@@ -215,11 +203,21 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
 
     @property
     def params(self) -> Params:
-        """The current parameters as `Params` (sharing storage with this module)."""
-        flat = dict(self.named_parameters(remove_duplicate=False))
-        return Params(
-            self._fd_config, nest({k: p.detach() if isinstance(p, torch.nn.Parameter) else p for k, p in flat.items()})
-        )
+        """The current parameters as `Params` (sharing storage with this module; leaves that
+        require grad stay attached, so a loss over `fd.apply` fills their ``.grad``)."""
+        return self._base_params(detached=False)
+
+    def _base_params(self, detached: bool) -> Params:
+        """The base model's parameters (the PEFT factors left out) as `Params`."""
+        flat = {
+            k: p.detach() if detached or not p.requires_grad else p
+            for k, p in self.named_parameters(remove_duplicate=False)
+            if ".lora_A." not in k and ".lora_B." not in k
+        }
+        return Params(self._fd_config, nest(flat))
+
+    def _family_module(self):
+        return family(self._fd_config)
 
     def _leaf(self) -> torch.Tensor:
         return next(self.parameters())
@@ -269,7 +267,15 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
         hidden_states, encoder_hidden_states, args = _broadcast_text(hidden_states, encoder_hidden_states, args)
         scale = self.__dict__.pop("_call_scale", 1.0)
         pairs = [(ad, s * scale) for ad, s in self.get_lora()]
-        out = apply(self.params, hidden_states, timestep, encoder_hidden_states, lora=pairs or None, **args)
+        out = apply(
+            self.params,
+            hidden_states,
+            timestep,
+            encoder_hidden_states,
+            lora=pairs or None,
+            checkpoint=bool(self.gradient_checkpointing),
+            **args,
+        )
         if isinstance(out, tuple):
             out, cache = out[0], KVCache(out[1])
         if not return_dict:
@@ -326,14 +332,16 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
         self.__dict__["_lora"] = list(pairs)
 
     def get_lora(self) -> list:
-        """The ``(adapter, scale)`` pairs `set_lora` / ``load_lora_adapter`` set."""
-        return list(self.__dict__.get("_lora", []))
+        """The ``(adapter, scale)`` pairs every forward applies: those `set_lora` set, then
+        the active PEFT adapters (``load_lora_adapter``, ``add_adapter``) at their weights."""
+        return list(self.__dict__.get("_lora", [])) + self._peft_pairs()
 
     def load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="transformer", metadata=None, **kwargs):
         """What ``pipe.load_lora_weights(...)`` calls: read the LoRA (a state dict, a
         safetensors file or a folder holding ``pytorch_lora_weights.safetensors``) with
-        `functional_dit.lora` and add it at scale 1. ``network_alphas`` are honoured;
-        ``adapter_name`` is recorded; hub downloads, hotswapping and pickles are not supported."""
+        `functional_dit.lora` and add it at weight 1, used with the adapters already active,
+        under ``adapter_name`` (default ``default_<n>``; see ``set_adapters``).
+        ``network_alphas`` are honoured; hub downloads, hotswapping and pickles are not supported."""
         import functional_dit.lora as lora
 
         alphas = kwargs.pop("network_alphas", None) or {}
@@ -342,6 +350,9 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
             raise ValueError("hotswap: not supported by functional_dit's adapter; use set_lora to swap adapters")
         for ignored in ("_pipeline", "low_cpu_mem_usage"):
             kwargs.pop(ignored, None)
+        if kwargs.pop("use_safetensors", None) is False:
+            raise ValueError("use_safetensors: only safetensors are read (pickle is refused), got False")
+        weight_name = kwargs.pop("weight_name", None)
         if kwargs:
             raise ValueError(f"load_lora_adapter: unsupported arguments {sorted(kwargs)}")
         source = pretrained_model_name_or_path_or_dict
@@ -350,9 +361,11 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
             own.update({k: torch.as_tensor(v) for k, v in alphas.items()})
             ad = lora.from_state_dict(own, self.params, None if metadata is None else {lora.METADATA_KEY: metadata})
         else:
-            ad = lora.load(source, self.params)
-        self.__dict__["_lora"] = self.get_lora() + [(ad, 1.0)]
-        self.__dict__.setdefault("_lora_names", []).append(name)
+            source = os.fspath(source)
+            if weight_name is not None and os.path.isdir(source):
+                source = os.path.join(source, weight_name)
+            ad = lora.load(source, self._base_params(detached=True))
+        self._peft_add_loaded(ad, name)
 
     def _flux1_args(self, pooled_projections=None, img_ids=None, txt_ids=None, joint_attention_kwargs=None):
         self._lora_scale("joint_attention_kwargs", joint_attention_kwargs)
@@ -388,58 +401,82 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
                 raise ValueError(f"kv_cache: expected None with kv_cache_mode='extract', got {kv_cache!r}")
             return dict(args, kv_cache="extract", num_ref_tokens=num_ref_tokens, ref_fixed_timestep=ref_fixed_timestep)
         if kv_cache_mode == "cached":
-            cache = kv_cache.cache if isinstance(kv_cache, KVCache) else kv_cache
-            if not isinstance(cache, Flux2KVCache):
-                raise ValueError(
-                    "kv_cache: expected the cache an extract call returned (not cleared) with kv_cache_mode='cached', "
-                    f"got {kv_cache!r}"
-                )
-            return dict(args, kv_cache=cache)
+            if kv_cache is None:
+                raise ValueError("kv_cache: expected the cache an extract call returned with kv_cache_mode='cached'")
+            return dict(args, kv_cache=kv.to_fd(kv_cache, self._fd_config))
         raise ValueError(f"kv_cache_mode: expected None, 'extract' or 'cached', got {kv_cache_mode!r}")
 
     def _qwen_args(
         self, encoder_hidden_states_mask=None, img_shapes=None, attention_kwargs=None, additional_t_cond=None
     ):
         self._lora_scale("attention_kwargs", attention_kwargs)
-        return dict(txt_mask=encoder_hidden_states_mask, img_shapes=img_shapes, additional_t_cond=additional_t_cond)
+        mask = encoder_hidden_states_mask
+        if isinstance(mask, torch.Tensor) and (mask.is_floating_point() or mask.is_complex()):
+            mask = mask != 0  # the stock class casts to bool: any non-zero keeps the token
+        return dict(txt_mask=mask, img_shapes=img_shapes, additional_t_cond=additional_t_cond)
 
     # ---------------------------------------------------------------- save / load
 
     def save_pretrained(
-        self, save_directory, safe_serialization: bool = True, variant=None, max_shard_size="5GB", **kwargs
+        self,
+        save_directory,
+        is_main_process: bool = True,
+        save_function=None,
+        safe_serialization: bool = True,
+        variant=None,
+        max_shard_size="5GB",
+        push_to_hub: bool = False,
+        **kwargs,
     ) -> None:
         """Write a stock diffusers checkpoint folder (``config.json`` + safetensors) with
-        `weights.save`; the stock class's ``from_pretrained`` loads it. With sharded
-        params every rank must call it (rank 0 writes)."""
+        `weights.save`; the stock class's ``from_pretrained`` loads it. ``variant`` names
+        the files as diffusers does (``diffusion_pytorch_model.<variant>.safetensors``).
+        With sharded params every rank must call it (rank 0 writes); a variant needs plain
+        params. The adapter's PEFT factors are not part of the checkpoint (``save_lora_adapter``)."""
         import weights
 
         if not safe_serialization:
             raise ValueError("safe_serialization: only safetensors are written (pickle is refused), got False")
-        if variant is not None:
-            raise ValueError(f"variant: variant file names are not supported, got {variant!r}")
-        if kwargs:
-            raise ValueError(f"save_pretrained: unsupported arguments {sorted(kwargs)}")
-        weights.save(self.params, os.fspath(save_directory), max_shard_size=max_shard_size or "5GB")
+        bad = {k: v for k, v in dict(kwargs, save_function=save_function, push_to_hub=push_to_hub).items() if v}
+        if bad or is_main_process is not True:
+            raise ValueError(f"save_pretrained: unsupported arguments {sorted(bad) or ['is_main_process']}")
+        params, size = self._base_params(detached=True), max_shard_size or "5GB"
+        if variant is None:
+            weights.save(params, os.fspath(save_directory), max_shard_size=size)
+            return
+        if any(hasattr(t, "placements") for t in params.leaves()):
+            raise ValueError(
+                f"variant: saving a variant needs plain (unsharded) params, got sharded ones ({variant!r})"
+            )
+        io.save_variant(params, os.fspath(save_directory), variant, size)
 
     @classmethod
     def from_pretrained(
-        cls, path, *, subfolder: str | None = None, mesh=None, plan=None, dtype=None, device=None
+        cls, path, *, subfolder: str | None = None, mesh=None, plan=None, device=None, **kwargs
     ) -> DiffusersTransformer:
         """An adapter over `weights.load` of a diffusers model or pipeline folder (or a
         single safetensors file): ``mesh`` / ``plan`` stream each rank's own slices
-        (sharded params), ``dtype`` / ``device`` as in `weights.load`."""
+        (sharded params), ``device`` as in `weights.load`; the stock keywords
+        (``torch_dtype`` / ``dtype``, ``variant``, ``subfolder``, ``device_map``,
+        ``low_cpu_mem_usage``, ``output_loading_info``, ...) with the stock meanings
+        (`functional_dit._adapter_io`)."""
         import weights
 
+        opts = io.load_options(kwargs, device)
         path = os.fspath(path)
         if subfolder:
             path = os.path.join(path, subfolder)
-        params = weights.load(path, mesh=mesh, plan=plan, dtype=dtype, device=device)
+        io.check_weights(path, opts["variant"])
+        params = weights.load(
+            path, mesh=mesh, plan=plan, dtype=opts["dtype"], device=opts["device"], variant=opts["variant"]
+        )
         if cls is not DiffusersTransformer and _family(params) != cls._family_name:
             raise ValueError(
                 f"path: {cls.__name__} expects a {_STOCK_CLASS[cls._family_name]} checkpoint, "
                 f"got {type(params.config).__name__} params from {path}"
             )
-        return DiffusersTransformer(params)
+        model = DiffusersTransformer(params)
+        return (model, io.loading_info()) if opts["output_loading_info"] else model
 
 
 def _subclass(family: str) -> type:

@@ -1,0 +1,99 @@
+"""The stock module methods of `DiffusersTransformer` beyond forward and IO, each backed
+by the functional core, and the refusals of those it cannot honour.
+
+- ``fuse_qkv_projections`` / ``unfuse_qkv_projections``: the parameters laid out as
+  `fd.prepare` lays them (each q/k/v group row views of one buffer, which `fd.apply`
+  runs as one matmul in eager inference) / back to one buffer per leaf. The keys, shapes
+  and values stay; no ``to_qkv`` module appears.
+- ``enable_gradient_checkpointing`` / ``disable_gradient_checkpointing``: per-block
+  recomputation in backward, ``fd.apply(..., checkpoint=True)``.
+- Attention processors and backends, layerwise casting, group offloading, xformers / NPU
+  attention: these hook the stock attention modules, which the adapter does not have;
+  each raises a ValueError naming itself rather than silently doing nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _fuse
+
+
+def relayout(module: torch.nn.Module, leaves: dict) -> None:
+    """Re-register ``leaves`` ({dotted name: tensor}) as ``module``'s parameters of those
+    names, keeping each one's ``requires_grad``."""
+    for name, t in leaves.items():
+        parent, _, leaf = name.rpartition(".")
+        node = module.get_submodule(parent)
+        old = node._parameters[leaf]
+        node._parameters[leaf] = torch.nn.Parameter(t, requires_grad=old.requires_grad)
+
+
+def _refuse(name: str, why: str):
+    def method(self, *args, **kwargs):
+        raise ValueError(f"{name}: {type(self).__name__} (functional_dit) {why}")
+
+    method.__name__ = name
+    method.__doc__ = f"Raises a ValueError: the adapter {why}."
+    return method
+
+
+_NO_ATTENTION_MODULES = (
+    "computes attention inside fd.apply (scaled_dot_product_attention) and has no attention modules to hook"
+)
+
+
+class SurfaceMixin:
+    """See the module docstring."""
+
+    _supports_gradient_checkpointing = True
+
+    def fuse_qkv_projections(self) -> None:
+        """Lay the projections out as `fd.prepare` does (eager inference runs each group as
+        one matmul; the outputs are unchanged within float rounding)."""
+        fam = self._family_module()
+        with torch.no_grad():
+            fused = _fuse.prepare(self._base_params(detached=True), fam.FUSED)
+        relayout(self, fused.flat())
+        self.__dict__["fused_projections"] = True
+
+    def unfuse_qkv_projections(self) -> None:
+        """Give every projection its own buffer again (the layout `fd.init` makes)."""
+        with torch.no_grad():
+            relayout(self, {k: v.clone() for k, v in self._base_params(detached=True).flat().items()})
+        self.__dict__["fused_projections"] = False
+
+    def enable_gradient_checkpointing(self, gradient_checkpointing_func=None) -> None:
+        """Recompute each block's activations in backward (``fd.apply(..., checkpoint=True)``)."""
+        if gradient_checkpointing_func is not None:
+            raise ValueError(
+                "gradient_checkpointing_func: the adapter checkpoints fd.apply's blocks itself "
+                "(torch.utils.checkpoint, non-reentrant); a custom function over block modules cannot be honoured"
+            )
+        self.gradient_checkpointing = True
+
+    def disable_gradient_checkpointing(self) -> None:
+        self.gradient_checkpointing = False
+
+    @property
+    def attn_processors(self) -> dict:
+        raise ValueError(f"attn_processors: {type(self).__name__} (functional_dit) {_NO_ATTENTION_MODULES}")
+
+    set_attn_processor = _refuse("set_attn_processor", _NO_ATTENTION_MODULES)
+    set_default_attn_processor = _refuse("set_default_attn_processor", _NO_ATTENTION_MODULES)
+    set_attention_backend = _refuse("set_attention_backend", _NO_ATTENTION_MODULES)
+    reset_attention_backend = _refuse("reset_attention_backend", _NO_ATTENTION_MODULES)
+    enable_xformers_memory_efficient_attention = _refuse(
+        "enable_xformers_memory_efficient_attention", _NO_ATTENTION_MODULES
+    )
+    enable_npu_flash_attention = _refuse("enable_npu_flash_attention", _NO_ATTENTION_MODULES)
+    set_use_npu_flash_attention = _refuse("set_use_npu_flash_attention", _NO_ATTENTION_MODULES)
+    enable_layerwise_casting = _refuse(
+        "enable_layerwise_casting",
+        "runs fd.apply on its parameters directly, with no submodule forward to hook; cast with .to(dtype)",
+    )
+    enable_group_offload = _refuse(
+        "enable_group_offload",
+        "runs fd.apply on its parameters directly, with no submodule forward to hook; use enable_model_cpu_offload "
+        "on the pipeline",
+    )
