@@ -21,6 +21,7 @@ import math
 import os
 
 import torch
+from diffusers.loaders.peft import PeftAdapterMixin
 
 from sharding.tree import nest
 
@@ -131,10 +132,16 @@ def _holder(t: torch.Tensor, trainable: bool) -> torch.nn.Module:
     return m
 
 
-class PeftMixin:
-    """The PEFT methods of `DiffusersTransformer` (see the module docstring). State:
-    ``_peft`` {name: [lora.LoraConfig, weight, peft config or None]} in load order,
-    ``_peft_active`` the names in use, ``_peft_disabled``."""
+class PeftMixin(PeftAdapterMixin):
+    """The PEFT methods of `DiffusersTransformer` (see the module docstring), each of
+    diffusers' ``PeftAdapterMixin`` overridden (code that checks for that mixin, as the
+    pipelines' LoRA loaders do, finds it). State: ``_peft`` {name: [lora.LoraConfig,
+    weight, peft config or None]} in load order, ``_peft_active`` the names in use,
+    ``_peft_disabled``."""
+
+    @property
+    def _hf_peft_config_loaded(self) -> bool:
+        return bool(self._peft_state())
 
     def _peft_state(self) -> dict:
         return self.__dict__.setdefault("_peft", {})
@@ -256,7 +263,7 @@ class PeftMixin:
         ad = self._peft_adapter(adapter_name)
         if upcast_before_saving:
             ad = ad.replace(nest({k: v.float() for k, v in ad.flat().items()}))
-        lora.save(ad, lora_file(save_directory, weight_name))
+        lora.save(ad, lora_file(save_directory, weight_name), prefix="")
 
     def fuse_lora(self, *args, **kwargs):
         raise ValueError(
@@ -266,6 +273,12 @@ class PeftMixin:
 
     def unfuse_lora(self, *args, **kwargs):
         raise ValueError("unfuse_lora: the adapter never fuses LoRA (see fuse_lora)")
+
+    def _fuse_lora_apply(self, *args, **kwargs):
+        self.fuse_lora()
+
+    def _unfuse_lora_apply(self, *args, **kwargs):
+        self.unfuse_lora()
 
     def enable_lora_hotswap(self, *args, **kwargs):
         raise ValueError("enable_lora_hotswap: hotswapping is not supported; use set_adapters / set_lora to swap")

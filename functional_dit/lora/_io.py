@@ -255,21 +255,26 @@ def to_state_dict(adapter: Adapter, prefix: str = "transformer.") -> dict:
     return {prefix + k: v for k, v in adapter.flat().items()}
 
 
-def save(adapter: Adapter, path) -> None:
+def save(adapter: Adapter, path, prefix: str = "transformer.") -> None:
     """Write ``adapter`` as a diffusers LoRA file (its LoraConfig in the metadata), which
-    ``pipe.load_lora_weights`` and `load` read back. Sharded factors are gathered first."""
+    ``pipe.load_lora_weights`` and `load` read back. Sharded factors are gathered first.
+    ``prefix=""`` writes a model-level file (keys and metadata unprefixed), as a diffusers
+    model's ``save_lora_adapter`` does."""
     from safetensors.torch import save_file
 
     ad = sharding.unshard(adapter) if sharding.local_view(adapter)[1] is not None else adapter
     ranks = {m: r for m, r, _ in ad.config.modules}
     alphas = {m: a for m, _, a in ad.config.modules}
-    meta = {
-        "transformer.r": max(set(ranks.values()), key=list(ranks.values()).count),
-        "transformer.lora_alpha": max(set(alphas.values()), key=list(alphas.values()).count),
-        "transformer.target_modules": sorted(ranks),
-        "transformer.use_rslora": ad.config.use_rslora,
+    r = max(set(ranks.values()), key=list(ranks.values()).count)
+    alpha = max(set(alphas.values()), key=list(alphas.values()).count)
+    fields = {
+        "r": r,
+        "lora_alpha": alpha,
+        "target_modules": sorted(ranks),
+        "use_rslora": ad.config.use_rslora,
+        "rank_pattern": {m: v for m, v in ranks.items() if v != r},
+        "alpha_pattern": {m: v for m, v in alphas.items() if v != alpha},
     }
-    meta["transformer.rank_pattern"] = {m: r for m, r in ranks.items() if r != meta["transformer.r"]}
-    meta["transformer.alpha_pattern"] = {m: a for m, a in alphas.items() if a != meta["transformer.lora_alpha"]}
-    state = {k: v.detach().contiguous() for k, v in to_state_dict(ad).items()}
+    meta = {prefix + k: v for k, v in fields.items()}
+    state = {k: v.detach().contiguous() for k, v in to_state_dict(ad, prefix).items()}
     save_file(state, os.fspath(path), metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
