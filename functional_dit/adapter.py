@@ -46,6 +46,8 @@ from ._adapter_surface import SurfaceMixin
 from ._api import apply, config_to_diffusers, family
 from ._pytree import Params
 
+# The adapter stands in for the stock module, so its PEFT messages go where diffusers' do.
+_PEFT_LOG = diffusers.utils.logging.get_logger("diffusers.loaders.peft")
 KVCache = kv.KVCache  # the cache a FLUX.2 extract call returns: a diffusers Flux2KVCache
 
 _FAMILY_OF_CLASS = {"Flux1Config": "flux1", "Flux2Config": "flux2", "QwenImageConfig": "qwenimage"}
@@ -358,6 +360,12 @@ class DiffusersTransformer(PeftMixin, SurfaceMixin, diffusers.ModelMixin, diffus
         source = pretrained_model_name_or_path_or_dict
         if isinstance(source, dict):
             own = {k: v for k, v in source.items() if prefix is None or k.startswith(f"{prefix}.")}
+            if not own:  # as the stock method: e.g. a LoRA for the text encoder only
+                _PEFT_LOG.warning(
+                    f"No LoRA keys associated to {type(self).__name__} found with the prefix={prefix!r}; "
+                    "nothing loaded into the transformer"
+                )
+                return
             own.update({k: torch.as_tensor(v) for k, v in alphas.items()})
             ad = lora.from_state_dict(own, self.params, None if metadata is None else {lora.METADATA_KEY: metadata})
         else:

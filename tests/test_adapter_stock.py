@@ -255,6 +255,8 @@ def test_peft_add_adapter_trains():
     ad.requires_grad_(False)
     with torch.no_grad():
         base = out(ad, kw)
+    ad.load_lora_adapter({"text_encoder.x.lora_A.weight": torch.ones(1)}, prefix="transformer")  # none of ours
+    assert ad.active_adapters() == [] and ad.peft_config == {}  # logged and skipped, as the stock method does
     ad.add_adapter(_peft_config(), adapter_name="mine")
     assert ad.active_adapters() == ["mine"] and isinstance(ad.peft_config["mine"], peft.LoraConfig)
     trainable = [k for k, p in ad.named_parameters() if p.requires_grad]
