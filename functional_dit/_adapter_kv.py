@@ -61,6 +61,9 @@ def to_fd(cache, config, name: str = "kv_cache", missing_ok: bool = False) -> Fl
     if empty:
         if missing_ok and len(empty) == len(layers):
             return None
-        raise ValueError(f"{name}: layers {empty[:4]} hold no keys / values (a cleared or unfilled cache)")
+        raise ValueError(
+            f"{name}: expected the cache an extract call returned, filled; layers {empty[:4]} hold no keys / values "
+            "(a cleared or unfilled cache)"
+        )
     flat = {f"{kind}.{i}.{n}": getattr(layer, f"{n}_ref") for kind, i, layer in layers for n in "kv"}
     return Flux2KVCache(config, int(cache.num_ref_tokens), nest(flat))
