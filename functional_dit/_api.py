@@ -247,11 +247,17 @@ def apply(params: Params, x, t, txt, *, lora=None, checkpoint: bool = False, **k
     kwargs = _family_args(fam, kwargs)
     local, mesh = sharding.local_view(params)
     adapters = _lora_adapters(params, lora, mesh)
-    with L.recompute_blocks(checkpoint):
-        if mesh is None:  # plain tensors: run under whatever mesh the caller bound (shard_map), if any
-            return _apply_local(fam, local, x, t, txt, kwargs, adapters)
-        with sharding.bind(mesh):
-            return _apply_local(fam, local, x, t, txt, kwargs, adapters)
+    if not checkpoint:  # no context manager on the default path: nothing extra for torch.compile to trace
+        return _apply_bound(fam, local, mesh, x, t, txt, kwargs, adapters)
+    with L.recompute_blocks():
+        return _apply_bound(fam, local, mesh, x, t, txt, kwargs, adapters)
+
+
+def _apply_bound(fam, local: Params, mesh, x, t, txt, kwargs: dict, adapters) -> torch.Tensor:
+    if mesh is None:  # plain tensors: run under whatever mesh the caller bound (shard_map), if any
+        return _apply_local(fam, local, x, t, txt, kwargs, adapters)
+    with sharding.bind(mesh):
+        return _apply_local(fam, local, x, t, txt, kwargs, adapters)
 
 
 def _lora_adapters(params: Params, lora, mesh) -> list:
