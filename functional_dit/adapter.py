@@ -7,16 +7,21 @@ params (plain or sharded) and returns what the stock class returns. Everything a
 pipeline touches besides ``forward`` is here: ``config`` with the diffusers keys,
 ``dtype`` / ``device`` / ``to``, ``cache_context``, the block lists whose attention
 processors the FLUX.2-klein KV pipeline sets, ``save_pretrained`` and
-``from_pretrained``. The parameter leaves are registered as frozen ``nn.Parameter``s
-under the diffusers names (``state_dict()`` keys equal the stock class's), so
-``to()``, accelerate's CPU offload and ``fd.from_diffusers(adapter)`` work as on the
-stock module; each forward reads them back into `Params`. Arguments it cannot honour (ControlNet residuals, IP-Adapter
-embeddings, custom attention processors) raise a ``ValueError``.
+``from_pretrained`` (the stock keywords: `_adapter_io`). The parameter leaves are
+registered as ``nn.Parameter`` s under the diffusers names (``state_dict()`` keys equal
+the stock class's; they require grad, as a stock module's do), so ``to()``, accelerate's
+CPU offload, ``train()`` + ``backward()`` and ``fd.from_diffusers(adapter)`` work as on
+the stock module; each forward reads them back into `Params`. The rest of the stock
+surface (fused projections, gradient checkpointing, the refusals) is in
+`_adapter_surface`, the PEFT methods in `_adapter_peft`, FLUX.2's KV cache (diffusers'
+``Flux2KVCache``) in `_adapter_kv`. Arguments it cannot honour (ControlNet residuals,
+IP-Adapter embeddings, custom attention processors) raise a ``ValueError``.
 
 LoRA: ``adapter.set_lora([(lora_adapter, scale), ...])`` applies `functional_dit.lora`
 adapters on the fly in every forward (plain or sharded, several at separate scales,
 nothing merged); ``pipe.load_lora_weights(path)`` reaches ``load_lora_adapter``, which
-reads the file with `functional_dit.lora` and adds it at scale 1. The LoRA ``scale``
+reads the file with `functional_dit.lora` and adds it at weight 1 (``set_adapters``
+changes weights). The LoRA ``scale``
 the pipelines pass in ``joint_attention_kwargs`` / ``attention_kwargs`` multiplies
 every adapter's scale for that call, as diffusers' ``scale_lora_layers`` does.
 
