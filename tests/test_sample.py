@@ -32,14 +32,18 @@ def ref_image(w=80, h=64, seed=0) -> Image.Image:
     return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype("uint8"))
 
 
-def stock_latents(pipe, seed, **kw) -> torch.Tensor:
-    got = {}
+def stock_latents(pipe, seed, n=1, **kw) -> torch.Tensor:
+    """The stock pipeline's final latents with image i seeded by seed + i (what
+    ``fd.sample(..., seed=seed)`` draws), or ``generator=`` as given in ``kw``."""
+    got, then = {}, kw.pop("callback_on_step_end", None)
 
-    def grab(_pipe, _i, _t, tensors):
-        got["latents"] = tensors["latents"]
-        return {}
+    def grab(_pipe, i, t, tensors):  # after ``then``, which may return new latents
+        out = {} if then is None else then(_pipe, i, t, tensors)
+        got["latents"] = out.get("latents", tensors["latents"])
+        return out
 
-    pipe(**kw, generator=torch.Generator().manual_seed(seed), callback_on_step_end=grab)
+    kw.setdefault("generator", [torch.Generator().manual_seed(seed + i) for i in range(n)])
+    pipe(**kw, callback_on_step_end=grab)
     return got["latents"]
 
 
@@ -90,7 +94,8 @@ def test_latents_equal_stock_pipeline(name, make, stock_kw, our_kw):
     pipe = make()
     prompt = stock_kw.pop("prompt", "a red cube on a table")
     our_kw.pop("prompt", None)
-    expected = stock_latents(pipe, 3, prompt=prompt, num_inference_steps=2, **SIZE, **stock_kw)
+    n = len(prompt) if isinstance(prompt, list) else 1
+    expected = stock_latents(pipe, 3, n, prompt=prompt, num_inference_steps=2, **SIZE, **stock_kw)
     got = fd.sample(
         fd.from_diffusers(pipe.transformer), pipe, prompt, steps=2, seed=3, output_type="latent", **SIZE, **our_kw
     )
