@@ -15,12 +15,14 @@ Per-step-invariant work is done once before the loop: prompt embeddings, positio
 and their RoPE tables (passed to ``fd.apply`` as ``rope=``), reference-image latents;
 the klein reference KV cache is extracted on the first step and reused after.
 
-Sharded params work as they are: every rank runs the same loop on the same inputs and
-``fd.apply`` splits the work (tp, sp) and the batch (dp). With classifier-free guidance
-the conditional and unconditional branches are one batch of 2B, so on a ``dp=2`` mesh
-each rank computes one branch (CFG parallelism). Every rank draws the same noise from
-``seed``; before the first step `sharding.check_replicated` compares the inputs across
-ranks and raises on every rank if they differ (nothing is broadcast).
+Image ``i`` draws its noise from its own seed (`functional_dit._requests`), so it is the
+same image in any batch, chunk or rank. Sharded params work as they are: on a mesh with
+``dp`` groups and at least as many images each group makes its own share of the images
+with the mesh's tp and sp axes; with fewer images every rank runs the same loop and
+``fd.apply`` splits the [cond; uncond] batch over dp (CFG parallelism)
+(`functional_dit._ranks`). Before the first step one check compares the settings and
+inputs of the ranks that must agree and raises on every rank if they differ (nothing is
+broadcast).
 
 docs/sampling.md lists what is reproduced per pipeline class.
 """
@@ -448,14 +450,14 @@ def _encode(model, strings, embeds: dict, rows, msl, prefix: str = "") -> Prompt
     return model.encode([strings[r] for r in rows], msl)
 
 
-def _chunk(model, req, images, msl, cfg, hw, dtype, device) -> _Chunk:
+def _chunk(model, req, images, job, dtype, device) -> _Chunk:
     """Encode the chunk's prompts (and negatives with CFG) and draw its noise."""
-    rows = req.rows(images)
+    rows, msl = req.rows(images), job.max_sequence_length
     cond = _to(_encode(model, req.prompts, req.embeds, rows, msl), dtype, device)
-    if cfg is not None:
+    if job.cfg is not None:
         neg = _encode(model, req.negatives, req.negative_embeds, rows, msl, "negative_")
         cond = cfg_batch(cond, _to(neg, dtype, device))
-    shape = lambda B: model.noise_shape(B, *hw)  # noqa: E731
+    shape = lambda B: model.noise_shape(B, *job.hw)  # noqa: E731
     return _Chunk(images, _requests.draw(req.noise, images, shape, model.pack, model.take, dtype, device), cond)
 
 
@@ -546,53 +548,51 @@ def sample(
     steps, sigmas = _check_steps(steps, sigmas)
     _requests.check_max_sequence_length(fam, max_sequence_length)
     cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
-    given = dict(
-        prompt_embeds=prompt_embeds,
-        pooled_prompt_embeds=pooled_prompt_embeds,
-        prompt_embeds_mask=prompt_embeds_mask,
-        negative_prompt_embeds=negative_prompt_embeds,
-        negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
-        negative_prompt_embeds_mask=negative_prompt_embeds_mask,
-    )
+    given = {k: v for k, v in locals().items() if "prompt_embeds" in k}  # the six stock embedding arguments
     req = _requests.requests(fam, prompt, num_images_per_prompt, seed, latents, negative_prompt, cfg is not None, given)
     device, dtype = _param_device_dtype(params)
     local_params, mesh = sharding.local_view(params)
     lay = _ranks.layout(mesh, req.n)
     model = _family_model(fam, local_params if lay.split else params, pipe, image, kv_cache)
-    h, w = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
-    _check_latents(model, pipe, req, h, w)
+    hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
+    _check_latents(model, pipe, req, *hw)
+    on_step = _on_step(pipe, callback, callback_on_step_end)
+    job = _Job(fam, hw, steps, sigmas, guidance, cfg, output_type, max_sequence_length, batch_size, on_step)
     with torch.no_grad():
         if image is not None:
             model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
-        chunks = [
-            _chunk(model, req, c, max_sequence_length, cfg, (h, w), dtype, device)
-            for c in _chunks(lay.share, batch_size)
-        ]
-        schedule = _scheduler(pipe, fam, h * w // 4, steps, device, sigmas).sigmas
-        settings = dict(
-            height=height, width=width, steps=steps, sigmas=schedule, guidance=guidance, true_cfg=cfg, dtype=dtype,
-            output_type=output_type, images=req.n, share=lay.share, batch_size=batch_size,
-            kv_cache=getattr(model, "kv", None), max_sequence_length=max_sequence_length, noise=req.noise[0],
-        )  # fmt: skip
-        _check_ranks(lay, chunks, model, settings)
+        chunks = [_chunk(model, req, c, job, dtype, device) for c in _chunks(lay.share, batch_size)]
+        _check_ranks(lay, chunks, model, _settings(job, pipe, req, lay, model, dtype, (height, width)))
         with sharding.bind(lay.mesh) if lay.split else contextlib.nullcontext():
-            parts = [
-                _run(
-                    model,
-                    pipe,
-                    fam,
-                    c,
-                    (h, w),
-                    steps,
-                    sigmas,
-                    guidance,
-                    cfg,
-                    output_type,
-                    (callback, callback_on_step_end),
-                )
-                for c in chunks
-            ]
+            parts = [_run(model, pipe, c, job) for c in chunks]
         return _ranks.collect(lay, _ranks.concat(parts, output_type), output_type, local)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What every chunk of one `sample` call shares: the family, the latent grid (h, w),
+    the schedule, the guidance, the output and the step hook."""
+
+    fam: str
+    hw: tuple[int, int]
+    steps: int
+    sigmas: list | None
+    guidance: float | None
+    cfg: float | None
+    output_type: str
+    max_sequence_length: int | None
+    batch_size: int | None
+    on_step: Callable | None
+
+
+def _settings(job: _Job, pipe, req, lay, model, dtype, size) -> dict:
+    """Every scalar that shapes the result, for the agreement check across ranks."""
+    sigmas = _scheduler(pipe, job.fam, job.hw[0] * job.hw[1] // 4, job.steps, "cpu", job.sigmas).sigmas
+    return dict(
+        height=size[0], width=size[1], steps=job.steps, sigmas=sigmas, guidance=job.guidance, true_cfg=job.cfg,
+        dtype=dtype, output_type=job.output_type, images=req.n, share=lay.share, batch_size=job.batch_size,
+        kv_cache=getattr(model, "kv", None), max_sequence_length=job.max_sequence_length, noise=req.noise[0],
+    )  # fmt: skip
 
 
 def _check_latents(model, pipe, req, h: int, w: int) -> None:
@@ -608,13 +608,13 @@ def _check_latents(model, pipe, req, h: int, w: int) -> None:
         )
 
 
-def _run(model, pipe, fam, chunk: _Chunk, hw, steps, sigmas, guidance, cfg, output_type, callbacks):
+def _run(model, pipe, chunk: _Chunk, job: _Job):
     """One chunk from noise to its output: prepare, denoise, decode."""
     device = chunk.x.device
-    model.prepare(chunk.cond, *hw, guidance, device)
-    sched = _scheduler(pipe, fam, chunk.x.shape[1], steps, device, sigmas)
-    x = _denoise(model, sched, chunk.x, chunk.cond, cfg, fam == "qwenimage", _on_step(pipe, *callbacks))
-    return x if output_type == "latent" else _decode(model, pipe, x, *hw, output_type)
+    model.prepare(chunk.cond, *job.hw, job.guidance, device)
+    sched = _scheduler(pipe, job.fam, chunk.x.shape[1], job.steps, device, job.sigmas)
+    x = _denoise(model, sched, chunk.x, chunk.cond, job.cfg, job.fam == "qwenimage", job.on_step)
+    return x if job.output_type == "latent" else _decode(model, pipe, x, *job.hw, job.output_type)
 
 
 def _on_step(pipe, callback, callback_on_step_end):
