@@ -232,7 +232,8 @@ def run_many(args, params, pipe, images, model: str, rank0: bool, dp: int) -> in
 
     requests = read_requests(args.prompts, args)
     pending = _agreed_pending(args.out_dir, requests, model)
-    bar = tqdm(total=len(requests), initial=len(requests) - len(pending), unit="img", disable=not rank0)
+    fmt = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}]"  # img/s, never s/img
+    bar = tqdm(total=len(requests), initial=len(requests) - len(pending), unit="img", bar_format=fmt, disable=not rank0)
     writer, start = _writes(params), time.perf_counter()
     try:
         for group in rounds(pending, dp * args.batch_size):

@@ -156,6 +156,8 @@ def run(args) -> int:
 
     from functional_dit import bench
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     started = datetime.datetime.now(datetime.timezone.utc)
     per = per_image(max(args.runs, 1))
     print(f"sampling per image: {per}", flush=True)

@@ -82,16 +82,36 @@ def _pngs(out_dir) -> list[str]:
     )
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its ranks in sessions of their own)."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def test_prompts_run_killed_and_resumed_gives_one_correct_image_per_request(folder, tmp_path):
     prompts, out_dir = _requests_file(tmp_path), str(tmp_path / "out")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    first = subprocess.Popen(_command(folder, prompts, out_dir), cwd=str(tmp_path), env=env, start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(_command(folder, prompts, out_dir), cwd=str(tmp_path), env=env, **quiet)
     deadline = time.monotonic() + 400
     while first.poll() is None and not _pngs(out_dir) and time.monotonic() < deadline:
         time.sleep(0.02)
-    os.killpg(first.pid, signal.SIGKILL)  # torchrun and both ranks, mid-run
+    for pid in [*_descendants(first.pid), first.pid]:  # both ranks and torchrun, mid-run
+        os.kill(pid, signal.SIGKILL)
     first.wait()
+    time.sleep(1)  # the kernel reaps the orphaned ranks
     done = _pngs(out_dir)
     assert 0 < len(done) < N, f"the kill came {'too late' if done else 'too early'}: {done}"
     # a damaged image (truncated) and a killed run's temporary file: both must be handled
