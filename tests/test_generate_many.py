@@ -85,7 +85,7 @@ def _pngs(out_dir) -> list[str]:
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (torchrun starts its ranks in sessions of their own)."""
     children: dict = {}
-    for entry in os.listdir("/proc"):
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
@@ -138,7 +138,7 @@ def _check_images(folder, prompts, out_dir, manifest):
     for m in manifest:
         img = Image.open(os.path.join(out_dir, m["file"]))
         meta = json.loads(img.text[_many.META_KEY])
-        assert meta == m and meta["model"] == folder
+        assert dict(meta, file=m["file"]) == m and meta["model"] == folder
         assert meta["seed"] == (123 if m["index"] == 3 else 40 + m["index"])
         kw = {k: m[k] for k in ("height", "width", "steps", "guidance", "true_cfg", "negative_prompt")}
         want = fd.sample(params, pipe, m["prompt"], seed=m["seed"], batch_size=1, **kw)[0]
