@@ -243,28 +243,35 @@ def _cfg_parallel_qwen(rank, world):
     pipe = tiny.pipeline("qwen-image")
     params = fd.from_diffusers(pipe.transformer)
     kw = dict(height=32, width=32, steps=2, seed=4, true_cfg=4.0, negative_prompt="blurry", output_type="latent")
-    single = fd.sample(params, pipe, RAGGED, **kw)
     mesh = sharding.make_mesh(dp=2, device_type="cpu")
+    sharded = sharding.shard_params(params, mesh)
     calls = []
     apply = fd._api.apply
 
-    def spy(p, x, *a, **k):  # record the local batch each rank computes
+    def spy(p, x, *a, **k):  # record the batch each model call gets
         calls.append(x.shape[0])
         return apply(p, x, *a, **k)
 
+    out = {}
     fd._sample._api.apply = spy
     try:
-        parallel = fd.sample(sharding.shard_params(params, mesh), pipe, RAGGED, **kw)
+        for name, prompt in (("one", RAGGED[:1]), ("two", RAGGED)):
+            out[name] = fd.sample(sharded, pipe, prompt, **kw)
+            out[name + " calls"], calls[:] = list(calls), []
     finally:
         fd._sample._api.apply = apply
-    return single, parallel, calls
+    out["single one"] = fd.sample(params, pipe, RAGGED[:1], **kw)
+    out["single two"] = fd.sample(params, pipe, RAGGED, **kw)
+    return out
 
 
-def test_dp2_cfg_parallel_equals_single_process():
-    """Qwen-Image true CFG with ragged prompts: [cond; uncond] is one batch of 4 per call,
-    which fd.apply splits over dp (each rank computes one branch for both prompts)."""
+def test_dp2_cfg_parallel_and_prompt_split_equal_single_process():
+    """Qwen-Image true CFG with ragged prompts on dp=2. One prompt: [cond; uncond] is one
+    batch of 2 per call, which fd.apply splits over dp (one branch per rank). Two prompts:
+    each dp group makes its own prompt, [cond; uncond] batched inside the group."""
     results = spawn(_cfg_parallel_qwen, 2, timeout=500)
-    for single, parallel, calls in results:
-        torch.testing.assert_close(parallel, single, **FP32)
-        assert calls == [4, 4]  # one call per step holding both branches
-    assert torch.equal(results[0][1], results[1][1])
+    for r in results:
+        for name in ("one", "two"):
+            torch.testing.assert_close(r[name], r["single " + name], **FP32)
+            assert r[name + " calls"] == [2, 2]  # one call per step holding both branches
+    assert torch.equal(results[0]["two"], results[1]["two"])

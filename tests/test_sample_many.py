@@ -130,7 +130,7 @@ def test_latents_sigmas_and_step_callback_equal_stock():
             dict(latents=torch.zeros(1, 4, 64)),
             r"latents: expected shape \(1, 4, 16\) \(FluxPipeline's latents= layout\)",
         ),
-        (dict(prompt_embeds=torch.zeros(1, 4, 32), pooled_prompt_embeds=torch.zeros(1, 8)), "prompt: expected None with"),
+        (dict(prompt_embeds=torch.zeros(1, 4, 32), pooled_prompt_embeds=torch.zeros(1, 8)), "prompt: expected None"),
         (dict(prompt=None, prompt_embeds=torch.zeros(1, 4, 32)), "pooled_prompt_embeds: expected with"),
         (dict(prompt=None, prompt_embeds_mask=torch.ones(1, 4)), "prompt_embeds_mask: a flux1 pipeline takes no"),
     ],
@@ -168,7 +168,9 @@ def _many(rank, world, tp):
         mine = dict(kw, guidance=5.0 if rank == 1 else 3.5)
         out["per-group guidance"] = fd.sample(sharded, pipe, PROMPTS, **mine)
         return out
-    for name, change in (("guidance", dict(guidance=4.0)), ("steps", dict(steps=3)), ("height", dict(height=48))):
+    changes = dict(guidance=dict(guidance=4.0), steps=dict(steps=3), height=dict(height=48))
+    changes |= dict(true_cfg=dict(true_cfg=2.0), sigmas=dict(sigmas=[1.0, 0.4], steps=None))
+    for name, change in changes.items():
         start = time.monotonic()
         try:
             fd.sample(sharded, pipe, PROMPTS, **(kw | (change if rank % 2 else {})))
@@ -206,7 +208,7 @@ def test_distinct_prompts_over_dp_equal_one_process_and_ranks_fail_together():
         assert torch.equal(out["all"], tp2)  # dp=2 x tp=2 = tp=2 alone, bitwise
         want = [0, 1, 2] if r < 2 else [3, 4]
         assert out["local"][0] == want
-        for name, expected in (("guidance", "guidance"), ("steps", "steps"), ("height", "height")):
-            assert out[name].startswith(f"{expected}: expected the same value on every rank of dp group"), out[name]
+        for name in ("guidance", "steps", "height", "true_cfg", "sigmas"):
+            assert out[name].startswith(f"{name}: expected the same value on every rank of dp group 0, got"), out[name]
             assert out[name + " s"] < 60  # one check before any step, not a collective timeout
         assert [o["steps"] for o in dp2tp2] == [out["steps"]] * 4  # the same error on every rank
