@@ -80,7 +80,13 @@ def add_commands(sub) -> None:
     )
     gen.add_argument("--base", default=None, help="pipeline folder for the text encoders, VAE and scheduler")
     gen.add_argument("--config", default=None, help="preset for a single transformer file without a config")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", default=None, help="one prompt (with --out)")
+    gen.add_argument(
+        "--prompts",
+        default=None,
+        help="a file of prompts, one a line, or JSON lines with prompt, seed, size, steps, guidance, "
+        "true_cfg, negative_prompt (with --out-dir; resumable)",
+    )
     gen.add_argument("--negative-prompt", default=None)
     gen.add_argument("--image", nargs="+", default=None, help="reference image(s) (FLUX.2, Qwen-Image-Edit)")
     gen.add_argument("--height", type=_positive, default=1024)
@@ -99,5 +105,7 @@ def add_commands(sub) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="default: bfloat16 on an accelerator, float32 on the CPU",
     )
-    gen.add_argument("--out", required=True, help="the image file to write (.png, .jpg, .webp)")
+    gen.add_argument("--out", default=None, help="the image file to write (.png, .jpg, .webp)")
+    gen.add_argument("--out-dir", default=None, help="with --prompts: the folder for NNNNN.png and manifest.jsonl")
+    gen.add_argument("--batch-size", type=_positive, default=1, help="with --prompts: images per model call")
     gen.set_defaults(run=_run_generate)

@@ -9,8 +9,10 @@ each rank reads only its own slices; rank 0 shows a progress bar, writes the ima
 reports the time per step and the peak memory.
 
 Everything that can be checked before the heavy loading is (paths, the checkpoint kind,
-sizes against the VAE scale, the world size), each failure as one line; the image is
-written to a temporary file next to ``--out`` and renamed, so nothing partial is left.
+sizes against the VAE scale, the world size, a ``--prompts`` file), each failure as one
+line; the image is written to a temporary file next to ``--out`` and renamed, so nothing
+partial is left. ``--prompts FILE --out-dir DIR`` generates many images, resumably, each
+dp group its share (`functional_dit._many`).
 """
 
 from __future__ import annotations
@@ -198,14 +200,15 @@ def _peak_memory_gib(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
-def write_image(image, out: str) -> None:
-    """Write through a temporary file in the target folder, then rename: never a partial file."""
+def write_image(image, out: str, pnginfo=None) -> None:
+    """Write through a temporary file in the target folder, then rename: never a partial file
+    (``pnginfo``: PNG text chunks)."""
     folder = os.path.dirname(os.path.abspath(out))
     os.makedirs(folder, exist_ok=True)
     stem, suffix = os.path.splitext(os.path.basename(out))
     tmp = os.path.join(folder, f".{stem}.partial-{os.getpid()}{suffix}")
     try:
-        image.save(tmp)
+        image.save(tmp, **({} if pnginfo is None else {"pnginfo": pnginfo}))
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -215,17 +218,37 @@ def write_image(image, out: str) -> None:
 # ----------------------------------------------------------------------------- run
 
 
-def run(args) -> int:
-    import diffusers
-    from tqdm.auto import tqdm
+def _check_outputs(args) -> None:
+    """One of --prompt (with --out) or --prompts (with --out-dir)."""
+    if (args.prompt is None) == (args.prompts is None):
+        raise CLIError("--prompt, --prompts: expected exactly one (a prompt, or a file of prompts)")
+    if args.prompt is not None and (args.out is None or args.out_dir is not None):
+        raise CLIError("--out: expected with --prompt (and no --out-dir; that is for --prompts)")
+    if args.prompts is not None and (args.out_dir is None or args.out is not None):
+        raise CLIError("--out-dir: expected with --prompts (and no --out; that is for --prompt)")
+    if args.out is not None:
+        _check_out(args.out)
+    if args.out_dir is not None and os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise CLIError(f"--out-dir: {args.out_dir} exists and is not a folder")
 
-    import functional_dit as fd
+
+def _setup(args):
+    """Checks, the mesh and the loads: (pipe, params, images, device, rank0, start, loaded)."""
+    import diffusers
+
     import weights
 
-    _check_out(args.out)
+    _check_outputs(args)
     model, base, config = resolve(args)
     _check_size(base, args.height, args.width)
     images = _check_images(args.image)
+    requests = None
+    if args.prompts is not None:
+        from . import _many
+
+        requests = _many.read_requests(args.prompts, args)
+        for r in requests:
+            _check_size(base, r["height"], r["width"])
     mesh = _mesh(args)
     device, dtype = _device_dtype(args, mesh)
     rank0 = _rank() == 0
@@ -241,7 +264,24 @@ def run(args) -> int:
         params = weights.load(model, config=config, mesh=mesh, dtype=dtype, device=None if mesh else device)
     except ValueError as e:
         raise CLIError(f"--model: {str(e).splitlines()[0]}") from None
-    loaded = time.perf_counter()
+    return pipe, params, images, device, rank0, start, time.perf_counter()
+
+
+def run(args) -> int:
+    pipe, params, images, device, rank0, start, loaded = _setup(args)
+    if args.prompts is not None:
+        from . import _many
+
+        return _many.run_many(args, params, pipe, images, args.model, rank0, args.dp)
+    return _run_one(args, pipe, params, images, device, rank0, start, loaded)
+
+
+def _run_one(args, pipe, params, images, device, rank0: bool, start: float, loaded: float) -> int:
+    """``--prompt``: one image with a progress bar over steps, written by rank 0."""
+    from tqdm.auto import tqdm
+
+    import functional_dit as fd
+
     bar = tqdm(total=args.steps, desc="denoising", disable=not rank0)
     stamps = []
 

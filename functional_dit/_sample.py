@@ -15,18 +15,21 @@ Per-step-invariant work is done once before the loop: prompt embeddings, positio
 and their RoPE tables (passed to ``fd.apply`` as ``rope=``), reference-image latents;
 the klein reference KV cache is extracted on the first step and reused after.
 
-Sharded params work as they are: every rank runs the same loop on the same inputs and
-``fd.apply`` splits the work (tp, sp) and the batch (dp). With classifier-free guidance
-the conditional and unconditional branches are one batch of 2B, so on a ``dp=2`` mesh
-each rank computes one branch (CFG parallelism). Every rank draws the same noise from
-``seed``; before the first step `sharding.check_replicated` compares the inputs across
-ranks and raises on every rank if they differ (nothing is broadcast).
+Image ``i`` draws its noise from its own seed (`functional_dit._requests`), so it is the
+same image in any batch, chunk or rank. Sharded params work as they are: on a mesh with
+``dp`` groups and at least as many images each group makes its own share of the images
+with the mesh's tp and sp axes; with fewer images every rank runs the same loop and
+``fd.apply`` splits the [cond; uncond] batch over dp (CFG parallelism)
+(`functional_dit._ranks`). Before the first step one check compares the settings and
+inputs of the ranks that must agree and raises on every rank if they differ (nothing is
+broadcast).
 
 docs/sampling.md lists what is reproduced per pipeline class.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -37,7 +40,7 @@ import torch
 
 import sharding
 
-from . import _api, flux1, flux2
+from . import _api, _ranks, _requests, flux1, flux2
 from . import qwenimage as _qwen
 from ._pytree import Params
 
@@ -109,10 +112,7 @@ def _pipeline_class(fam: str, comps: Mapping) -> str:
 # ----------------------------------------------------------------------------- checks
 
 
-def _check_args(pipe, prompt, height, width, steps, seed, output_type):
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise ValueError(f"prompt: expected a string or a non-empty list of strings, got {prompt!r}")
+def _check_args(pipe, height, width, output_type, batch_size):
     multiple = pipe.vae_scale_factor * 2
     for name, v in (("height", height), ("width", width)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v % multiple:
@@ -120,21 +120,26 @@ def _check_args(pipe, prompt, height, width, steps, seed, output_type):
                 f"{name}: expected a positive multiple of {multiple} (VAE scale {pipe.vae_scale_factor} x 2x2 "
                 f"packing), got {v!r}"
             )
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps: expected a positive int, got {steps!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed: expected an int, got {seed!r}")
     if output_type not in _OUTPUT_TYPES:
         raise ValueError(f"output_type: expected one of {list(_OUTPUT_TYPES)}, got {output_type!r}")
-    return list(prompts)
+    if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
+        raise ValueError(f"batch_size: expected None or a positive int (images per model call), got {batch_size!r}")
 
 
-def _negatives(negative_prompt, n: int) -> list[str]:
-    neg = "" if negative_prompt is None else negative_prompt
-    neg = [neg] * n if isinstance(neg, str) else list(neg)
-    if len(neg) != n or not all(isinstance(p, str) for p in neg):
-        raise ValueError(f"negative_prompt: expected a string or {n} strings (one per prompt), got {negative_prompt!r}")
-    return neg
+def _check_steps(steps, sigmas) -> tuple[int, list | None]:
+    """(steps, sigmas): ``steps`` alone, ``sigmas`` alone (steps = their count) or both agreeing."""
+    if sigmas is not None:
+        ok = isinstance(sigmas, (list, tuple, np.ndarray)) and len(sigmas) > 0
+        if not ok or not all(isinstance(v, (int, float, np.floating)) and not isinstance(v, bool) for v in sigmas):
+            raise ValueError(f"sigmas: expected a non-empty list of floats, got {sigmas!r}")
+        sigmas = [float(v) for v in sigmas]
+        if steps is None:
+            return len(sigmas), sigmas
+        if steps != len(sigmas):
+            raise ValueError(f"steps: expected None or len(sigmas) = {len(sigmas)}, got {steps!r}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps: expected a positive int, got {steps!r}")
+    return steps, sigmas
 
 
 def _param_device_dtype(params: Params):
@@ -165,11 +170,12 @@ def _empirical_mu(seq_len: int, steps: int) -> float:
     return float(a * steps + (m_200 - 200.0 * a))
 
 
-def _scheduler(pipe, fam: str, seq_len: int, steps: int, device):
-    """A copy of the pipeline's scheduler set to ``steps`` sigmas linear from 1 to 1/steps,
-    shifted by the family's mu, exactly as the pipelines set it."""
+def _scheduler(pipe, fam: str, seq_len: int, steps: int, device, sigmas=None):
+    """A copy of the pipeline's scheduler set to ``steps`` sigmas linear from 1 to 1/steps
+    (or the given ``sigmas``), shifted by the family's mu, exactly as the pipelines set it."""
     sched = copy.deepcopy(pipe.scheduler)
-    sigmas = None if sched.config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / steps, steps)
+    sigmas = np.linspace(1.0, 1 / steps, steps) if sigmas is None else np.array(sigmas)
+    sigmas = None if sched.config.get("use_flow_sigmas", False) else sigmas
     mu = _empirical_mu(seq_len, steps) if fam == "flux2" else _calculate_shift(seq_len, sched.config)
     sched.set_timesteps(sigmas=sigmas, device=device, mu=mu)
     sched.set_begin_index(0)
@@ -177,13 +183,6 @@ def _scheduler(pipe, fam: str, seq_len: int, steps: int, device):
 
 
 # ----------------------------------------------------------------------------- latents
-
-
-def _noise(shape, seed: int, dtype, device) -> torch.Tensor:
-    """Gaussian noise from a CPU generator seeded with ``seed`` (what the pipelines draw
-    with ``generator=torch.Generator().manual_seed(seed)``), then moved to ``device``."""
-    gen = torch.Generator("cpu").manual_seed(seed)
-    return torch.randn(shape, generator=gen, dtype=dtype).to(device)
 
 
 def pack_2x2(z: torch.Tensor) -> torch.Tensor:
@@ -219,8 +218,14 @@ class _Flux1:
         txt, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, max_sequence_length=msl or 512)
         return Prompt(txt, pooled)
 
-    def latents(self, B, h, w, seed, dtype, device):
-        return pack_2x2(_noise((B, self.c.in_channels // 4, h, w), seed, dtype, device))
+    def encode_embeds(self, msl, prompt_embeds, pooled_prompt_embeds):
+        return Prompt(prompt_embeds, pooled_prompt_embeds)
+
+    def noise_shape(self, B, h, w):
+        return (B, self.c.in_channels // 4, h, w)
+
+    pack = staticmethod(pack_2x2)
+    take = staticmethod(lambda latents: latents)  # the pipeline's latents= are packed
 
     def prepare(self, cond: Prompt, h, w, guidance, device):
         img_ids = grid_ids(h // 2, w // 2, 3, torch.float32, device)
@@ -249,9 +254,18 @@ class _Flux2:
         txt, txt_ids = self.pipe.encode_prompt(prompt=prompts, max_sequence_length=msl or 512)
         return Prompt(txt, txt_ids=txt_ids[0])
 
-    def latents(self, B, h, w, seed, dtype, device):
-        z = _noise((B, self.c.in_channels, h // 2, w // 2), seed, dtype, device)
-        return z.reshape(B, self.c.in_channels, -1).permute(0, 2, 1)
+    def encode_embeds(self, msl, prompt_embeds):
+        return Prompt(prompt_embeds, txt_ids=self.pipe._prepare_text_ids(prompt_embeds)[0].to(prompt_embeds.device))
+
+    def noise_shape(self, B, h, w):
+        return (B, self.c.in_channels, h // 2, w // 2)
+
+    @staticmethod
+    def pack(z):
+        """(B, C, h/2, w/2) -> (B, h/2 · w/2, C): row-major tokens (also the pipeline's latents= layout)."""
+        return z.reshape(*z.shape[:2], -1).permute(0, 2, 1)
+
+    take = pack
 
     def images(self, images, B, device):
         """Reference images -> packed latents (B, R, C) and ids (R, 4), the pipeline's way."""
@@ -277,6 +291,7 @@ class _Flux2:
             n, S = cond.txt_ids.shape[0], img_ids.shape[0] - self.ref.shape[1]
             self.rope_cached = tuple(torch.cat([a[:n], a[a.shape[0] - S :]]) for a in self.rope)
         self.guidance = (4.0 if guidance is None else guidance) if self.c.guidance_embeds else None
+        self.cache = None  # a new batch extracts its own reference KV cache
 
     def __call__(self, x, t, cond: Prompt):
         B, S = x.shape[:2]
@@ -319,9 +334,17 @@ class _Qwen:
         txt, mask = self.pipe.encode_prompt(prompt=prompts, max_sequence_length=msl or 512, **kw)
         return Prompt(txt, mask=mask)
 
-    def latents(self, B, h, w, seed, dtype, device):
-        z = _noise((B, 1, self.c.in_channels // 4, h, w), seed, dtype, device)
-        return pack_2x2(z[:, 0])
+    def encode_embeds(self, msl, prompt_embeds, prompt_embeds_mask=None):
+        """As the pipeline's encode_prompt with embeddings: cut to ``msl``, all-real mask -> None."""
+        txt, mask = prompt_embeds[:, : msl or 512], prompt_embeds_mask
+        mask = None if mask is None or bool(mask[:, : txt.shape[1]].all()) else mask[:, : txt.shape[1]]
+        return Prompt(txt, mask=mask)
+
+    def noise_shape(self, B, h, w):
+        return (B, 1, self.c.in_channels // 4, h, w)
+
+    pack = staticmethod(lambda z: pack_2x2(z[:, 0]))
+    take = staticmethod(lambda latents: latents)  # the pipeline's latents= are packed
 
     def images(self, images, B, device):
         """The Edit pipeline's reference: resized to about 1024² (multiple of 32), VAE-encoded
@@ -405,32 +428,61 @@ def combine(pred: torch.Tensor, scale: float, normalise: bool) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the loop
 
 
-def _check_ranks(x: torch.Tensor, cond: Prompt, model) -> None:
-    """Once, before the first step: every rank must hold the same inputs (fd.apply
-    assumes it and splits them itself). Raises on every rank otherwise."""
-    import torch.distributed as dist
+@dataclasses.dataclass
+class _Chunk:
+    """One model batch: its image indices, packed noise (B, S, C) and text (CFG-batched)."""
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    named = {"latents (seed)": x, "prompt embeddings (prompt)": cond.txt}
-    for name, t in (("pooled (prompt)", cond.pooled), ("prompt mask (prompt)", cond.mask)):
-        if t is not None:
-            named[name] = t
-    ref = getattr(model, "ref", None)
-    if ref is not None:
-        named["reference latents (image)"] = ref
-    sharding.check_replicated(*named.values(), names=list(named))
+    images: tuple[int, ...]
+    x: torch.Tensor
+    cond: Prompt
+
+
+def _chunks(share, batch_size: int | None) -> list[tuple[int, ...]]:
+    """``share`` in runs of ``batch_size`` images (None: all at once)."""
+    size = batch_size or max(len(share), 1)
+    return [tuple(share[i : i + size]) for i in range(0, len(share), size)]
+
+
+def _encode(model, strings, embeds: dict, rows, msl, prefix: str = "") -> Prompt:
+    """The text of prompt ``rows``: encoded strings, or rows of the given embeddings."""
+    if embeds:
+        return model.encode_embeds(msl, **{k[len(prefix) :]: v[rows] for k, v in embeds.items()})
+    return model.encode([strings[r] for r in rows], msl)
+
+
+def _chunk(model, req, images, job, dtype, device) -> _Chunk:
+    """Encode the chunk's prompts (and negatives with CFG) and draw its noise."""
+    rows, msl = req.rows(images), job.max_sequence_length
+    cond = _to(_encode(model, req.prompts, req.embeds, rows, msl), dtype, device)
+    if job.cfg is not None:
+        neg = _encode(model, req.negatives, req.negative_embeds, rows, msl, "negative_")
+        cond = cfg_batch(cond, _to(neg, dtype, device))
+    shape = lambda B: model.noise_shape(B, *job.hw)  # noqa: E731
+    return _Chunk(images, _requests.draw(req.noise, images, shape, model.pack, model.take, dtype, device), cond)
+
+
+def _check_ranks(lay, chunks, model, settings: dict) -> None:
+    """Once, before the first step: the ranks that compute the same images (a dp group's
+    tp/sp ranks) must hold the same settings and inputs (fd.apply assumes it and splits
+    them itself). Raises the same ValueError on every rank otherwise."""
+    tensors = {"latents (seed)": [c.x for c in chunks], "prompt embeddings (prompt)": [c.cond.txt for c in chunks]}
+    for name, field in (("pooled (prompt)", "pooled"), ("prompt mask (prompt)", "mask")):
+        if any(getattr(c.cond, field) is not None for c in chunks):
+            tensors[name] = [getattr(c.cond, field) for c in chunks]
+    if getattr(model, "ref", None) is not None:
+        tensors["reference latents (image)"] = model.ref
+    _ranks.check(lay, settings, tensors)
 
 
 def sample(
     params: Params,
     encoders,
-    prompt,
+    prompt=None,
     *,
     height: int,
     width: int,
-    steps: int,
-    seed: int,
+    steps: int | None = None,
+    seed=None,
     guidance: float | None = None,
     true_cfg: float | None = None,
     negative_prompt=None,
@@ -439,6 +491,18 @@ def sample(
     max_sequence_length: int | None = None,
     output_type: str = "pil",
     callback: Callable[[int, torch.Tensor], None] | None = None,
+    num_images_per_prompt: int = 1,
+    prompt_embeds: torch.Tensor | None = None,
+    pooled_prompt_embeds: torch.Tensor | None = None,
+    prompt_embeds_mask: torch.Tensor | None = None,
+    negative_prompt_embeds: torch.Tensor | None = None,
+    negative_pooled_prompt_embeds: torch.Tensor | None = None,
+    negative_prompt_embeds_mask: torch.Tensor | None = None,
+    latents: torch.Tensor | None = None,
+    sigmas=None,
+    callback_on_step_end: Callable | None = None,
+    batch_size: int | None = None,
+    local: bool = False,
 ):
     """Generate images with ``params`` (plain or sharded) and our own denoising loop.
 
@@ -446,9 +510,18 @@ def sample(
     ``Flux2Pipeline``, ``Flux2KleinPipeline``, ``Flux2KleinKVPipeline``,
     ``QwenImagePipeline``, ``QwenImageEditPipeline``; its transformer is ignored and may be
     None, e.g. ``from_pretrained(path, transformer=None)``) or a mapping of its components.
-    ``prompt``: a string or a list (one image each). ``height``/``width``: pixels, multiples
-    of the VAE scale x 2. ``seed``: the noise is ``torch.randn`` from a CPU generator with
-    this seed, as the pipelines draw it with ``generator=torch.Generator().manual_seed(seed)``.
+    ``prompt``: a string or a list, ``num_images_per_prompt`` images each (image ``i`` is
+    prompt ``i // num_images_per_prompt``'s); or None with ``prompt_embeds`` (and
+    ``pooled_prompt_embeds`` for FLUX.1, ``prompt_embeds_mask`` for Qwen-Image, their
+    ``negative_`` twins for CFG: the stock pipelines' arguments; the text encoders may then
+    be None). ``height``/``width``: pixels, multiples of the VAE scale x 2.
+
+    ``seed``: an int (image ``i`` draws its noise from ``torch.Generator().manual_seed(seed + i)``),
+    a list of ints or of ``torch.Generator`` (one per image, as diffusers'
+    ``generator=[...]``), or one ``torch.Generator`` (the stock pipelines' batch noise, one
+    ``randn`` for all images); or ``latents`` (the stock pipeline's ``latents=`` layout).
+    ``steps`` sigmas linear from 1 to 1/steps, or the given ``sigmas`` (then ``steps`` may be
+    omitted), shifted as the pipeline shifts them.
 
     ``guidance``: the embedded guidance of guidance-distilled models (FLUX.1-dev: 3.5 by
     default, FLUX.2-dev: 4.0); ignored by models without it (schnell, klein, Qwen-Image).
@@ -461,28 +534,103 @@ def sample(
     ``Flux2KleinKVPipeline``, else False.
     ``output_type``: "pil" (list of images), "np", "pt" (B, 3, H, W) in [0, 1], or
     "latent" (the packed latents the pipelines return for ``output_type="latent"``).
-    ``callback(step, latents)`` runs after every step.
+    ``callback(step, latents)`` runs after every step; ``callback_on_step_end(pipe, step, t,
+    {"latents": latents})`` too, and the "latents" of the dict it returns replace them.
+
+    On a mesh with ``dp`` groups and at least as many images, each group makes a contiguous
+    share of the images (`functional_dit._ranks`), ``batch_size`` images per model call
+    (None: its whole share at once). Returns every image on every rank, or with ``local``
+    ``(indices, images)`` of this rank's group only. docs/sampling.md says what is bitwise.
     """
     fam = _family_name(params)
     pipe = as_pipeline(encoders, params)
-    prompts = _check_args(pipe, prompt, height, width, steps, seed, output_type)
-    device, dtype = _param_device_dtype(params)
-    model = _family_model(fam, params, pipe, image, kv_cache)
-    B, h, w = len(prompts), 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
+    _check_args(pipe, height, width, output_type, batch_size)
+    steps, sigmas = _check_steps(steps, sigmas)
+    _requests.check_max_sequence_length(fam, max_sequence_length)
     cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
+    given = {k: v for k, v in locals().items() if "prompt_embeds" in k}  # the six stock embedding arguments
+    req = _requests.requests(fam, prompt, num_images_per_prompt, seed, latents, negative_prompt, cfg is not None, given)
+    device, dtype = _param_device_dtype(params)
+    local_params, mesh = sharding.local_view(params)
+    lay = _ranks.layout(mesh, req.n)
+    model = _family_model(fam, local_params if lay.split else params, pipe, image, kv_cache)
+    hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
+    _check_latents(model, pipe, req, *hw)
+    on_step = _on_step(pipe, callback, callback_on_step_end)
+    job = _Job(fam, hw, steps, sigmas, guidance, cfg, output_type, max_sequence_length, batch_size, on_step)
     with torch.no_grad():
         if image is not None:
-            model.images(image if isinstance(image, (list, tuple)) else [image], B, device)
-        cond = _to(model.encode(prompts, max_sequence_length), dtype, device)
-        if cfg is not None:
-            neg = _to(model.encode(_negatives(negative_prompt, B), max_sequence_length), dtype, device)
-            cond = cfg_batch(cond, neg)
-        x = model.latents(B, h, w, seed, dtype, device)
-        model.prepare(cond, h, w, guidance, device)
-        sched = _scheduler(pipe, fam, x.shape[1], steps, device)
-        _check_ranks(x, cond, model)
-        x = _denoise(model, sched, x, cond, cfg, fam == "qwenimage", callback)
-        return x if output_type == "latent" else _decode(model, pipe, x, h, w, output_type)
+            model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
+        chunks = [_chunk(model, req, c, job, dtype, device) for c in _chunks(lay.share, batch_size)]
+        _check_ranks(lay, chunks, model, _settings(job, pipe, req, lay, model, dtype, (height, width)))
+        with sharding.bind(lay.mesh) if lay.split else contextlib.nullcontext():
+            parts = [_run(model, pipe, c, job) for c in chunks]
+        return _ranks.collect(lay, _ranks.concat(parts, output_type), output_type, local)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What every chunk of one `sample` call shares: the family, the latent grid (h, w),
+    the schedule, the guidance, the output and the step hook."""
+
+    fam: str
+    hw: tuple[int, int]
+    steps: int
+    sigmas: list | None
+    guidance: float | None
+    cfg: float | None
+    output_type: str
+    max_sequence_length: int | None
+    batch_size: int | None
+    on_step: Callable | None
+
+
+def _settings(job: _Job, pipe, req, lay, model, dtype, size) -> dict:
+    """Every scalar that shapes the result, for the agreement check across ranks."""
+    sigmas = _scheduler(pipe, job.fam, job.hw[0] * job.hw[1] // 4, job.steps, "cpu", job.sigmas).sigmas
+    return dict(
+        height=size[0], width=size[1], steps=job.steps, sigmas=sigmas, guidance=job.guidance, true_cfg=job.cfg,
+        dtype=dtype, output_type=job.output_type, images=req.n, share=lay.share, batch_size=job.batch_size,
+        kv_cache=getattr(model, "kv", None), max_sequence_length=job.max_sequence_length, noise=req.noise[0],
+    )  # fmt: skip
+
+
+def _check_latents(model, pipe, req, h: int, w: int) -> None:
+    """Given ``latents`` must have the stock pipeline's ``latents=`` layout (FLUX.2: the
+    unpacked (B, C, h/2, w/2) noise; FLUX.1, Qwen-Image: packed (B, S, C))."""
+    if req.noise[0] != "latents":
+        return
+    z = torch.empty(model.noise_shape(req.n, h, w), device="meta")
+    want = tuple(z.shape if isinstance(model, _Flux2) else model.pack(z).shape)
+    if tuple(req.noise[1].shape) != want:
+        raise ValueError(
+            f"latents: expected shape {want} ({type(pipe).__name__}'s latents= layout), got {tuple(req.noise[1].shape)}"
+        )
+
+
+def _run(model, pipe, chunk: _Chunk, job: _Job):
+    """One chunk from noise to its output: prepare, denoise, decode."""
+    device = chunk.x.device
+    model.prepare(chunk.cond, *job.hw, job.guidance, device)
+    sched = _scheduler(pipe, job.fam, chunk.x.shape[1], job.steps, device, job.sigmas)
+    x = _denoise(model, sched, chunk.x, chunk.cond, job.cfg, job.fam == "qwenimage", job.on_step)
+    return x if job.output_type == "latent" else _decode(model, pipe, x, *job.hw, job.output_type)
+
+
+def _on_step(pipe, callback, callback_on_step_end):
+    """The step hook: ``callback(i, x)``, then the stock ``callback_on_step_end``, whose
+    returned "latents" (if any) replace x."""
+    if callback is None and callback_on_step_end is None:
+        return None
+
+    def hook(i, t, x):
+        if callback is not None:
+            callback(i, x)
+        if callback_on_step_end is not None:
+            x = (callback_on_step_end(pipe, i, t, {"latents": x}) or {}).get("latents", x)
+        return x
+
+    return hook
 
 
 def _family_model(fam: str, params, pipe, image, kv_cache):
@@ -502,7 +650,7 @@ def _family_model(fam: str, params, pipe, image, kv_cache):
 
 def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, callback):
     """The loop: one model call per step ([cond; uncond] as one batch with CFG), then the
-    scheduler's Euler step."""
+    scheduler's Euler step; ``callback(i, t, x)`` may return new latents."""
     for i, t in enumerate(sched.timesteps):
         xin = torch.cat([x, x]) if cfg is not None else x
         pred = model(xin, t.expand(xin.shape[0]).to(x.dtype) / 1000, cond)
@@ -510,7 +658,7 @@ def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, 
             pred = combine(pred, cfg, normalise)
         x = sched.step(pred, t, x, return_dict=False)[0]
         if callback is not None:
-            callback(i, x)
+            x = callback(i, t, x)
     return x
 
 

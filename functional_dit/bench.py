@@ -608,6 +608,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-compile", action="store_true", help="skip the compile figures")
     p.add_argument("--no-tp", action="store_true", help="skip tp=2 (CPU only)")
     p.add_argument("--out", default="BENCHMARKS.md", help="where to write the report ('' for none)")
+    p.add_argument("--sampling", action="store_true", help="only the sampling section, appended to --out")
 
 
 def shape(args) -> dict:
@@ -637,6 +638,10 @@ def _configs(args) -> dict:
 
 
 def run(args) -> int:
+    if getattr(args, "sampling", False):  # fd.sample vs stock, dp scaling: functional_dit.bench_sample
+        from . import bench_sample
+
+        return bench_sample.run(args)
     args.dtype = getattr(torch, args.dtype) if isinstance(args.dtype, str) else args.dtype
     if not isinstance(args.dtype, torch.dtype):
         raise ValueError(f"--dtype: expected a torch dtype name, got {args.dtype!r}")

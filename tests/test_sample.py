@@ -32,14 +32,18 @@ def ref_image(w=80, h=64, seed=0) -> Image.Image:
     return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype("uint8"))
 
 
-def stock_latents(pipe, seed, **kw) -> torch.Tensor:
-    got = {}
+def stock_latents(pipe, seed, n=1, **kw) -> torch.Tensor:
+    """The stock pipeline's final latents with image i seeded by seed + i (what
+    ``fd.sample(..., seed=seed)`` draws), or ``generator=`` as given in ``kw``."""
+    got, then = {}, kw.pop("callback_on_step_end", None)
 
-    def grab(_pipe, _i, _t, tensors):
-        got["latents"] = tensors["latents"]
-        return {}
+    def grab(_pipe, i, t, tensors):  # after ``then``, which may return new latents
+        out = {} if then is None else then(_pipe, i, t, tensors)
+        got["latents"] = out.get("latents", tensors["latents"])
+        return out
 
-    pipe(**kw, generator=torch.Generator().manual_seed(seed), callback_on_step_end=grab)
+    kw.setdefault("generator", [torch.Generator().manual_seed(seed + i) for i in range(n)])
+    pipe(**kw, callback_on_step_end=grab)
     return got["latents"]
 
 
@@ -90,7 +94,8 @@ def test_latents_equal_stock_pipeline(name, make, stock_kw, our_kw):
     pipe = make()
     prompt = stock_kw.pop("prompt", "a red cube on a table")
     our_kw.pop("prompt", None)
-    expected = stock_latents(pipe, 3, prompt=prompt, num_inference_steps=2, **SIZE, **stock_kw)
+    n = len(prompt) if isinstance(prompt, list) else 1
+    expected = stock_latents(pipe, 3, n, prompt=prompt, num_inference_steps=2, **SIZE, **stock_kw)
     got = fd.sample(
         fd.from_diffusers(pipe.transformer), pipe, prompt, steps=2, seed=3, output_type="latent", **SIZE, **our_kw
     )
@@ -238,28 +243,35 @@ def _cfg_parallel_qwen(rank, world):
     pipe = tiny.pipeline("qwen-image")
     params = fd.from_diffusers(pipe.transformer)
     kw = dict(height=32, width=32, steps=2, seed=4, true_cfg=4.0, negative_prompt="blurry", output_type="latent")
-    single = fd.sample(params, pipe, RAGGED, **kw)
     mesh = sharding.make_mesh(dp=2, device_type="cpu")
+    sharded = sharding.shard_params(params, mesh)
     calls = []
     apply = fd._api.apply
 
-    def spy(p, x, *a, **k):  # record the local batch each rank computes
+    def spy(p, x, *a, **k):  # record the batch each model call gets
         calls.append(x.shape[0])
         return apply(p, x, *a, **k)
 
+    out = {}
     fd._sample._api.apply = spy
     try:
-        parallel = fd.sample(sharding.shard_params(params, mesh), pipe, RAGGED, **kw)
+        for name, prompt in (("one", RAGGED[:1]), ("two", RAGGED)):
+            out[name] = fd.sample(sharded, pipe, prompt, **kw)
+            out[name + " calls"], calls[:] = list(calls), []
     finally:
         fd._sample._api.apply = apply
-    return single, parallel, calls
+    out["single one"] = fd.sample(params, pipe, RAGGED[:1], **kw)
+    out["single two"] = fd.sample(params, pipe, RAGGED, **kw)
+    return out
 
 
-def test_dp2_cfg_parallel_equals_single_process():
-    """Qwen-Image true CFG with ragged prompts: [cond; uncond] is one batch of 4 per call,
-    which fd.apply splits over dp (each rank computes one branch for both prompts)."""
+def test_dp2_cfg_parallel_and_prompt_split_equal_single_process():
+    """Qwen-Image true CFG with ragged prompts on dp=2. One prompt: [cond; uncond] is one
+    batch of 2 per call, which fd.apply splits over dp (one branch per rank). Two prompts:
+    each dp group makes its own prompt, [cond; uncond] batched inside the group."""
     results = spawn(_cfg_parallel_qwen, 2, timeout=500)
-    for single, parallel, calls in results:
-        torch.testing.assert_close(parallel, single, **FP32)
-        assert calls == [4, 4]  # one call per step holding both branches
-    assert torch.equal(results[0][1], results[1][1])
+    for r in results:
+        for name in ("one", "two"):
+            torch.testing.assert_close(r[name], r["single " + name], **FP32)
+            assert r[name + " calls"] == [2, 2]  # one call per step holding both branches
+    assert torch.equal(results[0]["two"], results[1]["two"])
