@@ -9,6 +9,7 @@ guidance and pooled text vector, and 3-axis RoPE over (txt; img) ids.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -31,7 +32,19 @@ from ._config import (
     require_positive_or_none,
     require_rope_axes,
 )
-from ._pytree import MOD3, MOD6, MOD_OUT, PACKED, Block, linear_spec, mod_spec, norm_spec, ordered_blocks
+from ._pytree import (
+    MOD3,
+    MOD6,
+    MOD_OUT,
+    PACKED,
+    Block,
+    linear_spec,
+    mod_spec,
+    norm_spec,
+    ordered_blocks,
+    unit_linear_spec,
+    units,
+)
 
 DIFFUSERS_CLASS = "FluxTransformer2DModel"
 NAME = "FLUX.1"
@@ -151,18 +164,24 @@ def _double_block_specs(c) -> dict:
 
 def _single_block_specs(c) -> dict:
     D, n, m = c.attention_head_dim, c.inner_dim, c.mlp_hidden_dim
-    # proj_out consumes cat([attn_out, mlp_hidden]): two independently sharded streams.
-    packed = (Block("attn", n, "heads"), Block("mlp", m, "mlp"))
+    # proj_out consumes cat([attn_out, mlp_hidden]): two independently sharded streams, cut
+    # into equal units of g = gcd(n, m) rows so its columns shard as one strided DTensor;
+    # every projection writing those streams is cut alike (units: heads or hidden units
+    # reordered the same way everywhere, see docs/architecture.md).
+    g = math.gcd(n, m)
+    col = lambda name, size, axis: unit_linear_spec(Block(name, size, axis), n, "embed", g)  # noqa: E731
     return {
         "norm": {"linear": mod_spec(n, MOD3)},
-        "proj_mlp": _col(c, m, "mlp"),
-        "proj_out": linear_spec(n, n + m, "embed", PACKED, blocks=packed),
+        "proj_mlp": col("mlp", m, "mlp"),
+        "proj_out": linear_spec(
+            n, n + m, "embed", PACKED, blocks=units((Block("attn", n, "heads"), Block("mlp", m, "mlp")), g)
+        ),
         "attn": {
             "norm_q": norm_spec(D),
             "norm_k": norm_spec(D),
-            "to_q": _col(c, n, "heads"),
-            "to_k": _col(c, n, "heads"),
-            "to_v": _col(c, n, "heads"),
+            "to_q": col("q", n, "heads"),
+            "to_k": col("k", n, "heads"),
+            "to_v": col("v", n, "heads"),
         },
     }
 

@@ -142,6 +142,7 @@ def plan(params_or_config, mesh, rules: Mapping | None = None) -> dict:
     specs, sizes = specs_of(params_or_config), mesh_sizes(mesh)
     rules = DEFAULT_RULES if rules is None else _check_rules(rules, specs, mesh, sizes)
     _check_heads(config_of(params_or_config), rules, sizes)
+    _check_head_units(config_of(params_or_config), specs, rules, sizes)
     return map_tree(lambda path, spec: _placement(path, spec, rules, sizes), specs)
 
 
@@ -183,6 +184,22 @@ def _check_heads(config, rules, sizes) -> None:
             f"num_attention_heads: Ulysses sequence parallelism needs the {heads // tp} heads per rank "
             f"({heads} / {axis or 'tp'}={tp}) to divide by the degree sp={sp}"
         )
+
+
+def _check_head_units(config, specs, rules, sizes) -> None:
+    """A fused block of heads (a unit of q, k, v or of the attention output) split over
+    its axis must give every rank whole heads of ``attention_head_dim``."""
+    D, axis = getattr(config, "attention_head_dim", None), _effective("heads", rules, sizes)
+    if not isinstance(D, int) or axis is None:
+        return
+    n = sizes[axis]
+    for path, spec in leaves(specs):
+        for b in spec.blocks or ():
+            if b.axis == "heads" and b.size % (n * D):
+                raise ValueError(
+                    f"{path}: fused block {b.name!r} of {b.size} rows split over {axis}={n} gives {b.size / n:g} rows "
+                    f"per rank, which is not a whole number of heads of attention_head_dim={D}"
+                )
 
 
 def _placement(path, spec, rules, sizes) -> Placement:
