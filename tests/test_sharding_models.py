@@ -122,8 +122,8 @@ def _packed_ok(p, s, mesh, shape) -> dict:
         spec = sharding.specs_of(p)
         for key in path.split("."):
             spec = spec[key]
-        sizes = [b.size for b in spec.blocks]
-        assert len(sizes) == len(blocks.split(","))
+        sizes = [b.size for b in spec.blocks]  # the blocks, cut into equal units (mlp.0, mlp.1, ...)
+        assert len(dict.fromkeys(b.name.split(".")[0] for b in spec.blocks)) == len(blocks.split(","))
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         want = torch.cat([full.narrow(dim, a + r * (n // tp), n // tp) for a, n in zip(starts, sizes)], dim)
         checks[path] = torch.equal(local.to_local(), want)
