@@ -59,7 +59,8 @@ def _empty_state(params) -> dict:
 
 
 def _full(x):
-    return x.full_tensor() if hasattr(x, "full_tensor") else x.detach().clone()
+    """A copy of the whole tensor (a replicated DTensor's ``full_tensor()`` is its local tensor, not a copy)."""
+    return (x.full_tensor() if hasattr(x, "full_tensor") else x).detach().clone()
 
 
 def _snapshot(params, opt_state) -> dict:
@@ -137,9 +138,15 @@ def _resume_rank(rank, world, path, folder):
     ns = runpy.run_path(path, run_name="finetune_tp")
     mesh, seen = sharding.make_mesh(tp=2), []
 
-    def record(step, params):  # the params this step's gradients are taken at, and the gradients
-        full = {k: v.detach().full_tensor() for k, v in params.flat().items()}
-        seen.append((step, full, {k: v.grad.full_tensor() for k, v in params.flat().items()}))
+    def record(step, params):  # the params this step's gradients are taken at, and the gradients (copies:
+        # the optimizer updates the replicated leaves, whose full_tensor() is the local tensor, in place)
+        seen.append(
+            (
+                step,
+                {k: _full(v) for k, v in params.flat().items()},
+                {k: _full(v.grad) for k, v in params.flat().items()},
+            )
+        )
 
     whole, opt = ns["train"](fd.init(ns["CONFIG"], seed=0), steps=4, mesh=mesh, on_grads=record)
     ns["train"](fd.init(ns["CONFIG"], seed=0), steps=2, mesh=mesh, save=folder)  # interrupted after step 2

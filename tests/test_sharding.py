@@ -125,6 +125,38 @@ def test_plan_rejects_before_any_data_moves():
     _expect(r"params_or_config: expected a specs tree", sharding.plan, object(), {"tp": 2})
 
 
+def test_honest_layouts_and_their_errors_name_the_parameter():
+    """Modulations split contiguously (their k·C rows must divide); fused dims of unequal
+    blocks have no DTensor placement; cutting a fused dim of heads into units must leave
+    every rank whole heads (FLUX.2 with mlp_ratio 2.5: units of gcd(64, 160) = 32 rows, two
+    heads of 16, so tp=2 works and tp=4 would split a head)."""
+    from functional_dit._pytree import mod_spec
+
+    _expect(
+        r"norm\.weight: dim 0 \('mod'\) of size 9 does not divide by tp=2",
+        sharding.plan,
+        {"norm": mod_spec(3, ("shift", "scale", "gate"))},
+        {"tp": 2},
+    )
+    _expect(
+        r"plan: w: Shard\(dim=0, axis='tp', blocks=\(2, 6\)\): blocks of unequal sizes have no DTensor placement",
+        sharding.dtensor_placements,
+        Shard(0, "tp", (2, 6)),
+        ("tp",),
+        "plan: w",
+    )
+    odd = dataclasses.replace(FLUX2, mlp_ratio=2.5)
+    fused = "single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"
+    assert _get(sharding.plan(odd, {"tp": 2}), fused) == Shard(0, "tp", (32,) * 16)
+    _expect(
+        r"to_qkv_mlp_proj\.weight: fused block 'q\.0' of 32 rows split over tp=4 gives 8 rows per rank, which is "
+        r"not a whole number of heads of attention_head_dim=16",
+        sharding.plan,
+        odd,
+        {"tp": 4},
+    )
+
+
 # ----------------------------------------------------------------------------- slices
 
 
