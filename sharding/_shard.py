@@ -10,7 +10,7 @@ give the parameter itself. A dim fused from k equal blocks (the specs cut fused 
 equal units) is split per block — rank r holds the r-th slice of every block,
 concatenated — which is exactly torch's ``_StridedShard(dim, split_factor=k)``; a single
 block is a plain ``Shard(dim)``. torch's distributed checkpoint misreads a strided shard
-(see `sharding.checkpoint`), so DCP goes through `checkpoint.state_dict`.
+(`sharding._checkpoint`), so DCP goes through `sharding.checkpoint_state`.
 
 `local_view` turns DTensor leaves back into plain local tensors plus their mesh, which
 is what ``functional_dit.apply`` runs on: no DTensor op dispatch on the hot path.
