@@ -165,23 +165,22 @@ def _double_block_specs(c) -> dict:
 def _single_block_specs(c) -> dict:
     D, n, m = c.attention_head_dim, c.inner_dim, c.mlp_hidden_dim
     # proj_out consumes cat([attn_out, mlp_hidden]): two independently sharded streams, cut
-    # into equal units of g = gcd(n, m) rows so its columns shard as one strided DTensor;
-    # every projection writing those streams is cut alike (units: heads or hidden units
-    # reordered the same way everywhere, see docs/architecture.md).
+    # into equal units of g = gcd(n, m) = n rows (m = 4n) so its columns shard as one strided
+    # DTensor; proj_mlp's rows are cut alike, so the hidden units a rank holds agree
+    # (units, docs/architecture.md).
     g = math.gcd(n, m)
-    col = lambda name, size, axis: unit_linear_spec(Block(name, size, axis), n, "embed", g)  # noqa: E731
     return {
         "norm": {"linear": mod_spec(n, MOD3)},
-        "proj_mlp": col("mlp", m, "mlp"),
+        "proj_mlp": unit_linear_spec(Block("mlp", m, "mlp"), n, "embed", g),
         "proj_out": linear_spec(
             n, n + m, "embed", PACKED, blocks=units((Block("attn", n, "heads"), Block("mlp", m, "mlp")), g)
         ),
         "attn": {
             "norm_q": norm_spec(D),
             "norm_k": norm_spec(D),
-            "to_q": col("q", n, "heads"),
-            "to_k": col("k", n, "heads"),
-            "to_v": col("v", n, "heads"),
+            "to_q": _col(c, n, "heads"),
+            "to_k": _col(c, n, "heads"),
+            "to_v": _col(c, n, "heads"),
         },
     }
 

@@ -187,18 +187,21 @@ def _check_heads(config, rules, sizes) -> None:
 
 
 def _check_head_units(config, specs, rules, sizes) -> None:
-    """A fused block of heads (a unit of q, k, v or of the attention output) split over
-    its axis must give every rank whole heads of ``attention_head_dim``."""
-    D, axis = getattr(config, "attention_head_dim", None), _effective("heads", rules, sizes)
-    if not isinstance(D, int) or axis is None:
+    """A fused block of heads split over its axis must be a whole q, k, v or attention
+    output (all the heads): a smaller unit (a fused dim cut into units of gcd(inner, mlp)
+    when the MLP width is no multiple of the inner width) would reorder the heads a rank
+    holds, which the KV cache's full view and every other mesh would not share."""
+    H, D = getattr(config, "num_attention_heads", None), getattr(config, "attention_head_dim", None)
+    axis = _effective("heads", rules, sizes)
+    if not (isinstance(H, int) and isinstance(D, int)) or axis is None:
         return
-    n = sizes[axis]
     for path, spec in leaves(specs):
         for b in spec.blocks or ():
-            if b.axis == "heads" and b.size % (n * D):
+            if b.axis == "heads" and b.size != H * D:
                 raise ValueError(
-                    f"{path}: fused block {b.name!r} of {b.size} rows split over {axis}={n} gives {b.size / n:g} rows "
-                    f"per rank, which is not a whole number of heads of attention_head_dim={D}"
+                    f"{path}: fused block {b.name!r} is a unit of {b.size} of the {H * D} rows of the heads; sharding "
+                    f"it over {axis}={sizes[axis]} would reorder the heads a rank holds (under tensor parallelism the "
+                    f"MLP width must be a multiple of the inner width {H * D})"
                 )
 
 

@@ -127,9 +127,9 @@ def test_plan_rejects_before_any_data_moves():
 
 def test_honest_layouts_and_their_errors_name_the_parameter():
     """Modulations split contiguously (their k·C rows must divide); fused dims of unequal
-    blocks have no DTensor placement; cutting a fused dim of heads into units must leave
-    every rank whole heads (FLUX.2 with mlp_ratio 2.5: units of gcd(64, 160) = 32 rows, two
-    heads of 16, so tp=2 works and tp=4 would split a head)."""
+    blocks have no DTensor placement; a fused dim whose heads are cut into units cannot
+    shard its heads (FLUX.2 with mlp_ratio 2.5: units of gcd(64, 160) = 32 rows, half the
+    heads; sp alone is fine)."""
     from functional_dit._pytree import mod_spec
 
     _expect(
@@ -147,13 +147,14 @@ def test_honest_layouts_and_their_errors_name_the_parameter():
     )
     odd = dataclasses.replace(FLUX2, mlp_ratio=2.5)
     fused = "single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"
-    assert _get(sharding.plan(odd, {"tp": 2}), fused) == Shard(0, "tp", (32,) * 16)
+    assert _get(sharding.plan(odd, {"sp": 2}), fused) == Replicate()
+    assert _get(fd.param_specs(odd), fused).blocks[0] == Block("q.0", 32, "heads")
     _expect(
-        r"to_qkv_mlp_proj\.weight: fused block 'q\.0' of 32 rows split over tp=4 gives 8 rows per rank, which is "
-        r"not a whole number of heads of attention_head_dim=16",
+        r"to_qkv_mlp_proj\.weight: fused block 'q\.0' is a unit of 32 of the 64 rows of the heads; sharding it "
+        r"over tp=2 would reorder the heads a rank holds",
         sharding.plan,
         odd,
-        {"tp": 4},
+        {"tp": 2},
     )
 
 
