@@ -99,9 +99,13 @@ def all_cases() -> list:
 
 
 def fits(config, shape) -> bool:
-    """Whether the config's heads split over tp, then over sp (Ulysses)."""
+    """Whether the config's heads split over tp, then over sp (Ulysses), and its heads are
+    not cut into units under tp (TINY_KLEIN's MLP width 60 is no multiple of its inner
+    width 24, so its single blocks cannot shard over tp: `sharding.plan` refuses,
+    docs/architecture.md)."""
     tp, sp = shape.get("tp", 1), shape.get("sp", 1)
-    return config.num_attention_heads % (tp * sp) == 0
+    whole_units = tp == 1 or getattr(config, "mlp_hidden_dim", 0) % config.inner_dim == 0
+    return config.num_attention_heads % (tp * sp) == 0 and whole_units
 
 
 def _packed_ok(p, s, mesh, shape) -> dict:
