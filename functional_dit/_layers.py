@@ -300,13 +300,13 @@ def modulations(layers: list, emb: torch.Tensor, axis: str = "tp") -> list[torch
     """``[linear(p, silu(emb)) for p, n in layers]``: each AdaLN projection's (B, n·C)
     modulation (n chunks of C, emb (B, C)), for every block of a model at once.
 
-    A projection may be sharded per chunk over ``axis`` (its ``"mod"`` blocks): its local
-    output (B, n·C/tp) holds this rank's slice of every chunk. The sharded ones are
-    all-gathered in ONE collective (a few KB per block) and put back in chunk order, so a
+    A projection may be sharded over ``axis``: its rows split contiguously (a plain
+    ``Shard(0)``), so its local output (B, n·C/tp) is this rank's contiguous slice of the
+    whole. The sharded ones are all-gathered in ONE collective (a few KB per block), so a
     model pays one all-gather per call, not one per block. Whether a projection is sharded
     is read off its local rows (n·C: whole). A sharded projection is column-parallel
-    (`col_linear`: ``emb``'s gradient is summed over ``axis``); the all-gather's backward
-    takes this rank's slice, nothing more. Each result has its own storage."""
+    (``emb``'s gradient is summed over ``axis``); the all-gather's backward takes this
+    rank's slice, nothing more. Each result has its own storage."""
     h, C = F.silu(emb), emb.shape[-1]
     out = [linear(p, h) if p["weight"].shape[0] == n * C else None for p, n in layers]
     sharded = [i for i, y in enumerate(out) if y is None]
@@ -315,15 +315,14 @@ def modulations(layers: list, emb: torch.Tensor, axis: str = "tp") -> list[torch
     size, hv = sharding.axis_size(axis), sharding.pvary(h, axis)
     local = [linear(layers[i][0], hv) for i in sharded]
     for i, y in zip(sharded, local):
-        n = layers[i][1]
-        if y.shape[-1] % n or y.shape[-1] * size != n * C:
+        if y.shape[-1] * size != layers[i][1] * C:
             raise ValueError(
-                f"modulation: the local projection gives {y.shape[-1]} rows for {n} chunks of {C}, which is neither "
-                f"the whole (n x embed dim) nor a per-chunk shard over {axis!r} (size {size})"
+                f"modulation: the local projection gives {y.shape[-1]} rows for {layers[i][1]} chunks of {C}, which is "
+                f"neither the whole (n x embed dim) nor a contiguous shard over {axis!r} (size {size})"
             )
-    g = sharding.all_gather(torch.cat(local, -1), axis, dim=-1).unflatten(-1, (size, -1))  # rank-major
-    for i, piece in zip(sharded, g.split([y.shape[-1] for y in local], dim=-1)):  # piece: (..., size, n·c)
-        out[i] = piece.unflatten(-1, (layers[i][1], -1)).transpose(-3, -2).flatten(-3)  # chunk order (a copy)
+    g = sharding.all_gather(torch.cat(local, -1), axis, dim=-1).unflatten(-1, (size, -1))  # (B, rank, local rows)
+    for i, piece in zip(sharded, g.split([y.shape[-1] for y in local], dim=-1)):
+        out[i] = piece.flatten(-2)  # rank order is row order (a copy, or all of g when it is the only one)
     return out
 
 

@@ -78,11 +78,34 @@ MOD_OUT = ("scale", "shift")  # the final AdaLN: diffusers' (scale, shift) order
 
 def mod_spec(dim: int, chunks: tuple[str, ...], bias: bool = True) -> dict:
     """Specs of an AdaLN modulation projection ``nn.Linear(dim, len(chunks) * dim)``: its
-    output is ``len(chunks)`` vectors (shift, scale, gate, ...) of ``dim`` each, so the
-    output dim is packed from one ``"mod"`` block per chunk and shards per chunk (rank r
-    holds the r-th slice of every chunk; the model all-gathers the small (B, k·C) output)."""
-    blocks = tuple(Block(name, dim, "mod") for name in chunks)
-    return linear_spec(len(chunks) * dim, dim, PACKED, "embed", bias=bias, blocks=blocks)
+    output is ``len(chunks)`` vectors (shift, scale, gate, ...) of ``dim`` each. Its rows
+    shard contiguously over ``"mod"``: the model all-gathers the small (B, k·C) output
+    whole, so no per-chunk layout is needed and the sharded leaf is a plain ``Shard(0)``."""
+    return linear_spec(len(chunks) * dim, dim, "mod", "embed", bias=bias)
+
+
+def units(blocks, size: int) -> tuple[Block, ...]:
+    """``blocks`` cut into equal units of ``size`` rows each (a block of 4 units ``mlp``
+    becomes ``mlp.0`` ... ``mlp.3``), in order. A dim fused from equal units shards as one
+    ``_StridedShard`` DTensor (rank r holds the r-th slice of every unit), which
+    ``full_tensor()`` reads right; splitting an MLP block this way only reorders its hidden
+    units, the same for every parameter of the block that reads or writes them."""
+    if any(b.size % size for b in blocks):
+        raise ValueError(f"units: blocks {[(b.name, b.size) for b in blocks]} do not divide into units of {size}")
+    out = []
+    for b in blocks:
+        k = b.size // size
+        out += [b] if k == 1 else [Block(f"{b.name}.{i}", size, b.axis) for i in range(k)]
+    return tuple(out)
+
+
+def unit_linear_spec(block: Block, in_dim: int, in_axis, size: int, bias: bool = True) -> dict:
+    """Specs of a column-parallel ``nn.Linear(in_dim, block.size)`` whose output rows are
+    cut into `units` of ``size`` (plain when it is one unit): the projection feeding a
+    fused consumer cut alike (FLUX.1's ``proj_mlp`` into ``proj_out``)."""
+    if block.size == size:
+        return linear_spec(block.size, in_dim, block.axis, in_axis, bias=bias)
+    return linear_spec(block.size, in_dim, PACKED, in_axis, bias=bias, blocks=units((block,), size))
 
 
 def norm_spec(dim: int, axis: str = "head_dim") -> dict:

@@ -9,6 +9,7 @@ guidance and pooled text vector, and 3-axis RoPE over (txt; img) ids.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -31,7 +32,19 @@ from ._config import (
     require_positive_or_none,
     require_rope_axes,
 )
-from ._pytree import MOD3, MOD6, MOD_OUT, PACKED, Block, linear_spec, mod_spec, norm_spec, ordered_blocks
+from ._pytree import (
+    MOD3,
+    MOD6,
+    MOD_OUT,
+    PACKED,
+    Block,
+    linear_spec,
+    mod_spec,
+    norm_spec,
+    ordered_blocks,
+    unit_linear_spec,
+    units,
+)
 
 DIFFUSERS_CLASS = "FluxTransformer2DModel"
 NAME = "FLUX.1"
@@ -151,12 +164,17 @@ def _double_block_specs(c) -> dict:
 
 def _single_block_specs(c) -> dict:
     D, n, m = c.attention_head_dim, c.inner_dim, c.mlp_hidden_dim
-    # proj_out consumes cat([attn_out, mlp_hidden]): two independently sharded streams.
-    packed = (Block("attn", n, "heads"), Block("mlp", m, "mlp"))
+    # proj_out consumes cat([attn_out, mlp_hidden]): two independently sharded streams, cut
+    # into equal units of g = gcd(n, m) = n rows (m = 4n) so its columns shard as one strided
+    # DTensor; proj_mlp's rows are cut alike, so the hidden units a rank holds agree
+    # (units, docs/architecture.md).
+    g = math.gcd(n, m)
     return {
         "norm": {"linear": mod_spec(n, MOD3)},
-        "proj_mlp": _col(c, m, "mlp"),
-        "proj_out": linear_spec(n, n + m, "embed", PACKED, blocks=packed),
+        "proj_mlp": unit_linear_spec(Block("mlp", m, "mlp"), n, "embed", g),
+        "proj_out": linear_spec(
+            n, n + m, "embed", PACKED, blocks=units((Block("attn", n, "heads"), Block("mlp", m, "mlp")), g)
+        ),
         "attn": {
             "norm_q": norm_spec(D),
             "norm_k": norm_spec(D),

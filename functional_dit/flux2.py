@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,7 @@ from ._config import (
     require_positive_or_none,
     require_rope_axes,
 )
-from ._pytree import MOD3, MOD6, MOD_OUT, PACKED, Block, linear_spec, mod_spec, norm_spec, ordered_blocks
+from ._pytree import MOD3, MOD6, MOD_OUT, PACKED, Block, linear_spec, mod_spec, norm_spec, ordered_blocks, units
 from .flux2_kv import Ref
 
 DIFFUSERS_CLASS = "Flux2Transformer2DModel"
@@ -158,8 +159,13 @@ def _double_block_specs(c) -> dict:
 
 def _single_block_specs(c) -> dict:
     D, n, m = c.attention_head_dim, c.inner_dim, c.mlp_hidden_dim
+    # Both fused dims cut into equal units of g = gcd(n, m) rows, so each shards as one
+    # strided DTensor; the two are cut alike, so the heads and the hidden units a rank
+    # holds agree between them (units, docs/architecture.md).
+    g = math.gcd(n, m)
     qkv_mlp = tuple(Block(b, n, "heads") for b in "qkv") + (Block("mlp_gate", m, "mlp"), Block("mlp_up", m, "mlp"))
-    attn_mlp = (Block("attn", n, "heads"), Block("mlp", m, "mlp"))  # to_out consumes cat([attn, mlp])
+    qkv_mlp = units(qkv_mlp, g)
+    attn_mlp = units((Block("attn", n, "heads"), Block("mlp", m, "mlp")), g)  # to_out consumes cat([attn, mlp])
     return {
         "attn": {
             "to_qkv_mlp_proj": _lin(3 * n + 2 * m, n, PACKED, "embed", blocks=qkv_mlp),

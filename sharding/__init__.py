@@ -3,6 +3,7 @@
 from . import tree
 from ._autodiff import forward_ad_active
 from ._axes import all_gather, all_to_all, axis_index, axis_size, bind, current_mesh, psum, pvary, ulysses
+from ._checkpoint import checkpoint_state
 from ._map import P, shard_map
 from ._mesh import AXES, backend_for, default_device_type, make_mesh
 from ._plan import (
@@ -46,6 +47,7 @@ __all__ = [
     "bytes_per_rank",
     "check_placement",
     "check_replicated",
+    "checkpoint_state",
     "current_mesh",
     "default_device_type",
     "dtensor_from_local",

@@ -142,6 +142,7 @@ def plan(params_or_config, mesh, rules: Mapping | None = None) -> dict:
     specs, sizes = specs_of(params_or_config), mesh_sizes(mesh)
     rules = DEFAULT_RULES if rules is None else _check_rules(rules, specs, mesh, sizes)
     _check_heads(config_of(params_or_config), rules, sizes)
+    _check_head_units(config_of(params_or_config), specs, rules, sizes)
     return map_tree(lambda path, spec: _placement(path, spec, rules, sizes), specs)
 
 
@@ -183,6 +184,25 @@ def _check_heads(config, rules, sizes) -> None:
             f"num_attention_heads: Ulysses sequence parallelism needs the {heads // tp} heads per rank "
             f"({heads} / {axis or 'tp'}={tp}) to divide by the degree sp={sp}"
         )
+
+
+def _check_head_units(config, specs, rules, sizes) -> None:
+    """A fused block of heads split over its axis must be a whole q, k, v or attention
+    output (all the heads): a smaller unit (a fused dim cut into units of gcd(inner, mlp)
+    when the MLP width is no multiple of the inner width) would reorder the heads a rank
+    holds, which the KV cache's full view and every other mesh would not share."""
+    H, D = getattr(config, "num_attention_heads", None), getattr(config, "attention_head_dim", None)
+    axis = _effective("heads", rules, sizes)
+    if not (isinstance(H, int) and isinstance(D, int)) or axis is None:
+        return
+    for path, spec in leaves(specs):
+        for b in spec.blocks or ():
+            if b.axis == "heads" and b.size != H * D:
+                raise ValueError(
+                    f"{path}: fused block {b.name!r} is a unit of {b.size} of the {H * D} rows of the heads; sharding "
+                    f"it over {axis}={sizes[axis]} would reorder the heads a rank holds (under tensor parallelism the "
+                    f"MLP width must be a multiple of the inner width {H * D})"
+                )
 
 
 def _placement(path, spec, rules, sizes) -> Placement:

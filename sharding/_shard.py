@@ -5,13 +5,12 @@ only that slice to the mesh's device; no scatter or reduce-scatter runs. Each le
 ``DTensor`` on the whole mesh — ``Shard(d)`` on the mesh dim of its axis, ``Replicate()``
 on the others — holding just the local shard.
 
-Fused-block shards are not expressible by DTensor's ``Shard`` alone: rank r holds the
-r-th slice of *every* block, concatenated. Such a leaf is a DTensor over the
-*rank-major packing* of the parameter — the logical tensor ``cat(local_0, local_1, ...)``
-along the fused dim, a permutation of the parameter's rows/columns. Its placements and
-``to_local()`` are right; its global value is the permuted tensor, so do not compute
-with it through DTensor ops. `unshard` undoes the permutation (from the plan, or from
-the specs: a fused dim is always split per block), exactly.
+Every leaf is an honest DTensor: ``full_tensor()``, ``redistribute`` and its gradients
+give the parameter itself. A dim fused from k equal blocks (the specs cut fused dims into
+equal units) is split per block — rank r holds the r-th slice of every block,
+concatenated — which is exactly torch's ``_StridedShard(dim, split_factor=k)``; a single
+block is a plain ``Shard(dim)``. torch's distributed checkpoint misreads a strided shard
+(`sharding._checkpoint`), so DCP goes through `sharding.checkpoint_state`.
 
 `local_view` turns DTensor leaves back into plain local tensors plus their mesh, which
 is what ``functional_dit.apply`` runs on: no DTensor op dispatch on the hot path.
@@ -76,20 +75,45 @@ def mesh_device(mesh) -> torch.device:
     return torch.device(mesh.device_type, index)
 
 
-def dtensor_placements(placement, names) -> tuple:
+def _strided_shard():
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard
+
+
+def is_strided(p) -> bool:
+    """Whether a DTensor placement is a ``_StridedShard`` (a subclass of ``Shard`` on some torch versions)."""
+    return type(p).__name__ == "_StridedShard"
+
+
+def dtensor_placements(placement, names, path: str = "placement") -> tuple:
     """The DTensor placements, one per mesh dim ``names``, that `shard_params` gives a leaf
-    of plan placement ``placement``: ``Shard(d)`` on its axis's dim, ``Replicate()`` elsewhere."""
+    of plan placement ``placement``: on its axis's dim ``Shard(d)``, or for a dim fused from
+    k > 1 equal blocks ``_StridedShard(d, split_factor=k)`` (what a per-block split is);
+    ``Replicate()`` elsewhere. Unequal blocks have no DTensor placement: a ValueError."""
     from torch.distributed.tensor import Replicate as DReplicate
-    from torch.distributed.tensor import Shard as DShard
 
     split = isinstance(placement, Shard)
-    return tuple(DShard(placement.dim) if split and n == placement.axis else DReplicate() for n in names)
+    return tuple(_dtensor_shard(placement, path) if split and n == placement.axis else DReplicate() for n in names)
+
+
+def _dtensor_shard(placement: Shard, path: str):
+    from torch.distributed.tensor import Shard as DShard
+
+    blocks = placement.blocks
+    if blocks is None or len(blocks) == 1:
+        return DShard(placement.dim)
+    if len(set(blocks)) > 1:
+        raise ValueError(
+            f"{path}: {placement}: blocks of unequal sizes have no DTensor placement (a rank's slices of them are no "
+            f"strided shard, so full_tensor() would be wrong); expected equal blocks, e.g. cut into units of their gcd"
+        )
+    return _strided_shard()(placement.dim, split_factor=len(blocks))
 
 
 def dtensor_from_local(local: torch.Tensor, shape, placement, mesh):
-    """The DTensor `shard_params` makes for one leaf of full shape ``shape``: ``Shard(d)``
-    on the mesh dim of the placement's axis (over the rank-major packing for fused
-    blocks), ``Replicate()`` on the others, holding only ``local`` (no communication)."""
+    """The DTensor `shard_params` makes for one leaf of full shape ``shape``: the
+    `dtensor_placements` of ``placement``, holding only ``local`` (no communication)."""
     from torch.distributed.tensor import DTensor
 
     dims = list(dtensor_placements(placement, mesh.mesh_dim_names))
@@ -127,6 +151,7 @@ def shard_params(params, mesh, plan=None):
         if tuple(full.shape) != _shape(spec):
             raise ValueError(f"params: {path}: expected shape {tuple(spec.shape)}, got {tuple(full.shape)}")
         check_placement(path, flat_plan[path], spec, sizes)
+        dtensor_placements(flat_plan[path], tuple(sizes), f"plan: {path}")
 
     def leaf(path, full, placement):
         ranges = local_slices(full.shape, placement, mesh)
@@ -277,10 +302,9 @@ def local_bytes(params) -> int:
 
 
 def unshard(sharded, plan=None):
-    """Plain full tensors from a `shard_params` result, bit-exact (an all-gather per
-    sharded leaf). Fused-block leaves are un-permuted using ``plan`` or, without it, the
-    specs of ``sharded.config`` (a fused dim is always split per block). A plain tree (no
-    config) with sharded leaves needs ``plan``: DTensor placements do not record blocks."""
+    """Plain full tensors from a `shard_params` result, bit-exact: each DTensor leaf's
+    ``full_tensor()`` (an all-gather per sharded leaf). ``plan``, when given, must match the
+    leaves' placements (a ValueError names the first that does not)."""
     DTensor = _dtensor_cls()
     tree = _tree(sharded)
     if plan is not None:
@@ -293,50 +317,32 @@ def unshard(sharded, plan=None):
     def leaf(path, x, *given):
         if DTensor is None or not isinstance(x, DTensor):
             return x
-        spec = None if specs is None else get(specs, path)
         if given:
-            placement = given[0]
-            check_placement(path, placement, spec if spec is not None else tuple(x.shape), mesh_sizes(x.device_mesh))
-            if tuple(x.placements) != dtensor_placements(placement, x.device_mesh.mesh_dim_names):
-                raise ValueError(f"plan: {path}: {placement} does not match the leaf's placements {x.placements}")
-        else:
-            placement = placement_of(x, spec)
-            if spec is None and isinstance(placement, Shard):
-                raise ValueError(
-                    f"plan: {path} is sharded in a tree without a config; unshard needs the plan shard_params used "
-                    f"(a fused dim's blocks are not in the DTensor placements), got plan=None"
-                )
-        full = x.full_tensor()
-        if isinstance(placement, Shard) and placement.blocks is not None:
-            full = _unpack(full, placement, mesh_sizes(x.device_mesh)[placement.axis])
-        return full
+            spec = None if specs is None else get(specs, path)
+            check_placement(path, given[0], spec if spec is not None else tuple(x.shape), mesh_sizes(x.device_mesh))
+            if tuple(x.placements) != dtensor_placements(given[0], x.device_mesh.mesh_dim_names, f"plan: {path}"):
+                raise ValueError(f"plan: {path}: {given[0]} does not match the leaf's placements {x.placements}")
+        return x.full_tensor()
 
     return _rebuild(sharded, map_tree(leaf, tree, *([plan] if plan is not None else [])))
 
 
 def placement_of(x, spec=None):
     """The `Shard`/`Replicate` a `shard_params` DTensor leaf was made with, read off its
-    DTensor placements; per-block when ``spec`` (its ``ParamSpec``) says the dim is fused."""
+    DTensor placements (a ``_StridedShard`` of split factor k: k equal blocks); the
+    blocks of ``spec`` (its ``ParamSpec``) when it says the dim is fused."""
     from torch.distributed.tensor import Shard as DShard
 
     names = x.device_mesh.mesh_dim_names
-    split = [(names[i], p.dim) for i, p in enumerate(x.placements) if isinstance(p, DShard)]
+    split = [(names[i], p) for i, p in enumerate(x.placements) if isinstance(p, DShard) or is_strided(p)]
     if not split:
         return Replicate()
     if len(split) > 1:
-        raise ValueError(f"unshard: a leaf is split over several mesh dims {split}; pass the plan")
-    axis, dim = split[0]
-    if spec is not None and spec.axes[dim] == PACKED:
-        return Shard(dim, axis, tuple(b.size for b in spec.blocks))
-    return Shard(dim, axis)
-
-
-def _unpack(packed: torch.Tensor, placement: Shard, n: int) -> torch.Tensor:
-    """Invert the rank-major packing: row ``j`` of ``packed`` is row ``order[j]`` of the parameter."""
-    shape = tuple(packed.shape)
-    order = [
-        i for r in range(n) for d, a, b in local_slices(shape, placement, {placement.axis: (r, n)}) for i in range(a, b)
-    ]
-    index = torch.tensor(order, device=packed.device)
-    full = torch.empty_like(packed)
-    return full.index_copy_(placement.dim, index, packed)
+        raise ValueError(f"placement_of: a leaf is split over several mesh dims {split}")
+    axis, p = split[0]
+    if spec is not None and spec.axes[p.dim] == PACKED:
+        return Shard(p.dim, axis, tuple(b.size for b in spec.blocks))
+    if is_strided(p):
+        k = p.split_factor
+        return Shard(p.dim, axis, (x.shape[p.dim] // k,) * k)
+    return Shard(p.dim, axis)

@@ -166,7 +166,11 @@ def test_packed_spec_of_single_block_proj_out():
     spec = fd.param_specs(TINY)["single_transformer_blocks"]["0"]["proj_out"]["weight"]
     n = TINY.inner_dim
     assert spec.axes == ("embed", fd.PACKED)
-    assert spec.blocks == (fd.Block("attn", n, "heads"), fd.Block("mlp", 4 * n, "mlp"))
+    # [attn, mlp] cut into equal units of gcd(n, 4n) = n, so it shards as one strided DTensor
+    assert spec.blocks == (fd.Block("attn", n, "heads"), *(fd.Block(f"mlp.{i}", n, "mlp") for i in range(4)))
+    mlp = fd.param_specs(TINY)["single_transformer_blocks"]["0"]["proj_mlp"]
+    for leaf in (mlp["weight"], mlp["bias"]):  # the MLP's rows cut alike: the hidden units agree
+        assert leaf.axes[0] == fd.PACKED and leaf.blocks == spec.blocks[1:]
 
 
 def test_init_is_deterministic_per_seed():

@@ -269,16 +269,19 @@ def test_packed_specs():
     specs = fd.param_specs(c)
     qkv_mlp = specs["single_transformer_blocks"]["0"]["attn"]["to_qkv_mlp_proj"]["weight"]
     assert qkv_mlp.axes == (fd.PACKED, "embed")
+    # [q, k, v, gate, up] and [attn, mlp] cut into equal units of gcd(n, m) = n (m = 3n), so
+    # each shards as one strided DTensor; gate, up and to_out's MLP columns cut alike
+    assert m == 3 * n
     assert [(b.name, b.size, b.axis) for b in qkv_mlp.blocks] == [
         ("q", n, "heads"),
         ("k", n, "heads"),
         ("v", n, "heads"),
-        ("mlp_gate", m, "mlp"),
-        ("mlp_up", m, "mlp"),
+        *((f"mlp_gate.{i}", n, "mlp") for i in range(3)),
+        *((f"mlp_up.{i}", n, "mlp") for i in range(3)),
     ]
     to_out = specs["single_transformer_blocks"]["0"]["attn"]["to_out"]["weight"]
     assert to_out.axes == ("embed", fd.PACKED)
-    assert to_out.blocks == (fd.Block("attn", n, "heads"), fd.Block("mlp", m, "mlp"))
+    assert to_out.blocks == (fd.Block("attn", n, "heads"), *(fd.Block(f"mlp.{i}", n, "mlp") for i in range(3)))
     for ff in ("ff", "ff_context"):
         lin = specs["transformer_blocks"]["1"][ff]["linear_in"]["weight"]
         assert lin.axes == (fd.PACKED, "embed") and lin.blocks == (fd.Block("gate", m, "mlp"), fd.Block("up", m, "mlp"))

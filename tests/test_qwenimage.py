@@ -292,10 +292,8 @@ def test_spec_axes():
     assert specs["attn"]["to_add_out"]["weight"].axes == ("embed", "heads")
     assert specs["img_mlp"]["net"]["0"]["proj"]["weight"].axes == ("mlp", "embed")
     assert specs["txt_mlp"]["net"]["2"]["weight"].axes == ("embed", "mlp")
-    mod = specs["img_mod"]["1"]["weight"]  # AdaLN modulation: 6 chunks, each split over tp on its own
-    assert mod.axes == ("packed", "embed") and [(b.name, b.axis) for b in mod.blocks] == [
-        (name, "mod") for name in ("shift", "scale", "gate", "shift2", "scale2", "gate2")
-    ]
+    mod = specs["img_mod"]["1"]["weight"]  # AdaLN modulation: 6 chunks, split contiguously (output all-gathered)
+    assert mod.axes == ("mod", "embed") and mod.blocks is None and mod.shape[0] == 6 * TINY.inner_dim
 
 
 @pytest.mark.parametrize("fixture", ["tiny", "edit", "layered"])
