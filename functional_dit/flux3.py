@@ -25,8 +25,15 @@ import sharding
 
 from . import _layers as L
 from . import flux2
-from ._checks import check_floating, check_ids, check_rope, check_rope_or_ids, check_streams, check_tensor
-from ._checks import reference_leaf
+from ._checks import (
+    check_floating,
+    check_ids,
+    check_rope,
+    check_rope_or_ids,
+    check_streams,
+    check_tensor,
+    reference_leaf,
+)
 from ._config import (
     DiTConfig,
     as_ints,
