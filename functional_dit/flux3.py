@@ -281,8 +281,14 @@ def _ids_rope(c, name, ids, seq, batch, device):
     return L.rope(ids, c.axes_dims_rope, theta=c.rope_theta)
 
 
-def _check_cond(c, image_cond, image_cond_ids, batch, ref):
-    if (image_cond is None) != (image_cond_ids is None):
+def _check_cond(c, image_cond, image_cond_ids, batch, ref, rope):
+    if (
+        image_cond_ids is not None
+        and image_cond is None
+        or image_cond is not None
+        and rope is None
+        and image_cond_ids is None
+    ):
         given, missing = (
             ("image_cond", "image_cond_ids") if image_cond is not None else ("image_cond_ids", "image_cond")
         )
@@ -354,7 +360,7 @@ def prepare(
     c = params.config
     ref = reference_leaf(params, "context_embedder.weight")
     B, _ = check_streams(c, ref, x, t, txt)
-    _check_cond(c, image_cond, image_cond_ids, B, ref)
+    _check_cond(c, image_cond, image_cond_ids, B, ref, rope)
     _check_target(c, target_timestep, B, ref.device)
     pes = _tables(c, x, txt, img_ids, txt_ids, image_cond, image_cond_ids, rope, ref.device)
     return dict(cond=image_cond, target=target_timestep, pes=pes)
