@@ -43,16 +43,26 @@ from ._api import apply, config_to_diffusers
 from ._pytree import Params
 from .flux2_kv import Flux2KVCache
 
-_FAMILY_OF_CLASS = {"Flux1Config": "flux1", "Flux2Config": "flux2", "QwenImageConfig": "qwenimage"}
+_FAMILY_OF_CLASS = {
+    "Flux1Config": "flux1",
+    "Flux2Config": "flux2",
+    "QwenImageConfig": "qwenimage",
+    "Flux3Config": "flux3",
+    "QwenImage21Config": "qwenimage21",
+}
 _STOCK_CLASS = {
     "flux1": "FluxTransformer2DModel",
     "flux2": "Flux2Transformer2DModel",
     "qwenimage": "QwenImageTransformer2DModel",
+    "flux3": "Flux3Transformer2DModel",
+    "qwenimage21": "QwenImage21Transformer2DModel",
 }
 _PIPELINES = {
     "flux1": "FluxPipeline / FluxKontextPipeline",
     "flux2": "Flux2Pipeline / Flux2KleinPipeline / Flux2KleinKVPipeline",
     "qwenimage": "QwenImagePipeline / QwenImageEditPipeline / QwenImageEditPlusPipeline",
+    "flux3": "Flux3ModularPipeline / Flux3DistilledModularPipeline",
+    "qwenimage21": "QwenImage21Pipeline / QwenImage21ModularPipeline",
 }
 # Forward arguments beyond the shared ones (hidden_states, timestep,
 # encoder_hidden_states, guidance, return_dict), per family.
@@ -68,6 +78,22 @@ _FAMILY_ARGS = {
         "ref_fixed_timestep",
     },
     "qwenimage": {"encoder_hidden_states_mask", "img_shapes", "attention_kwargs", "additional_t_cond"},
+    "flux3": {
+        "img_ids",
+        "txt_ids",
+        "image_cond_hidden_states",
+        "image_cond_ids",
+        "target_timestep",
+        "attention_kwargs",
+    },
+    "qwenimage21": {
+        "encoder_hidden_states_mask",
+        "img_shapes",
+        "img_mask",
+        "attention_kwargs",
+        "kv_cache",
+        "kv_cache_mode",
+    },
 }
 # Stock forward arguments the adapter does not implement, with their defaults (accepted).
 _UNSUPPORTED = {
@@ -82,6 +108,9 @@ _PROCESSORS = {
     ("flux2", "transformer_blocks"): {"Flux2AttnProcessor", "Flux2KVAttnProcessor"},
     ("flux2", "single_transformer_blocks"): {"Flux2ParallelSelfAttnProcessor", "Flux2KVParallelSelfAttnProcessor"},
     ("qwenimage", "transformer_blocks"): {"QwenDoubleStreamAttnProcessor2_0"},
+    ("flux3", "txt_mode_blocks"): {"Flux3AttnProcessor"},
+    ("flux3", "single_transformer_blocks"): {"Flux3AttnProcessor"},
+    ("qwenimage21", "transformer_blocks"): {"QwenImage21AttnProcessor", "QwenImage21FlexAttnProcessor"},
 }
 
 
@@ -264,12 +293,16 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
             args.update(self._flux1_args(**kwargs))
         elif fam == "flux2":
             args.update(self._flux2_args(**kwargs))
+        elif fam in _NEW_FAMILIES:
+            args.update(_NEW_FAMILIES[fam].args(self, **kwargs))
         else:
             args.update(self._qwen_args(**kwargs))
         hidden_states, encoder_hidden_states, args = _broadcast_text(hidden_states, encoder_hidden_states, args)
         scale = self.__dict__.pop("_call_scale", 1.0)
         pairs = [(ad, s * scale) for ad, s in self.get_lora()]
         out = apply(self.params, hidden_states, timestep, encoder_hidden_states, lora=pairs or None, **args)
+        if fam in _NEW_FAMILIES:
+            out = _NEW_FAMILIES[fam].result(out, kwargs)
         if isinstance(out, tuple):
             out, cache = out[0], KVCache(out[1])
         if not return_dict:
@@ -449,3 +482,8 @@ def _subclass(family: str) -> type:
 
 
 _SUBCLASSES = {fam: _subclass(fam) for fam in _STOCK_CLASS}
+
+from . import _adapter_families as _new  # noqa: E402  (FLUX.3, Qwen-Image 2.1)
+
+_NEW_FAMILIES = _new.FAMILIES
+_new.add_signatures(_SUBCLASSES)
