@@ -49,6 +49,7 @@ PIPELINES = {
     "Flux2KleinKVPipeline": "flux2",
     "QwenImagePipeline": "qwenimage",
     "QwenImageEditPipeline": "qwenimage",
+    "QwenImage21Pipeline": "qwenimage21",
 }
 _OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
@@ -70,7 +71,10 @@ class Prompt:
 def _family_name(params) -> str:
     """ "flux1", "flux2" or "qwenimage" from the params' config class."""
     config = getattr(params, "config", None)
-    for name, cls in (("flux1", flux1.Flux1Config), ("flux2", flux2.Flux2Config), ("qwenimage", _qwen.QwenImageConfig)):
+    from .qwenimage21 import QwenImage21Config
+
+    families = (("flux1", flux1.Flux1Config), ("flux2", flux2.Flux2Config), ("qwenimage", _qwen.QwenImageConfig))
+    for name, cls in (*families, ("qwenimage21", QwenImage21Config)):
         if isinstance(config, cls):
             return name
     raise ValueError(f"params: expected fd.Params of FLUX.1, FLUX.2 or Qwen-Image, got {type(params).__name__}")
@@ -101,6 +105,8 @@ def as_pipeline(encoders, params):
 def _pipeline_class(fam: str, comps: Mapping) -> str:
     if fam == "flux1":
         return "FluxPipeline"
+    if fam == "qwenimage21":
+        return "QwenImage21Pipeline"
     if fam == "flux2":
         return "Flux2Pipeline" if "Mistral" in type(comps.get("text_encoder")).__name__ else "Flux2KleinPipeline"
     return "QwenImageEditPipeline" if comps.get("processor") is not None else "QwenImagePipeline"
@@ -476,7 +482,7 @@ def sample(
         cond = _to(model.encode(prompts, max_sequence_length), dtype, device)
         if cfg is not None:
             neg = _to(model.encode(_negatives(negative_prompt, B), max_sequence_length), dtype, device)
-            cond = cfg_batch(cond, neg)
+            cond = model.cfg_batch(cond, neg) if hasattr(model, "cfg_batch") else cfg_batch(cond, neg)
         x = model.latents(B, h, w, seed, dtype, device)
         model.prepare(cond, h, w, guidance, device)
         sched = _scheduler(pipe, fam, x.shape[1], steps, device)
@@ -491,6 +497,10 @@ def _family_model(fam: str, params, pipe, image, kv_cache):
 
     if image is not None and (fam == "flux1" or isinstance(pipe, diffusers.QwenImagePipeline)):
         raise ValueError(f"image: a {type(pipe).__name__} takes no reference image; expected None")
+    if fam == "qwenimage21":
+        from ._sample_next import Qwen21
+
+        return Qwen21(params, pipe, kv_cache)
     if kv_cache and fam != "flux2":
         raise ValueError(f"kv_cache: the reference KV cache is FLUX.2's; expected None or False for {fam}")
     if fam == "flux1":

@@ -36,3 +36,21 @@ def test_adapter_in_pipeline_matches_stock(kind):
     out = _latents(tiny.pipeline(kind, seed=0, transformer=adapter), kind)
     assert out.shape == ref.shape and ref.abs().max() > 0.1
     torch.testing.assert_close(out, ref, **FP32)
+
+
+@pytest.mark.parametrize(
+    "pipe_kw,sample_kw",
+    [
+        ({}, {}),  # the prefix KV cache on (the pipeline's default)
+        (dict(negative_prompt="blur", true_cfg_scale=3.0), dict(negative_prompt="blur", true_cfg=3.0)),
+        (dict(use_kv_cache=False), dict(kv_cache=False)),
+    ],
+)
+def test_sample_matches_qwenimage21_pipeline(pipe_kw, sample_kw):
+    """fd.sample's own loop equals QwenImage21Pipeline with the stock transformer."""
+    pipe = tiny.pipeline("qwen-image-2.1", seed=0)
+    params = fd.from_diffusers(pipe.transformer)
+    kw = dict(height=64, width=64, output_type="latent")
+    ref = pipe(prompt="a red cube", num_inference_steps=3, generator=torch.Generator().manual_seed(0), **kw, **pipe_kw)
+    out = fd.sample(params, pipe, "a red cube", steps=3, seed=0, **kw, **sample_kw)
+    torch.testing.assert_close(out, ref.images, **FP32)
