@@ -50,6 +50,8 @@ PIPELINES = {
     "QwenImagePipeline": "qwenimage",
     "QwenImageEditPipeline": "qwenimage",
     "QwenImage21Pipeline": "qwenimage21",
+    "Flux3ModularPipeline": "flux3",
+    "Flux3DistilledModularPipeline": "flux3",
 }
 _OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
@@ -71,10 +73,11 @@ class Prompt:
 def _family_name(params) -> str:
     """ "flux1", "flux2" or "qwenimage" from the params' config class."""
     config = getattr(params, "config", None)
+    from .flux3 import Flux3Config
     from .qwenimage21 import QwenImage21Config
 
     families = (("flux1", flux1.Flux1Config), ("flux2", flux2.Flux2Config), ("qwenimage", _qwen.QwenImageConfig))
-    for name, cls in (*families, ("qwenimage21", QwenImage21Config)):
+    for name, cls in (*families, ("qwenimage21", QwenImage21Config), ("flux3", Flux3Config)):
         if isinstance(config, cls):
             return name
     raise ValueError(f"params: expected fd.Params of FLUX.1, FLUX.2 or Qwen-Image, got {type(params).__name__}")
@@ -88,7 +91,7 @@ def as_pipeline(encoders, params):
     import diffusers
 
     fam = _family_name(params)
-    if isinstance(encoders, diffusers.DiffusionPipeline):
+    if isinstance(encoders, (diffusers.DiffusionPipeline, diffusers.ModularPipeline)):
         name = type(encoders).__name__
         if name not in PIPELINES:
             raise ValueError(f"encoders: expected one of the pipelines {sorted(PIPELINES)}, got {name}")
@@ -107,6 +110,8 @@ def _pipeline_class(fam: str, comps: Mapping) -> str:
         return "FluxPipeline"
     if fam == "qwenimage21":
         return "QwenImage21Pipeline"
+    if fam == "flux3":
+        raise ValueError("encoders: for FLUX.3 pass the modular pipeline (Flux3ModularPipeline), not its components")
     if fam == "flux2":
         return "Flux2Pipeline" if "Mistral" in type(comps.get("text_encoder")).__name__ else "Flux2KleinPipeline"
     return "QwenImageEditPipeline" if comps.get("processor") is not None else "QwenImagePipeline"
@@ -486,6 +491,8 @@ def sample(
         x = model.latents(B, h, w, seed, dtype, device)
         model.prepare(cond, h, w, guidance, device)
         sched = _scheduler(pipe, fam, x.shape[1], steps, device)
+        if hasattr(model, "schedule"):  # FLUX.3's flow map reads the next timestep
+            model.schedule(sched)
         _check_ranks(x, cond, model)
         x = _denoise(model, sched, x, cond, cfg, fam == "qwenimage", callback)
         return x if output_type == "latent" else _decode(model, pipe, x, h, w, output_type)
@@ -501,6 +508,12 @@ def _family_model(fam: str, params, pipe, image, kv_cache):
         from ._sample_next import Qwen21
 
         return Qwen21(params, pipe, kv_cache)
+    if fam == "flux3" and not kv_cache and image is None:
+        from ._sample_next import Flux3
+
+        return Flux3(params, pipe)
+    if fam == "flux3":
+        raise ValueError("image, kv_cache: fd.sample runs FLUX.3 text to image only; expected None")
     if kv_cache and fam != "flux2":
         raise ValueError(f"kv_cache: the reference KV cache is FLUX.2's; expected None or False for {fam}")
     if fam == "flux1":

@@ -65,3 +65,77 @@ class Qwen21:
         mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z.device, z.dtype)
         std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z.device, z.dtype)
         return z * std + mean
+
+
+class Flux3:
+    """The modular Flux3 pipelines, text to image: stacked Qwen3-VL hidden states (one
+    prompt per encoder call, right-padded to a multiple of 80 tokens), 2x2-patchified
+    128-channel latents as tokens, 4-axis ids with the image H/W scaled by 0.5, a
+    constant-shift schedule, CFG (the base model's guider) as one batch, and for a flow
+    map the target timestep (the next scheduler timestep, 0 after the last)."""
+
+    PAD_MULTIPLE, ROPE_SCALE = 80, 0.5  # modular_pipelines/flux3: Flux3TextEncoderStep, Flux3PrepareLatentsStep
+
+    def __init__(self, params, pipe):
+        self.params, self.pipe, self.c = params, pipe, params.config
+
+    def _layers(self) -> tuple:
+        """The encoder layers stacked: diffusers' default (4, 8, ..., 32), or as many evenly
+        spaced layers as joint_attention_dim holds for a shallower encoder."""
+        te = self.pipe.text_encoder
+        n = self.c.joint_attention_dim // te.config.text_config.hidden_size
+        L_ = te.config.text_config.num_hidden_layers
+        return tuple(range(4, 33, 4)) if L_ >= 32 and n == 8 else tuple(round((k + 1) * L_ / n) for k in range(n))
+
+    def encode(self, prompts, msl):
+        from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
+
+        from ._sample import Prompt
+
+        embed = Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds
+        pipe, kw = self.pipe, dict(max_sequence_length=msl or 8192, pad_multiple=self.PAD_MULTIPLE)
+        txts = [embed(pipe.text_encoder, pipe.tokenizer, p, hidden_states_layers=self._layers(), **kw) for p in prompts]
+        if len({t.shape[1] for t in txts}) != 1:
+            raise ValueError(f"prompt: FLUX.3 prompts of different padded lengths {[t.shape[1] for t in txts]}")
+        txt = torch.cat(txts)
+        T = txt.shape[1]
+        ids = torch.stack([torch.zeros(T), torch.zeros(T), torch.zeros(T), torch.arange(T) * 1.0], -1)
+        return Prompt(txt, txt_ids=ids)
+
+    def latents(self, B, h, w, seed, dtype, device):
+        from ._sample import _noise
+
+        z = _noise((B, self.c.in_channels, h // 2, w // 2), seed, torch.float32, device).to(dtype)
+        return z.flatten(2).transpose(1, 2)
+
+    def prepare(self, cond, h, w, guidance, device):
+        rows, cols = torch.meshgrid(torch.arange(h // 2) * 1.0, torch.arange(w // 2) * 1.0, indexing="ij")
+        zeros = torch.zeros(rows.numel())
+        img_ids = torch.stack(
+            [zeros, rows.reshape(-1) * self.ROPE_SCALE, cols.reshape(-1) * self.ROPE_SCALE, zeros], -1
+        )
+        from .flux3 import rope_table
+
+        self.rope = rope_table(self.c, img_ids.to(device), cond.txt_ids.to(device))
+        self.step = 0
+
+    def schedule(self, sched):
+        self.timesteps = sched.timesteps
+
+    def __call__(self, x, t, cond):
+        target = None
+        if self.c.flow_map:
+            i, ts = self.step, self.timesteps
+            nxt = ts[i + 1] if i + 1 < len(ts) else torch.zeros_like(ts[i])
+            target = (nxt / 1000).expand(x.shape[0]).to(x.dtype)
+            self.step += 1
+        return _api.apply(self.params, x, t, cond.txt, rope=self.rope, target_timestep=target)
+
+    def decode_latents(self, x, h, w):
+        vae = self.pipe.vae
+        B, _, C = x.shape
+        z = x.transpose(1, 2).reshape(B, C, h // 2, w // 2)
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
+        z = z * std + mean
+        return z.reshape(B, C // 4, 2, 2, h // 2, w // 2).permute(0, 1, 4, 2, 5, 3).reshape(B, C // 4, h, w)

@@ -54,3 +54,20 @@ def test_sample_matches_qwenimage21_pipeline(pipe_kw, sample_kw):
     ref = pipe(prompt="a red cube", num_inference_steps=3, generator=torch.Generator().manual_seed(0), **kw, **pipe_kw)
     out = fd.sample(params, pipe, "a red cube", steps=3, seed=0, **kw, **sample_kw)
     torch.testing.assert_close(out, ref.images, **FP32)
+
+
+@pytest.mark.parametrize("kind,sample_kw", [("flux3", dict(true_cfg=3.5, negative_prompt="")), ("flux3-distilled", {})])
+def test_sample_matches_flux3_modular_pipeline(kind, sample_kw):
+    """fd.sample, text to image, equals the modular pipeline with the stock transformer: the
+    base model with its guider's CFG (3.5, negative ""), the flow map with its target timesteps.
+    CFG here is one batch of 2, the guider's two calls of 1 (GEMMs of other sizes: ~3e-6)."""
+    pipe = tiny.pipeline(kind, seed=0)
+    params = fd.from_diffusers(pipe.transformer)
+    ref = pipe(
+        prompt="a red cube",
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        **{**CALLS[kind], "num_inference_steps": 3},
+    ).get("latents")
+    out = fd.sample(params, pipe, "a red cube", height=32, width=32, steps=3, seed=0, output_type="latent", **sample_kw)
+    torch.testing.assert_close(out, ref.flatten(2).transpose(1, 2), **FP32)
