@@ -14,7 +14,9 @@ small enough that ``pipe(prompt=...)`` runs in seconds on a CPU::
 Kinds (`KINDS`): ``flux`` (FluxPipeline), ``flux-kontext`` (FluxKontextPipeline),
 ``flux2`` (Flux2Pipeline), ``flux2-klein`` (Flux2KleinPipeline), ``flux2-klein-kv``
 (Flux2KleinKVPipeline), ``qwen-image`` (QwenImagePipeline), ``qwen-image-edit``
-(QwenImageEditPipeline), ``qwen-image-edit-plus`` (QwenImageEditPlusPipeline).
+(QwenImageEditPipeline), ``qwen-image-edit-plus`` (QwenImageEditPlusPipeline),
+``qwen-image-2.1`` (QwenImage21Pipeline), ``flux3`` / ``flux3-distilled`` (the modular
+Flux3 pipelines; see `functional_dit._tiny_next`).
 
 The tokenizers are byte-level (one token per byte, no merges), so prompts are long in
 tokens: at the pipelines' default ``max_sequence_length`` the text encoders see the
@@ -82,7 +84,8 @@ def _check_kind(kind) -> str:
 
 
 def family(kind: str) -> str:
-    """``"flux1"``, ``"flux2"`` or ``"qwenimage"``: the transformer family a kind runs."""
+    """``"flux1"``, ``"flux2"``, ``"qwenimage"``, ``"flux3"`` or ``"qwenimage21"``: the
+    transformer family a kind runs."""
     _check_kind(kind)
     if kind in _next.KINDS:
         return "qwenimage21" if kind == "qwen-image-2.1" else "flux3"
