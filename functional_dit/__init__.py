@@ -1,7 +1,7 @@
 """functional_dit: FLUX.1, FLUX.2 and Qwen-Image transformers as pure functions over
 parameter pytrees. See docs/architecture.md for the design."""
 
-from . import flux1, flux2, qwenimage
+from . import flux1, flux2, flux3, qwenimage, qwenimage21
 from ._api import (
     PRESETS,
     apply,
@@ -23,7 +23,9 @@ from .adapter import DiffusersTransformer
 from .flux1 import Flux1Config
 from .flux2 import Flux2Config
 from .flux2_kv import Flux2KVCache
+from .flux3 import Flux3Config
 from .qwenimage import QwenImageConfig
+from .qwenimage21 import QwenImage21Config, QwenImage21KVCache
 
 __all__ = [
     "DiffusersTransformer",
@@ -33,14 +35,19 @@ __all__ = [
     "Flux1Config",
     "Flux2Config",
     "Flux2KVCache",
+    "Flux3Config",
     "ParamSpec",
     "Params",
     "QwenImageConfig",
+    "QwenImage21Config",
+    "QwenImage21KVCache",
     "apply",
     "as_config",
     "flux1",
     "flux2",
+    "flux3",
     "qwenimage",
+    "qwenimage21",
     "config_from_diffusers",
     "config_to_diffusers",
     "from_diffusers",

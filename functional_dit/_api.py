@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 import sharding
 from sharding.tree import flatten, nest
 
-from . import _config, _fuse, flux1, flux2, qwenimage
+from . import _config, _fuse, flux1, flux2, flux3, qwenimage, qwenimage21
 from . import _layers as L
 from ._pytree import Params, ParamSpec, check_leaves, register_pytree
 
@@ -26,6 +26,8 @@ FAMILIES = {
     flux1.Flux1Config: flux1,
     flux2.Flux2Config: flux2,
     qwenimage.QwenImageConfig: qwenimage,
+    flux3.Flux3Config: flux3,
+    qwenimage21.QwenImage21Config: qwenimage21,
 }
 PRESETS = {name: cfg for fam in FAMILIES.values() for name, cfg in fam.PRESETS.items()}
 DIFFUSERS_CLASSES = {fam.DIFFUSERS_CLASS: cls for cls, fam in FAMILIES.items()}

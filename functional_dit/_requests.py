@@ -24,6 +24,8 @@ EMBED_ARGS = {
     "flux1": ("prompt_embeds", "pooled_prompt_embeds"),
     "flux2": ("prompt_embeds",),
     "qwenimage": ("prompt_embeds", "prompt_embeds_mask"),
+    "flux3": (),  # embeddings not taken yet: these pipelines encode their own prompts
+    "qwenimage21": (),
 }
 # The stock pipelines' limit on max_sequence_length (FLUX.2 has none).
 MAX_SEQUENCE_LENGTH = {"flux1": 512, "qwenimage": 1024}

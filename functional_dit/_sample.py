@@ -52,6 +52,9 @@ PIPELINES = {
     "Flux2KleinKVPipeline": "flux2",
     "QwenImagePipeline": "qwenimage",
     "QwenImageEditPipeline": "qwenimage",
+    "QwenImage21Pipeline": "qwenimage21",
+    "Flux3ModularPipeline": "flux3",
+    "Flux3DistilledModularPipeline": "flux3",
 }
 _OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
@@ -73,7 +76,11 @@ class Prompt:
 def _family_name(params) -> str:
     """ "flux1", "flux2" or "qwenimage" from the params' config class."""
     config = getattr(params, "config", None)
-    for name, cls in (("flux1", flux1.Flux1Config), ("flux2", flux2.Flux2Config), ("qwenimage", _qwen.QwenImageConfig)):
+    from .flux3 import Flux3Config
+    from .qwenimage21 import QwenImage21Config
+
+    families = (("flux1", flux1.Flux1Config), ("flux2", flux2.Flux2Config), ("qwenimage", _qwen.QwenImageConfig))
+    for name, cls in (*families, ("qwenimage21", QwenImage21Config), ("flux3", Flux3Config)):
         if isinstance(config, cls):
             return name
     raise ValueError(f"params: expected fd.Params of FLUX.1, FLUX.2 or Qwen-Image, got {type(params).__name__}")
@@ -87,7 +94,7 @@ def as_pipeline(encoders, params):
     import diffusers
 
     fam = _family_name(params)
-    if isinstance(encoders, diffusers.DiffusionPipeline):
+    if isinstance(encoders, (diffusers.DiffusionPipeline, diffusers.ModularPipeline)):
         name = type(encoders).__name__
         if name not in PIPELINES:
             raise ValueError(f"encoders: expected one of the pipelines {sorted(PIPELINES)}, got {name}")
@@ -104,6 +111,10 @@ def as_pipeline(encoders, params):
 def _pipeline_class(fam: str, comps: Mapping) -> str:
     if fam == "flux1":
         return "FluxPipeline"
+    if fam == "qwenimage21":
+        return "QwenImage21Pipeline"
+    if fam == "flux3":
+        raise ValueError("encoders: for FLUX.3 pass the modular pipeline (Flux3ModularPipeline), not its components")
     if fam == "flux2":
         return "Flux2Pipeline" if "Mistral" in type(comps.get("text_encoder")).__name__ else "Flux2KleinPipeline"
     return "QwenImageEditPipeline" if comps.get("processor") is not None else "QwenImagePipeline"
@@ -456,7 +467,8 @@ def _chunk(model, req, images, job, dtype, device) -> _Chunk:
     cond = _to(_encode(model, req.prompts, req.embeds, rows, msl), dtype, device)
     if job.cfg is not None:
         neg = _encode(model, req.negatives, req.negative_embeds, rows, msl, "negative_")
-        cond = cfg_batch(cond, _to(neg, dtype, device))
+        neg = _to(neg, dtype, device)
+        cond = model.cfg_batch(cond, neg) if hasattr(model, "cfg_batch") else cfg_batch(cond, neg)
     shape = lambda B: model.noise_shape(B, *job.hw)  # noqa: E731
     return _Chunk(images, _requests.draw(req.noise, images, shape, model.pack, model.take, dtype, device), cond)
 
@@ -613,6 +625,8 @@ def _run(model, pipe, chunk: _Chunk, job: _Job):
     device = chunk.x.device
     model.prepare(chunk.cond, *job.hw, job.guidance, device)
     sched = _scheduler(pipe, job.fam, chunk.x.shape[1], job.steps, device, job.sigmas)
+    if hasattr(model, "schedule"):  # FLUX.3's flow map reads the next timestep
+        model.schedule(sched)
     x = _denoise(model, sched, chunk.x, chunk.cond, job.cfg, job.fam == "qwenimage", job.on_step)
     return x if job.output_type == "latent" else _decode(model, pipe, x, *job.hw, job.output_type)
 
@@ -639,6 +653,16 @@ def _family_model(fam: str, params, pipe, image, kv_cache):
 
     if image is not None and (fam == "flux1" or isinstance(pipe, diffusers.QwenImagePipeline)):
         raise ValueError(f"image: a {type(pipe).__name__} takes no reference image; expected None")
+    if fam == "qwenimage21":
+        from ._sample_next import Qwen21
+
+        return Qwen21(params, pipe, kv_cache)
+    if fam == "flux3" and not kv_cache and image is None:
+        from ._sample_next import Flux3
+
+        return Flux3(params, pipe)
+    if fam == "flux3":
+        raise ValueError("image, kv_cache: fd.sample runs FLUX.3 text to image only; expected None")
     if kv_cache and fam != "flux2":
         raise ValueError(f"kv_cache: the reference KV cache is FLUX.2's; expected None or False for {fam}")
     if fam == "flux1":

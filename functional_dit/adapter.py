@@ -55,16 +55,26 @@ from ._pytree import Params
 _PEFT_LOG = diffusers.utils.logging.get_logger("diffusers.loaders.peft")
 KVCache = kv.KVCache  # the cache a FLUX.2 extract call returns: a diffusers Flux2KVCache
 
-_FAMILY_OF_CLASS = {"Flux1Config": "flux1", "Flux2Config": "flux2", "QwenImageConfig": "qwenimage"}
+_FAMILY_OF_CLASS = {
+    "Flux1Config": "flux1",
+    "Flux2Config": "flux2",
+    "QwenImageConfig": "qwenimage",
+    "Flux3Config": "flux3",
+    "QwenImage21Config": "qwenimage21",
+}
 _STOCK_CLASS = {
     "flux1": "FluxTransformer2DModel",
     "flux2": "Flux2Transformer2DModel",
     "qwenimage": "QwenImageTransformer2DModel",
+    "flux3": "Flux3Transformer2DModel",
+    "qwenimage21": "QwenImage21Transformer2DModel",
 }
 _PIPELINES = {
     "flux1": "FluxPipeline / FluxKontextPipeline",
     "flux2": "Flux2Pipeline / Flux2KleinPipeline / Flux2KleinKVPipeline",
     "qwenimage": "QwenImagePipeline / QwenImageEditPipeline / QwenImageEditPlusPipeline",
+    "flux3": "Flux3ModularPipeline / Flux3DistilledModularPipeline",
+    "qwenimage21": "QwenImage21Pipeline / QwenImage21ModularPipeline",
 }
 # Forward arguments beyond the shared ones (hidden_states, timestep,
 # encoder_hidden_states, guidance, return_dict), per family.
@@ -80,6 +90,22 @@ _FAMILY_ARGS = {
         "ref_fixed_timestep",
     },
     "qwenimage": {"encoder_hidden_states_mask", "img_shapes", "attention_kwargs", "additional_t_cond"},
+    "flux3": {
+        "img_ids",
+        "txt_ids",
+        "image_cond_hidden_states",
+        "image_cond_ids",
+        "target_timestep",
+        "attention_kwargs",
+    },
+    "qwenimage21": {
+        "encoder_hidden_states_mask",
+        "img_shapes",
+        "img_mask",
+        "attention_kwargs",
+        "kv_cache",
+        "kv_cache_mode",
+    },
 }
 # Stock forward arguments the adapter does not implement, with their defaults (accepted).
 _UNSUPPORTED = {
@@ -94,6 +120,9 @@ _PROCESSORS = {
     ("flux2", "transformer_blocks"): {"Flux2AttnProcessor", "Flux2KVAttnProcessor"},
     ("flux2", "single_transformer_blocks"): {"Flux2ParallelSelfAttnProcessor", "Flux2KVParallelSelfAttnProcessor"},
     ("qwenimage", "transformer_blocks"): {"QwenDoubleStreamAttnProcessor2_0"},
+    ("flux3", "txt_mode_blocks"): {"Flux3AttnProcessor"},
+    ("flux3", "single_transformer_blocks"): {"Flux3AttnProcessor"},
+    ("qwenimage21", "transformer_blocks"): {"QwenImage21AttnProcessor", "QwenImage21FlexAttnProcessor"},
 }
 
 
@@ -269,6 +298,8 @@ class DiffusersTransformer(PeftMixin, SurfaceMixin, diffusers.ModelMixin, diffus
             args.update(self._flux1_args(**kwargs))
         elif fam == "flux2":
             args.update(self._flux2_args(**kwargs))
+        elif fam in _NEW_FAMILIES:
+            args.update(_NEW_FAMILIES[fam].args(self, **kwargs))
         else:
             args.update(self._qwen_args(**kwargs))
         hidden_states, encoder_hidden_states, args = _broadcast_text(hidden_states, encoder_hidden_states, args)
@@ -283,6 +314,8 @@ class DiffusersTransformer(PeftMixin, SurfaceMixin, diffusers.ModelMixin, diffus
             checkpoint=bool(self.gradient_checkpointing),
             **args,
         )
+        if fam in _NEW_FAMILIES:
+            out = _NEW_FAMILIES[fam].result(out, kwargs)
         if isinstance(out, tuple):
             out, cache = out[0], KVCache(out[1])
         if not return_dict:
@@ -499,3 +532,8 @@ def _subclass(family: str) -> type:
 
 
 _SUBCLASSES = {fam: _subclass(fam) for fam in _STOCK_CLASS}
+
+from . import _adapter_families as _new  # noqa: E402  (FLUX.3, Qwen-Image 2.1)
+
+_NEW_FAMILIES = _new.FAMILIES
+_new.add_signatures(_SUBCLASSES)

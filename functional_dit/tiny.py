@@ -14,7 +14,9 @@ small enough that ``pipe(prompt=...)`` runs in seconds on a CPU::
 Kinds (`KINDS`): ``flux`` (FluxPipeline), ``flux-kontext`` (FluxKontextPipeline),
 ``flux2`` (Flux2Pipeline), ``flux2-klein`` (Flux2KleinPipeline), ``flux2-klein-kv``
 (Flux2KleinKVPipeline), ``qwen-image`` (QwenImagePipeline), ``qwen-image-edit``
-(QwenImageEditPipeline), ``qwen-image-edit-plus`` (QwenImageEditPlusPipeline).
+(QwenImageEditPipeline), ``qwen-image-edit-plus`` (QwenImageEditPlusPipeline),
+``qwen-image-2.1`` (QwenImage21Pipeline), ``flux3`` / ``flux3-distilled`` (the modular
+Flux3 pipelines; see `functional_dit._tiny_next`).
 
 The tokenizers are byte-level (one token per byte, no merges), so prompts are long in
 tokens: at the pipelines' default ``max_sequence_length`` the text encoders see the
@@ -43,6 +45,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from . import Flux1Config, Flux2Config, QwenImageConfig, config_to_diffusers, init, to_state_dict
+from . import _tiny_next as _next
 
 KINDS = (
     "flux",
@@ -53,6 +56,7 @@ KINDS = (
     "qwen-image",
     "qwen-image-edit",
     "qwen-image-edit-plus",
+    *_next.KINDS,
 )
 
 PIPELINE_CLASSES = {
@@ -64,6 +68,7 @@ PIPELINE_CLASSES = {
     "qwen-image": "QwenImagePipeline",
     "qwen-image-edit": "QwenImageEditPipeline",
     "qwen-image-edit-plus": "QwenImageEditPlusPipeline",
+    **_next.KINDS,
 }
 
 # Text encoder widths. The transformers' joint_attention_dim follows from them: FLUX.2
@@ -79,8 +84,11 @@ def _check_kind(kind) -> str:
 
 
 def family(kind: str) -> str:
-    """``"flux1"``, ``"flux2"`` or ``"qwenimage"``: the transformer family a kind runs."""
+    """``"flux1"``, ``"flux2"``, ``"qwenimage"``, ``"flux3"`` or ``"qwenimage21"``: the
+    transformer family a kind runs."""
     _check_kind(kind)
+    if kind in _next.KINDS:
+        return "qwenimage21" if kind == "qwen-image-2.1" else "flux3"
     return (
         "flux1" if kind.startswith("flux-") or kind == "flux" else "flux2" if kind.startswith("flux2") else "qwenimage"
     )
@@ -413,6 +421,8 @@ def scheduler() -> diffusers.FlowMatchEulerDiscreteScheduler:
 def transformer_config(kind: str):
     """The tiny transformer config a kind's pipeline needs (widths match its encoders)."""
     fam = family(kind)
+    if kind in _next.KINDS:
+        return _next.transformer_config(kind)
     if fam == "flux1":
         return Flux1Config(
             patch_size=1,
@@ -455,6 +465,8 @@ def transformer_config(kind: str):
 
 def stock_transformer(kind: str, *, seed: int = 0, dtype=torch.float32):
     """The stock diffusers transformer for ``kind`` with ``fd.init(config, seed)`` weights."""
+    if kind in _next.KINDS:
+        return _next.stock_transformer(kind, seed=seed, dtype=dtype)
     cfg = config_to_diffusers(transformer_config(kind))
     cls = getattr(diffusers, cfg.pop("_class_name"))
     module = cls(**cfg)
@@ -468,6 +480,8 @@ def stock_transformer(kind: str, *, seed: int = 0, dtype=torch.float32):
 def components(kind: str, *, seed: int = 0) -> dict:
     """Every component but the transformer, as the pipeline's ``__init__`` names them."""
     fam = family(kind)
+    if kind in _next.KINDS:
+        return _next.components(kind, seed=seed)
     if fam == "flux1":
         tok, tok2 = clip_tokenizer(), t5_tokenizer()
         return {
@@ -514,6 +528,8 @@ def pipeline(kind: str, *, seed: int = 0, dtype=torch.float32, transformer=None)
     `fd.DiffusersTransformer`); by default the stock diffusers class with
     ``fd.init(transformer_config(kind), seed)`` weights."""
     _check_kind(kind)
+    if kind in _next.KINDS:
+        return _next.pipeline(kind, seed, dtype, transformer)
     if transformer is None:
         transformer = stock_transformer(kind, seed=seed, dtype=dtype)
     pipe = getattr(diffusers, PIPELINE_CLASSES[kind])(**components(kind, seed=seed), transformer=transformer)

@@ -187,7 +187,8 @@ def test_config_from_diffusers_refusals():
     )
     _raises(
         r"cfg: no '_class_name', and its keys \['num_layers'\] fit \['FluxTransformer2DModel', "
-        r"'Flux2Transformer2DModel', 'QwenImageTransformer2DModel'\]; expected exactly one .*: add '_class_name'",
+        r"'Flux2Transformer2DModel', 'QwenImageTransformer2DModel', 'Flux3Transformer2DModel', "
+        r"'QwenImage21Transformer2DModel'\]; expected exactly one .*: add '_class_name'",
         fd.config_from_diffusers,
         {"num_layers": 2},
     )

@@ -131,8 +131,67 @@ FLUX2_BFL = (
     rename("final_layer.linear", "proj_out"),
 )
 
-# diffusers class -> its Black Forest Labs table
-BFL_TABLES = {"FluxTransformer2DModel": FLUX1_BFL, "Flux2Transformer2DModel": FLUX2_BFL}
+# ----------------------------------------------------------------------------- FLUX.3, BFL layout
+# diffusers' convert_flux3_transformer_checkpoint_to_diffusers (loaders/single_file_utils.py).
+
+
+def _flux3_block(src: str, dst: str) -> tuple[Rule, ...]:
+    """One per-mode or single block: separate q/k/v, attn_out, QK norms, the SwiGLU MLP."""
+    rules = [rename(f"{src}.{x}_proj", f"{dst}.attn.to_{x}") for x in "qkv"]
+    rules += [norm(f"{src}.norm.query_norm", f"{dst}.attn.norm_q"), norm(f"{src}.norm.key_norm", f"{dst}.attn.norm_k")]
+    return (*rules, rename(f"{src}.attn_out", f"{dst}.attn.to_out.0"), rename(f"{src}.mlp_in", f"{dst}.ff.linear_in"),
+            rename(f"{src}.mlp_out", f"{dst}.ff.linear_out"))  # fmt: skip
+
+
+_FLUX3_MODES = ("image", "image_cond", "txt")
+FLUX3_BFL = (
+    rename("time_in.in_layer", "timestep_embedder.linear_1"),
+    rename("time_in.out_layer", "timestep_embedder.linear_2"),
+    rename("ref_time_in.in_layer", "target_timestep_embedder.linear_1"),  # flow map (step-distilled)
+    rename("ref_time_in.out_layer", "target_timestep_embedder.linear_2"),
+    *(
+        rename(f"{k}_stream_modulations.{m}.lin", f"{k}_stream_modulations.{m}.linear")
+        for k in ("early", "single")
+        for m in _FLUX3_MODES
+    ),
+    rename("emb_in.image", "x_embedders.image"),
+    rename("emb_in.image_cond", "x_embedders.image_cond"),
+    rename("txt_in", "context_embedder"),
+    *_flux3_block("content_mode_blocks.image.{}", "mode_blocks.image.{}"),
+    *_flux3_block("content_mode_blocks.image_cond.{}", "mode_blocks.image_cond.{}"),
+    *_flux3_block("txt_mode_blocks.{}", "txt_mode_blocks.{}"),
+    *_flux3_block("single_blocks.{}", "single_transformer_blocks.{}"),
+    swap_scale_shift("final_layer.image.adaLN_modulation.1", "norm_out.linear"),
+    rename("final_layer.image.linear", "proj_out"),
+)
+
+# ----------------------------------------------------------------------------- Qwen-Image 2.1, original layout
+# diffusers' convert_qwen_image21_transformer_checkpoint_to_diffusers: diffusers' names, but
+# ComfyUI fuses the SwiGLU gate and up projections into one gate_up (gate rows first).
+
+_QWEN21_SAME = ("time_text_embed.timestep_embedder.linear_1", "time_text_embed.timestep_embedder.linear_2",
+                "txt_in.text_norm", "txt_in.in_layer", "txt_in.out_layer", "img_in", "modulation.1", "norm_out.linear",
+                "proj_out")  # fmt: skip
+_QWEN21_BLOCK = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.norm_q", "attn.norm_k", "img_mlp.out")
+QWEN21_ORIGINAL = (
+    *(rename(k, k) for k in _QWEN21_SAME),
+    *(rename(f"transformer_blocks.{{}}.{k}", f"transformer_blocks.{{}}.{k}") for k in _QWEN21_BLOCK),
+    split(
+        "transformer_blocks.{}.img_mlp.gate_up",
+        "transformer_blocks.{}.img_mlp.gate_layer",
+        "transformer_blocks.{}.img_mlp.proj",
+    ),
+)
+
+# diffusers class -> its Black Forest Labs (original) table
+BFL_TABLES = {
+    "FluxTransformer2DModel": FLUX1_BFL,
+    "Flux2Transformer2DModel": FLUX2_BFL,
+    "Flux3Transformer2DModel": FLUX3_BFL,
+    "QwenImage21Transformer2DModel": QWEN21_ORIGINAL,
+}
+# diffusers class -> source key prefixes its converter drops (training-only heads)
+DROPPED = {"Flux3Transformer2DModel": ("repa_projectors.",)}
 
 # (diffusers class, layout) -> a key only that family's layout has
 SIGNATURES = (
@@ -141,11 +200,17 @@ SIGNATURES = (
     ("QwenImageTransformer2DModel", "diffusers", "txt_norm.weight"),
     ("FluxTransformer2DModel", "bfl", "vector_in.in_layer.weight"),
     ("Flux2Transformer2DModel", "bfl", "double_stream_modulation_img.lin.weight"),
+    ("Flux3Transformer2DModel", "diffusers", "early_stream_modulations.image.linear.weight"),
+    ("Flux3Transformer2DModel", "bfl", "early_stream_modulations.image.lin.weight"),
+    ("QwenImage21Transformer2DModel", "bfl", "transformer_blocks.0.img_mlp.gate_up.weight"),  # before diffusers'
+    ("QwenImage21Transformer2DModel", "diffusers", "txt_in.text_norm.weight"),
 )
 FAMILY_NAMES = {
     "FluxTransformer2DModel": "FLUX.1",
     "Flux2Transformer2DModel": "FLUX.2",
     "QwenImageTransformer2DModel": "Qwen-Image",
+    "Flux3Transformer2DModel": "FLUX.3",
+    "QwenImage21Transformer2DModel": "Qwen-Image 2.1",
 }
 STRIP_PREFIXES = ("model.diffusion_model.",)  # ComfyUI-style wrappers around a BFL state dict
 

@@ -161,7 +161,8 @@ def _check_keys(src: Source, config, layout: str, resolved: L.Resolved) -> None:
         for p in pieces:
             feeds.setdefault(p.src, []).append(key)
     missing = [_named(k, feeds, layout) for k in wanted if k not in src.tensors]
-    unexpected = [k for k in src.tensors if k not in wanted]
+    dropped = L.DROPPED.get(fd.config_to_diffusers(config)["_class_name"], ()) if layout != "diffusers" else ()
+    unexpected = [k for k in src.tensors if k not in wanted and not k.startswith(dropped)]
     shapes = [
         f"{_named(k, feeds, layout)}: expected {s}, got {src.tensors[k].shape}"
         for k, s in wanted.items()

@@ -1,0 +1,416 @@
+"""FLUX.3 as pure functions over a parameter tree.
+
+Mirrors diffusers' ``Flux3Transformer2DModel`` (``transformer_flux3.py``, the transformer
+of ``Flux3ModularPipeline`` / ``Flux3DistilledModularPipeline``). Three token modes: the
+noisy image tokens, optional reference-image tokens and the text context. Each mode first
+runs through its own per-mode blocks (self-attention within the mode; parallel attention
++ SwiGLU MLP from one modulated input), then every mode joins one sequence (txt; img;
+ref) for the single blocks, each mode keeping its own modulation. Modulation is per mode:
+the image tokens at the flow timestep, the reference and text tokens at timestep 0. A
+flow-map checkpoint (``flow_map=True``, step-distilled) embeds the timestep each step
+jumps to and adds it to every mode's embedding. No biases, 4-axis RoPE.
+
+diffusers projects every token's (identical) modulation row; here each mode's one row
+(B, 1, n·C) is projected once and broadcast, the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+import sharding
+
+from . import _layers as L
+from . import flux2
+from ._checks import (
+    check_floating,
+    check_ids,
+    check_rope,
+    check_rope_or_ids,
+    check_streams,
+    check_tensor,
+    reference_leaf,
+)
+from ._config import (
+    DiTConfig,
+    as_ints,
+    require,
+    require_bool,
+    require_non_negative,
+    require_positive,
+    require_positive_number,
+    require_rope_axes,
+)
+from ._pytree import MOD3, MOD_OUT, linear_spec, mod_spec, norm_spec, ordered_blocks
+
+DIFFUSERS_CLASS = "Flux3Transformer2DModel"
+NAME = "FLUX.3"
+MODES = ("image", "image_cond", "txt")  # diffusers' modulation heads, in its key order
+
+
+@dataclasses.dataclass(frozen=True)
+class Flux3Config(DiTConfig):
+    """diffusers ``Flux3Transformer2DModel`` config; defaults are diffusers' (FLUX.3 klein)."""
+
+    in_channels: int = 128  # 32 VAE channels x 2x2 packed patches
+    cond_in_channels: int = 128  # the reference-image tokens' width
+    num_layers: int = 5  # per-mode blocks (each mode has its own stack)
+    num_single_layers: int = 28  # joint single blocks
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 20480  # stacked Qwen3-VL hidden states
+    timestep_channels: int = 256  # sinusoidal embedding width
+    mlp_ratio: float = 3.0
+    axes_dims_rope: tuple[int, ...] = (32, 32, 32, 32)  # (t, h, w, l) share of head_dim
+    rope_theta: int = 10000
+    eps: float = 1e-6
+    flow_map: bool = False  # step-distilled: embeds the target timestep too
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes_dims_rope", as_ints(self.axes_dims_rope))
+        require_positive(
+            self,
+            "in_channels",
+            "cond_in_channels",
+            "attention_head_dim",
+            "num_attention_heads",
+            "joint_attention_dim",
+            "timestep_channels",
+        )
+        require(
+            self.timestep_channels % 2 == 0,
+            f"Flux3Config.timestep_channels: expected an even int, got {self.timestep_channels}",
+        )
+        require_non_negative(self, "num_layers", "num_single_layers")
+        require_positive_number(self, "mlp_ratio", "rope_theta", "eps")
+        require(
+            self.mlp_hidden_dim > 0, f"Flux3Config: int(inner_dim * mlp_ratio) = {self.mlp_hidden_dim}, expected > 0"
+        )
+        require_bool(self, "flow_map")
+        require_rope_axes(self)
+
+    @property
+    def mlp_hidden_dim(self) -> int:
+        return int(self.inner_dim * self.mlp_ratio)  # as diffusers' Flux3FeedForward: int(dim * mult)
+
+    @property
+    def out_dim(self) -> int:
+        return self.in_channels  # proj_out maps back to the image tokens' width
+
+    def param_specs(self) -> dict:
+        """Nested dict of `ParamSpec` (the protocol `sharding.plan` reads specs by)."""
+        return param_specs(self)
+
+
+# The released transformers, as diffusers names them: loaders/single_file_utils.py maps a
+# FLUX.3 checkpoint to "black-forest-labs/flux-3-image-klein-base" and, when it carries the
+# target-timestep embedder (ref_time_in, "flux3-distilled"), to the step-distilled
+# "black-forest-labs/flux-3-image-klein". The shapes are Flux3Transformer2DModel's defaults,
+# documented there as FLUX.3's: 5 per-mode + 28 single blocks, 24 heads x 128 (3072 wide),
+# mlp_ratio 3, 4-axis RoPE (32, 32, 32, 32) with theta 10000, Qwen3-VL text of 20480,
+# 128-channel image and reference tokens.
+PRESETS = {
+    "flux3-klein-base": Flux3Config(),
+    "flux3-klein": Flux3Config(flow_map=True),
+    # A tiny flow-map model for tests and the offline demo: 4 heads so TP up to 4.
+    "flux3-tiny": Flux3Config(
+        in_channels=16,
+        cond_in_channels=12,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=40,
+        timestep_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        flow_map=True,
+    ),
+}
+
+
+# ----------------------------------------------------------------------------- specs
+
+
+def _lin(out_dim, in_dim, out_axis, in_axis):
+    return linear_spec(out_dim, in_dim, out_axis, in_axis, bias=False)  # FLUX.3 has no biases
+
+
+def _block_specs(c) -> dict:
+    """A per-mode or single block: q, k, v, QK norms, to_out and the SwiGLU MLP."""
+    D, n = c.attention_head_dim, c.inner_dim
+    col = _lin(n, n, "heads", "embed")
+    attn = {"to_q": col, "to_k": col, "to_v": col, "norm_q": norm_spec(D), "norm_k": norm_spec(D)}
+    return {"attn": attn | {"to_out": {"0": _lin(n, n, "embed", "heads")}}, "ff": flux2._swiglu_specs(c)}
+
+
+def _embedder(c) -> dict:
+    n = c.inner_dim
+    return {"linear_1": _lin(n, c.timestep_channels, "embed", "freq"), "linear_2": _lin(n, n, "embed", "embed")}
+
+
+def param_specs(c: Flux3Config) -> dict:
+    """Nested dict of `ParamSpec` in diffusers ``state_dict`` order; allocates nothing."""
+    n = c.inner_dim
+    blocks = lambda k: {str(i): _block_specs(c) for i in range(k)}  # noqa: E731
+    mods = {m: {"linear": mod_spec(n, MOD3, bias=False)} for m in MODES}
+    return {
+        "timestep_embedder": _embedder(c),
+        **({"target_timestep_embedder": _embedder(c)} if c.flow_map else {}),
+        "early_stream_modulations": mods,
+        "single_stream_modulations": mods,
+        "x_embedders": {
+            "image": _lin(n, c.in_channels, "embed", "channels"),
+            "image_cond": _lin(n, c.cond_in_channels, "embed", "channels"),
+        },
+        "context_embedder": _lin(n, c.joint_attention_dim, "embed", "txt_embed"),
+        "mode_blocks": {m: blocks(c.num_layers) for m in MODES[:2]},
+        "txt_mode_blocks": blocks(c.num_layers),
+        "single_transformer_blocks": blocks(c.num_single_layers),
+        "norm_out": {"linear": mod_spec(n, MOD_OUT, bias=False)},
+        "proj_out": _lin(c.out_dim, n, "out_channels", "embed"),
+    }
+
+
+# Projections that read the same input, fused into one matmul by `fd.prepare` (the
+# per-mode image stacks sit one level deeper and run unfused).
+FUSED = {
+    "single_transformer_blocks": [("attn.to_q", "attn.to_k", "attn.to_v")],
+    "txt_mode_blocks": [("attn.to_q", "attn.to_k", "attn.to_v")],
+}
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+class Stream(NamedTuple):
+    """One token mode in the local view: tokens x (B, S, C), its modulations (shift,
+    scale, gate) (B, 1, C) for the per-mode and the single blocks, RoPE (cos, sin) of its
+    rows and the (B, S) key bias masking sequence padding (None: none)."""
+
+    x: torch.Tensor
+    early: tuple
+    single: tuple
+    pe: tuple
+    bias: torch.Tensor | None
+
+
+def embed_time(p, t: torch.Tensor, channels: int) -> torch.Tensor:
+    """temb (B, 1, C): ``TimestepEmbedding(Timesteps(t))``; t already x 1000, model dtype."""
+    return L.mlp_embed(p, L.timestep_embedding(t, channels).to(t.dtype))[:, None]
+
+
+def time_embeds(params, t, target, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The image tokens' embedding (at t) and the reference/text tokens' (at 0), each
+    (B, 1, C); a flow map adds the target timestep's embedding to both."""
+    c = params.config
+    img = embed_time(params["timestep_embedder"], t.to(dtype) * 1000, c.timestep_channels)
+    zero = embed_time(params["timestep_embedder"], torch.zeros_like(t, dtype=dtype), c.timestep_channels)
+    if target is None:
+        return img, zero
+    extra = embed_time(params["target_timestep_embedder"], target.to(dtype) * 1000, c.timestep_channels)
+    return img + extra, zero + extra
+
+
+def modulations(params, temb_img, temb_zero, with_cond: bool) -> dict:
+    """Every mode's (early, single) modulation triples (B, 1, C) and the output layer's
+    (scale, shift): under TP one all-gather per embedding (two per call)."""
+    early, single = params["early_stream_modulations"], params["single_stream_modulations"]
+    layers = lambda m: [(early[m]["linear"], 3), (single[m]["linear"], 3)]  # noqa: E731
+    e_img, s_img, out = L.modulations(layers("image") + [(params["norm_out"]["linear"], 2)], temb_img)
+    zero_modes = ("txt", "image_cond") if with_cond else ("txt",)
+    zs = L.modulations([pair for m in zero_modes for pair in layers(m)], temb_zero)
+    mods = {"image": (e_img, s_img)} | {m: (zs[2 * i], zs[2 * i + 1]) for i, m in enumerate(zero_modes)}
+    mods = {m: tuple(y.chunk(3, dim=-1) for y in pair) for m, pair in mods.items()}
+    return mods | {"out": out.chunk(2, dim=-1)}
+
+
+def _qkv(a, h, head_dim, eps):
+    """q, k, v (B, S, H, D); q and k RMS-normalised in fp32, as diffusers' processor does."""
+    q, k, v = (L.split_heads(y, head_dim) for y in L.linear_group([a[n] for n in ("to_q", "to_k", "to_v")], h))
+    q = L.rms_norm(L.per_head(a["norm_q"]), q.float(), eps)
+    return q, L.rms_norm(L.per_head(a["norm_k"]), k.float(), eps), v
+
+
+def _attn_ff(p, h, pe, head_dim, eps, key_bias):
+    """Parallel attention + SwiGLU MLP of one modulated input h: the sum of the two
+    outputs (their row-parallel projections in one all-reduce under TP)."""
+    q, k, v = _qkv(p["attn"], h, head_dim, eps)
+    q, k = (L.apply_rope(a, *pe).to(v.dtype) for a in (q, k))
+    a = L.attention(q, k, v, key_bias)
+    y_attn, y_ff = L.row_linears([(p["attn"]["to_out"]["0"], a), (p["ff"]["linear_out"], flux2._ff_hidden(p["ff"], h))])
+    return y_attn + y_ff
+
+
+def mode_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None):
+    """diffusers ``Flux3ModeTransformerBlock``: x + gate * (attn(h) + ff(h)), h = AdaLN(x),
+    attention within this mode only."""
+    shift, scale, gate = mod
+    h = L.norm_modulate(x, shift, scale, eps)
+    return L.gated(x, gate, _attn_ff(p, h, pe, head_dim, eps, key_bias))
+
+
+def single_block(p, xs: list, mods: list, pe, head_dim, eps=1e-6, key_bias=None) -> list:
+    """diffusers ``Flux3SingleTransformerBlock`` over the joint sequence of the modes
+    ``xs`` (in sequence order, each (B, S_i, C)) with their modulations ``mods``: each
+    mode is normalised with its own (shift, scale), one attention + MLP over them all,
+    each mode's gated residual with its own gate."""
+    h = torch.cat([L.norm_modulate(x, m[0], m[1], eps) for x, m in zip(xs, mods)], 1)
+    ys = _attn_ff(p, h, pe, head_dim, eps, key_bias).split([x.shape[1] for x in xs], 1)
+    return [L.gated(x, m[2], y) for x, m, y in zip(xs, mods, ys)]
+
+
+_mode_region = L.region(lambda *args: mode_block(*args))  # compiled once, reused per layer
+_single_region = L.region(lambda *args: single_block(*args))
+
+
+def final_layer(params, x, mod, eps=1e-6):
+    scale, shift = mod  # diffusers' Flux3AdaLayerNorm: (scale, shift) order
+    return L.linear(params["proj_out"], L.norm_modulate(x, shift, scale, eps))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _ids_rope(c, name, ids, seq, batch, device):
+    if ids is None:
+        raise ValueError(f"{name}: FLUX.3 needs position ids of shape ({seq}, {len(c.axes_dims_rope)})")
+    ids = check_ids(name, ids, seq, len(c.axes_dims_rope), batch, device)
+    return L.rope(ids, c.axes_dims_rope, theta=c.rope_theta)
+
+
+def _check_cond(c, image_cond, image_cond_ids, batch, ref, rope):
+    if (
+        image_cond_ids is not None
+        and image_cond is None
+        or image_cond is not None
+        and rope is None
+        and image_cond_ids is None
+    ):
+        given, missing = (
+            ("image_cond", "image_cond_ids") if image_cond is not None else ("image_cond_ids", "image_cond")
+        )
+        raise ValueError(f"{missing}: required with {given} (reference-image tokens and their position ids)")
+    if image_cond is not None:
+        check_tensor("image_cond", image_cond, (batch, None, c.cond_in_channels), ref.dtype, ref.device)
+
+
+def _check_target(c, target_timestep, batch, device):
+    if c.flow_map and target_timestep is None:
+        raise ValueError(f"target_timestep: this model has flow_map=True and needs ({batch},) target timesteps")
+    if not c.flow_map and target_timestep is not None:
+        raise ValueError("target_timestep: this model has flow_map=False; expected None, got a tensor")
+    if target_timestep is not None:
+        check_tensor("target_timestep", target_timestep, (batch,), device=device)
+        check_floating("target_timestep", target_timestep)
+
+
+def _tables(c, x, txt, img_ids, txt_ids, image_cond, image_cond_ids, rope, device):
+    """The RoPE tables of the txt, img and reference rows (None without references)."""
+    B, T, S = x.shape[0], txt.shape[1], x.shape[1]
+    R = 0 if image_cond is None else image_cond.shape[1]
+    if rope is not None:
+        check_rope_or_ids(rope, img_ids=img_ids, txt_ids=txt_ids, image_cond_ids=image_cond_ids)
+        cos, sin = check_rope(rope, T + S + R, c.attention_head_dim, device)
+        parts = [(a.split([T, S, R])) for a in (cos, sin)]
+        tables = [tuple(p[i] for p in parts) for i in range(3)]
+        return tables[0], tables[1], tables[2] if R else None
+    pe_txt = _ids_rope(c, "txt_ids", txt_ids, T, B, device)
+    pe_img = _ids_rope(c, "img_ids", img_ids, S, B, device)
+    pe_cond = None if image_cond is None else _ids_rope(c, "image_cond_ids", image_cond_ids, R, B, device)
+    return pe_txt, pe_img, pe_cond
+
+
+def rope_table(config: Flux3Config, img_ids, txt_ids, image_cond_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cos, sin) table `prepare` builds from 2-D ids: (S_txt + S_img [+ S_ref],
+    attention_head_dim) fp32, rows in (txt; img; ref) order, to build it once per run."""
+    ids = [i for i in (txt_ids, img_ids, image_cond_ids) if i is not None]
+    parts = [L.rope(i, config.axes_dims_rope, theta=config.rope_theta) for i in ids]
+    return tuple(torch.cat([p[j] for p in parts]) for j in range(2))
+
+
+# ----------------------------------------------------------------------------- apply
+
+ARGS = ("img_ids", "txt_ids", "rope", "image_cond", "image_cond_ids", "target_timestep")
+BATCHED = ("cond", "target")  # of prepare's outputs, those split over "dp" with x, t, txt
+
+
+def prepare(
+    params,
+    x,
+    t,
+    txt,
+    *,
+    img_ids=None,
+    txt_ids=None,
+    image_cond=None,
+    image_cond_ids=None,
+    target_timestep=None,
+    rope=None,
+) -> dict:
+    """Checks the FLUX.3 inputs (full view) and returns `forward`'s keywords: x (B, S_img,
+    in_channels) noisy image tokens, t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim),
+    img_ids (S_img, 4) / txt_ids (S_txt, 4) (or 3-D, first item used); optional reference
+    tokens image_cond (B, S_ref, cond_in_channels) with image_cond_ids (S_ref, 4);
+    target_timestep (B,) in [0, 1], required by and only by a flow map. ``rope``: the
+    (cos, sin) table `rope_table` builds, in place of the ids. fd.apply returns (B, S_img,
+    in_channels), as ``Flux3Transformer2DModel(...)[0]``."""
+    c = params.config
+    ref = reference_leaf(params, "context_embedder.weight")
+    B, _ = check_streams(c, ref, x, t, txt)
+    _check_cond(c, image_cond, image_cond_ids, B, ref, rope)
+    _check_target(c, target_timestep, B, ref.device)
+    pes = _tables(c, x, txt, img_ids, txt_ids, image_cond, image_cond_ids, rope, ref.device)
+    return dict(cond=image_cond, target=target_timestep, pes=pes)
+
+
+def _local_stream(x, pe, mods, device) -> Stream:
+    """A mode's tokens, RoPE rows and pad bias on this rank's ``sp`` chunk."""
+    bias = sharding.pad_bias(x.shape[1], "sp", device)
+    x, pe = sharding.shard(x, "sp", 1), tuple(sharding.shard(a, "sp", 0) for a in pe)
+    return Stream(x, mods[0], mods[1], pe, None if bias is None else bias.expand(x.shape[0], -1))
+
+
+def _joint_bias(streams) -> torch.Tensor | None:
+    if all(s.bias is None for s in streams):
+        return None
+    zeros = lambda s: torch.zeros(s.x.shape[:2], device=s.x.device)  # noqa: E731
+    return torch.cat([zeros(s) if s.bias is None else s.bias for s in streams], 1)
+
+
+def _mode_blocks(params, mode: str) -> list:
+    """The per-mode blocks of ``mode`` in numeric order (none when num_layers is 0)."""
+    tree = params.tree.get("txt_mode_blocks", {}) if mode == "txt" else params.tree.get("mode_blocks", {}).get(mode, {})
+    return [tree[k] for k in sorted(tree, key=int)]
+
+
+def _mode_stack(blocks, s: Stream, c) -> Stream:
+    """A mode through its per-mode blocks (self-attention within the mode)."""
+    mod, x = tuple(m.clone() for m in s.early), s.x  # regional compilation: inputs must not alias
+    for p in blocks:
+        x = _mode_region(p, x, mod, s.pe, c.attention_head_dim, c.eps, s.bias)
+    return s._replace(x=x)
+
+
+def _embed_streams(params, x, txt, cond, pes, mods) -> list:
+    """The (txt, image[, image_cond]) streams embedded, on this rank's sp chunk."""
+    hs = [("txt", L.linear(params["context_embedder"], txt)), ("image", L.linear(params["x_embedders"]["image"], x))]
+    if cond is not None:
+        hs.append(("image_cond", L.linear(params["x_embedders"]["image_cond"], cond)))
+    return [(m, _local_stream(h, pe, mods[m], x.device)) for (m, h), pe in zip(hs, pes)]
+
+
+def forward(params, x, t, txt, *, cond, target, pes):
+    """The model on this rank's batch: returns (out sharded over "sp", its full length, None)."""
+    c, S = params.config, x.shape[1]
+    temb_img, temb_zero = time_embeds(params, t, target, x.dtype)
+    mods = modulations(params, temb_img, temb_zero, cond is not None)
+    streams = [_mode_stack(_mode_blocks(params, m), s, c) for m, s in _embed_streams(params, x, txt, cond, pes, mods)]
+    pe = tuple(torch.cat([s.pe[i] for s in streams]) for i in range(2))
+    xs, key_bias = [s.x for s in streams], _joint_bias(streams)
+    smods = [tuple(m.clone() for m in s.single) for s in streams]
+    for p in ordered_blocks(params, "single_transformer_blocks"):
+        xs = _single_region(p, xs, smods, pe, c.attention_head_dim, c.eps, key_bias)
+    return final_layer(params, xs[1], mods["out"], c.eps), S, None
