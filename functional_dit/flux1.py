@@ -268,7 +268,13 @@ def _single_in_two_gemms(p, h, head_dim):
     return *qkv(p["attn"], h, head_dim), L.linear_gelu(p["proj_mlp"], h)
 
 
-_SINGLE_IN = {"exact": _single_in, "two_gemms": _single_in_two_gemms}
+def _single_in_inplace(p, h, head_dim):
+    """`_single_in` with the GELU in place on the MLP columns of the one fresh GEMM output."""
+    q, k, v, mlp = qkv(p["attn"], h, head_dim, extra=[p["proj_mlp"]])
+    return q, k, v, torch.ops.aten.gelu_(mlp, approximate="tanh")
+
+
+_SINGLE_IN = {"exact": _single_in, "two_gemms": _single_in_two_gemms, "one_gemm_inplace": _single_in_inplace}
 
 
 # Compiled once, reused for every layer; the block functions are looked up at call time.
