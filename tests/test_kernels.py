@@ -130,7 +130,7 @@ def _count_fast_calls(monkeypatch) -> list:
 
 
 def test_kernels_pins(monkeypatch):
-    """"exact": bitwise the plain params' result (the same kernels, unfused projections);
+    """Pin "exact": bitwise the plain params' result (the same kernels, unfused projections);
     "fast": every fast kernel, nothing measured; "auto" (the default): measured choices.
     All within the fp32 tolerance of diffusers."""
     module, params, kw, dkw = _flux1()
