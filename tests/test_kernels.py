@@ -213,3 +213,24 @@ def test_ranks_of_a_mesh_choose_alike():
     assert {choice for op, _, choice, _ in c0 if op == "apply_rope"} == {"exact"}  # rank 1's slowness counts
     assert torch.equal(out0, out1)
     torch.testing.assert_close(out0, plain, **FP32)
+
+
+# ----------------------------------------------------------------------------- bench's report
+
+
+def test_bench_report_keeps_one_section_per_machine_kind(tmp_path, monkeypatch):
+    from functional_dit import bench
+
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text("# Benchmarks\n\nintro\n\n## Intel(R) Xeon(R) Processor\n\n- old Intel figures\n")
+    monkeypatch.setattr(bench, "cpu_model", lambda: "AMD EPYC")
+    assert bench.machine_kind() == "AMD EPYC" + (
+        f" + {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    )
+    monkeypatch.setattr(bench, "machine_kind", lambda: "AMD EPYC")
+    bench.write_report(str(path), "# Benchmarks\n\n## AMD EPYC\n\n- first AMD figures\n")
+    bench.write_report(str(path), "# Benchmarks\n\n## AMD EPYC\n\n- new AMD figures\n")
+    head, parts = bench.sections(path.read_text())
+    assert "intro" in head and list(parts) == ["Intel(R) Xeon(R) Processor", "AMD EPYC"]
+    assert "- old Intel figures" in parts["Intel(R) Xeon(R) Processor"]
+    assert "- new AMD figures" in parts["AMD EPYC"] and "- first AMD figures" not in path.read_text()
