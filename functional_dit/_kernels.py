@@ -63,7 +63,7 @@ def check_mode(kernels) -> str:
 def _sig(a):
     """A hashable summary of one argument: shapes, strides and dtypes of its tensors."""
     if isinstance(a, torch.Tensor):
-        return (tuple(a.shape), a.stride(), str(a.dtype))
+        return (tuple(a.shape), a.stride(), a.dtype)
     if isinstance(a, dict):
         return tuple((k, _sig(v)) for k, v in a.items())
     if isinstance(a, (list, tuple)):
