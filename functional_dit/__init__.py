@@ -16,6 +16,7 @@ from ._api import (
     prepare,
     to_state_dict,
 )
+from ._kernels import kernel_choices
 from ._pytree import PACKED, Block, Params, ParamSpec
 from ._sample import sample
 from ._stack import stack_params, unstack_params
@@ -53,6 +54,7 @@ __all__ = [
     "from_diffusers",
     "from_state_dict",
     "init",
+    "kernel_choices",
     "num_params",
     "param_specs",
     "prepare",

@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 import sharding
 from sharding.tree import flatten, nest
 
-from . import _config, _fuse, flux1, flux2, flux3, qwenimage, qwenimage21
+from . import _config, _fuse, _kernels, flux1, flux2, flux3, qwenimage, qwenimage21
 from . import _layers as L
 from ._pytree import Params, ParamSpec, check_leaves, register_pytree
 
@@ -211,7 +211,7 @@ def from_diffusers(module) -> Params:
 COMMON_ARGS = ("img_ids", "txt_ids", "guidance", "pooled", "txt_mask", "img_shapes", "rope")
 
 
-def prepare(params: Params) -> Params:
+def prepare(params: Params, kernels: str = "auto") -> Params:
     """``params`` laid out for the fast eager path: each group of projections that read
     the same input (q/k/v; FLUX.1's single-block q/k/v + MLP input) becomes row views of
     one buffer, so `apply` runs it as one matmul. The same keys, shapes and values (a
@@ -219,9 +219,16 @@ def prepare(params: Params) -> Params:
     so the fused weight shards per block). For eager inference: params that require grad
     are refused, and ``torch.compile`` wants the params as they are (its per-block
     regions refuse inputs that share storage; compiled code gains nothing from the
-    layout). See `functional_dit._fuse`."""
+    layout). See `functional_dit._fuse`.
 
-    return _fuse.prepare(params, family(params).FUSED)
+    ``kernels``: which eager kernels the prepared params run. "auto" (default): per op,
+    whichever of its fast and exact kernels measured faster on this machine at the shapes
+    in use (a short micro-benchmark at an op's first call with new shapes, cached for the
+    process; `kernel_choices` lists them); "fast": every fast kernel; "exact": the exact
+    kernels and unfused projections, bitwise what plain params compute. See
+    `functional_dit._kernels`."""
+    _kernels.check_mode(kernels)
+    return _fuse.prepare(params, family(params).FUSED, kernels)
 
 
 def apply(params: Params, x, t, txt, *, lora=None, checkpoint: bool = False, **kwargs):
@@ -306,7 +313,7 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
     x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
     inputs = {k: sharding.shard(v, "dp", 0) if k in fam.BATCHED and v is not None else v for k, v in inputs.items()}
     if _fuse.active(params, fam.FUSED, (x, t, txt, inputs)):  # fd.prepare'd params, inference
-        with L.fast_kernels():
+        with L.fast_kernels(_fuse.kernels(params, fam.FUSED)):
             out, seq, extra = fam.forward(params, x, t, txt, **inputs)
     else:
         out, seq, extra = fam.forward(params, x, t, txt, **inputs)

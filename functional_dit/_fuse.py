@@ -22,6 +22,8 @@ per block, as every fused projection of the plan is.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.utils._pytree
 
@@ -30,6 +32,10 @@ import sharding
 from ._pytree import Params
 
 _FUSABLE_DEVICES = ("cpu", "cuda")
+
+# The kernels mode `prepare` was given, per fused buffer (its storage's address; the entry
+# goes when the buffer does): read back by `kernels` for the params laid out on it.
+_MODES: dict[int, str] = {}
 
 
 def _rows_of_one_buffer(ts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -94,6 +100,19 @@ def active(params, groups, inputs) -> bool:
     return False
 
 
+def kernels(params, groups) -> str:
+    """The ``kernels`` mode `prepare` recorded for ``params``' fused layout (the buffer of
+    its first fused group, the one `active` reads); "auto" for a layout made otherwise."""
+    for blocks_key, block_groups in groups.items():
+        for block in (params.tree.get(blocks_key) or {}).values():
+            try:
+                w = _get(block, f"{block_groups[0][0]}.weight")
+            except KeyError:
+                return "auto"
+            return _MODES.get(w.untyped_storage().data_ptr(), "auto")
+    return "auto"
+
+
 def _functorch_wrapped(t: torch.Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
@@ -107,9 +126,16 @@ def _get(tree, path: str):
     return tree
 
 
-def _concat_rows(leaves: list) -> list:
+def _remember(buffer: torch.Tensor, mode: str) -> None:
+    ptr = buffer.untyped_storage().data_ptr()
+    _MODES[ptr] = mode
+    weakref.finalize(buffer, _MODES.pop, ptr, None)
+
+
+def _concat_rows(leaves: list, mode: str = "auto") -> list:
     """New leaves with the values of ``leaves``, row views of one fresh buffer (for
-    DTensor leaves: of one local buffer, each re-wrapped with its placements)."""
+    DTensor leaves: of one local buffer, each re-wrapped with its placements); the buffer
+    remembers the kernels ``mode``."""
     DTensor = sharding._shard._dtensor_cls()
     is_d = [DTensor is not None and isinstance(t, DTensor) for t in leaves]
     if any(is_d) and not all(is_d):
@@ -118,6 +144,7 @@ def _concat_rows(leaves: list) -> list:
     if len({(t.dtype, t.device, t.shape[1:]) for t in local}) != 1:
         return leaves
     buffer = torch.cat([t.detach() for t in local])
+    _remember(buffer, mode)
     views = list(buffer.split([t.shape[0] for t in local]))
     if not any(is_d):
         return views
@@ -138,9 +165,10 @@ def _copy_dicts(tree):
     return {k: _copy_dicts(v) if isinstance(v, dict) else v for k, v in tree.items()}
 
 
-def prepare(params: Params, groups) -> Params:
+def prepare(params: Params, groups, kernels: str = "auto") -> Params:
     """``params`` with every group of ``groups`` laid out as one buffer (see the module
-    docstring). ``groups``: ``{block list key: [(projection path, ...), ...]}``."""
+    docstring), the buffers remembering the ``kernels`` mode. ``groups``: ``{block list
+    key: [(projection path, ...), ...]}``."""
     if any(isinstance(t, torch.Tensor) and t.requires_grad for t in params.leaves()):
         raise ValueError(
             "params: prepare is for inference and copies the fused projections into new buffers that do not "
@@ -156,6 +184,6 @@ def prepare(params: Params, groups) -> Params:
                         leaves = [_get(block, p) for p in paths]
                     except KeyError:
                         continue
-                    for path, new in zip(paths, _concat_rows(leaves)):
+                    for path, new in zip(paths, _concat_rows(leaves, kernels)):
                         _set(block, path, new)
     return params.replace(tree)

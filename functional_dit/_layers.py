@@ -20,15 +20,15 @@ import torch.utils.checkpoint
 
 import sharding
 
-from . import _fuse
+from . import _fuse, _kernels
 
 # ----------------------------------------------------------------------------- fast kernels
 
-_FAST = contextvars.ContextVar("functional_dit_fast_kernels", default=False)
+_FAST = contextvars.ContextVar("functional_dit_fast_kernels", default=None)  # None | "fast" | "auto"
 
 
 @contextlib.contextmanager
-def fast_kernels(enabled: bool = True):
+def fast_kernels(enabled: bool | str = True):
     """Run the layers below with the fast eager kernels (`fd.prepare`'d params, inference):
     fused elementwise ops (``addcmul``, LayerNorm's own affine for AdaLN at batch 1, RoPE
     as one complex product), a linear layer's GELU fused into its GEMM where the backend
@@ -36,8 +36,12 @@ def fast_kernels(enabled: bool = True):
     in-place activations on fresh outputs. The same maths in another rounding order:
     equal to the exact kernels within float tolerance, not bitwise (bf16 included). Set by
     `fd.apply` for prepared params only, and never under ``torch.compile``, a
-    ``torch.func`` transform or autograd (in-place ops), where the exact kernels run."""
-    token = _FAST.set(bool(enabled))
+    ``torch.func`` transform or autograd (in-place ops), where the exact kernels run.
+
+    ``enabled``: True or "fast" (every fast kernel), "auto" (each op runs whichever of its
+    kernels measured faster here, `_kernels`), False or "exact" (the exact kernels)."""
+    mode = ("fast" if enabled else "exact") if isinstance(enabled, bool) else enabled
+    token = _FAST.set(None if _kernels.check_mode(mode) == "exact" else mode)
     try:
         yield
     finally:
@@ -46,7 +50,15 @@ def fast_kernels(enabled: bool = True):
 
 def fast() -> bool:
     """Whether the fast eager kernels are on (see `fast_kernels`)."""
-    return not torch.compiler.is_compiling() and _FAST.get()
+    return not torch.compiler.is_compiling() and _FAST.get() is not None
+
+
+def select(op: str, variants: dict, *args):
+    """``variants[name](*args)`` for the kernel op ``op`` runs under the fast kernels' mode:
+    the first fast one ("fast"), or the one measured fastest on these arguments ("auto",
+    `_kernels.choose`). Call it only where `fast` is True; the variants must not mutate
+    their arguments nor communicate (they are timed on each rank on its own)."""
+    return _kernels.run(op, variants, _FAST.get(), *args)
 
 
 def _onednn_linear_pointwise():
@@ -55,17 +67,45 @@ def _onednn_linear_pointwise():
     return op if op is not None and torch.backends.mkldnn.is_available() else None
 
 
+def _gelu_exact(p, x, axis):
+    return F.gelu(col_linear(p, x, axis), approximate="tanh")
+
+
+def _gelu_onednn(p, x, axis):
+    return _onednn_linear_pointwise()(x, p["weight"], p.get("bias"), "gelu", [], "tanh")
+
+
+def _gelu_inplace(p, x, axis):
+    return torch.ops.aten.gelu_(F.linear(x, p["weight"], p.get("bias")), approximate="tanh")
+
+
+_GELU = {"exact": _gelu_exact, "onednn_epilogue": _gelu_onednn, "inplace": _gelu_inplace}
+_GELU_NO_ONEDNN = {"exact": _gelu_exact, "inplace": _gelu_inplace}
+
+
 def linear_gelu(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
     """``gelu(col_linear(p, x), approximate="tanh")``; with the fast kernels, one oneDNN
-    GEMM with bias and GELU fused on a CPU in fp32, else an in-place GELU on the fresh
+    GEMM with bias and GELU fused on a CPU in fp32, or an in-place GELU on the fresh
     GEMM output."""
     if not fast() or "lora" in p:
-        return F.gelu(col_linear(p, x, axis), approximate="tanh")
-    w, b = p["weight"], p.get("bias")
-    op = _onednn_linear_pointwise()
-    if op is not None and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32:
-        return op(x, w, b, "gelu", [], "tanh")
-    return torch.ops.aten.gelu_(F.linear(x, w, b), approximate="tanh")
+        return _gelu_exact(p, x, axis)
+    w = p["weight"]
+    onednn = _onednn_linear_pointwise() is not None and x.device.type == "cpu"
+    onednn = onednn and x.dtype == w.dtype == torch.float32
+    return select("linear_gelu", _GELU if onednn else _GELU_NO_ONEDNN, p, x, axis)
+
+
+def _norm_modulate_exact(x, shift, scale, eps):
+    return layer_norm(x, eps) * (1 + scale) + shift
+
+
+def _norm_modulate_fast(x, shift, scale, eps):
+    if x.shape[0] == 1 and scale.shape[1] == 1 and shift.shape[1] == 1:
+        return F.layer_norm(x, x.shape[-1:], 1 + scale[0, 0], shift[0, 0], eps)
+    return torch.addcmul(shift, layer_norm(x, eps), 1 + scale)
+
+
+_NORM_MODULATE = {"exact": _norm_modulate_exact, "fused_affine": _norm_modulate_fast}
 
 
 def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -75,16 +115,35 @@ def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
     else one ``addcmul`` after the norm."""
     shift, scale = (m[:, None] if m.dim() == 2 else m for m in (shift, scale))
     if not fast():
-        return layer_norm(x, eps) * (1 + scale) + shift
-    if x.shape[0] == 1 and scale.shape[1] == 1 and shift.shape[1] == 1:
-        return F.layer_norm(x, x.shape[-1:], 1 + scale[0, 0], shift[0, 0], eps)
-    return torch.addcmul(shift, layer_norm(x, eps), 1 + scale)
+        return _norm_modulate_exact(x, shift, scale, eps)
+    return select("norm_modulate", _NORM_MODULATE, x, shift, scale, eps)
+
+
+_GATED = {"exact": lambda x, gate, y: x + gate * y, "addcmul": torch.addcmul}
 
 
 def gated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The gated residual ``x + gate * y`` (``gate`` broadcast over y's rows, e.g. (B, 1, C));
     one ``addcmul`` with the fast kernels."""
-    return torch.addcmul(x, gate, y) if fast() else x + gate * y
+    return select("gated", _GATED, x, gate, y) if fast() else x + gate * y
+
+
+def _cat_product(w, b, xs):
+    return F.linear(torch.cat(xs, -1), w, b)
+
+
+def _split_product(w, b, xs):
+    """``cat(xs, -1) @ w.T (+ b)`` as one GEMM per part accumulating in one output."""
+    lead = xs[0].shape[:-1]
+    parts = zip((x.reshape(-1, x.shape[-1]) for x in xs), w.split([x.shape[-1] for x in xs], dim=1))
+    x0, w0 = next(parts)
+    y = torch.addmm(b, x0, w0.t()) if b is not None else x0 @ w0.t()
+    for xi, wi in parts:
+        y.addmm_(xi, wi.t())
+    return y.view(*lead, -1)
+
+
+_ROW_CAT = {"exact": _cat_product, "split_gemms": _split_product}
 
 
 def row_linear_cat(p, xs: list, axis: str = "tp") -> torch.Tensor:
@@ -95,13 +154,7 @@ def row_linear_cat(p, xs: list, axis: str = "tp") -> torch.Tensor:
         return row_linear(p, torch.cat(xs, -1), axis)
     w, b = p["weight"], p.get("bias")
     whole = sharding.axis_size(axis) == 1
-    lead = xs[0].shape[:-1]
-    parts = zip((x.reshape(-1, x.shape[-1]) for x in xs), w.split([x.shape[-1] for x in xs], dim=1))
-    x0, w0 = next(parts)
-    y = torch.addmm(b, x0, w0.t()) if whole and b is not None else x0 @ w0.t()
-    for xi, wi in parts:
-        y.addmm_(xi, wi.t())
-    y = y.view(*lead, -1)
+    y = select("row_linear_cat", _ROW_CAT, w, b if whole else None, xs)  # the local product: no collective
     if whole:
         return y
     y = sharding.psum(y, axis)
@@ -192,16 +245,26 @@ def col_linear(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
 
 def linear_group(ps: list, x: torch.Tensor, axis: str = "tp") -> list[torch.Tensor]:
     """Column-parallel ``[col_linear(p, x) for p in ps]``, as one matmul when `fd.prepare`
-    laid the weights out as one buffer (`_fuse.fused`) and no LoRA factors are attached
-    (their updates are per layer). ``x`` (whole on every rank) goes through
+    laid the weights out as one buffer (`_fuse.fused`), the fast kernels are on and no LoRA
+    factors are attached (their updates are per layer). ``x`` (whole on every rank) goes through
     ``sharding.pvary`` over ``axis`` once, so its gradient under tensor parallelism is the
     sum of the per-rank shares, fused or not."""
     x = sharding.pvary(x, axis)
-    wb = None if any("lora" in p for p in ps) else _fuse.fused(ps)
+    wb = None if not fast() or any("lora" in p for p in ps) else _fuse.fused(ps)
     if wb is None:
-        return [linear(p, x) for p in ps]
-    y = F.linear(x, *wb)
-    return list(y.split([p["weight"].shape[0] for p in ps], dim=-1))
+        return _group_each(ps, wb, x)
+    return select("linear_group", _GROUP, ps, wb, x)
+
+
+def _group_each(ps, wb, x):
+    return [linear(p, x) for p in ps]
+
+
+def _group_fused(ps, wb, x):
+    return list(F.linear(x, *wb).split([p["weight"].shape[0] for p in ps], dim=-1))
+
+
+_GROUP = {"exact": _group_each, "one_gemm": _group_fused}
 
 
 def col_linear_split(p, x: torch.Tensor, sizes: list, axis: str = "tp") -> list[torch.Tensor]:
@@ -210,9 +273,19 @@ def col_linear_split(p, x: torch.Tensor, sizes: list, axis: str = "tp") -> list[
     GEMM per block, so each block's output is contiguous for the elementwise work after."""
     if not fast() or "lora" in p:
         return list(col_linear(p, x, axis).split(sizes, dim=-1))
-    b = p.get("bias")
+    return select("col_linear_split", _SPLIT, p["weight"], p.get("bias"), x, sizes)
+
+
+def _one_gemm_views(w, b, x, sizes):
+    return list(F.linear(x, w, b).split(sizes, dim=-1))
+
+
+def _gemm_per_block(w, b, x, sizes):
     bs = [None] * len(sizes) if b is None else b.split(sizes)
-    return [linear({"weight": w, "bias": bi}, x) for w, bi in zip(p["weight"].split(sizes), bs)]
+    return [F.linear(x, wi, bi) for wi, bi in zip(w.split(sizes), bs)]
+
+
+_SPLIT = {"exact": _one_gemm_views, "gemm_per_block": _gemm_per_block}
 
 
 def per_head(p, axis: str = "tp") -> dict:
@@ -256,8 +329,12 @@ def layer_norm(x: torch.Tensor, eps: float = 1e-6, p=None) -> torch.Tensor:
 def rms_norm(p, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``torch.nn.RMSNorm`` (FLUX.1/FLUX.2 QK norms)."""
     if fast() and x.device.type == "cpu":
-        return _rms_norm_fast(x, p["weight"], eps)
+        return select("rms_norm", _RMS, x, p["weight"], eps)
     return F.rms_norm(x, x.shape[-1:], p["weight"], eps)
+
+
+def _rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, x.shape[-1:], w, eps)
 
 
 def _rms_norm_fast(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -276,14 +353,21 @@ def rms_norm_fp32(p, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     kernels: `_rms_norm_fast` on a CPU, torch's fused kernel elsewhere (fp32 inside, one
     rounding at the end)."""
     if fast():
-        return (
-            _rms_norm_fast(x, p["weight"], eps)
-            if x.device.type == "cpu"
-            else F.rms_norm(x, x.shape[-1:], p["weight"], eps)
-        )
+        return select("rms_norm_fp32", _RMS_FP32, x, p["weight"], eps)
+    return _rms_norm_fp32_exact(x, p["weight"], eps)
+
+
+def _rms_norm_fp32_exact(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     y = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    w = p["weight"]
     return (y.to(w.dtype) if w.dtype in (torch.float16, torch.bfloat16) else y) * w
+
+
+def _rms_norm_fp32_fast(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm_fast(x, w, eps) if x.device.type == "cpu" else _rms_norm_torch(x, w, eps)
+
+
+_RMS = {"exact": _rms_norm_torch, "three_pass": _rms_norm_fast}
+_RMS_FP32 = {"exact": _rms_norm_fp32_exact, "three_pass": _rms_norm_fp32_fast}
 
 
 def clip_fp16(x: torch.Tensor) -> torch.Tensor:
@@ -375,15 +459,26 @@ def rope(ids: torch.Tensor, axes_dim, theta: float) -> tuple[torch.Tensor, torch
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs of x (B, S, H, D) by cos/sin (S, D) in fp32. Fast kernels:
     one complex product of (x_2i, x_2i+1) by (cos, sin), as diffusers' Qwen-Image does."""
-    if fast():
-        xf = x.float()
-        if xf.stride(-1) == 1 and all(st % 2 == 0 for st in xf.stride()[:-1]) and xf.storage_offset() % 2 == 0:
-            freqs = torch.complex(cos[:, None, 0::2], sin[:, None, 0::2])  # (S, 1, D/2)
-            xc = torch.view_as_complex(xf.unflatten(-1, (-1, 2)))
-            return torch.view_as_real(xc * freqs).flatten(-2).to(x.dtype)
+    return select("apply_rope", _ROPE, x, cos, sin) if fast() else _rope_real(x, cos, sin)
+
+
+def _rope_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` as one complex product where x's pairs are complex numbers in memory."""
+    xf = x.float()
+    if xf.stride(-1) != 1 or any(st % 2 for st in xf.stride()[:-1]) or xf.storage_offset() % 2:
+        return _rope_real(x, cos, sin)
+    freqs = torch.complex(cos[:, None, 0::2], sin[:, None, 0::2])  # (S, 1, D/2)
+    xc = torch.view_as_complex(xf.unflatten(-1, (-1, 2)))
+    return torch.view_as_real(xc * freqs).flatten(-2).to(x.dtype)
+
+
+def _rope_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     xr, xi = x.unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack([-xi, xr], dim=-1).flatten(-2)
     return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
+
+
+_ROPE = {"exact": _rope_real, "complex": _rope_complex}
 
 
 def split_rows(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

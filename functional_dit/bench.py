@@ -34,7 +34,7 @@ import torch
 
 import sharding
 
-from . import _api
+from . import _api, _kernels
 
 IMG_HW = (32, 32)  # 1024 image tokens
 TXT_LEN = 128
@@ -260,11 +260,13 @@ def _no_room_for_another_copy(params, device) -> str:
 
 def eager_section(name, config, args) -> dict:
     params = random_params(config, args.device, args.dtype)
-    ours = _api.prepare(params)
+    ours = _api.prepare(params)  # kernels="auto": each op's kernels measured here
+    _kernels.clear()  # this family's picks only (`_chosen`)
     kw, dkw = inputs(config, args.device, args.dtype, **shape(args))
     module = diffusers_module(params, args.device, args.dtype)
     fused, fused_note = None, _no_room_for_another_copy(params, args.device)
-    if not fused_note:
+    room = not fused_note
+    if room:
         fused = diffusers_module(params, args.device, args.dtype)
         try:
             fused.fuse_qkv_projections()
@@ -277,6 +279,8 @@ def eager_section(name, config, args) -> dict:
     contenders = {"ours": lambda: _api.apply(ours, **kw), "diffusers": lambda: module(**dkw)[0]}
     if fused is not None:
         contenders["diffusers_fused"] = lambda: fused(**dkw)[0]
+    if room:
+        contenders.update(_pinned_contenders(ours, kw))
     n = peak_n(args.device)
     a, b = (torch.randn(n, n, device=args.device, dtype=args.dtype) for _ in range(2))
     contenders["matmul"] = lambda: a @ b  # the peak, measured in the same rounds (same load)
@@ -299,6 +303,27 @@ def eager_section(name, config, args) -> dict:
     out["ratio_eager"] = med["ours"] / med["diffusers"]
     if fused is not None:
         out["ratio_eager_fused"] = med["ours"] / med["diffusers_fused"]
+    for pin in ("fast", "exact"):
+        if f"ours_{pin}" in med:
+            out[f"eager_ours_{pin}"] = med[f"ours_{pin}"]
+            out[f"ratio_eager_{pin}"] = med[f"ours_{pin}"] / med["diffusers"]
+    out["kernels"] = _chosen(ours)
+    return out
+
+
+def _pinned_contenders(ours, kw) -> dict:
+    """`fd.prepare(..., kernels="fast")` and ``"exact"`` beside the default "auto" (on an
+    accelerator only where there is room for their copies of the fused projections)."""
+    pinned = {pin: _api.prepare(ours, kernels=pin) for pin in ("fast", "exact")}  # copies the fused groups only
+    return {f"ours_{pin}": functools.partial(_api.apply, p, **kw) for pin, p in pinned.items()}
+
+
+def _chosen(ours) -> dict:
+    """``{op: {kernel: how many keys chose it}}`` from `fd.kernel_choices` (this process)."""
+    out: dict = {}
+    for c in _kernels.kernel_choices():
+        per_op = out.setdefault(c["op"], {})
+        per_op[c["choice"]] = per_op.get(c["choice"], 0) + 1
     return out
 
 
@@ -474,22 +499,38 @@ def memory_section() -> list[tuple[str, float, float]]:
 # ----------------------------------------------------------------------------- report
 
 
-def machine() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform`` elsewhere)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
+    return cpu
+
+
+def machine_kind() -> str:
+    """What a BENCHMARKS.md section is about: the CPU model and, with CUDA, the GPU model."""
+    gpu = f" + {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{cpu_model()}{gpu}"
+
+
+def machine() -> str:
     import diffusers
 
     dev = ""
     if torch.cuda.is_available():
         dev = f", GPU {torch.cuda.get_device_name()}"
+    load = f"; load average {os.getloadavg()[0]:.1f} at the end" if hasattr(os, "getloadavg") else ""
     return (
-        f"{cpu}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads{dev}; "
+        f"{cpu_model()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads{dev}{load}; "
         f"Python {platform.python_version()}, torch {torch.__version__}, diffusers {diffusers.__version__}"
     )
+
+
+def _picks(counts: dict) -> str:
+    return "/".join(f"{k} x{n}" for k, n in counts.items())
 
 
 def _f(v, spec="{:.3f}") -> str:
@@ -503,6 +544,7 @@ def table(results: dict, peak: float) -> list[str]:
         "eager ours s",
         "diffusers s",
         "ours/diffusers",
+        "fast; exact /diffusers",
         "ours/diffusers fused",
         "FLOP/s vs peak",
         "compiled ours/diffusers",
@@ -527,6 +569,7 @@ def table(results: dict, peak: float) -> list[str]:
             _f(r["eager_ours"]),
             _f(r["eager_diffusers"]),
             _f(r["ratio_eager"], "{:.2f}"),
+            f"{_f(r.get('ratio_eager_fast'), '{:.2f}')}; {_f(r.get('ratio_eager_exact'), '{:.2f}')}",
             _f(r.get("ratio_eager_fused"), "{:.2f}"),
             f"{r['flops_per_s'] / 1e9:.1f} / {r['peak_flops_per_s'] / 1e9:.1f} GFLOP/s = {r['fraction_of_peak']:.2f}",
             _f(c.get("ratio_compiled"), "{:.2f}") + compiled,
@@ -543,6 +586,8 @@ def markdown(results, peak, args, command, started, elapsed) -> str:
     lines = [
         "# Benchmarks",
         "",
+        f"## {machine_kind()}",
+        "",
         f"- date: {started:%Y-%m-%d %H:%M} UTC; wall time {elapsed / 60:.1f} min",
         f"- machine: {machine()}",
         f"- command: `{command}`",
@@ -554,8 +599,15 @@ def markdown(results, peak, args, command, started, elapsed) -> str:
         + ("" if getattr(args, "depth", "mid") == "mid" else " (the released models' depth, mid width)"),
         f"- matmul peak: a {peak_n(args.device)}³ GEMM, timed in the same alternating rounds as each family "
         f"(so under the same load); {peak / 1e9:.1f} GFLOP/s measured alone at the start",
-        "- ours: `fd.apply` on `fd.prepare`d params (fused q/k/v and the fast eager kernels, `_layers.fast_kernels`); "
-        "FLOPs counted by `torch.utils.flop_counter` on the plain params (the same products), attention included",
+        '- ours: `fd.apply` on `fd.prepare`d params (fused q/k/v and the eager kernels `kernels="auto"` measured '
+        'faster on this machine, `functional_dit._kernels`); beside it the pins `kernels="fast"` (every fast '
+        'kernel) and `"exact"` (the plain params\' kernels); FLOPs counted by `torch.utils.flop_counter` on the '
+        "plain params (the same products), attention included",
+        "- auto's picks (op: kernel x shapes): "
+        + "; ".join(
+            f"{n}: " + ", ".join(f"{op} {_picks(c)}" for op, c in r.get("kernels", {}).items())
+            for n, r in results.items()
+        ),  # fmt: skip
     ]
     if any(r.get("compile") for r in results.values()):
         lines.append(
@@ -581,6 +633,32 @@ def markdown(results, peak, args, command, started, elapsed) -> str:
     lines += ["| preset | GB per rank | ideal | ratio |", "|---|---|---|---|"]
     lines += [f"| {p} | {g:.2f} | {i:.2f} | {g / i:.3f} |" for p, g, i in memory_section()]
     return "\n".join(lines) + "\n"
+
+
+def sections(text: str) -> tuple[list[str], dict[str, list[str]]]:
+    """(the lines before the first ``## `` heading, {heading: its section's lines})."""
+    head, parts, current = [], {}, None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            current = line[3:].strip()
+            parts[current] = []
+        (head if current is None else parts[current]).append(line)
+    return head, parts
+
+
+def write_report(path: str, text: str) -> None:
+    """Write ``text`` (one machine kind's section) to ``path``, keeping the sections of
+    other machine kinds already there and replacing this kind's own."""
+    new_head, new_parts = sections(text)
+    old = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+    old_head, parts = sections(old)
+    parts.update(new_parts)
+    lines = (old_head if any(ln.strip() for ln in old_head) else new_head) + [ln for p in parts.values() for ln in p]
+    with open(path, "w") as f:
+        f.write("\n".join(lines).rstrip("\n") + "\n")
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -678,7 +756,6 @@ def run(args) -> int:
     print("\n".join(table(results, peak)))
     print(f"wall time {elapsed / 60:.1f} min")
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(f"wrote {args.out}")
+        write_report(args.out, text)
+        print(f"wrote {args.out} (section {machine_kind()!r})")
     return 0

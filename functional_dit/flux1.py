@@ -269,14 +269,30 @@ def single_block(p, x, mod, pe, head_dim, key_bias=None):
     (B, 3C) its ``norm`` modulation (`modulations`)."""
     shift, scale, gate = mod.chunk(3, dim=-1)
     h = L.norm_modulate(x, shift, scale)
-    if L.fast():  # q/k/v as one GEMM, the MLP input with its GELU fused in another
-        q, k, v = qkv(p["attn"], h, head_dim)
-        mlp = L.linear_gelu(p["proj_mlp"], h)
-    else:
-        q, k, v, mlp = qkv(p["attn"], h, head_dim, extra=[p["proj_mlp"]])  # BFL's linear1: one matmul
-        mlp = torch.nn.functional.gelu(mlp, approximate="tanh")
+    q, k, v, mlp = L.select("single_in", _SINGLE_IN, p, h, head_dim) if L.fast() else _single_in(p, h, head_dim)
     attn = joint_attention(q, k, v, pe, key_bias)
     return L.clip_fp16(L.gated(x, gate[:, None], L.row_linear_cat(p["proj_out"], [attn, mlp])))
+
+
+def _single_in(p, h, head_dim):
+    """q, k, v and the GELU'd MLP input of a single block from one GEMM (BFL's linear1)."""
+    q, k, v, mlp = qkv(p["attn"], h, head_dim, extra=[p["proj_mlp"]])
+    return q, k, v, torch.nn.functional.gelu(mlp, approximate="tanh")
+
+
+def _single_in_two_gemms(p, h, head_dim):
+    """`_single_in` as q/k/v in one GEMM and the MLP input with its GELU in another
+    (`L.linear_gelu`): contiguous outputs, no strided slices."""
+    return *qkv(p["attn"], h, head_dim), L.linear_gelu(p["proj_mlp"], h)
+
+
+def _single_in_inplace(p, h, head_dim):
+    """`_single_in` with the GELU in place on the MLP columns of the one fresh GEMM output."""
+    q, k, v, mlp = qkv(p["attn"], h, head_dim, extra=[p["proj_mlp"]])
+    return q, k, v, torch.ops.aten.gelu_(mlp, approximate="tanh")
+
+
+_SINGLE_IN = {"exact": _single_in, "two_gemms": _single_in_two_gemms, "one_gemm_inplace": _single_in_inplace}
 
 
 # Compiled once, reused for every layer; the block functions are looked up at call time.
