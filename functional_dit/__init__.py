@@ -16,6 +16,7 @@ from ._api import (
     prepare,
     to_state_dict,
 )
+from ._cache import CacheRun, FirstBlockCache, MagCache, TaylorSeer
 from ._pytree import PACKED, Block, Params, ParamSpec
 from ._sample import sample
 from ._stack import stack_params, unstack_params
@@ -30,6 +31,10 @@ __all__ = [
     "PACKED",
     "PRESETS",
     "Block",
+    "CacheRun",
+    "FirstBlockCache",
+    "MagCache",
+    "TaylorSeer",
     "Flux1Config",
     "Flux2Config",
     "Flux2KVCache",

@@ -409,3 +409,45 @@ def _mag_step(cache: MagCache, state: MagState, stages, info: _Items):
 
 
 _STEP = {FirstBlockCache: _fbc_step, TaylorSeer: _taylor_step, MagCache: _mag_step}
+
+
+# ----------------------------------------------------------------------------- sampling runs
+
+
+class CacheRun:
+    """A step cache through one sampling run (what `fd.sample` carries): the config, the
+    state after the last step (``state``) and so every step's decisions (``decisions``)."""
+
+    def __init__(self, cache):
+        self.config = check(cache)
+        self.state, self.branches = init(self.config), 1
+
+    @classmethod
+    def of(cls, cache, kv: bool = False):
+        """None for no cache, else a run (``cache`` itself when it is one)."""
+        if cache is None:
+            return None
+        if kv:
+            raise ValueError(
+                "cache: step caching does not combine with FLUX.2's reference KV cache; pass kv_cache=False"
+            )
+        return cache if isinstance(cache, cls) else cls(cache)
+
+    def start(self, branches: int = 1):
+        """A fresh state for a run whose batch is ``branches`` groups; returns `apply`."""
+        self.state, self.branches = init(self.config), branches
+        return self.apply
+
+    def apply(self, params, x, t, txt, **kwargs) -> torch.Tensor:
+        """`fd.apply`'s signature: one cached step, the new state kept."""
+        out, self.state = step(params, self.config, self.state, x, t, txt, branches=self.branches, **kwargs)
+        return out
+
+    @property
+    def decisions(self) -> tuple:
+        """Per step, per branch: True where the full network ran."""
+        return self.state.log
+
+    def skipped(self) -> int:
+        """Branch-steps that did not run the full network."""
+        return sum(not c for d in self.decisions for c in d)

@@ -37,7 +37,7 @@ import torch
 
 import sharding
 
-from . import _api, flux1, flux2
+from . import _api, _cache, flux1, flux2
 from . import qwenimage as _qwen
 from ._pytree import Params
 
@@ -212,6 +212,8 @@ def grid_ids(h: int, w: int, n_axes: int, dtype, device, t: int = 0) -> torch.Te
 class _Flux1:
     """FluxPipeline: T5 + CLIP pooled text, 2x2-packed 16-channel latents, 3-axis ids."""
 
+    apply = staticmethod(_api.apply)  # `_cache.CacheRun.apply` with a step cache
+
     def __init__(self, params, pipe):
         self.params, self.pipe, self.c = params, pipe, params.config
 
@@ -230,7 +232,7 @@ class _Flux1:
 
     def __call__(self, x, t, cond: Prompt):
         g = torch.full((x.shape[0],), float(self.guidance), device=x.device) if self.c.guidance_embeds else None
-        return _api.apply(self.params, x, t, cond.txt, pooled=cond.pooled, guidance=g, rope=self.rope)
+        return self.apply(self.params, x, t, cond.txt, pooled=cond.pooled, guidance=g, rope=self.rope)
 
     def decode_latents(self, x, h, w):
         vae = self.pipe.vae
@@ -240,6 +242,8 @@ class _Flux1:
 class _Flux2:
     """Flux2Pipeline / Flux2KleinPipeline / Flux2KleinKVPipeline: stacked text-encoder
     layers, patchified 2x2 latents packed as tokens, 4-axis ids, reference images."""
+
+    apply = staticmethod(_api.apply)  # `_cache.CacheRun.apply` with a step cache
 
     def __init__(self, params, pipe, kv_cache: bool):
         self.params, self.pipe, self.c, self.kv = params, pipe, params.config, kv_cache
@@ -283,17 +287,17 @@ class _Flux2:
         g = None if self.guidance is None else torch.full((B,), float(self.guidance), device=x.device)
         kw = dict(guidance=g)
         if self.ref is None:
-            return _api.apply(self.params, x, t, cond.txt, rope=self.rope, **kw)
+            return self.apply(self.params, x, t, cond.txt, rope=self.rope, **kw)
         ref = _batch(self.ref, B).to(x.dtype)
         if not self.kv:
-            return _api.apply(self.params, torch.cat([x, ref], 1), t, cond.txt, rope=self.rope, **kw)[:, :S]
+            return self.apply(self.params, torch.cat([x, ref], 1), t, cond.txt, rope=self.rope, **kw)[:, :S]
         if self.cache is None:
             x = torch.cat([ref, x], 1)
             out, self.cache = _api.apply(
                 self.params, x, t, cond.txt, rope=self.rope, kv_cache="extract", num_ref_tokens=ref.shape[1], **kw
             )
             return out
-        return _api.apply(self.params, x, t, cond.txt, rope=self.rope_cached, kv_cache=self.cache, **kw)
+        return self.apply(self.params, x, t, cond.txt, rope=self.rope_cached, kv_cache=self.cache, **kw)
 
     def decode_latents(self, x, h, w):
         vae = self.pipe.vae
@@ -308,6 +312,8 @@ class _Flux2:
 class _Qwen:
     """QwenImagePipeline / QwenImageEditPipeline: Qwen2.5-VL text (ragged, masked),
     2x2-packed latents with a frame axis, RoPE from img_shapes, normalised true CFG."""
+
+    apply = staticmethod(_api.apply)  # `_cache.CacheRun.apply` with a step cache
 
     def __init__(self, params, pipe):
         self.params, self.pipe, self.c = params, pipe, params.config
@@ -344,7 +350,7 @@ class _Qwen:
         B, S = x.shape[:2]
         if self.ref is not None:
             x = torch.cat([x, _batch(self.ref, B).to(x.dtype)], 1)
-        out = _api.apply(self.params, x, t, cond.txt, txt_mask=cond.mask, img_shapes=[self.shapes] * B, rope=self.rope)
+        out = self.apply(self.params, x, t, cond.txt, txt_mask=cond.mask, img_shapes=[self.shapes] * B, rope=self.rope)
         return out[:, :S]
 
     def decode_latents(self, x, h, w):
@@ -439,6 +445,7 @@ def sample(
     max_sequence_length: int | None = None,
     output_type: str = "pil",
     callback: Callable[[int, torch.Tensor], None] | None = None,
+    cache=None,
 ):
     """Generate images with ``params`` (plain or sharded) and our own denoising loop.
 
@@ -462,12 +469,16 @@ def sample(
     ``output_type``: "pil" (list of images), "np", "pt" (B, 3, H, W) in [0, 1], or
     "latent" (the packed latents the pipelines return for ``output_type="latent"``).
     ``callback(step, latents)`` runs after every step.
+    ``cache``: step caching (`functional_dit._cache`): ``fd.FirstBlockCache(0.08)``,
+    ``fd.TaylorSeer(...)``, ``fd.MagCache(...)``, a spec such as ``"fbcache:0.08"``, or an
+    ``fd.CacheRun`` (which then holds the last state and every step's decisions).
     """
     fam = _family_name(params)
     pipe = as_pipeline(encoders, params)
     prompts = _check_args(pipe, prompt, height, width, steps, seed, output_type)
     device, dtype = _param_device_dtype(params)
     model = _family_model(fam, params, pipe, image, kv_cache)
+    run = _cache.CacheRun.of(cache, image is not None and getattr(model, "kv", False))
     B, h, w = len(prompts), 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
     cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
     with torch.no_grad():
@@ -481,7 +492,7 @@ def sample(
         model.prepare(cond, h, w, guidance, device)
         sched = _scheduler(pipe, fam, x.shape[1], steps, device)
         _check_ranks(x, cond, model)
-        x = _denoise(model, sched, x, cond, cfg, fam == "qwenimage", callback)
+        x = _denoise(model, sched, x, cond, cfg, fam == "qwenimage", callback, run)
         return x if output_type == "latent" else _decode(model, pipe, x, h, w, output_type)
 
 
@@ -500,9 +511,11 @@ def _family_model(fam: str, params, pipe, image, kv_cache):
     return _Qwen(params, pipe)
 
 
-def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, callback):
+def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, callback, run=None):
     """The loop: one model call per step ([cond; uncond] as one batch with CFG), then the
-    scheduler's Euler step."""
+    scheduler's Euler step; with a `_cache.CacheRun`, the calls go through its step cache."""
+    if run is not None:
+        model.apply = run.start(branches=1 if cfg is None else 2)
     for i, t in enumerate(sched.timesteps):
         xin = torch.cat([x, x]) if cfg is not None else x
         pred = model(xin, t.expand(xin.shape[0]).to(x.dtype) / 1000, cond)
