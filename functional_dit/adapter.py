@@ -5,7 +5,8 @@ It takes the stock forward arguments (``FluxTransformer2DModel``,
 ``Flux2Transformer2DModel``, ``QwenImageTransformer2DModel``), runs `fd.apply` on its
 params (plain or sharded) and returns what the stock class returns. Everything a
 pipeline touches besides ``forward`` is here: ``config`` with the diffusers keys,
-``dtype`` / ``device`` / ``to``, ``cache_context``, the block lists whose attention
+``dtype`` / ``device`` / ``to``, ``cache_context`` and ``enable_cache`` (diffusers' First-Block
+Cache, TaylorSeer lite and MagCache configs, `functional_dit._cache_hooks`), the block lists whose attention
 processors the FLUX.2-klein KV pipeline sets, ``save_pretrained`` and
 ``from_pretrained``. The parameter leaves are registered as frozen ``nn.Parameter``s
 under the diffusers names (``state_dict()`` keys equal the stock class's), so
@@ -29,7 +30,6 @@ stock diffusers and the stock transformer.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import diffusers
@@ -39,7 +39,8 @@ from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DMo
 
 from sharding.tree import nest
 
-from ._api import apply, config_to_diffusers
+from ._api import config_to_diffusers
+from ._cache_hooks import CacheHooks
 from ._pytree import Params
 from .flux2_kv import Flux2KVCache
 
@@ -177,7 +178,7 @@ def _tree_module(node: torch.nn.Module, subtree: dict, path: tuple, owner: str, 
         node.add_module(name, child)
 
 
-class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
+class DiffusersTransformer(CacheHooks, diffusers.ModelMixin, diffusers.ConfigMixin):
     """A drop-in ``transformer`` for diffusers pipelines computing with `fd.apply`.
 
     ``DiffusersTransformer(params)`` with `Params` from `fd.init`, `fd.from_diffusers`,
@@ -232,12 +233,6 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
     def device(self) -> torch.device:
         return self._leaf().device
 
-    @contextlib.contextmanager
-    def cache_context(self, name: str, **kwargs):
-        """Accepted for the pipelines' ``with transformer.cache_context("cond")``; this
-        adapter has no caching hooks, so the context does nothing."""
-        yield
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(fd.apply over {type(self.params.config).__name__}, dtype={self.dtype})"
 
@@ -269,7 +264,7 @@ class DiffusersTransformer(diffusers.ModelMixin, diffusers.ConfigMixin):
         hidden_states, encoder_hidden_states, args = _broadcast_text(hidden_states, encoder_hidden_states, args)
         scale = self.__dict__.pop("_call_scale", 1.0)
         pairs = [(ad, s * scale) for ad, s in self.get_lora()]
-        out = apply(self.params, hidden_states, timestep, encoder_hidden_states, lora=pairs or None, **args)
+        out = self.cached_apply(self.params, hidden_states, timestep, encoder_hidden_states, pairs or None, **args)
         if isinstance(out, tuple):
             out, cache = out[0], KVCache(out[1])
         if not return_dict:

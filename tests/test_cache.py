@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+from diffusers.hooks import FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 from diffusers.hooks import first_block_cache as fbc_hooks
 from diffusers.hooks import mag_cache as mag_hooks
 from diffusers.hooks import taylorseer_cache as ts_hooks
@@ -155,3 +155,65 @@ def test_magcache_equals_diffusers(fam, recorder):
     stock = tuple((d,) for _, d in seen) if fam == "flux2-dev" else per_step(seen)
     assert run.decisions == stock and run.skipped() > 0
     torch.testing.assert_close(got, expected, **FP32)
+
+
+def test_adapter_honours_enable_cache(recorder, fixed_fbc_tail):
+    """pipe.transformer.enable_cache(...) on fd.DiffusersTransformer: the stock pipeline's
+    latents with the stock transformer and the same config (FLUX.1, true CFG: per-context
+    states), for First-Block Cache and TaylorSeer; the state is dropped after each run."""
+    kind, stock_kw, _ = FAMILIES["flux1"]
+    stock = tiny.pipeline(kind)
+    ours = tiny.pipeline(kind, transformer=fd.DiffusersTransformer(fd.from_diffusers(stock.transformer)))
+    kw = dict(prompt="a red cube", num_inference_steps=STEPS, **SIZE, **stock_kw)
+    for config in (FirstBlockCacheConfig(FBC_THRESHOLD["flux1"]), TaylorSeerCacheConfig(2, 2, use_lite_mode=True)):
+        for pipe in (stock, ours):
+            pipe.transformer.enable_cache(config)
+        expected = stock_latents(stock, 3, **kw)
+        torch.testing.assert_close(stock_latents(ours, 3, **kw), expected, **FP32)
+        assert ours.transformer._fd_states == {}  # dropped by the pipeline after the run, as diffusers' hooks
+        for pipe in (stock, ours):
+            pipe.transformer.disable_cache()
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (TaylorSeerCacheConfig(), r"config: TaylorSeerCacheConfig\(.*use_lite_mode=False.*not supported"),
+        (MagCacheConfig(calibrate=True), r"config: MagCacheConfig\(calibrate=True\) is not supported"),
+        (FasterCacheConfig(), "config: FasterCacheConfig.*not supported"),
+    ],
+)
+def test_adapter_refuses_unsupported_configs(config, match):
+    adapter = fd.DiffusersTransformer(fd.init(tiny.transformer_config("flux"), seed=0))
+    with pytest.raises(ValueError, match=match):
+        adapter.enable_cache(config)
+    assert not adapter.is_cache_enabled
+
+
+def test_cache_off_is_the_plain_sampler_and_on_with_zero_threshold_too():
+    """cache=None runs fd.apply's loop unchanged; FBC at threshold -1 (always compute) and
+    an all-compute TaylorSeer give those latents bitwise (the staged forward is the
+    family's forward)."""
+    pipe = tiny.pipeline("flux")
+    params, kw = fd.from_diffusers(pipe.transformer), dict(steps=3, seed=1, output_type="latent", **SIZE, **MSL)
+    plain = fd.sample(params, pipe, "a cube", true_cfg=2.0, **kw)
+    assert torch.equal(plain, fd.sample(params, pipe, "a cube", true_cfg=2.0, cache=None, **kw))
+    for cache in ("fbcache:0", fd.TaylorSeer(cache_interval=1)):
+        run = fd.CacheRun(cache)
+        got = fd.sample(params, pipe, "a cube", true_cfg=2.0, cache=run, **kw)
+        assert run.skipped() == 0 and torch.equal(got, plain), cache
+
+
+@pytest.mark.parametrize(
+    "cache, match",
+    [
+        ("fbcache:x", "cache: threshold='x' is not a number"),
+        ("teacache:0.1", r"cache: expected one of \['fbcache', 'magcache', 'taylorseer'\]"),
+        ("taylorseer:order=-1", "max_order: expected an int >= 0, got -1"),
+        (0.1, "cache: expected FirstBlockCache, TaylorSeer, MagCache or a spec"),
+    ],
+)
+def test_bad_cache_argument(cache, match):
+    pipe = tiny.pipeline("flux")
+    with pytest.raises(ValueError, match=match):
+        fd.sample(fd.from_diffusers(pipe.transformer), pipe, "x", steps=1, seed=0, cache=cache, **SIZE)
