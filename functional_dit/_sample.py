@@ -209,10 +209,15 @@ def grid_ids(h: int, w: int, n_axes: int, dtype, device, t: int = 0) -> torch.Te
 # ----------------------------------------------------------------------------- families
 
 
+def _plain_apply(*args, **kwargs):
+    """`fd.apply`, looked up when called."""
+    return _api.apply(*args, **kwargs)
+
+
 class _Flux1:
     """FluxPipeline: T5 + CLIP pooled text, 2x2-packed 16-channel latents, 3-axis ids."""
 
-    apply = staticmethod(_api.apply)  # `_cache.CacheRun.apply` with a step cache
+    apply = staticmethod(_plain_apply)  # a step cache's `_cache.CacheRun.apply` in its place
 
     def __init__(self, params, pipe):
         self.params, self.pipe, self.c = params, pipe, params.config
@@ -243,7 +248,7 @@ class _Flux2:
     """Flux2Pipeline / Flux2KleinPipeline / Flux2KleinKVPipeline: stacked text-encoder
     layers, patchified 2x2 latents packed as tokens, 4-axis ids, reference images."""
 
-    apply = staticmethod(_api.apply)  # `_cache.CacheRun.apply` with a step cache
+    apply = staticmethod(_plain_apply)  # a step cache's `_cache.CacheRun.apply` in its place
 
     def __init__(self, params, pipe, kv_cache: bool):
         self.params, self.pipe, self.c, self.kv = params, pipe, params.config, kv_cache
@@ -313,7 +318,7 @@ class _Qwen:
     """QwenImagePipeline / QwenImageEditPipeline: Qwen2.5-VL text (ragged, masked),
     2x2-packed latents with a frame axis, RoPE from img_shapes, normalised true CFG."""
 
-    apply = staticmethod(_api.apply)  # `_cache.CacheRun.apply` with a step cache
+    apply = staticmethod(_plain_apply)  # a step cache's `_cache.CacheRun.apply` in its place
 
     def __init__(self, params, pipe):
         self.params, self.pipe, self.c = params, pipe, params.config

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dist import spawn
 from diffusers.hooks import FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 from diffusers.hooks import first_block_cache as fbc_hooks
 from diffusers.hooks import mag_cache as mag_hooks
@@ -25,6 +26,7 @@ from diffusers.hooks import taylorseer_cache as ts_hooks
 from test_sample import stock_latents
 
 import functional_dit as fd
+import sharding
 from functional_dit import tiny
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # the issue's bound for fp32 latents
@@ -217,3 +219,65 @@ def test_bad_cache_argument(cache, match):
     pipe = tiny.pipeline("flux")
     with pytest.raises(ValueError, match=match):
         fd.sample(fd.from_diffusers(pipe.transformer), pipe, "x", steps=1, seed=0, cache=cache, **SIZE)
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def _cached_on_meshes(rank, world):
+    """FLUX.1 with true CFG and First-Block Cache, single process then tp=2, sp=2 (9 image
+    tokens: one padded row) and dp=2 (CFG parallel: a rank per half); TaylorSeer on sp=2.
+    Records every First-Block metric as reduced and as this rank alone would see it."""
+    pipe = tiny.pipeline("flux")
+    params = fd.from_diffusers(pipe.transformer)
+    kw = dict(height=48, width=48, steps=STEPS, seed=5, true_cfg=2.0, negative_prompt="blurry", output_type="latent")
+    kw.update(MSL)
+    sums, orig = [], fd._cache.branch_sums
+
+    def spy(r, prev, info, seq, reduce=True):
+        local = orig(r, prev, info, seq, reduce=False)
+        out = orig(r, prev, info, seq, reduce)
+        sums.append(((local[0] / local[1]).tolist(), (out[0] / out[1]).tolist()))
+        return out
+
+    fd._cache.branch_sums = spy
+    out = {}
+    try:
+        for name, axes in (("single", None), ("tp", dict(tp=2)), ("sp", dict(sp=2)), ("dp", dict(dp=2))):
+            p = params if axes is None else sharding.shard_params(params, sharding.make_mesh(**axes, device_type="cpu"))
+            sums.clear()
+            run = fd.CacheRun(fd.FirstBlockCache(FBC_THRESHOLD["flux1"]))
+            out[name] = (fd.sample(p, pipe, "a red cube", cache=run, **kw), run.decisions, list(sums))
+        mesh = sharding.make_mesh(sp=2, device_type="cpu")
+        for name, p in (("ts-single", params), ("ts-sp", sharding.shard_params(params, mesh))):
+            run = fd.CacheRun(fd.TaylorSeer(cache_interval=2, disable_cache_before_step=2))
+            out[name] = (fd.sample(p, pipe, "a red cube", cache=run, **kw), run.decisions, [])
+    finally:
+        fd._cache.branch_sums = orig
+    return out
+
+
+def test_cached_sampling_on_tp_sp_dp_equals_single_process():
+    """Every rank takes the single-process decisions and gives its latents; the First-Block
+    metric is summed over the ranks holding parts of it: without that sum the two sp
+    ranks (each with half the image rows) would see different metrics and, at the
+    threshold, take different decisions."""
+    results = spawn(_cached_on_meshes, 2, timeout=600)
+    thr = FBC_THRESHOLD["flux1"]
+    for r in results:
+        latents, decisions, sums = r["single"]
+        assert any(not c for d in decisions for c in d) and any(c != u for c, u in decisions)
+        for name in ("tp", "sp", "dp"):
+            assert r[name][1] == decisions, name
+            torch.testing.assert_close(r[name][0], latents, **FP32)
+            # reduced metrics: the single-process ones (float64 sums of fp32 residuals that
+            # agree to fp32 rounding), the same on every rank
+            torch.testing.assert_close(torch.tensor([s[1] for s in r[name][2]]), torch.tensor([s[1] for s in sums]))
+        assert r["ts-sp"][1] == r["ts-single"][1]
+        torch.testing.assert_close(r["ts-sp"][0], r["ts-single"][0], **FP32)
+    for name in ("tp", "sp", "dp"):
+        assert [s[1] for s in results[0][name][2]] == [s[1] for s in results[1][name][2]], name
+        assert torch.equal(results[0][name][0], results[1][name][0]), name
+    local = [[s[0] for s in r["sp"][2]] for r in results]  # per step, per half, per rank
+    alone = [[[m > thr for m in step] for step in rank] for rank in local]
+    assert alone[0] != alone[1], local  # sp ranks deciding alone would disagree
