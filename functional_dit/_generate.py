@@ -263,6 +263,7 @@ def run(args) -> int:
             negative_prompt=args.negative_prompt,
             image=images,
             callback=step,
+            cache=getattr(args, "cache", None),
         )[0]
     except ValueError as e:
         raise CLIError(str(e).splitlines()[0]) from None

@@ -16,6 +16,7 @@ Stock defects worked around here, and only here (docs/caching.md):
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from _dist import spawn
@@ -281,3 +282,26 @@ def test_cached_sampling_on_tp_sp_dp_equals_single_process():
     local = [[s[0] for s in r["sp"][2]] for r in results]  # per step, per half, per rank
     alone = [[[m > thr for m in step] for step in rank] for rank in local]
     assert alone[0] != alone[1], local  # sp ranks deciding alone would disagree
+
+
+def test_generate_cache_flag(tmp_path, capsys):
+    """``generate --cache fbcache:0.9`` writes fd.sample's cached image; a bad spec is an
+    argument error naming the flag."""
+    from PIL import Image
+
+    from functional_dit.__main__ import main
+
+    pipe = tiny.pipeline("flux")
+    pipe.save_pretrained(tmp_path / "pipe")
+    gen = ["generate", "--model", str(tmp_path / "pipe"), "--prompt", "a cube", "--height", "32", "--width", "32"]
+    gen += ["--steps", str(STEPS), "--seed", "3", "--true-cfg", "2.0", "--out", str(tmp_path / "x.png")]
+    assert main([*gen, "--cache", "fbcache:0.9"]) == 0
+    run = fd.CacheRun("fbcache:0.9")
+    want = fd.sample(
+        fd.from_diffusers(pipe.transformer), pipe, "a cube", steps=STEPS, seed=3, true_cfg=2.0, cache=run, **SIZE
+    )
+    assert run.skipped() > 0
+    assert (np.asarray(Image.open(tmp_path / "x.png")) == np.asarray(want[0])).all()
+    with pytest.raises(SystemExit):
+        main([*gen, "--cache", "teacache:0.1"])
+    assert "--cache: cache: expected one of" in capsys.readouterr().err
