@@ -77,19 +77,21 @@ class TaylorSeer:
 @dataclasses.dataclass(frozen=True)
 class MagCache:
     """MagCache (diffusers' ``MagCacheConfig``): ``mag_ratios`` the calibrated per-step
-    magnitude ratios (interpolated to ``num_inference_steps`` as diffusers does)."""
+    magnitude ratios (interpolated to ``num_inference_steps`` as diffusers does; None:
+    the sampling run's number of steps, set by `CacheRun.start`)."""
 
     mag_ratios: tuple
     threshold: float = 0.06
     max_skip_steps: int = 3
     retention_ratio: float = 0.2
-    num_inference_steps: int = 28
+    num_inference_steps: int | None = None
 
     def __post_init__(self):
         _check_number("threshold", self.threshold, 0.0)
         _check_int("max_skip_steps", self.max_skip_steps, 0)
         _check_number("retention_ratio", self.retention_ratio, 0.0)
-        _check_int("num_inference_steps", self.num_inference_steps, 1)
+        if self.num_inference_steps is not None:
+            _check_int("num_inference_steps", self.num_inference_steps, 1)
         ratios = torch.as_tensor(self.mag_ratios, dtype=torch.float32).flatten()
         if ratios.numel() == 0:
             raise ValueError(f"mag_ratios: expected calibrated per-step ratios, got {self.mag_ratios!r}")
@@ -140,7 +142,12 @@ _SPEC_KEYS = {
         "order": "max_order",
         "dtype": "taylor_factors_dtype",
     },
-    "magcache": {"threshold": "threshold", "max_skip": "max_skip_steps", "retention": "retention_ratio"},
+    "magcache": {
+        "threshold": "threshold",
+        "max_skip": "max_skip_steps",
+        "retention": "retention_ratio",
+        "steps": "num_inference_steps",
+    },
     "fbcache": {"threshold": "threshold"},
 }
 
@@ -382,6 +389,8 @@ def _taylor_predict(factors: tuple, offset: int, dtype) -> torch.Tensor:
 def _mag_decide(cache: MagCache, state: MagState) -> tuple[bool, MagState]:
     """MagCache's schedule: accumulate the ratios after the retention steps; skip while the
     error and the run of skipped steps stay within bounds, else compute and start over."""
+    if cache.num_inference_steps is None:
+        raise ValueError("cache: MagCache needs num_inference_steps (fd.sample sets it to its steps)")
     i, ratios = state.step, cache.ratios()
     scale = ratios[i] if i < len(ratios) else 1.0
     if i < int(cache.retention_ratio * cache.num_inference_steps + 0.5):
@@ -419,7 +428,7 @@ class CacheRun:
     state after the last step (``state``) and so every step's decisions (``decisions``)."""
 
     def __init__(self, cache):
-        self.config = check(cache)
+        self.config = self._given = check(cache)
         self.state, self.branches = init(self.config), 1
 
     @classmethod
@@ -433,8 +442,12 @@ class CacheRun:
             )
         return cache if isinstance(cache, cls) else cls(cache)
 
-    def start(self, branches: int = 1):
-        """A fresh state for a run whose batch is ``branches`` groups; returns `apply`."""
+    def start(self, branches: int = 1, steps: int | None = None):
+        """A fresh state for a run of ``steps`` steps whose batch is ``branches`` groups
+        (a MagCache without ``num_inference_steps`` takes ``steps``); returns `apply`."""
+        self.config = self._given
+        if isinstance(self.config, MagCache) and self.config.num_inference_steps is None and steps is not None:
+            self.config = dataclasses.replace(self.config, num_inference_steps=steps)
         self.state, self.branches = init(self.config), branches
         return self.apply
 

@@ -520,7 +520,7 @@ def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, 
     """The loop: one model call per step ([cond; uncond] as one batch with CFG), then the
     scheduler's Euler step; with a `_cache.CacheRun`, the calls go through its step cache."""
     if run is not None:
-        model.apply = run.start(branches=1 if cfg is None else 2)
+        model.apply = run.start(branches=1 if cfg is None else 2, steps=len(sched.timesteps))
     for i, t in enumerate(sched.timesteps):
         xin = torch.cat([x, x]) if cfg is not None else x
         pred = model(xin, t.expand(xin.shape[0]).to(x.dtype) / 1000, cond)
