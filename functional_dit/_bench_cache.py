@@ -24,7 +24,11 @@ MSL = dict(max_sequence_length=128)  # FLUX pad prompts to it: the bench's 128 t
 FAMILIES = {
     "flux1": ("flux", dict(guidance_scale=3.5, **MSL), dict(guidance=3.5, **MSL)),
     "flux2-klein": ("flux2-klein", dict(guidance_scale=4.0, **MSL), dict(true_cfg=4.0, **MSL)),
-    "qwenimage": ("qwen-image", dict(true_cfg_scale=4.0, negative_prompt="blurry"), dict(true_cfg=4.0)),
+    "qwenimage": (
+        "qwen-image",
+        dict(true_cfg_scale=4.0, negative_prompt="blurry"),
+        dict(true_cfg=4.0, negative_prompt="blurry"),
+    ),
 }
 _WIDTH_KEYS = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads", "axes_dims_rope")
 
