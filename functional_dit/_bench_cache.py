@@ -66,7 +66,7 @@ def _stock(pipe, steps: int, size: int, kw: dict) -> tuple[torch.Tensor, float]:
 
     def call():
         gen = torch.Generator().manual_seed(0)
-        pipe("a red cube", num_inference_steps=steps, height=size, width=size, output_type="latent", **kw,
+        pipe(prompt="a red cube", num_inference_steps=steps, height=size, width=size, output_type="latent", **kw,
              generator=gen, callback_on_step_end=grab)  # fmt: skip
 
     return _timed(call)[1], got["x"]

@@ -305,3 +305,21 @@ def test_generate_cache_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*gen, "--cache", "teacache:0.1"])
     assert "--cache: cache: expected one of" in capsys.readouterr().err
+
+
+def test_bench_cache_rows():
+    """The bench's sampling rows (tiny widths): diffusers' same cache on the stock side gives
+    our cached latents; block calls counted from the decisions; FLUX.2's stock First-Block
+    Cache is reported as the crash it is, not measured."""
+    from functional_dit import _bench_cache
+
+    specs = ["fbcache:0.9", "taylorseer:interval=2,warmup=2", "magcache:0.06"]
+    caches = [fd._cache.parse(s) for s in specs]
+    rows = _bench_cache.family_rows("flux1", tiny.transformer_config("flux"), caches, 4, 32)
+    for r in rows:
+        assert r["vs_stock_cached"] < 1e-5, r  # the oracle tests' fp32 bound
+        assert r["block_calls"] == 4 * 4 and 0 <= r["block_calls_skipped"] < r["block_calls"]
+    assert rows[1]["block_calls_skipped"] == 4  # TaylorSeer: steps 0, 1, 3 computed, step 2 predicted
+    (r,) = _bench_cache.family_rows("flux2-klein", tiny.transformer_config("flux2-klein"), caches[:1], 2, 32)
+    assert r["stock_s"] is None and r["vs_stock_cached"].startswith("TypeError"), r
+    assert "| flux2-klein | FirstBlockCache(threshold=0.9) |" in "\n".join(_bench_cache.table([r]))
