@@ -72,6 +72,9 @@ class TaylorSeer:
         _check_int("max_order", self.max_order, 0)
         if self.disable_cache_after_step is not None:
             _check_int("disable_cache_after_step", self.disable_cache_after_step, 0)
+        dtype = self.taylor_factors_dtype
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"taylor_factors_dtype: expected a floating torch.dtype or None, got {dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +178,7 @@ def parse(spec: str):
 def _spec_value(key: str, value: str, spec: str):
     try:
         if key == "dtype":
-            return getattr(torch, value) if isinstance(getattr(torch, value, None), torch.dtype) else float("nan")
+            return getattr(torch, value) if isinstance(getattr(torch, value, None), torch.dtype) else value
         return float(value) if key in ("threshold", "retention") else int(value)
     except ValueError:
         raise ValueError(f"cache: {key}={value!r} is not a number in {spec!r}") from None

@@ -213,6 +213,7 @@ def test_cache_off_is_the_plain_sampler_and_on_with_zero_threshold_too():
         ("fbcache:x", "cache: threshold='x' is not a number"),
         ("teacache:0.1", r"cache: expected one of \['fbcache', 'magcache', 'taylorseer'\]"),
         ("taylorseer:order=-1", "max_order: expected an int >= 0, got -1"),
+        ("taylorseer:dtype=half4", "taylor_factors_dtype: expected a floating torch.dtype or None, got 'half4'"),
         (0.1, "cache: expected FirstBlockCache, TaylorSeer, MagCache or a spec"),
     ],
 )
