@@ -116,7 +116,7 @@ def _row(fam, cache, sample, plain, t_plain, t_stock, pipe, steps, size, stock_k
     vs_stock = (cached - stock_cached).abs().max().item() if isinstance(stock_cached, torch.Tensor) else stock_cached
     return dict(
         family=fam,
-        cache=str(run.config),
+        cache=_cache.label(run.config),
         steps_computed=[sum(d[b] for d in run.decisions) for b in range(len(run.decisions[0]))],
         steps=steps,
         block_calls=branch_steps * n_blocks,

@@ -175,6 +175,19 @@ def parse(spec: str):
     return METHODS[method](**kw)
 
 
+def label(cache) -> str:
+    """The short spec `parse` reads back: ``fbcache:0.08``, ``taylorseer:interval=5,...``."""
+    if isinstance(cache, FirstBlockCache):
+        return f"fbcache:{cache.threshold:g}"
+    if isinstance(cache, TaylorSeer):
+        until = "" if cache.disable_cache_after_step is None else f",until={cache.disable_cache_after_step}"
+        dtype = str(cache.taylor_factors_dtype).removeprefix("torch.")
+        return (f"taylorseer:interval={cache.cache_interval},warmup={cache.disable_cache_before_step},"
+                f"order={cache.max_order}{until},dtype={dtype}")  # fmt: skip
+    steps = "" if cache.num_inference_steps is None else f",steps={cache.num_inference_steps}"
+    return f"magcache:{cache.threshold:g},max_skip={cache.max_skip_steps},retention={cache.retention_ratio:g}{steps}"
+
+
 def _spec_value(key: str, value: str, spec: str):
     try:
         if key == "dtype":

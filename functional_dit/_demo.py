@@ -109,7 +109,7 @@ def run_row(row: Row, args: dict) -> dict:
         from ._bench_cache import diffusers_config
 
         pipe.transformer.enable_cache(diffusers_config(run.config, args["steps"]))
-        name += f" + {run.config} ({run.skipped()} of {sum(map(len, run.decisions))} calls cached)"
+        name += f" + {fd._cache.label(run.config)} ({run.skipped()} of {sum(map(len, run.decisions))} calls cached)"
     stock = _stock_latents(pipe, args["seed"], prompt=PROMPT, **size, **row.stock)
     diff = (latents - stock).abs().max().item()
     return dict(image=image, diff=diff, seconds=seconds, pipeline=name, latents=latents)

@@ -207,6 +207,16 @@ def test_cache_off_is_the_plain_sampler_and_on_with_zero_threshold_too():
         assert run.skipped() == 0 and torch.equal(got, plain), cache
 
 
+def test_labels_read_back():
+    for spec in (
+        "fbcache:0.08",
+        "taylorseer:interval=4,warmup=2,order=2,until=20,dtype=float32",
+        "magcache:0.1,max_skip=2",
+    ):
+        cache = fd._cache.parse(spec)
+        assert fd._cache.parse(fd._cache.label(cache)) == cache
+
+
 @pytest.mark.parametrize(
     "cache, match",
     [
@@ -323,4 +333,4 @@ def test_bench_cache_rows():
     assert rows[1]["block_calls_skipped"] == 4  # TaylorSeer: steps 0, 1, 3 computed, step 2 predicted
     (r,) = _bench_cache.family_rows("flux2-klein", tiny.transformer_config("flux2-klein"), caches[:1], 2, 32)
     assert r["stock_s"] is None and r["vs_stock_cached"].startswith("TypeError"), r
-    assert "| flux2-klein | FirstBlockCache(threshold=0.9) |" in "\n".join(_bench_cache.table([r]))
+    assert "| flux2-klein | fbcache:0.9 |" in "\n".join(_bench_cache.table([r]))
