@@ -16,6 +16,7 @@ from ._api import (
     prepare,
     to_state_dict,
 )
+from ._cache import CacheRun, FirstBlockCache, MagCache, TaylorSeer
 from ._kernels import kernel_choices
 from ._pytree import PACKED, Block, Params, ParamSpec
 from ._sample import sample
@@ -33,6 +34,10 @@ __all__ = [
     "PACKED",
     "PRESETS",
     "Block",
+    "CacheRun",
+    "FirstBlockCache",
+    "MagCache",
+    "TaylorSeer",
     "Flux1Config",
     "Flux2Config",
     "Flux2KVCache",

@@ -22,6 +22,15 @@ def _positive(text: str) -> int:
     return v
 
 
+def _cache_spec(text: str):
+    from ._cache import parse  # imported on use: `--help` stays fast
+
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _run_demo(args) -> int:
     from . import _demo  # imported on use: `--help` stays fast
 
@@ -95,6 +104,12 @@ def add_commands(sub) -> None:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--guidance", type=float, default=None, help="embedded guidance (FLUX.1-dev, FLUX.2-dev)")
     gen.add_argument("--true-cfg", type=float, default=None, help="classifier-free guidance scale (> 1 enables)")
+    gen.add_argument(
+        "--cache",
+        type=_cache_spec,
+        default=None,
+        help="step caching: fbcache:THRESHOLD, taylorseer:interval=N,warmup=N,order=N, magcache:THRESHOLD",
+    )
     gen.add_argument("--tp", type=_positive, default=1)
     gen.add_argument("--sp", type=_positive, default=1)
     gen.add_argument("--dp", type=_positive, default=1)

@@ -31,6 +31,7 @@ class Row:
     kind: str  # functional_dit.tiny kind (the stock pipeline class)
     ours: dict  # fd.sample keyword arguments beyond prompt, size, steps, seed
     stock: dict  # the same for the stock pipeline call
+    cache: str | None = None  # a step cache (fd.sample's cache=; diffusers' same on the stock side)
 
 
 def reference_image(size: int = 96) -> Image.Image:
@@ -49,6 +50,14 @@ def rows() -> list[Row]:
         Row("flux2-dev", "FLUX.2", "flux2", dict(guidance=4.0), dict(guidance_scale=4.0)),
         Row("flux2-klein-kv", "FLUX.2", "flux2-klein-kv", dict(image=ref), dict(image=ref)),
         Row("qwen-image", "Qwen-Image", "qwen-image", cfg, dict(true_cfg_scale=4.0, negative_prompt=NEGATIVE)),
+        Row(
+            "qwen-image-fbcache",
+            "Qwen-Image",
+            "qwen-image",
+            cfg,
+            dict(true_cfg_scale=4.0, negative_prompt=NEGATIVE),
+            cache="fbcache:1.1",  # random tiny weights: their first-block changes are 1.06-2.1
+        ),
         Row("qwen-image-edit", "Qwen-Image", "qwen-image-edit", dict(image=ref), dict(image=ref, true_cfg_scale=1.0)),
     ]
 
@@ -65,7 +74,7 @@ def _stock_latents(pipe, seed: int, **kw) -> torch.Tensor:
     return got["latents"]
 
 
-def _ours(params, pipe, row: Row, args):
+def _ours(params, pipe, row: Row, args, cache=None):
     """fd.sample's image, its final latents and its wall time."""
     import functional_dit as fd
 
@@ -80,6 +89,7 @@ def _ours(params, pipe, row: Row, args):
         steps=args["steps"],
         seed=args["seed"],
         callback=lambda i, x: got.update(latents=x),
+        cache=cache,
         **row.ours,
     )[0]
     return image, got["latents"], time.perf_counter() - start
@@ -91,11 +101,18 @@ def run_row(row: Row, args: dict) -> dict:
 
     pipe = tiny.pipeline(row.kind, seed=0)
     params = fd.from_diffusers(pipe.transformer)
-    image, latents, seconds = _ours(params, pipe, row, args)
+    run = None if row.cache is None else fd.CacheRun(row.cache)
+    image, latents, seconds = _ours(params, pipe, row, args, run)
     size = dict(height=args["size"], width=args["size"], num_inference_steps=args["steps"])
+    name = type(pipe).__name__
+    if run is not None:  # diffusers' same cache on the stock transformer
+        from ._bench_cache import diffusers_config
+
+        pipe.transformer.enable_cache(diffusers_config(run.config, args["steps"]))
+        name += f" + {fd._cache.label(run.config)} ({run.skipped()} of {sum(map(len, run.decisions))} calls cached)"
     stock = _stock_latents(pipe, args["seed"], prompt=PROMPT, **size, **row.stock)
     diff = (latents - stock).abs().max().item()
-    return dict(image=image, diff=diff, seconds=seconds, pipeline=type(pipe).__name__, latents=latents)
+    return dict(image=image, diff=diff, seconds=seconds, pipeline=name, latents=latents)
 
 
 # ----------------------------------------------------------------------------- tp ranks

@@ -303,6 +303,7 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
             negative_prompt=args.negative_prompt,
             image=images,
             callback=step,
+            cache=getattr(args, "cache", None),
         )[0]
     except ValueError as e:
         raise CLIError(str(e).splitlines()[0]) from None

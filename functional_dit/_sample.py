@@ -40,7 +40,7 @@ import torch
 
 import sharding
 
-from . import _api, _ranks, _requests, flux1, flux2
+from . import _api, _cache, _ranks, _requests, flux1, flux2
 from . import qwenimage as _qwen
 from ._pytree import Params
 
@@ -219,8 +219,15 @@ def grid_ids(h: int, w: int, n_axes: int, dtype, device, t: int = 0) -> torch.Te
 # ----------------------------------------------------------------------------- families
 
 
+def _plain_apply(*args, **kwargs):
+    """`fd.apply`, looked up when called."""
+    return _api.apply(*args, **kwargs)
+
+
 class _Flux1:
     """FluxPipeline: T5 + CLIP pooled text, 2x2-packed 16-channel latents, 3-axis ids."""
+
+    apply = staticmethod(_plain_apply)  # a step cache's `_cache.CacheRun.apply` in its place
 
     def __init__(self, params, pipe):
         self.params, self.pipe, self.c = params, pipe, params.config
@@ -246,7 +253,7 @@ class _Flux1:
 
     def __call__(self, x, t, cond: Prompt):
         g = torch.full((x.shape[0],), float(self.guidance), device=x.device) if self.c.guidance_embeds else None
-        return _api.apply(self.params, x, t, cond.txt, pooled=cond.pooled, guidance=g, rope=self.rope)
+        return self.apply(self.params, x, t, cond.txt, pooled=cond.pooled, guidance=g, rope=self.rope)
 
     def decode_latents(self, x, h, w):
         vae = self.pipe.vae
@@ -256,6 +263,8 @@ class _Flux1:
 class _Flux2:
     """Flux2Pipeline / Flux2KleinPipeline / Flux2KleinKVPipeline: stacked text-encoder
     layers, patchified 2x2 latents packed as tokens, 4-axis ids, reference images."""
+
+    apply = staticmethod(_plain_apply)  # a step cache's `_cache.CacheRun.apply` in its place
 
     def __init__(self, params, pipe, kv_cache: bool):
         self.params, self.pipe, self.c, self.kv = params, pipe, params.config, kv_cache
@@ -309,17 +318,17 @@ class _Flux2:
         g = None if self.guidance is None else torch.full((B,), float(self.guidance), device=x.device)
         kw = dict(guidance=g)
         if self.ref is None:
-            return _api.apply(self.params, x, t, cond.txt, rope=self.rope, **kw)
+            return self.apply(self.params, x, t, cond.txt, rope=self.rope, **kw)
         ref = _batch(self.ref, B).to(x.dtype)
         if not self.kv:
-            return _api.apply(self.params, torch.cat([x, ref], 1), t, cond.txt, rope=self.rope, **kw)[:, :S]
+            return self.apply(self.params, torch.cat([x, ref], 1), t, cond.txt, rope=self.rope, **kw)[:, :S]
         if self.cache is None:
             x = torch.cat([ref, x], 1)
             out, self.cache = _api.apply(
                 self.params, x, t, cond.txt, rope=self.rope, kv_cache="extract", num_ref_tokens=ref.shape[1], **kw
             )
             return out
-        return _api.apply(self.params, x, t, cond.txt, rope=self.rope_cached, kv_cache=self.cache, **kw)
+        return self.apply(self.params, x, t, cond.txt, rope=self.rope_cached, kv_cache=self.cache, **kw)
 
     def decode_latents(self, x, h, w):
         vae = self.pipe.vae
@@ -334,6 +343,8 @@ class _Flux2:
 class _Qwen:
     """QwenImagePipeline / QwenImageEditPipeline: Qwen2.5-VL text (ragged, masked),
     2x2-packed latents with a frame axis, RoPE from img_shapes, normalised true CFG."""
+
+    apply = staticmethod(_plain_apply)  # a step cache's `_cache.CacheRun.apply` in its place
 
     def __init__(self, params, pipe):
         self.params, self.pipe, self.c = params, pipe, params.config
@@ -378,7 +389,7 @@ class _Qwen:
         B, S = x.shape[:2]
         if self.ref is not None:
             x = torch.cat([x, _batch(self.ref, B).to(x.dtype)], 1)
-        out = _api.apply(self.params, x, t, cond.txt, txt_mask=cond.mask, img_shapes=[self.shapes] * B, rope=self.rope)
+        out = self.apply(self.params, x, t, cond.txt, txt_mask=cond.mask, img_shapes=[self.shapes] * B, rope=self.rope)
         return out[:, :S]
 
     def decode_latents(self, x, h, w):
@@ -515,6 +526,7 @@ def sample(
     callback_on_step_end: Callable | None = None,
     batch_size: int | None = None,
     local: bool = False,
+    cache=None,
 ):
     """Generate images with ``params`` (plain or sharded) and our own denoising loop.
 
@@ -553,6 +565,9 @@ def sample(
     share of the images (`functional_dit._ranks`), ``batch_size`` images per model call
     (None: its whole share at once). Returns every image on every rank, or with ``local``
     ``(indices, images)`` of this rank's group only. docs/sampling.md says what is bitwise.
+    ``cache``: step caching (`functional_dit._cache`): ``fd.FirstBlockCache(0.08)``,
+    ``fd.TaylorSeer(...)``, ``fd.MagCache(...)``, a spec such as ``"fbcache:0.08"``, or an
+    ``fd.CacheRun`` (which then holds the last state and every step's decisions).
     """
     fam = _family_name(params)
     pipe = as_pipeline(encoders, params)
@@ -569,7 +584,10 @@ def sample(
     hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
     _check_latents(model, pipe, req, *hw)
     on_step = _on_step(pipe, callback, callback_on_step_end)
-    job = _Job(fam, hw, steps, sigmas, guidance, cfg, output_type, max_sequence_length, batch_size, on_step)
+    run = _cache.CacheRun.of(cache, image is not None and getattr(model, "kv", False))
+    if run is not None and fam in ("flux3", "qwenimage21"):
+        raise ValueError(f"cache: step caching is not supported for {fam} yet; expected None")
+    job = _Job(fam, hw, steps, sigmas, guidance, cfg, output_type, max_sequence_length, batch_size, on_step, run)
     with torch.no_grad():
         if image is not None:
             model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
@@ -595,6 +613,7 @@ class _Job:
     max_sequence_length: int | None
     batch_size: int | None
     on_step: Callable | None
+    cache: object | None = None  # a _cache.CacheRun, or None
 
 
 def _settings(job: _Job, pipe, req, lay, model, dtype, size) -> dict:
@@ -604,6 +623,7 @@ def _settings(job: _Job, pipe, req, lay, model, dtype, size) -> dict:
         height=size[0], width=size[1], steps=job.steps, sigmas=sigmas, guidance=job.guidance, true_cfg=job.cfg,
         dtype=dtype, output_type=job.output_type, images=req.n, share=lay.share, batch_size=job.batch_size,
         kv_cache=getattr(model, "kv", None), max_sequence_length=job.max_sequence_length, noise=req.noise[0],
+        cache=None if job.cache is None else repr(job.cache.config),
     )  # fmt: skip
 
 
@@ -627,7 +647,7 @@ def _run(model, pipe, chunk: _Chunk, job: _Job):
     sched = _scheduler(pipe, job.fam, chunk.x.shape[1], job.steps, device, job.sigmas)
     if hasattr(model, "schedule"):  # FLUX.3's flow map reads the next timestep
         model.schedule(sched)
-    x = _denoise(model, sched, chunk.x, chunk.cond, job.cfg, job.fam == "qwenimage", job.on_step)
+    x = _denoise(model, sched, chunk.x, chunk.cond, job.cfg, job.fam == "qwenimage", job.on_step, job.cache)
     return x if job.output_type == "latent" else _decode(model, pipe, x, *job.hw, job.output_type)
 
 
@@ -672,9 +692,12 @@ def _family_model(fam: str, params, pipe, image, kv_cache):
     return _Qwen(params, pipe)
 
 
-def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, callback):
+def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, callback, run=None):
     """The loop: one model call per step ([cond; uncond] as one batch with CFG), then the
-    scheduler's Euler step; ``callback(i, t, x)`` may return new latents."""
+    scheduler's Euler step; ``callback(i, t, x)`` may return new latents; with a
+    `_cache.CacheRun`, the calls go through its step cache."""
+    if run is not None:
+        model.apply = run.start(branches=1 if cfg is None else 2, steps=len(sched.timesteps))
     for i, t in enumerate(sched.timesteps):
         xin = torch.cat([x, x]) if cfg is not None else x
         pred = model(xin, t.expand(xin.shape[0]).to(x.dtype) / 1000, cond)

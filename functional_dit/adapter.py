@@ -5,7 +5,8 @@ It takes the stock forward arguments (``FluxTransformer2DModel``,
 ``Flux2Transformer2DModel``, ``QwenImageTransformer2DModel``), runs `fd.apply` on its
 params (plain or sharded) and returns what the stock class returns. Everything a
 pipeline touches besides ``forward`` is here: ``config`` with the diffusers keys,
-``dtype`` / ``device`` / ``to``, ``cache_context``, the block lists whose attention
+``dtype`` / ``device`` / ``to``, ``cache_context`` and ``enable_cache`` (diffusers' First-Block
+Cache, TaylorSeer lite and MagCache configs, `functional_dit._cache_hooks`), the block lists whose attention
 processors the FLUX.2-klein KV pipeline sets, ``save_pretrained`` and
 ``from_pretrained`` (the stock keywords: `_adapter_io`). The parameter leaves are
 registered as ``nn.Parameter`` s under the diffusers names (``state_dict()`` keys equal
@@ -34,7 +35,6 @@ stock diffusers and the stock transformer.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import diffusers
@@ -48,7 +48,8 @@ from . import _adapter_io as io
 from . import _adapter_kv as kv
 from ._adapter_peft import PeftMixin
 from ._adapter_surface import SurfaceMixin
-from ._api import apply, config_to_diffusers, family
+from ._api import config_to_diffusers, family
+from ._cache_hooks import CacheHooks
 from ._pytree import Params
 
 # The adapter stands in for the stock module, so its PEFT messages go where diffusers' do.
@@ -200,7 +201,7 @@ def _tree_module(node: torch.nn.Module, subtree: dict, path: tuple, owner: str, 
         node.add_module(name, child)
 
 
-class DiffusersTransformer(PeftMixin, SurfaceMixin, diffusers.ModelMixin, diffusers.ConfigMixin):
+class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelMixin, diffusers.ConfigMixin):
     """A drop-in ``transformer`` for diffusers pipelines computing with `fd.apply`.
 
     ``DiffusersTransformer(params)`` with `Params` from `fd.init`, `fd.from_diffusers`,
@@ -266,12 +267,6 @@ class DiffusersTransformer(PeftMixin, SurfaceMixin, diffusers.ModelMixin, diffus
     def device(self) -> torch.device:
         return self._leaf().device
 
-    @contextlib.contextmanager
-    def cache_context(self, name: str, **kwargs):
-        """Accepted for the pipelines' ``with transformer.cache_context("cond")``; this
-        adapter has no caching hooks, so the context does nothing."""
-        yield
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(fd.apply over {type(self.params.config).__name__}, dtype={self.dtype})"
 
@@ -305,12 +300,12 @@ class DiffusersTransformer(PeftMixin, SurfaceMixin, diffusers.ModelMixin, diffus
         hidden_states, encoder_hidden_states, args = _broadcast_text(hidden_states, encoder_hidden_states, args)
         scale = self.__dict__.pop("_call_scale", 1.0)
         pairs = [(ad, s * scale) for ad, s in self.get_lora()]
-        out = apply(
+        out = self.cached_apply(
             self.params,
             hidden_states,
             timestep,
             encoder_hidden_states,
-            lora=pairs or None,
+            pairs or None,
             checkpoint=bool(self.gradient_checkpointing),
             **args,
         )

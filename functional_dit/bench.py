@@ -34,7 +34,7 @@ import torch
 
 import sharding
 
-from . import _api, _kernels
+from . import _api, _bench_cache, _kernels
 
 IMG_HW = (32, 32)  # 1024 image tokens
 TXT_LEN = 128
@@ -687,6 +687,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-tp", action="store_true", help="skip tp=2 (CPU only)")
     p.add_argument("--out", default="BENCHMARKS.md", help="where to write the report ('' for none)")
     p.add_argument("--sampling", action="store_true", help="only the sampling section, appended to --out")
+    p.add_argument("--cache", nargs="+", default=None, help="sampling rows with these step caches (fbcache:0.1 ...)")
+    p.add_argument("--cache-steps", type=int, default=8, help="sampling steps of the --cache rows (default 8)")
+    p.add_argument("--cache-size", type=int, default=256, help="image side in pixels of the --cache rows")
 
 
 def shape(args) -> dict:
@@ -751,9 +754,13 @@ def run(args) -> int:
             r["tp"] = tp_section(name, config, args)
         results[name] = r
         print(f"{name}: {r}", flush=True)  # every figure as soon as the family is done
+    cache_rows = _bench_cache.section(configs, args.cache, args.cache_steps, args.cache_size) if args.cache else []
     elapsed = time.perf_counter() - t0
     text = markdown(results, peak, args, command, started, elapsed)
-    print("\n".join(table(results, peak)))
+    if cache_rows:  # sampling rows of step caching (functional_dit._bench_cache)
+        text += "\nStep caching, per image (fd.sample vs the stock pipeline + diffusers' cache):\n\n"
+        text += "\n".join(_bench_cache.table(cache_rows)) + "\n"
+    print("\n".join(table(results, peak) + _bench_cache.table(cache_rows) * bool(cache_rows)))
     print(f"wall time {elapsed / 60:.1f} min")
     if args.out:
         write_report(args.out, text)

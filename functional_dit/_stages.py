@@ -1,0 +1,172 @@
+"""Each family's forward as stages: the streams entering the first block, the blocks in
+order, and the final layer, built from the family's own block functions. A step cache
+(`functional_dit._cache`) runs the first block(s), decides, then runs the rest (on all
+batch items, on some, or on none) or reuses a residual; with every block run the result
+is bitwise the family's ``forward``.
+
+Streams are a tuple of (B, S, C) tensors in the local view: ``(img, txt)`` through the
+double blocks, ``(x,)`` = (txt; img) through FLUX's single blocks; `image` takes the
+image rows of either. ``ctx`` holds what the blocks read besides the streams (RoPE
+table, key bias, per-block modulations); `Stages.take` cuts its batch-first tensors to a
+subset of batch items, so the rest of the network can run for some items only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from . import _layers as L
+from . import flux1, flux2
+from . import qwenimage as qwen
+from ._pytree import ordered_blocks
+
+
+@dataclasses.dataclass
+class Stages:
+    """``streams`` before block 0; ``blocks[i](streams, ctx) -> streams``; ``final(img,
+    ctx) -> out``; ``txt_len`` the local text rows; ``seq`` the full image length;
+    ``batched`` the ctx keys whose tensors (or lists/tuples of tensors) are batch-first."""
+
+    streams: tuple
+    blocks: list[Callable]
+    ctx: dict
+    final: Callable
+    txt_len: int
+    seq: int
+    batched: tuple[str, ...]
+
+    def image(self, streams: tuple) -> torch.Tensor:
+        """The image rows (B, S_img_local, C) of ``streams``."""
+        return streams[0] if len(streams) == 2 else streams[0][:, self.txt_len :]
+
+    def run(self, streams: tuple, blocks, ctx: dict | None = None) -> tuple:
+        ctx = self.ctx if ctx is None else ctx
+        for block in blocks:
+            streams = block(streams, ctx)
+        return streams
+
+    def take(self, idx: torch.Tensor) -> dict:
+        """ctx for the batch items ``idx`` (a long tensor of local indices)."""
+        return {k: _take(v, idx) if k in self.batched else v for k, v in self.ctx.items()}
+
+
+def _take(v, idx):
+    if v is None:
+        return None
+    if isinstance(v, (list, tuple)):
+        return type(v)(_take(a, idx) for a in v)
+    return v.index_select(0, idx)
+
+
+def take_streams(streams: tuple, idx: torch.Tensor) -> tuple:
+    return tuple(s.index_select(0, idx) for s in streams)
+
+
+def _joint(streams: tuple) -> torch.Tensor:
+    return streams[0] if len(streams) == 1 else torch.cat([streams[1], streams[0]], 1)
+
+
+# ----------------------------------------------------------------------------- FLUX.1
+
+
+def _flux1_double(p, i, streams, ctx):
+    img, txt = streams
+    return flux1._double_region(p, img, txt, ctx["img_mods"][i], ctx["txt_mods"][i], ctx["pe"], ctx["D"], ctx["bias"])
+
+
+def _flux1_single(p, i, streams, ctx):
+    return (flux1._single_region(p, _joint(streams), ctx["single_mods"][i], ctx["pe"], ctx["D"], ctx["bias"]),)
+
+
+def flux1_stages(params, x, t, txt, *, pooled, guidance, pe) -> Stages:
+    """`flux1.forward` up to its first block, as `Stages`."""
+    img = L.linear(params["x_embedder"], x)
+    t = t.to(img.dtype) * 1000
+    guidance = None if guidance is None else guidance.to(img.dtype) * 1000
+    vec = flux1.time_text_embed(params["time_text_embed"], t, guidance, pooled)
+    txt = L.linear(params["context_embedder"], txt)
+    txt, img, pe, bias = L.shard_joint(txt, img, pe)
+    img_mods, txt_mods, single_mods, out_mod = flux1.modulations(params, vec)
+    ctx = dict(img_mods=img_mods, txt_mods=txt_mods, single_mods=single_mods, out_mod=out_mod, pe=pe, bias=bias)
+    ctx["D"] = params.config.attention_head_dim
+    doubles = ordered_blocks(params, "transformer_blocks")
+    blocks = [_bind(_flux1_double, p, i) for i, p in enumerate(doubles)]
+    blocks += [_bind(_flux1_single, p, i) for i, p in enumerate(ordered_blocks(params, "single_transformer_blocks"))]
+    final = lambda img, c: flux1.final_layer(params, img, c["out_mod"])  # noqa: E731
+    batched = ("img_mods", "txt_mods", "single_mods", "out_mod", "bias")
+    return Stages((img, txt), blocks, ctx, final, txt.shape[1], x.shape[1], batched)
+
+
+# ----------------------------------------------------------------------------- FLUX.2
+
+
+def _flux2_double(p, streams, ctx):
+    img, txt = streams
+    mod_img, mod_txt, _ = ctx["mods"]
+    img, txt, _ = flux2.double_block(p, img, txt, mod_img, mod_txt, ctx["pe"], ctx["D"], ctx["eps"], ctx["bias"])
+    return img, txt
+
+
+def _flux2_single(p, streams, ctx):
+    T = streams[1].shape[1] if len(streams) == 2 else ctx["T"]
+    x, _ = flux2.single_block(p, _joint(streams), ctx["mods"][2], ctx["pe"], ctx["D"], ctx["eps"], ctx["bias"], T)
+    return (x,)
+
+
+def flux2_stages(params, x, t, txt, *, guidance, pe_img, pe_txt, num_ref_tokens, ref_fixed_timestep, cache, batch):
+    """`flux2.forward` up to its first block, as `Stages` (no reference KV cache)."""
+    c = params.config
+    t, guidance = t.to(x.dtype) * 1000, None if guidance is None else guidance.to(x.dtype) * 1000
+    temb = flux2.time_guidance_embed(params["time_guidance_embed"], t, guidance, c.timestep_guidance_channels)
+    img, txt = L.linear(params["x_embedder"], x), L.linear(params["context_embedder"], txt)
+    pe = tuple(torch.cat([a, b]) for a, b in zip(pe_txt, pe_img))
+    txt, img, pe, bias = L.shard_joint(txt, img, pe)
+    ctx = dict(mods=flux2.modulations(params, temb), temb=temb, pe=pe, bias=bias, D=c.attention_head_dim, eps=c.eps)
+    ctx["T"] = txt.shape[1]
+    blocks = [_bind(_flux2_double, p) for p in ordered_blocks(params, "transformer_blocks")]
+    blocks += [_bind(_flux2_single, p) for p in ordered_blocks(params, "single_transformer_blocks")]
+    final = lambda img, k: flux2.final_layer(params, img, k["temb"], c.eps)  # noqa: E731
+    return Stages((img, txt), blocks, ctx, final, txt.shape[1], x.shape[1], ("mods", "temb", "bias"))
+
+
+# ----------------------------------------------------------------------------- Qwen-Image
+
+
+def _qwen_block(p, i, streams, ctx):
+    img, txt = streams
+    mod_i, mod_t = ctx["img_mods"][i], ctx["txt_mods"][i]
+    return qwen._block_region(p, img, txt, mod_i, mod_t, ctx["pe"], ctx["D"], ctx["bias"], ctx["ref"])
+
+
+def qwen_stages(params, x, t, txt, *, pe, ref, bias, t_cond) -> Stages:
+    """`qwenimage.forward` up to its first block, as `Stages`."""
+    c = params.config
+    img = L.linear(params["img_in"], x)
+    temb = qwen.time_embed(params["time_text_embed"], t.to(img.dtype), t_cond, c.zero_cond_t)
+    txt = L.linear(params["txt_in"], L.rms_norm_fp32(params["txt_norm"], txt))
+    txt, img, pe, bias = L.shard_joint(txt, img, pe, bias)
+    img_mods, txt_mods, out_mod = qwen.modulations(params, temb, img.shape[0])
+    if c.zero_cond_t:  # (2B, 6C) = [mod(t); mod(0)]: as (B, 2, 6C), batch-first
+        img_mods = [m.unflatten(0, (2, -1)).transpose(0, 1) for m in img_mods]
+    ctx = dict(img_mods=img_mods, txt_mods=txt_mods, out_mod=out_mod, pe=pe, bias=bias, ref=ref)
+    ctx.update(D=c.attention_head_dim, zero_cond_t=c.zero_cond_t)
+    blocks = [_bind(_qwen_block_mods, p, i) for i, p in enumerate(ordered_blocks(params, "transformer_blocks"))]
+    final = lambda img, k: qwen.final_layer(params, img, k["out_mod"])  # noqa: E731
+    return Stages((img, txt), blocks, ctx, final, txt.shape[1], x.shape[1], ("img_mods", "txt_mods", "out_mod", "bias"))
+
+
+def _qwen_block_mods(p, i, streams, ctx):
+    """`_qwen_block` with ``zero_cond_t``'s (B, 2, 6C) modulations back as (2B, 6C)."""
+    if ctx["zero_cond_t"]:
+        ctx = dict(ctx, img_mods={i: ctx["img_mods"][i].transpose(0, 1).flatten(0, 1)})
+    return _qwen_block(p, i, streams, ctx)
+
+
+def _bind(fn, *head):
+    return lambda streams, ctx: fn(*head, streams, ctx)
+
+
+STAGES = {flux1: flux1_stages, flux2: flux2_stages, qwen: qwen_stages}

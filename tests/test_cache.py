@@ -1,0 +1,336 @@
+"""Step caching (`functional_dit._cache`) against diffusers' own cache hooks: `fd.sample`
+with a cache takes the same skip decisions and gives the same latents as the stock
+pipeline with the stock transformer and the same ``enable_cache`` config, per family,
+with true CFG (diffusers keeps separate "cond"/"uncond" states; we batch them and decide
+per half). Also: no-op equality with the cache off, the adapter's ``enable_cache``, bad
+configs.
+
+Stock defects worked around here, and only here (docs/caching.md):
+- FLUX.2: diffusers' First-Block Cache crashes in its tail hook (``Tensor - list``: the
+  single blocks return the merged (txt; img) stream); `fixed_fbc_tail` makes that one
+  subtraction take the merged stream's image and text rows, the evident intent.
+- ``Flux2Pipeline`` opens no ``cache_context``, so FBC and TaylorSeer refuse it; their
+  FLUX.2 oracle is ``Flux2KleinPipeline`` (which opens one), MagCache's (which needs none)
+  ``Flux2Pipeline``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _dist import spawn
+from diffusers.hooks import FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+from diffusers.hooks import first_block_cache as fbc_hooks
+from diffusers.hooks import mag_cache as mag_hooks
+from diffusers.hooks import taylorseer_cache as ts_hooks
+from test_sample import stock_latents
+
+import functional_dit as fd
+import sharding
+from functional_dit import tiny
+
+FP32 = dict(rtol=1e-5, atol=1e-5)  # the issue's bound for fp32 latents
+SIZE = dict(height=32, width=32)
+STEPS = 6
+
+# fam: (tiny kind, stock kwargs, fd.sample kwargs). FLUX pad the prompt to
+# max_sequence_length: 16 keeps the tiny runs fast (Qwen-Image's prompts are not padded).
+MSL = dict(max_sequence_length=16)
+FAMILIES = {
+    "flux1": (
+        "flux",
+        dict(true_cfg_scale=2.0, negative_prompt="blurry", **MSL),
+        dict(true_cfg=2.0, negative_prompt="blurry", **MSL),
+    ),
+    "flux2-klein": ("flux2-klein", dict(guidance_scale=4.0, **MSL), dict(true_cfg=4.0, **MSL)),
+    "flux2-dev": ("flux2", dict(guidance_scale=3.0, **MSL), dict(guidance=3.0, **MSL)),  # embedded guidance, no CFG
+    "qwen-image": (
+        "qwen-image",
+        dict(true_cfg_scale=4.0, negative_prompt="blurry"),
+        dict(true_cfg=4.0, negative_prompt="blurry"),
+    ),
+}
+# Thresholds between the metrics these random tiny models give at step 1 (cond, uncond):
+# FLUX.1 (0.841, 0.992), klein (1.091, 1.056), Qwen (1.0701, 1.0677), so that the two CFG
+# halves decide differently there and some steps skip; each is >= 1e-3 relative from any
+# metric of the run (the metrics agree with diffusers' to ~1e-7).
+FBC_THRESHOLD = {"flux1": 0.9, "flux2-klein": 1.07, "qwen-image": 1.069}
+CFG_FAMILIES = ["flux1", "flux2-klein", "qwen-image"]
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """Records each stock cache decision as (context name, computed) in call order."""
+    seen = []
+
+    def wrap(cls, name, decision):
+        orig = getattr(cls, name)
+
+        def patched(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            seen.append((self.state_manager._context.name, decision(self, out)))
+            return out
+
+        monkeypatch.setattr(cls, name, patched)
+
+    wrap(fbc_hooks.FBCHeadBlockHook, "_should_compute_remaining_blocks", lambda self, out: out)
+    wrap(mag_hooks.MagCacheHeadHook, "new_forward", lambda self, out: self.state_manager.get_state().should_compute)
+    wrap(ts_hooks.TaylorSeerCacheHook, "_measure_should_compute", lambda self, out: out[0])
+    return seen
+
+
+@pytest.fixture
+def fixed_fbc_tail(monkeypatch):
+    """diffusers' FBC tail hook with its FLUX.2 subtraction fixed: a merged (txt; img)
+    output is split into its image and text rows before the head outputs are subtracted."""
+    orig = fbc_hooks.FBCBlockHook.new_forward
+
+    def new_forward(self, module, *args, **kwargs):
+        state = self.state_manager.get_state()
+        if not (self.is_tail and state.should_compute and isinstance(state.head_block_output, list)):
+            return orig(self, module, *args, **kwargs)
+        out = self.fn_ref.original_forward(*args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            return orig(self, module, *args, **kwargs)
+        img, txt = state.head_block_output
+        state.tail_block_residuals = (out[:, -img.shape[1] :] - img, out[:, : txt.shape[1]] - txt)
+        return out
+
+    monkeypatch.setattr(fbc_hooks.FBCBlockHook, "new_forward", new_forward)
+
+
+def per_step(seen, hooks_per_call: int = 1) -> tuple:
+    """Stock decisions (one per hooked module per call, cond then uncond each step) as
+    per-step (cond, uncond) tuples; every hook of one call must agree."""
+    calls = [seen[i : i + hooks_per_call] for i in range(0, len(seen), hooks_per_call)]
+    assert all(len({d for _, d in c}) == 1 for c in calls), calls
+    names = [c[0][0] for c in calls]
+    assert names == ["cond", "uncond"] * (len(calls) // 2), names
+    flags = [bool(c[0][1]) for c in calls]
+    return tuple(zip(flags[::2], flags[1::2]))
+
+
+def run_both(fam, stock_config, ours, seen):
+    """(stock latents, stock decisions, our latents, our CacheRun) at STEPS steps, seed 3."""
+    kind, stock_kw, our_kw = FAMILIES[fam]
+    pipe = tiny.pipeline(kind)
+    params = fd.from_diffusers(pipe.transformer)
+    pipe.transformer.enable_cache(stock_config)
+    expected = stock_latents(pipe, 3, prompt="a red cube", num_inference_steps=STEPS, **SIZE, **stock_kw)
+    run = fd.CacheRun(ours)
+    got = fd.sample(params, pipe, "a red cube", steps=STEPS, seed=3, output_type="latent", cache=run, **SIZE, **our_kw)
+    return expected, list(seen), got, run
+
+
+@pytest.mark.parametrize("fam", CFG_FAMILIES)
+def test_first_block_cache_equals_diffusers(fam, recorder, fixed_fbc_tail):
+    thr = FBC_THRESHOLD[fam]
+    expected, seen, got, run = run_both(fam, FirstBlockCacheConfig(threshold=thr), fd.FirstBlockCache(thr), recorder)
+    stock = per_step([(n, d) for n, d in seen])
+    assert run.decisions == stock
+    assert run.skipped() > 0 and any(c != u for c, u in stock)  # skips, and the halves disagree somewhere
+    torch.testing.assert_close(got, expected, **FP32)
+
+
+TAYLOR = {  # diffusers' lite mode = TaylorSeer on the model output; bf16 factors by default
+    "flux1": dict(cache_interval=2, disable_cache_before_step=2, max_order=1),
+    "flux2-klein": dict(cache_interval=3, disable_cache_before_step=1, max_order=2, taylor_factors_dtype=torch.float32),
+    "qwen-image": dict(cache_interval=2, disable_cache_before_step=2, disable_cache_after_step=5, max_order=1),
+}
+
+
+@pytest.mark.parametrize("fam", CFG_FAMILIES)
+def test_taylorseer_equals_diffusers(fam, recorder):
+    kw = TAYLOR[fam]
+    expected, seen, got, run = run_both(
+        fam, TaylorSeerCacheConfig(use_lite_mode=True, **kw), fd.TaylorSeer(**kw), recorder
+    )
+    n_hooks = len(seen) // (2 * STEPS)  # one per block and the final projection
+    assert run.decisions == per_step(seen, n_hooks) and run.skipped() > 0
+    torch.testing.assert_close(got, expected, **FP32)
+
+
+@pytest.mark.parametrize("fam", ["flux1", "flux2-dev", "qwen-image"])  # Flux2Pipeline needs no cache_context here
+def test_magcache_equals_diffusers(fam, recorder):
+    kw = dict(mag_ratios=fd._cache.FLUX_MAG_RATIOS, num_inference_steps=STEPS, threshold=0.06)
+    expected, seen, got, run = run_both(fam, MagCacheConfig(**kw), fd.MagCache(**kw), recorder)
+    stock = tuple((d,) for _, d in seen) if fam == "flux2-dev" else per_step(seen)
+    assert run.decisions == stock and run.skipped() > 0
+    torch.testing.assert_close(got, expected, **FP32)
+
+
+def test_adapter_honours_enable_cache(recorder, fixed_fbc_tail):
+    """pipe.transformer.enable_cache(...) on fd.DiffusersTransformer: the stock pipeline's
+    latents with the stock transformer and the same config (FLUX.1, true CFG: per-context
+    states), for First-Block Cache and TaylorSeer; the state is dropped after each run."""
+    kind, stock_kw, _ = FAMILIES["flux1"]
+    stock = tiny.pipeline(kind)
+    ours = tiny.pipeline(kind, transformer=fd.DiffusersTransformer(fd.from_diffusers(stock.transformer)))
+    kw = dict(prompt="a red cube", num_inference_steps=STEPS, **SIZE, **stock_kw)
+    for config in (FirstBlockCacheConfig(FBC_THRESHOLD["flux1"]), TaylorSeerCacheConfig(2, 2, use_lite_mode=True)):
+        for pipe in (stock, ours):
+            pipe.transformer.enable_cache(config)
+        expected = stock_latents(stock, 3, **kw)
+        torch.testing.assert_close(stock_latents(ours, 3, **kw), expected, **FP32)
+        assert ours.transformer._fd_states == {}  # dropped by the pipeline after the run, as diffusers' hooks
+        for pipe in (stock, ours):
+            pipe.transformer.disable_cache()
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (TaylorSeerCacheConfig(), r"config: TaylorSeerCacheConfig\(.*use_lite_mode=False.*not supported"),
+        (MagCacheConfig(calibrate=True), r"config: MagCacheConfig\(calibrate=True\) is not supported"),
+        (FasterCacheConfig(), "config: FasterCacheConfig.*not supported"),
+    ],
+)
+def test_adapter_refuses_unsupported_configs(config, match):
+    adapter = fd.DiffusersTransformer(fd.init(tiny.transformer_config("flux"), seed=0))
+    with pytest.raises(ValueError, match=match):
+        adapter.enable_cache(config)
+    assert not adapter.is_cache_enabled
+
+
+def test_cache_off_is_the_plain_sampler_and_on_with_zero_threshold_too():
+    """cache=None runs fd.apply's loop unchanged; FBC at threshold -1 (always compute) and
+    an all-compute TaylorSeer give those latents bitwise (the staged forward is the
+    family's forward)."""
+    pipe = tiny.pipeline("flux")
+    params, kw = fd.from_diffusers(pipe.transformer), dict(steps=3, seed=1, output_type="latent", **SIZE, **MSL)
+    plain = fd.sample(params, pipe, "a cube", true_cfg=2.0, **kw)
+    assert torch.equal(plain, fd.sample(params, pipe, "a cube", true_cfg=2.0, cache=None, **kw))
+    for cache in ("fbcache:0", fd.TaylorSeer(cache_interval=1)):
+        run = fd.CacheRun(cache)
+        got = fd.sample(params, pipe, "a cube", true_cfg=2.0, cache=run, **kw)
+        assert run.skipped() == 0 and torch.equal(got, plain), cache
+
+
+def test_labels_read_back():
+    for spec in (
+        "fbcache:0.08",
+        "taylorseer:interval=4,warmup=2,order=2,until=20,dtype=float32",
+        "magcache:0.1,max_skip=2",
+    ):
+        cache = fd._cache.parse(spec)
+        assert fd._cache.parse(fd._cache.label(cache)) == cache
+
+
+@pytest.mark.parametrize(
+    "cache, match",
+    [
+        ("fbcache:x", "cache: threshold='x' is not a number"),
+        ("teacache:0.1", r"cache: expected one of \['fbcache', 'magcache', 'taylorseer'\]"),
+        ("taylorseer:order=-1", "max_order: expected an int >= 0, got -1"),
+        ("taylorseer:dtype=half4", "taylor_factors_dtype: expected a floating torch.dtype or None, got 'half4'"),
+        (0.1, "cache: expected FirstBlockCache, TaylorSeer, MagCache or a spec"),
+    ],
+)
+def test_bad_cache_argument(cache, match):
+    pipe = tiny.pipeline("flux")
+    with pytest.raises(ValueError, match=match):
+        fd.sample(fd.from_diffusers(pipe.transformer), pipe, "x", steps=1, seed=0, cache=cache, **SIZE)
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def _cached_on_meshes(rank, world):
+    """FLUX.1 with true CFG and First-Block Cache, single process then tp=2, sp=2 (9 image
+    tokens: one padded row) and dp=2 (CFG parallel: a rank per half); TaylorSeer on sp=2.
+    Records every First-Block metric as reduced and as this rank alone would see it."""
+    pipe = tiny.pipeline("flux")
+    params = fd.from_diffusers(pipe.transformer)
+    kw = dict(height=48, width=48, steps=STEPS, seed=5, true_cfg=2.0, negative_prompt="blurry", output_type="latent")
+    kw.update(MSL)
+    sums, orig = [], fd._cache.branch_sums
+
+    def spy(r, prev, info, seq, reduce=True):
+        local = orig(r, prev, info, seq, reduce=False)
+        out = orig(r, prev, info, seq, reduce)
+        sums.append(((local[0] / local[1]).tolist(), (out[0] / out[1]).tolist()))
+        return out
+
+    fd._cache.branch_sums = spy
+    out = {}
+    try:
+        for name, axes in (("single", None), ("tp", dict(tp=2)), ("sp", dict(sp=2)), ("dp", dict(dp=2))):
+            p = params if axes is None else sharding.shard_params(params, sharding.make_mesh(**axes, device_type="cpu"))
+            sums.clear()
+            run = fd.CacheRun(fd.FirstBlockCache(FBC_THRESHOLD["flux1"]))
+            out[name] = (fd.sample(p, pipe, "a red cube", cache=run, **kw), run.decisions, list(sums))
+        mesh = sharding.make_mesh(sp=2, device_type="cpu")
+        for name, p in (("ts-single", params), ("ts-sp", sharding.shard_params(params, mesh))):
+            run = fd.CacheRun(fd.TaylorSeer(cache_interval=2, disable_cache_before_step=2))
+            out[name] = (fd.sample(p, pipe, "a red cube", cache=run, **kw), run.decisions, [])
+    finally:
+        fd._cache.branch_sums = orig
+    return out
+
+
+def test_cached_sampling_on_tp_sp_dp_equals_single_process():
+    """Every rank takes the single-process decisions and gives its latents; the First-Block
+    metric is summed over the ranks holding parts of it: without that sum the two sp
+    ranks (each with half the image rows) would see different metrics and, at the
+    threshold, take different decisions."""
+    results = spawn(_cached_on_meshes, 2, timeout=600)
+    thr = FBC_THRESHOLD["flux1"]
+    for r in results:
+        latents, decisions, sums = r["single"]
+        assert any(not c for d in decisions for c in d) and any(c != u for c, u in decisions)
+        for name in ("tp", "sp", "dp"):
+            assert r[name][1] == decisions, name
+            torch.testing.assert_close(r[name][0], latents, **FP32)
+            # reduced metrics: the single-process ones (float64 sums of fp32 residuals that
+            # agree to fp32 rounding), the same on every rank
+            torch.testing.assert_close(torch.tensor([s[1] for s in r[name][2]]), torch.tensor([s[1] for s in sums]))
+        assert r["ts-sp"][1] == r["ts-single"][1]
+        torch.testing.assert_close(r["ts-sp"][0], r["ts-single"][0], **FP32)
+    for name in ("tp", "sp", "dp"):
+        assert [s[1] for s in results[0][name][2]] == [s[1] for s in results[1][name][2]], name
+        assert torch.equal(results[0][name][0], results[1][name][0]), name
+    local = [[s[0] for s in r["sp"][2]] for r in results]  # per step, per half, per rank
+    alone = [[[m > thr for m in step] for step in rank] for rank in local]
+    assert alone[0] != alone[1], local  # sp ranks deciding alone would disagree
+
+
+def test_generate_cache_flag(tmp_path, capsys):
+    """``generate --cache fbcache:0.9`` writes fd.sample's cached image; a bad spec is an
+    argument error naming the flag."""
+    from PIL import Image
+
+    from functional_dit.__main__ import main
+
+    pipe = tiny.pipeline("flux")
+    pipe.save_pretrained(tmp_path / "pipe")
+    gen = ["generate", "--model", str(tmp_path / "pipe"), "--prompt", "a cube", "--height", "32", "--width", "32"]
+    gen += ["--steps", str(STEPS), "--seed", "3", "--true-cfg", "2.0", "--out", str(tmp_path / "x.png")]
+    assert main([*gen, "--cache", "fbcache:0.9"]) == 0
+    run = fd.CacheRun("fbcache:0.9")
+    want = fd.sample(
+        fd.from_diffusers(pipe.transformer), pipe, "a cube", steps=STEPS, seed=3, true_cfg=2.0, cache=run, **SIZE
+    )
+    assert run.skipped() > 0
+    assert (np.asarray(Image.open(tmp_path / "x.png")) == np.asarray(want[0])).all()
+    with pytest.raises(SystemExit):
+        main([*gen, "--cache", "teacache:0.1"])
+    assert "--cache: cache: expected one of" in capsys.readouterr().err
+
+
+def test_bench_cache_rows():
+    """The bench's sampling rows (tiny widths): diffusers' same cache on the stock side gives
+    our cached latents; block calls counted from the decisions; FLUX.2's stock First-Block
+    Cache is reported as the crash it is, not measured."""
+    from functional_dit import _bench_cache
+
+    specs = ["fbcache:0.9", "taylorseer:interval=2,warmup=2", "magcache:0.06"]
+    caches = [fd._cache.parse(s) for s in specs]
+    rows = _bench_cache.family_rows("flux1", tiny.transformer_config("flux"), caches, 4, 32)
+    for r in rows:
+        assert r["vs_stock_cached"] < 1e-5, r  # the oracle tests' fp32 bound
+        assert r["block_calls"] == 4 * 4 and 0 <= r["block_calls_skipped"] < r["block_calls"]
+    assert rows[1]["block_calls_skipped"] == 4  # TaylorSeer: steps 0, 1, 3 computed, step 2 predicted
+    (r,) = _bench_cache.family_rows("flux2-klein", tiny.transformer_config("flux2-klein"), caches[:1], 2, 32)
+    assert r["stock_s"] is None and r["vs_stock_cached"].startswith("TypeError"), r
+    assert "| flux2-klein | fbcache:0.9 |" in "\n".join(_bench_cache.table([r]))
