@@ -39,6 +39,10 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 TORCH_TO_ST = {t: name for name, (t, _) in DTYPES.items()}
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+# The data starts on a 64-byte boundary of the file (safetensors itself pads only to 8),
+# so tensors mmap'ed from it are as aligned as torch's allocator makes them: MKL's
+# single-row GEMV sums in another order for an operand that is not (docs/numerics.md).
+ALIGN = 64
 MAX_HEADER = 100_000_000  # the limit safetensors itself enforces (bytes, decimal)
 
 
@@ -216,7 +220,17 @@ class Reader:
 
 def _header_bytes(entries: dict[str, dict], metadata: dict[str, str]) -> bytes:
     header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
-    return header + b" " * (-len(header) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    return header + b" " * (-(8 + len(header)) % ALIGN)  # spaces: the padding the format allows
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    return math.prod(shape) * DTYPES[TORCH_TO_ST[dtype]][1]
+
+
+def data_order(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> list[str]:
+    """The order `Writer` lays tensors out in (and takes them in): those whose size is a
+    multiple of ``ALIGN`` first, so each of them starts ``ALIGN``-aligned."""
+    return sorted(specs, key=lambda k: _nbytes(*specs[k]) % ALIGN != 0)
 
 
 class Writer:
@@ -225,9 +239,10 @@ class Writer:
     so no more than one tensor is ever held for writing."""
 
     def __init__(self, path: str, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata=None):
-        self.path, self.order, entries, pos = path, list(specs), {}, 0
-        for name, (dtype, shape) in specs.items():
-            n = math.prod(shape) * DTYPES[TORCH_TO_ST[dtype]][1]
+        self.path, self.order, entries, pos = path, data_order(specs), {}, 0
+        for name in self.order:
+            dtype, shape = specs[name]
+            n = _nbytes(dtype, shape)
             entries[name] = {"dtype": TORCH_TO_ST[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
             pos += n
         self.specs, self.next = specs, 0

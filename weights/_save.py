@@ -126,7 +126,7 @@ def _write_shard(out, name: str, keys: list[str], flat: dict, specs: dict, meta:
     """One safetensors file: every rank gathers each leaf in turn; rank 0 (``out``) writes it."""
     if out is not None:
         out.run(out.open, name, {k: meta[k] for k in keys})
-    for k in keys:
+    for k in F.data_order({k: meta[k] for k in keys}):
         full = _full(flat[k], specs[k])  # every rank takes part in the gather
         if out is not None:
             out.run(out.write, k, full)
