@@ -23,6 +23,7 @@ import functional_dit as fd
 import sharding
 from sharding.tree import flatten, mismatch_report, nest
 
+from . import _commit
 from . import _format as F
 from . import _layouts as L
 from ._format import CheckpointError
@@ -68,6 +69,8 @@ def load(
         raise ValueError(f"stats: expected None or a dict, got {type(stats).__name__}")
     device = _device(device, mesh)
     src = open_source(path, variant)
+    if src.config_path is not None:  # a folder: temporaries of a killed save go
+        _commit.clean_leftovers(os.path.dirname(src.config_path))
     detected = L.detect(src.tensors)
     config = _config(config, src, detected)
     cls = fd.config_to_diffusers(config)["_class_name"]
@@ -126,9 +129,10 @@ def _json_config(src: Source, detected):
 
 def _differences(a, b) -> str:
     """``field: a vs b`` for the fields where two configs of one class differ."""
-    fields = [f.name for f in dataclasses.fields(a)] if dataclasses.is_dataclass(a) else []
-    diff = [f"{n}={getattr(a, n)!r} vs {getattr(b, n)!r}" for n in fields if getattr(a, n) != getattr(b, n, None)]
-    return ", ".join(diff) if diff and type(a) is type(b) else f"the family ({type(b).__name__} in the file)"
+    if type(a) is not type(b) or not dataclasses.is_dataclass(a):
+        return f"the family ({type(b).__name__} in the file)"
+    fields = [f.name for f in dataclasses.fields(a)]
+    return ", ".join(f"{n}={getattr(a, n)!r} vs {getattr(b, n)!r}" for n in fields if getattr(a, n) != getattr(b, n))
 
 
 def _given_config(config):
