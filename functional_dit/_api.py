@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 import sharding
 from sharding.tree import flatten, nest
 
-from . import _config, _fuse, flux1, flux2, qwenimage
+from . import _config, _fuse, _values, flux1, flux2, qwenimage
 from . import _layers as L
 from ._pytree import Params, ParamSpec, check_leaves, register_pytree
 
@@ -239,6 +239,7 @@ def apply(params: Params, x, t, txt, *, lora=None, **kwargs):
     applied on the fly, unmerged; sharded params need the adapters placed on the same mesh."""
     fam = family(params)
     kwargs = _family_args(fam, kwargs)
+    _values.check_values(t, x=x, txt=txt, pooled=kwargs.get("pooled"), guidance=kwargs.get("guidance"))
     local, mesh = sharding.local_view(params)
     adapters = _lora_adapters(params, lora, mesh)
     if mesh is None:  # plain tensors: run under whatever mesh the caller bound (shard_map), if any
