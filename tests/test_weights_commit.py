@@ -14,6 +14,7 @@ import textwrap
 import pytest
 import safetensors.torch
 import torch
+from safetensors.torch import save_file
 
 import functional_dit as fd
 import weights
@@ -154,3 +155,16 @@ def test_saved_tensors_are_64_byte_aligned_when_mapped(tmp_path):
         if name.endswith(".safetensors"):
             mapped = safetensors.torch.load_file(tmp_path / "m" / name)
             assert all(t.data_ptr() % 64 == 0 for t in mapped.values()), name
+
+
+def test_single_file_under_diffusion_model_prefix_loads(tmp_path):
+    """ComfyUI / Kohya single files keep the BFL keys under ``diffusion_model.`` (without
+    ``model.``): the prefix is stripped as ``model.diffusion_model.`` is."""
+    from test_weights_bfl import _case, diffusers_convert, random_state
+
+    _, config, shapes = _case("flux1-dev")
+    bfl = random_state(shapes(config), seed=6)
+    save_file({f"diffusion_model.{k}": v for k, v in bfl.items()}, tmp_path / "f.safetensors")
+    ref = diffusers_convert(config, bfl)
+    loaded = weights.load(tmp_path / "f.safetensors", config="flux1-tiny")
+    assert all(torch.equal(t, ref[k]) for k, t in loaded.flat().items())

@@ -147,7 +147,7 @@ FAMILY_NAMES = {
     "Flux2Transformer2DModel": "FLUX.2",
     "QwenImageTransformer2DModel": "Qwen-Image",
 }
-STRIP_PREFIXES = ("model.diffusion_model.",)  # ComfyUI-style wrappers around a BFL state dict
+STRIP_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI / Kohya wrappers around a BFL state dict
 
 
 def detect(keys: Iterable[str]) -> tuple[str, str] | None:
