@@ -233,7 +233,7 @@ def run(args) -> int:
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
     start = time.perf_counter()
-    pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=None, torch_dtype=dtype).to(device)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=None, dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
     try:
         params = weights.load(model, config=config, mesh=mesh, dtype=dtype, device=None if mesh else device)

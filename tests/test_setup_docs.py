@@ -29,3 +29,31 @@ def test_setup_makes_a_venv_first_and_keeps_the_ci_command():
 def test_demo_output_is_git_ignored():
     done = subprocess.run(["git", "check-ignore", "-q", "demo_out/flux1-dev.png"], cwd=ROOT)
     assert done.returncode == 0
+
+
+def test_tiny_and_generate_raise_no_warnings_of_ours(tmp_path):
+    """The demo's noise: tiny's needless ``to(float32)`` (diffusers warns for it) and
+    generate's deprecated ``torch_dtype``; both must stay quiet."""
+    import logging
+    import warnings
+
+    import diffusers
+    import torch
+
+    from functional_dit import tiny
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("diffusers.models.modeling_utils")
+    logger.addHandler(handler)
+    try:
+        tiny.stock_transformer("flux")
+    finally:
+        logger.removeHandler(handler)
+    assert not [r.getMessage() for r in records if "float32" in r.getMessage()]
+    tiny.pipeline("flux").save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        diffusers.DiffusionPipeline.from_pretrained(tmp_path, transformer=None, dtype=torch.float32)
+    assert "dtype=dtype" in open(os.path.join(ROOT, "functional_dit", "_generate.py")).read()
