@@ -3,12 +3,14 @@
 Each command group lives in its own module and registers its subparsers through
 ``add_commands(subparsers)``, setting ``run`` (a function of the parsed arguments that
 returns an exit status). Expected failures (bad arguments, missing files, a ``ValueError``
-naming a refused value) print one line, ``error: ...``, and exit with status 2.
+naming a refused value) print one line, ``error: ...``, and exit with status 2; Ctrl-C
+prints ``interrupted`` and exits with status 130. Under torchrun only rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import _cli
@@ -31,8 +33,17 @@ def main(argv=None) -> int:
     try:
         return args.run(args) or 0
     except (_cli.CLIError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        _say(f"error: {e}")
         return 2
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return 130
+
+
+def _say(line: str) -> None:
+    """One line on stderr, from rank 0 only under torchrun (every rank exits alike)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

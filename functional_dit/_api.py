@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 import sharding
 from sharding.tree import flatten, nest
 
-from . import _config, _fuse, _kernels, flux1, flux2, flux3, qwenimage, qwenimage21
+from . import _config, _fuse, _kernels, _values, flux1, flux2, flux3, qwenimage, qwenimage21
 from . import _layers as L
 from ._pytree import Params, ParamSpec, check_leaves, register_pytree
 
@@ -254,6 +254,7 @@ def apply(params: Params, x, t, txt, *, lora=None, checkpoint: bool = False, **k
         raise ValueError(f"checkpoint: expected True or False, got {checkpoint!r}")
     fam = family(params)
     kwargs = _family_args(fam, kwargs)
+    _values.check_values(t, x=x, txt=txt, pooled=kwargs.get("pooled"), guidance=kwargs.get("guidance"))
     local, mesh = sharding.local_view(params)
     adapters = _lora_adapters(params, lora, mesh)
     if not checkpoint:  # no context manager on the default path: nothing extra for torch.compile to trace

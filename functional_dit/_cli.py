@@ -44,7 +44,7 @@ def _run_generate(args) -> int:
 
 
 MODULE_COMMANDS = {  # name -> (module with add_arguments / run, one-line help)
-    "bench": ("functional_dit.bench", "speed and memory side by side with diffusers; writes BENCHMARKS.md"),
+    "bench": ("functional_dit.bench", "speed and memory side by side with diffusers; --out FILE writes a report"),
     "check": ("functional_dit.check", "hardware check: fd.apply on a device vs CPU eager at a tiny config"),
 }
 

@@ -150,8 +150,8 @@ def _rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
 
 
 def run_tp(args: dict, world: int) -> dict:
-    """The FLUX.1 row on ``world`` spawned CPU processes with tp=world; rank 0's result
-    (every rank's latents must be bitwise equal)."""
+    """The FLUX.1 row on ``world`` spawned CPU processes (1 thread each) with tp=world;
+    rank 0's result (every rank's latents must be bitwise equal)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -217,6 +217,7 @@ def run(args) -> int:
     if args.size % multiple:
         raise CLIError(f"--size: expected a multiple of {multiple} (VAE scale 8 x 2x2 packing), got {args.size}")
     cfg = dict(size=args.size, steps=args.steps, seed=args.seed)
+    _quiet_notices()
     start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     lines, tiles = [], []
@@ -249,6 +250,7 @@ def run(args) -> int:
         lines.append(("FLUX.1", f"FluxPipeline, tp={args.ranks} on {args.ranks} CPU ranks", diff, res["seconds"], path))
         tiles.append((name, f"diff {diff:.0e}", res["image"]))
         print(f"  {name}: done", flush=True)
+        like = _like_against_like(cfg, args.ranks, res["seconds"])
     sheet = os.path.join(args.out, "contact_sheet.png")
     contact_sheet(tiles).save(sheet)
     print()
@@ -257,4 +259,26 @@ def run(args) -> int:
         f"\ncontact sheet: {sheet}; {args.size}x{args.size} px, {args.steps} steps, seed {args.seed}; "
         f"wall time {time.perf_counter() - start:.1f} s"
     )
+    if run_tp_row:
+        print(like)
     return 0
+
+
+def _like_against_like(cfg: dict, ranks: int, tp_seconds: float) -> str:
+    """The tp row's time next to the same call on one rank in the same conditions (a
+    fresh process, 1 thread): the rows above run at torch's default thread count, so
+    comparing them with the tp row would credit tp with a thread-count difference."""
+    one = run_tp(cfg, 1)["seconds"]
+    return (
+        f"like against like (fresh process, 1 thread per rank): FLUX.1 on 1 rank {one:.2f} s, "
+        f"tp={ranks} on {ranks} ranks {tp_seconds:.2f} s; the rows above use {torch.get_num_threads()} threads"
+    )
+
+
+def _quiet_notices() -> None:
+    """transformers' notices about optional packages (torchvision) say nothing about the
+    demo; the spawned ranks inherit the setting through the environment."""
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()

@@ -8,11 +8,11 @@ is downloaded). Under ``torchrun`` ``--tp/--sp/--dp`` shard the model over the r
 each rank reads only its own slices; rank 0 shows a progress bar, writes the image and
 reports the time per step and the peak memory.
 
-Everything that can be checked before the heavy loading is (paths, the checkpoint kind,
-sizes against the VAE scale, the world size, a ``--prompts`` file), each failure as one
-line; the image is written to a temporary file next to ``--out`` and renamed, so nothing
-partial is left. ``--prompts FILE --out-dir DIR`` generates many images, resumably, each
-dp group its share (`functional_dit._many`).
+Everything that can be checked before the heavy loading is (paths, the checkpoint's
+headers, family and keys against the pipeline, sizes against the VAE scale, reference
+images, flags the model would ignore, the device, the world size), each failure as one line; the image is
+written to a temporary file next to ``--out`` and renamed, so nothing partial is left. ``--prompts FILE --out-dir DIR``
+generates many images, resumably, each dp group its share (`functional_dit._many`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from . import _cli_checks as C
 from ._cli import CLIError
 
 # Released weights of the presets on the Hugging Face Hub (looked up in the local cache only).
@@ -133,15 +134,6 @@ def _check_out(out: str) -> None:
         raise CLIError(f"--out: {out} is a folder; expected an image file name")
 
 
-def _check_images(paths) -> list:
-    from PIL import Image
-
-    for p in paths or []:
-        if not os.path.isfile(p):
-            raise CLIError(f"--image: {p} does not exist")
-    return [Image.open(p).convert("RGB") for p in paths] if paths else None
-
-
 def vae_scale(base: str) -> int:
     """The VAE's downscaling factor, read from ``vae/config.json`` as the pipelines compute
     it (Qwen-Image: 2 ** len(temperal_downsample); the others: 2 ** (levels - 1))."""
@@ -241,13 +233,16 @@ def _setup(args):
     _check_outputs(args)
     model, base, config = resolve(args)
     _check_size(base, args.height, args.width)
-    images = _check_images(args.image)
-    requests = None
+    images = C.open_images(args.image)
+    pipeline = _pipeline_class(base, "--base" if args.base else "--model")
+    C.check_images(pipeline, images)
+    config = C.check_checkpoint(model, config, pipeline, "--base" if args.base else "--model")
+    C.check_guidance(config, args)
+    C.check_device(args.device)
     if args.prompts is not None:
         from . import _many
 
-        requests = _many.read_requests(args.prompts, args)
-        for r in requests:
+        for r in _many.read_requests(args.prompts, args):
             _check_size(base, r["height"], r["width"])
     mesh = _mesh(args)
     device, dtype = _device_dtype(args, mesh)
@@ -258,7 +253,7 @@ def _setup(args):
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
     start = time.perf_counter()
-    pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=None, torch_dtype=dtype).to(device)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=None, dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
     try:
         params = weights.load(model, config=config, mesh=mesh, dtype=dtype, device=None if mesh else device)

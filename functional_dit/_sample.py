@@ -673,6 +673,8 @@ def _family_model(fam: str, params, pipe, image, kv_cache):
 
     if image is not None and (fam == "flux1" or isinstance(pipe, diffusers.QwenImagePipeline)):
         raise ValueError(f"image: a {type(pipe).__name__} takes no reference image; expected None")
+    if image is None and isinstance(pipe, diffusers.QwenImageEditPipeline):
+        raise ValueError("image: a QwenImageEditPipeline edits a reference image; expected a PIL image, got None")
     if fam == "qwenimage21":
         from ._sample_next import Qwen21
 

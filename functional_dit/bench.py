@@ -7,8 +7,8 @@ the module after its own ``fuse_qkv_projections()``; compiled vs compiled; cold 
 time at full depth and at one block; tp=2 on 2 gloo processes vs diffusers' own tensor
 parallelism; achieved FLOP/s (``torch.utils.flop_counter``) as a fraction of the
 measured matmul peak; per-rank parameter memory. Contenders alternate within every
-round and each figure is the median of ``--runs`` rounds. Prints a table and writes
-BENCHMARKS.md (date, machine, the exact command, every figure).
+round and each figure is the median of ``--runs`` rounds. Prints a table and, with
+``--out FILE``, writes a report there (date, machine, the exact command, every figure).
 
 diffusers refuses tensor parallelism on CPU meshes: this benchmark widens only that
 device-type check (``diffusers.hooks.tensor_parallel._SUPPORTED_TP_DEVICES``) and runs
@@ -685,7 +685,12 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-compile", action="store_true", help="skip the compile figures")
     p.add_argument("--no-tp", action="store_true", help="skip tp=2 (CPU only)")
-    p.add_argument("--out", default="BENCHMARKS.md", help="where to write the report ('' for none)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="a Markdown file to write the report to (default: none; the committed "
+        "BENCHMARKS.md is rewritten only when named)",
+    )
     p.add_argument("--sampling", action="store_true", help="only the sampling section, appended to --out")
     p.add_argument("--cache", nargs="+", default=None, help="sampling rows with these step caches (fbcache:0.1 ...)")
     p.add_argument("--cache-steps", type=int, default=8, help="sampling steps of the --cache rows (default 8)")
@@ -765,4 +770,6 @@ def run(args) -> int:
     if args.out:
         write_report(args.out, text)
         print(f"wrote {args.out} (section {machine_kind()!r})")
+    else:
+        print("no report written: pass --out FILE.md to keep one")
     return 0

@@ -131,8 +131,14 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from ._cli import CLIError
+    from ._cli_checks import check_device
+
+    if args.dtype not in ("float32", "bfloat16"):
+        raise CLIError(f"--dtype: expected float32 or bfloat16, got {args.dtype!r}")
     dtype = getattr(torch, args.dtype)
     device = args.device
+    check_device(device)
     if torch.device(device).type == "xla":
         import torch_xla  # noqa: F401  (registers the device)
     mode = args.mode or ("lazy" if torch.device(device).type == "xla" else "compile")

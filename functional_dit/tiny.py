@@ -471,7 +471,9 @@ def stock_transformer(kind: str, *, seed: int = 0, dtype=torch.float32):
     cls = getattr(diffusers, cfg.pop("_class_name"))
     module = cls(**cfg)
     module.load_state_dict(to_state_dict(init(transformer_config(kind), seed=seed)))
-    return module.to(dtype).eval().requires_grad_(False)
+    if module.dtype != dtype:  # diffusers' to(dtype) warns about fp32 modules even when it changes nothing
+        module = module.to(dtype)
+    return module.eval().requires_grad_(False)
 
 
 # ---------------------------------------------------------------- pipelines

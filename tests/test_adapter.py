@@ -202,6 +202,11 @@ def test_save_pretrained_loads_as_stock(tmp_path, kind):
     stock = stock_class.from_pretrained(tmp_path).eval()
     assert stock.state_dict().keys() == ad.state_dict().keys()
     assert all(torch.equal(t, ad.state_dict()[k]) for k, t in stock.state_dict().items())  # bitwise weights
+    # Bitwise outputs need equally aligned weights: MKL's one-row GEMV (the modulation
+    # linears) sums in another order for an 8-byte-aligned weight on some CPUs (AMD EPYC:
+    # 9.5e-7 here). weights.save lays the data out 64-byte aligned, so stock diffusers'
+    # mmap'ed tensors are as aligned as allocated ones (docs/numerics.md).
+    assert all(t.data_ptr() % 64 == 0 for t in stock.state_dict().values())
     args = _flux_inputs(kind, torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(stock(**args)[0], tiny.stock_transformer(kind, seed=SEED)(**args)[0])
@@ -229,7 +234,11 @@ def test_pipeline_save_reloads_with_stock_diffusers(tmp_path):
     assert type(reloaded) is diffusers.FluxPipeline
     assert type(reloaded.transformer) is diffusers.FluxTransformer2DModel
     reloaded.set_progress_bar_config(disable=True)
-    assert max_err(run(reloaded, prompt=PROMPT, **SHORT), run(pipe, prompt=PROMPT, **SHORT)) == 0.0
+    assert all(t.data_ptr() % 64 == 0 for t in reloaded.transformer.state_dict().values())  # weights.save's layout
+    # Not bitwise by construction: the text encoders and VAE are written by transformers /
+    # diffusers (data 8-byte aligned), and MKL may sum an unaligned operand in another
+    # order (docs/numerics.md); measured 0 on AMD EPYC and on Intel, bounded at fp32 rounding.
+    assert max_err(run(reloaded, prompt=PROMPT, **SHORT), run(pipe, prompt=PROMPT, **SHORT)) <= FP32
 
 
 # ---------------------------------------------------------------- bad use

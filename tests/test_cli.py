@@ -130,6 +130,8 @@ def test_demo_shortened_writes_pngs_and_a_table(tmp_path, capsys):
     for line in rows:
         cell = re.split(r"\s{2,}", line)[2]
         assert cell == "0 (bitwise)" or float(cell) <= 1e-5, line  # fd.sample vs stock at the fp32 bound
+    # the tp row timed against one rank under the same conditions (1 thread, a fresh process)
+    assert re.search(r"like against like .*: FLUX.1 on 1 rank [\d.]+ s, tp=2 on 2 ranks [\d.]+ s", table), table
 
 
 def test_demo_bad_arguments(tmp_path, capsys):

@@ -8,7 +8,7 @@ only this rank's slices. `save` writes a diffusers-format folder that diffusers'
 
 from ._format import CheckpointError, read_header
 from ._layouts import BFL_TABLES, FLUX1_BFL, FLUX2_BFL, Rule
-from ._load import load
+from ._load import inspect, load
 from ._save import save
 
-__all__ = ["BFL_TABLES", "FLUX1_BFL", "FLUX2_BFL", "CheckpointError", "Rule", "load", "read_header", "save"]
+__all__ = ["BFL_TABLES", "FLUX1_BFL", "FLUX2_BFL", "CheckpointError", "Rule", "inspect", "load", "read_header", "save"]

@@ -39,6 +39,10 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 TORCH_TO_ST = {t: name for name, (t, _) in DTYPES.items()}
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+# The data starts on a 64-byte boundary of the file (safetensors itself pads only to 8),
+# so tensors mmap'ed from it are as aligned as torch's allocator makes them: MKL's
+# single-row GEMV sums in another order for an operand that is not (docs/numerics.md).
+ALIGN = 64
 MAX_HEADER = 100_000_000  # the limit safetensors itself enforces (bytes, decimal)
 
 
@@ -216,37 +220,52 @@ class Reader:
 
 def _header_bytes(entries: dict[str, dict], metadata: dict[str, str]) -> bytes:
     header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
-    return header + b" " * (-len(header) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    return header + b" " * (-(8 + len(header)) % ALIGN)  # spaces: the padding the format allows
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    return math.prod(shape) * DTYPES[TORCH_TO_ST[dtype]][1]
+
+
+def data_order(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> list[str]:
+    """The order `Writer` lays tensors out in (writing them in it is sequential IO): those
+    whose size is a multiple of ``ALIGN`` first, so each of them starts ``ALIGN``-aligned."""
+    return sorted(specs, key=lambda k: _nbytes(*specs[k]) % ALIGN != 0)
 
 
 class Writer:
     """Writes one safetensors file tensor by tensor: the header first (from the
-    names, dtypes and shapes given up front), then each tensor's bytes as it comes,
-    so no more than one tensor is ever held for writing."""
+    names, dtypes and shapes given up front), then each tensor's bytes at its offset as
+    it comes, so no more than one tensor is ever held for writing."""
 
     def __init__(self, path: str, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata=None):
-        self.path, self.order, entries, pos = path, list(specs), {}, 0
-        for name, (dtype, shape) in specs.items():
-            n = math.prod(shape) * DTYPES[TORCH_TO_ST[dtype]][1]
+        self.path, self.specs, self.offsets, entries, pos = path, specs, {}, {}, 0
+        for name in data_order(specs):
+            dtype, shape = specs[name]
+            n = _nbytes(dtype, shape)
             entries[name] = {"dtype": TORCH_TO_ST[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
-            pos += n
-        self.specs, self.next = specs, 0
+            self.offsets[name], pos = pos, pos + n
         header = _header_bytes(entries, dict(metadata or {"format": "pt"}))
+        self.start, self.written = 8 + len(header), set()
         self.file = open(path, "wb")
         self.file.write(struct.pack("<Q", len(header)) + header)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        expected = self.order[self.next]
-        dtype, shape = self.specs[name]
-        if name != expected or tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise ValueError(
-                f"{self.path}: expected {expected} {dtype} {shape}, got {name} {tensor.dtype} {tensor.shape}"
-            )
+        dtype, shape = self.specs.get(name, (None, None))
+        if name in self.written or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            expected = "a tensor not yet written" if name in self.written else f"{dtype} {shape}"
+            raise ValueError(f"{self.path}: {name}: expected {expected}, got {tensor.dtype} {tuple(tensor.shape)}")
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        if self.file.tell() != self.start + self.offsets[name]:
+            self.file.seek(self.start + self.offsets[name])
         self.file.write(memoryview(data.numpy()))
-        self.next += 1
+        self.written.add(name)
 
     def close(self) -> None:
+        """Flushes the file to disk (``fsync``) before closing: a rename of it that
+        survives a crash then names complete data."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
         self.file.close()
-        if self.next != len(self.order):
-            raise ValueError(f"{self.path}: closed after {self.next} of {len(self.order)} tensors")
+        if len(self.written) != len(self.specs):
+            raise ValueError(f"{self.path}: closed after {len(self.written)} of {len(self.specs)} tensors")

@@ -212,7 +212,7 @@ FAMILY_NAMES = {
     "Flux3Transformer2DModel": "FLUX.3",
     "QwenImage21Transformer2DModel": "Qwen-Image 2.1",
 }
-STRIP_PREFIXES = ("model.diffusion_model.",)  # ComfyUI-style wrappers around a BFL state dict
+STRIP_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI / Kohya wrappers around a BFL state dict
 
 
 def detect(keys: Iterable[str]) -> tuple[str, str] | None:

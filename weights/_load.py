@@ -23,6 +23,7 @@ import functional_dit as fd
 import sharding
 from sharding.tree import flatten, mismatch_report, nest
 
+from . import _commit
 from . import _format as F
 from . import _layouts as L
 from ._format import CheckpointError
@@ -67,7 +68,25 @@ def load(
     if stats is not None and not isinstance(stats, dict):
         raise ValueError(f"stats: expected None or a dict, got {type(stats).__name__}")
     device = _device(device, mesh)
+    src, config, specs, resolved = _resolve(path, config, variant, dtype)
+    plan = _flat_plan(config, specs, mesh, plan)
+    regions = {k: _region(s.shape, mesh, plan and plan[k]) for k, s in specs.items()}
+    flat = _fill(src, resolved, regions, dtype, device, mesh, progress, stats)
+    return _finish(config, flat, specs, mesh, plan)
+
+
+def inspect(path, config=None, *, dtype: torch.dtype | None = None, variant: str | None = None):
+    """The config of the checkpoint at ``path`` after every check `load` makes before
+    reading data (headers, family, keys, shapes, dtypes); reads no tensor. A ValueError
+    (`CheckpointError` for a broken file) says what is wrong."""
+    return _resolve(path, config, variant, dtype)[1]
+
+
+def _resolve(path, config, variant, dtype):
+    """``(source, config, flat specs, key resolution)``, every check passed."""
     src = open_source(path, variant)
+    if src.config_path is not None:  # a folder: temporaries of a killed save go
+        _commit.clean_leftovers(os.path.dirname(src.config_path))
     detected = L.detect(src.tensors)
     config = _config(config, src, detected)
     cls = fd.config_to_diffusers(config)["_class_name"]
@@ -77,10 +96,7 @@ def load(
     resolved = L.identity(shapes) if layout == "diffusers" else L.resolve(L.BFL_TABLES[cls], shapes)
     _check_keys(src, config, layout, resolved)
     _check_dtypes(src, resolved, dtype)
-    plan = _flat_plan(config, specs, mesh, plan)
-    regions = {k: _region(s.shape, mesh, plan and plan[k]) for k, s in specs.items()}
-    flat = _fill(src, resolved, regions, dtype, device, mesh, progress, stats)
-    return _finish(config, flat, specs, mesh, plan)
+    return src, config, specs, resolved
 
 
 # ----------------------------------------------------------------------------- config and keys
@@ -126,9 +142,10 @@ def _json_config(src: Source, detected):
 
 def _differences(a, b) -> str:
     """``field: a vs b`` for the fields where two configs of one class differ."""
-    fields = [f.name for f in dataclasses.fields(a)] if dataclasses.is_dataclass(a) else []
-    diff = [f"{n}={getattr(a, n)!r} vs {getattr(b, n)!r}" for n in fields if getattr(a, n) != getattr(b, n, None)]
-    return ", ".join(diff) if diff and type(a) is type(b) else f"the family ({type(b).__name__} in the file)"
+    if type(a) is not type(b) or not dataclasses.is_dataclass(a):
+        return f"the family ({type(b).__name__} in the file)"
+    fields = [f.name for f in dataclasses.fields(a)]
+    return ", ".join(f"{n}={getattr(a, n)!r} vs {getattr(b, n)!r}" for n in fields if getattr(a, n) != getattr(b, n))
 
 
 def _given_config(config):

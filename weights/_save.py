@@ -8,14 +8,13 @@ plus ``diffusion_pytorch_model.safetensors.index.json`` — what diffusers'
 Each shard is written tensor by tensor (header first, then the bytes), so at most
 one full tensor is held at a time. Sharded params (DTensor leaves) are gathered one
 tensor at a time, every rank taking part, and written by rank 0 alone: no rank ever
-holds the whole model. Shards are written under temporary names and renamed into
-place only when all are complete, so a failed save leaves an existing checkpoint intact.
+holds the whole model. How a finished save replaces an old checkpoint, so that a kill at
+any moment leaves one or the other, is `_commit`'s.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import math
 import os
 import re
@@ -26,9 +25,9 @@ import functional_dit as fd
 import sharding
 from sharding.tree import flatten
 
+from . import _commit
 from . import _format as F
 from ._load import _bar, check_progress
-from ._source import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -66,22 +65,20 @@ def save(params: fd.Params, path, max_shard_size="5GB", *, progress: bool | None
     With sharded params every rank must call ``save``; rank 0 writes, and if it fails
     every rank raises (none is left waiting in a gather).
 
-    Overwriting an existing checkpoint is safe: the new files are written under
-    temporary names and only renamed into place once all are complete, the old index
-    is removed before any old shard is replaced, and files of the old checkpoint that
-    the new one does not use are removed last; a save that fails leaves the old
-    checkpoint as it was.
+    Overwriting an existing checkpoint is safe: a save that fails or is killed at any
+    moment leaves a folder that loads as the old checkpoint or as the new one
+    (`weights._commit`; docs/checkpoints.md).
     """
     path = _check_args(params, path, progress)
     limit = parse_size(max_shard_size)
     flat, specs, meta, sizes = _describe(params)
     groups = shard_groups(sizes, limit)
-    names = _shard_names(len(groups))
     mesh = _mesh_of(flat)
     writing = mesh is None or torch.distributed.get_rank() == 0
     out = _Folder(path, defer=mesh is not None) if writing else None
     if out is not None:
         out.run(out.prepare)
+    names = _commit.shard_names(path, len(groups)) if writing else [None] * len(groups)
     label = f"saving {os.path.basename(os.path.normpath(path))}"
     with _bar(sum(sizes.values()), progress, mesh, label) as bar:
         for name, keys in zip(names, groups):
@@ -126,7 +123,7 @@ def _write_shard(out, name: str, keys: list[str], flat: dict, specs: dict, meta:
     """One safetensors file: every rank gathers each leaf in turn; rank 0 (``out``) writes it."""
     if out is not None:
         out.run(out.open, name, {k: meta[k] for k in keys})
-    for k in keys:
+    for k in F.data_order({k: meta[k] for k in keys}):
         full = _full(flat[k], specs[k])  # every rank takes part in the gather
         if out is not None:
             out.run(out.write, k, full)
@@ -155,7 +152,7 @@ class _Folder:
     def __init__(self, path: str, defer: bool):
         self.path, self.defer = path, defer
         self.error: BaseException | None = None
-        self.temps: list[str] = []
+        self.temps: dict[str, str] = {}  # temporary file -> its final path
         self.writer = None
 
     def run(self, step, *args) -> None:
@@ -173,10 +170,13 @@ class _Folder:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise ValueError(f"path: {self.path!r} is a file; expected a folder (new or existing)")
         os.makedirs(self.path, exist_ok=True)
+        _commit.clean_leftovers(self.path)
 
     def open(self, name: str, specs: dict) -> None:
-        self.temps.append(os.path.join(self.path, name + ".tmp"))
-        self.writer = F.Writer(self.temps[-1], specs)
+        final = os.path.join(self.path, name)
+        temp = _commit.temp_name(final)
+        self.temps[temp] = final
+        self.writer = F.Writer(temp, specs)
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         self.writer.write(key, tensor)
@@ -186,21 +186,11 @@ class _Folder:
         writer.close()
 
     def commit(self, index: dict | None, config: dict) -> None:
-        """Old index first (so no index ever names a mix of old and new shards), then the
-        shards, the new index, config.json, and last the old files the new save does not use."""
-        old_index = os.path.join(self.path, INDEX_NAME)
-        if os.path.lexists(old_index):
-            os.remove(old_index)
-        keep = {CONFIG_NAME}
-        for temp in self.temps:
-            os.replace(temp, temp.removesuffix(".tmp"))
-            keep.add(os.path.basename(temp.removesuffix(".tmp")))
-        self.temps = []
-        if index is not None:
-            _write_json(old_index, index)
-            keep.add(INDEX_NAME)
-        _write_json(os.path.join(self.path, CONFIG_NAME), config)
-        _remove_stale(self.path, keep)
+        temps, self.temps = self.temps, {}
+        try:
+            _commit.commit(self.path, temps, index, config)
+        finally:  # a failed commit leaves the temporaries it did not rename: remove them
+            self.temps = {t: f for t, f in temps.items() if os.path.lexists(t)}
 
     def _discard(self) -> None:
         """Close and delete the temporary files of a failed save; the old checkpoint stays."""
@@ -210,36 +200,11 @@ class _Folder:
         for temp in self.temps:
             if os.path.lexists(temp):
                 os.remove(temp)
-        self.temps = []
-
-
-def _shard_names(n: int) -> list[str]:
-    if n == 1:
-        return [WEIGHTS_NAME]
-    stem = WEIGHTS_NAME.removesuffix(".safetensors")
-    return [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.temps = {}
 
 
 def _weight_map(names, groups) -> dict:
     return {k: name for name, keys in zip(names, groups) for k in keys}
-
-
-_OURS = re.compile(r"diffusion_pytorch_model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?(\.tmp)?\Z")
-
-
-def _remove_stale(path: str, keep: set[str]) -> None:
-    """Weight files a loader could pick up instead of ours (an index from an earlier
-    sharded save, shards from a different count) and temporaries of failed saves."""
-    for name in os.listdir(path):
-        if (_OURS.match(name) or name == CONFIG_NAME + ".tmp") and name not in keep:
-            os.remove(os.path.join(path, name))
-
-
-def _write_json(file: str, obj) -> None:
-    with open(file + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-    os.replace(file + ".tmp", file)
 
 
 def _diffusers_version() -> str:

@@ -118,7 +118,7 @@ def from_state_dict(state: Mapping[str, torch.Tensor], params_or_config, metadat
             problems.append(f"{key}: no linear layer {name!r} in {type(config).__name__}")
             continue
         sources.setdefault(name, {})[factor] = value
-    flat, modules, seen = {}, [], {}
+    flat, modules, seen, assumed = {}, [], {}, []
     for name, f in sources.items():
         err = _check_source(name, f, index[name], known)
         if err:
@@ -136,6 +136,8 @@ def from_state_dict(state: Mapping[str, torch.Tensor], params_or_config, metadat
             if tgt.swap:
                 b = torch.cat(b.chunk(2, 0)[::-1], 0)
             a_alpha = alpha if alpha is not None else _pattern_value(meta.get("alpha_pattern"), tgt.module, None)
+            if a_alpha is None and "lora_alpha" not in meta:
+                assumed.append(tgt.module)
             if a_alpha is None:
                 a_alpha = meta.get("lora_alpha", r)
             want_r = _pattern_value(meta.get("rank_pattern"), tgt.module, meta.get("r", r))
@@ -146,12 +148,21 @@ def from_state_dict(state: Mapping[str, torch.Tensor], params_or_config, metadat
             modules.append((tgt.module, r, float(a_alpha)))
     if problems or not modules:
         raise ValueError(_report(config, problems or ["no LoRA factors in the file"], state))
+    if assumed:
+        warnings.warn(_ASSUMED_ALPHA.format(n=len(assumed), of=len(modules), first=assumed[0]), stacklevel=3)
     order = {m: i for i, m in enumerate(known)}
     modules.sort(key=lambda m: order[m[0]])
     lcfg = LoraConfig(config, tuple(modules), bool(meta.get("use_rslora", False)))
     return Adapter(
         lcfg, nest({k: flat[k] for m, _, _ in modules for k in (f"{m}.lora_A.weight", f"{m}.lora_B.weight")})
     )
+
+
+_ASSUMED_ALPHA = (
+    "lora: no alpha for {n} of {of} layers (e.g. {first}: no .alpha key, no lora_alpha metadata); "
+    "assuming alpha = rank (scale 1). An adapter trained with another alpha (PEFT's lora_alpha = 2r is "
+    "common) then acts at another strength: set the scale with lora=[(adapter, scale)] or lora.merge(scale=...)"
+)
 
 
 def _check_source(name: str, f: dict, targets, known) -> str | None:
@@ -178,14 +189,12 @@ def _check_source(name: str, f: dict, targets, known) -> str | None:
 
 
 def _report(config, problems, state, limit=20) -> str:
-    more = f" ... and {len(problems) - limit} more" if len(problems) > limit else ""
-    hint = _other_family(config, state)
-    return (
-        f"lora: the file does not match {type(config).__name__} ({len(problems)} problems): "
-        + "; ".join(problems[:limit])
-        + more
-        + hint
-    )
+    name, hint = type(config).__name__, _other_family(config, state)
+    shown = problems[: 3 if hint else limit]  # with a family hint, a few examples suffice
+    more = f" ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+    if hint:
+        return f"lora: not a LoRA for this {name}: {hint}; {len(problems)} problems, e.g. " + "; ".join(shown) + more
+    return f"lora: the file does not match {name} ({len(problems)} problems): " + "; ".join(shown) + more
 
 
 def _other_family(config, state) -> str:
@@ -203,8 +212,30 @@ def _other_family(config, state) -> str:
         if hits and (best is None or hits > best[1]):
             best = (type(preset).__name__, hits)
     if best and best[1] > len(names & {re.sub(r"\.\d+\.", ".{}.", k) for k in _index(config)}):
-        return f". The keys look like a LoRA for {best[0]}, not {type(config).__name__}"
+        return f"the keys look like a LoRA for {best[0]}"
+    fits = _fitting_presets(config, state)
+    if fits:
+        return f"its factors fit {', '.join(fits)}"
     return ""
+
+
+def _fitting_presets(config, state) -> list[str]:
+    """The presets (other than ``config``) every LoRA layer of ``state`` fits, names and shapes."""
+    import functional_dit  # late, as in _other_family
+
+    groups: dict[str, dict] = {}
+    for key, value in state.items():
+        parts = _split_key(key)
+        if parts is not None and parts[1] in ("A", "B") and not key.startswith(_layouts.OTHER_COMPONENTS):
+            groups.setdefault(_strip(parts[0]), {})[parts[1]] = value
+    fits = []
+    for name, preset in functional_dit.PRESETS.items():
+        if preset == config or not groups:
+            continue
+        index, known = _index(preset), linear_modules(preset)
+        if all(n in index and _check_source(n, f, index[n], known) is None for n, f in groups.items()):
+            fits.append(f"{name} ({type(preset).__name__})")
+    return fits
 
 
 def _read(path) -> tuple[dict, dict | None]:
