@@ -117,9 +117,15 @@ def inputs(config, device, dtype, seed: int = 0, hw=IMG_HW, txt_len: int = TXT_L
     fam = _api.family(config).__name__.rsplit(".", 1)[-1]
     x = torch.randn(1, h * w, config.in_channels, generator=g).to(device, dtype)
     t = torch.rand(1, generator=g).to(device)
-    txt = torch.randn(1, txt_len, config.joint_attention_dim, generator=g).to(device, dtype)
+    width = getattr(config, "joint_attention_dim", None) or config.context_in_dim  # Qwen-Image 2.1: context_in_dim
+    txt = torch.randn(1, txt_len, width, generator=g).to(device, dtype)
     rows, cols = torch.meshgrid(torch.arange(h) * 1.0, torch.arange(w) * 1.0, indexing="ij")
     guidance = torch.full((1,), 3.5, device=device) if getattr(config, "guidance_embeds", False) else None
+    if fam == "qwenimage21":  # text to image: the text rows, then one image slot per 2x2 latent patch
+        img_mask = torch.tensor([False] * txt_len + [True] * (h * w // 4), device=device)[None]
+        kw = dict(x=x, t=t, txt=txt, img_shapes=[[(1, h, w)]], img_mask=img_mask)
+        dkw = dict(hidden_states=x, encoder_hidden_states=txt, timestep=t, img_shapes=[[(1, h, w)]], img_mask=img_mask)
+        return kw, dict(dkw, return_dict=False)
     if fam == "qwenimage":
         kw = dict(x=x, t=t, txt=txt, img_shapes=[[(1, h, w)]])
         dkw = dict(hidden_states=x, encoder_hidden_states=txt, timestep=t, img_shapes=[[(1, h, w)]])
@@ -136,8 +142,16 @@ def inputs(config, device, dtype, seed: int = 0, hw=IMG_HW, txt_len: int = TXT_L
         txt_ids = torch.stack([torch.zeros(txt_len)] * 3 + [torch.arange(txt_len) * 1.0], -1).to(device)
         kw = dict(x=x, t=t, txt=txt, guidance=guidance, img_ids=img_ids, txt_ids=txt_ids)
         dkw = {}
+        if fam == "flux3" and config.flow_map:  # the step-distilled model's target timestep
+            kw["target_timestep"] = dkw["target_timestep"] = t * 0.5
+        if fam == "flux3":
+            kw.pop("guidance")
+            dkw.pop("target_timestep", None)
+            dkw["target_timestep"] = kw.get("target_timestep")
     dkw.update(hidden_states=x, timestep=t, encoder_hidden_states=txt, guidance=guidance)
     dkw.update(img_ids=img_ids, txt_ids=txt_ids, return_dict=False)
+    if fam == "flux3":  # no guidance embedding; the flow map's target timestep instead
+        dkw.pop("guidance")
     return kw, dkw
 
 

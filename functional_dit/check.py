@@ -148,6 +148,9 @@ def run(args) -> int:
     for name, config in _api.PRESETS.items():
         if not name.endswith("-tiny"):
             continue
+        if isinstance(config, _api.qwenimage21.QwenImage21Config) and mode != "eager":
+            print(f"{name:<18} skip  {mode}: Qwen-Image 2.1 reads img_mask on the host (not traceable yet); eager only")
+            continue
         r = check_family(name, config, device, dtype, mode, backend, tol)
         ok &= r["ok"]
         status = "ok" if r["ok"] else "FAIL"
