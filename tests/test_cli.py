@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from _cli import one_line_error
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -58,13 +59,6 @@ def test_generate_transformer_file_with_base(flux_folder, tmp_path):
     assert np.array_equal(np.asarray(Image.open(out)), stock)
 
 
-def _error(argv, capsys) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
-    return err
-
-
 @pytest.mark.parametrize(
     "model, extra, match",
     [
@@ -95,12 +89,12 @@ def test_generate_errors_are_one_line_and_write_nothing(
     out = tmp_path / "out" / "x.png"
     argv = ["generate", "--model", fill(model), *GEN, *[fill(a) for a in extra], "--out", str(out)]
     # argparse keeps an option's last value: extra --height/--width override GEN's
-    assert fill(match) in _error(argv, capsys)
+    assert fill(match) in one_line_error(argv, capsys)
     assert not (tmp_path / "out").exists()
 
 
 def test_generate_refuses_an_output_that_is_not_an_image(flux_folder, tmp_path, capsys):
-    err = _error(["generate", "--model", flux_folder[0], *GEN, "--out", str(tmp_path / "x.txt")], capsys)
+    err = one_line_error(["generate", "--model", flux_folder[0], *GEN, "--out", str(tmp_path / "x.txt")], capsys)
     assert "--out: expected an image file name ending in .png" in err
 
 
@@ -135,9 +129,11 @@ def test_demo_shortened_writes_pngs_and_a_table(tmp_path, capsys):
 
 
 def test_demo_bad_arguments(tmp_path, capsys):
-    assert "--only: unknown rows ['nope']" in _error(["demo", "--out", str(tmp_path), "--only", "nope"], capsys)
-    assert "--size: expected a multiple of 16" in _error(["demo", "--out", str(tmp_path), "--size", "40"], capsys)
-    assert "--ranks: expected 0" in _error(["demo", "--out", str(tmp_path), "--ranks", "1"], capsys)
+    assert "--only: unknown rows ['nope']" in one_line_error(["demo", "--out", str(tmp_path), "--only", "nope"], capsys)
+    assert "--size: expected a multiple of 16" in one_line_error(
+        ["demo", "--out", str(tmp_path), "--size", "40"], capsys
+    )
+    assert "--ranks: expected 0" in one_line_error(["demo", "--out", str(tmp_path), "--ranks", "1"], capsys)
 
 
 # ----------------------------------------------------------------------------- check, bench

@@ -13,11 +13,11 @@ import time
 
 import numpy as np
 import pytest
+from _cli import one_line_error
 from PIL import Image
 
 import functional_dit as fd
 from functional_dit import _many, tiny
-from functional_dit.__main__ import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 10  # requests; on dp=2 five rounds of two images
@@ -28,13 +28,6 @@ def folder(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny_flux_many"))
     tiny.pipeline("flux").save_pretrained(path)
     return path
-
-
-def _error(argv, capsys) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
-    return err
 
 
 @pytest.mark.parametrize(
@@ -54,7 +47,7 @@ def test_prompts_file_errors_are_one_line(folder, tmp_path, capsys, text, extra,
     (tmp_path / "p.jsonl").write_text(text)
     argv = ["generate", "--model", folder, "--prompts", str(tmp_path / "p.jsonl"), *extra]
     argv += [] if "--out" in extra else ["--out-dir", str(tmp_path / "out")]
-    assert match in _error(argv, capsys)
+    assert match in one_line_error(argv, capsys)
     assert not (tmp_path / "out").exists()
 
 
