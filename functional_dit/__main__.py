@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from . import _cli
+from . import cli as _cli
 
 
 def parser() -> argparse.ArgumentParser:

@@ -13,17 +13,7 @@ import math
 
 import torch
 
-from . import _layers as L
-from ._checks import (
-    check_guidance,
-    check_ids,
-    check_rope,
-    check_rope_or_ids,
-    check_streams,
-    check_tensor,
-    reference_leaf,
-)
-from ._config import (
+from .configs import (
     DiTConfig,
     as_ints,
     require_bool,
@@ -32,7 +22,17 @@ from ._config import (
     require_positive_or_none,
     require_rope_axes,
 )
-from ._pytree import (
+from .nn import layers as L
+from .nn.checks import (
+    check_guidance,
+    check_ids,
+    check_rope,
+    check_rope_or_ids,
+    check_streams,
+    check_tensor,
+    reference_leaf,
+)
+from .params import (
     MOD3,
     MOD6,
     MOD_OUT,

@@ -22,10 +22,8 @@ import torch.nn.functional as F
 
 import sharding
 
-from . import _layers as L
 from . import flux2_kv as kv
-from ._checks import check_guidance, check_ids, check_rope, check_rope_or_ids, check_streams, reference_leaf
-from ._config import (
+from .configs import (
     DiTConfig,
     as_ints,
     require,
@@ -36,8 +34,10 @@ from ._config import (
     require_positive_or_none,
     require_rope_axes,
 )
-from ._pytree import MOD3, MOD6, MOD_OUT, PACKED, Block, linear_spec, mod_spec, norm_spec, ordered_blocks, units
 from .flux2_kv import Ref
+from .nn import layers as L
+from .nn.checks import check_guidance, check_ids, check_rope, check_rope_or_ids, check_streams, reference_leaf
+from .params import MOD3, MOD6, MOD_OUT, PACKED, Block, linear_spec, mod_spec, norm_spec, ordered_blocks, units
 
 DIFFUSERS_CLASS = "Flux2Transformer2DModel"
 NAME = "FLUX.2"

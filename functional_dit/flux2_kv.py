@@ -19,8 +19,8 @@ import torch
 import sharding
 from sharding.tree import flatten, mismatch_report, nest
 
-from ._checks import check_tensor
-from ._pytree import register_tree_node
+from .nn.checks import check_tensor
+from .params import register_tree_node
 
 
 class Flux2KVCache:

@@ -23,18 +23,8 @@ import torch
 
 import sharding
 
-from . import _layers as L
 from . import flux2
-from ._checks import (
-    check_floating,
-    check_ids,
-    check_rope,
-    check_rope_or_ids,
-    check_streams,
-    check_tensor,
-    reference_leaf,
-)
-from ._config import (
+from .configs import (
     DiTConfig,
     as_ints,
     require,
@@ -44,7 +34,17 @@ from ._config import (
     require_positive_number,
     require_rope_axes,
 )
-from ._pytree import MOD3, MOD_OUT, linear_spec, mod_spec, norm_spec, ordered_blocks
+from .nn import layers as L
+from .nn.checks import (
+    check_floating,
+    check_ids,
+    check_rope,
+    check_rope_or_ids,
+    check_streams,
+    check_tensor,
+    reference_leaf,
+)
+from .params import MOD3, MOD_OUT, linear_spec, mod_spec, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "Flux3Transformer2DModel"
 NAME = "FLUX.3"

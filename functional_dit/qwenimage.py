@@ -24,9 +24,7 @@ import torch.nn.functional as F
 
 import sharding
 
-from . import _layers as L
-from ._checks import check_rope, check_streams, check_tensor, reference_leaf
-from ._config import (
+from .configs import (
     DiTConfig,
     as_ints,
     is_int,
@@ -36,7 +34,9 @@ from ._config import (
     require_positive_or_none,
     require_rope_axes,
 )
-from ._pytree import MOD6, MOD_OUT, ParamSpec, linear_spec, mod_spec, norm_spec, ordered_blocks
+from .nn import layers as L
+from .nn.checks import check_rope, check_streams, check_tensor, reference_leaf
+from .params import MOD6, MOD_OUT, ParamSpec, linear_spec, mod_spec, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
 NAME = "Qwen-Image"

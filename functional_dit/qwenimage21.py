@@ -31,10 +31,8 @@ import torch.nn.functional as F
 import sharding
 from sharding.tree import flatten, mismatch_report, nest
 
-from . import _layers as L
 from . import qwenimage
-from ._checks import check_floating, check_tensor, reference_leaf
-from ._config import (
+from .configs import (
     DiTConfig,
     as_ints,
     require_bool,
@@ -43,7 +41,9 @@ from ._config import (
     require_positive_or_none,
     require_rope_axes,
 )
-from ._pytree import (
+from .nn import layers as L
+from .nn.checks import check_floating, check_tensor, reference_leaf
+from .params import (
     COMPUTE_DTYPES,
     PACKED,
     Block,

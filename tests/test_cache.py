@@ -1,4 +1,4 @@
-"""Step caching (`functional_dit._cache`) against diffusers' own cache hooks: `fd.sample`
+"""Step caching (`functional_dit.pipelines.cache`) against diffusers' own cache hooks: `fd.sample`
 with a cache takes the same skip decisions and gives the same latents as the stock
 pipeline with the stock transformer and the same ``enable_cache`` config, per family,
 with true CFG (diffusers keeps separate "cond"/"uncond" states; we batch them and decide
@@ -322,7 +322,7 @@ def test_bench_cache_rows():
     """The bench's sampling rows (tiny widths): diffusers' same cache on the stock side gives
     our cached latents; block calls counted from the decisions; FLUX.2's stock First-Block
     Cache is reported as the crash it is, not measured."""
-    from functional_dit import _bench_cache
+    from functional_dit.cli import _bench_cache
 
     specs = ["fbcache:0.9", "taylorseer:interval=2,warmup=2", "magcache:0.06"]
     caches = [fd._cache.parse(s) for s in specs]

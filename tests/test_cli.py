@@ -179,7 +179,7 @@ def test_check_compiles_bf16_with_eager_rounding():
     """bf16 under inductor: with `check`'s precision-cast setting the compiled FLUX.1 equals
     eager (without it inductor keeps t in fp32 before ``* 1000`` and the timestep embedding
     moves: ~0.9 off at |y| ~ 3, diffusers' module alike)."""
-    from functional_dit import check
+    from functional_dit.cli import check
 
     config = fd.PRESETS["flux1-tiny"]
     report = check.check_family("flux1-tiny", config, "cpu", torch.bfloat16, "compile", "inductor", 5e-2)
@@ -197,7 +197,7 @@ def test_bench_refuses_bad_token_counts(capsys):
 def test_bench_released_depth_keeps_the_mid_width():
     import argparse
 
-    from functional_dit import bench
+    from functional_dit.cli import bench
 
     args = argparse.Namespace(preset=None, families="flux1,flux2,qwenimage", depth="released")
     configs, mids = bench._configs(args), bench.mid_configs()

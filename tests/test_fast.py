@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from oracle import diffusers_model, max_err
 
 import functional_dit as fd
-from functional_dit import _fuse
-from functional_dit import _layers as L
+from functional_dit.nn import fused as _fuse
+from functional_dit.nn import layers as L
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 BF16 = dict(rtol=3e-2, atol=3e-2)  # a few bf16 ulps at |y| ~ 4: another rounding order, not bitwise

@@ -17,7 +17,8 @@ from _cli import one_line_error
 from PIL import Image
 
 import functional_dit as fd
-from functional_dit import _many, tiny
+from functional_dit import tiny
+from functional_dit.cli import _many
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 10  # requests; on dp=2 five rounds of two images

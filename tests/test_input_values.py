@@ -44,7 +44,7 @@ def test_t_out_of_range_and_non_finite_inputs_raise_in_eager_mode():
 def test_value_checks_are_skipped_where_they_would_sync():
     """Under torch.compile (dynamo: fullgraph, so no graph break either) and torch.func
     transforms no value is read: an out-of-range t goes through, as documented."""
-    from functional_dit._values import check_values
+    from functional_dit.nn.values import check_values
 
     t, x = torch.tensor([500.0]), torch.randn(1, 4)
     traced = torch.compile(lambda t, x: (check_values(t, x=x), x + t)[1], backend="eager", fullgraph=True)

@@ -1,4 +1,4 @@
-"""Kernel selection by measurement (`functional_dit._kernels`, ``fd.prepare(kernels=...)``):
+"""Kernel selection by measurement (`functional_dit.nn.kernels`, ``fd.prepare(kernels=...)``):
 the mechanism picks the faster of two kernels when one is made artificially slow (no
 timed assertion on real kernels), the "exact" / "fast" / "auto" pins, the places where no
 selection runs (autograd, torch.func, torch.compile), the disk cache, and ranks of one mesh
@@ -17,8 +17,8 @@ from oracle import diffusers_model
 
 import functional_dit as fd
 import sharding
-from functional_dit import _kernels
-from functional_dit import _layers as L
+from functional_dit.nn import kernels as _kernels
+from functional_dit.nn import layers as L
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # the fast kernels: another rounding order (docs/architecture.md)
 SLOW_S = 1.0  # the artificial slowdown per call: far above a tiny kernel's cost and any load's noise
@@ -219,7 +219,7 @@ def test_ranks_of_a_mesh_choose_alike():
 
 
 def test_bench_report_keeps_one_section_per_machine_kind(tmp_path, monkeypatch):
-    from functional_dit import bench
+    from functional_dit.cli import bench
 
     path = tmp_path / "BENCHMARKS.md"
     path.write_text("# Benchmarks\n\nintro\n\n## Intel(R) Xeon(R) Processor\n\n- old Intel figures\n")

@@ -109,7 +109,7 @@ def test_bf16_matches_peft(tmp_path):
 def test_fp32_adapter_on_bf16_weights():
     """The base stays bf16 while the adapter stays fp32: as PEFT's LoraLayer, x is cast to the
     adapter's dtype, the update summed in fp32 and the result cast back to bf16."""
-    from functional_dit import _layers as L
+    from functional_dit.nn import layers as L
 
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(6, 5, generator=g).bfloat16(), torch.randn(6, generator=g).bfloat16()

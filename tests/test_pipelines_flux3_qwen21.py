@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import functional_dit as fd
-from functional_dit import _tiny_next, tiny
+from functional_dit import tiny
+from functional_dit.pipelines import _tiny_next
 
 # docs/architecture.md#numerics: fp32 parity; through a few sampler steps the errors stay ~1e-6
 FP32 = dict(rtol=1e-5, atol=1e-5)

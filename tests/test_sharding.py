@@ -130,7 +130,7 @@ def test_honest_layouts_and_their_errors_name_the_parameter():
     blocks have no DTensor placement; a fused dim whose heads are cut into units cannot
     shard its heads (FLUX.2 with mlp_ratio 2.5: units of gcd(64, 160) = 32 rows, half the
     heads; sp alone is fine)."""
-    from functional_dit._pytree import mod_spec
+    from functional_dit.params import mod_spec
 
     _expect(
         r"norm\.weight: dim 0 \('mod'\) of size 9 does not divide by tp=2",

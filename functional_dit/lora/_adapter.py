@@ -25,8 +25,8 @@ import torch
 
 from sharding.tree import flatten, nest
 
-from .. import _api
-from .._pytree import Params, ParamSpec, register_tree_node
+from .. import api as _api
+from ..params import Params, ParamSpec, register_tree_node
 
 RANK = "lora_rank"  # logical axis of a factor's rank dim; no rule maps it: replicated
 

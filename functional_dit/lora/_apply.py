@@ -21,7 +21,7 @@ import torch
 import sharding
 from sharding.tree import flatten
 
-from .._pytree import Params
+from ..params import Params
 from ._adapter import Adapter
 
 LORA = "lora"  # the key under which a layer dict carries its ((A, B, scale), ...) in attach

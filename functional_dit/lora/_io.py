@@ -21,8 +21,8 @@ import torch
 import sharding
 from sharding.tree import nest
 
-from .. import _api
-from .._pytree import Params
+from .. import api as _api
+from ..params import Params
 from . import _layouts
 from ._adapter import Adapter, LoraConfig, base_config, linear_modules
 

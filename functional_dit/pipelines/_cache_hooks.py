@@ -1,5 +1,5 @@
 """diffusers' ``CacheMixin`` for `fd.DiffusersTransformer`: ``enable_cache(config)`` with
-diffusers' own configs runs `functional_dit._cache` steps, one state per
+diffusers' own configs runs `functional_dit.pipelines.cache` steps, one state per
 ``cache_context`` name ("cond", "uncond", as the pipelines open them), dropped by
 ``_reset_stateful_cache`` (which the pipelines call after each run) — the semantics of
 diffusers' hooks, without hooks on modules. Configs it cannot honour raise a
@@ -13,8 +13,8 @@ import contextlib
 import diffusers
 import torch
 
-from . import _cache
-from ._api import apply
+from ..api import apply
+from . import cache as _cache
 
 
 def from_diffusers_config(config):
@@ -45,7 +45,7 @@ def from_diffusers_config(config):
 
 class CacheHooks(diffusers.CacheMixin):
     """``enable_cache`` / ``disable_cache`` / ``cache_context`` / ``_reset_stateful_cache``
-    over `functional_dit._cache`; the adapter's forward calls `cached_apply`."""
+    over `functional_dit.pipelines.cache`; the adapter's forward calls `cached_apply`."""
 
     def enable_cache(self, config) -> None:
         if self.is_cache_enabled:

@@ -20,7 +20,8 @@ import torch.utils.checkpoint
 
 import sharding
 
-from . import _fuse, _kernels
+from . import fused as _fuse
+from . import kernels as _kernels
 
 # ----------------------------------------------------------------------------- fast kernels
 

@@ -15,12 +15,12 @@ Per-step-invariant work is done once before the loop: prompt embeddings, positio
 and their RoPE tables (passed to ``fd.apply`` as ``rope=``), reference-image latents;
 the klein reference KV cache is extracted on the first step and reused after.
 
-Image ``i`` draws its noise from its own seed (`functional_dit._requests`), so it is the
+Image ``i`` draws its noise from its own seed (`functional_dit.pipelines._requests`), so it is the
 same image in any batch, chunk or rank. Sharded params work as they are: on a mesh with
 ``dp`` groups and at least as many images each group makes its own share of the images
 with the mesh's tp and sp axes; with fewer images every rank runs the same loop and
 ``fd.apply`` splits the [cond; uncond] batch over dp (CFG parallelism)
-(`functional_dit._ranks`). Before the first step one check compares the settings and
+(`functional_dit.pipelines._ranks`). Before the first step one check compares the settings and
 inputs of the ranks that must agree and raises on every rank if they differ (nothing is
 broadcast).
 
@@ -40,9 +40,12 @@ import torch
 
 import sharding
 
-from . import _api, _cache, _ranks, _requests, flux1, flux2
-from . import qwenimage as _qwen
-from ._pytree import Params
+from .. import api as _api
+from .. import flux1, flux2
+from .. import qwenimage as _qwen
+from ..params import Params
+from . import _ranks, _requests
+from . import cache as _cache
 
 # The pipeline classes `sample` drives, by transformer family.
 PIPELINES = {
@@ -76,8 +79,8 @@ class Prompt:
 def _family_name(params) -> str:
     """ "flux1", "flux2" or "qwenimage" from the params' config class."""
     config = getattr(params, "config", None)
-    from .flux3 import Flux3Config
-    from .qwenimage21 import QwenImage21Config
+    from ..flux3 import Flux3Config
+    from ..qwenimage21 import QwenImage21Config
 
     families = (("flux1", flux1.Flux1Config), ("flux2", flux2.Flux2Config), ("qwenimage", _qwen.QwenImageConfig))
     for name, cls in (*families, ("qwenimage21", QwenImage21Config), ("flux3", Flux3Config)):
@@ -90,7 +93,7 @@ def as_pipeline(encoders, params):
     """A diffusers pipeline whose scheduler, VAE and text encoders we use: ``encoders``
     itself when it is one (its transformer, if any, is never called), or one built from
     a mapping of components (as ``DiffusionPipeline.components`` or
-    ``functional_dit.tiny.components`` give) with no transformer."""
+    ``functional_dit.pipelines.tiny.components`` give) with no transformer."""
     import diffusers
 
     fam = _family_name(params)
@@ -562,10 +565,10 @@ def sample(
     {"latents": latents})`` too, and the "latents" of the dict it returns replace them.
 
     On a mesh with ``dp`` groups and at least as many images, each group makes a contiguous
-    share of the images (`functional_dit._ranks`), ``batch_size`` images per model call
+    share of the images (`functional_dit.pipelines._ranks`), ``batch_size`` images per model call
     (None: its whole share at once). Returns every image on every rank, or with ``local``
     ``(indices, images)`` of this rank's group only. docs/sampling.md says what is bitwise.
-    ``cache``: step caching (`functional_dit._cache`): ``fd.FirstBlockCache(0.08)``,
+    ``cache``: step caching (`functional_dit.pipelines.cache`): ``fd.FirstBlockCache(0.08)``,
     ``fd.TaylorSeer(...)``, ``fd.MagCache(...)``, a spec such as ``"fbcache:0.08"``, or an
     ``fd.CacheRun`` (which then holds the last state and every step's decisions).
     """

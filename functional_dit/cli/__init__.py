@@ -23,7 +23,7 @@ def _positive(text: str) -> int:
 
 
 def _cache_spec(text: str):
-    from ._cache import parse  # imported on use: `--help` stays fast
+    from ..pipelines.cache import parse  # imported on use: `--help` stays fast
 
     try:
         return parse(text)
@@ -32,20 +32,20 @@ def _cache_spec(text: str):
 
 
 def _run_demo(args) -> int:
-    from . import _demo  # imported on use: `--help` stays fast
+    from . import demo as _demo  # imported on use: `--help` stays fast
 
     return _demo.run(args)
 
 
 def _run_generate(args) -> int:
-    from . import _generate
+    from . import generate as _generate
 
     return _generate.run(args)
 
 
 MODULE_COMMANDS = {  # name -> (module with add_arguments / run, one-line help)
-    "bench": ("functional_dit.bench", "speed and memory side by side with diffusers; --out FILE writes a report"),
-    "check": ("functional_dit.check", "hardware check: fd.apply on a device vs CPU eager at a tiny config"),
+    "bench": ("functional_dit.cli.bench", "speed and memory side by side with diffusers; --out FILE writes a report"),
+    "check": ("functional_dit.cli.check", "hardware check: fd.apply on a device vs CPU eager at a tiny config"),
 }
 
 

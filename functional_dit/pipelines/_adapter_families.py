@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 
-from .qwenimage21 import QwenImage21KVCache
+from ..qwenimage21 import QwenImage21KVCache
 
 
 class Flux3:

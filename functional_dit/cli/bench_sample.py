@@ -1,7 +1,7 @@
 """``bench --sampling``: the per-image time of `fd.sample` against the stock diffusers
 pipeline at the same settings, and images per second with 1 rank against ``dp=2``.
 
-The pipeline is the offline tiny one (`functional_dit.tiny`: its text encoders and VAE)
+The pipeline is the offline tiny one (`functional_dit.pipelines.tiny`: its text encoders and VAE)
 around a mid-size FLUX.1 transformer (the bench's mid config, 8 heads x 64, 2 + 4 blocks,
 at the tiny encoders' widths), 512 x 512 pixels = 1024 image tokens, random weights (the
 same in both). The dp figure runs every rank with the same thread count as the single
@@ -28,7 +28,8 @@ def pipeline():
     import diffusers
 
     import functional_dit as fd
-    from functional_dit import bench, tiny
+    from functional_dit.cli import bench
+    from functional_dit.pipelines import tiny
 
     tc = tiny.transformer_config("flux")
     mid = bench.mid_configs()["flux1"]
@@ -154,7 +155,7 @@ def run(args) -> int:
     """``bench --sampling``: both figures, printed and appended to ``--out``."""
     import sys
 
-    from functional_dit import bench
+    from functional_dit.cli import bench
 
     if args.threads:
         torch.set_num_threads(args.threads)

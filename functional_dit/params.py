@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -244,7 +245,7 @@ def register_pytree(config_classes) -> None:
         name="functional_dit.Params",
         to_json=config_to_json,
         from_json=lambda text: config_from_json(text, classes),
-        safe=config_classes,
+        safe=(*config_classes, (Params, "functional_dit._pytree.Params")),  # its name before the layout change
     )
 
 
@@ -253,3 +254,8 @@ def ordered_blocks(params, name: str) -> list:
     when the model has zero such blocks (`nest` makes no key for an empty dict)."""
     blocks = params.tree.get(name, {})
     return [blocks[k] for k in sorted(blocks, key=int)]
+
+
+# `Params` pickled before the package layout changed names its class
+# ``functional_dit._pytree.Params``: that module name stays importable (docs/architecture.md).
+sys.modules.setdefault("functional_dit._pytree", sys.modules[__name__])

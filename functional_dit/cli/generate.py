@@ -12,7 +12,7 @@ Everything that can be checked before the heavy loading is (paths, the checkpoin
 headers, family and keys against the pipeline, sizes against the VAE scale, reference
 images, flags the model would ignore, the device, the world size), each failure as one line; the image is
 written to a temporary file next to ``--out`` and renamed, so nothing partial is left. ``--prompts FILE --out-dir DIR``
-generates many images, resumably, each dp group its share (`functional_dit._many`).
+generates many images, resumably, each dp group its share (`functional_dit.cli._many`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from . import _cli_checks as C
-from ._cli import CLIError
+from . import CLIError
+from . import _checks as C
 
 # Released weights of the presets on the Hugging Face Hub (looked up in the local cache only).
 PRESET_REPOS = {
@@ -66,7 +66,7 @@ def _pipeline_class(folder: str, flag: str) -> str:
     path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(path):
         raise CLIError(f"{flag}: {folder} is not a checkpoint: no model_index.json (a diffusers pipeline folder)")
-    from ._sample import PIPELINES
+    from ..pipelines.sampler import PIPELINES
 
     with open(path) as f:
         name = json.load(f).get("_class_name")

@@ -16,9 +16,13 @@ import torch.utils._pytree as pytree
 import sharding
 from sharding.tree import flatten, nest
 
-from . import _config, _fuse, _kernels, _values, flux1, flux2, flux3, qwenimage, qwenimage21
-from . import _layers as L
-from ._pytree import Params, ParamSpec, check_leaves, register_pytree
+from . import configs as _config
+from . import flux1, flux2, flux3, qwenimage, qwenimage21
+from .nn import fused as _fuse
+from .nn import kernels as _kernels
+from .nn import layers as L
+from .nn import values as _values
+from .params import Params, ParamSpec, check_leaves, register_pytree
 
 # The families: config class -> the module that owns it (specs, prepare, forward, presets,
 # DIFFUSERS_CLASS). A static table: adding a family is one line here.
@@ -219,14 +223,14 @@ def prepare(params: Params, kernels: str = "auto") -> Params:
     so the fused weight shards per block). For eager inference: params that require grad
     are refused, and ``torch.compile`` wants the params as they are (its per-block
     regions refuse inputs that share storage; compiled code gains nothing from the
-    layout). See `functional_dit._fuse`.
+    layout). See `functional_dit.nn.fused`.
 
     ``kernels``: which eager kernels the prepared params run. "auto" (default): per op,
     whichever of its fast and exact kernels measured faster on this machine at the shapes
     in use (a short micro-benchmark at an op's first call with new shapes, cached for the
     process; `kernel_choices` lists them); "fast": every fast kernel; "exact": the exact
     kernels and unfused projections, bitwise what plain params compute. See
-    `functional_dit._kernels`."""
+    `functional_dit.nn.kernels`."""
     _kernels.check_mode(kernels)
     return _fuse.prepare(params, family(params).FUSED, kernels)
 

@@ -36,8 +36,10 @@ import torch
 
 import sharding
 
-from . import _api, _fuse, _stages
-from . import _layers as L
+from .. import api as _api
+from ..nn import fused as _fuse
+from ..nn import layers as L
+from . import _stages
 
 # ----------------------------------------------------------------------------- configs
 

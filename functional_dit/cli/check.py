@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _api
+from .. import api as _api
 
 
 def _tiny_inputs(config, seed: int = 0):
@@ -131,8 +131,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ._cli import CLIError
-    from ._cli_checks import check_device
+    from . import CLIError
+    from ._checks import check_device
 
     if args.dtype not in ("float32", "bfloat16"):
         raise CLIError(f"--dtype: expected float32 or bfloat16, got {args.dtype!r}")

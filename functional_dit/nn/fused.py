@@ -29,7 +29,7 @@ import torch.utils._pytree
 
 import sharding
 
-from ._pytree import Params
+from ..params import Params
 
 _FUSABLE_DEVICES = ("cpu", "cuda")
 

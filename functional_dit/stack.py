@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from ._pytree import Params
+from .params import Params
 
 
 def stack_params(params_list) -> Params:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ._pytree import COMPUTE_DTYPES
+from ..params import COMPUTE_DTYPES
 
 
 def _fmt(shape) -> str:

@@ -1,6 +1,6 @@
 """Each family's forward as stages: the streams entering the first block, the blocks in
 order, and the final layer, built from the family's own block functions. A step cache
-(`functional_dit._cache`) runs the first block(s), decides, then runs the rest (on all
+(`functional_dit.pipelines.cache`) runs the first block(s), decides, then runs the rest (on all
 batch items, on some, or on none) or reuses a residual; with every block run the result
 is bitwise the family's ``forward``.
 
@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 import torch
 
-from . import _layers as L
-from . import flux1, flux2
-from . import qwenimage as qwen
-from ._pytree import ordered_blocks
+from .. import flux1, flux2
+from .. import qwenimage as qwen
+from ..nn import layers as L
+from ..params import ordered_blocks
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _api
+from .. import api as _api
 
 
 class Qwen21:
@@ -21,7 +21,7 @@ class Qwen21:
         self.pads, self.branches, self.caches = [], None, {}
 
     def encode(self, prompts, msl):
-        from ._sample import Prompt
+        from .sampler import Prompt
 
         txt, mask, pad = self.pipe.encode_prompt(prompt=prompts, device=self.pipe._execution_device)
         self.pads.append(pad)
@@ -94,7 +94,7 @@ class Flux3:
     def encode(self, prompts, msl):
         from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
 
-        from ._sample import Prompt
+        from .sampler import Prompt
 
         embed = Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds
         pipe, kw = self.pipe, dict(max_sequence_length=msl or 8192, pad_multiple=self.PAD_MULTIPLE)
@@ -122,7 +122,7 @@ class Flux3:
         img_ids = torch.stack(
             [zeros, rows.reshape(-1) * self.ROPE_SCALE, cols.reshape(-1) * self.ROPE_SCALE, zeros], -1
         )
-        from .flux3 import rope_table
+        from ..flux3 import rope_table
 
         self.rope = rope_table(self.c, img_ids.to(device), cond.txt_ids.to(device))
         self.step = 0

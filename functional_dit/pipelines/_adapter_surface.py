@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _fuse
+from ..nn import fused as _fuse
 
 
 def relayout(module: torch.nn.Module, leaves: dict) -> None:

@@ -1,6 +1,6 @@
 """``python -m functional_dit demo``: the project's main job on its embedded default.
 
-Builds the tiny offline model set (`functional_dit.tiny`: random weights, byte-level
+Builds the tiny offline model set (`functional_dit.pipelines.tiny`: random weights, byte-level
 tokenizers, no network), generates one image per family with `fd.sample`, runs the stock
 diffusers pipeline with the stock transformer at the same seed and reports the largest
 latent difference, then runs FLUX.1 again on local CPU ranks with tp=2 (processes
@@ -28,7 +28,7 @@ NEGATIVE = "blurry, low quality"
 class Row:
     name: str  # also the PNG's name
     family: str
-    kind: str  # functional_dit.tiny kind (the stock pipeline class)
+    kind: str  # functional_dit.pipelines.tiny kind (the stock pipeline class)
     ours: dict  # fd.sample keyword arguments beyond prompt, size, steps, seed
     stock: dict  # the same for the stock pipeline call
     cache: str | None = None  # a step cache (fd.sample's cache=; diffusers' same on the stock side)
@@ -97,7 +97,7 @@ def _ours(params, pipe, row: Row, args, cache=None):
 
 def run_row(row: Row, args: dict) -> dict:
     import functional_dit as fd
-    from functional_dit import tiny
+    from functional_dit.pipelines import tiny
 
     pipe = tiny.pipeline(row.kind, seed=0)
     params = fd.from_diffusers(pipe.transformer)
@@ -133,7 +133,7 @@ def _rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
 
     import functional_dit as fd
     import sharding
-    from functional_dit import tiny
+    from functional_dit.pipelines import tiny
 
     try:
         mesh = sharding.make_mesh(tp=world, device_type="cpu", timeout=300)
@@ -202,7 +202,7 @@ def table(lines: list[tuple]) -> str:
 
 
 def run(args) -> int:
-    from ._cli import CLIError
+    from . import CLIError
 
     selected = rows()
     if args.only:
@@ -230,7 +230,7 @@ def run(args) -> int:
         print(f"  {row.name}: done", flush=True)
     run_tp_row = args.ranks >= 2 and (not args.only or "flux1-dev-tp" in args.only or "flux1-dev" in args.only)
     if run_tp_row:
-        from functional_dit import tiny
+        from functional_dit.pipelines import tiny
 
         pipe = tiny.pipeline("flux", seed=0)
         stock = _stock_latents(

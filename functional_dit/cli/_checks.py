@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from ._cli import CLIError
+from . import CLIError
 
 # `fd.sample`'s pipelines: which take reference images (None: optional), by class name.
 _IMAGES = {"FluxPipeline": False, "QwenImagePipeline": False, "QwenImageEditPipeline": True}
@@ -81,7 +81,7 @@ def check_checkpoint(model: str, config, pipeline: str, flag: str):
     (``flag`` names where it comes from) runs that family."""
     import weights
 
-    from ._sample import PIPELINES
+    from ..pipelines.sampler import PIPELINES
 
     try:
         config = weights.inspect(model, config=config)

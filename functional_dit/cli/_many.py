@@ -24,7 +24,7 @@ import json
 import os
 import time
 
-from ._cli import CLIError
+from . import CLIError
 
 META_KEY = "functional_dit"
 MANIFEST = "manifest.jsonl"
@@ -136,7 +136,7 @@ def write(out_dir: str, request: dict, image, model: str, seconds: float) -> dic
     """The PNG with its metadata in the text chunk, atomically; one manifest line appended."""
     from PIL.PngImagePlugin import PngInfo
 
-    from ._generate import write_image
+    from .generate import write_image
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     meta = dict(request, model=model, seconds=round(seconds, 3), created=now)

@@ -1,5 +1,5 @@
 """Tiny offline pipelines for FLUX.3 and Qwen-Image 2.1 (the kinds ``qwen-image-2.1``,
-``flux3`` and ``flux3-distilled`` of `functional_dit.tiny`): a Qwen3-VL text encoder and
+``flux3`` and ``flux3-distilled`` of `functional_dit.pipelines.tiny`): a Qwen3-VL text encoder and
 processor from the byte-level Qwen tokenizer, tiny VAEs, and the stock transformers.
 
 ``qwen-image-2.1`` is ``QwenImage21Pipeline``; ``flux3`` / ``flux3-distilled`` are the
@@ -14,9 +14,9 @@ import diffusers
 import torch
 import transformers
 
-from ._api import config_to_diffusers, init, to_state_dict
-from .flux3 import Flux3Config
-from .qwenimage21 import QwenImage21Config
+from ..api import config_to_diffusers, init, to_state_dict
+from ..flux3 import Flux3Config
+from ..qwenimage21 import QwenImage21Config
 
 KINDS = {
     "qwen-image-2.1": "QwenImage21Pipeline",

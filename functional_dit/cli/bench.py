@@ -34,7 +34,9 @@ import torch
 
 import sharding
 
-from . import _api, _bench_cache, _kernels
+from .. import api as _api
+from ..nn import kernels as _kernels
+from . import _bench_cache
 
 IMG_HW = (32, 32)  # 1024 image tokens
 TXT_LEN = 128
@@ -42,7 +44,7 @@ TXT_LEN = 128
 
 def mid_configs() -> dict:
     """The mid-size configs (8 heads x 64 = 512 wide), ~37-40 M params each."""
-    from . import Flux1Config, Flux2Config, QwenImageConfig
+    from .. import Flux1Config, Flux2Config, QwenImageConfig
 
     return {
         "flux1": Flux1Config(
@@ -614,7 +616,7 @@ def markdown(results, peak, args, command, started, elapsed) -> str:
         f"- matmul peak: a {peak_n(args.device)}³ GEMM, timed in the same alternating rounds as each family "
         f"(so under the same load); {peak / 1e9:.1f} GFLOP/s measured alone at the start",
         '- ours: `fd.apply` on `fd.prepare`d params (fused q/k/v and the eager kernels `kernels="auto"` measured '
-        'faster on this machine, `functional_dit._kernels`); beside it the pins `kernels="fast"` (every fast '
+        'faster on this machine, `functional_dit.nn.kernels`); beside it the pins `kernels="fast"` (every fast '
         'kernel) and `"exact"` (the plain params\' kernels); FLOPs counted by `torch.utils.flop_counter` on the '
         "plain params (the same products), attention included",
         "- auto's picks (op: kernel x shapes): "
@@ -738,7 +740,7 @@ def _configs(args) -> dict:
 
 
 def run(args) -> int:
-    if getattr(args, "sampling", False):  # fd.sample vs stock, dp scaling: functional_dit.bench_sample
+    if getattr(args, "sampling", False):  # fd.sample vs stock, dp scaling: functional_dit.cli.bench_sample
         from . import bench_sample
 
         return bench_sample.run(args)
@@ -776,7 +778,7 @@ def run(args) -> int:
     cache_rows = _bench_cache.section(configs, args.cache, args.cache_steps, args.cache_size) if args.cache else []
     elapsed = time.perf_counter() - t0
     text = markdown(results, peak, args, command, started, elapsed)
-    if cache_rows:  # sampling rows of step caching (functional_dit._bench_cache)
+    if cache_rows:  # sampling rows of step caching (functional_dit.cli._bench_cache)
         text += "\nStep caching, per image (fd.sample vs the stock pipeline + diffusers' cache):\n\n"
         text += "\n".join(_bench_cache.table(cache_rows)) + "\n"
     print("\n".join(table(results, peak) + _bench_cache.table(cache_rows) * bool(cache_rows)))

@@ -6,7 +6,7 @@ It takes the stock forward arguments (``FluxTransformer2DModel``,
 params (plain or sharded) and returns what the stock class returns. Everything a
 pipeline touches besides ``forward`` is here: ``config`` with the diffusers keys,
 ``dtype`` / ``device`` / ``to``, ``cache_context`` and ``enable_cache`` (diffusers' First-Block
-Cache, TaylorSeer lite and MagCache configs, `functional_dit._cache_hooks`), the block lists whose attention
+Cache, TaylorSeer lite and MagCache configs, `functional_dit.pipelines._cache_hooks`), the block lists whose attention
 processors the FLUX.2-klein KV pipeline sets, ``save_pretrained`` and
 ``from_pretrained`` (the stock keywords: `_adapter_io`). The parameter leaves are
 registered as ``nn.Parameter`` s under the diffusers names (``state_dict()`` keys equal
@@ -44,13 +44,13 @@ from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DMo
 
 from sharding.tree import nest
 
+from ..api import config_to_diffusers, family
+from ..params import Params
 from . import _adapter_io as io
 from . import _adapter_kv as kv
 from ._adapter_peft import PeftMixin
 from ._adapter_surface import SurfaceMixin
-from ._api import config_to_diffusers, family
 from ._cache_hooks import CacheHooks
-from ._pytree import Params
 
 # The adapter stands in for the stock module, so its PEFT messages go where diffusers' do.
 _PEFT_LOG = diffusers.utils.logging.get_logger("diffusers.loaders.peft")
@@ -361,7 +361,7 @@ class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelM
         """Apply ``lora`` — a list of ``(adapter, scale)`` pairs of `functional_dit.lora`
         adapters made for these params, or None / [] for none — on the fly in every
         forward from now on. Sharded params need the adapters on the same mesh."""
-        from .lora import _apply as lora_apply
+        from ..lora import _apply as lora_apply
 
         pairs = [] if not lora else lora_apply.check(self.params, lora)
         self.__dict__["_lora"] = list(pairs)
@@ -500,7 +500,7 @@ class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelM
         (sharded params), ``device`` as in `weights.load`; the stock keywords
         (``torch_dtype`` / ``dtype``, ``variant``, ``subfolder``, ``device_map``,
         ``low_cpu_mem_usage``, ``output_loading_info``, ...) with the stock meanings
-        (`functional_dit._adapter_io`)."""
+        (`functional_dit.pipelines._adapter_io`)."""
         import weights
 
         opts = io.load_options(kwargs, device)

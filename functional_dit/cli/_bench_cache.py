@@ -4,7 +4,7 @@ transformer, uncached and with diffusers' same cache (``enable_cache``), side by
 per-image seconds, block calls run and skipped, our cached latents against the stock
 cached ones and against our uncached ones.
 
-The pipelines are the offline tiny ones (`functional_dit.tiny`: encoders, VAE, scheduler)
+The pipelines are the offline tiny ones (`functional_dit.pipelines.tiny`: encoders, VAE, scheduler)
 around a transformer with the mid configs' blocks and width (random weights), so the
 figures measure speed only; what a skipped step costs in image quality needs real
 weights (`docs/caching.md` gives the command).
@@ -17,7 +17,9 @@ import time
 
 import torch
 
-from . import _api, _cache, tiny
+from .. import api as _api
+from ..pipelines import cache as _cache
+from ..pipelines import tiny
 
 # family: (tiny pipeline kind, stock kwargs, fd.sample kwargs); CFG where the models use it
 MSL = dict(max_sequence_length=128)  # FLUX pad prompts to it: the bench's 128 text tokens
