@@ -29,6 +29,7 @@ from test_sample import stock_latents
 import functional_dit as fd
 import sharding
 from functional_dit import tiny
+from functional_dit.pipelines import cache as fd_cache
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # the issue's bound for fp32 latents
 SIZE = dict(height=32, width=32)
@@ -153,7 +154,7 @@ def test_taylorseer_equals_diffusers(fam, recorder):
 
 @pytest.mark.parametrize("fam", ["flux1", "flux2-dev", "qwen-image"])  # Flux2Pipeline needs no cache_context here
 def test_magcache_equals_diffusers(fam, recorder):
-    kw = dict(mag_ratios=fd._cache.FLUX_MAG_RATIOS, num_inference_steps=STEPS, threshold=0.06)
+    kw = dict(mag_ratios=fd_cache.FLUX_MAG_RATIOS, num_inference_steps=STEPS, threshold=0.06)
     expected, seen, got, run = run_both(fam, MagCacheConfig(**kw), fd.MagCache(**kw), recorder)
     stock = tuple((d,) for _, d in seen) if fam == "flux2-dev" else per_step(seen)
     assert run.decisions == stock and run.skipped() > 0
@@ -213,8 +214,8 @@ def test_labels_read_back():
         "taylorseer:interval=4,warmup=2,order=2,until=20,dtype=float32",
         "magcache:0.1,max_skip=2",
     ):
-        cache = fd._cache.parse(spec)
-        assert fd._cache.parse(fd._cache.label(cache)) == cache
+        cache = fd_cache.parse(spec)
+        assert fd_cache.parse(fd_cache.label(cache)) == cache
 
 
 @pytest.mark.parametrize(
@@ -244,7 +245,7 @@ def _cached_on_meshes(rank, world):
     params = fd.from_diffusers(pipe.transformer)
     kw = dict(height=48, width=48, steps=STEPS, seed=5, true_cfg=2.0, negative_prompt="blurry", output_type="latent")
     kw.update(MSL)
-    sums, orig = [], fd._cache.branch_sums
+    sums, orig = [], fd_cache.branch_sums
 
     def spy(r, prev, info, seq, reduce=True):
         local = orig(r, prev, info, seq, reduce=False)
@@ -252,7 +253,7 @@ def _cached_on_meshes(rank, world):
         sums.append(((local[0] / local[1]).tolist(), (out[0] / out[1]).tolist()))
         return out
 
-    fd._cache.branch_sums = spy
+    fd_cache.branch_sums = spy
     out = {}
     try:
         for name, axes in (("single", None), ("tp", dict(tp=2)), ("sp", dict(sp=2)), ("dp", dict(dp=2))):
@@ -265,7 +266,7 @@ def _cached_on_meshes(rank, world):
             run = fd.CacheRun(fd.TaylorSeer(cache_interval=2, disable_cache_before_step=2))
             out[name] = (fd.sample(p, pipe, "a red cube", cache=run, **kw), run.decisions, [])
     finally:
-        fd._cache.branch_sums = orig
+        fd_cache.branch_sums = orig
     return out
 
 
@@ -325,7 +326,7 @@ def test_bench_cache_rows():
     from functional_dit.cli import _bench_cache
 
     specs = ["fbcache:0.9", "taylorseer:interval=2,warmup=2", "magcache:0.06"]
-    caches = [fd._cache.parse(s) for s in specs]
+    caches = [fd_cache.parse(s) for s in specs]
     rows = _bench_cache.family_rows("flux1", tiny.transformer_config("flux"), caches, 4, 32)
     for r in rows:
         assert r["vs_stock_cached"] < 1e-5, r  # the oracle tests' fp32 bound

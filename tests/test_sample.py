@@ -20,7 +20,8 @@ from PIL import Image
 
 import functional_dit as fd
 import sharding
-from functional_dit import tiny
+from functional_dit import api, tiny
+from functional_dit.pipelines import sampler
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # the bound; measured ≤ 2.3e-6 (FLUX.1, FLUX.2-dev bitwise)
 SIZE = dict(height=32, width=32)
@@ -246,20 +247,20 @@ def _cfg_parallel_qwen(rank, world):
     mesh = sharding.make_mesh(dp=2, device_type="cpu")
     sharded = sharding.shard_params(params, mesh)
     calls = []
-    apply = fd._api.apply
+    apply = api.apply
 
     def spy(p, x, *a, **k):  # record the batch each model call gets
         calls.append(x.shape[0])
         return apply(p, x, *a, **k)
 
     out = {}
-    fd._sample._api.apply = spy
+    sampler._api.apply = spy
     try:
         for name, prompt in (("one", RAGGED[:1]), ("two", RAGGED)):
             out[name] = fd.sample(sharded, pipe, prompt, **kw)
             out[name + " calls"], calls[:] = list(calls), []
     finally:
-        fd._sample._api.apply = apply
+        sampler._api.apply = apply
     out["single one"] = fd.sample(params, pipe, RAGGED[:1], **kw)
     out["single two"] = fd.sample(params, pipe, RAGGED, **kw)
     return out

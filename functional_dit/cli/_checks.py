@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from . import CLIError
+from ._args import CLIError
 
 # `fd.sample`'s pipelines: which take reference images (None: optional), by class name.
 _IMAGES = {"FluxPipeline": False, "QwenImagePipeline": False, "QwenImageEditPipeline": True}

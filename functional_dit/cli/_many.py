@@ -24,7 +24,8 @@ import json
 import os
 import time
 
-from . import CLIError
+from ._args import CLIError
+from ._files import write_image
 
 META_KEY = "functional_dit"
 MANIFEST = "manifest.jsonl"
@@ -126,7 +127,7 @@ def is_done(out_dir: str, request: dict, model: str) -> bool:
 
 
 def remove_partials(out_dir: str) -> None:
-    """Temporary files of killed runs (`_generate.write_image` names them .NAME.partial-PID)."""
+    """Temporary files of killed runs (`_files.write_image` names them .NAME.partial-PID)."""
     for name in os.listdir(out_dir):
         if name.startswith(".") and ".partial-" in name:
             os.remove(os.path.join(out_dir, name))
@@ -135,8 +136,6 @@ def remove_partials(out_dir: str) -> None:
 def write(out_dir: str, request: dict, image, model: str, seconds: float) -> dict:
     """The PNG with its metadata in the text chunk, atomically; one manifest line appended."""
     from PIL.PngImagePlugin import PngInfo
-
-    from .generate import write_image
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     meta = dict(request, model=model, seconds=round(seconds, 3), created=now)

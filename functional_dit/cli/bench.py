@@ -19,12 +19,10 @@ its output.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import functools
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -37,153 +35,18 @@ import sharding
 from .. import api as _api
 from ..nn import kernels as _kernels
 from . import _bench_cache
-
-IMG_HW = (32, 32)  # 1024 image tokens
-TXT_LEN = 128
-
-
-def mid_configs() -> dict:
-    """The mid-size configs (8 heads x 64 = 512 wide), ~37-40 M params each."""
-    from .. import Flux1Config, Flux2Config, QwenImageConfig
-
-    return {
-        "flux1": Flux1Config(
-            in_channels=64,
-            num_layers=2,
-            num_single_layers=4,
-            attention_head_dim=64,
-            num_attention_heads=8,
-            joint_attention_dim=512,
-            pooled_projection_dim=256,
-            guidance_embeds=True,
-            axes_dims_rope=(8, 28, 28),
-        ),
-        "flux2": Flux2Config(
-            in_channels=128,
-            num_layers=2,
-            num_single_layers=6,
-            attention_head_dim=64,
-            num_attention_heads=8,
-            joint_attention_dim=512,
-            axes_dims_rope=(16, 16, 16, 16),
-        ),
-        "qwenimage": QwenImageConfig(
-            in_channels=64,
-            num_layers=4,
-            attention_head_dim=64,
-            num_attention_heads=8,
-            joint_attention_dim=512,
-            axes_dims_rope=(8, 28, 28),
-        ),
-    }
-
-
-def random_params(config, device, dtype, seed: int = 0):
-    """`fd.init`'s params; on an accelerator drawn there (`fd.init` draws on the CPU, minutes
-    for a released preset's 10-30 B parameters), the same distribution, other values."""
-    if torch.device(device).type == "cpu":
-        return _api.init(config, seed=seed, dtype=dtype)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    specs = sharding.tree.flatten(_api.param_specs(config))
-    return _api.Params(config, sharding.tree.nest({k: _api._init_leaf(k, s, gen).to(dtype) for k, s in specs.items()}))
-
-
-RELEASED_DEPTH = {"flux1": "flux1-dev", "flux2": "flux2-dev", "qwenimage": "qwen-image"}
-
-
-def released_depth(name: str, config):
-    """A mid config with the block counts of its family's released model (``--depth
-    released``): mid width, real depth, where compile time per block matters."""
-    preset = _api.PRESETS[RELEASED_DEPTH[name]]
-    kw = {"num_layers": preset.num_layers}
-    if hasattr(preset, "num_single_layers"):
-        kw["num_single_layers"] = preset.num_single_layers
-    return dataclasses.replace(config, **kw)
-
-
-def one_block(config):
-    """The same config with one block of each kind (for the one-block compile time)."""
-    kw = {"num_layers": 1}
-    if hasattr(config, "num_single_layers"):
-        kw["num_single_layers"] = 1
-    return dataclasses.replace(config, **kw)
-
-
-# ----------------------------------------------------------------------------- inputs
-
-
-def inputs(config, device, dtype, seed: int = 0, hw=IMG_HW, txt_len: int = TXT_LEN):
-    """(fd.apply kwargs, diffusers forward kwargs) for one image of ``hw`` latent tokens."""
-    g = torch.Generator().manual_seed(seed)
-    h, w = hw
-    fam = _api.family(config).__name__.rsplit(".", 1)[-1]
-    x = torch.randn(1, h * w, config.in_channels, generator=g).to(device, dtype)
-    t = torch.rand(1, generator=g).to(device)
-    width = getattr(config, "joint_attention_dim", None) or config.context_in_dim  # Qwen-Image 2.1: context_in_dim
-    txt = torch.randn(1, txt_len, width, generator=g).to(device, dtype)
-    rows, cols = torch.meshgrid(torch.arange(h) * 1.0, torch.arange(w) * 1.0, indexing="ij")
-    guidance = torch.full((1,), 3.5, device=device) if getattr(config, "guidance_embeds", False) else None
-    if fam == "qwenimage21":  # text to image: the text rows, then one image slot per 2x2 latent patch
-        img_mask = torch.tensor([False] * txt_len + [True] * (h * w // 4), device=device)[None]
-        kw = dict(x=x, t=t, txt=txt, img_shapes=[[(1, h, w)]], img_mask=img_mask)
-        dkw = dict(hidden_states=x, encoder_hidden_states=txt, timestep=t, img_shapes=[[(1, h, w)]], img_mask=img_mask)
-        return kw, dict(dkw, return_dict=False)
-    if fam == "qwenimage":
-        kw = dict(x=x, t=t, txt=txt, img_shapes=[[(1, h, w)]])
-        dkw = dict(hidden_states=x, encoder_hidden_states=txt, timestep=t, img_shapes=[[(1, h, w)]])
-        return kw, dict(dkw, return_dict=False)
-    if fam == "flux1":
-        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).to(device)
-        txt_ids = torch.zeros(txt_len, 3, device=device)
-        pooled = torch.randn(1, config.pooled_projection_dim, generator=g).to(device, dtype)
-        kw = dict(x=x, t=t, txt=txt, pooled=pooled, guidance=guidance, img_ids=img_ids, txt_ids=txt_ids)
-        dkw = dict(pooled_projections=pooled)
-    else:
-        img_ids = torch.stack([torch.zeros_like(rows), rows, cols, torch.zeros_like(rows)], -1).reshape(-1, 4)
-        img_ids = img_ids.to(device)
-        txt_ids = torch.stack([torch.zeros(txt_len)] * 3 + [torch.arange(txt_len) * 1.0], -1).to(device)
-        kw = dict(x=x, t=t, txt=txt, guidance=guidance, img_ids=img_ids, txt_ids=txt_ids)
-        dkw = {}
-        if fam == "flux3" and config.flow_map:  # the step-distilled model's target timestep
-            kw["target_timestep"] = dkw["target_timestep"] = t * 0.5
-        if fam == "flux3":
-            kw.pop("guidance")
-            dkw.pop("target_timestep", None)
-            dkw["target_timestep"] = kw.get("target_timestep")
-    dkw.update(hidden_states=x, timestep=t, encoder_hidden_states=txt, guidance=guidance)
-    dkw.update(img_ids=img_ids, txt_ids=txt_ids, return_dict=False)
-    if fam == "flux3":  # no guidance embedding; the flow map's target timestep instead
-        dkw.pop("guidance")
-    return kw, dkw
-
-
-def _holds_meta_state(module) -> bool:
-    """A parameter-free module left with meta tensors (buffers or plain attributes)."""
-    if any(True for _ in module.parameters()):
-        return False
-    tensors = [*module.buffers(recurse=False), *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]
-    return any(t.is_meta for t in tensors)
-
-
-def diffusers_module(params, device, dtype):
-    """The diffusers class of ``params.config`` holding the same weights (a copy)."""
-    import diffusers
-
-    def build(config):
-        cfg = _api.config_to_diffusers(config)
-        return getattr(diffusers, cfg["_class_name"])(**{k: v for k, v in cfg.items() if not k.startswith("_")})
-
-    with torch.device("meta"):  # no full-size random init (a released preset's shape on a GPU)
-        module = build(params.config)
-    module.load_state_dict({k: v.detach().clone() for k, v in params.flat().items()}, assign=True)
-    stale = [name for name, sub in module.named_modules() if name and _holds_meta_state(sub)]
-    if stale:  # tables that are not weights (Qwen-Image's RoPE): the modules of a real one-block model
-        donor = build(one_block(params.config))
-        for name in stale:
-            parent, _, leaf = name.rpartition(".")
-            setattr(module.get_submodule(parent), leaf, donor.get_submodule(name))
-    return module.to(device).eval().requires_grad_(False)  # weights already in dtype
-
+from ._bench_models import (
+    IMG_HW,
+    TXT_LEN,
+    diffusers_module,
+    inputs,
+    machine,
+    machine_kind,
+    mid_configs,
+    one_block,
+    random_params,
+    released_depth,
+)
 
 # ----------------------------------------------------------------------------- timing
 
@@ -274,27 +137,57 @@ def _no_room_for_another_copy(params, device) -> str:
     return f"skipped: {free / 2**30:.1f} GiB free on {device}, a fused copy needs ~{need / 2**30:.1f} GiB"
 
 
+def _stock_contenders(params, args, dkw) -> tuple[dict, str | None]:
+    """diffusers' module, and the same after its own ``fuse_qkv_projections()`` where there
+    is room for another copy and the class can fuse (else a note saying why not)."""
+    module = diffusers_module(params, args.device, args.dtype)
+    contenders = {"diffusers": lambda: module(**dkw)[0]}
+    note = _no_room_for_another_copy(params, args.device)
+    if not note:
+        fused = diffusers_module(params, args.device, args.dtype)
+        try:
+            fused.fuse_qkv_projections()
+            contenders["diffusers_fused"] = lambda: fused(**dkw)[0]
+        except (ValueError, AttributeError, NotImplementedError) as e:  # e.g. added KV projections
+            note = f"{type(e).__name__}: {e}"
+    return contenders, note
+
+
+def _eager_figures(config, med: dict, flops: int, peak: float, err: float, note) -> dict:
+    out = dict(
+        params=_api.num_params(config),
+        eager_ours=med["ours"],
+        eager_diffusers=med["diffusers"],
+        eager_diffusers_fused=med.get("diffusers_fused"),
+        fused_note=note,
+        max_abs_err=err,
+        flops=flops,
+        flops_per_s=flops / med["ours"],
+        peak_flops_per_s=peak,
+        fraction_of_peak=flops / med["ours"] / peak,
+        ratio_eager=med["ours"] / med["diffusers"],
+    )
+    if "diffusers_fused" in med:
+        out["ratio_eager_fused"] = med["ours"] / med["diffusers_fused"]
+    for pin in ("fast", "exact"):
+        if f"ours_{pin}" in med:
+            out[f"eager_ours_{pin}"] = med[f"ours_{pin}"]
+            out[f"ratio_eager_{pin}"] = med[f"ours_{pin}"] / med["diffusers"]
+    return out
+
+
 def eager_section(name, config, args) -> dict:
     params = random_params(config, args.device, args.dtype)
     ours = _api.prepare(params)  # kernels="auto": each op's kernels measured here
     _kernels.clear()  # this family's picks only (`_chosen`)
     kw, dkw = inputs(config, args.device, args.dtype, **shape(args))
-    module = diffusers_module(params, args.device, args.dtype)
-    fused, fused_note = None, _no_room_for_another_copy(params, args.device)
-    room = not fused_note
-    if room:
-        fused = diffusers_module(params, args.device, args.dtype)
-        try:
-            fused.fuse_qkv_projections()
-        except (ValueError, AttributeError, NotImplementedError) as e:  # e.g. added KV projections
-            fused, fused_note = None, f"{type(e).__name__}: {e}"
+    stock, note = _stock_contenders(params, args, dkw)
     # The model's FLOPs, counted on the plain params: the flop counter knows aten's GEMMs,
     # not the oneDNN GEMM+GELU the fast kernels call (the same products).
     flops = count_flops(functools.partial(_api.apply, params, **kw))
+    room = not _no_room_for_another_copy(params, args.device)
     del params  # `ours` holds what it needs (the fused groups in new buffers)
-    contenders = {"ours": lambda: _api.apply(ours, **kw), "diffusers": lambda: module(**dkw)[0]}
-    if fused is not None:
-        contenders["diffusers_fused"] = lambda: fused(**dkw)[0]
+    contenders = {"ours": lambda: _api.apply(ours, **kw), **stock}
     if room:
         contenders.update(_pinned_contenders(ours, kw))
     n = peak_n(args.device)
@@ -303,26 +196,7 @@ def eager_section(name, config, args) -> dict:
     with torch.no_grad():
         err = _err(contenders["ours"](), contenders["diffusers"]())
     med = alternate(contenders, args.runs, args.device)
-    peak = 2 * n**3 / med["matmul"]
-    out = dict(
-        params=_api.num_params(config),
-        eager_ours=med["ours"],
-        eager_diffusers=med["diffusers"],
-        eager_diffusers_fused=med.get("diffusers_fused"),
-        fused_note=fused_note,
-        max_abs_err=err,
-        flops=flops,
-        flops_per_s=flops / med["ours"],
-        peak_flops_per_s=peak,
-        fraction_of_peak=flops / med["ours"] / peak,
-    )
-    out["ratio_eager"] = med["ours"] / med["diffusers"]
-    if fused is not None:
-        out["ratio_eager_fused"] = med["ours"] / med["diffusers_fused"]
-    for pin in ("fast", "exact"):
-        if f"ours_{pin}" in med:
-            out[f"eager_ours_{pin}"] = med[f"ours_{pin}"]
-            out[f"ratio_eager_{pin}"] = med[f"ours_{pin}"] / med["diffusers"]
+    out = _eager_figures(config, med, flops, 2 * n**3 / med["matmul"], err, note)
     out["kernels"] = _chosen(ours)
     return out
 
@@ -515,36 +389,6 @@ def memory_section() -> list[tuple[str, float, float]]:
 # ----------------------------------------------------------------------------- report
 
 
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; ``platform`` elsewhere)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return cpu
-
-
-def machine_kind() -> str:
-    """What a BENCHMARKS.md section is about: the CPU model and, with CUDA, the GPU model."""
-    gpu = f" + {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return f"{cpu_model()}{gpu}"
-
-
-def machine() -> str:
-    import diffusers
-
-    dev = ""
-    if torch.cuda.is_available():
-        dev = f", GPU {torch.cuda.get_device_name()}"
-    load = f"; load average {os.getloadavg()[0]:.1f} at the end" if hasattr(os, "getloadavg") else ""
-    return (
-        f"{cpu_model()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads{dev}{load}; "
-        f"Python {platform.python_version()}, torch {torch.__version__}, diffusers {diffusers.__version__}"
-    )
-
-
 def _picks(counts: dict) -> str:
     return "/".join(f"{k} x{n}" for k, n in counts.items())
 
@@ -553,49 +397,83 @@ def _f(v, spec="{:.3f}") -> str:
     return "n/a" if v is None else spec.format(v)
 
 
-def table(results: dict, peak: float) -> list[str]:
-    head = [
-        "family",
-        "params",
-        "eager ours s",
-        "diffusers s",
-        "ours/diffusers",
-        "fast; exact /diffusers",
-        "ours/diffusers fused",
-        "FLOP/s vs peak",
-        "compiled ours/diffusers",
-        "cold compile ours/diffusers s",
-        "full/one block ours (diffusers)",
-        "tp=2 ours/diffusers s",
-        "tp=2 MB/rank ours (diffusers)",
+TABLE_HEAD = [
+    "family",
+    "params",
+    "eager ours s",
+    "diffusers s",
+    "ours/diffusers",
+    "fast; exact /diffusers",
+    "ours/diffusers fused",
+    "FLOP/s vs peak",
+    "compiled ours/diffusers",
+    "cold compile ours/diffusers s",
+    "full/one block ours (diffusers)",
+    "tp=2 ours/diffusers s",
+    "tp=2 MB/rank ours (diffusers)",
+]
+
+
+def _eager_cells(r: dict) -> list[str]:
+    return [
+        f"{r['params'] / 1e6:.1f}M",
+        _f(r["eager_ours"]),
+        _f(r["eager_diffusers"]),
+        _f(r["ratio_eager"], "{:.2f}"),
+        f"{_f(r.get('ratio_eager_fast'), '{:.2f}')}; {_f(r.get('ratio_eager_exact'), '{:.2f}')}",
+        _f(r.get("ratio_eager_fused"), "{:.2f}"),
+        f"{r['flops_per_s'] / 1e9:.1f} / {r['peak_flops_per_s'] / 1e9:.1f} GFLOP/s = {r['fraction_of_peak']:.2f}",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+
+def _compile_tp_cells(c: dict, tp: dict) -> list[str]:
+    if not c:
+        compile_cells = ["n/a", "n/a", "n/a"]
+    else:
+        compile_cells = [
+            f"{_f(c.get('ratio_compiled'), '{:.2f}')} ({c['compiled_ours']:.3f} / {c['compiled_diffusers']:.3f} s)",
+            f"{c['compile_ours_full']:.1f} / {c['compile_diffusers_full']:.1f} = {c['ratio_compile_time']:.2f}",
+            f"{c['ours_full_over_one_block']:.2f} ({c['diffusers_full_over_one_block']:.2f})",
+        ]
+    if not tp:
+        return compile_cells + ["n/a", "n/a"]
+    return compile_cells + [
+        f"{tp['tp_ours']:.3f} / {tp['tp_diffusers']:.3f} = {tp['ratio_tp']:.2f}",
+        f"{tp['bytes_ours'] / 1e6:.1f} ({tp['bytes_diffusers'] / 1e6:.1f})",
+    ]
+
+
+def table(results: dict, peak: float) -> list[str]:
+    lines = ["| " + " | ".join(TABLE_HEAD) + " |", "|" + "---|" * len(TABLE_HEAD)]
     for name, r in results.items():
-        c = r.get("compile") or {}
-        tp = r.get("tp") or {}
-        compiled = f" ({c['compiled_ours']:.3f} / {c['compiled_diffusers']:.3f} s)" if c else ""
-        cold = (
-            f"{c['compile_ours_full']:.1f} / {c['compile_diffusers_full']:.1f} = {c['ratio_compile_time']:.2f}"
-            if c
-            else "n/a"
-        )
-        row = [
-            name,
-            f"{r['params'] / 1e6:.1f}M",
-            _f(r["eager_ours"]),
-            _f(r["eager_diffusers"]),
-            _f(r["ratio_eager"], "{:.2f}"),
-            f"{_f(r.get('ratio_eager_fast'), '{:.2f}')}; {_f(r.get('ratio_eager_exact'), '{:.2f}')}",
-            _f(r.get("ratio_eager_fused"), "{:.2f}"),
-            f"{r['flops_per_s'] / 1e9:.1f} / {r['peak_flops_per_s'] / 1e9:.1f} GFLOP/s = {r['fraction_of_peak']:.2f}",
-            _f(c.get("ratio_compiled"), "{:.2f}") + compiled,
-            cold,
-            (f"{c['ours_full_over_one_block']:.2f} ({c['diffusers_full_over_one_block']:.2f})" if c else "n/a"),
-            (f"{tp['tp_ours']:.3f} / {tp['tp_diffusers']:.3f} = {tp['ratio_tp']:.2f}" if tp else "n/a"),
-            (f"{tp['bytes_ours'] / 1e6:.1f} ({tp['bytes_diffusers'] / 1e6:.1f})" if tp else "n/a"),
-        ]  # fmt: skip
+        row = [name, *_eager_cells(r), *_compile_tp_cells(r.get("compile") or {}, r.get("tp") or {})]
         lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+COMPILED_NOTE = (
+    "- compiled: `torch.compile(fd.apply, fullgraph=True, dynamic=False)` on the plain params vs "
+    "`torch.compile(module, fullgraph=True, dynamic=False)`; cold compile = the first compiled call in a fresh "
+    "process whose inductor cache holds only a trivial warm-up (toolchain ready, no kernel or graph of the "
+    "model cached), FX graph cache off"
+)
+TP_NOTE = (
+    "- tp=2: 2 gloo processes on this machine, 1 thread each, ours on `fd.prepare`d sharded params; "
+    "diffusers' own tensor parallelism (`enable_parallelism(TensorParallelConfig)`'s steps: its checks, "
+    "shard specs, `apply_tensor_parallel` with the model's `_tp_plan`), with its device-type check widened to "
+    "allow CPU (`diffusers.hooks.tensor_parallel._SUPPORTED_TP_DEVICES` += 'cpu') and the device taken from "
+    "the CPU mesh instead of `torch.accelerator` (none on a CPU machine); nothing else changed"
+)
+
+
+def _method_notes(results: dict) -> list[str]:
+    """How the compiled and tp figures were taken, where the report has them."""
+    notes = []
+    if any(r.get("compile") for r in results.values()):
+        notes.append(COMPILED_NOTE)
+    if any(r.get("tp") for r in results.values()):
+        notes.append(TP_NOTE)
+    return notes
 
 
 def markdown(results, peak, args, command, started, elapsed) -> str:
@@ -625,21 +503,7 @@ def markdown(results, peak, args, command, started, elapsed) -> str:
             for n, r in results.items()
         ),  # fmt: skip
     ]
-    if any(r.get("compile") for r in results.values()):
-        lines.append(
-            "- compiled: `torch.compile(fd.apply, fullgraph=True, dynamic=False)` on the plain params vs "
-            "`torch.compile(module, fullgraph=True, dynamic=False)`; cold compile = the first compiled call in a fresh "
-            "process whose inductor cache holds only a trivial warm-up (toolchain ready, no kernel or graph of the "
-            "model cached), FX graph cache off"
-        )
-    if any(r.get("tp") for r in results.values()):
-        lines.append(
-            "- tp=2: 2 gloo processes on this machine, 1 thread each, ours on `fd.prepare`d sharded params; "
-            "diffusers' own tensor parallelism (`enable_parallelism(TensorParallelConfig)`'s steps: its checks, "
-            "shard specs, `apply_tensor_parallel` with the model's `_tp_plan`), with its device-type check widened to "
-            "allow CPU (`diffusers.hooks.tensor_parallel._SUPPORTED_TP_DEVICES` += 'cpu') and the device taken from "
-            "the CPU mesh instead of `torch.accelerator` (none on a CPU machine); nothing else changed"
-        )
+    lines += _method_notes(results)
     lines.append("")
     lines += table(results, peak)
     lines += ["", "Every figure:", "", "```"]
@@ -739,11 +603,8 @@ def _configs(args) -> dict:
     return {n: mids[n] for n in names}
 
 
-def run(args) -> int:
-    if getattr(args, "sampling", False):  # fd.sample vs stock, dp scaling: functional_dit.cli.bench_sample
-        from . import bench_sample
-
-        return bench_sample.run(args)
+def _setup(args) -> dict:
+    """Checks the flags and sets the process up; returns the configs to measure."""
     args.dtype = getattr(torch, args.dtype) if isinstance(args.dtype, str) else args.dtype
     if not isinstance(args.dtype, torch.dtype):
         raise ValueError(f"--dtype: expected a torch dtype name, got {args.dtype!r}")
@@ -756,10 +617,11 @@ def run(args) -> int:
     args.blocks = {n: "+".join(str(getattr(c, k)) for k in ("num_layers", "num_single_layers") if hasattr(c, k))
                    for n, c in configs.items()}  # fmt: skip
     shape(args)  # bad token counts fail before any work
-    command = "python -m functional_dit " + " ".join(getattr(args, "argv", sys.argv[1:]))
-    started, t0 = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
-    peak = matmul_peak(args.device, args.dtype)
-    print(f"matmul peak {peak / 1e9:.1f} GFLOP/s ({args.device}, {args.dtype})", flush=True)
+    return configs
+
+
+def _measure(configs: dict, args) -> dict:
+    """Every section per family, each printed as soon as the family is done."""
     results = {}
     warm = tempfile.TemporaryDirectory()
     if not args.no_compile:
@@ -774,7 +636,21 @@ def run(args) -> int:
             print(f"{name}: tp=2 ...", flush=True)
             r["tp"] = tp_section(name, config, args)
         results[name] = r
-        print(f"{name}: {r}", flush=True)  # every figure as soon as the family is done
+        print(f"{name}: {r}", flush=True)
+    return results
+
+
+def run(args) -> int:
+    if getattr(args, "sampling", False):  # fd.sample vs stock, dp scaling: functional_dit.cli.bench_sample
+        from . import bench_sample
+
+        return bench_sample.run(args)
+    configs = _setup(args)
+    command = "python -m functional_dit " + " ".join(getattr(args, "argv", sys.argv[1:]))
+    started, t0 = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
+    peak = matmul_peak(args.device, args.dtype)
+    print(f"matmul peak {peak / 1e9:.1f} GFLOP/s ({args.device}, {args.dtype})", flush=True)
+    results = _measure(configs, args)
     cache_rows = _bench_cache.section(configs, args.cache, args.cache_steps, args.cache_size) if args.cache else []
     elapsed = time.perf_counter() - t0
     text = markdown(results, peak, args, command, started, elapsed)

@@ -28,7 +28,7 @@ def pipeline():
     import diffusers
 
     import functional_dit as fd
-    from functional_dit.cli import bench
+    from functional_dit.cli import _bench_models as bench
     from functional_dit.pipelines import tiny
 
     tc = tiny.transformer_config("flux")
@@ -155,7 +155,7 @@ def run(args) -> int:
     """``bench --sampling``: both figures, printed and appended to ``--out``."""
     import sys
 
-    from functional_dit.cli import bench
+    from functional_dit.cli import _bench_models as bench
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -28,7 +28,7 @@ from .. import api as _api
 
 def _tiny_inputs(config, seed: int = 0):
     """Small fd.apply kwargs on the CPU for a tiny config (batch 1, 4 x 4 latents, 8 text tokens)."""
-    from .bench import inputs
+    from ._bench_models import inputs
 
     kw, _ = inputs(config, "cpu", torch.float32, seed=seed, hw=(4, 4), txt_len=8)
     return kw
@@ -131,7 +131,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from . import CLIError
+    from ._args import CLIError
     from ._checks import check_device
 
     if args.dtype not in ("float32", "bfloat16"):

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from ._args import CLIError, positive
+
 PROMPT = "a red fox sitting in fresh snow, soft morning light, detailed fur"
 NEGATIVE = "blurry, low quality"
 
@@ -106,10 +108,11 @@ def run_row(row: Row, args: dict) -> dict:
     size = dict(height=args["size"], width=args["size"], num_inference_steps=args["steps"])
     name = type(pipe).__name__
     if run is not None:  # diffusers' same cache on the stock transformer
+        from ..pipelines.cache import label
         from ._bench_cache import diffusers_config
 
         pipe.transformer.enable_cache(diffusers_config(run.config, args["steps"]))
-        name += f" + {fd._cache.label(run.config)} ({run.skipped()} of {sum(map(len, run.decisions))} calls cached)"
+        name += f" + {label(run.config)} ({run.skipped()} of {sum(map(len, run.decisions))} calls cached)"
     stock = _stock_latents(pipe, args["seed"], prompt=PROMPT, **size, **row.stock)
     diff = (latents - stock).abs().max().item()
     return dict(image=image, diff=diff, seconds=seconds, pipeline=name, latents=latents)
@@ -201,9 +204,26 @@ def table(lines: list[tuple]) -> str:
     return "\n".join([fmt(cells[0]), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in cells[1:]])
 
 
-def run(args) -> int:
-    from . import CLIError
+DESCRIPTION = (
+    "Builds the tiny offline model set, generates one image per family with fd.sample, "
+    "compares the latents with the stock diffusers pipeline at the same seed, runs FLUX.1 again on "
+    "2 local CPU ranks with tp=2, writes PNGs and a contact sheet, and prints a table."
+)
 
+
+def add_arguments(p) -> None:
+    p.add_argument("--out", default="demo_out", help="output folder (default: demo_out)")
+    p.add_argument("--steps", type=positive, default=4, help="denoising steps (default: 4)")
+    p.add_argument("--size", type=positive, default=64, help="image height and width in pixels (default: 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--only", nargs="+", default=None, metavar="NAME", help="run only these rows (e.g. flux1-dev qwen-image)"
+    )
+    p.add_argument("--ranks", type=int, default=2, help="CPU ranks for the tp run (0 skips it; default: 2)")
+
+
+def _selected_rows(args) -> list[Row]:
+    """The rows ``--only`` names (all by default); bad flags are refused before any work."""
     selected = rows()
     if args.only:
         known = [r.name for r in selected] + ["flux1-dev-tp"]
@@ -216,6 +236,29 @@ def run(args) -> int:
     multiple = 16  # every tiny VAE is x8, and latents pack 2x2
     if args.size % multiple:
         raise CLIError(f"--size: expected a multiple of {multiple} (VAE scale 8 x 2x2 packing), got {args.size}")
+    return selected
+
+
+def _tp_row(args, cfg: dict, lines: list, tiles: list) -> str:
+    """The FLUX.1 row again on ``--ranks`` CPU ranks with tp; returns the like-for-like line."""
+    from functional_dit.pipelines import tiny
+
+    pipe = tiny.pipeline("flux", seed=0)
+    size = dict(height=args.size, width=args.size, num_inference_steps=args.steps)
+    stock = _stock_latents(pipe, args.seed, prompt=PROMPT, **size, **rows()[0].stock)
+    res = run_tp(cfg, args.ranks)
+    diff = (res["latents"] - stock).abs().max().item()
+    name = f"flux1-dev-tp{args.ranks}"
+    path = os.path.join(args.out, f"{name}.png")
+    res["image"].save(path)
+    lines.append(("FLUX.1", f"FluxPipeline, tp={args.ranks} on {args.ranks} CPU ranks", diff, res["seconds"], path))
+    tiles.append((name, f"diff {diff:.0e}", res["image"]))
+    print(f"  {name}: done", flush=True)
+    return _like_against_like(cfg, args.ranks, res["seconds"])
+
+
+def run(args) -> int:
+    selected = _selected_rows(args)
     cfg = dict(size=args.size, steps=args.steps, seed=args.seed)
     _quiet_notices()
     start = time.perf_counter()
@@ -228,29 +271,8 @@ def run(args) -> int:
         lines.append((row.family, res["pipeline"], res["diff"], res["seconds"], path))
         tiles.append((row.name, f"diff {res['diff']:.0e}", res["image"]))
         print(f"  {row.name}: done", flush=True)
-    run_tp_row = args.ranks >= 2 and (not args.only or "flux1-dev-tp" in args.only or "flux1-dev" in args.only)
-    if run_tp_row:
-        from functional_dit.pipelines import tiny
-
-        pipe = tiny.pipeline("flux", seed=0)
-        stock = _stock_latents(
-            pipe,
-            args.seed,
-            prompt=PROMPT,
-            height=args.size,
-            width=args.size,
-            num_inference_steps=args.steps,
-            **rows()[0].stock,
-        )
-        res = run_tp(cfg, args.ranks)
-        diff = (res["latents"] - stock).abs().max().item()
-        name = f"flux1-dev-tp{args.ranks}"
-        path = os.path.join(args.out, f"{name}.png")
-        res["image"].save(path)
-        lines.append(("FLUX.1", f"FluxPipeline, tp={args.ranks} on {args.ranks} CPU ranks", diff, res["seconds"], path))
-        tiles.append((name, f"diff {diff:.0e}", res["image"]))
-        print(f"  {name}: done", flush=True)
-        like = _like_against_like(cfg, args.ranks, res["seconds"])
+    tp_wanted = args.ranks >= 2 and (not args.only or "flux1-dev-tp" in args.only or "flux1-dev" in args.only)
+    like = _tp_row(args, cfg, lines, tiles) if tp_wanted else None
     sheet = os.path.join(args.out, "contact_sheet.png")
     contact_sheet(tiles).save(sheet)
     print()
@@ -259,7 +281,7 @@ def run(args) -> int:
         f"\ncontact sheet: {sheet}; {args.size}x{args.size} px, {args.steps} steps, seed {args.seed}; "
         f"wall time {time.perf_counter() - start:.1f} s"
     )
-    if run_tp_row:
+    if like:
         print(like)
     return 0
 

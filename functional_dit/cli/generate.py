@@ -24,8 +24,9 @@ import time
 
 import torch
 
-from . import CLIError
 from . import _checks as C
+from ._args import CLIError, cache_spec, positive
+from ._files import write_image
 
 # Released weights of the presets on the Hugging Face Hub (looked up in the local cache only).
 PRESET_REPOS = {
@@ -41,6 +42,67 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
 # ----------------------------------------------------------------------------- paths
+
+
+DESCRIPTION = (
+    "Generate an image with fd.sample. Under torchrun, --tp/--sp/--dp shard the model "
+    "over the ranks (tp*sp*dp = the number of ranks); rank 0 shows progress and writes the image."
+)
+
+
+def add_arguments(p) -> None:
+    _job_arguments(p)
+    _run_arguments(p)
+
+
+def _job_arguments(p) -> None:
+    """What to make: the model, the prompts, the image size and the sampling settings."""
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a diffusers pipeline folder, a transformer folder or "
+        ".safetensors file (with --base), or a preset name with weights in the Hugging Face cache",
+    )
+    p.add_argument("--base", default=None, help="pipeline folder for the text encoders, VAE and scheduler")
+    p.add_argument("--config", default=None, help="preset for a single transformer file without a config")
+    p.add_argument("--prompt", default=None, help="one prompt (with --out)")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="a file of prompts, one a line, or JSON lines with prompt, seed, size, steps, guidance, "
+        "true_cfg, negative_prompt (with --out-dir; resumable)",
+    )
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--image", nargs="+", default=None, help="reference image(s) (FLUX.2, Qwen-Image-Edit)")
+    p.add_argument("--height", type=positive, default=1024)
+    p.add_argument("--width", type=positive, default=1024)
+    p.add_argument("--steps", type=positive, default=28)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--guidance", type=float, default=None, help="embedded guidance (FLUX.1-dev, FLUX.2-dev)")
+    p.add_argument("--true-cfg", type=float, default=None, help="classifier-free guidance scale (> 1 enables)")
+
+
+def _run_arguments(p) -> None:
+    """How to run it: step caching, the mesh, the device and dtype, and where to write."""
+    p.add_argument(
+        "--cache",
+        type=cache_spec,
+        default=None,
+        help="step caching: fbcache:THRESHOLD, taylorseer:interval=N,warmup=N,order=N, magcache:THRESHOLD",
+    )
+    p.add_argument("--tp", type=positive, default=1)
+    p.add_argument("--sp", type=positive, default=1)
+    p.add_argument("--dp", type=positive, default=1)
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator, else cpu)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default: bfloat16 on an accelerator, float32 on the CPU",
+    )
+    p.add_argument("--out", default=None, help="the image file to write (.png, .jpg, .webp)")
+    p.add_argument("--out-dir", default=None, help="with --prompts: the folder for NNNNN.png and manifest.jsonl")
+    p.add_argument("--batch-size", type=positive, default=1, help="with --prompts: images per model call")
 
 
 def _preset_folder(name: str) -> str:
@@ -190,21 +252,6 @@ def _peak_memory_gib(device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
-
-
-def write_image(image, out: str, pnginfo=None) -> None:
-    """Write through a temporary file in the target folder, then rename: never a partial file
-    (``pnginfo``: PNG text chunks)."""
-    folder = os.path.dirname(os.path.abspath(out))
-    os.makedirs(folder, exist_ok=True)
-    stem, suffix = os.path.splitext(os.path.basename(out))
-    tmp = os.path.join(folder, f".{stem}.partial-{os.getpid()}{suffix}")
-    try:
-        image.save(tmp, **({} if pnginfo is None else {"pnginfo": pnginfo}))
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 # ----------------------------------------------------------------------------- run

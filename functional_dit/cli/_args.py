@@ -1,0 +1,29 @@
+"""What every command shares: the expected-failure type and the argument types."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class CLIError(Exception):
+    """An expected failure: printed as one line (``error: ...``), exit status 2."""
+
+
+def positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return v
+
+
+def cache_spec(text: str):
+    """``--cache`` text -> a step-cache config (`functional_dit.pipelines.cache.parse`)."""
+    from ..pipelines.cache import parse  # imported on use: `--help` stays fast
+
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
