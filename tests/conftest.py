@@ -17,3 +17,35 @@ def pytest_terminal_summary(terminalreporter):
         except importlib.metadata.PackageNotFoundError:
             versions.append(f"{name} (not installed)")
     terminalreporter.write_line("packages: " + ", ".join(versions))
+
+
+# The slowest tests (multi-rank spawns, compiles; from `pytest --durations`), started
+# first so that under ``-n 2`` no worker is left running one of them alone at the end.
+SLOW_FIRST = (
+    "test_grad_sharded.py::test_compiled_backward_equals_eager",
+    "test_dcp.py::test_dcp_save_tp2_load_on_1_rank_tp2_and_tp2_sp2",
+    "test_compile.py::test_sharded_compile_has_zero_graph_breaks",
+    "test_sample_many.py::test_dp2_tp2_equals_tp2",
+    "test_generate_many.py::test_prompts_run_killed_and_resumed",
+    "test_grad_sharded.py::test_sharded_grads_equal_unsharded",
+    "test_sharding.py::test_two_ranks_collectives_shard_map_and_shard_params",
+    "test_notebooks.py::test_notebook_executes",
+    "test_weights_commit.py::test_sigkill_of_a_real_save_process",
+    "test_cli.py::test_demo_shortened_writes_pngs_and_a_table",
+    "test_dcp.py::test_finetune_example_resumes_from_dcp",
+    "test_grad_sharded.py::test_finetune_example_tp2",
+    "test_cli.py::test_check_on_cpu_passes_for_every_family",
+    "test_sharding_models.py::test_sharded_equals_unsharded",
+    "test_sharding.py::test_a_rank_that_raises_mid_forward",
+    "test_func_transforms.py::test_sharded_jvp_and_vmap",
+    "test_sample_many.py::test_distinct_prompts_over_dp2",
+    "test_sharding_flux3_qwen21.py::test_sharded_equals_unsharded_and_grads",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        node = item.nodeid.split("/")[-1]
+        return next((i for i, prefix in enumerate(SLOW_FIRST) if node.startswith(prefix)), len(SLOW_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep their order
