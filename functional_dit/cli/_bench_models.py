@@ -19,8 +19,8 @@ TXT_LEN = 128
 
 
 def mid_configs() -> dict:
-    """The mid-size configs (8 heads x 64 = 512 wide), ~37-40 M params each."""
-    from .. import Flux1Config, Flux2Config, QwenImageConfig
+    """The mid-size configs (8 heads x 64 = 512 wide), ~37-44 M params each."""
+    from .. import Flux1Config, Flux2Config, Flux3Config, QwenImage21Config, QwenImageConfig
 
     return {
         "flux1": Flux1Config(
@@ -51,6 +51,26 @@ def mid_configs() -> dict:
             joint_attention_dim=512,
             axes_dims_rope=(8, 28, 28),
         ),
+        "flux3": Flux3Config(  # the released klein's channels and RoPE split, mid width
+            in_channels=128,
+            cond_in_channels=128,
+            num_layers=2,
+            num_single_layers=5,
+            attention_head_dim=64,
+            num_attention_heads=8,
+            joint_attention_dim=512,
+            axes_dims_rope=(16, 16, 16, 16),
+            flow_map=True,
+        ),
+        "qwenimage21": QwenImage21Config(
+            in_channels=64,
+            out_channels=64,
+            num_layers=10,
+            attention_head_dim=64,
+            num_attention_heads=8,
+            context_in_dim=512,
+            axes_dims_rope=(8, 28, 28),
+        ),
     }
 
 
@@ -64,7 +84,13 @@ def random_params(config, device, dtype, seed: int = 0):
     return _api.Params(config, sharding.tree.nest({k: _api._init_leaf(k, s, gen).to(dtype) for k, s in specs.items()}))
 
 
-RELEASED_DEPTH = {"flux1": "flux1-dev", "flux2": "flux2-dev", "qwenimage": "qwen-image"}
+RELEASED_DEPTH = {
+    "flux1": "flux1-dev",
+    "flux2": "flux2-dev",
+    "qwenimage": "qwen-image",
+    "flux3": "flux3-klein",
+    "qwenimage21": "qwen-image-2.1",
+}
 
 
 def released_depth(name: str, config):
@@ -137,8 +163,10 @@ def _holds_meta_state(module) -> bool:
     """A parameter-free module left with meta tensors (buffers or plain attributes)."""
     if any(True for _ in module.parameters()):
         return False
-    tensors = [*module.buffers(recurse=False), *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]
-    return any(t.is_meta for t in tensors)
+    tensors = list(module.buffers(recurse=False))
+    for v in vars(module).values():  # plain attributes: a table, or a list of them (Qwen-Image 2.1)
+        tensors += v if isinstance(v, (list, tuple)) else [v]
+    return any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors)
 
 
 def diffusers_module(params, device, dtype):

@@ -560,7 +560,11 @@ def add_arguments(p) -> None:
         default="mid",
         help="the mid configs' block counts (default) or their released models' (flux1-dev 19 + 38, ...)",
     )
-    p.add_argument("--families", default="flux1,flux2,qwenimage", help="comma-separated subset of the mid configs")
+    p.add_argument(
+        "--families",
+        default="flux1,flux2,qwenimage,flux3,qwenimage21",
+        help="comma-separated subset of the mid configs",
+    )
     p.add_argument("--runs", type=int, default=7, help="rounds per figure (median); >= 7 for a full run")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-compile", action="store_true", help="skip the compile figures")
