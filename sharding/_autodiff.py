@@ -1,29 +1,12 @@
 """Differentiation rules of the named-axis collectives (autograd, ``torch.func``).
 
-Model code runs in the local view and the loss is computed identically on every rank
-from the replicated output. Each collective's backward is then fixed by asking that
-every rank's gradients equal the unsharded ones (Megatron-LM's pairing):
-
-=================  ======================  =========================================
-op                 forward                 backward (vjp)
-=================  ======================  =========================================
-``psum``           all-reduce              identity (the sum's cotangent is replicated)
-``pvary``          identity                all-reduce (a replicated input used by
-                                           rank-dependent code: each rank holds a share)
-``all_gather``     all-gather              this rank's slice of the cotangent
-``all_to_all``     all-to-all              the reverse all-to-all
-=================  ======================  =========================================
-
-All four are linear, so their forward-mode rule (jvp) is the op itself on the tangent,
-and their vmap rule is the op on the batched tensor (the batch dim moved in front).
-
-Each op is a ``torch.autograd.Function`` with ``setup_context`` and a ``vmap``
-staticmethod, which ``torch.func`` (grad, vjp, vmap) composes with. The forward-mode
-``jvp`` staticmethod lives on a subclass used only while forward AD is active, because
-dynamo refuses to trace (``fullgraph=True``) a Function that defines ``jvp`` when a
-gradient is required; without one, compiled training graphs hold the collectives.
-
-The process group travels as a non-tensor argument; dims arrive non-negative.
+Each collective's backward makes every rank's gradients equal the unsharded ones
+(Megatron-LM's pairing): ``psum`` all-reduce / identity, ``pvary`` identity /
+all-reduce, ``all_gather`` / this rank's slice, ``all_to_all`` / the reverse all-to-all.
+All four are linear, so jvp and vmap apply the op itself. Each is an
+``autograd.Function`` with a ``vmap`` rule; the ``jvp`` rule lives on a subclass used
+only under forward AD, since dynamo refuses ``fullgraph`` training graphs through a
+Function defining ``jvp``. The table and the reasons: docs/autodiff.md.
 """
 
 from __future__ import annotations

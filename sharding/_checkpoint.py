@@ -1,14 +1,10 @@
 """torch's distributed checkpoint (DCP) over sharded params: honest boxes for fused leaves.
 
-DCP describes what a rank holds of a tensor as one box (offsets, sizes) of the whole. A
-fused leaf sharded per block (``_StridedShard(d, split_factor=k)``: rank r holds the r-th
-slice of each of k blocks) is k boxes, and torch computes one wrong box for it: measured on
-torch 2.13, ``dcp.save`` of such a leaf fails DCP's overlap check and ``dcp.load`` into one
-silently reads the wrong rows. `checkpoint_state` gives DCP every fused leaf in its *block
-form* instead: the same storage viewed as (..., k, b, ...) (dim d unflattened into blocks
-× rows), on which the per-block split is a plain ``Shard(d + 1)``, one honest box. Other
-leaves pass as they are. The block form depends only on the specs, never on the mesh, so
-a checkpoint saved on one mesh loads on any other, or in one process, in place.
+DCP describes what a rank holds as one box of the whole tensor; a leaf sharded per block
+is k boxes, which DCP mishandles (docs/notes.md). `checkpoint_state` gives DCP every
+fused leaf in its *block form* instead: the same storage viewed as (..., k, b, ...), on
+which the per-block split is a plain ``Shard(d + 1)``. The block form depends only on
+the specs, so a checkpoint saved on one mesh loads on any other, in place.
 """
 
 from __future__ import annotations

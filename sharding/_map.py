@@ -3,19 +3,9 @@
     f = sharding.shard_map(fn, mesh, in_specs=(P("dp", "sp"), P()), out_specs=P("dp"))
     y = f(x, w)   # fn sees x's local (B/dp, S/sp, ...) block and all of w, under bind(mesh)
 
-A spec ``P(a0, a1, ...)`` names, per leading dim, the mesh axis that dim is split over
-(None: not split); ``P()`` is replicated. ``in_specs`` / ``out_specs`` are pytree
-prefixes of the arguments / the result: one spec may cover a whole subtree (a dict,
-``Params``). Inputs are full tensors, identical on every rank — each rank cuts its
-block on the spot (no communication); DTensor inputs contribute their local shard.
-Outputs are all-gathered along their split dims, so every rank returns the full
-result; a ``P()`` output is returned as computed (it must already agree across ranks).
-
-Differentiable: an input split over axes gets the gradient of the whole (the chunks'
-gradients summed over those axes); an output's gradient reaches each rank as its chunk.
-An input used whole (``P()``) alongside split ones gets this rank's share of its
-gradient; ``fn`` sums it (``sharding.pvary``) where the sum is meant, as ``fd.apply``
-does for its parameters.
+``P(a0, a1, ...)`` names the mesh axis each leading dim is split over; specs are pytree
+prefixes. Inputs are full tensors, the same on every rank, cut locally; outputs are
+all-gathered along their split dims. Differentiable; the gradient rules: docs/sharding.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Placement plans: where every parameter lives on a named mesh, as data.
 
-A *plan* is a pytree shaped like the params (nested dicts, the same keys) whose leaves
-are placements: `Replicate()`, `Shard(dim, axis)` or, for a fused projection,
-`Shard(dim, axis, blocks)` — each block of the fused dim split independently, rank r
-holding the r-th slice of every block, concatenated in block order (a contiguous split
-of a fused dim is the classic TP bug, see docs/architecture.md#plans-and-rules).
-
-`plan` derives it from each parameter's ``ParamSpec`` (``shape``, logical ``axes`` and
-``blocks``) through a rules table mapping logical axes to mesh axes, as maxdiffusion
-and haliax do (default ``{"heads": "tp", "mlp": "tp", "mod": "tp"}``), and validates every sharded
-size before any data moves. Users may edit the plan or pass their own rules.
-
-Where the specs come from — `sharding` imports neither ``functional_dit`` nor
-``weights`` (docs/architecture.md: the dependency direction). ``plan`` takes either a specs tree
-(nested dicts of objects with ``.shape``, ``.axes`` and ``.blocks``), or a config, or a
-``Params`` (anything with ``.config`` and ``.tree``). A config's specs come from a
-one-method protocol: its ``param_specs()`` method, which every ``functional_dit``
-config class has. Nothing is imported for it.
+A plan is a pytree shaped like the params whose leaves are `Replicate()`, `Shard(dim,
+axis)` or, for a fused projection, `Shard(dim, axis, blocks)` (each block split on its
+own: a contiguous split of a fused dim is the classic TP bug). `plan` derives it from
+each ``ParamSpec`` through a rules table mapping logical axes to mesh axes, as
+maxdiffusion and haliax do, and validates every size before any data moves. `sharding`
+imports no model package: specs come from a config's ``param_specs()`` method
+(docs/sharding.md, "Plans"; docs/architecture.md#plans-and-rules).
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Sharded parameters: DTensor as storage, the local view as the compute path.
 
-`shard_params` cuts each rank's slice on the host (`local_slices` / `take`) and moves
-only that slice to the mesh's device; no scatter or reduce-scatter runs. Each leaf is a
-``DTensor`` on the whole mesh — ``Shard(d)`` on the mesh dim of its axis, ``Replicate()``
-on the others — holding just the local shard.
-
-Every leaf is an honest DTensor: ``full_tensor()``, ``redistribute`` and its gradients
-give the parameter itself. A dim fused from k equal blocks (the specs cut fused dims into
-equal units) is split per block — rank r holds the r-th slice of every block,
-concatenated — which is exactly torch's ``_StridedShard(dim, split_factor=k)``; a single
-block is a plain ``Shard(dim)``. torch's distributed checkpoint misreads a strided shard
-(`sharding._checkpoint`), so DCP goes through `sharding.checkpoint_state`.
-
-`local_view` turns DTensor leaves back into plain local tensors plus their mesh, which
-is what ``functional_dit.apply`` runs on: no DTensor op dispatch on the hot path.
+`shard_params` cuts each rank's slice on the host and moves only that slice to the
+device (no collective). Every leaf is an honest DTensor: a fused dim is split per block,
+exactly torch's ``_StridedShard``, so ``full_tensor()`` and gradients give the parameter
+itself. `local_view` turns DTensor leaves back into local tensors plus their mesh, which
+``functional_dit.apply`` runs on (docs/sharding.md, "Sharded parameters").
 """
 
 from __future__ import annotations
@@ -187,8 +178,8 @@ def local_view(params):
     if first is None:
         return params, None
     mesh = first.device_mesh
-    # to_local() is an autograd Function (~25 us a leaf, 30 ms per FLUX.1 call on a slow
-    # CPU); without grads the DTensor's own local tensor is the same thing. Traced code
+    # to_local() is an autograd Function, slow per leaf (docs/notes.md); without grads the
+    # DTensor's own local tensor is the same thing. Traced code
     # keeps the public to_local() (and skips the layout check: shapes are then guarded).
     slow = compiling or not hasattr(first, "_local_tensor")
     if not slow and config_of(params) is not None:

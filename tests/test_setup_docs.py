@@ -56,4 +56,4 @@ def test_tiny_and_generate_raise_no_warnings_of_ours(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         diffusers.DiffusionPipeline.from_pretrained(tmp_path, transformer=None, dtype=torch.float32)
-    assert "dtype=dtype" in open(os.path.join(ROOT, "functional_dit", "_generate.py")).read()
+    assert "dtype=dtype" in open(os.path.join(ROOT, "functional_dit", "cli", "generate.py")).read()

@@ -1,24 +1,11 @@
 """Checkpoint key layouts as data: how each diffusers parameter is found in a file.
 
-A layout is a table of rules. Each rule names a source key template and one or
-more diffusers key templates, where ``{}`` stands for a block index, and a named
-transform:
-
-- ``rename``: the tensor is stored as is under another name;
-- ``split``: a fused tensor (BFL ``qkv``, FLUX.1 ``linear1``) holds the targets'
-  rows one after another, sized by the targets' shapes;
-- ``swap_scale_shift``: the two halves of dim 0 are stored in the other order
-  (BFL's final AdaLN emits (shift, scale); diffusers' ``AdaLayerNormContinuous``
-  chunks (scale, shift)).
-
-`resolve` turns a table into, per diffusers key, a list of `Piece` s: row ranges
-of source tensors. Every transform above is a permutation of dim-0 rows, so a rank
-can read exactly the rows (and columns) it holds straight from the file.
-
-The Black Forest Labs tables follow ``flux/model.py`` and ``flux2/model.py`` in
-black-forest-labs/flux and flux2; the mapping was checked against diffusers'
-``convert_flux_transformer_checkpoint_to_diffusers`` and
-``convert_flux2_transformer_checkpoint_to_diffusers`` (tests/test_weights_bfl.py).
+A layout is a table of rules: a source key template, one or more diffusers key templates
+(``{}`` a block index) and a named transform (``rename``, ``split`` of a fused tensor,
+``swap_scale_shift``). `resolve` turns a table into row ranges of source tensors per
+diffusers key; every transform permutes dim-0 rows, so a rank reads only the rows it
+holds. The Black Forest Labs tables follow black-forest-labs/flux and flux2
+(docs/weights.md, "Key layouts as data").
 """
 
 from __future__ import annotations

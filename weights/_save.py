@@ -1,15 +1,8 @@
-"""`save`: `Params` -> a diffusers-format model folder.
+"""`save`: `Params` -> a diffusers-format model folder (what ``save_pretrained`` writes).
 
-The folder holds ``config.json`` (the diffusers ``_class_name`` and config keys),
-``diffusion_pytorch_model.safetensors`` or, past ``max_shard_size``, numbered shards
-plus ``diffusion_pytorch_model.safetensors.index.json`` — what diffusers'
-``ModelMixin.save_pretrained`` writes, so ``from_pretrained`` loads it directly.
-
-Each shard is written tensor by tensor (header first, then the bytes), so at most
-one full tensor is held at a time. Sharded params (DTensor leaves) are gathered one
-tensor at a time, every rank taking part, and written by rank 0 alone: no rank ever
-holds the whole model. How a finished save replaces an old checkpoint, so that a kill at
-any moment leaves one or the other, is `_commit`'s.
+Shards are written tensor by tensor, so at most one full tensor is held at a time;
+sharded params are gathered one tensor at a time and written by rank 0 alone
+(docs/weights.md, "Saving"). Replacing an old checkpoint atomically is `_commit`'s.
 """
 
 from __future__ import annotations

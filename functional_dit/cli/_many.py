@@ -1,20 +1,10 @@
 """``generate --prompts FILE --out-dir DIR``: many images, resumable, over dp groups.
 
-``FILE`` holds one prompt per line, or JSON lines (``.jsonl``, or every line starting with
-``{``) with a ``prompt`` and optionally ``seed``, ``height``/``width`` (or ``size``: an
-int or "WxH"), ``steps``, ``guidance``, ``true_cfg`` and ``negative_prompt``; what a line
-leaves out comes from the command line, and line ``i`` (counting requests from 0) gets
-the seed ``--seed + i`` unless it names one. Request ``i`` is written to
-``DIR/{i:05d}.png`` through a temporary file and a rename, with its metadata as JSON in
-the PNG text chunk ``functional_dit``; ``DIR/manifest.jsonl`` lists the images.
-
-A run started again with the same command skips every request whose PNG exists, loads
-completely and carries this request's metadata (the files decide, not the manifest),
-redoes the rest, removes temporary files that killed runs left, and rewrites the
-manifest from the PNGs at the end: one image and one manifest line per request.
-
-Under torchrun each round gives every dp group one ``--batch-size`` of pending requests
-with the same settings; the first rank of each group writes its group's images.
+``FILE`` holds one prompt a line or JSON lines (a ``prompt`` and optional per-request
+settings); request ``i`` becomes ``DIR/{i:05d}.png`` (written through a rename, its
+metadata in a PNG text chunk) and a line of ``DIR/manifest.jsonl``. A run started again
+skips the requests whose PNG is complete and redoes the rest; each dp group takes one
+``--batch-size`` of pending requests a round. The file format: docs/cli.md.
 """
 
 from __future__ import annotations

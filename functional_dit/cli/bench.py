@@ -1,20 +1,11 @@
 """``python -m functional_dit bench``: speed and memory side by side with diffusers.
 
-Per family, at a mid-size config (~37-40 M params, 1024 image + 128 text tokens,
-random weights) or at a released preset's shape (``--preset``), with the same weights
-in both: eager ``fd.apply`` (on `fd.prepare`'d params) vs the diffusers module and vs
-the module after its own ``fuse_qkv_projections()``; compiled vs compiled; cold compile
-time at full depth and at one block; tp=2 on 2 gloo processes vs diffusers' own tensor
-parallelism; achieved FLOP/s (``torch.utils.flop_counter``) as a fraction of the
-measured matmul peak; per-rank parameter memory. Contenders alternate within every
-round and each figure is the median of ``--runs`` rounds. Prints a table and, with
-``--out FILE``, writes a report there (date, machine, the exact command, every figure).
-
-diffusers refuses tensor parallelism on CPU meshes: this benchmark widens only that
-device-type check (``diffusers.hooks.tensor_parallel._SUPPORTED_TP_DEVICES``) and runs
-``enable_parallelism``'s tensor-parallel steps with the CPU mesh's device (that method
-looks the device up from ``torch.accelerator``, absent on a CPU machine); it says so in
-its output.
+Per family, at a mid-size config or a released preset's shape, with the same weights in
+both: eager, compiled, cold compile, tp=2 against diffusers' own tensor parallelism,
+achieved FLOP/s against the measured matmul peak, per-rank memory; contenders alternate
+within every round, each figure the median of ``--runs``. diffusers refuses tensor
+parallelism on CPU meshes, so only that device check is widened (it says so in its
+output). What each figure is: docs/cli.md, "bench".
 """
 
 from __future__ import annotations

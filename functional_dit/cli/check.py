@@ -1,22 +1,10 @@
 """``python -m functional_dit check --device DEV``: a one-command hardware check.
 
-For each family's tiny config: ``fd.apply`` on the device vs CPU eager (same dtype) at
-the same weights and inputs — parity; a second call with another timestep must not
-recompile; and on XLA devices (torch_xla: TPU, Neuron, or its CPU device) no
-``aten::`` op may fall back to the CPU (``torch_xla.debug.metrics``).
-
-Modes: ``--mode compile`` (default off XLA) runs ``torch.compile(fd.apply,
-fullgraph=True, dynamic=False, backend=--backend)`` and checks dynamo's recompiles;
-``--mode lazy`` (default on XLA) runs ``fd.apply`` on lazy tensors and checks that XLA
-compiled no new graph on the second call (``CompileTime`` count); ``--mode eager`` runs
-``fd.apply`` on `fd.prepare`'d params (the fast eager kernels) on the device.
-
-torch_xla's CPU device, in its own environment (torch 2.9 + torch_xla 2.9)::
-
-    python -m venv xla && xla/bin/pip install torch==2.9.* torch_xla==2.9.* diffusers
-    PJRT_DEVICE=CPU xla/bin/python -m functional_dit check --device xla
-
-Not part of the test suite (that environment is several GB).
+For each family's tiny config: ``fd.apply`` on the device vs CPU eager at the same
+weights and inputs (parity); a second call with another timestep must not recompile; on
+XLA devices no ``aten::`` op may fall back to the CPU. ``--mode`` is ``compile`` (default
+off XLA), ``lazy`` (default on XLA) or ``eager`` (`fd.prepare`'d params). Not in the test
+suite: torch_xla needs its own environment (docs/cli.md, "check").
 """
 
 from __future__ import annotations
@@ -61,13 +49,9 @@ def _aten_fallbacks(met) -> list[str]:
 
 
 def _precision_casts(device):
-    """Inductor rounds at explicit casts to bf16/fp16 as eager does
-    (``emulate_precision_casts``). Without it inductor keeps such intermediates in fp32,
-    which moves FLUX's timestep (diffusers and BFL round t to bf16 before ``* 1000``) and
-    with it the whole sinusoidal embedding: compiled bf16 FLUX.1/FLUX.2 then differ from
-    eager by ~1 at |y| ~ 3, ours and diffusers' alike (measured on CPU and an H200).
-    torch 2.9's CPU code generator crashes with the setting (``CppVecOverrides.to_dtype()``
-    takes no ``use_compute_types``), so there it stays off on the CPU."""
+    """Inductor rounding at explicit bf16/fp16 casts as eager does (``emulate_precision_casts``):
+    without it compiled bf16 FLUX loses the timestep's bf16 rounding and drifts from eager
+    (docs/notes.md). Off on the CPU before torch 2.10, whose code generator crashes with it."""
     import contextlib
 
     version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])

@@ -1,18 +1,10 @@
 """``python -m functional_dit generate``: an image from a real checkpoint with `fd.sample`.
 
-``--model`` is a diffusers pipeline folder (``model_index.json``: transformer, text
-encoders, VAE and scheduler together), a transformer folder or ``.safetensors`` file (in
-diffusers or Black Forest Labs layout) with ``--base`` naming the pipeline folder for the
-rest, or a preset name whose released weights are in the local Hugging Face cache (nothing
-is downloaded). Under ``torchrun`` ``--tp/--sp/--dp`` shard the model over the ranks and
-each rank reads only its own slices; rank 0 shows a progress bar, writes the image and
-reports the time per step and the peak memory.
-
-Everything that can be checked before the heavy loading is (paths, the checkpoint's
-headers, family and keys against the pipeline, sizes against the VAE scale, reference
-images, flags the model would ignore, the device, the world size), each failure as one line; the image is
-written to a temporary file next to ``--out`` and renamed, so nothing partial is left. ``--prompts FILE --out-dir DIR``
-generates many images, resumably, each dp group its share (`functional_dit.cli._many`).
+``--model`` is a diffusers pipeline folder, a transformer folder or ``.safetensors`` file
+with ``--base`` for the rest of the pipeline, or a preset whose weights are in the local
+Hugging Face cache (nothing is downloaded). Everything checkable is checked before the
+heavy loading, each failure one line; the image is written through a temporary file.
+``--prompts FILE --out-dir DIR`` makes many images (`functional_dit.cli._many`). docs/cli.md.
 """
 
 from __future__ import annotations
