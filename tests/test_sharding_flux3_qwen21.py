@@ -66,9 +66,9 @@ def reference_grads(config, kw, w) -> dict:
     return {k: torch.zeros_like(v) if v.grad is None else v.grad for k, v in p.flat().items()}
 
 
-def _work(rank, world, cases):
+def _work(rank, world, cases, meshes=MESHES):
     out = {}
-    for shape in MESHES:
+    for shape in meshes:
         mesh = sharding.make_mesh(**shape)
         for name, config, kw, w in cases:
             s = sharding.shard_params(fd.init(config, seed=SEED), mesh)
@@ -108,6 +108,24 @@ def test_sharded_equals_unsharded_and_grads():
             for k, g in want_grads.items():
                 err = (r["grads"][k] - g).abs().max() / g.abs().max().clamp_min(1e-30)
                 assert err <= REL, f"{key} grad {k}: off by {err:.2e} of its max"
+
+
+MESHES_4 = [dict(tp=4), dict(tp=2, sp=2), dict(dp=2, tp=2)]
+
+
+def test_four_ranks_equal_unsharded():
+    """4 gloo ranks: tp=4 (every head on its own rank), tp x sp and dp x tp equal one
+    process, the KV-cache cases included; outputs only (the gradients run on 2 ranks)."""
+    cases = [(n, c, kw, None) for n, c, kw in _cases() if n in ("flux3/refs", "qwen21/edit", "qwen21/cached")]
+    refs = {n: tensors(fd.apply(fd.init(c, seed=SEED), **kw)) for n, c, kw, _ in cases}
+    per_rank = spawn(_work, 4, cases, MESHES_4, init=False, timeout=600)
+    assert len(per_rank[0]) == len(MESHES_4) * len(cases)
+    for key, r in per_rank[0].items():
+        for i, (o, ref) in enumerate(zip(r["out"], refs[key[1]], strict=True)):
+            torch.testing.assert_close(o, ref, **FP32, msg=lambda m, k=key, i=i: f"{k} tensor {i}: {m}")
+        assert all(all(torch.equal(a, b) for a, b in zip(p[key]["out"], r["out"])) for p in per_rank), key
+        if dict(key[0]).get("tp", 1) > 1:
+            assert r["mods"] and all("Shard" in p for p in r["mods"].values()), (key, r["mods"])
 
 
 @pytest.mark.parametrize("name", ["flux3-klein-base", "flux3-klein", "qwen-image-2.1"])
