@@ -1,0 +1,114 @@
+"""Text encoder placements and tiled VAE decoding in `fd.sample` (`functional_dit._placement`).
+
+One spawn of 2 gloo ranks (tp=2) runs the tiny FLUX.1 (CLIP + T5), FLUX.2-dev (Mistral3),
+FLUX.2-klein (Qwen3) and Qwen-Image (Qwen2.5-VL) pipelines with every placement and
+checks them against one process with whole encoders; the tiled VAE is checked against
+the stock pipeline with ``vae.enable_tiling()``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _dist import spawn
+from test_sample import FP32
+
+import functional_dit as fd
+import sharding
+from functional_dit import _placement, tiny
+
+# FLUX.2's Mistral system prompt and Qwen-Image's template need >= 256 tokens (functional_dit.tiny)
+KINDS = {"flux": 64, "flux2": 256, "flux2-klein": 64, "qwen-image": 256}
+PROMPTS = ["a red cube", "a small green sphere"]
+KW = dict(height=32, width=32, steps=2, seed=3, output_type="latent")
+ORDER = ("replicate", "cpu", "offload", "shard")  # "shard" last: it splits the encoders in place
+
+
+def _param_bytes(module) -> int:
+    """Bytes this rank holds (a DTensor's local shard; tied weights once)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def _single(kind, **kw):
+    pipe = tiny.pipeline(kind)
+    return fd.sample(fd.from_diffusers(pipe.transformer), pipe, PROMPTS, max_sequence_length=KINDS[kind], **KW, **kw)
+
+
+def _kind_on_ranks(kind, mesh) -> dict:
+    pipe = tiny.pipeline(kind)
+    params = fd.from_diffusers(pipe.transformer)
+    pipe.transformer = None
+    sharded = sharding.shard_params(params, mesh)
+    kw = dict(max_sequence_length=KINDS[kind], **KW)
+    out = {p: fd.sample(sharded, pipe, PROMPTS, encoder_placement=p, **kw) for p in ORDER}
+    out["again"] = fd.sample(sharded, pipe, PROMPTS, **kw)  # sharded encoders stay sharded
+    try:
+        fd.sample(sharded, pipe, PROMPTS, encoder_placement="cpu", **kw)
+        out["cpu after shard"] = "no error"
+    except ValueError as e:
+        out["cpu after shard"] = str(e)
+    fresh = tiny.components(kind)
+    out["bytes"] = {n: _param_bytes(m) for n, m in _placement.encoders(pipe).items()}
+    out["predicted"] = {n: _placement.bytes_per_rank(fresh[n], 2) for n in out["bytes"]}
+    out["full"] = {n: _placement.bytes_per_rank(fresh[n], 1) for n in out["bytes"]}
+    return out
+
+
+def _ranks(rank, world):
+    mesh = sharding.make_mesh(tp=world, device_type="cpu")
+    return {kind: _kind_on_ranks(kind, mesh) for kind in KINDS}
+
+
+def test_placements_on_two_ranks_equal_one_process():
+    """tp=2: every placement gives the single-process latents (1e-5: sharded encoders
+    and transformer reduce in another order), bitwise the same on both ranks; replicate,
+    cpu and offload are bitwise one another (the same kernels on the CPU); the sharded
+    encoders hold the predicted bytes (the memory table's count) and stay sharded."""
+    ranks = spawn(_ranks, 2, timeout=500)
+    for kind in KINDS:
+        single = _single(kind)
+        a, b = ranks[0][kind], ranks[1][kind]
+        for p in (*ORDER, "again"):
+            assert torch.equal(a[p], b[p]), (kind, p)  # every rank returns the same latents
+            torch.testing.assert_close(a[p], single, **FP32)
+        assert torch.equal(a["cpu"], a["replicate"]) and torch.equal(a["offload"], a["replicate"])
+        assert torch.equal(a["again"], a["shard"])
+        assert a["cpu after shard"].startswith("encoder_placement: ['text_encoder"), a["cpu after shard"]
+        assert a["bytes"] == a["predicted"] == b["bytes"], kind
+        assert sum(a["bytes"].values()) < sum(a["full"].values()), kind  # odd tiny vocabularies stay whole
+
+
+def test_single_process_placements_and_bad_arguments():
+    """One process: "shard" without a tp mesh and "cpu"/"offload" give the replicate latents
+    bitwise; bad placements and tiling flags are one ValueError naming the argument."""
+    pipe = tiny.pipeline("flux2-klein")
+    params = fd.from_diffusers(pipe.transformer)
+    kw = dict(max_sequence_length=64, **KW)
+    want = fd.sample(params, pipe, PROMPTS, **kw)
+    for p in ("shard", "cpu", "offload"):
+        assert torch.equal(fd.sample(params, pipe, PROMPTS, encoder_placement=p, **kw), want), p
+    with pytest.raises(ValueError, match=r"encoder_placement: expected one of \['replicate', 'shard'.*got 'gpu'"):
+        fd.sample(params, pipe, PROMPTS, encoder_placement="gpu", **kw)
+    with pytest.raises(ValueError, match="vae_tiling: expected True or False, got 'yes'"):
+        fd.sample(params, pipe, PROMPTS, vae_tiling="yes", **kw)
+
+
+def test_vae_tiling_equals_stock_tiled_vae():
+    """64x64 on the tiny FLUX.1 VAE (tiles of 32 px): ``vae_tiling=True`` gives the stock
+    pipeline's image with ``vae.enable_tiling()`` (1e-5 as the latents), differs from the
+    untiled decode (the tiles are blended), and leaves the VAE untiled afterwards."""
+    pipe = tiny.pipeline("flux")
+    params = fd.from_diffusers(pipe.transformer)
+    kw = dict(height=64, width=64, steps=2, max_sequence_length=64, output_type="np")
+    ours = fd.sample(params, pipe, "a red cube", seed=5, vae_tiling=True, **kw)
+    assert not pipe.vae.use_tiling
+    plain = fd.sample(params, pipe, "a red cube", seed=5, **kw)
+    pipe.vae.enable_tiling()
+    stock = pipe(
+        prompt="a red cube", height=64, width=64, num_inference_steps=2, max_sequence_length=64,
+        generator=torch.Generator().manual_seed(5), output_type="np",
+    ).images  # fmt: skip
+    np.testing.assert_allclose(ours, stock, **FP32)
+    assert np.abs(ours - plain).max() > 1e-4
