@@ -110,6 +110,13 @@ def add_commands(sub) -> None:
         default=None,
         help="step caching: fbcache:THRESHOLD, taylorseer:interval=N,warmup=N,order=N, magcache:THRESHOLD",
     )
+    gen.add_argument(
+        "--encoders",
+        default="replicate",
+        choices=["replicate", "shard", "cpu", "offload"],
+        help="text encoders: whole on every rank, sharded over --tp, on the CPU, or offloaded to it between uses",
+    )
+    gen.add_argument("--vae-tiling", action="store_true", help="decode in tiles (less memory for large images)")
     gen.add_argument("--tp", type=_positive, default=1)
     gen.add_argument("--sp", type=_positive, default=1)
     gen.add_argument("--dp", type=_positive, default=1)

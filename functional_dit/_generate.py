@@ -25,6 +25,7 @@ import time
 import torch
 
 from . import _cli_checks as C
+from . import _placement
 from ._cli import CLIError
 
 # Released weights of the presets on the Hugging Face Hub (looked up in the local cache only).
@@ -253,7 +254,8 @@ def _setup(args):
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
     start = time.perf_counter()
-    pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=None, dtype=dtype).to(device)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=None, dtype=dtype)
+    _placement.load_to(pipe, device, args.encoders)
     pipe.set_progress_bar_config(disable=True)
     try:
         params = weights.load(model, config=config, mesh=mesh, dtype=dtype, device=None if mesh else device)
@@ -299,6 +301,7 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
             image=images,
             callback=step,
             cache=getattr(args, "cache", None),
+            **_placement.cli_kwargs(args),
         )[0]
     except ValueError as e:
         raise CLIError(str(e).splitlines()[0]) from None

@@ -171,8 +171,10 @@ def _retie(module, before: dict, styles: dict) -> None:
             first[key] = sub.weight
 
 
-def shard(module, tp_mesh) -> None:
-    """Split ``module`` in place over ``tp_mesh`` (1-D) by `plan`; once per module."""
+def shard(module, tp_mesh, device=None) -> None:
+    """Split ``module`` in place over ``tp_mesh`` (1-D) by `plan`, then move it to ``device``
+    (a module on the host is split first, so no rank ever holds it whole on the device);
+    once per module."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if getattr(module, "_fd_tp_mesh", None) is not None:
@@ -185,6 +187,8 @@ def shard(module, tp_mesh) -> None:
     _retie(module, before, styles)
     _local_heads(module, styles, tp)
     module._fd_tp_mesh = tp_mesh
+    if device is not None:
+        module.to(device)
 
 
 def _tp_mesh(mesh):
@@ -224,9 +228,11 @@ def placed(pipe, placement: str, mesh, device):
     sharded = [n for n, m in mods.items() if getattr(m, "_fd_tp_mesh", None) is not None]
     if placement in ("cpu", "offload") and sharded:
         raise ValueError(f"encoder_placement: {sharded} are sharded already (an earlier 'shard'); expected 'shard'")
-    if placement == "shard" and _tp_mesh(mesh) is not None:
-        for m in mods.values():
-            shard(m, _tp_mesh(mesh))
+    for m in mods.values() if placement == "shard" else ():
+        if _tp_mesh(mesh) is None:
+            m.to(device)  # nothing to split over: whole, where the transformer is
+        else:
+            shard(m, _tp_mesh(mesh), device)
     if placement not in ("cpu", "offload"):
         yield
         return
@@ -240,6 +246,20 @@ def placed(pipe, placement: str, mesh, device):
         if placement == "offload":
             for m in mods.values():
                 m.to("cpu")
+
+
+def load_to(pipe, device, placement: str) -> None:
+    """After loading on the host: every component on ``device`` except text encoders that
+    `placed` moves itself ("shard": split first; "cpu", "offload": kept on the host)."""
+    keep = set(encoders(pipe)) if placement != "replicate" else set()
+    for name, m in pipe.components.items():
+        if isinstance(m, torch.nn.Module) and name not in keep:
+            m.to(device)
+
+
+def cli_kwargs(args) -> dict:
+    """``generate --encoders --vae-tiling`` as `fd.sample` keyword arguments."""
+    return {"encoder_placement": args.encoders, "vae_tiling": args.vae_tiling}
 
 
 @contextlib.contextmanager

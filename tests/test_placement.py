@@ -8,10 +8,16 @@ the stock pipeline with ``vae.enable_tiling()``.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 from _dist import spawn
+from PIL import Image
 from test_sample import FP32
 
 import functional_dit as fd
@@ -23,6 +29,7 @@ KINDS = {"flux": 64, "flux2": 256, "flux2-klein": 64, "qwen-image": 256}
 PROMPTS = ["a red cube", "a small green sphere"]
 KW = dict(height=32, width=32, steps=2, seed=3, output_type="latent")
 ORDER = ("replicate", "cpu", "offload", "shard")  # "shard" last: it splits the encoders in place
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _param_bytes(module) -> int:
@@ -112,3 +119,56 @@ def test_vae_tiling_equals_stock_tiled_vae():
     ).images  # fmt: skip
     np.testing.assert_allclose(ours, stock, **FP32)
     assert np.abs(ours - plain).max() > 1e-4
+
+
+# ----------------------------------------------------------------------------- generate, memory table
+
+
+@pytest.fixture(scope="module")
+def flux_folder(tmp_path_factory):
+    """A tiny FluxPipeline saved as a diffusers folder, and its stock image (seed 3)."""
+    folder = str(tmp_path_factory.mktemp("tiny_flux"))
+    pipe = tiny.pipeline("flux")
+    pipe.save_pretrained(folder)
+    stock = pipe("a cube", height=32, width=48, num_inference_steps=2, generator=torch.Generator().manual_seed(3))
+    return folder, np.asarray(stock.images[0])
+
+
+GEN = ["--prompt", "a cube", "--height", "32", "--width", "48", "--steps", "2", "--seed", "3"]
+
+
+def test_generate_encoders_cpu_and_shard_under_torchrun_write_the_stock_image(flux_folder, tmp_path):
+    """``generate --encoders cpu`` writes the stock image bitwise (the same CPU kernels);
+    ``--encoders shard --tp 2`` under torchrun within one level of 255 (the sharded encoders
+    and transformer reduce in another order, which may round a pixel the other way)."""
+    from functional_dit.__main__ import main
+
+    folder, stock = flux_folder
+    assert main(["generate", "--model", folder, *GEN, "--encoders", "cpu", "--out", str(tmp_path / "cpu.png")]) == 0
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "cpu.png")), stock)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
+    cmd += ["functional_dit", "generate", "--model", folder, *GEN, "--tp", "2", "--encoders", "shard"]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [*cmd, "--out", "shard.png"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = np.asarray(Image.open(tmp_path / "shard.png")).astype(int)
+    assert np.abs(got - stock).max() <= 1
+
+
+def test_memory_table_pipelines_last_line_is_the_worst_ratio():
+    """``examples/memory_table.py --pipelines``: 3 placements x 5 released pipelines, the
+    ratios at tp=8 and, last, the worst; FLUX.1-dev, FLUX.2-dev and klein meet the 1.15
+    target; Qwen-Image misses it because Qwen2.5-VL-7B's 28 heads do not split 8 ways
+    (its attention stays whole, `_placement.plan`)."""
+    script = os.path.join(ROOT, "examples", "memory_table.py")
+    out = subprocess.run([sys.executable, script, "--pipelines"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1 + 15 + 2
+    ratios = dict(re.findall(r"([\w.-]+) ([\d.]+)", lines[-2].split(":", 1)[1]))
+    worst = re.fullmatch(r"worst pipeline ratio at tp=8: ([\d.]+)", lines[-1])
+    assert worst and float(worst[1]) == max(float(v) for v in ratios.values())
+    assert all(float(ratios[k]) <= 1.15 for k in ("flux1-dev", "flux2-dev", "flux2-klein-4b", "flux2-klein-9b"))
+    assert float(ratios["qwen-image"]) > 1.15
