@@ -33,9 +33,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _param_bytes(module) -> int:
-    """Bytes this rank holds (a DTensor's local shard; tied weights once)."""
+    """Bytes of the storages behind the parameters on this rank (a DTensor's local shard;
+    tied weights once): a shard that kept a view of the whole weight counts whole."""
     local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
-    return sum(t.numel() * t.element_size() for t in local)
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())
 
 
 def _single(kind, **kw):
