@@ -64,9 +64,32 @@ def _kind_on_ranks(kind, mesh) -> dict:
     return out
 
 
+def _qwen3_tied():
+    """A Qwen3 text encoder whose vocabulary, KV heads and tied head all split 2 ways (the
+    tiny pipelines' 265-token vocabularies and single KV heads do not)."""
+    import transformers
+
+    cfg = transformers.Qwen3Config(
+        vocab_size=266, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+    )  # fmt: skip
+    return tiny._seeded(0, lambda: transformers.Qwen3ForCausalLM(cfg)).eval()
+
+
+def _hidden(model) -> torch.Tensor:
+    ids = torch.arange(2, 26).view(2, 12)
+    with torch.no_grad():
+        return model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+
+
 def _ranks(rank, world):
     mesh = sharding.make_mesh(tp=world, device_type="cpu")
-    return {kind: _kind_on_ranks(kind, mesh) for kind in KINDS}
+    out = {kind: _kind_on_ranks(kind, mesh) for kind in KINDS}
+    model = _qwen3_tied()
+    _placement.shard(model, mesh["tp"])
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    out["qwen3"] = dict(hidden=_hidden(model), tied=tied, bytes=_param_bytes(model))
+    return out
 
 
 def test_placements_on_two_ranks_equal_one_process():
@@ -86,6 +109,12 @@ def test_placements_on_two_ranks_equal_one_process():
         assert a["cpu after shard"].startswith("encoder_placement: ['text_encoder"), a["cpu after shard"]
         assert a["bytes"] == a["predicted"] == b["bytes"], kind
         assert sum(a["bytes"].values()) < sum(a["full"].values()), kind  # odd tiny vocabularies stay whole
+    # split KV heads, vocabulary-parallel embedding, column-parallel head re-tied to it
+    torch.testing.assert_close(ranks[0]["qwen3"]["hidden"], _hidden(_qwen3_tied()), **FP32)
+    assert torch.equal(ranks[0]["qwen3"]["hidden"], ranks[1]["qwen3"]["hidden"])
+    assert ranks[0]["qwen3"]["tied"] and ranks[0]["qwen3"]["bytes"] == _placement.bytes_per_rank(_qwen3_tied(), 2)
+    whole = 4 * (2 * (16 + 16 + 8 + 8) + 16)  # only the norms stay whole: 2 layers x (2 x 16 + q/k 2 x 8) + 16, fp32
+    assert 2 * _placement.bytes_per_rank(_qwen3_tied(), 2) - _placement.bytes_per_rank(_qwen3_tied(), 1) == whole
 
 
 def test_single_process_placements_and_bad_arguments():
@@ -173,3 +202,17 @@ def test_memory_table_pipelines_last_line_is_the_worst_ratio():
     assert worst and float(worst[1]) == max(float(v) for v in ratios.values())
     assert all(float(ratios[k]) <= 1.15 for k in ("flux1-dev", "flux2-dev", "flux2-klein-4b", "flux2-klein-9b"))
     assert float(ratios["qwen-image"]) > 1.15
+
+
+def test_decoder_plans_are_transformers_base_model_tp_plan():
+    """Where tp divides every size, the Mistral / Qwen3 / Qwen2.5-VL plan splits exactly the
+    layers transformers' own ``base_model_tp_plan`` splits, the same way (its replicated
+    entries stay whole), plus the vocabulary-parallel embedding and the LM head."""
+    import transformers
+
+    model = _qwen3_tied()
+    for cfg in (transformers.MistralConfig, transformers.Qwen3Config, transformers.Qwen2_5_VLTextConfig):
+        split = {k: v for k, v in cfg.base_model_tp_plan.items() if v in ("colwise", "rowwise")}
+        want = {f"model.{k.replace('*', str(i))}": v for k, v in split.items() for i in range(2)}
+        got = _placement.plan(model, 2)
+        assert got == want | {"model.embed_tokens": "vocab", "lm_head": "colwise"}, cfg.__name__
