@@ -172,10 +172,9 @@ def _retie(module, before: dict, styles: dict) -> None:
 
 
 def shard(module, tp_mesh, device=None) -> None:
-    """Split ``module`` in place over ``tp_mesh`` (1-D) by `plan`, then move it to ``device``
-    (a module on the host is split first, one weight at a time, so no rank holds it whole
-    on the device);
-    once per module."""
+    """Split ``module`` in place over ``tp_mesh`` (1-D) by `plan`, once, then move it to
+    ``device`` (a module on the host is split first, one weight at a time, so no rank
+    holds it whole on the device)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if getattr(module, "_fd_tp_mesh", None) is not None:
