@@ -3,10 +3,17 @@ parallelism 1, 2, 4 and 8: replicated bytes + sharded bytes / tp, from `param_sp
 the default sharding plan (attention heads, MLPs and the AdaLN modulation split over tp),
 with the ideal (all parameters / tp) beside each figure. No weights, no processes.
 
-    python examples/memory_table.py
+``--pipelines``: the whole pipeline per rank (transformer + text encoders + VAE) for each
+``fd.sample(..., encoder_placement=...)`` choice; the encoders and VAEs are built on the
+meta device from their published configs (docs/pipelines-across-ranks.md cites them) and
+counted with the plan `functional_dit.pipelines.placement.shard` applies.
+
+    python examples/memory_table.py [--pipelines]
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -33,7 +40,171 @@ def row(name: str, config) -> str:
     return f"{name:<22}{fd.num_params(config) / 1e9:>8.2f}B " + " ".join(text)
 
 
+# ---------------------------------------------------------------- whole pipelines
+
+# Published configs (config.json of each pipeline's text_encoder*/ and vae/ folders).
+_T5_XXL = dict(
+    d_model=4096,
+    d_kv=64,
+    d_ff=10240,
+    num_layers=24,
+    num_heads=64,
+    vocab_size=32128,
+    feed_forward_proj="gated-gelu",
+    relative_attention_num_buckets=32,
+)  # google/t5-v1_1-xxl
+_CLIP_L = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    vocab_size=49408,
+    max_position_embeddings=77,
+    projection_dim=768,
+)  # openai/clip-vit-large-patch14
+_MISTRAL_SMALL_3 = dict(  # mistralai/Mistral-Small-3.2-24B-Instruct-2506 (FLUX.2-dev's text_encoder)
+    text=dict(
+        hidden_size=5120,
+        intermediate_size=32768,
+        num_hidden_layers=40,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=131072,
+    ),
+    vision=dict(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        patch_size=14,
+        image_size=1540,
+        head_dim=64,
+    ),
+)
+_QWEN3 = {  # Qwen/Qwen3-4B (klein 4B, tied embeddings), Qwen/Qwen3-8B (klein 9B)
+    "4b": dict(
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+}
+_QWEN25_VL_7B = dict(  # Qwen/Qwen2.5-VL-7B-Instruct (Qwen-Image's text_encoder)
+    text=dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+    ),
+    vision=dict(
+        depth=32,
+        hidden_size=1280,
+        intermediate_size=3420,
+        num_heads=16,
+        out_hidden_size=3584,
+        fullatt_block_indexes=[7, 15, 23, 31],
+    ),
+)
+
+
+def _encoders(name: str) -> list:
+    """The pipeline's text encoders on the meta device, bf16."""
+    import transformers as tf
+
+    if name == "flux1-dev":
+        return [tf.CLIPTextModel(tf.CLIPTextConfig(**_CLIP_L)), tf.T5EncoderModel(tf.T5Config(**_T5_XXL))]
+    if name == "flux2-dev":
+        m = _MISTRAL_SMALL_3
+        cfg = tf.Mistral3Config(text_config=tf.MistralConfig(**m["text"]), vision_config=m["vision"])
+        cfg.tie_word_embeddings = False
+        return [tf.Mistral3ForConditionalGeneration(cfg)]
+    if name.startswith("flux2-klein"):
+        return [tf.Qwen3ForCausalLM(tf.Qwen3Config(**_QWEN3["4b" if name.endswith("4b") else "8b"]))]
+    cfg = tf.Qwen2_5_VLConfig(text_config=_QWEN25_VL_7B["text"], vision_config=_QWEN25_VL_7B["vision"])
+    return [tf.Qwen2_5_VLForConditionalGeneration(cfg)]
+
+
+def _vae(name: str):
+    """The pipeline's VAE (diffusers' defaults are the released configs)."""
+    import diffusers
+
+    if name == "flux1-dev":
+        blocks = dict(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4)
+        return diffusers.AutoencoderKL(
+            block_out_channels=(128, 256, 512, 512), latent_channels=16, layers_per_block=2, **blocks,
+            use_quant_conv=False, use_post_quant_conv=False,
+        )  # fmt: skip
+    if name.startswith("flux2"):
+        return diffusers.AutoencoderKLFlux2()
+    return diffusers.AutoencoderKLQwenImage()
+
+
+PIPELINES = ("flux1-dev", "flux2-dev", "flux2-klein-4b", "flux2-klein-9b", "qwen-image")
+
+
+def pipeline_bytes(name: str) -> dict:
+    """{"transformer": {tp: bytes}, "encoders": {tp: bytes sharded}, "vae": bytes} per rank, bf16."""
+    from functional_dit.pipelines import placement as _placement
+
+    with torch.device("meta"):
+        encoders, vae = [m.to(torch.bfloat16) for m in _encoders(name)], _vae(name)
+    config = fd.PRESETS[name]
+    return {
+        "transformer": {tp: sharding.bytes_per_rank(config, None, {"tp": tp}, torch.bfloat16) for tp in DEGREES},
+        "encoders": {tp: sum(_placement.bytes_per_rank(m, tp) for m in encoders) for tp in DEGREES},
+        "vae": sum(p.numel() for p in vae.parameters()) * torch.bfloat16.itemsize,
+    }
+
+
+def pipeline_rows(name: str) -> tuple[list[str], float]:
+    """The table rows of one pipeline and its ratio at tp=8 (sharded / the ideal)."""
+    b = pipeline_bytes(name)
+    T, E, V = b["transformer"], b["encoders"], b["vae"]
+    ideal = {tp: (T[1] + E[1]) / tp + V for tp in DEGREES}
+    per = {
+        "shard": {tp: T[tp] + E[tp] + V for tp in DEGREES},
+        "replicate": {tp: T[tp] + E[1] + V for tp in DEGREES},
+        "cpu / offload": {tp: T[tp] + V for tp in DEGREES},
+    }
+    rows = []
+    for placement, got in per.items():
+        cells = " ".join(f"{got[tp] / 1e9:7.2f} ({ideal[tp] / 1e9:5.2f})" for tp in DEGREES)
+        rows.append(f"{name:<16}{placement:<15}{cells}")
+    return rows, per["shard"][8] / ideal[8]
+
+
+def pipelines_main() -> None:
+    head = " ".join(f"{f'tp={tp} (ideal)':>15}" for tp in DEGREES)
+    print(f"{'pipeline':<16}{'encoders':<15}{head}   (GB per rank, bf16: transformer + text encoders + VAE)")
+    ratios = {}
+    for name in PIPELINES:
+        rows, ratios[name] = pipeline_rows(name)
+        print("\n".join(rows))
+    worst = max(ratios, key=ratios.get)
+    print("ratios at tp=8: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    print(f"worst pipeline ratio at tp=8: {ratios[worst]:.3f}")
+
+
 def main() -> None:
+    if "--pipelines" in sys.argv[1:]:
+        return pipelines_main()
     released = {k: v for k, v in fd.PRESETS.items() if not k.endswith("-tiny")}
     head = " ".join(f"{f'tp={tp} (ideal)':>15}" for tp in DEGREES)
     print(f"{'preset':<22}{'params':>9} {head}   (GB per rank, bf16)")

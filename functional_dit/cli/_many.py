@@ -14,6 +14,7 @@ import json
 import os
 import time
 
+from ..pipelines import placement as _placement
 from ._args import CLIError
 from ._files import write_image
 
@@ -165,7 +166,7 @@ def rounds(pending: list[dict], per_round: int) -> list[list[dict]]:
     return [group[i : i + per_round] for group in by_key.values() for i in range(0, len(group), per_round)]
 
 
-def sample_round(fd, params, pipe, group: list[dict], images, batch_size: int):
+def sample_round(fd, params, pipe, group: list[dict], images, batch_size: int, placement: dict | None = None):
     """One `fd.sample` call for ``group``: (requests this dp group owns, their PIL images)."""
     first = group[0]
     negatives = [r["negative_prompt"] or "" for r in group]
@@ -180,6 +181,7 @@ def sample_round(fd, params, pipe, group: list[dict], images, batch_size: int):
         batch_size=batch_size,
         output_type="pil",
         local=True,
+        **(placement or {}),  # generate --encoders, --vae-tiling
     )
     return [group[i] for i in owned], pil
 
@@ -228,7 +230,7 @@ def run_many(args, params, pipe, images, model: str, rank0: bool, dp: int) -> in
         for group in rounds(pending, dp * args.batch_size):
             t0 = time.perf_counter()
             try:
-                mine, pil = sample_round(fd, params, pipe, group, images, args.batch_size)
+                mine, pil = sample_round(fd, params, pipe, group, images, args.batch_size, _placement.cli_kwargs(args))
             except ValueError as e:
                 raise CLIError(str(e).splitlines()[0]) from None
             seconds = (time.perf_counter() - t0) / max(len(mine), 1)

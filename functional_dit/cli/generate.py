@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..pipelines import placement as _placement
 from . import _checks as C
 from ._args import CLIError, cache_spec, positive
 from ._files import write_image
@@ -82,6 +83,13 @@ def _run_arguments(p) -> None:
         default=None,
         help="step caching: fbcache:THRESHOLD, taylorseer:interval=N,warmup=N,order=N, magcache:THRESHOLD",
     )
+    p.add_argument(
+        "--encoders",
+        default="replicate",
+        choices=["replicate", "shard", "cpu", "offload"],
+        help="text encoders: whole on every rank, sharded over --tp, on the CPU, or offloaded to it between uses",
+    )
+    p.add_argument("--vae-tiling", action="store_true", help="decode in tiles (less memory for large images)")
     p.add_argument("--tp", type=positive, default=1)
     p.add_argument("--sp", type=positive, default=1)
     p.add_argument("--dp", type=positive, default=1)
@@ -292,7 +300,8 @@ def _setup(args):
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
     start = time.perf_counter()
-    pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=None, dtype=dtype).to(device)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=None, dtype=dtype)
+    _placement.load_to(pipe, device, args.encoders)
     pipe.set_progress_bar_config(disable=True)
     try:
         params = weights.load(model, config=config, mesh=mesh, dtype=dtype, device=None if mesh else device)
@@ -338,6 +347,7 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
             image=images,
             callback=step,
             cache=getattr(args, "cache", None),
+            **_placement.cli_kwargs(args),
         )[0]
     except ValueError as e:
         raise CLIError(str(e).splitlines()[0]) from None

@@ -46,6 +46,7 @@ from .. import qwenimage as _qwen
 from ..params import Params
 from . import _ranks, _requests
 from . import cache as _cache
+from . import placement as _placement
 
 # The pipeline classes `sample` drives, by transformer family.
 PIPELINES = {
@@ -530,6 +531,8 @@ def sample(
     batch_size: int | None = None,
     local: bool = False,
     cache=None,
+    encoder_placement: str = "replicate",
+    vae_tiling: bool = False,
 ):
     """Generate images with ``params`` (plain or sharded) and our own denoising loop.
 
@@ -571,10 +574,13 @@ def sample(
     ``cache``: step caching (`functional_dit.pipelines.cache`): ``fd.FirstBlockCache(0.08)``,
     ``fd.TaylorSeer(...)``, ``fd.MagCache(...)``, a spec such as ``"fbcache:0.08"``, or an
     ``fd.CacheRun`` (which then holds the last state and every step's decisions).
+    ``encoder_placement``: "replicate", "shard" (over the params' tp group), "cpu" or
+    "offload" (`functional_dit.pipelines.placement`); ``vae_tiling``: decode in tiles.
     """
     fam = _family_name(params)
     pipe = as_pipeline(encoders, params)
     _check_args(pipe, height, width, output_type, batch_size)
+    _placement.check(encoder_placement, vae_tiling)
     steps, sigmas = _check_steps(steps, sigmas)
     _requests.check_max_sequence_length(fam, max_sequence_length)
     cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
@@ -594,9 +600,10 @@ def sample(
     with torch.no_grad():
         if image is not None:
             model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
-        chunks = [_chunk(model, req, c, job, dtype, device) for c in _chunks(lay.share, batch_size)]
+        with _placement.placed(pipe, encoder_placement, mesh, device):
+            chunks = [_chunk(model, req, c, job, dtype, device) for c in _chunks(lay.share, batch_size)]
         _check_ranks(lay, chunks, model, _settings(job, pipe, req, lay, model, dtype, (height, width)))
-        with sharding.bind(lay.mesh) if lay.split else contextlib.nullcontext():
+        with sharding.bind(lay.mesh) if lay.split else contextlib.nullcontext(), _placement.tiling(pipe, vae_tiling):
             parts = [_run(model, pipe, c, job) for c in chunks]
         return _ranks.collect(lay, _ranks.concat(parts, output_type), output_type, local)
 

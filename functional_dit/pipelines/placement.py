@@ -1,0 +1,277 @@
+"""Where the parts of a pipeline around the transformer run in `fd.sample`: the text
+encoders' placement (``encoder_placement``) and the VAE's tiled decoding (``vae_tiling``).
+
+Placements (`PLACEMENTS`):
+
+- ``"replicate"``: every rank holds whole encoders where they are (the default).
+- ``"shard"``: the encoders are split over the params' mesh ``tp`` group with torch's
+  ``parallelize_module`` and a plan per encoder class (`plan`): column-parallel q/k/v and
+  MLP inputs, row-parallel outputs, vocabulary-parallel embeddings; the decoder entries
+  are transformers' own ``base_model_tp_plan``. Every rank gets the same embeddings, so
+  sampling continues unchanged. Sharding is done once, in place (the full weights are
+  freed), and kept for later calls.
+- ``"cpu"``: the encoders move to the CPU and encode there; only the embeddings move to
+  the transformer's device.
+- ``"offload"``: the encoders live on the CPU between calls and move to the transformer's
+  device only while they encode (as diffusers' ``enable_model_cpu_offload``).
+
+docs/pipelines-across-ranks.md explains the choices and their memory per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+
+import torch
+
+PLACEMENTS = ("replicate", "shard", "cpu", "offload")
+_ENCODERS = ("text_encoder", "text_encoder_2")
+_SHARD_DIM = {"colwise": 0, "rowwise": 1, "vocab": 0, "embed_cols": 1}  # of the weight
+
+
+def check(encoder_placement, vae_tiling) -> None:
+    """ValueError naming the argument unless both are valid."""
+    if encoder_placement not in PLACEMENTS:
+        raise ValueError(f"encoder_placement: expected one of {list(PLACEMENTS)}, got {encoder_placement!r}")
+    if not isinstance(vae_tiling, bool):
+        raise ValueError(f"vae_tiling: expected True or False, got {vae_tiling!r}")
+
+
+def encoders(pipe) -> dict:
+    """The pipeline's text encoder modules by component name (absent or None ones left out)."""
+    found = {n: getattr(pipe, n, None) for n in _ENCODERS}
+    return {n: m for n, m in found.items() if isinstance(m, torch.nn.Module)}
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def _decoder_rules(prefix: str, cfg, tp: int) -> list[tuple[str, str]]:
+    """Mistral / Qwen3 / Qwen2.5-VL text stacks: transformers' base_model_tp_plan, with
+    attention split only where tp divides the heads (k/v replicated for one KV head)."""
+    H, K = cfg.num_attention_heads, cfg.num_key_value_heads
+    layer, rules = f"{prefix}layers.*.", []
+    if H % tp == 0 and (K % tp == 0 or K == 1):
+        rules += [(layer + "self_attn.q_proj", "colwise"), (layer + "self_attn.o_proj", "rowwise")]
+        rules += [(layer + f"self_attn.{n}_proj", "colwise") for n in "kv" if K % tp == 0]
+    if cfg.intermediate_size % tp == 0:
+        rules += [(layer + "mlp.gate_proj", "colwise"), (layer + "mlp.up_proj", "colwise")]
+        rules += [(layer + "mlp.down_proj", "rowwise")]
+    if cfg.vocab_size % tp == 0:
+        rules += [(prefix + "embed_tokens", "vocab"), ("lm_head", "colwise")]
+    return rules
+
+
+def _t5_rules(cfg, tp: int) -> list[tuple[str, str]]:
+    """T5EncoderModel (FLUX.1's text_encoder_2)."""
+    rules, attn = [], "encoder.block.*.layer.0.SelfAttention."
+    if cfg.num_heads % tp == 0:
+        rules += [(attn + n, "colwise") for n in "qkv"] + [(attn + "o", "rowwise")]
+        rules += [(attn + "relative_attention_bias", "embed_cols")]
+    if cfg.d_ff % tp == 0:
+        rules += [("encoder.block.*.layer.1.DenseReluDense.wi*", "colwise")]
+        rules += [("encoder.block.*.layer.1.DenseReluDense.wo", "rowwise")]
+    if cfg.vocab_size % tp == 0:
+        rules += [("shared", "vocab"), ("encoder.embed_tokens", "vocab")]
+    return rules
+
+
+def _clip_rules(prefix: str, cfg, tp: int) -> list[tuple[str, str]]:
+    """CLIPTextModel (FLUX.1's text_encoder)."""
+    layer, rules = f"{prefix}encoder.layers.*.", []
+    if cfg.num_attention_heads % tp == 0:
+        rules += [(layer + f"self_attn.{n}_proj", "colwise") for n in "qkv"]
+        rules += [(layer + "self_attn.out_proj", "rowwise")]
+    if cfg.intermediate_size % tp == 0:
+        rules += [(layer + "mlp.fc1", "colwise"), (layer + "mlp.fc2", "rowwise")]
+    if cfg.vocab_size % tp == 0:
+        rules += [(f"{prefix}embeddings.token_embedding", "vocab")]
+    return rules
+
+
+def _rules(module, tp: int) -> list[tuple[str, str]]:
+    name, cfg = type(module).__name__, module.config
+    if name == "T5EncoderModel":
+        return _t5_rules(cfg, tp)
+    if name == "CLIPTextModel":
+        return _clip_rules("text_model." if hasattr(module, "text_model") else "", cfg, tp)
+    if name == "Qwen3ForCausalLM":
+        return _decoder_rules("model.", cfg, tp)
+    if name in ("Mistral3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
+        return _decoder_rules("model.language_model.", cfg.text_config, tp)
+    raise ValueError(
+        f"encoder_placement: no tensor-parallel plan for a {name} text encoder; expected 'replicate', 'cpu' or "
+        "'offload' for it"
+    )
+
+
+def plan(module, tp: int) -> dict[str, str]:
+    """Module path -> style ("colwise", "rowwise", "vocab", "embed_cols") of every module of
+    ``module`` split over ``tp`` ranks; the rest stays whole. Vision towers stay whole
+    (text-to-image never runs them)."""
+    rules = _rules(module, tp)
+    out = {}
+    for path, _ in module.named_modules():
+        style = next((s for pattern, s in rules if fnmatch.fnmatchcase(path, pattern)), None)
+        if style is not None:
+            out[path] = style
+    return out
+
+
+def bytes_per_rank(module, tp: int) -> int:
+    """Parameter bytes one rank holds with ``module`` sharded over ``tp`` by `plan` (tied
+    weights counted once per placement, as `shard` re-ties them); works on the meta device."""
+    styles = plan(module, tp) if tp > 1 else {}
+    seen, total = set(), 0
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for pname, p in sub.named_parameters(recurse=False):
+            style = styles.get(path)
+            dim = _SHARD_DIM[style] if style is not None and not (style == "rowwise" and pname == "bias") else None
+            if (id(p), dim) in seen:
+                continue
+            seen.add((id(p), dim))
+            total += p.numel() * p.element_size() // (tp if dim is not None else 1)
+    return total
+
+
+# ----------------------------------------------------------------------------- shard
+
+
+def _style(name: str):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if name == "vocab":
+        return RowwiseParallel(input_layouts=Replicate())
+    return ColwiseParallel() if name in ("colwise", "embed_cols") else RowwiseParallel()
+
+
+def _local_heads(module, styles: dict, tp: int) -> None:
+    """Head counts the attention modules read in forward, made this rank's."""
+    for path, sub in module.named_modules():
+        if f"{path}.q" in styles and hasattr(sub, "n_heads"):  # T5Attention
+            sub.n_heads, sub.inner_dim = sub.n_heads // tp, sub.inner_dim // tp
+        sharded_q, sharded_k = f"{path}.q_proj" in styles, f"{path}.k_proj" in styles
+        if sharded_q and not sharded_k and hasattr(sub, "num_key_value_groups"):  # one KV head, replicated
+            sub.num_key_value_groups //= tp
+
+
+def _retie(module, before: dict, styles: dict) -> None:
+    """Weights tied before sharding (T5's shared embedding, tied LM heads) and split alike
+    share one shard again."""
+    first: dict = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        if "weight" not in sub._parameters or path not in before:
+            continue
+        key = (before[path], _SHARD_DIM.get(styles.get(path)))
+        if key in first:
+            sub.weight = first[key]
+        else:
+            first[key] = sub.weight
+
+
+def shard(module, tp_mesh, device=None) -> None:
+    """Split ``module`` in place over ``tp_mesh`` (1-D) by `plan`, once, then move it to
+    ``device`` (a module on the host is split first, one weight at a time, so no rank
+    holds it whole on the device)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if getattr(module, "_fd_tp_mesh", None) is not None:
+        return
+    tp = tp_mesh.size()
+    styles = plan(module, tp)
+    before = {p: id(m.weight) for p, m in module.named_modules(remove_duplicate=False) if "weight" in m._parameters}
+    for path, style in styles.items():
+        parallelize_module(module.get_submodule(path), tp_mesh, _style(style))
+    _retie(module, before, styles)
+    _local_heads(module, styles, tp)
+    module._fd_tp_mesh = tp_mesh
+    if device is not None:
+        module.to(device)
+
+
+def _tp_mesh(mesh):
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if mesh is None or "tp" not in names or mesh.size(names.index("tp")) == 1:
+        return None
+    return mesh["tp"]
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+@contextlib.contextmanager
+def _encode_on(pipe, device):
+    """The pipeline's ``encode_prompt`` with ``device=`` this device while inside."""
+    own = pipe.__dict__.get("encode_prompt")
+    stock = pipe.encode_prompt
+
+    def encode_prompt(*args, **kwargs):
+        return stock(*args, **{**kwargs, "device": device})
+
+    pipe.encode_prompt = encode_prompt
+    try:
+        yield
+    finally:
+        if own is None:
+            del pipe.encode_prompt
+        else:
+            pipe.encode_prompt = own
+
+
+@contextlib.contextmanager
+def placed(pipe, placement: str, mesh, device):
+    """Inside: ``pipe``'s text encoders placed as ``placement`` says (`PLACEMENTS`), for a
+    transformer on ``device`` whose params live on ``mesh`` (or None)."""
+    mods = encoders(pipe)
+    sharded = [n for n, m in mods.items() if getattr(m, "_fd_tp_mesh", None) is not None]
+    if placement in ("cpu", "offload") and sharded:
+        raise ValueError(f"encoder_placement: {sharded} are sharded already (an earlier 'shard'); expected 'shard'")
+    for m in mods.values() if placement == "shard" else ():
+        if _tp_mesh(mesh) is None:
+            m.to(device)  # nothing to split over: whole, where the transformer is
+        else:
+            shard(m, _tp_mesh(mesh), device)
+    if placement not in ("cpu", "offload"):
+        yield
+        return
+    run_on = torch.device("cpu") if placement == "cpu" else torch.device(device)
+    for m in mods.values():
+        m.to(run_on)
+    try:
+        with _encode_on(pipe, run_on):
+            yield
+    finally:
+        if placement == "offload":
+            for m in mods.values():
+                m.to("cpu")
+
+
+def load_to(pipe, device, placement: str) -> None:
+    """After loading on the host: every component on ``device`` except text encoders that
+    `placed` moves itself ("shard": split first; "cpu", "offload": kept on the host)."""
+    keep = set(encoders(pipe)) if placement != "replicate" else set()
+    for name, m in pipe.components.items():
+        if isinstance(m, torch.nn.Module) and name not in keep:
+            m.to(device)
+
+
+def cli_kwargs(args) -> dict:
+    """``generate --encoders --vae-tiling`` as `fd.sample` keyword arguments."""
+    return {"encoder_placement": args.encoders, "vae_tiling": args.vae_tiling}
+
+
+@contextlib.contextmanager
+def tiling(pipe, on: bool):
+    """Inside: the VAE decodes in tiles when ``on`` (diffusers' ``enable_tiling``); its own
+    setting is restored after."""
+    vae = getattr(pipe, "vae", None)
+    was = getattr(vae, "use_tiling", None)
+    if on and vae is not None:
+        vae.enable_tiling()
+    try:
+        yield
+    finally:
+        if on and vae is not None and not was:
+            vae.disable_tiling()
