@@ -27,7 +27,7 @@ import weakref
 import torch
 import torch.utils._pytree
 
-from sharding.internal import is_dtensor, like
+from sharding.internal import is_dtensor, like, local_tensor
 from sharding.tree import get, map_tree, put
 
 from ..params import Params
@@ -134,7 +134,7 @@ def _concat_rows(leaves: list, mode: str = "auto") -> list:
     is_d = [is_dtensor(t) for t in leaves]
     if any(is_d) and not all(is_d):
         return leaves
-    local = [t._local_tensor if d else t for t, d in zip(leaves, is_d)]
+    local = [local_tensor(t) for t in leaves]
     if len({(t.dtype, t.device, t.shape[1:]) for t in local}) != 1:
         return leaves
     buffer = torch.cat([t.detach() for t in local])
