@@ -18,6 +18,7 @@ from sharding.tree import flatten, nest
 
 from . import configs as _config
 from . import flux1, flux2, flux3, qwenimage, qwenimage21
+from .lora import internal as _lora
 from .nn import fused as _fuse
 from .nn import kernels as _kernels
 from .nn import layers as L
@@ -279,9 +280,7 @@ def _lora_adapters(params: Params, lora, mesh) -> list:
     the adapters' local views on the params' mesh."""
     if lora is None:
         return []
-    from .lora import _apply as lora_apply  # late: the lora package imports this module
-
-    return lora_apply.local_adapters(lora_apply.check(params, lora), mesh)
+    return _lora.local_adapters(_lora.check(params, lora), mesh)
 
 
 def _family_args(fam, kwargs: dict) -> dict:
@@ -308,9 +307,7 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
     whole on every rank) comes as per-rank shares, summed over those axes here, once.
     (Over tp the model pairs its collectives Megatron-style instead.)"""
     if adapters:
-        from .lora import _apply as lora_apply
-
-        params = lora_apply.attach(params, adapters)
+        params = _lora.attach(params, adapters)
     if torch.is_grad_enabled() and any(sharding.axis_size(a) > 1 for a in _SHARE_AXES):  # only backward sums
         params, x, t, txt, kwargs = pytree.tree_map(_share, (params, x, t, txt, kwargs))
     inputs = fam.prepare(params, x, t, txt, **kwargs)

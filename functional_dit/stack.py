@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
+from sharding.internal import is_dtensor
+
 from .params import Params
 
 
@@ -37,7 +39,7 @@ def stack_params(params_list) -> Params:
                     f"like params_list[0], got {tuple(b[k].shape)} {b[k].dtype} on {b[k].device}"
                 )
     for k, x in first.flat().items():
-        if hasattr(x, "placements"):
+        if is_dtensor(x):
             raise ValueError(f"params_list[0]: {k} is sharded (a DTensor); stack plain params, then shard")
     return pytree.tree_map(lambda *xs: torch.stack(xs), *params_list)
 

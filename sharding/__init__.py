@@ -1,23 +1,30 @@
-"""Sharding as data: named meshes, placement pytrees and named-axis collectives."""
+"""Sharding as data: named meshes, placement pytrees and named-axis collectives.
+
+``__all__`` is the user-level surface. `AXES` and `local_shape` stay importable but are
+not in it (nothing outside this package uses them); DTensor helpers shared with the
+other packages of the repository live in `sharding.internal`."""
 
 from . import tree
 from ._autodiff import forward_ad_active
 from ._axes import all_gather, all_to_all, axis_index, axis_size, bind, current_mesh, psum, pvary, ulysses
 from ._checkpoint import checkpoint_state
 from ._map import P, shard_map
-from ._mesh import AXES, backend_for, default_device_type, make_mesh
+from ._mesh import AXES as AXES
+from ._mesh import backend_for, default_device_type, make_mesh
 from ._plan import (
     DEFAULT_RULES,
     Replicate,
     Shard,
     bytes_per_rank,
     check_placement,
-    local_shape,
     local_slices,
     mesh_sizes,
     plan,
     specs_of,
     take,
+)
+from ._plan import (
+    local_shape as local_shape,
 )
 from ._replicated import check_replicated
 from ._seq import gather, local_len, pad_bias, shard
@@ -33,7 +40,6 @@ from ._shard import (
 )
 
 __all__ = [
-    "AXES",
     "DEFAULT_RULES",
     "P",
     "Replicate",
@@ -56,7 +62,6 @@ __all__ = [
     "gather",
     "local_bytes",
     "local_len",
-    "local_shape",
     "local_slices",
     "local_view",
     "make_mesh",

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ._plan import PACKED, config_of, specs_of
-from ._shard import _contiguous_stride, _dtensor_cls, _tree, is_strided
+from ._shard import _contiguous_stride, _tree, is_strided
+from .internal import dtensor_cls, is_dtensor
 from .tree import check_same_keys, flatten
 
 
@@ -41,13 +42,12 @@ def _block_form(path: str, x, spec):
     if spec.blocks is None or len(spec.blocks) == 1:
         return x
     d, k = spec.axes.index(PACKED), len(spec.blocks)
-    DTensor = _dtensor_cls()
-    if DTensor is None or not isinstance(x, DTensor):
+    if not is_dtensor(x):
         return x.unflatten(d, (k, -1))
     shape = torch.Size((*x.shape[:d], k, x.shape[d] // k, *x.shape[d + 1 :]))
     placements = [_block_placement(path, p, d, k) for p in x.placements]
     local = x.to_local().unflatten(d, (k, -1))
-    return DTensor.from_local(
+    return dtensor_cls().from_local(
         local, x.device_mesh, placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
     )
 

@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._axes import all_gather, axis_index, axis_size, bind, pvary
+from .internal import is_dtensor
 
 
 class P(tuple):
@@ -61,7 +62,7 @@ def _check_rank(spec: P, x: torch.Tensor) -> None:
 
 
 def _local(spec: P, x: torch.Tensor) -> torch.Tensor:
-    if hasattr(x, "to_local") and hasattr(x, "device_mesh"):  # a DTensor: its shard is the local view
+    if is_dtensor(x):  # its shard is the local view
         return x.to_local()
     _check_rank(spec, x)
     x = pvary(x, tuple(a for a in spec if a))  # each rank's chunk gradient, summed into the whole

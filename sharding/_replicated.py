@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 
-def _describe(x) -> tuple | None:
+def describe(x) -> tuple | None:
     """(dtype, shape, checksums) of a tensor on the host: its float64 sum and an
     index-weighted sum (so a permutation shows too), as hex strings (NaN equals NaN)."""
     if x is None:
@@ -44,7 +44,7 @@ def check_replicated(*tensors, names=None, group=None) -> None:
             raise ValueError(f"{name}: expected a tensor or None, got {type(x).__name__}")
     if not (dist.is_available() and dist.is_initialized()):
         return
-    mine = (tuple(names), tuple(_describe(x) for x in tensors))
+    mine = (tuple(names), tuple(describe(x) for x in tensors))
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
     ranks = list(range(len(every))) if group is None else dist.get_process_group_ranks(group)

@@ -27,17 +27,9 @@ from ._plan import (
     take,
 )
 from ._plan import plan as make_plan
+from .internal import dtensor_cls as _dtensor_cls
+from .internal import is_dtensor
 from .tree import check_same_keys, get, leaves, map_tree
-
-
-def _dtensor_cls():
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
 
 
 def _tree(params) -> Mapping:
@@ -129,14 +121,13 @@ def shard_params(params, mesh, plan=None):
     fused dim split per block): every leaf is checked before any data moves. The slice
     is cut where the tensor lives (the host, for weights read from disk) and only it
     moves to the mesh device; a sharded leaf never keeps a view of the full tensor alive."""
-    DTensor = _dtensor_cls()
     tree = _tree(params)
     placements = make_plan(params, mesh) if plan is None else plan
     check_same_keys("plan", placements, tree, "the params")
     device, sizes, specs = mesh_device(mesh), mesh_sizes(mesh), _flat_specs(params)
     flat_plan = dict(leaves(placements))
     for path, full in leaves(tree):  # validate every leaf first: nothing moves on a bad plan
-        if isinstance(full, DTensor):
+        if is_dtensor(full):
             raise ValueError(f"params: {path} is already sharded (a DTensor); unshard it first")
         spec = specs[path] if specs is not None else tuple(full.shape)
         if tuple(full.shape) != _shape(spec):
@@ -287,8 +278,7 @@ def check_compute_layout(tree, config, mesh, DTensor) -> None:
 def local_bytes(params) -> int:
     """Bytes of the tensors this rank holds (local shards of DTensor leaves), whatever
     the plan: counting needs no check of the layout fd.apply computes with."""
-    DTensor = _dtensor_cls()
-    local = [x.to_local() if DTensor is not None and isinstance(x, DTensor) else x for _, x in leaves(_tree(params))]
+    local = [x.to_local() if is_dtensor(x) else x for _, x in leaves(_tree(params))]
     return sum(x.numel() * x.element_size() for x in local if isinstance(x, torch.Tensor))
 
 
@@ -296,7 +286,6 @@ def unshard(sharded, plan=None):
     """Plain full tensors from a `shard_params` result, bit-exact: each DTensor leaf's
     ``full_tensor()`` (an all-gather per sharded leaf). ``plan``, when given, must match the
     leaves' placements (a ValueError names the first that does not)."""
-    DTensor = _dtensor_cls()
     tree = _tree(sharded)
     if plan is not None:
         check_same_keys("plan", plan, tree, "the params")
@@ -306,7 +295,7 @@ def unshard(sharded, plan=None):
         check_same_keys("params", tree, specs, "the config's specs")
 
     def leaf(path, x, *given):
-        if DTensor is None or not isinstance(x, DTensor):
+        if not is_dtensor(x):
             return x
         if given:
             spec = None if specs is None else get(specs, path)

@@ -48,6 +48,22 @@ def get(tree: Mapping, path: str):
     return node
 
 
+def put(tree: dict, path: str, value) -> None:
+    """Set the leaf at dotted ``path`` of nested dicts in place (its parents must exist)."""
+    parent, _, leaf = path.rpartition(".")
+    (get(tree, parent) if parent else tree)[leaf] = value
+
+
+def copy_path(tree: dict, path: str) -> dict:
+    """The node at dotted ``path``, after replacing every dict from ``tree``'s children down
+    to it by a shallow copy: edits of it leave the trees ``tree`` was copied from alone."""
+    node = tree
+    for key in path.split("."):
+        node[key] = dict(node[key])
+        node = node[key]
+    return node
+
+
 def map_tree(fn: Callable, tree: Mapping, *rest: Mapping, path: str = "") -> dict:
     """``fn(dotted_path, leaf, *other_leaves)`` over nested dicts with the same keys."""
     out = {}

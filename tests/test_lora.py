@@ -299,6 +299,33 @@ def test_pickles_are_refused(tmp_path):
         lora.load(tmp_path / "junk.safetensors", config)
 
 
+def test_malformed_header_is_refused_with_weights_error(tmp_path):
+    """A LoRA file whose header lies (a tensor's shape that its data_offsets do not span)
+    is refused by weights' validated reader, with the very error ``weights.load`` gives
+    for the same file: the file and the tensor named, before safetensors opens it."""
+    import json
+    import struct
+
+    import weights
+
+    config = fd.PRESETS["flux1-tiny"]
+    lora.save(lora.init(config, rank=2), tmp_path / "ok.safetensors")
+    raw = (tmp_path / "ok.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [1, 1]
+    text = json.dumps(header).encode()
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    with pytest.raises(weights.CheckpointError) as got:
+        lora.load(bad, config)
+    with pytest.raises(weights.CheckpointError) as want:
+        weights.load(bad, config=config)
+    assert str(got.value) == str(want.value)
+    assert f"bad.safetensors: tensor {name!r}: data_offsets" in str(got.value)
+
+
 def test_alpha_keys_and_metadata_scale():
     """``<module>.alpha`` keys (diffusers' network alphas) and the metadata's lora_alpha /
     alpha_pattern / use_rslora give alpha / rank (or alpha / sqrt(rank)) per module."""

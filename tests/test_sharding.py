@@ -246,7 +246,7 @@ def test_shard_params_refuses_a_misshaped_leaf_before_anything_moves():
     p = fd.init(FLUX1)
     tree = p.flat()
     tree["proj_out.weight"] = torch.zeros(3, 3)
-    bad = fd._pytree.Params(FLUX1, sharding.tree.nest(tree))
+    bad = fd.Params(FLUX1, sharding.tree.nest(tree))
     with pytest.raises(ValueError, match=r"params: proj_out.weight: expected shape \(16, 32\), got \(3, 3\)"):
         sharding.shard_params(bad, Mesh())
 

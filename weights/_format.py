@@ -127,9 +127,16 @@ def _read_raw_header(path: str, f, size: int) -> tuple[int, bytes]:
     if n > MAX_HEADER or 8 + n > size:
         raise CheckpointError(
             f"{path}: corrupt header: its length field says {n} bytes, but the file has {size - 8} bytes "
-            f"after it (and the limit is {MAX_HEADER}); not a safetensors file, or truncated"
+            f"after it (and the limit is {MAX_HEADER}); not a safetensors file, or truncated" + _pickle_hint(head)
         )
     return n, f.read(n)
+
+
+def _pickle_hint(head: bytes) -> str:
+    """What to say of a file whose first bytes are torch.save's (a zip, or a raw pickle)."""
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+        return " (it starts like a pickle (torch.save) file, which is refused: convert it to safetensors)"
+    return ""
 
 
 def _parse_json(path: str, raw: bytes) -> dict:
@@ -187,6 +194,19 @@ def _check_tiling(path: str, infos: dict[str, TensorInfo], start: int, data_size
             f"{path}: the header describes {pos - start} bytes of tensor data, but the file holds "
             f"{data_size}" + (" (truncated)" if pos > start + data_size else " (trailing bytes)")
         )
+
+
+def read_tensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of the safetensors file ``path`` and its metadata, the header
+    validated by `read_header` first (so pickles and corrupt files are refused alike)."""
+    from safetensors import safe_open
+
+    infos, metadata = read_header(path)
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            return {name: f.get_tensor(name) for name in infos}, metadata
+    except Exception as e:  # safetensors raises its own error types; name the file
+        raise CheckpointError(f"{path}: cannot be read: {e}") from e
 
 
 class Reader:

@@ -16,6 +16,7 @@ import torch
 
 import functional_dit as fd
 import sharding
+from sharding.internal import is_dtensor
 from sharding.tree import flatten
 
 from . import _commit
@@ -207,12 +208,8 @@ def _diffusers_version() -> str:
         return "0.0.0"
 
 
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
 def _mesh_of(flat: dict):
-    meshes = {id(t.device_mesh): t.device_mesh for t in flat.values() if _is_dtensor(t)}
+    meshes = {id(t.device_mesh): t.device_mesh for t in flat.values() if is_dtensor(t)}
     if len(meshes) > 1:
         raise ValueError(f"params: leaves live on {len(meshes)} different meshes; expected one")
     return next(iter(meshes.values()), None)
@@ -221,7 +218,7 @@ def _mesh_of(flat: dict):
 def _full(t: torch.Tensor, spec) -> torch.Tensor:
     """The whole tensor; a DTensor leaf is gathered with `sharding.unshard` (every rank
     takes part), one leaf at a time. The writer copies it to the host."""
-    if not _is_dtensor(t):
+    if not is_dtensor(t):
         return t.detach()
     placement = sharding.placement_of(t, spec)
     return sharding.unshard({"t": t}, plan={"t": placement})["t"].detach()

@@ -22,6 +22,7 @@ import time
 import torch
 
 import sharding
+from sharding.internal import is_dtensor
 
 from .. import api as _api
 from ..nn import kernels as _kernels
@@ -337,9 +338,7 @@ def _tp_rank(rank, world, port, name, config, runs, dtype, shape_kw, out_path):
             err = _err(contenders["ours"](), contenders["diffusers"]())
         med = alternate(contenders, runs, "cpu")
         mine = sharding.local_bytes(ours)
-        theirs = sum(
-            (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in module.parameters()
-        )
+        theirs = sum((p.to_local() if is_dtensor(p) else p).numel() * p.element_size() for p in module.parameters())
         if rank == 0:
             torch.save(dict(tp_ours=med["ours"], tp_diffusers=med["diffusers"], tp_err=err, bytes_ours=mine,
                             bytes_diffusers=theirs), out_path)  # fmt: skip

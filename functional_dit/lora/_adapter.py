@@ -23,17 +23,17 @@ from collections.abc import Mapping
 
 import torch
 
-from sharding.tree import flatten, nest
+from sharding.tree import flatten, get, nest
 
-from .. import api as _api
 from ..params import Params, ParamSpec, register_tree_node
 
 RANK = "lora_rank"  # logical axis of a factor's rank dim; no rule maps it: replicated
 
 
 def linear_modules(config) -> dict[str, ParamSpec]:
-    """``{module path: weight ParamSpec}`` of every linear layer of a base model config."""
-    specs = flatten(_api.param_specs(config))
+    """``{module path: weight ParamSpec}`` of every linear layer of a base model config
+    (read through the one-method protocol ``config.param_specs()``, as `sharding.plan` does)."""
+    specs = flatten(config.param_specs())
     return {k[: -len(".weight")]: s for k, s in specs.items() if k.endswith(".weight") and len(s.shape) == 2}
 
 
@@ -91,10 +91,7 @@ class Adapter(Params):
     __slots__ = ()
 
     def factors(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
-        node = self.tree
-        for name in module.split("."):
-            node = node[name]
-        return node["lora_A"]["weight"], node["lora_B"]["weight"]
+        return get(self.tree, f"{module}.lora_A.weight"), get(self.tree, f"{module}.lora_B.weight")
 
     def replace(self, tree: Mapping) -> Adapter:
         return Adapter(self.config, tree)
@@ -112,7 +109,14 @@ register_tree_node(Adapter, lambda a: a.config, Adapter)
 
 
 def base_config(params_or_config):
-    return params_or_config.config if isinstance(params_or_config, Params) else params_or_config
+    """The base model config of ``params_or_config`` (`Params` or a model config)."""
+    config = params_or_config.config if isinstance(params_or_config, Params) else params_or_config
+    if not callable(getattr(config, "param_specs", None)):
+        raise ValueError(
+            f"params_or_config: expected Params or a model config (fd.as_config(name) for a preset), "
+            f"got {type(params_or_config).__name__}"
+        )
+    return config
 
 
 def init(

@@ -19,7 +19,8 @@ import numbers
 import torch
 
 import sharding
-from sharding.tree import flatten
+from sharding.internal import like
+from sharding.tree import copy_path, flatten, map_tree
 
 from ..params import Params
 from ._adapter import Adapter
@@ -91,17 +92,9 @@ def attach(params: Params, pairs) -> Params:
             A, B = ad.factors(m)
             if m in column:
                 A = _replicated_input(A, column[m])
-            node = _copy_path(tree, m)
+            node = copy_path(tree, m)
             node[LORA] = node.get(LORA, ()) + ((A, B, scale * ad.config.scale(m)),)
     return Params(params.config, tree)  # not .replace: the tree now holds (A, B, s) tuples, not only tensors
-
-
-def _copy_path(tree: dict, path: str) -> dict:
-    node = tree
-    for name in path.split("."):
-        node[name] = dict(node[name])
-        node = node[name]
-    return node
 
 
 def merge(params: Params, adapter: Adapter, scale: float = 1.0) -> Params:
@@ -116,23 +109,5 @@ def merge(params: Params, adapter: Adapter, scale: float = 1.0) -> Params:
         A, B = ad.factors(m)
         W = new[f"{m}.weight"]
         delta = (B.float() @ A.float()) * (scale * ad.config.scale(m))
-        flat[f"{m}.weight"] = _rewrap((W.float() + delta).to(W.dtype), flat[f"{m}.weight"])
-    return Params(params.config, _nest_like(params.tree, flat))
-
-
-def _rewrap(local: torch.Tensor, like):
-    """``local`` as a DTensor placed like ``like`` when that is one."""
-    if type(like) is torch.Tensor or not hasattr(like, "device_mesh"):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-    )
-
-
-def _nest_like(tree, flat: dict, prefix: str = "") -> dict:
-    return {
-        k: _nest_like(v, flat, f"{prefix}{k}.") if isinstance(v, dict) else flat[f"{prefix}{k}"]
-        for k, v in tree.items()
-    }
+        flat[f"{m}.weight"] = like((W.float() + delta).to(W.dtype), flat[f"{m}.weight"])  # DTensor if W was
+    return Params(params.config, map_tree(lambda path, _: flat[path], params.tree))

@@ -4,8 +4,9 @@
 every unknown module, missing or extra factor, rank or shape mismatch), reads the
 scaling from ``alpha`` keys or diffusers' ``lora_adapter_metadata`` (``lora_alpha``,
 ``alpha_pattern``, ``use_rslora``) and refuses DoRA and LoRA biases, which it does not
-implement. `load` reads only safetensors: pickles (``.bin``, ``.pt``, ``.ckpt``) can run
-code when loaded and are refused.
+implement. `load` reads only safetensors, through `weights`' reader (``weights.internal``):
+pickles can run code when loaded and are refused, and a corrupt header is the same
+`weights.CheckpointError` (a ValueError) a checkpoint's would be.
 """
 
 from __future__ import annotations
@@ -20,28 +21,26 @@ import torch
 
 import sharding
 from sharding.tree import nest
+from weights.internal import read_tensors
 
-from .. import api as _api
+from ..api import PRESETS, config_to_diffusers
 from ..params import Params
 from . import _layouts
 from ._adapter import Adapter, LoraConfig, base_config, linear_modules
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes
 METADATA_KEY = "lora_adapter_metadata"  # diffusers' safetensors metadata entry
 
 
 def _family(config) -> str:
-    return _api.config_to_diffusers(config)["_class_name"]
+    return config_to_diffusers(config)["_class_name"]
 
 
 def _index(config) -> dict:
     """``{source module name: [Target]}`` for ``config``: diffusers names, BFL names and
     both in Kohya's underscored form."""
     shapes = {m: s.shape for m, s in linear_modules(config).items()}
-    count = lambda prefix: len({m.split(".")[1] for m in shapes if m.startswith(prefix + ".")})  # noqa: E731
-    blocks = {"double_blocks": count("transformer_blocks"), "single_blocks": count("single_transformer_blocks")}
-    index = _layouts.source_index(_layouts.BFL_TABLES.get(_family(config), ()), shapes, blocks)
+    index = _layouts.source_index(_layouts.bfl_table(_family(config)), shapes)
     index.update({_layouts.kohya_name(k): v for k, v in list(index.items())})
     return index
 
@@ -101,61 +100,77 @@ def from_state_dict(state: Mapping[str, torch.Tensor], params_or_config, metadat
     meta = _metadata(metadata)
     _refuse_unsupported(state, meta)
     index, known = _index(config), linear_modules(config)
-    other = [k for k in state if k.startswith(_layouts.OTHER_COMPONENTS)]
-    if other:
-        warnings.warn(f"lora: skipped {len(other)} keys of other pipeline components, e.g. {other[:2]}", stacklevel=3)
-    sources, problems = {}, []  # source module -> {"A": t, "B": t, "alpha": t}
-    for key, value in state.items():
-        if key in other:
-            continue
-        parts = _split_key(key)
-        if parts is None:
-            problems.append(f"{key}: not a LoRA factor (expected .lora_A/.lora_B/.lora_down/.lora_up.weight or .alpha)")
-            continue
-        name, factor, _ = parts
-        name = _strip(name)
-        if name not in index:
-            problems.append(f"{key}: no linear layer {name!r} in {type(config).__name__}")
-            continue
-        sources.setdefault(name, {})[factor] = value
-    flat, modules, seen, assumed = {}, [], {}, []
+    sources, problems = _group(state, index, config)
+    flat, modules, assumed = {}, [], []
+    seen: dict[str, str] = {}  # diffusers module -> the source module that gave it
     for name, f in sources.items():
         err = _check_source(name, f, index[name], known)
         if err:
             problems.append(err)
             continue
-        A, B = f["A"], f["B"]
-        r = A.shape[0]
-        alpha = float(f["alpha"]) if "alpha" in f else None
         for tgt in index[name]:
             if tgt.module in seen:
                 problems.append(f"{tgt.module}: given twice (as {seen[tgt.module]!r} and {name!r})")
                 continue
             seen[tgt.module] = name
-            b = B if (tgt.start, tgt.stop) == (0, B.shape[0]) else B[tgt.start : tgt.stop].contiguous()
-            if tgt.swap:
-                b = torch.cat(b.chunk(2, 0)[::-1], 0)
-            a_alpha = alpha if alpha is not None else _pattern_value(meta.get("alpha_pattern"), tgt.module, None)
-            if a_alpha is None and "lora_alpha" not in meta:
-                assumed.append(tgt.module)
-            if a_alpha is None:
-                a_alpha = meta.get("lora_alpha", r)
-            want_r = _pattern_value(meta.get("rank_pattern"), tgt.module, meta.get("r", r))
-            if want_r != r:
-                problems.append(f"{tgt.module}: rank {r} in the factors, {want_r} in the file's metadata")
-            flat[f"{tgt.module}.lora_A.weight"] = A
-            flat[f"{tgt.module}.lora_B.weight"] = b
-            modules.append((tgt.module, r, float(a_alpha)))
+            modules.append(_target_module(tgt, f, meta, problems, assumed))
+            flat[f"{tgt.module}.lora_A.weight"], flat[f"{tgt.module}.lora_B.weight"] = f["A"], _rows(f["B"], tgt)
     if problems or not modules:
         raise ValueError(_report(config, problems or ["no LoRA factors in the file"], state))
     if assumed:
         warnings.warn(_ASSUMED_ALPHA.format(n=len(assumed), of=len(modules), first=assumed[0]), stacklevel=3)
+    return _adapter(config, modules, flat, meta, known)
+
+
+def _group(state: Mapping, index: dict, config) -> tuple[dict[str, dict], list[str]]:
+    """``({source module: {"A": t, "B": t, "alpha": t}}, problems)`` from the file's keys;
+    keys of other pipeline components are skipped with a warning."""
+    other = [k for k in state if k.startswith(_layouts.OTHER_COMPONENTS)]
+    if other:
+        warnings.warn(f"lora: skipped {len(other)} keys of other pipeline components, e.g. {other[:2]}", stacklevel=4)
+    sources, problems, skip = {}, [], set(other)
+    for key, value in state.items():
+        if key in skip:
+            continue
+        parts = _split_key(key)
+        if parts is None:
+            problems.append(f"{key}: not a LoRA factor (expected .lora_A/.lora_B/.lora_down/.lora_up.weight or .alpha)")
+            continue
+        name = _strip(parts[0])
+        if name not in index:
+            problems.append(f"{key}: no linear layer {name!r} in {type(config).__name__}")
+            continue
+        sources.setdefault(name, {})[parts[1]] = value
+    return sources, problems
+
+
+def _rows(B: torch.Tensor, tgt) -> torch.Tensor:
+    """The target's rows of a source's up factor, halves swapped where its layout says so."""
+    b = B if (tgt.start, tgt.stop) == (0, B.shape[0]) else B[tgt.start : tgt.stop].contiguous()
+    return torch.cat(b.chunk(2, 0)[::-1], 0) if tgt.swap else b
+
+
+def _target_module(tgt, f: dict, meta: dict, problems: list, assumed: list) -> tuple[str, int, float]:
+    """``(module, rank, alpha)`` of one target: alpha from the source's ``.alpha`` key, else
+    the metadata's ``alpha_pattern`` / ``lora_alpha``, else the rank (noted in ``assumed``);
+    a rank the metadata contradicts is a problem."""
+    r = f["A"].shape[0]
+    alpha = float(f["alpha"]) if "alpha" in f else _pattern_value(meta.get("alpha_pattern"), tgt.module, None)
+    if alpha is None and "lora_alpha" not in meta:
+        assumed.append(tgt.module)
+    want_r = _pattern_value(meta.get("rank_pattern"), tgt.module, meta.get("r", r))
+    if want_r != r:
+        problems.append(f"{tgt.module}: rank {r} in the factors, {want_r} in the file's metadata")
+    return tgt.module, r, float(meta.get("lora_alpha", r) if alpha is None else alpha)
+
+
+def _adapter(config, modules: list, flat: dict, meta: dict, known: dict) -> Adapter:
+    """The `Adapter` of ``modules`` in the base model's module order."""
     order = {m: i for i, m in enumerate(known)}
     modules.sort(key=lambda m: order[m[0]])
     lcfg = LoraConfig(config, tuple(modules), bool(meta.get("use_rslora", False)))
-    return Adapter(
-        lcfg, nest({k: flat[k] for m, _, _ in modules for k in (f"{m}.lora_A.weight", f"{m}.lora_B.weight")})
-    )
+    keys = [f"{m}.lora_{x}.weight" for m, _, _ in modules for x in "AB"]
+    return Adapter(lcfg, nest({k: flat[k] for k in keys}))
 
 
 _ASSUMED_ALPHA = (
@@ -202,9 +217,7 @@ def _other_family(config, state) -> str:
     names = {_strip(p[0]) for k in state if (p := _split_key(k)) is not None}
     names = {re.sub(r"\.\d+\.", ".{}.", n) for n in names}
     best = None
-    import functional_dit  # late: PRESETS is built after this package's parents import
-
-    for preset in functional_dit.PRESETS.values():
+    for preset in PRESETS.values():
         if type(preset) is type(config):
             continue
         idx = {re.sub(r"\.\d+\.", ".{}.", k) for k in _index(preset)}
@@ -221,15 +234,13 @@ def _other_family(config, state) -> str:
 
 def _fitting_presets(config, state) -> list[str]:
     """The presets (other than ``config``) every LoRA layer of ``state`` fits, names and shapes."""
-    import functional_dit  # late, as in _other_family
-
     groups: dict[str, dict] = {}
     for key, value in state.items():
         parts = _split_key(key)
         if parts is not None and parts[1] in ("A", "B") and not key.startswith(_layouts.OTHER_COMPONENTS):
             groups.setdefault(_strip(parts[0]), {})[parts[1]] = value
     fits = []
-    for name, preset in functional_dit.PRESETS.items():
+    for name, preset in PRESETS.items():
         if preset == config or not groups:
             continue
         index, known = _index(preset), linear_modules(preset)
@@ -238,33 +249,13 @@ def _fitting_presets(config, state) -> list[str]:
     return fits
 
 
-def _read(path) -> tuple[dict, dict | None]:
+def _read(path) -> tuple[dict, dict]:
+    """The tensors and metadata of a LoRA file (a folder: diffusers' file in it), read by
+    `weights`' one policy: pickles refused, the header validated before any tensor."""
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, DIFFUSERS_FILE)
-    if path.endswith(PICKLE_SUFFIXES) or _is_pickle(path):
-        raise ValueError(
-            f"path: {path!r} is a pickle (torch.save) file; pickles can run arbitrary code when loaded and are "
-            "refused. Convert it to safetensors with a tool you trust"
-        )
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
-    except FileNotFoundError:
-        raise
-    except Exception as e:  # safetensors raises its own error types for a bad header
-        raise ValueError(f"path: {path!r} is not a safetensors file ({e})") from e
-
-
-def _is_pickle(path: str) -> bool:
-    """torch.save writes a zip (``PK``) or a raw pickle (protocol byte 0x80)."""
-    if not os.path.isfile(path):
-        return False
-    with open(path, "rb") as f:
-        head = f.read(4)
-    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
+    return read_tensors(path)
 
 
 def load(path, params, mesh=None, dtype=None, device=None) -> Adapter:

@@ -3,10 +3,11 @@
 A LoRA file names *modules* (``transformer_blocks.0.attn.to_q``) and stores two
 factors per module — ``lora_A`` / ``lora_B`` in the diffusers/PEFT layout,
 ``lora_down`` / ``lora_up`` in Kohya's (sd-scripts) — plus an optional ``alpha``.
-The tables below map the Black Forest Labs module names that the FLUX checkpoints,
-their trainers (Kohya ``lora_unet_double_blocks_0_img_attn_qkv``) and ComfyUI
-(``diffusion_model.double_blocks.0.img_attn.qkv``) use to the diffusers modules, as
-the checkpoint tables in ``weights/_layouts.py`` do for the weights themselves:
+Black Forest Labs module names (the FLUX checkpoints, their trainers' Kohya
+``lora_unet_double_blocks_0_img_attn_qkv``, ComfyUI's
+``diffusion_model.double_blocks.0.img_attn.qkv``) are read through the checkpoint
+tables of `weights` (``weights.BFL_TABLES``), the one home of the BFL names; a rule's
+transform means for the factors:
 
 - ``rename``: the module is stored under another name;
 - ``split``: a fused projection (BFL ``qkv``, FLUX.1 ``linear1``) whose output rows
@@ -16,89 +17,18 @@ the checkpoint tables in ``weights/_layouts.py`` do for the weights themselves:
 - ``swap_scale_shift``: the two halves of the output rows are stored in the other
   order (BFL's final AdaLN), so ``B``'s row halves swap.
 
-The mapping mirrors diffusers' ``_convert_kohya_flux_lora_to_diffusers`` and
-``_convert_non_diffusers_flux2_lora_to_diffusers`` (``loaders/lora_conversion_utils.py``).
+Rules for non-linear modules (the QK norms) name no linear layer and are skipped. The
+mapping mirrors diffusers' ``_convert_kohya_flux_lora_to_diffusers``,
+``_convert_non_diffusers_flux2_lora_to_diffusers`` and
+``_convert_non_diffusers_flux3_lora_to_diffusers`` (``loaders/lora_conversion_utils.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    src: str  # source module template, "{}" = block index
-    dst: tuple[str, ...]  # diffusers module templates
-    transform: str = "rename"  # "rename" | "split" | "swap_scale_shift"
-
-
-def _r(src: str, dst: str) -> Rule:
-    return Rule(src, (dst,))
-
-
-def _split(src: str, *dst: str) -> Rule:
-    return Rule(src, dst, "split")
-
-
-_QKV = tuple(f"transformer_blocks.{{}}.attn.to_{x}" for x in "qkv")
-_ADD_QKV = tuple(f"transformer_blocks.{{}}.attn.add_{x}_proj" for x in "qkv")
-
-FLUX1 = (
-    _r("time_in.in_layer", "time_text_embed.timestep_embedder.linear_1"),
-    _r("time_in.out_layer", "time_text_embed.timestep_embedder.linear_2"),
-    _r("guidance_in.in_layer", "time_text_embed.guidance_embedder.linear_1"),
-    _r("guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_2"),
-    _r("vector_in.in_layer", "time_text_embed.text_embedder.linear_1"),
-    _r("vector_in.out_layer", "time_text_embed.text_embedder.linear_2"),
-    _r("txt_in", "context_embedder"),
-    _r("img_in", "x_embedder"),
-    _r("double_blocks.{}.img_mod.lin", "transformer_blocks.{}.norm1.linear"),
-    _r("double_blocks.{}.txt_mod.lin", "transformer_blocks.{}.norm1_context.linear"),
-    _split("double_blocks.{}.img_attn.qkv", *_QKV),
-    _split("double_blocks.{}.txt_attn.qkv", *_ADD_QKV),
-    _r("double_blocks.{}.img_attn.proj", "transformer_blocks.{}.attn.to_out.0"),
-    _r("double_blocks.{}.txt_attn.proj", "transformer_blocks.{}.attn.to_add_out"),
-    _r("double_blocks.{}.img_mlp.0", "transformer_blocks.{}.ff.net.0.proj"),
-    _r("double_blocks.{}.img_mlp.2", "transformer_blocks.{}.ff.net.2"),
-    _r("double_blocks.{}.txt_mlp.0", "transformer_blocks.{}.ff_context.net.0.proj"),
-    _r("double_blocks.{}.txt_mlp.2", "transformer_blocks.{}.ff_context.net.2"),
-    _r("single_blocks.{}.modulation.lin", "single_transformer_blocks.{}.norm.linear"),
-    _split(
-        "single_blocks.{}.linear1",
-        *(f"single_transformer_blocks.{{}}.attn.to_{x}" for x in "qkv"),
-        "single_transformer_blocks.{}.proj_mlp",
-    ),
-    _r("single_blocks.{}.linear2", "single_transformer_blocks.{}.proj_out"),
-    Rule("final_layer.adaLN_modulation.1", ("norm_out.linear",), "swap_scale_shift"),
-    _r("final_layer.linear", "proj_out"),
-)
-
-FLUX2 = (
-    _r("time_in.in_layer", "time_guidance_embed.timestep_embedder.linear_1"),
-    _r("time_in.out_layer", "time_guidance_embed.timestep_embedder.linear_2"),
-    _r("guidance_in.in_layer", "time_guidance_embed.guidance_embedder.linear_1"),
-    _r("guidance_in.out_layer", "time_guidance_embed.guidance_embedder.linear_2"),
-    _r("double_stream_modulation_img.lin", "double_stream_modulation_img.linear"),
-    _r("double_stream_modulation_txt.lin", "double_stream_modulation_txt.linear"),
-    _r("single_stream_modulation.lin", "single_stream_modulation.linear"),
-    _r("img_in", "x_embedder"),
-    _r("txt_in", "context_embedder"),
-    _split("double_blocks.{}.img_attn.qkv", *_QKV),
-    _split("double_blocks.{}.txt_attn.qkv", *_ADD_QKV),
-    _r("double_blocks.{}.img_attn.proj", "transformer_blocks.{}.attn.to_out.0"),
-    _r("double_blocks.{}.txt_attn.proj", "transformer_blocks.{}.attn.to_add_out"),
-    _r("double_blocks.{}.img_mlp.0", "transformer_blocks.{}.ff.linear_in"),
-    _r("double_blocks.{}.img_mlp.2", "transformer_blocks.{}.ff.linear_out"),
-    _r("double_blocks.{}.txt_mlp.0", "transformer_blocks.{}.ff_context.linear_in"),
-    _r("double_blocks.{}.txt_mlp.2", "transformer_blocks.{}.ff_context.linear_out"),
-    _r("single_blocks.{}.linear1", "single_transformer_blocks.{}.attn.to_qkv_mlp_proj"),
-    _r("single_blocks.{}.linear2", "single_transformer_blocks.{}.attn.to_out"),
-    Rule("final_layer.adaLN_modulation.1", ("norm_out.linear",), "swap_scale_shift"),
-    _r("final_layer.linear", "proj_out"),
-)
-
-# diffusers class -> its BFL module table (Qwen-Image LoRAs use the diffusers names)
-BFL_TABLES = {"FluxTransformer2DModel": FLUX1, "Flux2Transformer2DModel": FLUX2}
+from weights import BFL_TABLES, Rule
 
 # Prefixes stripped from module names, longest first: diffusers pipelines save
 # ``transformer.``; a raw PEFT model ``base_model.model.``; ComfyUI and BFL
@@ -129,27 +59,42 @@ class Target:
     swap: bool = False
 
 
-def _fill(template: str, i: int | None) -> str:
-    return template if i is None else template.replace("{}", str(i))
+def bfl_table(diffusers_class: str) -> tuple[Rule, ...]:
+    """The BFL module table of a diffusers class (none: its LoRAs use diffusers' names)."""
+    return BFL_TABLES.get(diffusers_class, ())
 
 
-def source_index(table, shapes: dict[str, tuple[int, int]], blocks: dict[str, int]) -> dict[str, list[Target]]:
+def _fill(template: str, i: str | None) -> str:
+    return template if i is None else template.replace("{}", i)
+
+
+def _block_indices(template: str, modules) -> list[str | None]:
+    """The block indices ``{}`` takes among ``modules`` ([None] for a template without one)."""
+    if "{}" not in template:
+        return [None]
+    pattern = re.compile(re.escape(template).replace(r"\{\}", r"(\d+)") + r"\Z")
+    return sorted({m.group(1) for name in modules if (m := pattern.match(name))}, key=int)
+
+
+def _targets(rule: Rule, dst: list[str], shapes: dict) -> list[Target]:
+    targets, row = [], 0
+    for d in dst:
+        n = shapes[d][0]
+        targets.append(Target(d, row, row + n, rule.transform == "swap_scale_shift"))
+        row += n
+    return targets
+
+
+def source_index(table, shapes: dict[str, tuple[int, int]]) -> dict[str, list[Target]]:
     """``{source module: [Target, ...]}`` for a model whose linear modules have weight
-    ``shapes`` (diffusers module -> (out, in)); ``blocks`` gives the block count per
-    template prefix. Every diffusers module maps to itself; the table adds the BFL names."""
+    ``shapes`` (diffusers module -> (out, in)). Every diffusers module maps to itself;
+    the ``table`` (`weights.Rule` s) adds the BFL names of the blocks the model has."""
     index = {m: [Target(m, 0, s[0])] for m, s in shapes.items()}
     for rule in table:
-        counts = [None] if "{}" not in rule.src else range(blocks.get(rule.src.split(".")[0], 0))
-        for i in counts:
+        for i in _block_indices(rule.dst[0], shapes):
             dst = [_fill(d, i) for d in rule.dst]
-            if not all(d in shapes for d in dst):
-                continue  # e.g. guidance_in on a model without guidance embeds
-            targets, row = [], 0
-            for d in dst:
-                n = shapes[d][0]
-                targets.append(Target(d, row, row + n, rule.transform == "swap_scale_shift"))
-                row += n
-            index[_fill(rule.src, i)] = targets
+            if all(d in shapes for d in dst):  # else e.g. guidance_in without guidance embeds, or a norm
+                index[_fill(rule.src, i)] = _targets(rule, dst, shapes)
     return index
 
 

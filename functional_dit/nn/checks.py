@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from sharding.tree import get
+
 from ..params import COMPUTE_DTYPES
 
 
@@ -84,10 +86,7 @@ def check_ids(name: str, ids, seq: int, n_axes: int, batch: int, device=None) ->
 
 def reference_leaf(params, path: str) -> torch.Tensor:
     """The leaf whose dtype and device define the model's (``x_embedder.weight``, say)."""
-    node = params.tree
-    for k in path.split("."):
-        node = node[k]
-    return node
+    return get(params.tree, path)
 
 
 def check_rope(rope, rows: int, head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:

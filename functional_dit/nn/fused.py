@@ -27,7 +27,8 @@ import weakref
 import torch
 import torch.utils._pytree
 
-import sharding
+from sharding.internal import is_dtensor, like, local_tensor
+from sharding.tree import get, map_tree, put
 
 from ..params import Params
 
@@ -89,7 +90,7 @@ def active(params, groups, inputs) -> bool:
     for blocks_key, block_groups in groups.items():
         for block in (params.tree.get(blocks_key) or {}).values():
             try:
-                ps = [_get(block, path) for path in block_groups[0]]
+                ps = [get(block, path) for path in block_groups[0]]
             except KeyError:
                 return False
             if fused(ps) is None:
@@ -106,7 +107,7 @@ def kernels(params, groups) -> str:
     for blocks_key, block_groups in groups.items():
         for block in (params.tree.get(blocks_key) or {}).values():
             try:
-                w = _get(block, f"{block_groups[0][0]}.weight")
+                w = get(block, f"{block_groups[0][0]}.weight")
             except KeyError:
                 return "auto"
             return _MODES.get(w.untyped_storage().data_ptr(), "auto")
@@ -120,12 +121,6 @@ def _functorch_wrapped(t: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------- prepare
 
 
-def _get(tree, path: str):
-    for key in path.split("."):
-        tree = tree[key]
-    return tree
-
-
 def _remember(buffer: torch.Tensor, mode: str) -> None:
     ptr = buffer.untyped_storage().data_ptr()
     _MODES[ptr] = mode
@@ -136,11 +131,10 @@ def _concat_rows(leaves: list, mode: str = "auto") -> list:
     """New leaves with the values of ``leaves``, row views of one fresh buffer (for
     DTensor leaves: of one local buffer, each re-wrapped with its placements); the buffer
     remembers the kernels ``mode``."""
-    DTensor = sharding._shard._dtensor_cls()
-    is_d = [DTensor is not None and isinstance(t, DTensor) for t in leaves]
+    is_d = [is_dtensor(t) for t in leaves]
     if any(is_d) and not all(is_d):
         return leaves
-    local = [t._local_tensor if d else t for t, d in zip(leaves, is_d)]
+    local = [local_tensor(t) for t in leaves]
     if len({(t.dtype, t.device, t.shape[1:]) for t in local}) != 1:
         return leaves
     buffer = torch.cat([t.detach() for t in local])
@@ -148,21 +142,7 @@ def _concat_rows(leaves: list, mode: str = "auto") -> list:
     views = list(buffer.split([t.shape[0] for t in local]))
     if not any(is_d):
         return views
-    return [
-        DTensor.from_local(v, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-        for v, t in zip(views, leaves)
-    ]
-
-
-def _set(tree: dict, path: str, value) -> None:
-    *parents, leaf = path.split(".")
-    for key in parents:
-        tree = tree[key]
-    tree[leaf] = value
-
-
-def _copy_dicts(tree):
-    return {k: _copy_dicts(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    return [like(v, t) for v, t in zip(views, leaves)]
 
 
 def prepare(params: Params, groups, kernels: str = "auto") -> Params:
@@ -174,16 +154,16 @@ def prepare(params: Params, groups, kernels: str = "auto") -> Params:
             "params: prepare is for inference and copies the fused projections into new buffers that do not "
             "require grad; got params that require grad (train with the params as they are)"
         )
-    tree = _copy_dicts(params.tree)
+    tree = map_tree(lambda _, leaf: leaf, params.tree)  # new dicts, the same leaves
     for blocks_key, block_groups in groups.items():
         for block in tree.get(blocks_key, {}).values():
             for group in block_groups:
                 for leaf in ("weight", "bias"):
                     paths = [f"{p}.{leaf}" for p in group]
                     try:
-                        leaves = [_get(block, p) for p in paths]
+                        leaves = [get(block, p) for p in paths]
                     except KeyError:
                         continue
                     for path, new in zip(paths, _concat_rows(leaves, kernels)):
-                        _set(block, path, new)
+                        put(block, path, new)
     return params.replace(tree)

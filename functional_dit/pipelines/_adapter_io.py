@@ -85,7 +85,7 @@ def load_options(kwargs: dict, device) -> dict:
 def check_weights(path: str, variant) -> None:
     """NoWeightsError when ``path`` is a model folder (a config.json) lacking the weights
     of ``variant``, worded as diffusers words it."""
-    from weights._source import variant_names
+    from weights.internal import variant_names
 
     single, index = variant_names(variant)
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
@@ -110,7 +110,7 @@ def save_variant(params, directory: str, variant: str, max_shard_size) -> None:
     .safetensors``, or shards ``...-0000i-of-0000n.<v>.safetensors`` with the index
     ``diffusion_pytorch_model.safetensors.index.<v>.json``; other files are left alone."""
     import weights
-    from weights._source import variant_names
+    from weights.internal import variant_names
 
     single, index = variant_names(variant)
     os.makedirs(directory, exist_ok=True)

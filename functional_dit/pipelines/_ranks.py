@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from sharding._replicated import _describe
+from sharding.internal import describe as _describe
 
 
 @dataclasses.dataclass(frozen=True)

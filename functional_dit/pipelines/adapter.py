@@ -42,6 +42,7 @@ import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
 
+from sharding.internal import is_dtensor
 from sharding.tree import nest
 
 from ..api import config_to_diffusers, family
@@ -361,7 +362,7 @@ class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelM
         """Apply ``lora`` — a list of ``(adapter, scale)`` pairs of `functional_dit.lora`
         adapters made for these params, or None / [] for none — on the fly in every
         forward from now on. Sharded params need the adapters on the same mesh."""
-        from ..lora import _apply as lora_apply
+        from ..lora import internal as lora_apply
 
         pairs = [] if not lora else lora_apply.check(self.params, lora)
         self.__dict__["_lora"] = list(pairs)
@@ -485,7 +486,7 @@ class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelM
         if variant is None:
             weights.save(params, os.fspath(save_directory), max_shard_size=size)
             return
-        if any(hasattr(t, "placements") for t in params.leaves()):
+        if any(is_dtensor(t) for t in params.leaves()):
             raise ValueError(
                 f"variant: saving a variant needs plain (unsharded) params, got sharded ones ({variant!r})"
             )

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 import sharding
+from sharding.internal import is_dtensor
 
 from .. import api as _api
 from .. import flux1, flux2
@@ -159,7 +160,7 @@ def _check_steps(steps, sigmas) -> tuple[int, list | None]:
 
 def _param_device_dtype(params: Params):
     leaf = next(iter(params.flat().values()))
-    if hasattr(leaf, "to_local"):  # a DTensor: the local shard's device
+    if is_dtensor(leaf):  # the local shard's device
         leaf = leaf.to_local()
     return leaf.device, leaf.dtype
 

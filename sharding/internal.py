@@ -1,0 +1,52 @@
+"""Names `sharding` shares with the other packages of this repository but not with its
+users (the ``equinox.internal`` idea): the one way to ask "is this a DTensor", to build
+one placed like another, and the checksum `check_replicated` compares ranks by.
+
+DTensor is imported only when asked for, and only where ``torch.distributed`` exists
+(some builds ship without it): a plain tensor is never a DTensor there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._replicated import describe
+
+
+@functools.cache
+def dtensor_cls():
+    """``torch.distributed.tensor.DTensor``, or None where torch has no distributed support."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def is_dtensor(x) -> bool:
+    """Whether ``x`` is a DTensor (a sharded leaf)."""
+    cls = dtensor_cls()
+    return cls is not None and isinstance(x, cls)
+
+
+def local_tensor(x):
+    """This rank's shard of a DTensor ``x`` (no autograd edge: for values, not gradients);
+    anything else as it is."""
+    return x._local_tensor if is_dtensor(x) else x
+
+
+def like(local: torch.Tensor, ref):
+    """``local`` as a DTensor placed like the DTensor ``ref`` (same mesh, placements,
+    global shape and stride; no communication); ``local`` itself when ``ref`` is none."""
+    if not is_dtensor(ref):
+        return local
+    return dtensor_cls().from_local(
+        local, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape, stride=ref.stride()
+    )
+
+
+__all__ = ["describe", "dtensor_cls", "is_dtensor", "like", "local_tensor"]
