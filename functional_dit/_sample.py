@@ -52,6 +52,8 @@ PIPELINES = {
     "Flux2KleinKVPipeline": "flux2",
     "QwenImagePipeline": "qwenimage",
     "QwenImageEditPipeline": "qwenimage",
+    "QwenImageImg2ImgPipeline": "qwenimage",  # these two: `functional_dit._sample_qwen_image`
+    "QwenImageInpaintPipeline": "qwenimage",
     "QwenImage21Pipeline": "qwenimage21",
     "Flux3ModularPipeline": "flux3",
     "Flux3DistilledModularPipeline": "flux3",
@@ -494,6 +496,7 @@ def _check_ranks(lay, chunks, model, settings: dict) -> None:
             tensors[name] = [getattr(c.cond, field) for c in chunks]
     if getattr(model, "ref", None) is not None:
         tensors["reference latents (image)"] = model.ref
+    tensors.update(getattr(model, "checked", {}))
     _ranks.check(lay, settings, tensors)
 
 
@@ -510,6 +513,9 @@ def sample(
     true_cfg: float | None = None,
     negative_prompt=None,
     image=None,
+    mask_image=None,
+    strength: float | None = None,
+    padding_mask_crop: int | None = None,
     kv_cache: bool | None = None,
     max_sequence_length: int | None = None,
     output_type: str = "pil",
@@ -569,18 +575,23 @@ def sample(
     ``fd.TaylorSeer(...)``, ``fd.MagCache(...)``, a spec such as ``"fbcache:0.08"``, or an
     ``fd.CacheRun`` (which then holds the last state and every step's decisions).
     """
+    from . import _sample_qwen_image as _qi
+
     fam = _family_name(params)
     pipe = as_pipeline(encoders, params)
     _check_args(pipe, height, width, output_type, batch_size)
     steps, sigmas = _check_steps(steps, sigmas)
+    pipe = _qi.pipeline(pipe, steps, output_type, image, mask_image, strength, padding_mask_crop)
     _requests.check_max_sequence_length(fam, max_sequence_length)
     cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
+    cfg = _qi.true_cfg(fam, cfg, negative_prompt, negative_prompt_embeds)
     given = {k: v for k, v in locals().items() if "prompt_embeds" in k}  # the six stock embedding arguments
     req = _requests.requests(fam, prompt, num_images_per_prompt, seed, latents, negative_prompt, cfg is not None, given)
     device, dtype = _param_device_dtype(params)
     local_params, mesh = sharding.local_view(params)
     lay = _ranks.layout(mesh, req.n)
-    model = _family_model(fam, local_params if lay.split else params, pipe, image, kv_cache)
+    img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop)
+    model = _family_model(fam, local_params if lay.split else params, pipe, image, kv_cache, img2img)
     hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
     _check_latents(model, pipe, req, *hw)
     on_step = _on_step(pipe, callback, callback_on_step_end)
@@ -591,6 +602,8 @@ def sample(
     with torch.no_grad():
         if image is not None:
             model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
+        if hasattr(model, "init_latents"):  # img2img, inpainting: the start image's latents
+            req = model.init_latents(req, height, width, device, dtype)
         chunks = [_chunk(model, req, c, job, dtype, device) for c in _chunks(lay.share, batch_size)]
         _check_ranks(lay, chunks, model, _settings(job, pipe, req, lay, model, dtype, (height, width)))
         with sharding.bind(lay.mesh) if lay.split else contextlib.nullcontext():
@@ -623,7 +636,7 @@ def _settings(job: _Job, pipe, req, lay, model, dtype, size) -> dict:
         height=size[0], width=size[1], steps=job.steps, sigmas=sigmas, guidance=job.guidance, true_cfg=job.cfg,
         dtype=dtype, output_type=job.output_type, images=req.n, share=lay.share, batch_size=job.batch_size,
         kv_cache=getattr(model, "kv", None), max_sequence_length=job.max_sequence_length, noise=req.noise[0],
-        cache=None if job.cache is None else repr(job.cache.config),
+        cache=None if job.cache is None else repr(job.cache.config), strength=getattr(model, "strength", None),
     )  # fmt: skip
 
 
@@ -647,7 +660,8 @@ def _run(model, pipe, chunk: _Chunk, job: _Job):
     sched = _scheduler(pipe, job.fam, chunk.x.shape[1], job.steps, device, job.sigmas)
     if hasattr(model, "schedule"):  # FLUX.3's flow map reads the next timestep
         model.schedule(sched)
-    x = _denoise(model, sched, chunk.x, chunk.cond, job.cfg, job.fam == "qwenimage", job.on_step, job.cache)
+    x, on_step = model.begin(sched, chunk, job.on_step) if hasattr(model, "begin") else (chunk.x, job.on_step)
+    x = _denoise(model, sched, x, chunk.cond, job.cfg, job.fam == "qwenimage", on_step, job.cache)
     return x if job.output_type == "latent" else _decode(model, pipe, x, *job.hw, job.output_type)
 
 
@@ -667,10 +681,14 @@ def _on_step(pipe, callback, callback_on_step_end):
     return hook
 
 
-def _family_model(fam: str, params, pipe, image, kv_cache):
+def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict):
     """The per-family sampling steps (`_Flux1`, `_Flux2`, `_Qwen`) after the argument checks."""
     import diffusers
 
+    if type(pipe).__name__ in ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"):
+        from . import _sample_qwen_image
+
+        return _sample_qwen_image.model(params, pipe, image, **img2img)
     if image is not None and (fam == "flux1" or isinstance(pipe, diffusers.QwenImagePipeline)):
         raise ValueError(f"image: a {type(pipe).__name__} takes no reference image; expected None")
     if image is None and isinstance(pipe, diffusers.QwenImageEditPipeline):
@@ -717,7 +735,8 @@ def _decode(model, pipe, x, h: int, w: int, output_type: str):
     z = model.decode_latents(x, h, w).to(pipe.vae.device, pipe.vae.dtype)
     img = pipe.vae.decode(z, return_dict=False)[0]
     img = img[:, :, 0] if img.ndim == 5 else img  # Qwen-Image's VAE has a frame axis
-    return pipe.image_processor.postprocess(img, output_type=output_type)
+    out = pipe.image_processor.postprocess(img, output_type=output_type)
+    return model.overlay(out) if hasattr(model, "overlay") else out
 
 
 def _to(p: Prompt, dtype, device) -> Prompt:
