@@ -111,7 +111,7 @@ def _check_crop(name, crop, image, mask_image, output_type) -> None:
     if not isinstance(image, PIL.Image.Image) or not isinstance(mask_image, PIL.Image.Image):
         raise ValueError("padding_mask_crop: expected one PIL image and one PIL mask_image (as the stock pipeline)")
     if output_type != "pil":
-        raise ValueError(f"output_type: expected 'pil' with padding_mask_crop (as the stock pipeline), got {output_type!r}")
+        raise ValueError(f"output_type: expected 'pil' with padding_mask_crop (as stock), got {output_type!r}")
 
 
 def model(params, pipe, image, mask_image, strength, padding_mask_crop):
@@ -159,7 +159,8 @@ class Img2Img(_Qwen):
         preprocess them (the crop and "fill" resize with ``padding_mask_crop``)."""
         pipe, mode = self.pipe, "default"
         if self.crop is not None:
-            self.crops, mode = pipe.mask_processor.get_crop_region(self.mask_image, width, height, pad=self.crop), "fill"
+            mode = "fill"
+            self.crops = pipe.mask_processor.get_crop_region(self.mask_image, width, height, pad=self.crop)
         kw = dict(height=height, width=width, crops_coords=self.crops, resize_mode=mode)
         pixels = pipe.image_processor.preprocess(self.raw, **kw).to(dtype=torch.float32)
         mask = None if self.mask_image is None else pipe.mask_processor.preprocess(self.mask_image, **kw)
@@ -174,7 +175,7 @@ class Img2Img(_Qwen):
                 raise ValueError(f"{arg}: expected a count that divides the {req.n} images made, got {t.shape[0]}")
         if req.noise[0] == "latents":
             if mask is not None:  # the stock pipeline fails on latents= (its prepare_latents returns early)
-                raise ValueError("latents: QwenImageInpaintPipeline takes no latents (the stock one fails); expected None")
+                raise ValueError("latents: a QwenImageInpaintPipeline takes none (the stock one fails); expected None")
             return req  # the stock img2img starts from the given latents as they are
         gens, noise = _generators(req.noise, pixels.shape[0])
         z = self.pipe._encode_vae_image(pixels.unsqueeze(2).to(device=device, dtype=dtype), generator=gens)
