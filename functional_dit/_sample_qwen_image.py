@@ -85,7 +85,7 @@ def pipeline(pipe, steps: int, output_type: str, image, mask_image, strength, pa
         _check_images("mask_image", mask_image)
     _check_crop(name, padding_mask_crop, image, mask_image, output_type)
     if steps - t_start(steps, _strength(strength)) < 1:
-        raise ValueError(f"strength: expected steps * strength >= 1 (steps={steps}), got {strength!r}")
+        raise ValueError(f"strength: expected more than 0 (it leaves none of the {steps} steps), got {strength!r}")
     return pipe
 
 
