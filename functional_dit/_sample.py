@@ -52,8 +52,9 @@ PIPELINES = {
     "Flux2KleinKVPipeline": "flux2",
     "QwenImagePipeline": "qwenimage",
     "QwenImageEditPipeline": "qwenimage",
-    "QwenImageImg2ImgPipeline": "qwenimage",  # these two: `functional_dit._sample_qwen_image`
+    "QwenImageImg2ImgPipeline": "qwenimage",  # these three: `functional_dit._sample_qwen_image`
     "QwenImageInpaintPipeline": "qwenimage",
+    "QwenImageEditPlusPipeline": "qwenimage",
     "QwenImage21Pipeline": "qwenimage21",
     "Flux3ModularPipeline": "flux3",
     "Flux3DistilledModularPipeline": "flux3",
@@ -685,10 +686,10 @@ def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict):
     """The per-family sampling steps (`_Flux1`, `_Flux2`, `_Qwen`) after the argument checks."""
     import diffusers
 
-    if type(pipe).__name__ in ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"):
-        from . import _sample_qwen_image
+    from . import _sample_qwen_image as _qi
 
-        return _sample_qwen_image.model(params, pipe, image, **img2img)
+    if type(pipe).__name__ in _qi.PIPELINES:
+        return _qi.model(params, pipe, image, **img2img)
     if image is not None and (fam == "flux1" or isinstance(pipe, diffusers.QwenImagePipeline)):
         raise ValueError(f"image: a {type(pipe).__name__} takes no reference image; expected None")
     if image is None and isinstance(pipe, diffusers.QwenImageEditPipeline):

@@ -1,27 +1,34 @@
 """`fd.sample`'s image-to-image and inpainting for Qwen-Image (diffusers'
-``QwenImageImg2ImgPipeline``, ``QwenImageInpaintPipeline``), and the stock rule for
-Qwen-Image's true CFG (none without a negative prompt).
+``QwenImageImg2ImgPipeline``, ``QwenImageInpaintPipeline``), several reference images
+(``QwenImageEditPlusPipeline``), and the stock rule for Qwen-Image's true CFG (none
+without a negative prompt).
 
 Both pipelines encode the start image with the VAE in sampling mode, drawing from the
 generator of the image it belongs to before the noise, start at ``t_start = steps -
 int(steps * strength)`` of the full schedule and noise the image latents to that first
 timestep (``scheduler.scale_noise``). Inpainting then, after every step, puts back the
 image latents noised to the next timestep where the mask is black (0). We reproduce
-each of these in the stock order; docs/sampling.md lists what differs.
+each of these in the stock order. Edit-Plus shows the text encoder every reference at
+about 384² pixels and appends each one's VAE latents (about 1024², distribution mode)
+after the latents, one ``img_shapes`` entry each. docs/sampling.md lists what differs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 
 from . import _requests
+from . import qwenimage as _qwen
 from ._sample import _Qwen
 from ._sample import pack_2x2 as _pack
 
-PIPELINES = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")  # also in `_sample.PIPELINES`
+IMG2IMG = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
+PIPELINES = (*IMG2IMG, "QwenImageEditPlusPipeline")  # also in `_sample.PIPELINES`
+CONDITION_AREA, VAE_AREA = 384 * 384, 1024 * 1024  # Edit-Plus: the text encoder's and the VAE's reference sizes
 STRENGTH = 0.6  # both pipelines' default
 _log = logging.getLogger(__name__)
 
@@ -69,7 +76,9 @@ def pipeline(pipe, steps: int, output_type: str, image, mask_image, strength, pa
     pipe = _upgrade(pipe, image, mask_image)
     name = type(pipe).__name__
     extra = dict(strength=strength, mask_image=mask_image, padding_mask_crop=padding_mask_crop)
-    if name not in PIPELINES:
+    if name not in IMG2IMG:
+        if name == "QwenImageEditPlusPipeline":
+            _check_images("image", image)
         for arg, v in extra.items():
             if v is not None and name.startswith("QwenImage"):
                 raise ValueError(f"{arg}: a {name} takes no {arg} (img2img and inpainting do); expected None")
@@ -115,7 +124,9 @@ def _check_crop(name, crop, image, mask_image, output_type) -> None:
 
 
 def model(params, pipe, image, mask_image, strength, padding_mask_crop):
-    """The per-family sampling steps for these pipelines (`Img2Img`)."""
+    """The per-family sampling steps for these pipelines (`Img2Img`, `EditPlus`)."""
+    if type(pipe).__name__ == "QwenImageEditPlusPipeline":
+        return EditPlus(params, pipe)
     return Img2Img(params, pipe, _strength(strength), mask_image, padding_mask_crop)
 
 
@@ -218,3 +229,53 @@ def _blend(sched, init, mask, noise, on_step):
         return x if on_step is None else on_step(i, t, x)
 
     return hook
+
+
+def _dims(area: int, size) -> tuple[int, int]:
+    """(width, height) of about ``area`` pixels with ``size``'s aspect ratio, multiples of 32."""
+    ratio = size[0] / size[1]
+    w = math.sqrt(area * ratio)
+    return round(w / 32) * 32, round(w / ratio / 32) * 32
+
+
+class EditPlus(_Qwen):
+    """QwenImageEditPlusPipeline: one prompt, several reference images; each is shown to
+    the text encoder ("Picture k: ...") and appended as latents with its own img_shapes."""
+
+    def images(self, images, B, device):
+        """The references the text encoder sees; their latents on the first encode (after
+        the prompt check)."""
+        self.raw, self.device = images, device
+        self.prompt_image = [self.pipe.image_processor.resize(i, *_dims(CONDITION_AREA, i.size)[::-1]) for i in images]
+
+    def _latents(self):
+        """Each reference VAE-encoded (distribution mode), packed; one img_shapes entry each."""
+        if self.ref is not None:
+            return
+        pipe, refs, self.ref_shapes = self.pipe, [], []
+        for img in self.raw:
+            vw, vh = _dims(VAE_AREA, img.size)
+            pixels = pipe.image_processor.preprocess(img, vh, vw).unsqueeze(2)
+            z = pipe._encode_vae_image(pixels.to(device=self.device, dtype=pipe.vae.dtype), generator=None)
+            refs.append(_pack(z[:, :, 0]))
+            self.ref_shapes.append((1, z.shape[3] // 2, z.shape[4] // 2))
+        self.ref = torch.cat(refs, 1)
+
+    def encode(self, prompts, msl):
+        """The one prompt encoded once with every reference, repeated per image (as stock)."""
+        if len(set(prompts)) > 1:
+            raise ValueError(
+                f"prompt: a QwenImageEditPlusPipeline takes one prompt (as stock), got {len(set(prompts))}"
+            )
+        self._latents()
+        p = super().encode(prompts[:1], msl)
+        n = len(prompts)
+        return dataclasses.replace(p, txt=p.txt.repeat(n, 1, 1), mask=None if p.mask is None else p.mask.repeat(n, 1))
+
+    def encode_embeds(self, msl, prompt_embeds, prompt_embeds_mask=None):
+        self._latents()
+        return super().encode_embeds(msl, prompt_embeds, prompt_embeds_mask)
+
+    def prepare(self, cond, h, w, guidance, device):
+        self.shapes = [(1, h // 2, w // 2), *self.ref_shapes]
+        self.rope = _qwen.pos_embed(self.shapes, cond.txt.shape[1], self.c.axes_dims_rope, device=device)

@@ -225,14 +225,14 @@ def _rank_cases():
 
 
 def _sharded(rank, world):
-    out = {}
+    out, pipes = {}, {cls: make(cls) for cls in (IMG2IMG, INPAINT)}
     for mesh_kw in (dict(tp=2), dict(dp=2)):
         mesh = sharding.make_mesh(**mesh_kw, device_type="cpu")
+        params = sharding.shard_params(fd.from_diffusers(pipes[IMG2IMG].transformer), mesh)  # both: the same weights
         for name, cls, prompts, kw in _rank_cases():
             if "tp" in mesh_kw and name.endswith("-one"):
                 continue
-            pipe = make(cls)
-            params = sharding.shard_params(fd.from_diffusers(pipe.transformer), mesh)
+            pipe = pipes[cls]
             out[f"{name} {mesh_kw}"] = fd.sample(
                 params, pipe, prompts, steps=4, seed=3, output_type="latent", **SIZE, **kw
             )
@@ -249,3 +249,31 @@ def test_tp2_and_dp2_equal_stock_pipeline(pipes):
         for key in [k for k in results[0] if k.split(" ")[0] == name]:
             for r in results:
                 torch.testing.assert_close(r[key], expected, **FP32, msg=lambda m, key=key: f"{key}: {m}")
+
+
+# ----------------------------------------------------------------------------- Edit-Plus
+
+
+def test_edit_plus_several_references_equal_stock(monkeypatch):
+    """Two references of different shapes, true CFG, two images per prompt. Both sides
+    resize references to the same VAE area, set here to 128² for both (at the stock
+    1024² the tiny VAE takes about 30 s per reference on 2 CPU cores); the constants
+    themselves are checked equal to stock's."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as stock_module
+
+    from functional_dit import _sample_qwen_image as qi
+
+    assert (qi.VAE_AREA, qi.CONDITION_AREA) == (stock_module.VAE_IMAGE_SIZE, stock_module.CONDITION_IMAGE_SIZE)
+    monkeypatch.setattr(stock_module, "VAE_IMAGE_SIZE", 128 * 128)
+    monkeypatch.setattr(qi, "VAE_AREA", 128 * 128)
+    pipe, refs = tiny.pipeline("qwen-image-edit-plus"), [start_image(), start_image(40, 64, 1)]
+    stock = dict(image=refs, true_cfg_scale=2.0, negative_prompt="dark", num_images_per_prompt=2, num_inference_steps=2)
+    expected = stock_latents(pipe, 3, 2, prompt="a cube", **SIZE, **stock)
+    got = _ours(
+        pipe, "a cube", seed=3, steps=2, image=refs, true_cfg=2.0, negative_prompt="dark", num_images_per_prompt=2
+    )
+    torch.testing.assert_close(got, expected, **FP32)
+    with pytest.raises(ValueError, match="prompt: a QwenImageEditPlusPipeline takes one prompt \\(as stock\\), got 2"):
+        _ours(pipe, PROMPTS, seed=3, steps=1, image=refs)
+    with pytest.raises(ValueError, match="image: expected a PIL image or a non-empty list of them, got None"):
+        _ours(pipe, "a cube", seed=3, steps=1)
