@@ -539,7 +539,8 @@ def sample(
 
     ``encoders``: a diffusers pipeline of a supported class (``FluxPipeline``,
     ``Flux2Pipeline``, ``Flux2KleinPipeline``, ``Flux2KleinKVPipeline``,
-    ``QwenImagePipeline``, ``QwenImageEditPipeline``; its transformer is ignored and may be
+    ``QwenImagePipeline``, ``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``,
+    ``QwenImageImg2ImgPipeline``, ``QwenImageInpaintPipeline``; its transformer is ignored and may be
     None, e.g. ``from_pretrained(path, transformer=None)``) or a mapping of its components.
     ``prompt``: a string or a list, ``num_images_per_prompt`` images each (image ``i`` is
     prompt ``i // num_images_per_prompt``'s); or None with ``prompt_embeds`` (and
@@ -558,8 +559,12 @@ def sample(
     default, FLUX.2-dev: 4.0); ignored by models without it (schnell, klein, Qwen-Image).
     ``true_cfg``: classifier-free guidance scale; > 1 runs the conditional and the
     ``negative_prompt`` (default "") branches as one batch (Qwen-Image's pipelines call it
-    ``true_cfg_scale``, klein's ``guidance_scale``; FLUX.1's ``true_cfg_scale``).
-    ``image``: reference image(s) (PIL) for FLUX.2 (dev, klein) and Qwen-Image-Edit.
+    ``true_cfg_scale``, klein's ``guidance_scale``; FLUX.1's ``true_cfg_scale``); Qwen-Image
+    runs it only with a negative prompt, as its pipelines (a warning otherwise).
+    ``image``: reference image(s) (PIL) for FLUX.2 (dev, klein), Qwen-Image-Edit(-Plus);
+    the start image(s) for Qwen-Image img2img and inpainting (a ``QwenImagePipeline``
+    given one runs img2img), with ``strength`` (0.6 by default), ``mask_image`` (white =
+    repaint) and ``padding_mask_crop`` as the stock pipelines take them.
     ``kv_cache``: FLUX.2 with reference images: extract the reference tokens' keys and
     values on the first step and reuse them (``Flux2KleinKVPipeline``); default True for a
     ``Flux2KleinKVPipeline``, else False.
