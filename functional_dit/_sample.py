@@ -52,9 +52,10 @@ PIPELINES = {
     "Flux2KleinKVPipeline": "flux2",
     "QwenImagePipeline": "qwenimage",
     "QwenImageEditPipeline": "qwenimage",
-    "QwenImageImg2ImgPipeline": "qwenimage",  # these three: `functional_dit._sample_qwen_image`
+    "QwenImageImg2ImgPipeline": "qwenimage",  # these four: `functional_dit._sample_qwen_image`
     "QwenImageInpaintPipeline": "qwenimage",
     "QwenImageEditPlusPipeline": "qwenimage",
+    "QwenImageLayeredPipeline": "qwenimage",
     "QwenImage21Pipeline": "qwenimage21",
     "Flux3ModularPipeline": "flux3",
     "Flux3DistilledModularPipeline": "flux3",
@@ -517,6 +518,7 @@ def sample(
     mask_image=None,
     strength: float | None = None,
     padding_mask_crop: int | None = None,
+    layers: int | None = None,
     kv_cache: bool | None = None,
     max_sequence_length: int | None = None,
     output_type: str = "pil",
@@ -587,7 +589,7 @@ def sample(
     pipe = as_pipeline(encoders, params)
     _check_args(pipe, height, width, output_type, batch_size)
     steps, sigmas = _check_steps(steps, sigmas)
-    pipe = _qi.pipeline(pipe, steps, output_type, image, mask_image, strength, padding_mask_crop)
+    pipe = _qi.pipeline(pipe, steps, output_type, image, mask_image, strength, padding_mask_crop, layers)
     _requests.check_max_sequence_length(fam, max_sequence_length)
     cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
     cfg = _qi.true_cfg(fam, cfg, negative_prompt, negative_prompt_embeds)
@@ -596,7 +598,7 @@ def sample(
     device, dtype = _param_device_dtype(params)
     local_params, mesh = sharding.local_view(params)
     lay = _ranks.layout(mesh, req.n)
-    img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop)
+    img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop, layers=layers)
     model = _family_model(fam, local_params if lay.split else params, pipe, image, kv_cache, img2img)
     hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
     _check_latents(model, pipe, req, *hw)
@@ -667,7 +669,8 @@ def _run(model, pipe, chunk: _Chunk, job: _Job):
     if hasattr(model, "schedule"):  # FLUX.3's flow map reads the next timestep
         model.schedule(sched)
     x, on_step = model.begin(sched, chunk, job.on_step) if hasattr(model, "begin") else (chunk.x, job.on_step)
-    x = _denoise(model, sched, x, chunk.cond, job.cfg, job.fam == "qwenimage", on_step, job.cache)
+    normalise = getattr(model, "normalise", job.fam == "qwenimage")  # Qwen-Image's norm-rescaled CFG
+    x = _denoise(model, sched, x, chunk.cond, job.cfg, normalise, on_step, job.cache)
     return x if job.output_type == "latent" else _decode(model, pipe, x, *job.hw, job.output_type)
 
 
@@ -738,6 +741,8 @@ def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, 
 def _decode(model, pipe, x, h: int, w: int, output_type: str):
     """Packed latents -> the VAE's input (the family's unpacking and de-normalisation) ->
     images through the pipeline's image processor."""
+    if hasattr(model, "decode"):  # Qwen-Image-Layered: several images per latent
+        return model.decode(x, h, w, output_type)
     z = model.decode_latents(x, h, w).to(pipe.vae.device, pipe.vae.dtype)
     img = pipe.vae.decode(z, return_dict=False)[0]
     img = img[:, :, 0] if img.ndim == 5 else img  # Qwen-Image's VAE has a frame axis

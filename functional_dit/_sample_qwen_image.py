@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import math
 
+import numpy as np
 import torch
 
 from . import _requests
@@ -27,7 +28,8 @@ from ._sample import _Qwen
 from ._sample import pack_2x2 as _pack
 
 IMG2IMG = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
-PIPELINES = (*IMG2IMG, "QwenImageEditPlusPipeline")  # also in `_sample.PIPELINES`
+PIPELINES = (*IMG2IMG, "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline")  # also in `_sample.PIPELINES`
+LAYERS = 4  # QwenImageLayeredPipeline's default
 CONDITION_AREA, VAE_AREA = 384 * 384, 1024 * 1024  # Edit-Plus: the text encoder's and the VAE's reference sizes
 STRENGTH = 0.6  # both pipelines' default
 _log = logging.getLogger(__name__)
@@ -70,12 +72,17 @@ def _upgrade(pipe, image, mask_image):
     return new
 
 
-def pipeline(pipe, steps: int, output_type: str, image, mask_image, strength, padding_mask_crop):
+def pipeline(pipe, steps: int, output_type: str, image, mask_image, strength, padding_mask_crop, layers=None):
     """The pipeline `fd.sample` runs (see `_upgrade`) after the img2img/inpainting checks;
     every other pipeline unchanged, refusing these arguments where it is a Qwen-Image one."""
     pipe = _upgrade(pipe, image, mask_image)
     name = type(pipe).__name__
     extra = dict(strength=strength, mask_image=mask_image, padding_mask_crop=padding_mask_crop)
+    if name == "QwenImageLayeredPipeline":
+        _check_layered(image, layers)
+        layers = None
+    if layers is not None:
+        raise ValueError(f"layers: only a QwenImageLayeredPipeline takes layers; expected None for a {name}")
     if name not in IMG2IMG:
         if name == "QwenImageEditPlusPipeline":
             _check_images("image", image)
@@ -123,10 +130,21 @@ def _check_crop(name, crop, image, mask_image, output_type) -> None:
         raise ValueError(f"output_type: expected 'pil' with padding_mask_crop (as stock), got {output_type!r}")
 
 
-def model(params, pipe, image, mask_image, strength, padding_mask_crop):
-    """The per-family sampling steps for these pipelines (`Img2Img`, `EditPlus`)."""
+def _check_layered(image, layers) -> None:
+    import PIL.Image
+
+    if not isinstance(image, PIL.Image.Image):
+        raise ValueError(f"image: a QwenImageLayeredPipeline splits one PIL image into layers, got {image!r}")
+    if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
+        raise ValueError(f"layers: expected None (4, as stock) or a positive int, got {layers!r}")
+
+
+def model(params, pipe, image, mask_image, strength, padding_mask_crop, layers=None):
+    """The per-family sampling steps for these pipelines (`Img2Img`, `EditPlus`, `Layered`)."""
     if type(pipe).__name__ == "QwenImageEditPlusPipeline":
         return EditPlus(params, pipe)
+    if type(pipe).__name__ == "QwenImageLayeredPipeline":
+        return Layered(params, pipe, LAYERS if layers is None else layers)
     return Img2Img(params, pipe, _strength(strength), mask_image, padding_mask_crop)
 
 
@@ -279,3 +297,72 @@ class EditPlus(_Qwen):
     def prepare(self, cond, h, w, guidance, device):
         self.shapes = [(1, h // 2, w // 2), *self.ref_shapes]
         self.rope = _qwen.pos_embed(self.shapes, cond.txt.shape[1], self.c.axes_dims_rope, device=device)
+
+
+class Layered(_Qwen):
+    """QwenImageLayeredPipeline: ``layers + 1`` latent frames (the first the composite) as
+    one packed sequence, the image appended as the condition (frame -1 of the layer-3D
+    RoPE), ``additional_t_cond`` 0 (RGB), its own schedule and plain (unrescaled) CFG."""
+
+    normalise = False  # the pipeline's cfg_normalize=False
+
+    def __init__(self, params, pipe, layers: int):
+        super().__init__(params, pipe)
+        self.layers = layers
+
+    def noise_shape(self, B, h, w):
+        return (B, self.layers + 1, self.c.in_channels // 4, h, w)
+
+    @staticmethod
+    def pack(z):
+        """(B, L, C, h, w) -> (B, L · h/2 · w/2, 4C): each frame's 2x2 patches, frame-major."""
+        B, L, C, h, w = z.shape
+        z = z.view(B, L, C, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4, 6)
+        return z.reshape(B, L * (h // 2) * (w // 2), C * 4)
+
+    def images(self, images, B, device):
+        """The image itself at the output size is the condition (distribution mode)."""
+        self.raw, self.device = images[0], device
+
+    def init_latents(self, req, height: int, width: int, device, dtype):
+        pipe = self.pipe
+        img = pipe.image_processor.resize(self.raw, height, width)
+        pixels = pipe.image_processor.preprocess(img, height, width).unsqueeze(2)
+        z = pipe._encode_vae_image(pixels.to(device=device, dtype=dtype), generator=None)
+        self.ref, self.ref_shape = _pack(z[:, :, 0]), (1, z.shape[3] // 2, z.shape[4] // 2)
+        return req
+
+    def prepare(self, cond, h, w, guidance, device):
+        self.shapes = [(1, h // 2, w // 2)] * (self.layers + 1) + [self.ref_shape]
+        self.rope = _qwen.pos_embed(self.shapes, cond.txt.shape[1], self.c.axes_dims_rope, True, device)
+
+    def begin(self, sched, chunk, on_step):
+        """The pipeline's schedule: sigmas linspace(1, 0, steps + 1)[:-1], mu from the
+        condition's token count."""
+        steps = len(sched.timesteps)
+        sigmas = np.linspace(1.0, 0, steps + 1)[:-1]
+        sigmas = None if sched.config.get("use_flow_sigmas", False) else sigmas
+        sched.set_timesteps(sigmas=sigmas, device=chunk.x.device, mu=(self.ref.shape[1] / 256) ** 0.5)
+        sched.set_begin_index(0)
+        return chunk.x, on_step
+
+    def __call__(self, x, t, cond):
+        B, S = x.shape[:2]
+        x = torch.cat([x, self.ref.expand(B, -1, -1).to(x.dtype)], 1)
+        rgb = torch.zeros(B, dtype=torch.long, device=x.device)
+        kw = dict(txt_mask=cond.mask, img_shapes=[self.shapes] * B, additional_t_cond=rgb, rope=self.rope)
+        return self.apply(self.params, x, t, cond.txt, **kw)[:, :S]
+
+    def decode(self, x, h, w, output_type):
+        """Every frame but the composite decoded: (B, layers) images per output type."""
+        vae, B, L = self.pipe.vae, x.shape[0], self.layers + 1
+        z = x.view(B, L, h // 2, w // 2, -1, 2, 2).permute(0, 1, 4, 2, 5, 3, 6).reshape(B, L, -1, h, w)
+        z = z.permute(0, 2, 1, 3, 4).to(vae.dtype)  # (B, C, L, h, w)
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z.device, z.dtype)
+        std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z.device, z.dtype)
+        z = (z / std + mean)[:, :, 1:]
+        z = z.permute(0, 2, 1, 3, 4).reshape(B * self.layers, -1, 1, h, w)
+        img = self.pipe.image_processor.postprocess(vae.decode(z, return_dict=False)[0].squeeze(2), output_type)
+        if output_type == "pil":
+            return [img[b * self.layers : (b + 1) * self.layers] for b in range(B)]
+        return img.reshape(B, self.layers, *img.shape[1:])

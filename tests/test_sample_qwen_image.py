@@ -10,6 +10,7 @@ The stock latents are captured at the last step through ``callback_on_step_end``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import diffusers
@@ -277,3 +278,51 @@ def test_edit_plus_several_references_equal_stock(monkeypatch):
         _ours(pipe, PROMPTS, seed=3, steps=1, image=refs)
     with pytest.raises(ValueError, match="image: expected a PIL image or a non-empty list of them, got None"):
         _ours(pipe, "a cube", seed=3, steps=1)
+
+
+# ----------------------------------------------------------------------------- Layered
+
+
+def layered_pipeline():
+    """QwenImageLayeredPipeline over the tiny Qwen-Image-Edit components with a stock
+    transformer that has the Layered flags (additional t cond, layer-3D RoPE)."""
+    cfg = dataclasses.replace(tiny.transformer_config("qwen-image"), use_additional_t_cond=True, use_layer3d_rope=True)
+    d = fd.config_to_diffusers(cfg)
+    module = getattr(diffusers, d.pop("_class_name"))(**{k: v for k, v in d.items() if not k.startswith("_")})
+    module.load_state_dict(fd.to_state_dict(fd.init(cfg, seed=0)))
+    pipe = diffusers.QwenImageLayeredPipeline(**tiny.components("qwen-image-edit"), transformer=module.eval())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_layered_latents_and_layers_equal_stock(monkeypatch):
+    """Two layers, true CFG (plain, not norm-rescaled, as the pipeline's default). Stock
+    sizes the output from resolution 640 or 1024 and the image's aspect ratio; fd.sample
+    takes height/width, so the stock size is set here to about 64² (both sides then see
+    the same sizes; at 640² the tiny VAE takes about 10 s per image on 2 CPU cores).
+    Stock output_type="latent" fails in diffusers 0.42.1 (UnboundLocalError): the latents
+    are compared through the step callback, the layers as "np"."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_layered as stock_module
+
+    size = stock_module.calculate_dimensions
+    monkeypatch.setattr(stock_module, "calculate_dimensions", lambda area, ratio: size(64 * 64, ratio))
+    pipe, img = layered_pipeline(), start_image()
+    w, h = stock_module.calculate_dimensions(640 * 640, img.size[0] / img.size[1])
+    got, kw = {}, dict(image=img, layers=2, true_cfg_scale=2.0, negative_prompt="dark", num_inference_steps=2)
+
+    def grab(_pipe, i, t, tensors):
+        got["stock"] = tensors["latents"]
+        return {}
+
+    want = pipe(prompt="a cube", generator=torch.Generator().manual_seed(3), callback_on_step_end=grab,
+                output_type="np", **kw).images  # fmt: skip
+    ours = dict(image=img, layers=2, true_cfg=2.0, negative_prompt="dark", steps=2, seed=3, height=h, width=w)
+    params = fd.from_diffusers(pipe.transformer)
+    layers = fd.sample(params, pipe, "a cube", output_type="np", callback=lambda i, x: got.update(ours=x), **ours)
+    torch.testing.assert_close(got["ours"], got["stock"], **FP32)
+    assert layers.shape == (1, *want[0].shape) == (1, 2, h, w, 3)  # stock: a list of one (layers, H, W, 3) array
+    torch.testing.assert_close(torch.as_tensor(layers[0]), torch.as_tensor(want[0]), **FP32)
+    with pytest.raises(UnboundLocalError):  # the stock quirk this test works around
+        pipe(prompt="a cube", image=img, layers=1, num_inference_steps=1, output_type="latent")
+    with pytest.raises(ValueError, match="layers: expected None \\(4, as stock\\) or a positive int, got 0"):
+        fd.sample(params, pipe, "a cube", **(ours | dict(layers=0)))
