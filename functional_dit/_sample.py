@@ -542,8 +542,9 @@ def sample(
     ``encoders``: a diffusers pipeline of a supported class (``FluxPipeline``,
     ``Flux2Pipeline``, ``Flux2KleinPipeline``, ``Flux2KleinKVPipeline``,
     ``QwenImagePipeline``, ``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``,
-    ``QwenImageImg2ImgPipeline``, ``QwenImageInpaintPipeline``; its transformer is ignored and may be
-    None, e.g. ``from_pretrained(path, transformer=None)``) or a mapping of its components.
+    ``QwenImageImg2ImgPipeline``, ``QwenImageInpaintPipeline``, ``QwenImageLayeredPipeline``;
+    its transformer is ignored and may be None, e.g. ``from_pretrained(path,
+    transformer=None)``) or a mapping of its components.
     ``prompt``: a string or a list, ``num_images_per_prompt`` images each (image ``i`` is
     prompt ``i // num_images_per_prompt``'s); or None with ``prompt_embeds`` (and
     ``pooled_prompt_embeds`` for FLUX.1, ``prompt_embeds_mask`` for Qwen-Image, their
@@ -566,7 +567,8 @@ def sample(
     ``image``: reference image(s) (PIL) for FLUX.2 (dev, klein), Qwen-Image-Edit(-Plus);
     the start image(s) for Qwen-Image img2img and inpainting (a ``QwenImagePipeline``
     given one runs img2img), with ``strength`` (0.6 by default), ``mask_image`` (white =
-    repaint) and ``padding_mask_crop`` as the stock pipelines take them.
+    repaint) and ``padding_mask_crop`` as the stock pipelines take them; the image to split
+    for Qwen-Image-Layered, into ``layers`` (4 by default) images at height x width.
     ``kv_cache``: FLUX.2 with reference images: extract the reference tokens' keys and
     values on the first step and reuse them (``Flux2KleinKVPipeline``); default True for a
     ``Flux2KleinKVPipeline``, else False.
