@@ -25,8 +25,8 @@ def _layer(module: str) -> str:
     parts = module.split(".")
     if module == "functional_dit.tiny":  # the public alias of functional_dit.pipelines.tiny
         return "pipelines"
-    if module == "functional_dit.lora._io":  # LoRA file IO reads through weights; resolved on first use
-        return "weights"
+    if module in ("functional_dit.lora._io", "functional_dit.lora._layouts"):  # LoRA file IO, through weights;
+        return "weights"  # resolved on first use (docs/architecture.md)
     if parts[0] != "functional_dit":
         return parts[0]
     if len(parts) > 1 and parts[1] in ("pipelines", "cli"):

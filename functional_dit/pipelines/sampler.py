@@ -57,6 +57,10 @@ PIPELINES = {
     "Flux2KleinKVPipeline": "flux2",
     "QwenImagePipeline": "qwenimage",
     "QwenImageEditPipeline": "qwenimage",
+    "QwenImageImg2ImgPipeline": "qwenimage",  # these four: `functional_dit._sample_qwen_image`
+    "QwenImageInpaintPipeline": "qwenimage",
+    "QwenImageEditPlusPipeline": "qwenimage",
+    "QwenImageLayeredPipeline": "qwenimage",
     "QwenImage21Pipeline": "qwenimage21",
     "Flux3ModularPipeline": "flux3",
     "Flux3DistilledModularPipeline": "flux3",
@@ -499,6 +503,7 @@ def _check_ranks(lay, chunks, model, settings: dict) -> None:
             tensors[name] = [getattr(c.cond, field) for c in chunks]
     if getattr(model, "ref", None) is not None:
         tensors["reference latents (image)"] = model.ref
+    tensors.update(getattr(model, "checked", {}))
     _ranks.check(lay, settings, tensors)
 
 
@@ -515,6 +520,10 @@ def sample(
     true_cfg: float | None = None,
     negative_prompt=None,
     image=None,
+    mask_image=None,
+    strength: float | None = None,
+    padding_mask_crop: int | None = None,
+    layers: int | None = None,
     kv_cache: bool | None = None,
     max_sequence_length: int | None = None,
     output_type: str = "pil",
@@ -539,8 +548,10 @@ def sample(
 
     ``encoders``: a diffusers pipeline of a supported class (``FluxPipeline``,
     ``Flux2Pipeline``, ``Flux2KleinPipeline``, ``Flux2KleinKVPipeline``,
-    ``QwenImagePipeline``, ``QwenImageEditPipeline``; its transformer is ignored and may be
-    None, e.g. ``from_pretrained(path, transformer=None)``) or a mapping of its components.
+    ``QwenImagePipeline``, ``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``,
+    ``QwenImageImg2ImgPipeline``, ``QwenImageInpaintPipeline``, ``QwenImageLayeredPipeline``;
+    its transformer is ignored and may be None, e.g. ``from_pretrained(path,
+    transformer=None)``) or a mapping of its components.
     ``prompt``: a string or a list, ``num_images_per_prompt`` images each (image ``i`` is
     prompt ``i // num_images_per_prompt``'s); or None with ``prompt_embeds`` (and
     ``pooled_prompt_embeds`` for FLUX.1, ``prompt_embeds_mask`` for Qwen-Image, their
@@ -558,8 +569,13 @@ def sample(
     default, FLUX.2-dev: 4.0); ignored by models without it (schnell, klein, Qwen-Image).
     ``true_cfg``: classifier-free guidance scale; > 1 runs the conditional and the
     ``negative_prompt`` (default "") branches as one batch (Qwen-Image's pipelines call it
-    ``true_cfg_scale``, klein's ``guidance_scale``; FLUX.1's ``true_cfg_scale``).
-    ``image``: reference image(s) (PIL) for FLUX.2 (dev, klein) and Qwen-Image-Edit.
+    ``true_cfg_scale``, klein's ``guidance_scale``; FLUX.1's ``true_cfg_scale``); Qwen-Image
+    runs it only with a negative prompt, as its pipelines (a warning otherwise).
+    ``image``: reference image(s) (PIL) for FLUX.2 (dev, klein), Qwen-Image-Edit(-Plus);
+    the start image(s) for Qwen-Image img2img and inpainting (a ``QwenImagePipeline``
+    given one runs img2img), with ``strength`` (0.6 by default), ``mask_image`` (white =
+    repaint) and ``padding_mask_crop`` as the stock pipelines take them; the image to split
+    for Qwen-Image-Layered, into ``layers`` (4 by default) images at height x width.
     ``kv_cache``: FLUX.2 with reference images: extract the reference tokens' keys and
     values on the first step and reuse them (``Flux2KleinKVPipeline``); default True for a
     ``Flux2KleinKVPipeline``, else False.
@@ -578,19 +594,24 @@ def sample(
     ``encoder_placement``: "replicate", "shard" (over the params' tp group), "cpu" or
     "offload" (`functional_dit.pipelines.placement`); ``vae_tiling``: decode in tiles.
     """
+    from . import _sample_qwen_image as _qi
+
     fam = _family_name(params)
     pipe = as_pipeline(encoders, params)
     _check_args(pipe, height, width, output_type, batch_size)
     _placement.check(encoder_placement, vae_tiling)
     steps, sigmas = _check_steps(steps, sigmas)
+    pipe = _qi.pipeline(pipe, steps, output_type, image, mask_image, strength, padding_mask_crop, layers)
     _requests.check_max_sequence_length(fam, max_sequence_length)
     cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
+    cfg = _qi.true_cfg(fam, cfg, negative_prompt, negative_prompt_embeds)
     given = {k: v for k, v in locals().items() if "prompt_embeds" in k}  # the six stock embedding arguments
     req = _requests.requests(fam, prompt, num_images_per_prompt, seed, latents, negative_prompt, cfg is not None, given)
     device, dtype = _param_device_dtype(params)
     local_params, mesh = sharding.local_view(params)
     lay = _ranks.layout(mesh, req.n)
-    model = _family_model(fam, local_params if lay.split else params, pipe, image, kv_cache)
+    img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop, layers=layers)
+    model = _family_model(fam, local_params if lay.split else params, pipe, image, kv_cache, img2img)
     hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
     _check_latents(model, pipe, req, *hw)
     on_step = _on_step(pipe, callback, callback_on_step_end)
@@ -601,6 +622,8 @@ def sample(
     with torch.no_grad():
         if image is not None:
             model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
+        if hasattr(model, "init_latents"):  # img2img, inpainting: the start image's latents
+            req = model.init_latents(req, height, width, device, dtype)
         with _placement.placed(pipe, encoder_placement, mesh, device):
             chunks = [_chunk(model, req, c, job, dtype, device) for c in _chunks(lay.share, batch_size)]
         _check_ranks(lay, chunks, model, _settings(job, pipe, req, lay, model, dtype, (height, width)))
@@ -634,7 +657,7 @@ def _settings(job: _Job, pipe, req, lay, model, dtype, size) -> dict:
         height=size[0], width=size[1], steps=job.steps, sigmas=sigmas, guidance=job.guidance, true_cfg=job.cfg,
         dtype=dtype, output_type=job.output_type, images=req.n, share=lay.share, batch_size=job.batch_size,
         kv_cache=getattr(model, "kv", None), max_sequence_length=job.max_sequence_length, noise=req.noise[0],
-        cache=None if job.cache is None else repr(job.cache.config),
+        cache=None if job.cache is None else repr(job.cache.config), strength=getattr(model, "strength", None),
     )  # fmt: skip
 
 
@@ -658,7 +681,9 @@ def _run(model, pipe, chunk: _Chunk, job: _Job):
     sched = _scheduler(pipe, job.fam, chunk.x.shape[1], job.steps, device, job.sigmas)
     if hasattr(model, "schedule"):  # FLUX.3's flow map reads the next timestep
         model.schedule(sched)
-    x = _denoise(model, sched, chunk.x, chunk.cond, job.cfg, job.fam == "qwenimage", job.on_step, job.cache)
+    x, on_step = model.begin(sched, chunk, job.on_step) if hasattr(model, "begin") else (chunk.x, job.on_step)
+    normalise = getattr(model, "normalise", job.fam == "qwenimage")  # Qwen-Image's norm-rescaled CFG
+    x = _denoise(model, sched, x, chunk.cond, job.cfg, normalise, on_step, job.cache)
     return x if job.output_type == "latent" else _decode(model, pipe, x, *job.hw, job.output_type)
 
 
@@ -678,10 +703,14 @@ def _on_step(pipe, callback, callback_on_step_end):
     return hook
 
 
-def _family_model(fam: str, params, pipe, image, kv_cache):
+def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict):
     """The per-family sampling steps (`_Flux1`, `_Flux2`, `_Qwen`) after the argument checks."""
     import diffusers
 
+    from . import _sample_qwen_image as _qi
+
+    if type(pipe).__name__ in _qi.PIPELINES:
+        return _qi.model(params, pipe, image, **img2img)
     if image is not None and (fam == "flux1" or isinstance(pipe, diffusers.QwenImagePipeline)):
         raise ValueError(f"image: a {type(pipe).__name__} takes no reference image; expected None")
     if image is None and isinstance(pipe, diffusers.QwenImageEditPipeline):
@@ -725,10 +754,13 @@ def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, 
 def _decode(model, pipe, x, h: int, w: int, output_type: str):
     """Packed latents -> the VAE's input (the family's unpacking and de-normalisation) ->
     images through the pipeline's image processor."""
+    if hasattr(model, "decode"):  # Qwen-Image-Layered: several images per latent
+        return model.decode(x, h, w, output_type)
     z = model.decode_latents(x, h, w).to(pipe.vae.device, pipe.vae.dtype)
     img = pipe.vae.decode(z, return_dict=False)[0]
     img = img[:, :, 0] if img.ndim == 5 else img  # Qwen-Image's VAE has a frame axis
-    return pipe.image_processor.postprocess(img, output_type=output_type)
+    out = pipe.image_processor.postprocess(img, output_type=output_type)
+    return model.overlay(out) if hasattr(model, "overlay") else out
 
 
 def _to(p: Prompt, dtype, device) -> Prompt:
