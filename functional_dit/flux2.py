@@ -18,7 +18,6 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 
 import sharding
 
@@ -227,9 +226,7 @@ def modulations(params, temb):
     return tuple(m.chunk(n, dim=-1) for m, n in zip(mods, ns))
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``; in place on ``gate`` (a fresh GEMM output) with the fast kernels."""
-    return F.silu(gate, inplace=True).mul_(up) if L.fast() else F.silu(gate) * up
+swiglu = L.swiglu  # the MLP activation, ``silu(gate) * up`` (an old name, kept)
 
 
 def feed_forward(p, x: torch.Tensor) -> torch.Tensor:
@@ -240,7 +237,7 @@ def feed_forward(p, x: torch.Tensor) -> torch.Tensor:
 def _ff_hidden(p, x: torch.Tensor) -> torch.Tensor:
     """``swiglu(linear_in(x))``, ``linear_in``'s rows [gate; up] (each rank holds its slice of both halves)."""
     m = p["linear_in"]["weight"].shape[0] // 2
-    return swiglu(*L.col_linear_split(p["linear_in"], x, [m, m]))
+    return L.swiglu(*L.col_linear_split(p["linear_in"], x, [m, m]))
 
 
 _IMG = (("to_q", "to_k", "to_v"), ("norm_q", "norm_k"))
@@ -329,7 +326,7 @@ def _single_in(a, x, mod, head_dim, eps):
 
 def _single_out(a, x, attn, mlp, mod):
     gate = mod[2]
-    return L.clip_fp16(L.gated(x, gate[:, None], L.row_linear_cat(a["to_out"], [attn, swiglu(*mlp)])))
+    return L.clip_fp16(L.gated(x, gate[:, None], L.row_linear_cat(a["to_out"], [attn, L.swiglu(*mlp)])))
 
 
 def single_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None, txt_len=0, ref: Ref | None = None):
@@ -349,9 +346,7 @@ def single_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None, txt_len=0, re
     return out, ref
 
 
-# Compiled once, reused for every layer; the block functions are looked up at call time.
-_double_region = L.region(lambda *args: double_block(*args))
-_single_region = L.region(lambda *args: single_block(*args))
+REGIONS = ("double_block", "single_block")  # compiled once and reused per layer (`nn.compile`)
 
 
 def final_layer(p, x, temb, eps=1e-6):
@@ -383,7 +378,7 @@ def _validate(params, x, t, txt, guidance, img_ids, txt_ids, rope=None):
 
 
 def rope_table(config: Flux2Config, img_ids, txt_ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (cos, sin) table `prepare` builds from 2-D ids: (S_txt + S_img, attention_head_dim)
+    """The (cos, sin) table `check_inputs` builds from 2-D ids: (S_txt + S_img, attention_head_dim)
     fp32, txt rows first (with reference tokens, img_ids holds their rows too)."""
     pe_txt, pe_img = (L.rope(ids, config.axes_dims_rope, theta=config.rope_theta) for ids in (txt_ids, img_ids))
     return tuple(torch.cat([a, b]) for a, b in zip(pe_txt, pe_img))
@@ -409,13 +404,13 @@ def _ref_stream(params, x, pe, t, guidance, ref_fixed_timestep):
     return Ref(x=x, mod=mod_img, pe=pe, bias=None if bias is None else bias.expand(x.shape[0], -1)), mod_single
 
 
-def _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache):
+def _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache, blocks):
     """All blocks in the local view. Returns the img stream and, per block, its `Ref`."""
     c, (mod_img, mod_txt, mod_single), T, refs = params.config, mods, txt.shape[1], {}
     D, eps = c.attention_head_dim, c.eps
     double, single = double_block, single_block
-    if ref is None and cache is None:  # regional compilation; its inputs must not alias
-        double, single = _double_region, _single_region
+    if blocks is not None and ref is None and cache is None:  # compile regions; their inputs must not alias
+        double, single = blocks.double_block, blocks.single_block
         mod_img, mod_txt, mod_single = (tuple(m.clone() for m in mod) for mod in (mod_img, mod_txt, mod_single))
     for i, p in enumerate(ordered_blocks(params, "transformer_blocks")):
         ref = ref if cache is None else kv.local_cache(cache, "transformer_blocks", i, img.device)
@@ -431,10 +426,10 @@ def _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache):
 
 
 ARGS = ("guidance", "img_ids", "txt_ids", "rope", "kv_cache", "num_ref_tokens", "ref_fixed_timestep")
-BATCHED = ("guidance",)  # of prepare's outputs, those split over "dp" with x, t, txt
+BATCHED = ("guidance",)  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
-def prepare(
+def check_inputs(
     params,
     x,
     t,
@@ -479,9 +474,15 @@ def prepare(
     )
 
 
-def forward(params, x, t, txt, *, guidance, pe_img, pe_txt, num_ref_tokens, ref_fixed_timestep, cache, batch):
+prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
+
+
+def forward(
+    params, x, t, txt, *, guidance, pe_img, pe_txt, num_ref_tokens, ref_fixed_timestep, cache, batch, blocks=None
+):
     """The model on this rank's batch: returns (out sharded over "sp", its full length, and
-    the extracted `Flux2KVCache` or None)."""
+    the extracted `Flux2KVCache` or None). ``blocks``: the block functions as compile
+    regions (`nn.compile.regions`, passed by the api); None: this module's, uncompiled."""
     c, R = params.config, num_ref_tokens
     t, guidance = t.to(x.dtype) * 1000, None if guidance is None else guidance.to(x.dtype) * 1000
     temb = time_guidance_embed(params["time_guidance_embed"], t, guidance, c.timestep_guidance_channels)
@@ -493,6 +494,7 @@ def forward(params, x, t, txt, *, guidance, pe_img, pe_txt, num_ref_tokens, ref_
     img, txt = L.linear(params["x_embedder"], x), L.linear(params["context_embedder"], txt)
     pe = tuple(torch.cat([a, b]) for a, b in zip(pe_txt, pe_img))
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
-    img, refs = _blocks(params, img, txt, modulations(params, temb), pe, key_bias, ref, ref_mod_single, cache)
+    mods = modulations(params, temb)
+    img, refs = _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache, blocks)
     out = final_layer(params, img, temb, c.eps)
     return out, x.shape[1], kv.from_refs(c, refs, batch, R) if R else None

@@ -302,7 +302,7 @@ def block(p, img, txt, img_mod, txt_mod, pe, head_dim, key_bias=None, ref=None):
     return L.clip_fp16(img), L.clip_fp16(txt)
 
 
-_block_region = L.region(lambda *args: block(*args))  # compiled once, reused for every layer
+REGIONS = ("block",)  # compiled once and reused per layer (`nn.compile`)
 
 
 def final_layer(p, x, mod):
@@ -407,10 +407,10 @@ def _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond):
 
 
 ARGS = ("txt_mask", "img_shapes", "additional_t_cond", "rope")  # of fd.apply's keywords, the ones Qwen-Image takes
-BATCHED = ("bias", "t_cond")  # of prepare's outputs, those split over "dp" with x, t, txt
+BATCHED = ("bias", "t_cond")  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
-def prepare(params, x, t, txt, *, txt_mask=None, img_shapes=None, additional_t_cond=None, rope=None) -> dict:
+def check_inputs(params, x, t, txt, *, txt_mask=None, img_shapes=None, additional_t_cond=None, rope=None) -> dict:
     """Checks the Qwen-Image inputs (full view) and returns `forward`'s keywords: x (B,
     S_img, in_channels) packed latents (Edit: the target's then the reference images'
     tokens), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim), txt_mask (B, S_txt)
@@ -433,8 +433,14 @@ def prepare(params, x, t, txt, *, txt_mask=None, img_shapes=None, additional_t_c
     return dict(pe=pe, ref=ref, bias=bias, t_cond=additional_t_cond)
 
 
-def forward(params, x, t, txt, *, pe, ref, bias, t_cond):
-    """The model on this rank's batch: returns (out sharded over "sp", its full length, None)."""
+prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
+
+
+def forward(params, x, t, txt, *, pe, ref, bias, t_cond, blocks=None):
+    """The model on this rank's batch: returns (out sharded over "sp", its full length,
+    None). ``blocks``: the block function as a compile region (`nn.compile.regions`,
+    passed by the api); None: this module's."""
+    run_block = block if blocks is None else blocks.block
     c, S = params.config, x.shape[1]
     img = L.linear(params["img_in"], x)
     temb = time_embed(params["time_text_embed"], t.to(img.dtype), t_cond, c.zero_cond_t)
@@ -442,5 +448,5 @@ def forward(params, x, t, txt, *, pe, ref, bias, t_cond):
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe, bias)
     img_mods, txt_mods, out_mod = modulations(params, temb, img.shape[0])
     for p, img_mod, txt_mod in zip(ordered_blocks(params, "transformer_blocks"), img_mods, txt_mods):
-        img, txt = _block_region(p, img, txt, img_mod, txt_mod, pe, c.attention_head_dim, key_bias, ref)
+        img, txt = run_block(p, img, txt, img_mod, txt_mod, pe, c.attention_head_dim, key_bias, ref)
     return final_layer(params, img, out_mod), S, None

@@ -511,10 +511,10 @@ def joint_bias(lay: Layout, txt_mask, B: int, S: int) -> torch.Tensor | None:
 
 
 ARGS = ("txt_mask", "img_shapes", "img_mask", "kv_cache")  # of fd.apply's keywords, the ones 2.1 takes
-BATCHED = ("bias",)  # of prepare's outputs, those split over "dp" with x, t, txt
+BATCHED = ("bias",)  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
-def prepare(params, x, t, txt, *, img_shapes=None, img_mask=None, txt_mask=None, kv_cache=None) -> dict:
+def check_inputs(params, x, t, txt, *, img_shapes=None, img_mask=None, txt_mask=None, kv_cache=None) -> dict:
     """Checks the Qwen-Image 2.1 inputs (full view) and returns `forward`'s keywords: x
     (B, S, in_channels) latents (condition images first, the target last), t (B,) in
     [0, 1], txt (B, T, context_in_dim) the encoder's sequence, img_shapes per sample the
@@ -539,6 +539,9 @@ def prepare(params, x, t, txt, *, img_shapes=None, img_mask=None, txt_mask=None,
     pe = qwenimage.rope(lay.ids, c.axes_dims_rope)
     bias = joint_bias(lay, txt_mask, B, S)
     return dict(lay=lay, pe=pe, bias=bias, mode=mode, cache=kv_cache if mode == "cached" else None, batch=B)
+
+
+prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
 
 
 # ----------------------------------------------------------------------------- apply

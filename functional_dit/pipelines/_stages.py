@@ -20,6 +20,7 @@ import torch
 
 from .. import flux1, flux2
 from .. import qwenimage as qwen
+from ..nn import compile as _compile
 from ..nn import layers as L
 from ..params import ordered_blocks
 
@@ -73,12 +74,13 @@ def _joint(streams: tuple) -> torch.Tensor:
 
 
 def _flux1_double(p, i, streams, ctx):
-    img, txt = streams
-    return flux1._double_region(p, img, txt, ctx["img_mods"][i], ctx["txt_mods"][i], ctx["pe"], ctx["D"], ctx["bias"])
+    img, txt, block = *streams, _compile.regions(flux1).double_block
+    return block(p, img, txt, ctx["img_mods"][i], ctx["txt_mods"][i], ctx["pe"], ctx["D"], ctx["bias"])
 
 
 def _flux1_single(p, i, streams, ctx):
-    return (flux1._single_region(p, _joint(streams), ctx["single_mods"][i], ctx["pe"], ctx["D"], ctx["bias"]),)
+    block = _compile.regions(flux1).single_block
+    return (block(p, _joint(streams), ctx["single_mods"][i], ctx["pe"], ctx["D"], ctx["bias"]),)
 
 
 def flux1_stages(params, x, t, txt, *, pooled, guidance, pe) -> Stages:
@@ -138,7 +140,7 @@ def flux2_stages(params, x, t, txt, *, guidance, pe_img, pe_txt, num_ref_tokens,
 def _qwen_block(p, i, streams, ctx):
     img, txt = streams
     mod_i, mod_t = ctx["img_mods"][i], ctx["txt_mods"][i]
-    return qwen._block_region(p, img, txt, mod_i, mod_t, ctx["pe"], ctx["D"], ctx["bias"], ctx["ref"])
+    return _compile.regions(qwen).block(p, img, txt, mod_i, mod_t, ctx["pe"], ctx["D"], ctx["bias"], ctx["ref"])
 
 
 def qwen_stages(params, x, t, txt, *, pe, ref, bias, t_cond) -> Stages:
