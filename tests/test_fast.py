@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from oracle import diffusers_model, max_err
 
 import functional_dit as fd
+from functional_dit import api
 from functional_dit.nn import fused as _fuse
 from functional_dit.nn import kernels as _kernels
 from functional_dit.nn import layers as L
@@ -141,7 +142,7 @@ MODELS = {
 
 
 def _family_of(params):
-    return fd._api.family(params)
+    return api.family(params)
 
 
 @pytest.mark.parametrize("case", list(MODELS))
