@@ -13,7 +13,10 @@ order; see docs/architecture.md, Fast eager kernels):
   tracing.
 - The op's own condition in `WHEN`: no LoRA factors on the layer (their updates are per
   layer, the fast kernels see only the base weight); the RMS norm's three-pass kernel
-  on a CPU only (a GPU's fused kernel is faster).
+  on a CPU only (a GPU's fused kernel is faster; docs/notes.md).
+- A projection group runs as one GEMM only where `fd.prepare` laid its weights out as one
+  buffer, read off their storage on every call (`fused.fused`), so a layout can never
+  be stale.
 
 Among an op's kernels (``{"exact": fn, fast name: fn, ...}``, in `fast`) `CANDIDATES` drops
 those that cannot run on the arguments at hand: oneDNN's GELU epilogue needs a CPU, fp32
