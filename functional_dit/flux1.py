@@ -37,7 +37,7 @@ from .params import (
     MOD6,
     MOD_OUT,
     PACKED,
-    Block,
+    Segment,
     linear_spec,
     mod_spec,
     norm_spec,
@@ -171,9 +171,9 @@ def _single_block_specs(c) -> dict:
     g = math.gcd(n, m)
     return {
         "norm": {"linear": mod_spec(n, MOD3)},
-        "proj_mlp": unit_linear_spec(Block("mlp", m, "mlp"), n, "embed", g),
+        "proj_mlp": unit_linear_spec(Segment("mlp", m, "mlp"), n, "embed", g),
         "proj_out": linear_spec(
-            n, n + m, "embed", PACKED, blocks=units((Block("attn", n, "heads"), Block("mlp", m, "mlp")), g)
+            n, n + m, "embed", PACKED, blocks=units((Segment("attn", n, "heads"), Segment("mlp", m, "mlp")), g)
         ),
         "attn": {
             "norm_q": norm_spec(D),
@@ -300,22 +300,22 @@ def final_layer(p, x, mod):
 
 def _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids, rope=None):
     c = params.config
-    ref = reference_leaf(params, "x_embedder.weight")
-    B, S = check_streams(c, ref, x, t, txt)
+    leaf = reference_leaf(params, "x_embedder.weight")
+    B, S = check_streams(c, leaf, x, t, txt)
     if pooled is None:
         raise ValueError(f"pooled: FLUX.1 needs pooled text embeddings of shape ({B}, {c.pooled_projection_dim})")
-    check_tensor("pooled", pooled, (B, c.pooled_projection_dim), ref.dtype, ref.device)
-    check_guidance(c, guidance, B, ref.device)
+    check_tensor("pooled", pooled, (B, c.pooled_projection_dim), leaf.dtype, leaf.device)
+    check_guidance(c, guidance, B, leaf.device)
     if rope is not None:
         check_rope_or_ids(rope, img_ids=img_ids, txt_ids=txt_ids)
-        return check_rope(rope, txt.shape[1] + S, c.attention_head_dim, ref.device)
+        return check_rope(rope, txt.shape[1] + S, c.attention_head_dim, leaf.device)
     if img_ids is None:
         raise ValueError(f"img_ids: FLUX.1 needs image position ids of shape ({S}, {len(c.axes_dims_rope)})")
     n_axes = len(c.axes_dims_rope)
-    img_ids = check_ids("img_ids", img_ids, S, n_axes, B, ref.device)
+    img_ids = check_ids("img_ids", img_ids, S, n_axes, B, leaf.device)
     if txt_ids is None:  # what the diffusers pipelines pass
-        txt_ids = torch.zeros(txt.shape[1], n_axes, device=ref.device, dtype=img_ids.dtype)
-    return rope_table(c, img_ids, check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, ref.device))
+        txt_ids = torch.zeros(txt.shape[1], n_axes, device=leaf.device, dtype=img_ids.dtype)
+    return rope_table(c, img_ids, check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, leaf.device))
 
 
 def rope_table(config: Flux1Config, img_ids, txt_ids) -> tuple[torch.Tensor, torch.Tensor]:

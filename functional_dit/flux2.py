@@ -36,7 +36,7 @@ from .configs import (
 from .flux2_kv import Ref
 from .nn import layers as L
 from .nn.checks import check_guidance, check_ids, check_rope, check_rope_or_ids, check_streams, reference_leaf
-from .params import MOD3, MOD6, MOD_OUT, PACKED, Block, linear_spec, mod_spec, norm_spec, ordered_blocks, units
+from .params import MOD3, MOD6, MOD_OUT, PACKED, Segment, linear_spec, mod_spec, norm_spec, ordered_blocks, units
 
 DIFFUSERS_CLASS = "Flux2Transformer2DModel"
 NAME = "FLUX.2"
@@ -140,7 +140,7 @@ _lin = functools.partial(linear_spec, bias=False)  # FLUX.2 has no biases anywhe
 
 def _swiglu_specs(c) -> dict:
     n, m = c.inner_dim, c.mlp_hidden_dim
-    gate_up = (Block("gate", m, "mlp"), Block("up", m, "mlp"))
+    gate_up = (Segment("gate", m, "mlp"), Segment("up", m, "mlp"))
     return {
         "linear_in": _lin(2 * m, n, PACKED, "embed", blocks=gate_up),
         "linear_out": _lin(n, m, "embed", "mlp"),
@@ -162,9 +162,10 @@ def _single_block_specs(c) -> dict:
     # strided DTensor; the two are cut alike, so the heads and the hidden units a rank
     # holds agree between them (units, docs/architecture.md).
     g = math.gcd(n, m)
-    qkv_mlp = tuple(Block(b, n, "heads") for b in "qkv") + (Block("mlp_gate", m, "mlp"), Block("mlp_up", m, "mlp"))
+    mlp = (Segment("mlp_gate", m, "mlp"), Segment("mlp_up", m, "mlp"))
+    qkv_mlp = tuple(Segment(b, n, "heads") for b in "qkv") + mlp
     qkv_mlp = units(qkv_mlp, g)
-    attn_mlp = units((Block("attn", n, "heads"), Block("mlp", m, "mlp")), g)  # to_out consumes cat([attn, mlp])
+    attn_mlp = units((Segment("attn", n, "heads"), Segment("mlp", m, "mlp")), g)  # to_out consumes cat([attn, mlp])
     return {
         "attn": {
             "to_qkv_mlp_proj": _lin(3 * n + 2 * m, n, PACKED, "embed", blocks=qkv_mlp),
@@ -360,21 +361,21 @@ def final_layer(p, x, temb, eps=1e-6):
 def _validate(params, x, t, txt, guidance, img_ids, txt_ids, rope=None):
     """Returns the RoPE tables of the img and txt rows, and the reference leaf."""
     c = params.config
-    ref = reference_leaf(params, "x_embedder.weight")
-    B, S = check_streams(c, ref, x, t, txt)
-    check_guidance(c, guidance, B, ref.device)
+    leaf = reference_leaf(params, "x_embedder.weight")
+    B, S = check_streams(c, leaf, x, t, txt)
+    check_guidance(c, guidance, B, leaf.device)
     if rope is not None:
         check_rope_or_ids(rope, img_ids=img_ids, txt_ids=txt_ids)
         T = txt.shape[1]
-        rope = check_rope(rope, T + S, c.attention_head_dim, ref.device)
-        return tuple(a[T:] for a in rope), tuple(a[:T] for a in rope), ref
+        rope = check_rope(rope, T + S, c.attention_head_dim, leaf.device)
+        return tuple(a[T:] for a in rope), tuple(a[:T] for a in rope), leaf
     n_axes = len(c.axes_dims_rope)
     for name, ids, n in (("img_ids", img_ids, S), ("txt_ids", txt_ids, txt.shape[1])):
         if ids is None:
             raise ValueError(f"{name}: FLUX.2 needs position ids of shape ({n}, {n_axes}) or ({B}, {n}, {n_axes})")
-    img_ids = check_ids("img_ids", img_ids, S, n_axes, B, ref.device)
-    txt_ids = check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, ref.device)
-    return *(L.rope(ids, c.axes_dims_rope, theta=c.rope_theta) for ids in (img_ids, txt_ids)), ref
+    img_ids = check_ids("img_ids", img_ids, S, n_axes, B, leaf.device)
+    txt_ids = check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, leaf.device)
+    return *(L.rope(ids, c.axes_dims_rope, theta=c.rope_theta) for ids in (img_ids, txt_ids)), leaf
 
 
 def rope_table(config: Flux2Config, img_ids, txt_ids) -> tuple[torch.Tensor, torch.Tensor]:

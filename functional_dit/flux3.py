@@ -280,7 +280,7 @@ def _ids_rope(c, name, ids, seq, batch, device):
     return L.rope(ids, c.axes_dims_rope, theta=c.rope_theta)
 
 
-def _check_cond(c, image_cond, image_cond_ids, batch, ref, rope):
+def _check_cond(c, image_cond, image_cond_ids, batch, leaf, rope):
     if (
         image_cond_ids is not None
         and image_cond is None
@@ -293,7 +293,7 @@ def _check_cond(c, image_cond, image_cond_ids, batch, ref, rope):
         )
         raise ValueError(f"{missing}: required with {given} (reference-image tokens and their position ids)")
     if image_cond is not None:
-        check_tensor("image_cond", image_cond, (batch, None, c.cond_in_channels), ref.dtype, ref.device)
+        check_tensor("image_cond", image_cond, (batch, None, c.cond_in_channels), leaf.dtype, leaf.device)
 
 
 def _check_target(c, target_timestep, batch, device):
@@ -357,11 +357,11 @@ def check_inputs(
     (cos, sin) table `rope_table` builds, in place of the ids. fd.apply returns (B, S_img,
     in_channels), as ``Flux3Transformer2DModel(...)[0]``."""
     c = params.config
-    ref = reference_leaf(params, "context_embedder.weight")
-    B, _ = check_streams(c, ref, x, t, txt)
-    _check_cond(c, image_cond, image_cond_ids, B, ref, rope)
-    _check_target(c, target_timestep, B, ref.device)
-    pes = _tables(c, x, txt, img_ids, txt_ids, image_cond, image_cond_ids, rope, ref.device)
+    leaf = reference_leaf(params, "context_embedder.weight")
+    B, _ = check_streams(c, leaf, x, t, txt)
+    _check_cond(c, image_cond, image_cond_ids, B, leaf, rope)
+    _check_target(c, target_timestep, B, leaf.device)
+    pes = _tables(c, x, txt, img_ids, txt_ids, image_cond, image_cond_ids, rope, leaf.device)
     return dict(cond=image_cond, target=target_timestep, pes=pes)
 
 
