@@ -35,6 +35,7 @@ FAMILIES = {
 }
 PRESETS = {name: cfg for fam in FAMILIES.values() for name, cfg in fam.PRESETS.items()}
 DIFFUSERS_CLASSES = {fam.DIFFUSERS_CLASS: cls for cls, fam in FAMILIES.items()}
+REGIONS = {cls: _compile.regions(fam) for cls, fam in FAMILIES.items()}  # each family's blocks as compile regions
 register_pytree(FAMILIES)
 
 
@@ -318,7 +319,7 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
     x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
     inputs = {k: sharding.shard(v, "dp", 0) if k in fam.BATCHED and v is not None else v for k, v in inputs.items()}
     fast = _fuse.active(params, fam.FUSED, (x, t, txt, inputs))  # fd.prepare'd params, inference
-    regions = _compile.regions(fam)  # the family's blocks as compile regions (None: it has none)
+    regions = REGIONS[type(params.config)]  # None for a family without regions
     if regions is not None:
         inputs = {**inputs, "blocks": regions}
     if fast:

@@ -37,7 +37,7 @@ def region(fn):
     return call
 
 
-_REGIONS: dict = {}  # family module -> its block functions as regions
+_REGIONS: dict = {}  # family module name -> its block functions as regions
 
 
 def regions(family) -> types.SimpleNamespace | None:
@@ -45,9 +45,20 @@ def regions(family) -> types.SimpleNamespace | None:
     regions, made once per family, for its ``forward``'s ``blocks``; None without any."""
     if not getattr(family, "REGIONS", ()):
         return None
-    if family not in _REGIONS:
-        _REGIONS[family] = types.SimpleNamespace(**{n: region(getattr(family, n)) for n in family.REGIONS})
-    return _REGIONS[family]
+    name = family.__name__  # a string key: dynamo traces a lookup by it (not by a module)
+    if name not in _REGIONS:
+        _REGIONS[name] = types.SimpleNamespace(**{n: region(_looked_up(family, n)) for n in family.REGIONS})
+    return _REGIONS[name]
+
+
+def _looked_up(family, name: str):
+    """``family.<name>`` looked up at each call (a block replaced later is the one run)."""
+
+    def block(*args, **kwargs):
+        return getattr(family, name)(*args, **kwargs)
+
+    block.__name__ = block.__qualname__ = name
+    return block
 
 
 # Whether block activations are recomputed in backward (`recompute_blocks`), innermost
