@@ -116,6 +116,24 @@ def test_selection_among_three_kernels_inside_a_model(monkeypatch, clock):
     assert {"norm_modulate", "gated", "linear_group", "rms_norm", "apply_rope", "linear_group_gelu"} <= ops
 
 
+def test_the_exact_entries_of_the_kernel_tables_are_the_exact_maths(monkeypatch, clock):
+    """Every fast kernel of every table in `nn.fast` slowed: "auto" keeps each op's "exact"
+    entry, and the prepared model is then bitwise the plain params' (the exact maths of
+    `nn.layers`), so the tables' exact entries restate that maths and nothing else."""
+    params = fd.init(cases_flux1.TINY, seed=0)
+    kw = cases_flux1.inputs(params.config, batch=1, seed=1)
+    tables = [v for v in vars(_fast).values() if isinstance(v, dict) and "exact" in v]
+    for table in tables:
+        for name in [n for n in table if n != "exact"]:
+            monkeypatch.setitem(table, name, _slowed(table[name], clock))
+    with torch.no_grad():
+        auto = fd.apply(fd.prepare(params), **kw)
+        plain = fd.apply(params, **kw)
+    choices = fd.kernel_choices()
+    assert choices and {c["choice"] for c in choices} == {"exact"}
+    assert torch.equal(auto, plain)
+
+
 # ----------------------------------------------------------------------------- pins
 
 
