@@ -17,6 +17,7 @@ from _dist import spawn
 
 import functional_dit as fd
 import sharding
+from functional_dit.nn import fused as _fuse
 
 FAMILIES = ["cases_flux1", "cases_flux2", "cases_qwenimage"]
 
@@ -100,8 +101,8 @@ def test_prepare_keeps_keys_and_values_and_fuses(cases):
     a, b = params.flat(), prepared.flat()
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
     attn = prepared["transformer_blocks"]["0"]["attn"]
-    assert fd._fuse.fused([attn["to_q"], attn["to_k"], attn["to_v"]]) is not None
-    assert fd._fuse.fused([params["transformer_blocks"]["0"]["attn"][n] for n in ("to_q", "to_k", "to_v")]) is None
+    assert _fuse.fused([attn["to_q"], attn["to_k"], attn["to_v"]]) is not None
+    assert _fuse.fused([params["transformer_blocks"]["0"]["attn"][n] for n in ("to_q", "to_k", "to_v")]) is None
     with torch.no_grad():
         # one matmul over [q; k; v] instead of three: the same products, summed in the same
         # order per output element by the GEMM here; a tolerance in case a BLAS blocks differently
@@ -115,10 +116,10 @@ def test_prepared_layout_is_never_stale():
     kw = C.inputs(C.TINY, batch=1, seed=0)
     block = params["single_transformer_blocks"]["0"]
     group = [block["attn"]["to_q"], block["attn"]["to_k"], block["attn"]["to_v"], block["proj_mlp"]]
-    assert fd._fuse.fused(group) is not None
+    assert _fuse.fused(group) is not None
     with torch.no_grad():
         block["attn"]["to_k"]["weight"].mul_(2)  # in place: the fused buffer itself changes
-        tree = fd._fuse._copy_dicts(params.tree)
+        tree = _fuse._copy_dicts(params.tree)
         tree["single_transformer_blocks"]["0"]["attn"]["to_k"]["weight"] = block["attn"]["to_k"]["weight"].clone()
         replaced = params.replace(tree)  # a new tensor: that group runs unfused
         plain = fd.init(C.TINY, seed=0)
@@ -127,7 +128,7 @@ def test_prepared_layout_is_never_stale():
         torch.testing.assert_close(fd.apply(params, **kw), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fd.apply(replaced, **kw), want, rtol=1e-5, atol=1e-5)
     new = replaced["single_transformer_blocks"]["0"]
-    assert fd._fuse.fused([new["attn"]["to_q"], new["attn"]["to_k"], new["attn"]["to_v"], new["proj_mlp"]]) is None
+    assert _fuse.fused([new["attn"]["to_q"], new["attn"]["to_k"], new["attn"]["to_v"], new["proj_mlp"]]) is None
 
 
 def test_prepare_refuses_params_that_require_grad_and_grads_flow_unfused():
@@ -139,7 +140,7 @@ def test_prepare_refuses_params_that_require_grad_and_grads_flow_unfused():
     with pytest.raises(ValueError, match="params: prepare is for inference"):
         fd.prepare(params)
     attn = params["transformer_blocks"]["0"]["attn"]
-    assert fd._fuse.fused([attn["to_q"], attn["to_k"], attn["to_v"]]) is None
+    assert _fuse.fused([attn["to_q"], attn["to_k"], attn["to_v"]]) is None
     fd.apply(params, **C.inputs(C.TINY, batch=1, seed=0)).sum().backward()
     assert attn["to_k"]["weight"].grad is not None
 
@@ -161,7 +162,7 @@ def _sharded_breaks(rank, world):
         prepared = fd.prepare(s)
         local, _ = sharding.local_view(prepared)
         attn = local["transformer_blocks"]["0"]["attn"]
-        fused = fd._fuse.fused([attn["to_q"], attn["to_k"], attn["to_v"]])  # this rank's rows, one buffer
+        fused = _fuse.fused([attn["to_q"], attn["to_k"], attn["to_v"]])  # this rank's rows, one buffer
         with torch.no_grad():
             eager = fd.apply(prepared, **kw)
         err = (out - eager).abs().max().item()
