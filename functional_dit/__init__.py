@@ -29,7 +29,7 @@ from .flux2 import Flux2Config
 from .flux2_kv import Flux2KVCache
 from .flux3 import Flux3Config
 from .nn.kernels import kernel_choices
-from .params import PACKED, Block, Params, ParamSpec
+from .params import PACKED, Block, Params, ParamSpec, Segment
 from .qwenimage import QwenImageConfig
 from .qwenimage21 import QwenImage21Config, QwenImage21KVCache
 from .stack import stack_params, unstack_params
@@ -75,6 +75,7 @@ __all__ = [
     "Flux3Config",
     "ParamSpec",
     "Params",
+    "Segment",
     "QwenImageConfig",
     "QwenImage21Config",
     "QwenImage21KVCache",

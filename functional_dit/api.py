@@ -19,13 +19,13 @@ from sharding.tree import flatten, nest
 from . import configs as _config
 from . import flux1, flux2, flux3, qwenimage, qwenimage21
 from .lora import internal as _lora
+from .nn import compile as _compile
 from .nn import fused as _fuse
 from .nn import kernels as _kernels
-from .nn import layers as L
 from .nn import values as _values
 from .params import Params, ParamSpec, check_leaves, register_pytree
 
-# The families: config class -> the module that owns it (specs, prepare, forward, presets,
+# The families: config class -> the module that owns it (specs, check_inputs, forward, presets,
 # DIFFUSERS_CLASS). A static table: adding a family is one line here.
 FAMILIES = {
     flux1.Flux1Config: flux1,
@@ -36,6 +36,7 @@ FAMILIES = {
 }
 PRESETS = {name: cfg for fam in FAMILIES.values() for name, cfg in fam.PRESETS.items()}
 DIFFUSERS_CLASSES = {fam.DIFFUSERS_CLASS: cls for cls, fam in FAMILIES.items()}
+REGIONS = {cls: _compile.regions(fam) for cls, fam in FAMILIES.items()}  # each family's blocks as compile regions
 register_pytree(FAMILIES)
 
 
@@ -239,8 +240,8 @@ def prepare(params: Params, kernels: str = "auto") -> Params:
 def apply(params: Params, x, t, txt, *, lora=None, checkpoint: bool = False, **kwargs):
     """The model as a pure function: ``fd.apply(params, x, t, txt, *, img_ids=None,
     txt_ids=None, guidance=None, pooled=None, txt_mask=None, img_shapes=None, rope=None,
-    lora=None, ...)``; the family's ``prepare`` documents the arguments it takes
-    (``flux1.prepare``, ...). ``rope=(cos, sin)``: a precomputed RoPE table in place of the
+    lora=None, ...)``; the family's ``check_inputs`` documents the arguments it takes
+    (``flux1.check_inputs``, ...). ``rope=(cos, sin)``: a precomputed RoPE table in place of the
     position ids (``flux1.rope_table``, ``flux2.rope_table``, ``qwenimage.pos_embed``).
     ``lora=[(adapter, scale), ...]``: LoRA adapters applied on the fly (`functional_dit.lora`).
     Returns the diffusers class's ``forward(...)[0]``, replicated on every rank.
@@ -254,7 +255,7 @@ def apply(params: Params, x, t, txt, *, lora=None, checkpoint: bool = False, **k
 
     ``checkpoint=True``: gradient (activation) checkpointing, per block: under autograd
     each transformer block keeps only its inputs and recomputes its activations in
-    backward (the same gradients, less memory; `_layers.recompute_blocks`)."""
+    backward (the same gradients, less memory; `nn.compile.recompute_blocks`)."""
     if not isinstance(checkpoint, bool):
         raise ValueError(f"checkpoint: expected True or False, got {checkpoint!r}")
     fam = family(params)
@@ -264,7 +265,7 @@ def apply(params: Params, x, t, txt, *, lora=None, checkpoint: bool = False, **k
     adapters = _lora_adapters(params, lora, mesh)
     if not checkpoint:  # no context manager on the default path: nothing extra for torch.compile to trace
         return _apply_bound(fam, local, mesh, x, t, txt, kwargs, adapters)
-    with L.recompute_blocks():
+    with _compile.recompute_blocks():
         return _apply_bound(fam, local, mesh, x, t, txt, kwargs, adapters)
 
 
@@ -310,12 +311,16 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
         params = _lora.attach(params, adapters)
     if torch.is_grad_enabled() and any(sharding.axis_size(a) > 1 for a in _SHARE_AXES):  # only backward sums
         params, x, t, txt, kwargs = pytree.tree_map(_share, (params, x, t, txt, kwargs))
-    inputs = fam.prepare(params, x, t, txt, **kwargs)
+    inputs = fam.check_inputs(params, x, t, txt, **kwargs)
     B = x.shape[0]
     x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
     inputs = {k: sharding.shard(v, "dp", 0) if k in fam.BATCHED and v is not None else v for k, v in inputs.items()}
-    if _fuse.active(params, fam.FUSED, (x, t, txt, inputs)):  # fd.prepare'd params, inference
-        with L.fast_kernels(_fuse.kernels(params, fam.FUSED)):
+    fast = _fuse.active(params, fam.FUSED, (x, t, txt, inputs))  # fd.prepare'd params, inference
+    regions = REGIONS[type(params.config)]  # None for a family without regions
+    if regions is not None:
+        inputs = {**inputs, "blocks": regions}
+    if fast:
+        with _kernels.fast_kernels(_fuse.kernels(params, fam.FUSED)):
             out, seq, extra = fam.forward(params, x, t, txt, **inputs)
     else:
         out, seq, extra = fam.forward(params, x, t, txt, **inputs)

@@ -37,7 +37,7 @@ from .params import (
     MOD6,
     MOD_OUT,
     PACKED,
-    Block,
+    Segment,
     linear_spec,
     mod_spec,
     norm_spec,
@@ -171,9 +171,9 @@ def _single_block_specs(c) -> dict:
     g = math.gcd(n, m)
     return {
         "norm": {"linear": mod_spec(n, MOD3)},
-        "proj_mlp": unit_linear_spec(Block("mlp", m, "mlp"), n, "embed", g),
+        "proj_mlp": unit_linear_spec(Segment("mlp", m, "mlp"), n, "embed", g),
         "proj_out": linear_spec(
-            n, n + m, "embed", PACKED, blocks=units((Block("attn", n, "heads"), Block("mlp", m, "mlp")), g)
+            n, n + m, "embed", PACKED, blocks=units((Segment("attn", n, "heads"), Segment("mlp", m, "mlp")), g)
         ),
         "attn": {
             "norm_q": norm_spec(D),
@@ -221,13 +221,15 @@ def time_text_embed(p, t, guidance, pooled) -> torch.Tensor:
     return vec + L.mlp_embed(p["text_embedder"], pooled)
 
 
-def qkv(p, x, head_dim, names=("to_q", "to_k", "to_v"), norms=("norm_q", "norm_k"), extra=()):
-    """Project to q, k, v (B, S, H, D) and RMS-normalise q and k over D; ``extra``
-    column-parallel layers reading the same x are projected in the same (fused) matmul
-    and returned after."""
-    q, k, v, *rest = L.linear_group([p[n] for n in names] + list(extra), x)
+def qkv(p, x, head_dim, names=("to_q", "to_k", "to_v"), norms=("norm_q", "norm_k")):
+    """Project to q, k, v (B, S, H, D) and RMS-normalise q and k over D."""
+    return heads(p, *L.linear_group([p[n] for n in names], x), head_dim, norms)
+
+
+def heads(p, q, k, v, head_dim, norms=("norm_q", "norm_k")):
+    """q, k, v (B, S, H·D) -> (B, S, H, D), q and k RMS-normalised over D."""
     q, k, v = (L.split_heads(y, head_dim) for y in (q, k, v))
-    return L.rms_norm(L.per_head(p[norms[0]]), q), L.rms_norm(L.per_head(p[norms[1]]), k), v, *rest
+    return L.rms_norm(L.per_head(p[norms[0]]), q), L.rms_norm(L.per_head(p[norms[1]]), k), v
 
 
 def joint_attention(q, k, v, pe, key_bias=None) -> torch.Tensor:
@@ -269,35 +271,13 @@ def single_block(p, x, mod, pe, head_dim, key_bias=None):
     (B, 3C) its ``norm`` modulation (`modulations`)."""
     shift, scale, gate = mod.chunk(3, dim=-1)
     h = L.norm_modulate(x, shift, scale)
-    q, k, v, mlp = L.select("single_in", _SINGLE_IN, p, h, head_dim) if L.fast() else _single_in(p, h, head_dim)
-    attn = joint_attention(q, k, v, pe, key_bias)
+    a = p["attn"]
+    q, k, v, mlp = L.linear_group_gelu([a["to_q"], a["to_k"], a["to_v"], p["proj_mlp"]], h)  # BFL's linear1
+    attn = joint_attention(*heads(a, q, k, v, head_dim), pe, key_bias)
     return L.clip_fp16(L.gated(x, gate[:, None], L.row_linear_cat(p["proj_out"], [attn, mlp])))
 
 
-def _single_in(p, h, head_dim):
-    """q, k, v and the GELU'd MLP input of a single block from one GEMM (BFL's linear1)."""
-    q, k, v, mlp = qkv(p["attn"], h, head_dim, extra=[p["proj_mlp"]])
-    return q, k, v, torch.nn.functional.gelu(mlp, approximate="tanh")
-
-
-def _single_in_two_gemms(p, h, head_dim):
-    """`_single_in` as q/k/v in one GEMM and the MLP input with its GELU in another
-    (`L.linear_gelu`): contiguous outputs, no strided slices."""
-    return *qkv(p["attn"], h, head_dim), L.linear_gelu(p["proj_mlp"], h)
-
-
-def _single_in_inplace(p, h, head_dim):
-    """`_single_in` with the GELU in place on the MLP columns of the one fresh GEMM output."""
-    q, k, v, mlp = qkv(p["attn"], h, head_dim, extra=[p["proj_mlp"]])
-    return q, k, v, torch.ops.aten.gelu_(mlp, approximate="tanh")
-
-
-_SINGLE_IN = {"exact": _single_in, "two_gemms": _single_in_two_gemms, "one_gemm_inplace": _single_in_inplace}
-
-
-# Compiled once, reused for every layer; the block functions are looked up at call time.
-_double_region = L.region(lambda *args: double_block(*args))
-_single_region = L.region(lambda *args: single_block(*args))
+REGIONS = ("double_block", "single_block")  # compiled once and reused per layer (`nn.compile`)
 
 
 def modulations(params, vec) -> tuple[list, list, list, torch.Tensor]:
@@ -320,34 +300,34 @@ def final_layer(p, x, mod):
 
 def _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids, rope=None):
     c = params.config
-    ref = reference_leaf(params, "x_embedder.weight")
-    B, S = check_streams(c, ref, x, t, txt)
+    leaf = reference_leaf(params, "x_embedder.weight")
+    B, S = check_streams(c, leaf, x, t, txt)
     if pooled is None:
         raise ValueError(f"pooled: FLUX.1 needs pooled text embeddings of shape ({B}, {c.pooled_projection_dim})")
-    check_tensor("pooled", pooled, (B, c.pooled_projection_dim), ref.dtype, ref.device)
-    check_guidance(c, guidance, B, ref.device)
+    check_tensor("pooled", pooled, (B, c.pooled_projection_dim), leaf.dtype, leaf.device)
+    check_guidance(c, guidance, B, leaf.device)
     if rope is not None:
         check_rope_or_ids(rope, img_ids=img_ids, txt_ids=txt_ids)
-        return check_rope(rope, txt.shape[1] + S, c.attention_head_dim, ref.device)
+        return check_rope(rope, txt.shape[1] + S, c.attention_head_dim, leaf.device)
     if img_ids is None:
         raise ValueError(f"img_ids: FLUX.1 needs image position ids of shape ({S}, {len(c.axes_dims_rope)})")
     n_axes = len(c.axes_dims_rope)
-    img_ids = check_ids("img_ids", img_ids, S, n_axes, B, ref.device)
+    img_ids = check_ids("img_ids", img_ids, S, n_axes, B, leaf.device)
     if txt_ids is None:  # what the diffusers pipelines pass
-        txt_ids = torch.zeros(txt.shape[1], n_axes, device=ref.device, dtype=img_ids.dtype)
-    return rope_table(c, img_ids, check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, ref.device))
+        txt_ids = torch.zeros(txt.shape[1], n_axes, device=leaf.device, dtype=img_ids.dtype)
+    return rope_table(c, img_ids, check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, leaf.device))
 
 
 def rope_table(config: Flux1Config, img_ids, txt_ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (cos, sin) table `prepare` builds from 2-D ids: (S_txt + S_img, attention_head_dim) fp32."""
+    """The (cos, sin) table `check_inputs` builds from 2-D ids: (S_txt + S_img, attention_head_dim) fp32."""
     return L.rope(torch.cat([txt_ids, img_ids], 0), config.axes_dims_rope, theta=10000.0)
 
 
 ARGS = ("pooled", "guidance", "img_ids", "txt_ids", "rope")  # of fd.apply's keywords, the ones FLUX.1 takes
-BATCHED = ("pooled", "guidance")  # of prepare's outputs, those split over "dp" with x, t, txt
+BATCHED = ("pooled", "guidance")  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
-def prepare(params, x, t, txt, *, pooled=None, guidance=None, img_ids=None, txt_ids=None, rope=None) -> dict:
+def check_inputs(params, x, t, txt, *, pooled=None, guidance=None, img_ids=None, txt_ids=None, rope=None) -> dict:
     """Checks the FLUX.1 inputs (full view) and returns `forward`'s keywords: x (B, S_img,
     in_channels), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim), pooled (B,
     pooled_projection_dim), guidance (B,) when the model is guidance-distilled, img_ids
@@ -359,8 +339,14 @@ def prepare(params, x, t, txt, *, pooled=None, guidance=None, img_ids=None, txt_
     return dict(pooled=pooled, guidance=guidance, pe=pe)
 
 
-def forward(params, x, t, txt, *, pooled, guidance, pe):
-    """The model on this rank's batch: returns (out sharded over "sp", its full length, None)."""
+prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
+
+
+def forward(params, x, t, txt, *, pooled, guidance, pe, blocks=None):
+    """The model on this rank's batch: returns (out sharded over "sp", its full length,
+    None). ``blocks``: the block functions to call (the api passes them as compile
+    regions, `nn.compile.regions`); None: this module's."""
+    double, single = (double_block, single_block) if blocks is None else (blocks.double_block, blocks.single_block)
     D, S = params.config.attention_head_dim, x.shape[1]
     img = L.linear(params["x_embedder"], x)
     t = t.to(img.dtype) * 1000
@@ -370,8 +356,8 @@ def forward(params, x, t, txt, *, pooled, guidance, pe):
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
     img_mods, txt_mods, single_mods, out_mod = modulations(params, vec)
     for p, img_mod, txt_mod in zip(ordered_blocks(params, "transformer_blocks"), img_mods, txt_mods):
-        img, txt = _double_region(p, img, txt, img_mod, txt_mod, pe, D, key_bias)
+        img, txt = double(p, img, txt, img_mod, txt_mod, pe, D, key_bias)
     x = torch.cat([txt, img], 1)
     for p, mod in zip(ordered_blocks(params, "single_transformer_blocks"), single_mods):
-        x = _single_region(p, x, mod, pe, D, key_bias)
+        x = single(p, x, mod, pe, D, key_bias)
     return final_layer(params, x[:, txt.shape[1] :], out_mod), S, None

@@ -18,7 +18,6 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 
 import sharding
 
@@ -37,7 +36,7 @@ from .configs import (
 from .flux2_kv import Ref
 from .nn import layers as L
 from .nn.checks import check_guidance, check_ids, check_rope, check_rope_or_ids, check_streams, reference_leaf
-from .params import MOD3, MOD6, MOD_OUT, PACKED, Block, linear_spec, mod_spec, norm_spec, ordered_blocks, units
+from .params import MOD3, MOD6, MOD_OUT, PACKED, Segment, linear_spec, mod_spec, norm_spec, ordered_blocks, units
 
 DIFFUSERS_CLASS = "Flux2Transformer2DModel"
 NAME = "FLUX.2"
@@ -141,7 +140,7 @@ _lin = functools.partial(linear_spec, bias=False)  # FLUX.2 has no biases anywhe
 
 def _swiglu_specs(c) -> dict:
     n, m = c.inner_dim, c.mlp_hidden_dim
-    gate_up = (Block("gate", m, "mlp"), Block("up", m, "mlp"))
+    gate_up = (Segment("gate", m, "mlp"), Segment("up", m, "mlp"))
     return {
         "linear_in": _lin(2 * m, n, PACKED, "embed", blocks=gate_up),
         "linear_out": _lin(n, m, "embed", "mlp"),
@@ -163,9 +162,10 @@ def _single_block_specs(c) -> dict:
     # strided DTensor; the two are cut alike, so the heads and the hidden units a rank
     # holds agree between them (units, docs/architecture.md).
     g = math.gcd(n, m)
-    qkv_mlp = tuple(Block(b, n, "heads") for b in "qkv") + (Block("mlp_gate", m, "mlp"), Block("mlp_up", m, "mlp"))
+    mlp = (Segment("mlp_gate", m, "mlp"), Segment("mlp_up", m, "mlp"))
+    qkv_mlp = tuple(Segment(b, n, "heads") for b in "qkv") + mlp
     qkv_mlp = units(qkv_mlp, g)
-    attn_mlp = units((Block("attn", n, "heads"), Block("mlp", m, "mlp")), g)  # to_out consumes cat([attn, mlp])
+    attn_mlp = units((Segment("attn", n, "heads"), Segment("mlp", m, "mlp")), g)  # to_out consumes cat([attn, mlp])
     return {
         "attn": {
             "to_qkv_mlp_proj": _lin(3 * n + 2 * m, n, PACKED, "embed", blocks=qkv_mlp),
@@ -227,9 +227,7 @@ def modulations(params, temb):
     return tuple(m.chunk(n, dim=-1) for m, n in zip(mods, ns))
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``; in place on ``gate`` (a fresh GEMM output) with the fast kernels."""
-    return F.silu(gate, inplace=True).mul_(up) if L.fast() else F.silu(gate) * up
+swiglu = L.swiglu  # the MLP activation, ``silu(gate) * up`` (an old name, kept)
 
 
 def feed_forward(p, x: torch.Tensor) -> torch.Tensor:
@@ -240,7 +238,7 @@ def feed_forward(p, x: torch.Tensor) -> torch.Tensor:
 def _ff_hidden(p, x: torch.Tensor) -> torch.Tensor:
     """``swiglu(linear_in(x))``, ``linear_in``'s rows [gate; up] (each rank holds its slice of both halves)."""
     m = p["linear_in"]["weight"].shape[0] // 2
-    return swiglu(*L.col_linear_split(p["linear_in"], x, [m, m]))
+    return L.swiglu(*L.col_linear_split(p["linear_in"], x, [m, m]))
 
 
 _IMG = (("to_q", "to_k", "to_v"), ("norm_q", "norm_k"))
@@ -329,7 +327,7 @@ def _single_in(a, x, mod, head_dim, eps):
 
 def _single_out(a, x, attn, mlp, mod):
     gate = mod[2]
-    return L.clip_fp16(L.gated(x, gate[:, None], L.row_linear_cat(a["to_out"], [attn, swiglu(*mlp)])))
+    return L.clip_fp16(L.gated(x, gate[:, None], L.row_linear_cat(a["to_out"], [attn, L.swiglu(*mlp)])))
 
 
 def single_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None, txt_len=0, ref: Ref | None = None):
@@ -349,9 +347,7 @@ def single_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None, txt_len=0, re
     return out, ref
 
 
-# Compiled once, reused for every layer; the block functions are looked up at call time.
-_double_region = L.region(lambda *args: double_block(*args))
-_single_region = L.region(lambda *args: single_block(*args))
+REGIONS = ("double_block", "single_block")  # compiled once and reused per layer (`nn.compile`)
 
 
 def final_layer(p, x, temb, eps=1e-6):
@@ -365,25 +361,25 @@ def final_layer(p, x, temb, eps=1e-6):
 def _validate(params, x, t, txt, guidance, img_ids, txt_ids, rope=None):
     """Returns the RoPE tables of the img and txt rows, and the reference leaf."""
     c = params.config
-    ref = reference_leaf(params, "x_embedder.weight")
-    B, S = check_streams(c, ref, x, t, txt)
-    check_guidance(c, guidance, B, ref.device)
+    leaf = reference_leaf(params, "x_embedder.weight")
+    B, S = check_streams(c, leaf, x, t, txt)
+    check_guidance(c, guidance, B, leaf.device)
     if rope is not None:
         check_rope_or_ids(rope, img_ids=img_ids, txt_ids=txt_ids)
         T = txt.shape[1]
-        rope = check_rope(rope, T + S, c.attention_head_dim, ref.device)
-        return tuple(a[T:] for a in rope), tuple(a[:T] for a in rope), ref
+        rope = check_rope(rope, T + S, c.attention_head_dim, leaf.device)
+        return tuple(a[T:] for a in rope), tuple(a[:T] for a in rope), leaf
     n_axes = len(c.axes_dims_rope)
     for name, ids, n in (("img_ids", img_ids, S), ("txt_ids", txt_ids, txt.shape[1])):
         if ids is None:
             raise ValueError(f"{name}: FLUX.2 needs position ids of shape ({n}, {n_axes}) or ({B}, {n}, {n_axes})")
-    img_ids = check_ids("img_ids", img_ids, S, n_axes, B, ref.device)
-    txt_ids = check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, ref.device)
-    return *(L.rope(ids, c.axes_dims_rope, theta=c.rope_theta) for ids in (img_ids, txt_ids)), ref
+    img_ids = check_ids("img_ids", img_ids, S, n_axes, B, leaf.device)
+    txt_ids = check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, leaf.device)
+    return *(L.rope(ids, c.axes_dims_rope, theta=c.rope_theta) for ids in (img_ids, txt_ids)), leaf
 
 
 def rope_table(config: Flux2Config, img_ids, txt_ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (cos, sin) table `prepare` builds from 2-D ids: (S_txt + S_img, attention_head_dim)
+    """The (cos, sin) table `check_inputs` builds from 2-D ids: (S_txt + S_img, attention_head_dim)
     fp32, txt rows first (with reference tokens, img_ids holds their rows too)."""
     pe_txt, pe_img = (L.rope(ids, config.axes_dims_rope, theta=config.rope_theta) for ids in (txt_ids, img_ids))
     return tuple(torch.cat([a, b]) for a, b in zip(pe_txt, pe_img))
@@ -409,13 +405,13 @@ def _ref_stream(params, x, pe, t, guidance, ref_fixed_timestep):
     return Ref(x=x, mod=mod_img, pe=pe, bias=None if bias is None else bias.expand(x.shape[0], -1)), mod_single
 
 
-def _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache):
+def _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache, blocks):
     """All blocks in the local view. Returns the img stream and, per block, its `Ref`."""
     c, (mod_img, mod_txt, mod_single), T, refs = params.config, mods, txt.shape[1], {}
     D, eps = c.attention_head_dim, c.eps
     double, single = double_block, single_block
-    if ref is None and cache is None:  # regional compilation; its inputs must not alias
-        double, single = _double_region, _single_region
+    if blocks is not None and ref is None and cache is None:  # compile regions; their inputs must not alias
+        double, single = blocks.double_block, blocks.single_block
         mod_img, mod_txt, mod_single = (tuple(m.clone() for m in mod) for mod in (mod_img, mod_txt, mod_single))
     for i, p in enumerate(ordered_blocks(params, "transformer_blocks")):
         ref = ref if cache is None else kv.local_cache(cache, "transformer_blocks", i, img.device)
@@ -431,10 +427,10 @@ def _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache):
 
 
 ARGS = ("guidance", "img_ids", "txt_ids", "rope", "kv_cache", "num_ref_tokens", "ref_fixed_timestep")
-BATCHED = ("guidance",)  # of prepare's outputs, those split over "dp" with x, t, txt
+BATCHED = ("guidance",)  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
-def prepare(
+def check_inputs(
     params,
     x,
     t,
@@ -479,9 +475,15 @@ def prepare(
     )
 
 
-def forward(params, x, t, txt, *, guidance, pe_img, pe_txt, num_ref_tokens, ref_fixed_timestep, cache, batch):
+prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
+
+
+def forward(
+    params, x, t, txt, *, guidance, pe_img, pe_txt, num_ref_tokens, ref_fixed_timestep, cache, batch, blocks=None
+):
     """The model on this rank's batch: returns (out sharded over "sp", its full length, and
-    the extracted `Flux2KVCache` or None)."""
+    the extracted `Flux2KVCache` or None). ``blocks``: the block functions as compile
+    regions (`nn.compile.regions`, passed by the api); None: this module's, uncompiled."""
     c, R = params.config, num_ref_tokens
     t, guidance = t.to(x.dtype) * 1000, None if guidance is None else guidance.to(x.dtype) * 1000
     temb = time_guidance_embed(params["time_guidance_embed"], t, guidance, c.timestep_guidance_channels)
@@ -493,6 +495,7 @@ def forward(params, x, t, txt, *, guidance, pe_img, pe_txt, num_ref_tokens, ref_
     img, txt = L.linear(params["x_embedder"], x), L.linear(params["context_embedder"], txt)
     pe = tuple(torch.cat([a, b]) for a, b in zip(pe_txt, pe_img))
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
-    img, refs = _blocks(params, img, txt, modulations(params, temb), pe, key_bias, ref, ref_mod_single, cache)
+    mods = modulations(params, temb)
+    img, refs = _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache, blocks)
     out = final_layer(params, img, temb, c.eps)
     return out, x.shape[1], kv.from_refs(c, refs, batch, R) if R else None

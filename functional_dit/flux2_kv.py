@@ -97,7 +97,7 @@ class Ref(NamedTuple):
     bias: torch.Tensor | None = None
 
 
-def check_mode(c, x, kv_cache, num_ref_tokens, ref_fixed_timestep, ref):
+def check_mode(c, x, kv_cache, num_ref_tokens, ref_fixed_timestep, leaf):
     """Returns "extract", "cached" or None, after checking the KV-cache arguments."""
     B, S = x.shape[:2]
     if kv_cache is None:
@@ -117,7 +117,7 @@ def check_mode(c, x, kv_cache, num_ref_tokens, ref_fixed_timestep, ref):
         return "extract"
     if not isinstance(kv_cache, Flux2KVCache):
         raise ValueError(f"kv_cache: expected None, 'extract' or a Flux2KVCache, got {type(kv_cache).__name__}")
-    check_cache(c, kv_cache, B, ref)
+    check_cache(c, kv_cache, B, leaf)
     if num_ref_tokens is not None and num_ref_tokens != kv_cache.num_ref_tokens:
         raise ValueError(f"num_ref_tokens: the cache holds {kv_cache.num_ref_tokens} tokens, got {num_ref_tokens!r}")
     if ref_fixed_timestep is not None:
@@ -125,7 +125,7 @@ def check_mode(c, x, kv_cache, num_ref_tokens, ref_fixed_timestep, ref):
     return "cached"
 
 
-def check_cache(c, cache, B, ref):
+def check_cache(c, cache, B, leaf):
     if cache.config != c:
         raise ValueError(f"kv_cache: built for a different model; expected config {c}, got {cache.config}")
     expected, flat = cache_shapes(c, B, cache.num_ref_tokens), cache.flat()
@@ -133,7 +133,7 @@ def check_cache(c, cache, B, ref):
         missing, extra = [k for k in expected if k not in flat], [k for k in flat if k not in expected]
         raise ValueError(mismatch_report("kv_cache: expected the keys of the model's blocks", missing, extra))
     for key, shape in expected.items():
-        check_tensor(f"kv_cache[{key!r}]", flat[key], shape, ref.dtype, ref.device)
+        check_tensor(f"kv_cache[{key!r}]", flat[key], shape, leaf.dtype, leaf.device)
 
 
 def local_cache(cache: Flux2KVCache, kind: str, i: int, device) -> Ref:

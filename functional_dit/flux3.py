@@ -262,8 +262,7 @@ def single_block(p, xs: list, mods: list, pe, head_dim, eps=1e-6, key_bias=None)
     return [L.gated(x, m[2], y) for x, m, y in zip(xs, mods, ys)]
 
 
-_mode_region = L.region(lambda *args: mode_block(*args))  # compiled once, reused per layer
-_single_region = L.region(lambda *args: single_block(*args))
+REGIONS = ("mode_block", "single_block")  # compiled once and reused per layer (`nn.compile`)
 
 
 def final_layer(params, x, mod, eps=1e-6):
@@ -281,7 +280,7 @@ def _ids_rope(c, name, ids, seq, batch, device):
     return L.rope(ids, c.axes_dims_rope, theta=c.rope_theta)
 
 
-def _check_cond(c, image_cond, image_cond_ids, batch, ref, rope):
+def _check_cond(c, image_cond, image_cond_ids, batch, leaf, rope):
     if (
         image_cond_ids is not None
         and image_cond is None
@@ -294,7 +293,7 @@ def _check_cond(c, image_cond, image_cond_ids, batch, ref, rope):
         )
         raise ValueError(f"{missing}: required with {given} (reference-image tokens and their position ids)")
     if image_cond is not None:
-        check_tensor("image_cond", image_cond, (batch, None, c.cond_in_channels), ref.dtype, ref.device)
+        check_tensor("image_cond", image_cond, (batch, None, c.cond_in_channels), leaf.dtype, leaf.device)
 
 
 def _check_target(c, target_timestep, batch, device):
@@ -324,7 +323,7 @@ def _tables(c, x, txt, img_ids, txt_ids, image_cond, image_cond_ids, rope, devic
 
 
 def rope_table(config: Flux3Config, img_ids, txt_ids, image_cond_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (cos, sin) table `prepare` builds from 2-D ids: (S_txt + S_img [+ S_ref],
+    """The (cos, sin) table `check_inputs` builds from 2-D ids: (S_txt + S_img [+ S_ref],
     attention_head_dim) fp32, rows in (txt; img; ref) order, to build it once per run."""
     ids = [i for i in (txt_ids, img_ids, image_cond_ids) if i is not None]
     parts = [L.rope(i, config.axes_dims_rope, theta=config.rope_theta) for i in ids]
@@ -334,10 +333,10 @@ def rope_table(config: Flux3Config, img_ids, txt_ids, image_cond_ids=None) -> tu
 # ----------------------------------------------------------------------------- apply
 
 ARGS = ("img_ids", "txt_ids", "rope", "image_cond", "image_cond_ids", "target_timestep")
-BATCHED = ("cond", "target")  # of prepare's outputs, those split over "dp" with x, t, txt
+BATCHED = ("cond", "target")  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
-def prepare(
+def check_inputs(
     params,
     x,
     t,
@@ -358,12 +357,15 @@ def prepare(
     (cos, sin) table `rope_table` builds, in place of the ids. fd.apply returns (B, S_img,
     in_channels), as ``Flux3Transformer2DModel(...)[0]``."""
     c = params.config
-    ref = reference_leaf(params, "context_embedder.weight")
-    B, _ = check_streams(c, ref, x, t, txt)
-    _check_cond(c, image_cond, image_cond_ids, B, ref, rope)
-    _check_target(c, target_timestep, B, ref.device)
-    pes = _tables(c, x, txt, img_ids, txt_ids, image_cond, image_cond_ids, rope, ref.device)
+    leaf = reference_leaf(params, "context_embedder.weight")
+    B, _ = check_streams(c, leaf, x, t, txt)
+    _check_cond(c, image_cond, image_cond_ids, B, leaf, rope)
+    _check_target(c, target_timestep, B, leaf.device)
+    pes = _tables(c, x, txt, img_ids, txt_ids, image_cond, image_cond_ids, rope, leaf.device)
     return dict(cond=image_cond, target=target_timestep, pes=pes)
+
+
+prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
 
 
 def _local_stream(x, pe, mods, device) -> Stream:
@@ -386,11 +388,11 @@ def _mode_blocks(params, mode: str) -> list:
     return [tree[k] for k in sorted(tree, key=int)]
 
 
-def _mode_stack(blocks, s: Stream, c) -> Stream:
+def _mode_stack(layers, s: Stream, c, block) -> Stream:
     """A mode through its per-mode blocks (self-attention within the mode)."""
-    mod, x = tuple(m.clone() for m in s.early), s.x  # regional compilation: inputs must not alias
-    for p in blocks:
-        x = _mode_region(p, x, mod, s.pe, c.attention_head_dim, c.eps, s.bias)
+    mod, x = tuple(m.clone() for m in s.early), s.x  # compile regions: inputs must not alias
+    for p in layers:
+        x = block(p, x, mod, s.pe, c.attention_head_dim, c.eps, s.bias)
     return s._replace(x=x)
 
 
@@ -402,15 +404,19 @@ def _embed_streams(params, x, txt, cond, pes, mods) -> list:
     return [(m, _local_stream(h, pe, mods[m], x.device)) for (m, h), pe in zip(hs, pes)]
 
 
-def forward(params, x, t, txt, *, cond, target, pes):
-    """The model on this rank's batch: returns (out sharded over "sp", its full length, None)."""
+def forward(params, x, t, txt, *, cond, target, pes, blocks=None):
+    """The model on this rank's batch: returns (out sharded over "sp", its full length,
+    None). ``blocks``: the block functions as compile regions (`nn.compile.regions`,
+    passed by the api); None: this module's."""
+    mode, single = (mode_block, single_block) if blocks is None else (blocks.mode_block, blocks.single_block)
     c, S = params.config, x.shape[1]
     temb_img, temb_zero = time_embeds(params, t, target, x.dtype)
     mods = modulations(params, temb_img, temb_zero, cond is not None)
-    streams = [_mode_stack(_mode_blocks(params, m), s, c) for m, s in _embed_streams(params, x, txt, cond, pes, mods)]
+    embedded = _embed_streams(params, x, txt, cond, pes, mods)
+    streams = [_mode_stack(_mode_blocks(params, m), s, c, mode) for m, s in embedded]
     pe = tuple(torch.cat([s.pe[i] for s in streams]) for i in range(2))
     xs, key_bias = [s.x for s in streams], _joint_bias(streams)
     smods = [tuple(m.clone() for m in s.single) for s in streams]
     for p in ordered_blocks(params, "single_transformer_blocks"):
-        xs = _single_region(p, xs, smods, pe, c.attention_head_dim, c.eps, key_bias)
+        xs = single(p, xs, smods, pe, c.attention_head_dim, c.eps, key_bias)
     return final_layer(params, xs[1], mods["out"], c.eps), S, None

@@ -24,12 +24,16 @@ from sharding.tree import flatten, mismatch_report
 PACKED = "packed"  # logical axis of a dim that concatenates several blocks
 
 
-class Block(NamedTuple):
-    """One block of a fused dim: ``name`` for humans, ``size`` rows, logical ``axis``."""
+class Segment(NamedTuple):
+    """One segment of a fused dim (e.g. q of [q; k; v]): ``name`` for humans, ``size``
+    rows, logical ``axis``."""
 
     name: str
     size: int
     axis: str | None
+
+
+Block = Segment  # the old name, kept (`fd.Block`); "blocks" elsewhere are a model's layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +46,7 @@ class ParamSpec:
 
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
-    blocks: tuple[Block, ...] | None = None
+    blocks: tuple[Segment, ...] | None = None
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
@@ -85,7 +89,7 @@ def mod_spec(dim: int, chunks: tuple[str, ...], bias: bool = True) -> dict:
     return linear_spec(len(chunks) * dim, dim, "mod", "embed", bias=bias)
 
 
-def units(blocks, size: int) -> tuple[Block, ...]:
+def units(blocks, size: int) -> tuple[Segment, ...]:
     """``blocks`` cut into equal units of ``size`` rows each (a block of 4 units ``mlp``
     becomes ``mlp.0`` ... ``mlp.3``), in order. A dim fused from equal units shards as one
     ``_StridedShard`` DTensor (rank r holds the r-th slice of every unit), which
@@ -96,11 +100,11 @@ def units(blocks, size: int) -> tuple[Block, ...]:
     out = []
     for b in blocks:
         k = b.size // size
-        out += [b] if k == 1 else [Block(f"{b.name}.{i}", size, b.axis) for i in range(k)]
+        out += [b] if k == 1 else [Segment(f"{b.name}.{i}", size, b.axis) for i in range(k)]
     return tuple(out)
 
 
-def unit_linear_spec(block: Block, in_dim: int, in_axis, size: int, bias: bool = True) -> dict:
+def unit_linear_spec(block: Segment, in_dim: int, in_axis, size: int, bias: bool = True) -> dict:
     """Specs of a column-parallel ``nn.Linear(in_dim, block.size)`` whose output rows are
     cut into `units` of ``size`` (plain when it is one unit): the projection feeding a
     fused consumer cut alike (FLUX.1's ``proj_mlp`` into ``proj_out``)."""

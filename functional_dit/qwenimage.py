@@ -249,15 +249,15 @@ def modulations(params, temb: torch.Tensor, batch: int) -> tuple[list, list, tor
     return img, txt, out
 
 
-def img_modulation(mod: torch.Tensor, ref: torch.Tensor | None) -> list[torch.Tensor]:
+def img_modulation(mod: torch.Tensor, cond_rows: torch.Tensor | None) -> list[torch.Tensor]:
     """Six (shift, scale, gate) x 2 modulation tensors for the image stream, (B, 1, C), from
-    its (B, 6C) modulation; with ``zero_cond_t`` that is (2B, 6C) and ``ref`` (S_img, 1)
+    its (B, 6C) modulation; with ``zero_cond_t`` that is (2B, 6C) and ``cond_rows`` (S_img, 1)
     picks the t = 0 half for reference tokens, giving (B, S_img, C)."""
     mods = [m[:, None] for m in mod.chunk(6, dim=-1)]
-    if ref is None:
+    if cond_rows is None:
         return mods
     B = mod.shape[0] // 2
-    return [torch.where(ref, m[B:], m[:B]) for m in mods]
+    return [torch.where(cond_rows, m[B:], m[:B]) for m in mods]
 
 
 def qkv(p, x, head_dim, names, norms):
@@ -278,10 +278,10 @@ def joint_attention(p, img, txt, pe, head_dim, key_bias=None):
     return L.row_linears([(p["to_out"]["0"], i_out), (p["to_add_out"], t_out)])  # under TP: one all-reduce
 
 
-def block(p, img, txt, img_mod, txt_mod, pe, head_dim, key_bias=None, ref=None):
+def block(p, img, txt, img_mod, txt_mod, pe, head_dim, key_bias=None, cond_rows=None):
     """MMDiT block: img (B, S, C), txt (B, T, C); its modulations (`modulations`) img_mod
-    (B, 6C), or (2B, 6C) with ``ref``, and txt_mod (B, 6C)."""
-    i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_modulation(img_mod, ref)
+    (B, 6C), or (2B, 6C) with ``cond_rows``, and txt_mod (B, 6C)."""
+    i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_modulation(img_mod, cond_rows)
     t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = (m[:, None] for m in txt_mod.chunk(6, dim=-1))
     img_a, txt_a = joint_attention(
         p["attn"],
@@ -302,7 +302,7 @@ def block(p, img, txt, img_mod, txt_mod, pe, head_dim, key_bias=None, ref=None):
     return L.clip_fp16(img), L.clip_fp16(txt)
 
 
-_block_region = L.region(lambda *args: block(*args))  # compiled once, reused for every layer
+REGIONS = ("block",)  # compiled once and reused per layer (`nn.compile`)
 
 
 def final_layer(p, x, mod):
@@ -395,22 +395,22 @@ def _check_t_cond(c, additional_t_cond, batch: int, device) -> None:
 
 def _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond):
     c = params.config
-    ref = reference_leaf(params, "img_in.weight")
-    B, S = check_streams(c, ref, x, t, txt)
+    leaf = reference_leaf(params, "img_in.weight")
+    B, S = check_streams(c, leaf, x, t, txt)
     if txt_mask is not None:
-        _check_mask(txt_mask, B, txt.shape[1], ref.device)
+        _check_mask(txt_mask, B, txt.shape[1], leaf.device)
     if img_shapes is None:
         raise ValueError(f"img_shapes: Qwen-Image needs per batch item a list of (frames, h, w); x has {S} tokens")
     shapes = check_img_shapes(img_shapes, B, S, c.use_layer3d_rope)
-    _check_t_cond(c, additional_t_cond, B, ref.device)
+    _check_t_cond(c, additional_t_cond, B, leaf.device)
     return shapes
 
 
 ARGS = ("txt_mask", "img_shapes", "additional_t_cond", "rope")  # of fd.apply's keywords, the ones Qwen-Image takes
-BATCHED = ("bias", "t_cond")  # of prepare's outputs, those split over "dp" with x, t, txt
+BATCHED = ("bias", "t_cond")  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
-def prepare(params, x, t, txt, *, txt_mask=None, img_shapes=None, additional_t_cond=None, rope=None) -> dict:
+def check_inputs(params, x, t, txt, *, txt_mask=None, img_shapes=None, additional_t_cond=None, rope=None) -> dict:
     """Checks the Qwen-Image inputs (full view) and returns `forward`'s keywords: x (B,
     S_img, in_channels) packed latents (Edit: the target's then the reference images'
     tokens), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim), txt_mask (B, S_txt)
@@ -428,13 +428,19 @@ def prepare(params, x, t, txt, *, txt_mask=None, img_shapes=None, additional_t_c
     else:
         rows = txt.shape[1] + x.shape[1]
         pe = check_rope(rope, rows, c.attention_head_dim, reference_leaf(params, "img_in.weight").device)
-    ref = sharding.shard(ref_mask(shapes, x.device), "sp", 0) if c.zero_cond_t else None
+    cond_rows = sharding.shard(ref_mask(shapes, x.device), "sp", 0) if c.zero_cond_t else None
     bias = None if txt_mask is None else mask_bias(txt_mask)
-    return dict(pe=pe, ref=ref, bias=bias, t_cond=additional_t_cond)
+    return dict(pe=pe, cond_rows=cond_rows, bias=bias, t_cond=additional_t_cond)
 
 
-def forward(params, x, t, txt, *, pe, ref, bias, t_cond):
-    """The model on this rank's batch: returns (out sharded over "sp", its full length, None)."""
+prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
+
+
+def forward(params, x, t, txt, *, pe, cond_rows, bias, t_cond, blocks=None):
+    """The model on this rank's batch: returns (out sharded over "sp", its full length,
+    None). ``blocks``: the block function as a compile region (`nn.compile.regions`,
+    passed by the api); None: this module's."""
+    run_block = block if blocks is None else blocks.block
     c, S = params.config, x.shape[1]
     img = L.linear(params["img_in"], x)
     temb = time_embed(params["time_text_embed"], t.to(img.dtype), t_cond, c.zero_cond_t)
@@ -442,5 +448,5 @@ def forward(params, x, t, txt, *, pe, ref, bias, t_cond):
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe, bias)
     img_mods, txt_mods, out_mod = modulations(params, temb, img.shape[0])
     for p, img_mod, txt_mod in zip(ordered_blocks(params, "transformer_blocks"), img_mods, txt_mods):
-        img, txt = _block_region(p, img, txt, img_mod, txt_mod, pe, c.attention_head_dim, key_bias, ref)
+        img, txt = run_block(p, img, txt, img_mod, txt_mod, pe, c.attention_head_dim, key_bias, cond_rows)
     return final_layer(params, img, out_mod), S, None

@@ -46,8 +46,8 @@ from .nn.checks import check_floating, check_tensor, reference_leaf
 from .params import (
     COMPUTE_DTYPES,
     PACKED,
-    Block,
     ParamSpec,
+    Segment,
     linear_spec,
     mod_spec,
     norm_spec,
@@ -156,7 +156,7 @@ def param_specs(c: QwenImage21Config) -> dict:
         "img_in": _lin(n, c.in_channels * c.patch_size**2, "embed", "channels"),
         "modulation": {"1": mod_spec(n, MOD4, bias=False)},
         "transformer_blocks": {str(i): _block_specs(c) for i in range(c.num_layers)},
-        "norm_out": {"linear": _lin(n, n, PACKED, "embed", blocks=(Block("scale", n, "mod"),))},
+        "norm_out": {"linear": _lin(n, n, PACKED, "embed", blocks=(Segment("scale", n, "mod"),))},
         "proj_out": _lin(c.out_dim, n, "out_channels", "embed"),
     }
 
@@ -278,7 +278,7 @@ def cache_shapes(c, batch: int, prefix: int) -> dict:
     return {f"transformer_blocks.{i}.{kv}": shape for i in range(c.num_layers) for kv in "kv"}
 
 
-def _check_cache(c, cache, B: int, prefix: int, ref) -> None:
+def _check_cache(c, cache, B: int, prefix: int, leaf) -> None:
     if not isinstance(cache, QwenImage21KVCache):
         raise ValueError(f"kv_cache: expected None, 'extract' or a QwenImage21KVCache, got {type(cache).__name__}")
     if cache.config != c:
@@ -290,7 +290,7 @@ def _check_cache(c, cache, B: int, prefix: int, ref) -> None:
         missing, extra = [k for k in expected if k not in flat], [k for k in flat if k not in expected]
         raise ValueError(mismatch_report("kv_cache: expected the keys of the model's blocks", missing, extra))
     for key, shape in expected.items():
-        check_tensor(f"kv_cache[{key!r}]", flat[key], shape, ref.dtype, ref.device)
+        check_tensor(f"kv_cache[{key!r}]", flat[key], shape, leaf.dtype, leaf.device)
 
 
 def _local_kv(t: torch.Tensor) -> torch.Tensor:
@@ -475,7 +475,7 @@ def _check_mask(txt_mask, B: int, T: int, device) -> None:
         raise ValueError(f"txt_mask: expected a bool or integer 0/1 mask (1 = keep), got {txt_mask.dtype}")
 
 
-def _check_kv(c, kv_cache, B: int, prefix: int, ref) -> str | None:
+def _check_kv(c, kv_cache, B: int, prefix: int, leaf) -> str | None:
     if kv_cache is None:
         return None
     if not c.causal_condition:
@@ -484,19 +484,19 @@ def _check_kv(c, kv_cache, B: int, prefix: int, ref) -> str | None:
         if kv_cache != "extract":
             raise ValueError(f"kv_cache: expected None, 'extract' or a QwenImage21KVCache, got {kv_cache!r}")
         return "extract"
-    _check_cache(c, kv_cache, B, prefix, ref)
+    _check_cache(c, kv_cache, B, prefix, leaf)
     return "cached"
 
 
-def _check_streams(c, ref, x, t, txt) -> tuple[int, int]:
-    if ref.dtype not in COMPUTE_DTYPES:
+def _check_streams(c, leaf, x, t, txt) -> tuple[int, int]:
+    if leaf.dtype not in COMPUTE_DTYPES:
         raise ValueError(
-            f"params: stored as {ref.dtype}, which fd.apply cannot compute in; expected one of {COMPUTE_DTYPES}"
+            f"params: stored as {leaf.dtype}, which fd.apply cannot compute in; expected one of {COMPUTE_DTYPES}"
         )
-    check_tensor("x", x, (None, None, c.in_channels * c.patch_size**2), ref.dtype, ref.device)
+    check_tensor("x", x, (None, None, c.in_channels * c.patch_size**2), leaf.dtype, leaf.device)
     B = x.shape[0]
-    check_tensor("txt", txt, (B, None, c.context_in_dim), ref.dtype, ref.device)
-    check_tensor("t", t, (B,), device=ref.device)
+    check_tensor("txt", txt, (B, None, c.context_in_dim), leaf.dtype, leaf.device)
+    check_tensor("t", t, (B,), device=leaf.device)
     check_floating("t", t)
     return x.shape[:2]
 
@@ -511,10 +511,10 @@ def joint_bias(lay: Layout, txt_mask, B: int, S: int) -> torch.Tensor | None:
 
 
 ARGS = ("txt_mask", "img_shapes", "img_mask", "kv_cache")  # of fd.apply's keywords, the ones 2.1 takes
-BATCHED = ("bias",)  # of prepare's outputs, those split over "dp" with x, t, txt
+BATCHED = ("bias",)  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
-def prepare(params, x, t, txt, *, img_shapes=None, img_mask=None, txt_mask=None, kv_cache=None) -> dict:
+def check_inputs(params, x, t, txt, *, img_shapes=None, img_mask=None, txt_mask=None, kv_cache=None) -> dict:
     """Checks the Qwen-Image 2.1 inputs (full view) and returns `forward`'s keywords: x
     (B, S, in_channels) latents (condition images first, the target last), t (B,) in
     [0, 1], txt (B, T, context_in_dim) the encoder's sequence, img_shapes per sample the
@@ -526,19 +526,22 @@ def prepare(params, x, t, txt, *, img_shapes=None, img_mask=None, txt_mask=None,
     target's tokens are computed. fd.apply returns ``QwenImage21Transformer2DModel(...)[0]``:
     (B, L, out) over the joint sequence, or (B, target, out) with a cache passed."""
     c = params.config
-    ref = reference_leaf(params, "img_in.weight")
-    B, S = _check_streams(c, ref, x, t, txt)
+    leaf = reference_leaf(params, "img_in.weight")
+    B, S = _check_streams(c, leaf, x, t, txt)
     if img_shapes is None or img_mask is None:
         raise ValueError("img_shapes, img_mask: Qwen-Image 2.1 needs both (the images' grids and their slots)")
     shapes = _check_shapes(img_shapes, B, S)
     T = txt.shape[1]
     lay = layout(_check_img_mask(img_mask, B, T, S, shapes), shapes, T, x.device)
     if txt_mask is not None:
-        _check_mask(txt_mask, B, T, ref.device)
-    mode = _check_kv(c, kv_cache, B, lay.prefix, ref)
+        _check_mask(txt_mask, B, T, leaf.device)
+    mode = _check_kv(c, kv_cache, B, lay.prefix, leaf)
     pe = qwenimage.rope(lay.ids, c.axes_dims_rope)
     bias = joint_bias(lay, txt_mask, B, S)
     return dict(lay=lay, pe=pe, bias=bias, mode=mode, cache=kv_cache if mode == "cached" else None, batch=B)
+
+
+prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
 
 
 # ----------------------------------------------------------------------------- apply

@@ -13,7 +13,7 @@ from oracle import diffusers_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_dit as fd
-from functional_dit.nn import layers as L
+from functional_dit.nn import layers
 
 FAMILIES = ["cases_flux1", "cases_flux2", "cases_qwenimage"]
 
@@ -67,7 +67,7 @@ def test_no_float64_or_int64_on_devices_without_them(cases, monkeypatch):
     float64 or int64 tensor from fp32/int32 inputs, and still equals diffusers (whose FLUX
     RoPE also drops to fp32 frequencies there)."""
     mod = importlib.import_module(cases)
-    monkeypatch.setattr(L, "FP64_UNSUPPORTED", ("cpu",))
+    monkeypatch.setattr(layers, "FP64_UNSUPPORTED", ("cpu",))
     monkeypatch.setitem(torch_utils._DTYPE_UNSUPPORTED_DEVICES, torch.float64, frozenset({"cpu"}))
     module, params = diffusers_model(mod.TINY, seed=0)
     kw = mod.inputs(mod.TINY, batch=2, seed=1)

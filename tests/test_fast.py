@@ -1,4 +1,4 @@
-"""The fast eager kernels `fd.prepare`'d params run (`_layers.fast_kernels`): each kernel
+"""The fast eager kernels `fd.prepare`'d params run (`nn.kernels.fast_kernels`): each kernel
 against the exact one it replaces, every family against diffusers at fp32 (1e-5) and bf16,
 and the places where the exact kernels must run instead (autograd, torch.func, LoRA)."""
 
@@ -15,6 +15,7 @@ from oracle import diffusers_model, max_err
 import functional_dit as fd
 from functional_dit import api
 from functional_dit.nn import fused as _fuse
+from functional_dit.nn import kernels as _kernels
 from functional_dit.nn import layers as L
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -24,7 +25,7 @@ BF16 = dict(rtol=3e-2, atol=3e-2)  # a few bf16 ulps at |y| ~ 4: another roundin
 def _both(fn, *args):
     """(exact, fast) results of ``fn(*args)``."""
     exact = fn(*args)
-    with L.fast_kernels():
+    with _kernels.fast_kernels():
         fast = fn(*args)
     return exact, fast
 
@@ -97,14 +98,14 @@ def test_linear_gelu_and_split_and_cat(bias):
 
 
 def test_fast_kernels_are_off_outside_the_context_and_under_compile():
-    assert not L.fast()
-    with L.fast_kernels():
-        assert L.fast()
-        assert not torch.compile(lambda: L.fast(), fullgraph=True)()
-        with L.fast_kernels(False):
-            assert not L.fast()
-        assert L.fast()
-    assert not L.fast()
+    assert not _kernels.fast()
+    with _kernels.fast_kernels():
+        assert _kernels.fast()
+        assert not torch.compile(lambda: _kernels.fast(), fullgraph=True)()
+        with _kernels.fast_kernels(False):
+            assert not _kernels.fast()
+        assert _kernels.fast()
+    assert not _kernels.fast()
 
 
 # ----------------------------------------------------------------------------- models
@@ -215,7 +216,7 @@ def test_lora_on_some_layers_with_the_fast_kernels():
 
 def test_fast_kernels_match_a_plain_gelu_without_onednn(monkeypatch):
     """Where torch has no oneDNN linear (or off the CPU), the GELU runs in place on the GEMM output."""
-    monkeypatch.setattr(L, "_onednn_linear_pointwise", lambda: None)
+    monkeypatch.setattr(_kernels, "onednn_linear_pointwise", lambda: None)
     x, p = _rand(2, 5, 8), {"weight": _rand(12, 8, seed=1), "bias": _rand(12, seed=2)}
     exact, fast = _both(L.linear_gelu, p, x)
     torch.testing.assert_close(fast, exact, **FP32)

@@ -16,7 +16,7 @@ from oracle import assert_bf16_equal, diffusers_model, max_err
 import functional_dit as fd
 import sharding
 from functional_dit import configs, flux1
-from functional_dit.nn import layers as L
+from functional_dit.nn import layers
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 
@@ -39,17 +39,17 @@ def _block_inputs(config, module, B=2, T=5, S=6, seed=0):
     C = config.inner_dim
     img, txt, vec = (torch.randn(B, n, C, generator=g) for n in (S, T, 1))
     ids = torch.randn(T + S, 3, generator=g) * 4
-    return img, txt, vec[:, 0], module.pos_embed(ids), L.rope(ids, config.axes_dims_rope, 10000.0)
+    return img, txt, vec[:, 0], module.pos_embed(ids), layers.rope(ids, config.axes_dims_rope, 10000.0)
 
 
 def _double_mods(params, vec, block="0"):
     """A double block's (img, txt) modulations (B, 6C) from vec, as `flux1.forward` computes them."""
     p = params["transformer_blocks"][block]
-    return L.modulations([(p["norm1"]["linear"], 6), (p["norm1_context"]["linear"], 6)], vec)
+    return layers.modulations([(p["norm1"]["linear"], 6), (p["norm1_context"]["linear"], 6)], vec)
 
 
 def _single_mod(params, vec, block):
-    return L.modulations([(params["single_transformer_blocks"][block]["norm"]["linear"], 3)], vec)[0]
+    return layers.modulations([(params["single_transformer_blocks"][block]["norm"]["linear"], 3)], vec)[0]
 
 
 @pytest.mark.parametrize("case", ["tiny", "schnell"])
@@ -85,7 +85,7 @@ def test_rope_matches_diffusers(tiny):
     module, params = tiny
     ids = torch.randn(11, 3) * 50
     ref_cos, ref_sin = module.pos_embed(ids)
-    cos, sin = L.rope(ids, TINY.axes_dims_rope, 10000.0)
+    cos, sin = layers.rope(ids, TINY.axes_dims_rope, 10000.0)
     torch.testing.assert_close(cos, ref_cos, rtol=0, atol=0)
     torch.testing.assert_close(sin, ref_sin, rtol=0, atol=0)
 
@@ -336,7 +336,7 @@ def test_fp16_clipping_as_diffusers():
     vec = torch.randn(B, C).half()
     ids = torch.randn(T + S, 3) * 4
     ref_txt, ref_img = double(img, txt, vec, module.pos_embed(ids))
-    pe = L.rope(ids, TINY.axes_dims_rope, 10000.0)
+    pe = layers.rope(ids, TINY.axes_dims_rope, 10000.0)
     out_img, out_txt = flux1.double_block(
         params["transformer_blocks"]["0"], img, txt, *_double_mods(params, vec), pe, TINY.attention_head_dim
     )

@@ -16,7 +16,7 @@ from oracle import assert_bf16_equal, diffusers_model, max_err
 import functional_dit as fd
 import sharding
 from functional_dit import configs, flux2
-from functional_dit.nn import layers as L
+from functional_dit.nn import layers
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 
@@ -60,7 +60,7 @@ def _block_inputs(module, params, B=2, T=5, S=6, seed=0):
     img, txt = (torch.randn(B, n, c.inner_dim, generator=g) for n in (S, T))
     temb = torch.randn(B, c.inner_dim, generator=g)
     ids = torch.randn(T + S, 4, generator=g) * 4
-    pe = L.rope(ids, c.axes_dims_rope, c.rope_theta)
+    pe = layers.rope(ids, c.axes_dims_rope, c.rope_theta)
     return img, txt, temb, module.pos_embed(ids), pe
 
 
@@ -94,7 +94,7 @@ def test_rope_matches_diffusers(tiny, klein):
     for module, params in (tiny, klein):
         ids = torch.randn(11, 4) * 50
         ref_cos, ref_sin = module.pos_embed(ids)
-        cos, sin = L.rope(ids, params.config.axes_dims_rope, params.config.rope_theta)
+        cos, sin = layers.rope(ids, params.config.axes_dims_rope, params.config.rope_theta)
         torch.testing.assert_close(cos, ref_cos, rtol=0, atol=0)
         torch.testing.assert_close(sin, ref_sin, rtol=0, atol=0)
 
@@ -509,7 +509,7 @@ def test_fp16_clipping_as_diffusers():
     raw[:, 3 * n : 4 * n] = 1.0  # MLP input shift: the bias-free MLP sees non-zero input
     raw[:, 5 * n :] = 1000.0  # MLP gate: the residual overflows
     ids = torch.randn(T + S, 4) * 4
-    pe = L.rope(ids, TINY.axes_dims_rope, TINY.rope_theta)
+    pe = layers.rope(ids, TINY.axes_dims_rope, TINY.rope_theta)
     ref_txt, ref_img = module.transformer_blocks[0](img, txt, raw, raw, module.pos_embed(ids))
     mod = raw.chunk(6, -1)
     p = params["transformer_blocks"]["0"]

@@ -10,7 +10,7 @@ from oracle import assert_bf16_equal, diffusers_model
 
 import functional_dit as fd
 from functional_dit import flux3
-from functional_dit.nn import layers as L
+from functional_dit.nn import layers
 
 # docs/architecture.md#numerics. Not bitwise in fp32: diffusers projects each token's
 # (identical) modulation row, we project one row per mode and broadcast, so the GEMMs
@@ -30,7 +30,7 @@ def base():
 
 def _pe(module, c, n, g):
     ids = torch.randn(n, 4, generator=g) * 4
-    return module.pos_embed(ids), L.rope(ids, c.axes_dims_rope, c.rope_theta)
+    return module.pos_embed(ids), layers.rope(ids, c.axes_dims_rope, c.rope_theta)
 
 
 @pytest.mark.parametrize("case", ["tiny", "base"])

@@ -17,6 +17,7 @@ from oracle import diffusers_model
 
 import functional_dit as fd
 import sharding
+from functional_dit.nn import fast as _fast
 from functional_dit.nn import kernels as _kernels
 from functional_dit.nn import layers as L
 
@@ -84,9 +85,9 @@ def test_decide_keeps_the_exact_kernel_on_a_tie():
 def test_selection_picks_the_kernel_not_made_slow(monkeypatch, clock, slow):
     """Through the real layer: the gated residual's two kernels, one slowed down; "auto"
     picks the other, once per shape, and `fd.kernel_choices` says why."""
-    monkeypatch.setitem(L._GATED, slow, _slowed(L._GATED[slow], clock))
+    monkeypatch.setitem(_fast.GATED, slow, _slowed(_fast.GATED[slow], clock))
     x, gate, y = torch.randn(2, 5, 8), torch.randn(2, 1, 8), torch.randn(2, 5, 8)
-    with L.fast_kernels("auto"):
+    with _kernels.fast_kernels("auto"):
         out = L.gated(x, gate, y)
         L.gated(x, gate, y)  # the same key: no second measurement
         L.gated(x[:1], gate[:1], y[:1])  # a new shape: measured again
@@ -104,7 +105,7 @@ def test_selection_among_three_kernels_inside_a_model(monkeypatch, clock):
     the prepared model still equals diffusers."""
     module, params, kw, dkw = _flux1()
     for name in ("exact", "onednn_epilogue"):
-        monkeypatch.setitem(L._GELU, name, _slowed(L._GELU[name], clock))
+        monkeypatch.setitem(_fast.GELU, name, _slowed(_fast.GELU[name], clock))
     with torch.no_grad():
         out = fd.apply(fd.prepare(params), **kw)
         (ref,) = module(**dkw)
@@ -112,7 +113,25 @@ def test_selection_among_three_kernels_inside_a_model(monkeypatch, clock):
     gelu = [c for c in fd.kernel_choices() if c["op"] == "linear_gelu"]
     assert gelu and all(c["choice"] == "inplace" for c in gelu)
     ops = {c["op"] for c in fd.kernel_choices()}
-    assert {"norm_modulate", "gated", "linear_group", "rms_norm", "apply_rope", "single_in"} <= ops
+    assert {"norm_modulate", "gated", "linear_group", "rms_norm", "apply_rope", "linear_group_gelu"} <= ops
+
+
+def test_the_exact_entries_of_the_kernel_tables_are_the_exact_maths(monkeypatch, clock):
+    """Every fast kernel of every table in `nn.fast` slowed: "auto" keeps each op's "exact"
+    entry, and the prepared model is then bitwise the plain params' (the exact maths of
+    `nn.layers`), so the tables' exact entries restate that maths and nothing else."""
+    params = fd.init(cases_flux1.TINY, seed=0)
+    kw = cases_flux1.inputs(params.config, batch=1, seed=1)
+    tables = [v for v in vars(_fast).values() if isinstance(v, dict) and "exact" in v]
+    for table in tables:
+        for name in [n for n in table if n != "exact"]:
+            monkeypatch.setitem(table, name, _slowed(table[name], clock))
+    with torch.no_grad():
+        auto = fd.apply(fd.prepare(params), **kw)
+        plain = fd.apply(params, **kw)
+    choices = fd.kernel_choices()
+    assert choices and {c["choice"] for c in choices} == {"exact"}
+    assert torch.equal(auto, plain)
 
 
 # ----------------------------------------------------------------------------- pins
@@ -125,7 +144,7 @@ def _count_fast_calls(monkeypatch) -> list:
         calls.append(1)
         return torch.addcmul(*args)
 
-    monkeypatch.setitem(L._GATED, "addcmul", counted)
+    monkeypatch.setitem(_fast.GATED, "addcmul", counted)
     return calls
 
 
@@ -163,7 +182,7 @@ def test_no_selection_under_autograd_torch_func_or_compile():
     fd.apply(prepared, **dict(kw, x=x)).sum().backward()
     with torch.no_grad():
         torch.func.vmap(lambda xi: fd.apply(prepared, **dict(kw, x=xi)))(torch.stack([kw["x"]] * 2))
-    with L.fast_kernels("auto"):
+    with _kernels.fast_kernels("auto"):
         torch.compile(L.gated, fullgraph=True)(*(torch.randn(2, 3) for _ in range(3)))
     assert fd.kernel_choices() == []
 
@@ -175,7 +194,7 @@ def test_disk_cache_is_written_atomically_and_read_back(tmp_path, monkeypatch):
     path = tmp_path / "cache" / "kernels.json"
     monkeypatch.setenv(_kernels.CACHE_ENV, str(path))
     x, gate, y = torch.randn(2, 5, 8), torch.randn(2, 1, 8), torch.randn(2, 5, 8)
-    with L.fast_kernels("auto"):
+    with _kernels.fast_kernels("auto"):
         L.gated(x, gate, y)
         (first,) = fd.kernel_choices()
         saved = json.loads(path.read_text())
@@ -195,7 +214,7 @@ def _ranks_work(rank, world):
     """tp=2 prepared FLUX.1 under "auto", rank 1's fast RoPE made slow: both ranks pick
     from the summed timings, so alike; outputs bitwise equal across ranks."""
     if rank == 1:
-        L._ROPE["complex"] = _slowed(L._ROPE["complex"], _install_clock())
+        _fast.ROPE["complex"] = _slowed(_fast.ROPE["complex"], _install_clock())
     mesh = sharding.make_mesh(tp=world)
     params = fd.init(cases_flux1.TINY, seed=0)
     kw = cases_flux1.inputs(params.config, batch=1, seed=1)

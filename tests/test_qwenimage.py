@@ -18,7 +18,7 @@ from oracle import assert_bf16_equal, diffusers_model, max_err
 import functional_dit as fd
 import sharding
 from functional_dit import qwenimage as Q
-from functional_dit.nn import layers as L
+from functional_dit.nn import layers
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 CPU = torch.device("cpu")
@@ -109,8 +109,8 @@ def _mods(params, temb, txt):
     """Block 0's (img, txt) modulations as `qwenimage.modulations` computes them: img from
     temb (2B rows with zero_cond_t), txt from its first B rows."""
     p = params["transformer_blocks"]["0"]
-    (img_mod,) = L.modulations([(p["img_mod"]["1"], 6)], temb)
-    (txt_mod,) = L.modulations([(p["txt_mod"]["1"], 6)], temb[: txt.shape[0]])
+    (img_mod,) = layers.modulations([(p["img_mod"]["1"], 6)], temb)
+    (txt_mod,) = layers.modulations([(p["txt_mod"]["1"], 6)], temb[: txt.shape[0]])
     return img_mod, txt_mod
 
 

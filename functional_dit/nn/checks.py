@@ -29,20 +29,20 @@ def check_tensor(name: str, x, shape, dtype=None, device=None) -> None:
         raise ValueError(f"{name}: expected device {device} (the params' device), got {x.device}")
 
 
-def check_streams(config, ref: torch.Tensor, x, t, txt) -> tuple[int, int]:
+def check_streams(config, leaf: torch.Tensor, x, t, txt) -> tuple[int, int]:
     """The inputs every family shares: x (B, S, in_channels) and txt (B, S_txt,
     joint_attention_dim) in the params' dtype and device, t (B,) real. Returns (B, S).
     Params in a dtype the model cannot compute in (fp8 checkpoints) are refused first."""
-    if ref.dtype not in COMPUTE_DTYPES:
+    if leaf.dtype not in COMPUTE_DTYPES:
         raise ValueError(
-            f"params: stored as {ref.dtype}, which fd.apply cannot compute in (no fp8 compute yet); expected one of "
+            f"params: stored as {leaf.dtype}, which fd.apply cannot compute in (no fp8 compute yet); expected one of "
             f"{COMPUTE_DTYPES}: load with weights.load(..., dtype=torch.bfloat16) or convert: "
             "torch.utils._pytree.tree_map(lambda t: t.to(torch.bfloat16), params)"
         )
-    check_tensor("x", x, (None, None, config.in_channels), ref.dtype, ref.device)
+    check_tensor("x", x, (None, None, config.in_channels), leaf.dtype, leaf.device)
     B, S = x.shape[:2]
-    check_tensor("txt", txt, (B, None, config.joint_attention_dim), ref.dtype, ref.device)
-    check_tensor("t", t, (B,), device=ref.device)
+    check_tensor("txt", txt, (B, None, config.joint_attention_dim), leaf.dtype, leaf.device)
+    check_tensor("t", t, (B,), device=leaf.device)
     check_floating("t", t)
     return B, S
 

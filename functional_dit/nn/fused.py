@@ -7,8 +7,8 @@ single block as one ``linear1`` = [q; k; v; mlp]; diffusers keeps them as separa
 `prepare(params)` lays each group of projections that read the same input out as
 consecutive rows of one buffer, the leaves becoming row *views* of it: the same keys,
 shapes and values, no extra memory once the old params are dropped. The forward
-(`_layers.linear_group`) recognises such a layout from the tensors' storage and runs one
-matmul over the whole buffer, splitting its output (views, no copy); anything else
+(`fast.linear_group`, behind `layers.linear_group`) recognises such a layout from the
+tensors' storage and runs one matmul over the whole buffer, splitting its output (views, no copy); anything else
 (unprepared params, tensors that require grad while grad is enabled, traced code, params
 inside a ``torch.func`` transform) runs the projections one by one, as diffusers does.
 Because the check reads the storage on every call, a prepared layout can never be

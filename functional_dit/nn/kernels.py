@@ -1,18 +1,39 @@
-"""Kernel selection by measurement: which of an op's kernels `fd.prepare`'d params run.
+"""Which kernel each replaceable op runs: the one place the fast eager kernels are chosen.
 
-Every fast eager kernel (`_layers`) has an exact twin computing the same maths (see
-docs/architecture.md, Fast eager kernels). Which is faster depends on the machine: a
-GEMM with a fused GELU epilogue, a three-pass RMS norm or two GEMMs in place of one win
-on one CPU and lose on another. Under ``kernels="auto"`` (`fd.prepare`'s default) the
-first call of an op at a new (device kind, dtype, shapes) times its kernels there, on the
-very arguments, in a short alternating micro-benchmark, and every later call with that
-key runs the winner. ``"fast"`` and ``"exact"`` pin the choice without measuring.
+An op of `layers` marked ``@replaceable(fast.op)`` runs its exact maths (the code a reader
+sees) unless all of these hold, then its fast twin in `fast` (same maths, another rounding
+order; see docs/architecture.md, Fast eager kernels):
 
-A fast kernel must beat the exact one by `MARGIN` to be chosen: a tie goes to the exact
-kernel (bitwise equal to diffusers). The choices live for the process
-(`kernel_choices` lists them, with their timings); with ``FUNCTIONAL_DIT_KERNEL_CACHE``
-set to a file path the timings are also kept there, keyed by the machine (CPU or GPU
-model, torch version, thread count), and read back by later processes.
+- The fast kernels are on (`fast_kernels`). `fd.apply` turns them on only for
+  `fd.prepare`'d params, with no input needing autograd and none inside a ``torch.func``
+  transform (`fused.active`): the fast kernels work in place and call backend ops that
+  have no derivative or batching rules.
+- Not under ``torch.compile`` or ``torch.export`` (``torch.compiler.is_compiling``):
+  compiled code fuses the exact maths itself, and in-place ops on graph inputs break
+  tracing.
+- The op's own condition in `WHEN`: no LoRA factors on the layer (their updates are per
+  layer, the fast kernels see only the base weight); the RMS norm's three-pass kernel
+  on a CPU only (a GPU's fused kernel is faster; docs/notes.md).
+- A projection group runs as one GEMM only where `fd.prepare` laid its weights out as one
+  buffer, read off their storage on every call (`fused.fused`), so a layout can never
+  be stale.
+
+Among an op's kernels (``{"exact": fn, fast name: fn, ...}``, in `fast`) `CANDIDATES` drops
+those that cannot run on the arguments at hand: oneDNN's GELU epilogue needs a CPU, fp32
+and a torch built with it; the three-pass RMS norm is for a CPU, torch's fused one for
+other devices. (The complex-product RoPE checks its own layout: where x's pairs are not
+complex numbers in memory it runs the real product.)
+Which of the rest runs is then `choose`'s: ``"fast"`` the first fast one, ``"exact"`` the
+exact one, ``"auto"`` (`fd.prepare`'s default) the one measured faster here.
+
+Measurement: the first call of an op at a new (device kind, dtype, shapes) times its
+kernels there, on the very arguments, in a short alternating micro-benchmark, and every
+later call with that key runs the winner. A fast kernel must beat the exact one by
+`MARGIN` to be chosen: a tie goes to the exact kernel (bitwise equal to diffusers). The
+choices live for the process (`kernel_choices` lists them, with their timings); with
+``FUNCTIONAL_DIT_KERNEL_CACHE`` set to a file path the timings are also kept there, keyed
+by the machine (CPU or GPU model, torch version, thread count), and read back by later
+processes.
 
 Ranks of one mesh must run the same kernels (replicated activations are computed on every
 rank, and a different rounding order would break bitwise-identical outputs across ranks).
@@ -27,6 +48,8 @@ kernel.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import json
 import os
 import platform
@@ -55,6 +78,106 @@ def check_mode(kernels) -> str:
     if kernels not in MODES:
         raise ValueError(f"kernels: expected one of {list(MODES)}, got {kernels!r}")
     return kernels
+
+
+# ----------------------------------------------------------------------------- on or off
+
+_MODE = contextvars.ContextVar("functional_dit_fast_kernels", default=None)  # None | "fast" | "auto"
+
+
+@contextlib.contextmanager
+def fast_kernels(enabled: bool | str = True):
+    """Run the replaceable ops inside with their fast kernels. ``enabled``: True or "fast"
+    (every fast kernel), "auto" (each op's kernel measured faster here), False or "exact"
+    (the exact maths). Set by `fd.apply` for prepared params only (see the module docstring)."""
+    mode = ("fast" if enabled else "exact") if isinstance(enabled, bool) else enabled
+    token = _MODE.set(None if check_mode(mode) == "exact" else mode)
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+def fast() -> bool:
+    """Whether the fast kernels are on here: inside `fast_kernels`, not compiling."""
+    return not torch.compiler.is_compiling() and _MODE.get() is not None
+
+
+def _no_lora(p, *args, **kwargs) -> bool:
+    return "lora" not in p
+
+
+def _none_lora(ps, *args, **kwargs) -> bool:
+    return not any("lora" in p for p in ps)
+
+
+def _x_on_cpu(p, x, *args, **kwargs) -> bool:
+    return x.device.type == "cpu"
+
+
+# op -> when its fast twin may run at all (the module docstring says why)
+WHEN = {
+    "linear_gelu": _no_lora,
+    "row_linear_cat": _no_lora,
+    "col_linear_split": _no_lora,
+    "linear_group": _none_lora,
+    "linear_group_gelu": _none_lora,
+    "rms_norm": _x_on_cpu,
+}
+
+
+def replaceable(fast_op: Callable):
+    """Decorator of an exact op: calls run ``fast_op`` (same arguments) where `fast` is on
+    and the op's `WHEN` holds, else the exact op. ``op.exact`` is the exact op itself."""
+
+    def wrap(exact: Callable) -> Callable:
+        when = WHEN.get(exact.__name__)
+
+        @functools.wraps(exact)
+        def op(*args, **kwargs):
+            if fast() and (when is None or when(*args, **kwargs)):
+                return fast_op(*args, **kwargs)
+            return exact(*args, **kwargs)
+
+        op.exact = exact
+        return op
+
+    return wrap
+
+
+def onednn_linear_pointwise():
+    """oneDNN's linear with a fused epilogue (CPU, fp32), or None where torch lacks it."""
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    return op if op is not None and torch.backends.mkldnn.is_available() else None
+
+
+def _onednn_gelu(p, x, *args) -> bool:
+    return (
+        onednn_linear_pointwise() is not None
+        and x.device.type == "cpu"
+        and x.dtype == p["weight"].dtype == torch.float32
+    )
+
+
+def _on_cpu(x, *args) -> bool:
+    return x.device.type == "cpu"
+
+
+def _off_cpu(x, *args) -> bool:
+    return x.device.type != "cpu"
+
+
+# (op, kernel) -> whether that kernel can run on the op's kernel arguments
+CANDIDATES = {
+    ("linear_gelu", "onednn_epilogue"): _onednn_gelu,
+    ("rms_norm_fp32", "three_pass"): _on_cpu,
+    ("rms_norm_fp32", "torch_fused"): _off_cpu,
+}
+
+
+def candidates(op: str, variants: dict, args) -> dict:
+    """The kernels of ``variants`` that `CANDIDATES` lets run on ``args`` (exact always)."""
+    return {n: fn for n, fn in variants.items() if CANDIDATES.get((op, n), lambda *a: True)(*args)}
 
 
 # ----------------------------------------------------------------------------- keys
@@ -236,8 +359,18 @@ def choose(op: str, variants: dict, args, mode: str) -> str:
 
 
 def run(op: str, variants: dict, mode: str, *args):
-    """``variants[choose(...)](*args)``: op ``op`` with the kernel chosen under ``mode``."""
+    """``variants[choose(...)](*args)``: op ``op`` with the kernel chosen under ``mode``
+    among its `candidates` (the exact one, nothing measured, when it is the only one)."""
+    variants = candidates(op, variants, args)
+    if len(variants) == 1:
+        return variants["exact"](*args)
     return variants[choose(op, variants, args, mode)](*args)
+
+
+def select(op: str, variants: dict, *args):
+    """`run` under the mode `fast_kernels` set. The kernels must not mutate their
+    arguments nor communicate (under "auto" each rank times them on its own)."""
+    return run(op, variants, _MODE.get(), *args)
 
 
 def kernel_choices() -> list[dict]:

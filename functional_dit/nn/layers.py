@@ -1,225 +1,29 @@
-"""Pure layer maths shared by the three families.
+"""The exact layer maths shared by the families (≈ BFL's ``layers.py`` and ``math.py``).
 
 Every function takes a parameter dict ``p`` (the layer's slice of the tree) and
 tensors. Shapes: B batch, S sequence, H heads, D head dim, C channels. Model code
 runs in the *local* view: a rank holds ``H / tp`` heads and its slice of each MLP,
-so head counts are read from the tensors, never from the config.
+so head counts are read from the tensors, never from the config, and each
+projection says its collective: `col_linear` (input marked ``pvary``), `row_linear`
+(partial sums ``psum``'d), `modulations` (one ``all_gather``).
+
+An op marked ``@replaceable(fast.op)`` is the exact maths; for `fd.prepare`'d params
+at inference it may run its twin in `fast` instead, chosen in `kernels`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree
-import torch.utils.checkpoint
 
 import sharding
 
-from . import fused as _fuse
-from . import kernels as _kernels
+from . import fast
+from .kernels import replaceable
 
-# ----------------------------------------------------------------------------- fast kernels
-
-_FAST = contextvars.ContextVar("functional_dit_fast_kernels", default=None)  # None | "fast" | "auto"
-
-
-@contextlib.contextmanager
-def fast_kernels(enabled: bool | str = True):
-    """Run the layers below with the fast eager kernels (`fd.prepare`'d params, inference):
-    fused elementwise ops (``addcmul``, LayerNorm's own affine for AdaLN at batch 1, RoPE
-    as one complex product), a linear layer's GELU fused into its GEMM where the backend
-    has one (oneDNN on CPU), a concatenated input's projection as a sum of two GEMMs, and
-    in-place activations on fresh outputs. The same maths in another rounding order:
-    equal to the exact kernels within float tolerance, not bitwise (bf16 included). Set by
-    `fd.apply` for prepared params only, and never under ``torch.compile``, a
-    ``torch.func`` transform or autograd (in-place ops), where the exact kernels run.
-
-    ``enabled``: True or "fast" (every fast kernel), "auto" (each op runs whichever of its
-    kernels measured faster here, `_kernels`), False or "exact" (the exact kernels)."""
-    mode = ("fast" if enabled else "exact") if isinstance(enabled, bool) else enabled
-    token = _FAST.set(None if _kernels.check_mode(mode) == "exact" else mode)
-    try:
-        yield
-    finally:
-        _FAST.reset(token)
-
-
-def fast() -> bool:
-    """Whether the fast eager kernels are on (see `fast_kernels`)."""
-    return not torch.compiler.is_compiling() and _FAST.get() is not None
-
-
-def select(op: str, variants: dict, *args):
-    """``variants[name](*args)`` for the kernel op ``op`` runs under the fast kernels' mode:
-    the first fast one ("fast"), or the one measured fastest on these arguments ("auto",
-    `_kernels.choose`). Call it only where `fast` is True; the variants must not mutate
-    their arguments nor communicate (they are timed on each rank on its own)."""
-    return _kernels.run(op, variants, _FAST.get(), *args)
-
-
-def _onednn_linear_pointwise():
-    """oneDNN's linear with a fused epilogue (CPU, fp32), or None where torch lacks it."""
-    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-    return op if op is not None and torch.backends.mkldnn.is_available() else None
-
-
-def _gelu_exact(p, x, axis):
-    return F.gelu(col_linear(p, x, axis), approximate="tanh")
-
-
-def _gelu_onednn(p, x, axis):
-    return _onednn_linear_pointwise()(x, p["weight"], p.get("bias"), "gelu", [], "tanh")
-
-
-def _gelu_inplace(p, x, axis):
-    return torch.ops.aten.gelu_(F.linear(x, p["weight"], p.get("bias")), approximate="tanh")
-
-
-_GELU = {"exact": _gelu_exact, "onednn_epilogue": _gelu_onednn, "inplace": _gelu_inplace}
-_GELU_NO_ONEDNN = {"exact": _gelu_exact, "inplace": _gelu_inplace}
-
-
-def linear_gelu(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
-    """``gelu(col_linear(p, x), approximate="tanh")``; with the fast kernels, one oneDNN
-    GEMM with bias and GELU fused on a CPU in fp32, or an in-place GELU on the fresh
-    GEMM output."""
-    if not fast() or "lora" in p:
-        return _gelu_exact(p, x, axis)
-    w = p["weight"]
-    onednn = _onednn_linear_pointwise() is not None and x.device.type == "cpu"
-    onednn = onednn and x.dtype == w.dtype == torch.float32
-    return select("linear_gelu", _GELU if onednn else _GELU_NO_ONEDNN, p, x, axis)
-
-
-def _norm_modulate_exact(x, shift, scale, eps):
-    return layer_norm(x, eps) * (1 + scale) + shift
-
-
-def _norm_modulate_fast(x, shift, scale, eps):
-    if x.shape[0] == 1 and scale.shape[1] == 1 and shift.shape[1] == 1:
-        return F.layer_norm(x, x.shape[-1:], 1 + scale[0, 0], shift[0, 0], eps)
-    return torch.addcmul(shift, layer_norm(x, eps), 1 + scale)
-
-
-_NORM_MODULATE = {"exact": _norm_modulate_exact, "fused_affine": _norm_modulate_fast}
-
-
-def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """AdaLN: ``layer_norm(x) * (1 + scale) + shift`` (no affine weights of its own) over x
-    (B, S, C), the modulation (B, C) or already broadcastable ((B, 1, C), (B, S, C)). Fast
-    kernels: one modulation row at batch 1 becomes the LayerNorm's own affine (one pass),
-    else one ``addcmul`` after the norm."""
-    shift, scale = (m[:, None] if m.dim() == 2 else m for m in (shift, scale))
-    if not fast():
-        return _norm_modulate_exact(x, shift, scale, eps)
-    return select("norm_modulate", _NORM_MODULATE, x, shift, scale, eps)
-
-
-_GATED = {"exact": lambda x, gate, y: x + gate * y, "addcmul": torch.addcmul}
-
-
-def gated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The gated residual ``x + gate * y`` (``gate`` broadcast over y's rows, e.g. (B, 1, C));
-    one ``addcmul`` with the fast kernels."""
-    return select("gated", _GATED, x, gate, y) if fast() else x + gate * y
-
-
-def _cat_product(w, b, xs):
-    return F.linear(torch.cat(xs, -1), w, b)
-
-
-def _split_product(w, b, xs):
-    """``cat(xs, -1) @ w.T (+ b)`` as one GEMM per part accumulating in one output."""
-    lead = xs[0].shape[:-1]
-    parts = zip((x.reshape(-1, x.shape[-1]) for x in xs), w.split([x.shape[-1] for x in xs], dim=1))
-    x0, w0 = next(parts)
-    y = torch.addmm(b, x0, w0.t()) if b is not None else x0 @ w0.t()
-    for xi, wi in parts:
-        y.addmm_(xi, wi.t())
-    return y.view(*lead, -1)
-
-
-_ROW_CAT = {"exact": _cat_product, "split_gemms": _split_product}
-
-
-def row_linear_cat(p, xs: list, axis: str = "tp") -> torch.Tensor:
-    """``row_linear(p, torch.cat(xs, -1))``; with the fast kernels, without the
-    concatenation: the weight's column blocks multiply their parts and accumulate in one
-    output (``addmm_``), partial sums over ``axis`` as `row_linear`."""
-    if not fast() or "lora" in p:
-        return row_linear(p, torch.cat(xs, -1), axis)
-    w, b = p["weight"], p.get("bias")
-    whole = sharding.axis_size(axis) == 1
-    y = select("row_linear_cat", _ROW_CAT, w, b if whole else None, xs)  # the local product: no collective
-    if whole:
-        return y
-    y = sharding.psum(y, axis)
-    return y if b is None else y + b
-
-
-def region(fn):
-    """Mark a block function as a region ``torch.compile`` compiles once and reuses for
-    every layer of the same shapes (``torch.compiler.nested_compile_region``, torch >=
-    2.8; hierarchical compilation): full-depth compile time stays near one block's.
-    A no-op in eager and where the API is missing, except for `recompute_blocks`. Its inputs must not alias one another
-    (each block's modulation has its own storage, `modulations`). There is no test of
-    ``torch.compiler.is_exporting()`` here: under ``torch.compile`` torch 2.9 reports True,
-    which inlined every region there; strict ``torch.export`` takes the regions as they are.
-
-    Under autograd (grad enabled and any tensor argument requiring grad) the block is
-    traced inline too: a region's backward sums the per-layer gradient contributions in
-    another order than eager autograd, so compiled gradients would drift from eager ones
-    by float rounding (~1e-7 relative); inline, compiled training matches eager exactly.
-    Regions serve inference (sampling), where compile time matters."""
-    mark = getattr(torch.compiler, "nested_compile_region", None)
-    marked = fn if mark is None else mark(fn)
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        if torch.is_grad_enabled() and _any_requires_grad((args, kwargs)):
-            return _recomputed(fn, args, kwargs) if _RECOMPUTE and _RECOMPUTE[-1] else fn(*args, **kwargs)
-        return marked(*args, **kwargs)
-
-    return call
-
-
-# Whether block activations are recomputed in backward (`recompute_blocks`), innermost
-# last. A plain list, as sharding's bound meshes: dynamo traces list reads.
-_RECOMPUTE: list = []
-
-
-@contextlib.contextmanager
-def recompute_blocks(enabled: bool = True):
-    """Gradient (activation) checkpointing per block: under autograd each `region` block
-    keeps only its inputs and recomputes its activations in backward
-    (``torch.utils.checkpoint``, non-reentrant). Set by ``fd.apply(..., checkpoint=True)``."""
-    _RECOMPUTE.append(bool(enabled))
-    try:
-        yield
-    finally:
-        _RECOMPUTE.pop()
-
-
-def _recomputed(fn, args, kwargs):
-    """``fn(*args, **kwargs)`` under ``torch.utils.checkpoint``; the recomputation in
-    backward runs under the mesh bound now (backward runs outside `fd.apply`'s binding,
-    and a block's collectives need it)."""
-    mesh = sharding.current_mesh()
-
-    def rerun(*a, **kw):
-        with sharding.bind(mesh):
-            return fn(*a, **kw)
-
-    return torch.utils.checkpoint.checkpoint(rerun, *args, use_reentrant=False, **kwargs)
-
-
-def _any_requires_grad(tree) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in torch.utils._pytree.tree_leaves(tree))
+# ----------------------------------------------------------------------------- projections
 
 
 def linear(p, x: torch.Tensor) -> torch.Tensor:
@@ -244,49 +48,35 @@ def col_linear(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
     return linear(p, sharding.pvary(x, axis))
 
 
+@replaceable(fast.linear_gelu)
+def linear_gelu(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
+    """``gelu(col_linear(p, x), approximate="tanh")``."""
+    return F.gelu(col_linear(p, x, axis), approximate="tanh")
+
+
+@replaceable(fast.linear_group)
 def linear_group(ps: list, x: torch.Tensor, axis: str = "tp") -> list[torch.Tensor]:
-    """Column-parallel ``[col_linear(p, x) for p in ps]``, as one matmul when `fd.prepare`
-    laid the weights out as one buffer (`_fuse.fused`), the fast kernels are on and no LoRA
-    factors are attached (their updates are per layer). ``x`` (whole on every rank) goes through
-    ``sharding.pvary`` over ``axis`` once, so its gradient under tensor parallelism is the
-    sum of the per-rank shares, fused or not."""
+    """Column-parallel ``[col_linear(p, x) for p in ps]``: projections reading the same x
+    (q, k, v), which `fd.prepare` lays out as one buffer (BFL's ``qkv``). x goes through
+    ``sharding.pvary`` over ``axis`` once, so its gradient under tensor parallelism is
+    the sum of the per-rank shares."""
     x = sharding.pvary(x, axis)
-    wb = None if not fast() or any("lora" in p for p in ps) else _fuse.fused(ps)
-    if wb is None:
-        return _group_each(ps, wb, x)
-    return select("linear_group", _GROUP, ps, wb, x)
-
-
-def _group_each(ps, wb, x):
     return [linear(p, x) for p in ps]
 
 
-def _group_fused(ps, wb, x):
-    return list(F.linear(x, *wb).split([p["weight"].shape[0] for p in ps], dim=-1))
+@replaceable(fast.linear_group_gelu)
+def linear_group_gelu(ps: list, x: torch.Tensor, axis: str = "tp") -> list[torch.Tensor]:
+    """`linear_group` with a tanh GELU on its last output: FLUX.1's single-block input,
+    q, k, v and the MLP from one x (BFL's ``linear1``)."""
+    *ys, y = linear_group(ps, x, axis)
+    return [*ys, F.gelu(y, approximate="tanh")]
 
 
-_GROUP = {"exact": _group_each, "one_gemm": _group_fused}
-
-
+@replaceable(fast.col_linear_split)
 def col_linear_split(p, x: torch.Tensor, sizes: list, axis: str = "tp") -> list[torch.Tensor]:
-    """`col_linear` split into its output blocks of ``sizes`` (the weight's row blocks, e.g.
-    a packed [gate; up]): one GEMM and views of its output, or with the fast kernels one
-    GEMM per block, so each block's output is contiguous for the elementwise work after."""
-    if not fast() or "lora" in p:
-        return list(col_linear(p, x, axis).split(sizes, dim=-1))
-    return select("col_linear_split", _SPLIT, p["weight"], p.get("bias"), x, sizes)
-
-
-def _one_gemm_views(w, b, x, sizes):
-    return list(F.linear(x, w, b).split(sizes, dim=-1))
-
-
-def _gemm_per_block(w, b, x, sizes):
-    bs = [None] * len(sizes) if b is None else b.split(sizes)
-    return [F.linear(x, wi, bi) for wi, bi in zip(w.split(sizes), bs)]
-
-
-_SPLIT = {"exact": _one_gemm_views, "gemm_per_block": _gemm_per_block}
+    """`col_linear` split into its output blocks of ``sizes`` (the weight's row blocks,
+    e.g. a packed [gate; up])."""
+    return list(col_linear(p, x, axis).split(sizes, dim=-1))
 
 
 def per_head(p, axis: str = "tp") -> dict:
@@ -322,53 +112,48 @@ def row_linears(pairs: list, axis: str = "tp") -> list[torch.Tensor]:
     return [y if p.get("bias") is None else y + p["bias"] for y, (p, _) in zip(summed, pairs)]
 
 
+@replaceable(fast.row_linear_cat)
+def row_linear_cat(p, xs: list, axis: str = "tp") -> torch.Tensor:
+    """``row_linear(p, torch.cat(xs, -1))``: a projection of concatenated streams (the
+    single blocks' [attn, mlp], BFL's ``linear2``)."""
+    return row_linear(p, torch.cat(xs, -1), axis)
+
+
+# ----------------------------------------------------------------------------- norms and modulation
+
+
 def layer_norm(x: torch.Tensor, eps: float = 1e-6, p=None) -> torch.Tensor:
     w, b = (None, None) if p is None else (p.get("weight"), p.get("bias"))
     return F.layer_norm(x, x.shape[-1:], w, b, eps)
 
 
+@replaceable(fast.rms_norm)
 def rms_norm(p, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``torch.nn.RMSNorm`` (FLUX.1/FLUX.2 QK norms)."""
-    if fast() and x.device.type == "cpu":
-        return select("rms_norm", _RMS, x, p["weight"], eps)
     return F.rms_norm(x, x.shape[-1:], p["weight"], eps)
 
 
-def _rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, x.shape[-1:], w, eps)
-
-
-def _rms_norm_fast(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm over the last dim in three passes (torch's is six on a CPU; on a GPU its
-    fused kernel is faster, measured 0.07 vs 0.21 ms on an H200, so this is CPU-only): the
-    norm as one reduction (fp32), then ``x * rsqrt(norm² / D + eps) * w``; one rounding
-    to x's dtype at the end."""
-    r = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
-    r = r.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
-    return (x.float() * r).mul_(w).to(x.dtype)
-
-
+@replaceable(fast.rms_norm_fp32)
 def rms_norm_fp32(p, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """diffusers ``RMSNorm`` (Qwen-Image): variance in fp32; the normalised x is cast to a
-    half-precision weight's dtype before the scale (an fp32 weight keeps it fp32). Fast
-    kernels: `_rms_norm_fast` on a CPU, torch's fused kernel elsewhere (fp32 inside, one
-    rounding at the end)."""
-    if fast():
-        return select("rms_norm_fp32", _RMS_FP32, x, p["weight"], eps)
-    return _rms_norm_fp32_exact(x, p["weight"], eps)
-
-
-def _rms_norm_fp32_exact(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    half-precision weight's dtype before the scale (an fp32 weight keeps it fp32)."""
+    w = p["weight"]
     y = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     return (y.to(w.dtype) if w.dtype in (torch.float16, torch.bfloat16) else y) * w
 
 
-def _rms_norm_fp32_fast(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms_norm_fast(x, w, eps) if x.device.type == "cpu" else _rms_norm_torch(x, w, eps)
+@replaceable(fast.norm_modulate)
+def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """AdaLN: ``layer_norm(x) * (1 + scale) + shift`` (no affine weights of its own) over x
+    (B, S, C), the modulation (B, C) or already broadcastable ((B, 1, C), (B, S, C))."""
+    shift, scale = (m[:, None] if m.dim() == 2 else m for m in (shift, scale))
+    return layer_norm(x, eps) * (1 + scale) + shift
 
 
-_RMS = {"exact": _rms_norm_torch, "three_pass": _rms_norm_fast}
-_RMS_FP32 = {"exact": _rms_norm_fp32_exact, "three_pass": _rms_norm_fp32_fast}
+@replaceable(fast.gated)
+def gated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The gated residual ``x + gate * y`` (``gate`` broadcast over y's rows, e.g. (B, 1, C))."""
+    return x + gate * y
 
 
 def clip_fp16(x: torch.Tensor) -> torch.Tensor:
@@ -411,6 +196,9 @@ def modulations(layers: list, emb: torch.Tensor, axis: str = "tp") -> list[torch
     return out
 
 
+# ----------------------------------------------------------------------------- MLPs and embeddings
+
+
 def gelu_mlp(p, x: torch.Tensor) -> torch.Tensor:
     """diffusers ``FeedForward(activation_fn="gelu-approximate")``: ``net.0.proj``, ``net.2``."""
     return row_linear(p["net"]["2"], linear_gelu(p["net"]["0"]["proj"], x))
@@ -420,6 +208,12 @@ def gelu_mlps(pairs: list) -> list[torch.Tensor]:
     """``[gelu_mlp(p, x) for p, x in pairs]``, the output projections in one all-reduce
     (`row_linears`)."""
     return row_linears([(p["net"]["2"], linear_gelu(p["net"]["0"]["proj"], x)) for p, x in pairs])
+
+
+@replaceable(fast.swiglu)
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (FLUX.2's MLPs)."""
+    return F.silu(gate) * up
 
 
 def timestep_embedding(
@@ -436,6 +230,8 @@ def mlp_embed(p, x: torch.Tensor) -> torch.Tensor:
     """``linear_2(silu(linear_1(x)))``: diffusers ``TimestepEmbedding`` / ``PixArtAlphaTextProjection``."""
     return linear(p["linear_2"], F.silu(linear(p["linear_1"], x)))
 
+
+# ----------------------------------------------------------------------------- RoPE
 
 FP64_UNSUPPORTED = ("mps", "npu", "neuron")  # devices without float64, as diffusers' torch_utils lists them
 
@@ -457,36 +253,22 @@ def rope(ids: torch.Tensor, axes_dim, theta: float) -> tuple[torch.Tensor, torch
     return torch.cat([c for c, _ in parts], -1), torch.cat([s for _, s in parts], -1)
 
 
+@replaceable(fast.apply_rope)
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of x (B, S, H, D) by cos/sin (S, D) in fp32. Fast kernels:
-    one complex product of (x_2i, x_2i+1) by (cos, sin), as diffusers' Qwen-Image does."""
-    return select("apply_rope", _ROPE, x, cos, sin) if fast() else _rope_real(x, cos, sin)
-
-
-def _rope_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rope` as one complex product where x's pairs are complex numbers in memory."""
-    xf = x.float()
-    if xf.stride(-1) != 1 or any(st % 2 for st in xf.stride()[:-1]) or xf.storage_offset() % 2:
-        return _rope_real(x, cos, sin)
-    freqs = torch.complex(cos[:, None, 0::2], sin[:, None, 0::2])  # (S, 1, D/2)
-    xc = torch.view_as_complex(xf.unflatten(-1, (-1, 2)))
-    return torch.view_as_real(xc * freqs).flatten(-2).to(x.dtype)
-
-
-def _rope_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of x (B, S, H, D) by cos/sin (S, D) in fp32."""
     xr, xi = x.unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack([-xi, xr], dim=-1).flatten(-2)
     return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
 
 
-_ROPE = {"exact": _rope_real, "complex": _rope_complex}
+# ----------------------------------------------------------------------------- attention
 
 
+@replaceable(fast.split_rows)
 def split_rows(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, S, C) -> its first ``n`` rows and the rest, each contiguous as diffusers makes
-    them (the same GEMM path after, so bf16 matches bitwise); views with the fast kernels."""
-    a, b = x[:, :n], x[:, n:]
-    return (a, b) if fast() else (a.contiguous(), b.contiguous())
+    them (the same GEMM path after, so bf16 matches bitwise)."""
+    return x[:, :n].contiguous(), x[:, n:].contiguous()
 
 
 def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from .. import flux1, flux2
 from .. import qwenimage as qwen
+from ..nn import compile as _compile
 from ..nn import layers as L
 from ..params import ordered_blocks
 
@@ -73,12 +74,13 @@ def _joint(streams: tuple) -> torch.Tensor:
 
 
 def _flux1_double(p, i, streams, ctx):
-    img, txt = streams
-    return flux1._double_region(p, img, txt, ctx["img_mods"][i], ctx["txt_mods"][i], ctx["pe"], ctx["D"], ctx["bias"])
+    img, txt, block = *streams, _compile.regions(flux1).double_block
+    return block(p, img, txt, ctx["img_mods"][i], ctx["txt_mods"][i], ctx["pe"], ctx["D"], ctx["bias"])
 
 
 def _flux1_single(p, i, streams, ctx):
-    return (flux1._single_region(p, _joint(streams), ctx["single_mods"][i], ctx["pe"], ctx["D"], ctx["bias"]),)
+    block = _compile.regions(flux1).single_block
+    return (block(p, _joint(streams), ctx["single_mods"][i], ctx["pe"], ctx["D"], ctx["bias"]),)
 
 
 def flux1_stages(params, x, t, txt, *, pooled, guidance, pe) -> Stages:
@@ -138,10 +140,10 @@ def flux2_stages(params, x, t, txt, *, guidance, pe_img, pe_txt, num_ref_tokens,
 def _qwen_block(p, i, streams, ctx):
     img, txt = streams
     mod_i, mod_t = ctx["img_mods"][i], ctx["txt_mods"][i]
-    return qwen._block_region(p, img, txt, mod_i, mod_t, ctx["pe"], ctx["D"], ctx["bias"], ctx["ref"])
+    return _compile.regions(qwen).block(p, img, txt, mod_i, mod_t, ctx["pe"], ctx["D"], ctx["bias"], ctx["cond_rows"])
 
 
-def qwen_stages(params, x, t, txt, *, pe, ref, bias, t_cond) -> Stages:
+def qwen_stages(params, x, t, txt, *, pe, cond_rows, bias, t_cond) -> Stages:
     """`qwenimage.forward` up to its first block, as `Stages`."""
     c = params.config
     img = L.linear(params["img_in"], x)
@@ -151,7 +153,7 @@ def qwen_stages(params, x, t, txt, *, pe, ref, bias, t_cond) -> Stages:
     img_mods, txt_mods, out_mod = qwen.modulations(params, temb, img.shape[0])
     if c.zero_cond_t:  # (2B, 6C) = [mod(t); mod(0)]: as (B, 2, 6C), batch-first
         img_mods = [m.unflatten(0, (2, -1)).transpose(0, 1) for m in img_mods]
-    ctx = dict(img_mods=img_mods, txt_mods=txt_mods, out_mod=out_mod, pe=pe, bias=bias, ref=ref)
+    ctx = dict(img_mods=img_mods, txt_mods=txt_mods, out_mod=out_mod, pe=pe, bias=bias, cond_rows=cond_rows)
     ctx.update(D=c.attention_head_dim, zero_cond_t=c.zero_cond_t)
     blocks = [_bind(_qwen_block_mods, p, i) for i, p in enumerate(ordered_blocks(params, "transformer_blocks"))]
     final = lambda img, k: qwen.final_layer(params, img, k["out_mod"])  # noqa: E731

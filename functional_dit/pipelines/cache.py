@@ -38,7 +38,7 @@ import sharding
 
 from .. import api as _api
 from ..nn import fused as _fuse
-from ..nn import layers as L
+from ..nn import kernels as _kernels
 from . import _stages
 
 # ----------------------------------------------------------------------------- configs
@@ -277,13 +277,13 @@ def step(params, cache, state, x, t, txt, *, branches: int = 1, **kwargs):
 
 def _step_local(fam, params, cache, state, x, t, txt, kwargs, branches):
     """`_api._apply_local` with the cache between the stages: prepare, dp split, step, gathers."""
-    inputs = fam.prepare(params, x, t, txt, **kwargs)
+    inputs = fam.check_inputs(params, x, t, txt, **kwargs)
     B = x.shape[0]
     x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
     inputs = {k: sharding.shard(v, "dp", 0) if k in fam.BATCHED and v is not None else v for k, v in inputs.items()}
     info = _Items(B, branches)
     fast = _fuse.active(params, fam.FUSED, (x, t, txt, inputs))
-    with L.fast_kernels(fast):
+    with _kernels.fast_kernels(fast):
         stages = lambda: _stages.STAGES[fam](params, x, t, txt, **inputs)  # noqa: E731
         out, state = _STEP[type(cache)](cache, state, stages, info)
     return sharding.gather(sharding.gather(out, "sp", 1, x.shape[1]), "dp", 0, B), state
