@@ -47,6 +47,8 @@ from ._pytree import Params
 # The pipeline classes `sample` drives, by transformer family.
 PIPELINES = {
     "FluxPipeline": "flux1",
+    "FluxImg2ImgPipeline": "flux1",  # img2img and inpainting: `_sample_flux_image`
+    "FluxInpaintPipeline": "flux1",
     "Flux2Pipeline": "flux2",
     "Flux2KleinPipeline": "flux2",
     "Flux2KleinKVPipeline": "flux2",
@@ -481,7 +483,8 @@ def _chunk(model, req, images, job, dtype, device) -> _Chunk:
         neg = _to(neg, dtype, device)
         cond = model.cfg_batch(cond, neg) if hasattr(model, "cfg_batch") else cfg_batch(cond, neg)
     shape = lambda B: model.noise_shape(B, *job.hw)  # noqa: E731
-    return _Chunk(images, _requests.draw(req.noise, images, shape, model.pack, model.take, dtype, device), cond)
+    draw = getattr(model, "draw", _requests.draw)  # img2img: the posterior draw comes first
+    return _Chunk(images, draw(req.noise, images, shape, model.pack, model.take, dtype, device), cond)
 
 
 def _check_ranks(lay, chunks, model, settings: dict) -> None:
@@ -510,6 +513,9 @@ def sample(
     true_cfg: float | None = None,
     negative_prompt=None,
     image=None,
+    strength: float | None = None,
+    mask_image=None,
+    padding_mask_crop: int | None = None,
     kv_cache: bool | None = None,
     max_sequence_length: int | None = None,
     output_type: str = "pil",
@@ -573,6 +579,11 @@ def sample(
     pipe = as_pipeline(encoders, params)
     _check_args(pipe, height, width, output_type, batch_size)
     steps, sigmas = _check_steps(steps, sigmas)
+    from . import _sample_flux_image as _flux_image  # it builds on _Flux1
+
+    edit = _flux_image.check(
+        pipe, fam, steps, image, strength, mask_image, padding_mask_crop, output_type, latents, (height, width)
+    )
     _requests.check_max_sequence_length(fam, max_sequence_length)
     cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
     given = {k: v for k, v in locals().items() if "prompt_embeds" in k}  # the six stock embedding arguments
@@ -580,7 +591,7 @@ def sample(
     device, dtype = _param_device_dtype(params)
     local_params, mesh = sharding.local_view(params)
     lay = _ranks.layout(mesh, req.n)
-    model = _family_model(fam, local_params if lay.split else params, pipe, image, kv_cache)
+    model = _family_model(fam, local_params if lay.split else params, pipe, image, kv_cache, edit)
     hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
     _check_latents(model, pipe, req, *hw)
     on_step = _on_step(pipe, callback, callback_on_step_end)
@@ -623,7 +634,7 @@ def _settings(job: _Job, pipe, req, lay, model, dtype, size) -> dict:
         height=size[0], width=size[1], steps=job.steps, sigmas=sigmas, guidance=job.guidance, true_cfg=job.cfg,
         dtype=dtype, output_type=job.output_type, images=req.n, share=lay.share, batch_size=job.batch_size,
         kv_cache=getattr(model, "kv", None), max_sequence_length=job.max_sequence_length, noise=req.noise[0],
-        cache=None if job.cache is None else repr(job.cache.config),
+        cache=None if job.cache is None else repr(job.cache.config), **getattr(model, "settings", {}),
     )  # fmt: skip
 
 
@@ -647,8 +658,12 @@ def _run(model, pipe, chunk: _Chunk, job: _Job):
     sched = _scheduler(pipe, job.fam, chunk.x.shape[1], job.steps, device, job.sigmas)
     if hasattr(model, "schedule"):  # FLUX.3's flow map reads the next timestep
         model.schedule(sched)
-    x = _denoise(model, sched, chunk.x, chunk.cond, job.cfg, job.fam == "qwenimage", job.on_step, job.cache)
-    return x if job.output_type == "latent" else _decode(model, pipe, x, *job.hw, job.output_type)
+    x = model.begin(sched, chunk.x, chunk.images) if hasattr(model, "begin") else chunk.x  # img2img: cut, noised image
+    x = _denoise(model, sched, x, chunk.cond, job.cfg, job.fam == "qwenimage", job.on_step, job.cache)
+    if job.output_type == "latent":
+        return x
+    out = _decode(model, pipe, x, *job.hw, job.output_type)
+    return model.finish(out) if hasattr(model, "finish") else out
 
 
 def _on_step(pipe, callback, callback_on_step_end):
@@ -667,12 +682,20 @@ def _on_step(pipe, callback, callback_on_step_end):
     return hook
 
 
-def _family_model(fam: str, params, pipe, image, kv_cache):
-    """The per-family sampling steps (`_Flux1`, `_Flux2`, `_Qwen`) after the argument checks."""
+def _family_model(fam: str, params, pipe, image, kv_cache, edit=None):
+    """The per-family sampling steps (`_Flux1`, `_Flux2`, `_Qwen`; FLUX.1 img2img and
+    inpainting: `_sample_flux_image.Flux1Image` for an ``edit``) after the argument checks."""
     import diffusers
 
+    if edit is not None:
+        from ._sample_flux_image import Flux1Image
+
+        return Flux1Image(params, pipe, edit)
     if image is not None and (fam == "flux1" or isinstance(pipe, diffusers.QwenImagePipeline)):
-        raise ValueError(f"image: a {type(pipe).__name__} takes no reference image; expected None")
+        raise ValueError(
+            f"image: a {type(pipe).__name__} takes no reference image; expected None (img2img: add strength=, "
+            "inpainting: mask_image=)"
+        )
     if image is None and isinstance(pipe, diffusers.QwenImageEditPipeline):
         raise ValueError("image: a QwenImageEditPipeline edits a reference image; expected a PIL image, got None")
     if fam == "qwenimage21":
@@ -700,12 +723,14 @@ def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, 
     `_cache.CacheRun`, the calls go through its step cache."""
     if run is not None:
         model.apply = run.start(branches=1 if cfg is None else 2, steps=len(sched.timesteps))
+    after = getattr(model, "after_step", None)  # inpainting's blend
     for i, t in enumerate(sched.timesteps):
         xin = torch.cat([x, x]) if cfg is not None else x
         pred = model(xin, t.expand(xin.shape[0]).to(x.dtype) / 1000, cond)
         if cfg is not None:
             pred = combine(pred, cfg, normalise)
         x = sched.step(pred, t, x, return_dict=False)[0]
+        x = x if after is None else after(i, sched, x)
         if callback is not None:
             x = callback(i, t, x)
     return x
