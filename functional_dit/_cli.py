@@ -97,7 +97,13 @@ def add_commands(sub) -> None:
         "true_cfg, negative_prompt (with --out-dir; resumable)",
     )
     gen.add_argument("--negative-prompt", default=None)
-    gen.add_argument("--image", nargs="+", default=None, help="reference image(s) (FLUX.2, Qwen-Image-Edit)")
+    gen.add_argument(
+        "--image", nargs="+", default=None, help="reference image(s) (FLUX.2, Qwen-Image-Edit); FLUX.1: the init image"
+    )
+    gen.add_argument("--mask", default=None, help="FLUX.1 inpainting: the mask image (white = repaint), with --image")
+    gen.add_argument(
+        "--strength", type=float, default=None, help="FLUX.1 img2img/inpainting: share of the steps run (default 0.6)"
+    )
     gen.add_argument("--height", type=_positive, default=1024)
     gen.add_argument("--width", type=_positive, default=1024)
     gen.add_argument("--steps", type=_positive, default=28)

@@ -235,7 +235,12 @@ def _setup(args):
     _check_size(base, args.height, args.width)
     images = C.open_images(args.image)
     pipeline = _pipeline_class(base, "--base" if args.base else "--model")
-    C.check_images(pipeline, images)
+    args.mask_image, edit = C.check_edit(pipeline, images, args)
+    if edit and args.strength is None:  # the stock img2img/inpainting default, for the progress bar too
+        from ._sample_flux_image import STRENGTH
+
+        args.strength = STRENGTH
+    C.check_images(pipeline, images, edit)
     config = C.check_checkpoint(model, config, pipeline, "--base" if args.base else "--model")
     C.check_guidance(config, args)
     C.check_device(args.device)
@@ -277,7 +282,11 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
 
     import functional_dit as fd
 
-    bar = tqdm(total=args.steps, desc="denoising", disable=not rank0)
+    from ._sample_flux_image import t_start
+
+    strength = getattr(args, "strength", None)
+    runs = args.steps if strength is None else args.steps - t_start(args.steps, strength)
+    bar = tqdm(total=runs, desc="denoising", disable=not rank0)
     stamps = []
 
     def step(i, latents):
@@ -297,6 +306,8 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
             true_cfg=args.true_cfg,
             negative_prompt=args.negative_prompt,
             image=images,
+            strength=strength,
+            mask_image=getattr(args, "mask_image", None),
             callback=step,
             cache=getattr(args, "cache", None),
         )[0]
