@@ -49,6 +49,7 @@ PIPELINES = {
     "FluxPipeline": "flux1",
     "FluxImg2ImgPipeline": "flux1",  # img2img and inpainting: `_sample_flux_image`
     "FluxInpaintPipeline": "flux1",
+    "FluxKontextPipeline": "flux1",  # `_sample_flux_kontext`
     "Flux2Pipeline": "flux2",
     "Flux2KleinPipeline": "flux2",
     "Flux2KleinKVPipeline": "flux2",
@@ -516,6 +517,7 @@ def sample(
     strength: float | None = None,
     mask_image=None,
     padding_mask_crop: int | None = None,
+    max_area: int | None = None,
     kv_cache: bool | None = None,
     max_sequence_length: int | None = None,
     output_type: str = "pil",
@@ -577,6 +579,9 @@ def sample(
     """
     fam = _family_name(params)
     pipe = as_pipeline(encoders, params)
+    from . import _sample_flux_kontext as _kontext
+
+    height, width = _kontext.size(pipe, height, width, max_area)  # Kontext rescales to max_area
     _check_args(pipe, height, width, output_type, batch_size)
     steps, sigmas = _check_steps(steps, sigmas)
     from . import _sample_flux_image as _flux_image  # it builds on _Flux1
@@ -691,6 +696,10 @@ def _family_model(fam: str, params, pipe, image, kv_cache, edit=None):
         from ._sample_flux_image import Flux1Image
 
         return Flux1Image(params, pipe, edit)
+    if type(pipe).__name__ == "FluxKontextPipeline":
+        from ._sample_flux_kontext import Flux1Kontext
+
+        return Flux1Kontext(params, pipe)
     if image is not None and (fam == "flux1" or isinstance(pipe, diffusers.QwenImagePipeline)):
         raise ValueError(
             f"image: a {type(pipe).__name__} takes no reference image; expected None (img2img: add strength=, "

@@ -87,6 +87,7 @@ def check(pipe, fam: str, steps: int, image, strength, mask_image, padding_mask_
         if {"image": image, "mask_image": mask_image}[name] is None:
             raise ValueError(f"{name}: a {type(pipe).__name__} needs one (a PIL image), got None")
     wanted = type(pipe).__name__ in NEEDS or strength is not None or mask_image is not None
+    wanted = wanted and type(pipe).__name__ != "FluxKontextPipeline"  # its image is a reference
     if fam != "flux1" or image is None or not wanted:
         for name, v in given.items():
             if v is not None:

@@ -44,15 +44,20 @@ def pipelines():
     return out
 
 
-def stock_latents(pipe, **kw) -> torch.Tensor:
+def stock_run(pipe, **kw):
+    """(the final latents, the pipeline's output)."""
     got = {}
 
     def grab(_pipe, i, t, tensors):
         got["latents"] = tensors["latents"]
         return {}
 
-    got["out"] = pipe(**kw, callback_on_step_end=grab)
-    return got["latents"]
+    out = pipe(**kw, callback_on_step_end=grab)
+    return got["latents"], out
+
+
+def stock_latents(pipe, **kw) -> torch.Tensor:
+    return stock_run(pipe, **kw)[0]
 
 
 def seeds(seed: int, n: int) -> list[torch.Generator]:
@@ -267,3 +272,48 @@ def test_tp2_and_dp2_equal_single_process():
                 torch.testing.assert_close(r[f"{axes} {name}"], r[f"single {name}"], **FP32)
     for key in results[0]:
         assert torch.equal(results[0][key], results[1][key]), key  # every rank returns the same latents
+
+
+# ----------------------------------------------------------------------------- Kontext
+
+
+def test_kontext_equals_stock_latents_and_images():
+    """FluxKontextPipeline: the size rescaled to ``max_area``, the reference resized to its
+    preferred resolution (about 1024², so this case is the slow one), encoded, at ids
+    ``(1, row, col)``; with and without a reference. Latents through
+    ``callback_on_step_end`` on both sides, and the decoded images."""
+    pipe = tiny.pipeline("flux-kontext")
+    params = fd.from_diffusers(pipe.transformer)
+    kw = dict(height=32, width=48, max_area=40 * 40, output_type="np")  # 40² at 3:2 -> 48 x 32
+    got = {}
+
+    def grab(_pipe, i, t, tensors):
+        got["latents"] = tensors["latents"]
+
+    for ref in (dict(image=init_image()), {}):
+        stock = dict(prompt=PROMPT, generator=seeds(3, 1), num_inference_steps=2, guidance_scale=2.5, **kw, **ref)
+        expected, stock_out = stock_run(pipe, **stock)
+        stock_images = stock_out.images
+        images = fd.sample(params, pipe, PROMPT, steps=2, seed=3, guidance=2.5, callback_on_step_end=grab, **kw, **ref)
+        torch.testing.assert_close(got["latents"], expected, **FP32)
+        torch.testing.assert_close(torch.as_tensor(images), torch.as_tensor(stock_images), **FP32)
+        assert images.shape == (1, 32, 48, 3)
+
+
+def test_kontext_size_and_bad_max_area():
+    pipe = tiny.pipeline("flux-kontext")
+    size = fd._sample_flux_kontext.size
+    assert size(pipe, 32, 48, None) == (832, 1248)  # the stock default: about 1024² at 3:2
+    assert size(pipe, 30, 30, 48 * 48) == (48, 48)  # any size: rescaled to max_area
+    params = fd.from_diffusers(pipe.transformer)
+    with pytest.raises(ValueError, match="max_area: expected a positive int, got 0"):
+        fd.sample(params, pipe, PROMPT, height=32, width=32, steps=1, seed=0, max_area=0)
+    with pytest.raises(ValueError, match="max_area: expected room for at least 16x16 pixels at 32:32, got 100"):
+        fd.sample(params, pipe, PROMPT, height=32, width=32, steps=1, seed=0, max_area=100)
+    with pytest.raises(ValueError, match="strength: fd.sample takes it for FLUX.1 img2img and inpainting"):
+        fd.sample(params, pipe, PROMPT, height=32, width=32, steps=1, seed=0, image=init_image(), strength=0.5)
+    with pytest.raises(ValueError, match="image: a FluxKontextPipeline takes one PIL reference image"):
+        fd.sample(params, pipe, PROMPT, height=32, width=32, steps=1, seed=0, image=[init_image()] * 2, max_area=1024)
+    flux = diffusers.FluxPipeline.from_pipe(pipe)
+    with pytest.raises(ValueError, match="max_area: only a FluxKontextPipeline takes it; expected None, got 1024"):
+        fd.sample(params, flux, PROMPT, height=32, width=32, steps=1, seed=0, max_area=1024)
