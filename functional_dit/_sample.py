@@ -333,6 +333,11 @@ class _Flux2:
             return out
         return self.apply(self.params, x, t, cond.txt, rope=self.rope_cached, kv_cache=self.cache, **kw)
 
+    def latent_output(self, x, h, w):
+        """``output_type="latent"`` as the stock pipeline returns it: FLUX.2-dev the packed
+        tokens, klein (every klein pipeline) the VAE's input (unpacked, de-normalised)."""
+        return x if type(self.pipe).__name__ == "Flux2Pipeline" else self.decode_latents(x, h, w)
+
     def decode_latents(self, x, h, w):
         vae = self.pipe.vae
         B, _, C = x.shape
@@ -565,7 +570,8 @@ def sample(
     values on the first step and reuse them (``Flux2KleinKVPipeline``); default True for a
     ``Flux2KleinKVPipeline``, else False.
     ``output_type``: "pil" (list of images), "np", "pt" (B, 3, H, W) in [0, 1], or
-    "latent" (the packed latents the pipelines return for ``output_type="latent"``).
+    "latent" (what the stock pipeline returns for ``output_type="latent"``: packed (B, S, C)
+    latents, but klein's unpacked (B, C, H/8, W/8) VAE input).
     ``callback(step, latents)`` runs after every step; ``callback_on_step_end(pipe, step, t,
     {"latents": latents})`` too, and the "latents" of the dict it returns replace them.
 
@@ -666,7 +672,7 @@ def _run(model, pipe, chunk: _Chunk, job: _Job):
     x = model.begin(sched, chunk.x, chunk.images) if hasattr(model, "begin") else chunk.x  # img2img: cut, noised image
     x = _denoise(model, sched, x, chunk.cond, job.cfg, job.fam == "qwenimage", job.on_step, job.cache)
     if job.output_type == "latent":
-        return x
+        return model.latent_output(x, *job.hw) if hasattr(model, "latent_output") else x
     out = _decode(model, pipe, x, *job.hw, job.output_type)
     return model.finish(out) if hasattr(model, "finish") else out
 
