@@ -8,8 +8,9 @@ position ids, the timestep shift each pipeline computes, classifier-free guidanc
 batched call, the FLUX.2-klein reference KV cache, and the unpacking for the VAE.
 
 With the same seed the latents equal those of the stock pipeline with the stock
-transformer (``FluxPipeline``, ``Flux2Pipeline``, ``Flux2KleinPipeline``,
-``Flux2KleinKVPipeline``, ``QwenImagePipeline``, ``QwenImageEditPipeline``).
+transformer (``FluxPipeline`` and its img2img, inpainting and Kontext pipelines,
+``Flux2Pipeline``, ``Flux2KleinPipeline``, ``Flux2KleinKVPipeline``, ``QwenImagePipeline``,
+``QwenImageEditPipeline``).
 
 Per-step-invariant work is done once before the loop: prompt embeddings, position ids
 and their RoPE tables (passed to ``fd.apply`` as ``rope=``), reference-image latents;
@@ -544,6 +545,7 @@ def sample(
     """Generate images with ``params`` (plain or sharded) and our own denoising loop.
 
     ``encoders``: a diffusers pipeline of a supported class (``FluxPipeline``,
+    ``FluxImg2ImgPipeline``, ``FluxInpaintPipeline``, ``FluxKontextPipeline``,
     ``Flux2Pipeline``, ``Flux2KleinPipeline``, ``Flux2KleinKVPipeline``,
     ``QwenImagePipeline``, ``QwenImageEditPipeline``; its transformer is ignored and may be
     None, e.g. ``from_pretrained(path, transformer=None)``) or a mapping of its components.
@@ -565,7 +567,10 @@ def sample(
     ``true_cfg``: classifier-free guidance scale; > 1 runs the conditional and the
     ``negative_prompt`` (default "") branches as one batch (Qwen-Image's pipelines call it
     ``true_cfg_scale``, klein's ``guidance_scale``; FLUX.1's ``true_cfg_scale``).
-    ``image``: reference image(s) (PIL) for FLUX.2 (dev, klein) and Qwen-Image-Edit.
+    ``image``: reference image(s) (PIL) for FLUX.2 (dev, klein), Qwen-Image-Edit and FLUX.1
+    Kontext (whose output size is rescaled to ``max_area``, 1024² by default, as the stock
+    pipeline); for FLUX.1 the init image of img2img (``strength``, 0.6 by default) and
+    inpainting (``mask_image``, ``padding_mask_crop``) (`functional_dit._sample_flux_image`).
     ``kv_cache``: FLUX.2 with reference images: extract the reference tokens' keys and
     values on the first step and reuse them (``Flux2KleinKVPipeline``); default True for a
     ``Flux2KleinKVPipeline``, else False.
