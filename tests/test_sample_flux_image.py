@@ -128,28 +128,23 @@ def test_inpainting_keeps_the_image_outside_the_mask(pipes):
 
 
 def test_many_images_and_one_generator_equal_stock(pipes):
-    """Two prompts x 2 images, one seed each: the stock pipeline given ``image=[img] * 4`` and
-    four generators. One generator for the batch: the stock call with one image and one
-    generator (its posterior first, then the whole batch's noise)."""
+    """Two prompts x 2 images. Inpainting with one seed each: the stock pipeline given
+    ``image=[img] * 4`` and four generators. img2img with one generator for the batch: the
+    stock call with one image and one generator (its posterior first, then the whole
+    batch's noise). The noise paths are shared by both pipelines."""
     img2img, inpaint = pipes
     params = fd.from_diffusers(img2img.transformer)
     prompts = ["a red cube", "a small green sphere"]
-    for pipe, mask in ((img2img, {}), (inpaint, dict(mask_image=mask_image()))):
-        kw = dict(num_inference_steps=3, num_images_per_prompt=2, **SIZE, **mask)
-        expected = stock_latents(pipe, prompt=prompts, image=[init_image()] * 4, generator=seeds(5, 4), **kw)
-        got = fd.sample(
-            params, pipe, prompts, image=init_image(), steps=3, seed=5, num_images_per_prompt=2, output_type="latent",
-            batch_size=3, **SIZE, **mask,
-        )  # fmt: skip
-        torch.testing.assert_close(got, expected, **FP32)
-        expected = stock_latents(
-            pipe, prompt=prompts, image=init_image(), generator=torch.Generator().manual_seed(7), **kw
-        )
-        got = fd.sample(
-            params, pipe, prompts, image=init_image(), steps=3, seed=torch.Generator().manual_seed(7),
-            num_images_per_prompt=2, output_type="latent", **SIZE, **mask,
-        )  # fmt: skip
-        torch.testing.assert_close(got, expected, **FP32)
+    kw = dict(num_inference_steps=3, num_images_per_prompt=2, **SIZE)
+    ours = dict(image=init_image(), steps=3, num_images_per_prompt=2, output_type="latent", **SIZE)
+    mask = dict(mask_image=mask_image())
+    expected = stock_latents(inpaint, prompt=prompts, image=[init_image()] * 4, generator=seeds(5, 4), **kw, **mask)
+    got = fd.sample(params, inpaint, prompts, seed=5, batch_size=3, **ours, **mask)
+    torch.testing.assert_close(got, expected, **FP32)
+    gen = torch.Generator().manual_seed(7)
+    expected = stock_latents(img2img, prompt=prompts, image=init_image(), generator=gen, **kw)
+    got = fd.sample(params, img2img, prompts, seed=torch.Generator().manual_seed(7), batch_size=3, **ours)
+    torch.testing.assert_close(got, expected, **FP32)
 
 
 def test_img2img_given_latents_are_the_start_latents(pipes):
