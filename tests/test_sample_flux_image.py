@@ -19,7 +19,7 @@ import functional_dit as fd
 import sharding
 from functional_dit import tiny
 
-FP32 = dict(rtol=1e-5, atol=1e-5)  # the bound; measured 0 (bitwise) on one process
+FP32 = dict(rtol=1e-5, atol=1e-5)  # the bound; measured 0 (bitwise) on one process, ≤ 3.4e-6 on 2 ranks
 SIZE = dict(height=64, width=48)  # an 8 x 6 latent grid: 12 tokens, the mask covers some of them
 PROMPT = "a red cube on a table"
 
