@@ -2,9 +2,9 @@
 the offline tiny pipelines of `functional_dit.tiny`, sharded and CFG-parallel sampling
 on 2 gloo ranks, the first-step replication check, and `fd.apply(..., rope=)`.
 
-The stock pipelines' latents are captured at the last step through
-``callback_on_step_end`` (the packed latents every pipeline class holds in its loop;
-their ``output_type="latent"`` results differ in layout between classes).
+The stock pipelines' latents are their ``output_type="latent"`` results, which
+``fd.sample(..., output_type="latent")`` returns in the same layout: the packed latents
+(FLUX.1, FLUX.2-dev, Qwen-Image), klein's unpacked VAE input.
 """
 
 from __future__ import annotations
@@ -34,18 +34,10 @@ def ref_image(w=80, h=64, seed=0) -> Image.Image:
 
 
 def stock_latents(pipe, seed, n=1, **kw) -> torch.Tensor:
-    """The stock pipeline's final latents with image i seeded by seed + i (what
-    ``fd.sample(..., seed=seed)`` draws), or ``generator=`` as given in ``kw``."""
-    got, then = {}, kw.pop("callback_on_step_end", None)
-
-    def grab(_pipe, i, t, tensors):  # after ``then``, which may return new latents
-        out = {} if then is None else then(_pipe, i, t, tensors)
-        got["latents"] = out.get("latents", tensors["latents"])
-        return out
-
+    """The stock pipeline's ``output_type="latent"`` result with image i seeded by seed + i
+    (what ``fd.sample(..., seed=seed)`` draws), or ``generator=`` as given in ``kw``."""
     kw.setdefault("generator", [torch.Generator().manual_seed(seed + i) for i in range(n)])
-    pipe(**kw, callback_on_step_end=grab)
-    return got["latents"]
+    return pipe(**kw, output_type="latent").images
 
 
 def schnell_pipeline():

@@ -13,6 +13,9 @@ from ._args import CLIError
 
 # `fd.sample`'s pipelines: which take reference images (None: optional), by class name.
 _IMAGES = {"FluxPipeline": False, "QwenImagePipeline": False, "QwenImageEditPipeline": True}
+_IMAGES |= {"FluxImg2ImgPipeline": True, "FluxInpaintPipeline": True}
+# The pipelines whose --image is an init image with --strength / --mask (img2img, inpainting).
+EDITS = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
 
 
 def check_device(text: str | None, flag: str = "--device") -> torch.device | None:
@@ -38,8 +41,8 @@ def check_device(text: str | None, flag: str = "--device") -> torch.device | Non
     return device
 
 
-def open_images(paths) -> list | None:
-    """The ``--image`` files as RGB images; a missing or unreadable file is one line."""
+def open_images(paths, flag: str = "--image") -> list | None:
+    """The ``flag`` files as RGB images; a missing or unreadable file is one line."""
     if not paths:
         return None
     from PIL import Image
@@ -47,22 +50,44 @@ def open_images(paths) -> list | None:
     images = []
     for p in paths:
         if not os.path.isfile(p):
-            raise CLIError(f"--image: {p} does not exist")
+            raise CLIError(f"{flag}: {p} does not exist")
         try:
             with Image.open(p) as im:
                 images.append(im.convert("RGB"))
         except (OSError, ValueError, Image.DecompressionBombError) as e:
-            raise CLIError(f"--image: {p} is not an image PIL can read ({type(e).__name__})") from None
+            raise CLIError(f"{flag}: {p} is not an image PIL can read ({type(e).__name__})") from None
     return images
 
 
-def check_images(pipeline: str, images) -> None:
-    """Reference images where the pipeline takes them, and one where it needs it."""
+def check_images(pipeline: str, images, edit: bool = False) -> None:
+    """Reference images where the pipeline takes them (``edit``: an init image), and one
+    where it needs it."""
     needs = _IMAGES.get(pipeline)
-    if images and needs is False:
-        raise CLIError(f"--image: a {pipeline} takes no reference image; drop --image or use an edit pipeline")
+    if images and needs is False and not edit:
+        more = " (FLUX.1 img2img / inpainting: add --strength / --mask)" if pipeline in EDITS else ""
+        raise CLIError(f"--image: a {pipeline} takes no reference image; drop --image or use an edit pipeline{more}")
     if not images and needs:
         raise CLIError(f"--image: a {pipeline} edits a reference image; pass one with --image")
+
+
+def check_edit(pipeline: str, images, args):
+    """``--strength`` / ``--mask`` (img2img, inpainting): one init image, a FLUX.1 pipeline,
+    strength in (0, 1]. Returns the mask image (or None) and whether it is an edit job."""
+    strength, mask = getattr(args, "strength", None), getattr(args, "mask", None)
+    if not (strength is not None or mask is not None or pipeline in EDITS[1:]):
+        return None, False
+    flag = "--mask" if mask is not None else "--strength"
+    if pipeline not in EDITS:
+        raise CLIError(f"{flag}: img2img and inpainting run on {', '.join(EDITS)}; this is a {pipeline}")
+    if getattr(args, "prompts", None) is not None:
+        raise CLIError(f"{flag}: img2img and inpainting run with --prompt (one image), not --prompts")
+    if not images or len(images) != 1:
+        raise CLIError(f"--image: img2img and inpainting take one init image, got {len(images or [])}")
+    if strength is not None and not 0 < strength <= 1:
+        raise CLIError(f"--strength: expected a number in (0, 1] (the share of --steps run), got {strength}")
+    if mask is None and pipeline == "FluxInpaintPipeline":
+        raise CLIError("--mask: a FluxInpaintPipeline inpaints; pass the mask image with --mask")
+    return None if mask is None else open_images([mask], "--mask")[0], True
 
 
 def check_guidance(config, args) -> None:

@@ -66,7 +66,14 @@ def _job_arguments(p) -> None:
         "true_cfg, negative_prompt (with --out-dir; resumable)",
     )
     p.add_argument("--negative-prompt", default=None)
-    p.add_argument("--image", nargs="+", default=None, help="reference image(s) (FLUX.2, Qwen-Image-Edit)")
+    p.add_argument(
+        "--image",
+        nargs="+",
+        default=None,
+        help="reference image(s) (FLUX.2, Qwen-Image-Edit); FLUX.1, Qwen-Image: the init image",
+    )
+    p.add_argument("--mask", default=None, help="inpainting: the mask image (white = repaint), with --image")
+    p.add_argument("--strength", type=float, default=None, help="img2img/inpainting: share of the steps run (0.6)")
     p.add_argument("--height", type=positive, default=1024)
     p.add_argument("--width", type=positive, default=1024)
     p.add_argument("--steps", type=positive, default=28)
@@ -282,7 +289,12 @@ def _setup(args):
     _check_size(base, args.height, args.width)
     images = C.open_images(args.image)
     pipeline = _pipeline_class(base, "--base" if args.base else "--model")
-    C.check_images(pipeline, images)
+    args.mask_image, edit = C.check_edit(pipeline, images, args)
+    if edit and args.strength is None:  # the stock img2img/inpainting default, for the progress bar too
+        from ._sample_flux_image import STRENGTH
+
+        args.strength = STRENGTH
+    C.check_images(pipeline, images, edit)
     config = C.check_checkpoint(model, config, pipeline, "--base" if args.base else "--model")
     C.check_guidance(config, args)
     C.check_device(args.device)
@@ -325,7 +337,11 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
 
     import functional_dit as fd
 
-    bar = tqdm(total=args.steps, desc="denoising", disable=not rank0)
+    from ._sample_flux_image import t_start
+
+    strength = getattr(args, "strength", None)
+    runs = args.steps if strength is None else args.steps - t_start(args.steps, strength)
+    bar = tqdm(total=runs, desc="denoising", disable=not rank0)
     stamps = []
 
     def step(i, latents):
@@ -345,6 +361,8 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
             true_cfg=args.true_cfg,
             negative_prompt=args.negative_prompt,
             image=images,
+            strength=strength,
+            mask_image=getattr(args, "mask_image", None),
             callback=step,
             cache=getattr(args, "cache", None),
             **_placement.cli_kwargs(args),

@@ -8,8 +8,9 @@ position ids, the timestep shift each pipeline computes, classifier-free guidanc
 batched call, the FLUX.2-klein reference KV cache, and the unpacking for the VAE.
 
 With the same seed the latents equal those of the stock pipeline with the stock
-transformer (``FluxPipeline``, ``Flux2Pipeline``, ``Flux2KleinPipeline``,
-``Flux2KleinKVPipeline``, ``QwenImagePipeline``, ``QwenImageEditPipeline``).
+transformer (``FluxPipeline`` and its img2img, inpainting and Kontext pipelines,
+``Flux2Pipeline``, ``Flux2KleinPipeline``, ``Flux2KleinKVPipeline``, ``QwenImagePipeline``,
+``QwenImageEditPipeline``).
 
 Per-step-invariant work is done once before the loop: prompt embeddings, position ids
 and their RoPE tables (passed to ``fd.apply`` as ``rope=``), reference-image latents;
@@ -52,6 +53,9 @@ from . import placement as _placement
 # The pipeline classes `sample` drives, by transformer family.
 PIPELINES = {
     "FluxPipeline": "flux1",
+    "FluxImg2ImgPipeline": "flux1",  # img2img and inpainting: `_sample_flux_image`
+    "FluxInpaintPipeline": "flux1",
+    "FluxKontextPipeline": "flux1",  # `_sample_flux_kontext`
     "Flux2Pipeline": "flux2",
     "Flux2KleinPipeline": "flux2",
     "Flux2KleinKVPipeline": "flux2",
@@ -339,6 +343,11 @@ class _Flux2:
             return out
         return self.apply(self.params, x, t, cond.txt, rope=self.rope_cached, kv_cache=self.cache, **kw)
 
+    def latent_output(self, x, h, w):
+        """``output_type="latent"`` as the stock pipeline returns it: FLUX.2-dev the packed
+        tokens, klein (every klein pipeline) the VAE's input (unpacked, de-normalised)."""
+        return x if type(self.pipe).__name__ == "Flux2Pipeline" else self.decode_latents(x, h, w)
+
     def decode_latents(self, x, h, w):
         vae = self.pipe.vae
         B, _, C = x.shape
@@ -490,7 +499,8 @@ def _chunk(model, req, images, job, dtype, device) -> _Chunk:
         neg = _to(neg, dtype, device)
         cond = model.cfg_batch(cond, neg) if hasattr(model, "cfg_batch") else cfg_batch(cond, neg)
     shape = lambda B: model.noise_shape(B, *job.hw)  # noqa: E731
-    return _Chunk(images, _requests.draw(req.noise, images, shape, model.pack, model.take, dtype, device), cond)
+    draw = getattr(model, "draw", _requests.draw)  # img2img: the posterior draw comes first
+    return _Chunk(images, draw(req.noise, images, shape, model.pack, model.take, dtype, device), cond)
 
 
 def _check_ranks(lay, chunks, model, settings: dict) -> None:
@@ -524,6 +534,7 @@ def sample(
     strength: float | None = None,
     padding_mask_crop: int | None = None,
     layers: int | None = None,
+    max_area: int | None = None,
     kv_cache: bool | None = None,
     max_sequence_length: int | None = None,
     output_type: str = "pil",
@@ -547,6 +558,7 @@ def sample(
     """Generate images with ``params`` (plain or sharded) and our own denoising loop.
 
     ``encoders``: a diffusers pipeline of a supported class (``FluxPipeline``,
+    ``FluxImg2ImgPipeline``, ``FluxInpaintPipeline``, ``FluxKontextPipeline``,
     ``Flux2Pipeline``, ``Flux2KleinPipeline``, ``Flux2KleinKVPipeline``,
     ``QwenImagePipeline``, ``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``,
     ``QwenImageImg2ImgPipeline``, ``QwenImageInpaintPipeline``, ``QwenImageLayeredPipeline``;
@@ -571,16 +583,18 @@ def sample(
     ``negative_prompt`` (default "") branches as one batch (Qwen-Image's pipelines call it
     ``true_cfg_scale``, klein's ``guidance_scale``; FLUX.1's ``true_cfg_scale``); Qwen-Image
     runs it only with a negative prompt, as its pipelines (a warning otherwise).
-    ``image``: reference image(s) (PIL) for FLUX.2 (dev, klein), Qwen-Image-Edit(-Plus);
-    the start image(s) for Qwen-Image img2img and inpainting (a ``QwenImagePipeline``
-    given one runs img2img), with ``strength`` (0.6 by default), ``mask_image`` (white =
-    repaint) and ``padding_mask_crop`` as the stock pipelines take them; the image to split
-    for Qwen-Image-Layered, into ``layers`` (4 by default) images at height x width.
+    ``image``: reference image(s) (PIL) for FLUX.2 (dev, klein), Qwen-Image-Edit(-Plus) and
+    FLUX.1 Kontext (whose output size is rescaled to ``max_area``, 1024² by default, as the
+    stock pipeline); the start image of FLUX.1 and Qwen-Image img2img and inpainting (a
+    ``QwenImagePipeline`` given one runs img2img), with ``strength`` (0.6 by default),
+    ``mask_image`` (white = repaint) and ``padding_mask_crop`` as the stock pipelines take
+    them; the image to split for Qwen-Image-Layered, into ``layers`` (4 by default) images.
     ``kv_cache``: FLUX.2 with reference images: extract the reference tokens' keys and
     values on the first step and reuse them (``Flux2KleinKVPipeline``); default True for a
     ``Flux2KleinKVPipeline``, else False.
     ``output_type``: "pil" (list of images), "np", "pt" (B, 3, H, W) in [0, 1], or
-    "latent" (the packed latents the pipelines return for ``output_type="latent"``).
+    "latent" (what the stock pipeline returns for ``output_type="latent"``: packed (B, S, C)
+    latents, but klein's unpacked (B, C, H/8, W/8) VAE input).
     ``callback(step, latents)`` runs after every step; ``callback_on_step_end(pipe, step, t,
     {"latents": latents})`` too, and the "latents" of the dict it returns replace them.
 
@@ -598,10 +612,20 @@ def sample(
 
     fam = _family_name(params)
     pipe = as_pipeline(encoders, params)
+    from . import _sample_flux_kontext as _kontext
+
+    height, width = _kontext.size(pipe, height, width, max_area)  # Kontext rescales to max_area
     _check_args(pipe, height, width, output_type, batch_size)
     _placement.check(encoder_placement, vae_tiling)
     steps, sigmas = _check_steps(steps, sigmas)
     pipe = _qi.pipeline(pipe, steps, output_type, image, mask_image, strength, padding_mask_crop, layers)
+    from . import _sample_flux_image as _flux_image  # it builds on _Flux1
+
+    edit = None
+    if fam != "qwenimage":  # FLUX.1's image jobs (and their arguments refused for the other families)
+        edit = _flux_image.check(
+            pipe, fam, steps, image, strength, mask_image, padding_mask_crop, output_type, latents, (height, width)
+        )
     _requests.check_max_sequence_length(fam, max_sequence_length)
     cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
     cfg = _qi.true_cfg(fam, cfg, negative_prompt, negative_prompt_embeds)
@@ -611,7 +635,7 @@ def sample(
     local_params, mesh = sharding.local_view(params)
     lay = _ranks.layout(mesh, req.n)
     img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop, layers=layers)
-    model = _family_model(fam, local_params if lay.split else params, pipe, image, kv_cache, img2img)
+    model = _family_model(fam, local_params if lay.split else params, pipe, image, kv_cache, img2img, edit)
     hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
     _check_latents(model, pipe, req, *hw)
     on_step = _on_step(pipe, callback, callback_on_step_end)
@@ -657,7 +681,8 @@ def _settings(job: _Job, pipe, req, lay, model, dtype, size) -> dict:
         height=size[0], width=size[1], steps=job.steps, sigmas=sigmas, guidance=job.guidance, true_cfg=job.cfg,
         dtype=dtype, output_type=job.output_type, images=req.n, share=lay.share, batch_size=job.batch_size,
         kv_cache=getattr(model, "kv", None), max_sequence_length=job.max_sequence_length, noise=req.noise[0],
-        cache=None if job.cache is None else repr(job.cache.config), strength=getattr(model, "strength", None),
+        cache=None if job.cache is None else repr(job.cache.config),
+        **{"strength": getattr(model, "strength", None), **getattr(model, "settings", {})},
     )  # fmt: skip
 
 
@@ -684,7 +709,9 @@ def _run(model, pipe, chunk: _Chunk, job: _Job):
     x, on_step = model.begin(sched, chunk, job.on_step) if hasattr(model, "begin") else (chunk.x, job.on_step)
     normalise = getattr(model, "normalise", job.fam == "qwenimage")  # Qwen-Image's norm-rescaled CFG
     x = _denoise(model, sched, x, chunk.cond, job.cfg, normalise, on_step, job.cache)
-    return x if job.output_type == "latent" else _decode(model, pipe, x, *job.hw, job.output_type)
+    if job.output_type == "latent":
+        return model.latent_output(x, *job.hw) if hasattr(model, "latent_output") else x
+    return _decode(model, pipe, x, *job.hw, job.output_type)
 
 
 def _on_step(pipe, callback, callback_on_step_end):
@@ -703,16 +730,29 @@ def _on_step(pipe, callback, callback_on_step_end):
     return hook
 
 
-def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict):
-    """The per-family sampling steps (`_Flux1`, `_Flux2`, `_Qwen`) after the argument checks."""
+def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=None):
+    """The per-family sampling steps (`_Flux1`, `_Flux2`, `_Qwen`; FLUX.1 img2img and
+    inpainting: `_sample_flux_image.Flux1Image` for an ``edit``; Kontext; Qwen-Image's image
+    jobs in `_sample_qwen_image`) after the argument checks."""
     import diffusers
 
     from . import _sample_qwen_image as _qi
 
+    if edit is not None:
+        from ._sample_flux_image import Flux1Image
+
+        return Flux1Image(params, pipe, edit)
+    if type(pipe).__name__ == "FluxKontextPipeline":
+        from ._sample_flux_kontext import Flux1Kontext
+
+        return Flux1Kontext(params, pipe)
     if type(pipe).__name__ in _qi.PIPELINES:
         return _qi.model(params, pipe, image, **img2img)
     if image is not None and (fam == "flux1" or isinstance(pipe, diffusers.QwenImagePipeline)):
-        raise ValueError(f"image: a {type(pipe).__name__} takes no reference image; expected None")
+        raise ValueError(
+            f"image: a {type(pipe).__name__} takes no reference image; expected None (img2img: add strength=, "
+            "inpainting: mask_image=)"
+        )
     if image is None and isinstance(pipe, diffusers.QwenImageEditPipeline):
         raise ValueError("image: a QwenImageEditPipeline edits a reference image; expected a PIL image, got None")
     if fam == "qwenimage21":
@@ -740,12 +780,14 @@ def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, 
     `_cache.CacheRun`, the calls go through its step cache."""
     if run is not None:
         model.apply = run.start(branches=1 if cfg is None else 2, steps=len(sched.timesteps))
+    after = getattr(model, "after_step", None)  # inpainting's blend
     for i, t in enumerate(sched.timesteps):
         xin = torch.cat([x, x]) if cfg is not None else x
         pred = model(xin, t.expand(xin.shape[0]).to(x.dtype) / 1000, cond)
         if cfg is not None:
             pred = combine(pred, cfg, normalise)
         x = sched.step(pred, t, x, return_dict=False)[0]
+        x = x if after is None else after(i, sched, x)
         if callback is not None:
             x = callback(i, t, x)
     return x

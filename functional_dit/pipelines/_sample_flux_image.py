@@ -1,0 +1,225 @@
+"""FLUX.1 image-to-image and inpainting for `fd.sample` (diffusers' ``FluxImg2ImgPipeline``
+and ``FluxInpaintPipeline``, ``pipeline_flux_img2img.py`` / ``pipeline_flux_inpaint.py``).
+
+What the two stock pipelines add around the text-to-image loop of `_sample._Flux1`:
+
+- the init image is preprocessed and VAE-encoded in *sample* mode, so its posterior draw
+  takes the image's generator before the noise does;
+- the schedule is the full one cut by ``strength`` (``t_start = int(steps - steps·strength)``,
+  ``set_begin_index(t_start)``), and the start latents are ``scale_noise(image latents,
+  first timestep, noise)``;
+- inpainting then blends after every step: ``(1 - mask) · image latents noised to the
+  next timestep + mask · latents`` (the mask binarised and resized to the latent grid);
+  ``padding_mask_crop`` crops image and mask around the mask and pastes the result back
+  (``output_type="pil"`` only, as in the stock pipeline).
+
+Image ``i``'s generator draws its posterior sample and then its noise: what the stock
+pipelines draw when called with ``image=[img] * n`` and one generator per image. One
+``torch.Generator`` (``seed=gen``) draws the posterior of the one image and then the whole
+batch's noise, as the stock pipelines do with ``image=img, generator=gen``.
+docs/sampling.md lists the defaults (``strength`` 0.6, ``guidance`` 7.0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import _requests
+from .sampler import _Flux1
+
+STRENGTH = 0.6  # FluxImg2ImgPipeline's and FluxInpaintPipeline's default
+GUIDANCE = 7.0  # their guidance_scale default (FluxPipeline's is 3.5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Edit:
+    """An img2img (``mask`` None) or inpainting job: the init image, how much of the
+    schedule to run, the mask and its crop padding, and the output size."""
+
+    image: object
+    strength: float
+    mask: object | None
+    pad: int | None
+    size: tuple[int, int]  # (height, width) in pixels
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _is_pil(v) -> bool:
+    from PIL import Image
+
+    return isinstance(v, Image.Image)
+
+
+def _one_image(value, name: str):
+    """One PIL image (or a list of one), else a ValueError naming ``name``."""
+    v = value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+    if not _is_pil(v):
+        raise ValueError(f"{name}: expected one PIL image, got {value!r:.80}")
+    return v
+
+
+def _check_strength(strength, steps: int) -> float:
+    """``strength`` in [0, 1] leaving at least one step of ``steps`` (the stock checks)."""
+    ok = isinstance(strength, (int, float)) and not isinstance(strength, bool) and 0 <= strength <= 1
+    if not ok:
+        raise ValueError(f"strength: expected a number in [0, 1], got {strength!r}")
+    if steps - t_start(steps, strength) < 1:
+        raise ValueError(
+            f"strength: expected a value > 0 (it runs the last ⌈steps · strength⌉ of the steps, as the "
+            f"stock pipelines do), got steps={steps}, strength={strength}: 0 steps"
+        )
+    return float(strength)
+
+
+# The stock pipelines that need an init image (and a mask), by class name.
+NEEDS = {"FluxImg2ImgPipeline": ("image",), "FluxInpaintPipeline": ("image", "mask_image")}
+
+
+def check(pipe, fam: str, steps: int, image, strength, mask_image, padding_mask_crop, output_type, latents, size):
+    """The checked `Edit` of a FLUX.1 ``image`` (None: text to image). Raises before any
+    encoding for arguments the job does not take or values out of range."""
+    given = {"strength": strength, "mask_image": mask_image, "padding_mask_crop": padding_mask_crop}
+    for name in NEEDS.get(type(pipe).__name__, ()):
+        if {"image": image, "mask_image": mask_image}[name] is None:
+            raise ValueError(f"{name}: a {type(pipe).__name__} needs one (a PIL image), got None")
+    wanted = type(pipe).__name__ in NEEDS or strength is not None or mask_image is not None
+    wanted = wanted and type(pipe).__name__ != "FluxKontextPipeline"  # its image is a reference
+    if fam != "flux1" or image is None or not wanted:
+        for name, v in given.items():
+            if v is not None:
+                why = "FLUX.1 img2img and inpainting" if fam == "flux1" else f"FLUX.1 (not {fam})"
+                raise ValueError(f"{name}: fd.sample takes it for {why} with an image; expected None, got {v!r:.80}")
+        return None
+    img = _one_image(image, "image")
+    mask = None if mask_image is None else _one_image(mask_image, "mask_image")
+    strength = _check_strength(STRENGTH if strength is None else strength, steps)
+    if padding_mask_crop is not None:
+        _check_crop(padding_mask_crop, mask, output_type)
+    if mask is not None and latents is not None:
+        raise ValueError("latents: inpainting draws its image latents with the seed; expected None, got a tensor")
+    return Edit(img, strength, mask, padding_mask_crop, size)
+
+
+def _check_crop(pad, mask, output_type) -> None:
+    if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
+        raise ValueError(f"padding_mask_crop: expected None or a non-negative int (pixels), got {pad!r}")
+    if mask is None:
+        raise ValueError("padding_mask_crop: crops around the mask; expected it with a mask_image, got no mask_image")
+    if output_type != "pil":
+        raise ValueError(
+            f"output_type: expected 'pil' with padding_mask_crop (as FluxInpaintPipeline), got {output_type!r}"
+        )
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def t_start(steps: int, strength: float) -> int:
+    """The first step run at ``strength`` (diffusers' get_timesteps)."""
+    return int(max(steps - min(steps * strength, steps), 0))
+
+
+def cut(sched, strength: float) -> None:
+    """Run only the last ``steps · strength`` steps of a set scheduler, as the stock pipelines do."""
+    start = t_start(len(sched.timesteps), strength)
+    sched.timesteps = sched.timesteps[start:]
+    sched.set_begin_index(start)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _processors(pipe):
+    """The stock img2img/inpaint pipelines' image and mask processors."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    kw = dict(vae_scale_factor=pipe.vae_scale_factor * 2, vae_latent_channels=pipe.vae.config.latent_channels)
+    mask = VaeImageProcessor(**kw, do_normalize=False, do_binarize=True, do_convert_grayscale=True)
+    return VaeImageProcessor(**kw), mask
+
+
+class Flux1Image(_Flux1):
+    """`_Flux1` started from a noised init image, on a cut schedule, with inpainting's
+    per-step blend. `fd.sample` calls ``images``, ``draw``, ``begin``, ``after_step`` and
+    ``finish`` where it has them."""
+
+    def __init__(self, params, pipe, edit: Edit):
+        super().__init__(params, pipe)
+        self.edit, self.strength = edit, edit.strength
+        self.proc, self.mask_proc = _processors(pipe)
+        self.settings = {"strength": edit.strength, "inpaint": edit.mask is not None, "padding_mask_crop": edit.pad}
+        self.ref, self.stash = None, {}
+
+    def images(self, images, B, device):
+        """Preprocess and encode the init image once (its posterior), and the mask."""
+        (H, W), e, vae = self.edit.size, self.edit, self.pipe.vae
+        self.crop = None if e.pad is None else self.mask_proc.get_crop_region(e.mask, W, H, pad=e.pad)
+        mode = "default" if self.crop is None else "fill"
+        pixels = self.proc.preprocess(e.image, height=H, width=W, crops_coords=self.crop, resize_mode=mode)
+        self.posterior = vae.encode(pixels.to(device=device, dtype=vae.dtype)).latent_dist
+        self.ref = [self.pack(self.posterior.mean)]  # compared across ranks before the first step
+        if e.mask is not None:
+            m = self.mask_proc.preprocess(e.mask, height=H, width=W, resize_mode=mode, crops_coords=self.crop)
+            h, w = self.posterior.mean.shape[2:]
+            m = torch.nn.functional.interpolate(m, size=(h, w)).to(device)
+            self.mask = self.pack(m.repeat(1, self.c.in_channels // 4, 1, 1))
+            self.ref.append(self.mask)
+
+    def _latents(self, post: torch.Tensor) -> torch.Tensor:
+        vae = self.pipe.vae
+        return (post - vae.config.shift_factor) * vae.config.scaling_factor
+
+    def draw(self, noise: tuple, images, shape_of, pack, take, dtype, device) -> torch.Tensor:
+        """Packed noise of ``images``; their packed image latents (posterior draws) are kept
+        for `begin`. Each generator draws its posterior sample first, then its noise."""
+        kind, src = noise[:2]
+        if kind == "latents":  # the stock img2img starts from given latents as they are
+            self.stash[tuple(images)] = None
+            return take(src[list(images)].to(device=device, dtype=dtype))
+        if kind == "batch":  # one posterior for the one image, then the batch's noise
+            g = _requests._copy(src)
+            post = self.posterior.sample(generator=g).expand(len(images), -1, -1, -1)
+            z = torch.randn(shape_of(noise[2]), generator=g, dtype=dtype)[list(images)]
+        else:
+            gens = (
+                [torch.Generator().manual_seed(src[i]) for i in images] if kind == "seeds" else [src[i] for i in images]
+            )
+            post = torch.cat([self.posterior.sample(generator=g) for g in gens])
+            z = torch.cat([torch.randn(shape_of(1), generator=g, dtype=dtype) for g in gens])
+        self.stash[tuple(images)] = pack(self._latents(post).to(device=device, dtype=dtype))
+        return pack(z.to(device))
+
+    def prepare(self, cond, h, w, guidance, device):
+        super().prepare(cond, h, w, GUIDANCE if guidance is None else guidance, device)
+
+    def begin(self, sched, chunk, on_step):
+        """Cut the schedule; the start latents: the image latents noised to its first
+        timestep. Returns (start latents, the step hook, unchanged)."""
+        x = chunk.x
+        cut(sched, self.strength)
+        init = self.stash.pop(tuple(chunk.images))
+        self.cur = None if init is None else (init, x)
+        if init is None:
+            return x, on_step
+        return sched.scale_noise(init, sched.timesteps[:1].repeat(x.shape[0]), x), on_step
+
+    def after_step(self, i: int, sched, x: torch.Tensor) -> torch.Tensor:
+        """Inpainting: keep the image outside the mask, noised to the next timestep."""
+        if self.edit.mask is None:
+            return x
+        init, noise = self.cur
+        if i < len(sched.timesteps) - 1:
+            init = sched.scale_noise(init, sched.timesteps[i + 1 : i + 2], noise)
+        mask = self.mask.to(x.dtype)
+        return (1 - mask) * init + mask * x
+
+    def overlay(self, images):
+        """``padding_mask_crop``: paste each generated crop back into the init image."""
+        if self.crop is None:
+            return images
+        e = self.edit
+        return [self.proc.apply_overlay(e.mask, e.image, im, self.crop) for im in images]
