@@ -128,6 +128,7 @@ def add_arguments(p) -> None:
         "--mode", choices=("compile", "lazy", "eager"), default=None, help="default: lazy on xla, else compile"
     )
     p.add_argument("--backend", default=None, help="torch.compile backend (default: inductor; openxla on xla)")
+    p.add_argument("--sample", action="store_true", help="fd.sample end to end instead (docs/xla.md)")
 
 
 def run(args) -> int:
@@ -144,6 +145,12 @@ def run(args) -> int:
     mode = args.mode or ("lazy" if torch.device(device).type == "xla" else "compile")
     backend = args.backend or ("openxla" if torch.device(device).type == "xla" else "inductor")
     tol = 1e-4 if dtype == torch.float32 else 5e-2  # fp32: kernel order only; bf16: storage rounding
+    if getattr(args, "sample", False):
+        from . import _check_sample
+
+        ok = _check_sample.run(device, dtype, tol)
+        print(f"device {device}, dtype {args.dtype}, fd.sample (fixed-graph loop, strict: no host reads in a step)")
+        return 0 if ok else 1
     ok = True
     for name, config in _api.PRESETS.items():
         if not name.endswith("-tiny"):
