@@ -185,3 +185,17 @@ def test_plan_is_the_schedule_moved_once():
     meta = _sample._scheduler(tiny.pipeline("flux"), "flux1", 4, 3, "meta")
     with pytest.raises(ValueError, match="sched: expected the schedule on the cpu, got meta"):
         _sample_xla.plan(meta, 2, torch.float32, "cpu")
+
+
+def test_check_sample_on_cpu_runs_the_fixed_loop(monkeypatch, capsys):
+    """``check --device cpu --sample`` (the XLA check's own check), on its first case:
+    on the CPU the fixed loop equals the usual one, so both images match exactly."""
+    from functional_dit import _check_sample
+    from functional_dit.__main__ import main
+
+    first = _check_sample.cases()[0]
+    monkeypatch.setattr(_check_sample, "cases", lambda: [first])
+    assert main(["check", "--device", "cpu", "--sample"]) == 0
+    out = capsys.readouterr().out
+    assert f"{first[0]:<20} ok" in out and out.count("max|err| 0.00e+00") == 2, out
+    assert "fd.sample (fixed-graph loop, strict: no host reads in a step)" in out
