@@ -11,6 +11,10 @@ fullgraph=True, dynamic=False, backend=--backend)`` and checks dynamo's recompil
 compiled no new graph on the second call (``CompileTime`` count); ``--mode eager`` runs
 ``fd.apply`` on `fd.prepare`'d params (the fast eager kernels) on the device.
 
+``--sample`` checks ``fd.sample`` end to end instead (`functional_dit._check_sample`):
+parity with the CPU, and on XLA the compiles per image (none for another seed and step
+count), host transfers in the loop and fallbacks (docs/xla.md).
+
 torch_xla's CPU device, in its own environment (torch 2.9 + torch_xla 2.9)::
 
     python -m venv xla && xla/bin/pip install torch==2.9.* torch_xla==2.9.* diffusers
