@@ -128,6 +128,20 @@ def test_demo_shortened_writes_pngs_and_a_table(tmp_path, capsys):
     assert re.search(r"like against like .*: FLUX.1 on 1 rank [\d.]+ s, tp=2 on 2 ranks [\d.]+ s", table), table
 
 
+def test_demo_inpainting_row_equals_stock(tmp_path, capsys):
+    """The img2img/inpainting row: fd.sample on FluxInpaintPipeline vs the stock pipeline."""
+    out = tmp_path / "demo"
+    assert (
+        main(["demo", "--out", str(out), "--only", "flux1-inpaint", "--ranks", "0", "--steps", "2", "--size", "32"])
+        == 0
+    )
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FLUX")]
+    assert len(rows) == 1 and "FluxInpaintPipeline" in rows[0], rows
+    cell = re.split(r"\s{2,}", rows[0])[2]
+    assert cell == "0 (bitwise)" or float(cell) <= 1e-5, rows  # fd.sample vs stock at the fp32 bound
+    assert (out / "flux1-inpaint.png").stat().st_size > 0
+
+
 def test_demo_bad_arguments(tmp_path, capsys):
     assert "--only: unknown rows ['nope']" in one_line_error(["demo", "--out", str(tmp_path), "--only", "nope"], capsys)
     assert "--size: expected a multiple of 16" in one_line_error(

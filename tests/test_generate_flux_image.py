@@ -1,6 +1,6 @@
-"""``generate --image --mask --strength``: FLUX.1 inpainting from a tiny pipeline folder
-saved to disk gives the stock ``FluxInpaintPipeline`` image, and bad input is one line
-before anything heavy loads."""
+"""``generate --image --mask --strength``: FLUX.1 inpainting and Qwen-Image img2img from
+tiny pipeline folders saved to disk give the stock ``FluxInpaintPipeline`` /
+``QwenImageImg2ImgPipeline`` images, and bad input is one line before anything heavy loads."""
 
 from __future__ import annotations
 
@@ -35,7 +35,15 @@ def folders(tmp_path_factory):
     pipe.save_pretrained(str(root / "flux"))
     inpaint = _pipeline_folder(root / "inpaint", "FluxInpaintPipeline", "flux1-tiny")
     qwen = _pipeline_folder(root / "qwen", "QwenImagePipeline", "qwen-image-tiny")
-    return dict(root=str(root), flux=str(root / "flux"), inpaint=inpaint, qwen=qwen, pipe=pipe)
+    tiny.pipeline("qwen-image").save_pretrained(str(root / "qwen-full"))
+    return dict(
+        root=str(root),
+        flux=str(root / "flux"),
+        inpaint=inpaint,
+        qwen=qwen,
+        pipe=pipe,
+        qwen_full=str(root / "qwen-full"),
+    )
 
 
 def test_inpainting_writes_the_stock_image(folders, tmp_path):
@@ -46,6 +54,19 @@ def test_inpainting_writes_the_stock_image(folders, tmp_path):
     expected = stock(
         "a cube", image=Image.open(f"{root}/init.png").convert("RGB"), mask_image=Image.open(f"{root}/mask.png"),
         strength=0.8, height=32, width=48, num_inference_steps=4, generator=torch.Generator().manual_seed(3),
+    ).images[0]  # fmt: skip
+    diff = np.abs(np.asarray(Image.open(out), dtype=int) - np.asarray(expected, dtype=int))
+    assert diff.max() <= 1  # latents within 1e-5 of stock; a pixel on a rounding edge may move one level
+
+
+def test_qwen_img2img_writes_the_stock_image(folders, tmp_path):
+    root, out = folders["root"], tmp_path / "qwen.png"
+    argv = ["generate", "--model", folders["qwen_full"], *GEN, "--image", f"{root}/init.png", "--strength", "0.7"]
+    assert main([*argv, "--out", str(out)]) == 0
+    stock = diffusers.QwenImageImg2ImgPipeline.from_pretrained(folders["qwen_full"])
+    expected = stock(
+        "a cube", image=Image.open(f"{root}/init.png").convert("RGB"), strength=0.7, height=32, width=48,
+        num_inference_steps=4, generator=torch.Generator().manual_seed(3),
     ).images[0]  # fmt: skip
     diff = np.abs(np.asarray(Image.open(out), dtype=int) - np.asarray(expected, dtype=int))
     assert diff.max() <= 1  # latents within 1e-5 of stock; a pixel on a rounding edge may move one level
@@ -67,7 +88,7 @@ CASES = [  # (argv with {placeholders}, the line's expected text)
         "--mask: {root}/not.png is not an",
     ),
     (["--model", "{flux}", "--image", "{root}/init.png", "--mask", "{root}/no.png"], "--mask: {root}/no.png does not"),
-    (["--model", "{qwen}", "--strength", "0.5"], "--strength: img2img and inpainting run on FluxPipeline, "),
+    (["--model", "{qwen}", "--strength", "0.5"], "--image: img2img and inpainting take one init image, got 0"),
     (["--model", "{inpaint}", "--image", "{root}/init.png"], "--mask: a FluxInpaintPipeline inpaints; pass the mask"),
     (["--model", "{flux}", "--image", "{root}/init.png"], "--image: a FluxPipeline takes no reference image"),
 ]

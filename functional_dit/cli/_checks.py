@@ -14,8 +14,11 @@ from ._args import CLIError
 # `fd.sample`'s pipelines: which take reference images (None: optional), by class name.
 _IMAGES = {"FluxPipeline": False, "QwenImagePipeline": False, "QwenImageEditPipeline": True}
 _IMAGES |= {"FluxImg2ImgPipeline": True, "FluxInpaintPipeline": True}
+_IMAGES |= {"QwenImageImg2ImgPipeline": True, "QwenImageInpaintPipeline": True}
 # The pipelines whose --image is an init image with --strength / --mask (img2img, inpainting).
-EDITS = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
+EDITS = ("FluxPipeline", "QwenImagePipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
+EDITS += ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
+INPAINTS = ("FluxInpaintPipeline", "QwenImageInpaintPipeline")
 
 
 def check_device(text: str | None, flag: str = "--device") -> torch.device | None:
@@ -64,17 +67,17 @@ def check_images(pipeline: str, images, edit: bool = False) -> None:
     where it needs it."""
     needs = _IMAGES.get(pipeline)
     if images and needs is False and not edit:
-        more = " (FLUX.1 img2img / inpainting: add --strength / --mask)" if pipeline in EDITS else ""
+        more = " (img2img / inpainting: add --strength / --mask)" if pipeline in EDITS else ""
         raise CLIError(f"--image: a {pipeline} takes no reference image; drop --image or use an edit pipeline{more}")
     if not images and needs:
         raise CLIError(f"--image: a {pipeline} edits a reference image; pass one with --image")
 
 
 def check_edit(pipeline: str, images, args):
-    """``--strength`` / ``--mask`` (img2img, inpainting): one init image, a FLUX.1 pipeline,
+    """``--strength`` / ``--mask`` (img2img, inpainting): one init image, a FLUX.1 or Qwen-Image pipeline,
     strength in (0, 1]. Returns the mask image (or None) and whether it is an edit job."""
     strength, mask = getattr(args, "strength", None), getattr(args, "mask", None)
-    if not (strength is not None or mask is not None or pipeline in EDITS[1:]):
+    if not (strength is not None or mask is not None or pipeline in EDITS[2:]):
         return None, False
     flag = "--mask" if mask is not None else "--strength"
     if pipeline not in EDITS:
@@ -85,8 +88,8 @@ def check_edit(pipeline: str, images, args):
         raise CLIError(f"--image: img2img and inpainting take one init image, got {len(images or [])}")
     if strength is not None and not 0 < strength <= 1:
         raise CLIError(f"--strength: expected a number in (0, 1] (the share of --steps run), got {strength}")
-    if mask is None and pipeline == "FluxInpaintPipeline":
-        raise CLIError("--mask: a FluxInpaintPipeline inpaints; pass the mask image with --mask")
+    if mask is None and pipeline in INPAINTS:
+        raise CLIError(f"--mask: a {pipeline} inpaints; pass the mask image with --mask")
     return None if mask is None else open_images([mask], "--mask")[0], True
 
 

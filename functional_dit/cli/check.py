@@ -5,6 +5,9 @@ weights and inputs (parity); a second call with another timestep must not recomp
 XLA devices no ``aten::`` op may fall back to the CPU. ``--mode`` is ``compile`` (default
 off XLA), ``lazy`` (default on XLA) or ``eager`` (`fd.prepare`'d params). Not in the test
 suite: torch_xla needs its own environment (docs/cli.md, "check").
+``--sample`` checks ``fd.sample`` end to end instead (`functional_dit.cli._check_sample`):
+parity with the CPU, and on XLA the compiles per image (none for another seed and step
+count), host transfers in the loop and fallbacks (docs/xla.md).
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ def add_arguments(p) -> None:
         "--mode", choices=("compile", "lazy", "eager"), default=None, help="default: lazy on xla, else compile"
     )
     p.add_argument("--backend", default=None, help="torch.compile backend (default: inductor; openxla on xla)")
+    p.add_argument("--sample", action="store_true", help="fd.sample end to end instead (docs/xla.md)")
 
 
 def run(args) -> int:
@@ -128,6 +132,12 @@ def run(args) -> int:
     mode = args.mode or ("lazy" if torch.device(device).type == "xla" else "compile")
     backend = args.backend or ("openxla" if torch.device(device).type == "xla" else "inductor")
     tol = 1e-4 if dtype == torch.float32 else 5e-2  # fp32: kernel order only; bf16: storage rounding
+    if getattr(args, "sample", False):
+        from . import _check_sample
+
+        ok = _check_sample.run(device, dtype, tol)
+        print(f"device {device}, dtype {args.dtype}, fd.sample (fixed-graph loop, strict: no host reads in a step)")
+        return 0 if ok else 1
     ok = True
     for name, config in _api.PRESETS.items():
         if not name.endswith("-tiny"):

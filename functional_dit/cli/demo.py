@@ -34,6 +34,7 @@ class Row:
     ours: dict  # fd.sample keyword arguments beyond prompt, size, steps, seed
     stock: dict  # the same for the stock pipeline call
     cache: str | None = None  # a step cache (fd.sample's cache=; diffusers' same on the stock side)
+    stock_class: str | None = None  # another stock pipeline over the tiny kind's components (from_pipe)
 
 
 def reference_image(size: int = 96) -> Image.Image:
@@ -44,11 +45,27 @@ def reference_image(size: int = 96) -> Image.Image:
     return Image.fromarray((img * 255).astype("uint8"))
 
 
+def inpaint_mask(size: int = 96) -> Image.Image:
+    """The inpainting row's mask: white (repaint) over the disc's upper half."""
+    m = np.zeros((size, size), "uint8")
+    m[size // 5 : size // 2, size // 4 : 3 * size // 4] = 255
+    return Image.fromarray(m)
+
+
 def rows() -> list[Row]:
     ref = reference_image()
+    inpaint = dict(image=ref, mask_image=inpaint_mask(), strength=0.8)
     cfg = dict(true_cfg=4.0, negative_prompt=NEGATIVE)
     return [
         Row("flux1-dev", "FLUX.1", "flux", dict(guidance=3.5), dict(guidance_scale=3.5)),
+        Row(
+            "flux1-inpaint",
+            "FLUX.1",
+            "flux",
+            dict(inpaint, guidance=3.5),
+            dict(inpaint, guidance_scale=3.5),
+            stock_class="FluxInpaintPipeline",
+        ),
         Row("flux2-dev", "FLUX.2", "flux2", dict(guidance=4.0), dict(guidance_scale=4.0)),
         Row("flux2-klein-kv", "FLUX.2", "flux2-klein-kv", dict(image=ref), dict(image=ref)),
         Row("qwen-image", "Qwen-Image", "qwen-image", cfg, dict(true_cfg_scale=4.0, negative_prompt=NEGATIVE)),
@@ -102,6 +119,10 @@ def run_row(row: Row, args: dict) -> dict:
     from functional_dit.pipelines import tiny
 
     pipe = tiny.pipeline(row.kind, seed=0)
+    if row.stock_class is not None:
+        import diffusers
+
+        pipe = getattr(diffusers, row.stock_class).from_pipe(pipe)
     params = fd.from_diffusers(pipe.transformer)
     run = None if row.cache is None else fd.CacheRun(row.cache)
     image, latents, seconds = _ours(params, pipe, row, args, run)

@@ -17,6 +17,7 @@ import time
 import torch
 
 from ..pipelines import placement as _placement
+from ..pipelines.schedule import STRENGTH, t_start
 from . import _checks as C
 from ._args import CLIError, cache_spec, positive
 from ._files import write_image
@@ -291,8 +292,6 @@ def _setup(args):
     pipeline = _pipeline_class(base, "--base" if args.base else "--model")
     args.mask_image, edit = C.check_edit(pipeline, images, args)
     if edit and args.strength is None:  # the stock img2img/inpainting default, for the progress bar too
-        from ._sample_flux_image import STRENGTH
-
         args.strength = STRENGTH
     C.check_images(pipeline, images, edit)
     config = C.check_checkpoint(model, config, pipeline, "--base" if args.base else "--model")
@@ -336,8 +335,6 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
     from tqdm.auto import tqdm
 
     import functional_dit as fd
-
-    from ._sample_flux_image import t_start
 
     strength = getattr(args, "strength", None)
     runs = args.steps if strength is None else args.steps - t_start(args.steps, strength)

@@ -9,12 +9,28 @@ not checked (one pass over every parameter per call). See docs/numerics.md.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
+
+_SKIPPED = contextvars.ContextVar("fd_values_skipped", default=False)
+
+
+@contextlib.contextmanager
+def skipped():
+    """No value checks inside, as on XLA devices: the strict device loop
+    (`functional_dit.pipelines.sampler_xla`) runs this way on the CPU to see the XLA path's syncs."""
+    token = _SKIPPED.set(True)
+    try:
+        yield
+    finally:
+        _SKIPPED.reset(token)
 
 
 def _eager(tensors) -> bool:
     """True when every tensor is a plain CPU/CUDA tensor and nothing is being traced."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _SKIPPED.get():
         return False
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     tensors = list(tensors)

@@ -28,8 +28,8 @@ import torch
 
 from . import _requests
 from .sampler import _Flux1
+from .schedule import STRENGTH, t_start
 
-STRENGTH = 0.6  # FluxImg2ImgPipeline's and FluxInpaintPipeline's default
 GUIDANCE = 7.0  # their guidance_scale default (FluxPipeline's is 3.5)
 
 
@@ -116,11 +116,6 @@ def _check_crop(pad, mask, output_type) -> None:
 
 
 # ----------------------------------------------------------------------------- schedule
-
-
-def t_start(steps: int, strength: float) -> int:
-    """The first step run at ``strength`` (diffusers' get_timesteps)."""
-    return int(max(steps - min(steps * strength, steps), 0))
 
 
 def cut(sched, strength: float) -> None:

@@ -26,12 +26,12 @@ from .. import qwenimage as _qwen
 from . import _requests
 from .sampler import _Qwen
 from .sampler import pack_2x2 as _pack
+from .schedule import STRENGTH, t_start
 
 IMG2IMG = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
 PIPELINES = (*IMG2IMG, "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline")  # also in `_sample.PIPELINES`
 LAYERS = 4  # QwenImageLayeredPipeline's default
 CONDITION_AREA, VAE_AREA = 384 * 384, 1024 * 1024  # Edit-Plus: the text encoder's and the VAE's reference sizes
-STRENGTH = 0.6  # both pipelines' default
 _log = logging.getLogger(__name__)
 
 
@@ -52,11 +52,6 @@ def _strength(strength) -> float:
     if not isinstance(strength, (int, float)) or isinstance(strength, bool) or not 0 <= strength <= 1:
         raise ValueError(f"strength: expected a number in [0, 1], got {strength!r}")
     return float(strength)
-
-
-def t_start(steps: int, strength: float) -> int:
-    """The first step of the partial schedule, as the pipelines' ``get_timesteps``."""
-    return int(max(steps - min(steps * strength, steps), 0))
 
 
 def _upgrade(pipe, image, mask_image):

@@ -493,11 +493,12 @@ def _encode(model, strings, embeds: dict, rows, msl, prefix: str = "") -> Prompt
 def _chunk(model, req, images, job, dtype, device) -> _Chunk:
     """Encode the chunk's prompts (and negatives with CFG) and draw its noise."""
     rows, msl = req.rows(images), job.max_sequence_length
-    cond = _to(_encode(model, req.prompts, req.embeds, rows, msl), dtype, device)
+    cond = _encode(model, req.prompts, req.embeds, rows, msl)
     if job.cfg is not None:
         neg = _encode(model, req.negatives, req.negative_embeds, rows, msl, "negative_")
-        neg = _to(neg, dtype, device)
-        cond = model.cfg_batch(cond, neg) if hasattr(model, "cfg_batch") else cfg_batch(cond, neg)
+        own = getattr(model, "cfg_batch", None)  # Qwen-Image 2.1 keeps its branches (on the device)
+        cond = own(_to(cond, dtype, device), _to(neg, dtype, device)) if own else cfg_batch(cond, neg)
+    cond = _to(cond, dtype, device)  # batched before the move: cfg_batch's mask check reads no accelerator
     shape = lambda B: model.noise_shape(B, *job.hw)  # noqa: E731
     draw = getattr(model, "draw", _requests.draw)  # img2img: the posterior draw comes first
     return _Chunk(images, draw(req.noise, images, shape, model.pack, model.take, dtype, device), cond)
@@ -701,14 +702,18 @@ def _check_latents(model, pipe, req, h: int, w: int) -> None:
 
 def _run(model, pipe, chunk: _Chunk, job: _Job):
     """One chunk from noise to its output: prepare, denoise, decode."""
+    from . import sampler_xla as _sample_xla
+
     device = chunk.x.device
     model.prepare(chunk.cond, *job.hw, job.guidance, device)
-    sched = _scheduler(pipe, job.fam, chunk.x.shape[1], job.steps, device, job.sigmas)
+    fixed = _sample_xla.wanted(model, job, pipe, device)  # lazy devices: one fixed graph per step
+    sched = _scheduler(pipe, job.fam, chunk.x.shape[1], job.steps, "cpu" if fixed else device, job.sigmas)
     if hasattr(model, "schedule"):  # FLUX.3's flow map reads the next timestep
         model.schedule(sched)
     x, on_step = model.begin(sched, chunk, job.on_step) if hasattr(model, "begin") else (chunk.x, job.on_step)
     normalise = getattr(model, "normalise", job.fam == "qwenimage")  # Qwen-Image's norm-rescaled CFG
-    x = _denoise(model, sched, x, chunk.cond, job.cfg, normalise, on_step, job.cache)
+    loop = _sample_xla.denoise if fixed else _denoise
+    x = loop(model, sched, x, chunk.cond, job.cfg, normalise, on_step, job.cache)
     if job.output_type == "latent":
         return model.latent_output(x, *job.hw) if hasattr(model, "latent_output") else x
     return _decode(model, pipe, x, *job.hw, job.output_type)

@@ -1,0 +1,199 @@
+"""The denoising loop for lazy devices (torch_xla: TPU, Neuron, its CPU device): one
+graph per step, the same graph at every step.
+
+`fd.sample`'s usual loop indexes the scheduler's sigmas with a Python step counter and
+lets the lazy graph grow over the whole loop, so on torch_xla every step count is a new
+program. Here the schedule is computed on the host before the loop — each step's model
+timestep ``t`` (B,) and Euler increment ``dt`` (a 0-d tensor, as the scheduler's
+``sigma_next - sigma``) — and moved to the device once; a step is then a pure function of
+device data (`step`: the model call, CFG, the Euler update of
+``FlowMatchEulerDiscreteScheduler.step``), cut off by ``torch_xla.sync()``. Changing the
+seed, the step count or the sigmas changes only data, never the graph. On the CPU the
+same loop gives the scheduler's results bit for bit.
+
+`NoHostSync` makes any device-to-host read inside a step (``.item()``, ``.tolist()``,
+``bool(t)``, ``float(t)``, ``.numpy()``, ``.cpu()``) raise; the loop runs under it with
+``static(strict=True)``. docs/xla.md says what was verified where.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..nn import values as _values
+from . import sampler as _sample
+
+_FORCED: contextvars.ContextVar = contextvars.ContextVar("fd_static_loop", default=None)
+
+
+@dataclasses.dataclass
+class Options:
+    """How `static` runs the loop: ``strict`` raises on host reads inside a step;
+    ``record`` (a list) gets one dict per loop: steps, and on torch_xla the compiles,
+    executions and device-to-host transfers inside the loop."""
+
+    strict: bool = False
+    record: list | None = None
+
+
+@contextlib.contextmanager
+def static(strict: bool = False, record: list | None = None):
+    """Run `fd.sample`'s supported loops as `denoise` on any device (on torch_xla it is
+    always used), optionally ``strict`` and recording per-loop counters."""
+    token = _FORCED.set(Options(strict, record))
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def wanted(model, job, pipe, device) -> bool:
+    """Whether `fd.sample` runs this chunk through `denoise`: on a lazy (xla) device or
+    under `static`, for the families whose step is a fixed graph. Step caches decide on
+    the host, FLUX.3's flow map and Qwen-Image 2.1 read their schedule or masks there,
+    and a stochastic scheduler draws noise: those keep the usual loop."""
+    if torch.device(device).type != "xla" and _FORCED.get() is None:
+        return False
+    fixed = isinstance(model, (_sample._Flux1, _sample._Flux2, _sample._Qwen))
+    stochastic = pipe.scheduler.config.get("stochastic_sampling", False)
+    blend = hasattr(model, "after_step")  # FLUX.1 inpainting's per-step blend runs in the usual loop
+    return fixed and job.cache is None and not stochastic and not blend
+
+
+def euler(x: torch.Tensor, pred: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    """``FlowMatchEulerDiscreteScheduler.step``: ``x + dt · pred`` in fp32, returned in
+    the prediction's dtype (``dt`` 0-d fp32, so it does not widen a bf16 ``pred``)."""
+    return (x.to(torch.float32) + dt * pred).to(pred.dtype)
+
+
+def step(model, x, t, dt, cond, cfg: float | None, normalise: bool) -> torch.Tensor:
+    """One sampler step on device data: the model call ([cond; uncond] as one batch with
+    CFG), the guidance combination and the Euler update. x (B, S, C), t (B or 2B,)."""
+    xin = torch.cat([x, x]) if cfg is not None else x
+    pred = model(xin, t, cond)
+    if cfg is not None:
+        pred = _sample.combine(pred, cfg, normalise)
+    return euler(x, pred, dt)
+
+
+def plan(sched, batch: int, dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every step's (t, dt), computed on the host from the scheduler's CPU timesteps and
+    sigmas exactly as the usual loop computes them, then moved to ``device`` once."""
+    ts, sigmas = sched.timesteps, sched.sigmas
+    if ts.device.type != "cpu" or sigmas.device.type != "cpu":
+        raise ValueError(f"sched: expected the schedule on the cpu, got {ts.device} and {sigmas.device}")
+    out = []
+    for i in range(len(ts)):
+        t = ts[i].expand(batch).to(dtype) / 1000
+        out.append((t.to(device), (sigmas[i + 1] - sigmas[i]).to(device)))
+    return out
+
+
+def _sync(device):
+    """``torch_xla.sync`` on xla (cuts the lazy graph here), nothing elsewhere."""
+    if torch.device(device).type != "xla":
+        return lambda: None
+    import torch_xla
+
+    return torch_xla.sync
+
+
+def denoise(model, sched, x, cond, cfg: float | None, normalise: bool, callback, run=None):
+    """`fd.sample`'s loop as fixed device steps (the usual `_sample._denoise` signature;
+    ``run`` is always None here). ``callback(i, t, x)`` gets the host timestep."""
+    opts = _FORCED.get() or Options()
+    steps = plan(sched, x.shape[0] * (1 if cfg is None else 2), x.dtype, x.device)
+    sync = _sync(x.device)
+    sync()  # inputs, RoPE tables, references and schedule become device data first
+    counters = _Counters(x.device, opts.record)
+    for i, (t, dt) in enumerate(steps):
+        with _strict() if opts.strict else contextlib.nullcontext():
+            x = step(model, x, t, dt, cond, cfg, normalise)
+            sync()
+        if callback is not None:
+            x = callback(i, sched.timesteps[i], x)
+    counters.done(len(steps))
+    return x
+
+
+@contextlib.contextmanager
+def _strict():
+    """`NoHostSync`, with the eager value checks off as they are on XLA (`_values`)."""
+    with _values.skipped(), NoHostSync():
+        yield
+
+
+class _Counters:
+    """torch_xla's compile / execute / transfer-to-host counts over one loop, appended to
+    ``record`` (nothing is recorded without it)."""
+
+    NAMES = {"compiles": "CompileTime", "executions": "ExecuteTime", "transfers": "TransferFromDeviceTime"}
+
+    def __init__(self, device, record):
+        self.record, self.met = record, None
+        if record is not None and torch.device(device).type == "xla":
+            import torch_xla.debug.metrics as met
+
+            self.met = met
+        self.start = self._read()
+
+    def _read(self) -> dict:
+        if self.met is None:
+            return {}
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()  # executions are counted when they finish
+        data = {k: self.met.metric_data(v) for k, v in self.NAMES.items()}
+        return {k: 0 if v is None else v[0] for k, v in data.items()}
+
+    def done(self, steps: int) -> None:
+        if self.record is not None:
+            end = self._read()
+            self.record.append(dict(steps=steps, **{k: end[k] - self.start[k] for k in end}))
+
+
+class HostSyncError(RuntimeError):
+    """A tensor was read on the host inside a step that must stay on the device."""
+
+
+_HOST_READS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.__array__,
+}
+
+
+class NoHostSync(TorchFunctionMode):
+    """Raises `HostSyncError` on every read of tensor data by the host (``.item()``,
+    ``.tolist()``, ``bool``/``float``/``int`` of a tensor, ``.numpy()``) and on copies
+    from a non-CPU device to the CPU: each is a device-to-host round trip on a lazy
+    device. Works on the CPU too, where no such read costs anything."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _HOST_READS or _to_host(func, args, kwargs):
+            name = getattr(func, "__name__", str(func))
+            raise HostSyncError(f"{name}: a host read of tensor data inside the device loop")
+        return func(*args, **kwargs)
+
+
+def _to_host(func, args, kwargs) -> bool:
+    """``x.cpu()`` / ``x.to("cpu")`` of a tensor that is not on the CPU."""
+    if func not in (torch.Tensor.cpu, torch.Tensor.to) or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    if args[0].device.type == "cpu":
+        return False
+    if func is torch.Tensor.cpu:
+        return True
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
+    return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
