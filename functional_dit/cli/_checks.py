@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from .. import families
 from . import CLIError
 
 # `fd.sample`'s pipelines: which take reference images (None: optional), by class name.
@@ -87,7 +88,7 @@ def check_checkpoint(model: str, config, pipeline: str, flag: str):
         config = weights.inspect(model, config=config)
     except ValueError as e:
         raise CLIError(f"--model: {str(e).splitlines()[0]}") from None
-    family = {"Flux1Config": "flux1", "Flux2Config": "flux2", "QwenImageConfig": "qwenimage"}[type(config).__name__]
+    family = families.key(config)
     if PIPELINES[pipeline] != family:
         raise CLIError(
             f"{flag}: a {pipeline} runs a {PIPELINES[pipeline]} transformer, but --model {model} is {family} "

@@ -24,19 +24,13 @@ import time
 
 import torch
 
+from .. import families
 from . import CLIError
 from . import _checks as C
 
-# Released weights of the presets on the Hugging Face Hub (looked up in the local cache only).
-PRESET_REPOS = {
-    "flux1-dev": "black-forest-labs/FLUX.1-dev",
-    "flux1-schnell": "black-forest-labs/FLUX.1-schnell",
-    "flux2-dev": "black-forest-labs/FLUX.2-dev",
-    "flux2-klein-4b": "black-forest-labs/FLUX.2-klein-4B",
-    "flux2-klein-9b": "black-forest-labs/FLUX.2-klein-9B",
-    "qwen-image": "Qwen/Qwen-Image",
-    "qwen-image-edit-2511": "Qwen/Qwen-Image-Edit-2511",
-}
+# Released weights of the presets on the Hugging Face Hub (looked up in the local cache
+# only): each family file's REPOS.
+PRESET_REPOS = {name: repo for fam in families.FAMILIES for name, repo in fam.REPOS.items()}
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 

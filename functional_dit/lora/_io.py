@@ -21,7 +21,7 @@ import torch
 import sharding
 from sharding.tree import nest
 
-from .. import api as _api
+from .. import families
 from ..params import Params
 from . import _layouts
 from ._adapter import Adapter, LoraConfig, base_config, linear_modules
@@ -32,7 +32,7 @@ METADATA_KEY = "lora_adapter_metadata"  # diffusers' safetensors metadata entry
 
 
 def _family(config) -> str:
-    return _api.config_to_diffusers(config)["_class_name"]
+    return families.of(config).DIFFUSERS_CLASS
 
 
 def _index(config) -> dict:

@@ -41,24 +41,15 @@ import torch
 import sharding
 
 from .. import api as _api
+from .. import families as _families
 from .. import flux1, flux2
 from .. import qwenimage as _qwen
 from ..params import Params
 from . import _ranks, _requests
 from . import cache as _cache
 
-# The pipeline classes `sample` drives, by transformer family.
-PIPELINES = {
-    "FluxPipeline": "flux1",
-    "Flux2Pipeline": "flux2",
-    "Flux2KleinPipeline": "flux2",
-    "Flux2KleinKVPipeline": "flux2",
-    "QwenImagePipeline": "qwenimage",
-    "QwenImageEditPipeline": "qwenimage",
-    "QwenImage21Pipeline": "qwenimage21",
-    "Flux3ModularPipeline": "flux3",
-    "Flux3DistilledModularPipeline": "flux3",
-}
+# The pipeline classes `sample` drives -> the family key of their transformer (the registry's).
+PIPELINES = {name: _families.of_pipeline(name).KEY for name in _families.SAMPLED}
 _OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
 
@@ -77,16 +68,11 @@ class Prompt:
 
 
 def _family_name(params) -> str:
-    """ "flux1", "flux2" or "qwenimage" from the params' config class."""
-    config = getattr(params, "config", None)
-    from ..flux3 import Flux3Config
-    from ..qwenimage21 import QwenImage21Config
-
-    families = (("flux1", flux1.Flux1Config), ("flux2", flux2.Flux2Config), ("qwenimage", _qwen.QwenImageConfig))
-    for name, cls in (*families, ("qwenimage21", QwenImage21Config), ("flux3", Flux3Config)):
-        if isinstance(config, cls):
-            return name
-    raise ValueError(f"params: expected fd.Params of FLUX.1, FLUX.2 or Qwen-Image, got {type(params).__name__}")
+    """The family key of ``params`` ("flux1", "flux2", ...: `functional_dit.families`)."""
+    if not isinstance(params, Params):
+        *most, last = (fam.NAME for fam in _families.FAMILIES)
+        raise ValueError(f"params: expected fd.Params of {', '.join(most)} or {last}, got {type(params).__name__}")
+    return _families.key(params)
 
 
 def as_pipeline(encoders, params):
