@@ -47,21 +47,12 @@ from .. import qwenimage as _qwen
 from ..params import Params
 from . import _ranks, _requests
 from . import cache as _cache
+from ._sample_next import Flux3, Qwen21
+from ._steps import Prompt, Steps
 
 # The pipeline classes `sample` drives -> the family key of their transformer (the registry's).
 PIPELINES = {name: _families.of_pipeline(name).KEY for name in _families.SAMPLED}
 _OUTPUT_TYPES = ("pil", "np", "pt", "latent")
-
-
-@dataclasses.dataclass
-class Prompt:
-    """Text conditioning for one batch: txt (B, T, C), FLUX.1's pooled (B, C'), Qwen's
-    mask (B, T) 1 = real token or None, FLUX.2's txt_ids (T, 4)."""
-
-    txt: torch.Tensor
-    pooled: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    txt_ids: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------- encoders
@@ -208,15 +199,8 @@ def grid_ids(h: int, w: int, n_axes: int, dtype, device, t: int = 0) -> torch.Te
 # ----------------------------------------------------------------------------- families
 
 
-def _plain_apply(*args, **kwargs):
-    """`fd.apply`, looked up when called."""
-    return _api.apply(*args, **kwargs)
-
-
-class _Flux1:
+class _Flux1(Steps):
     """FluxPipeline: T5 + CLIP pooled text, 2x2-packed 16-channel latents, 3-axis ids."""
-
-    apply = staticmethod(_plain_apply)  # a step cache's `_cache.CacheRun.apply` in its place
 
     def __init__(self, params, pipe):
         self.params, self.pipe, self.c = params, pipe, params.config
@@ -249,11 +233,9 @@ class _Flux1:
         return unpack_2x2(x, h, w) / vae.config.scaling_factor + vae.config.shift_factor
 
 
-class _Flux2:
+class _Flux2(Steps):
     """Flux2Pipeline / Flux2KleinPipeline / Flux2KleinKVPipeline: stacked text-encoder
     layers, patchified 2x2 latents packed as tokens, 4-axis ids, reference images."""
-
-    apply = staticmethod(_plain_apply)  # a step cache's `_cache.CacheRun.apply` in its place
 
     def __init__(self, params, pipe, kv_cache: bool):
         self.params, self.pipe, self.c, self.kv = params, pipe, params.config, kv_cache
@@ -329,11 +311,11 @@ class _Flux2:
         return z.reshape(B, C // 4, 2, 2, h // 2, w // 2).permute(0, 1, 4, 2, 5, 3).reshape(B, C // 4, h, w)
 
 
-class _Qwen:
+class _Qwen(Steps):
     """QwenImagePipeline / QwenImageEditPipeline: Qwen2.5-VL text (ragged, masked),
     2x2-packed latents with a frame axis, RoPE from img_shapes, normalised true CFG."""
 
-    apply = staticmethod(_plain_apply)  # a step cache's `_cache.CacheRun.apply` in its place
+    normalise_cfg = True
 
     def __init__(self, params, pipe):
         self.params, self.pipe, self.c = params, pipe, params.config
@@ -404,28 +386,6 @@ def _batch(t: torch.Tensor, B: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- CFG
 
 
-def _pad_to(p: Prompt, T: int) -> Prompt:
-    """Right-pad a prompt batch with masked (zero) tokens to T tokens (Qwen's ragged prompts)."""
-    B, n = p.txt.shape[:2]
-    mask = torch.ones(B, n, dtype=torch.long, device=p.txt.device) if p.mask is None else p.mask
-    if n == T:
-        return dataclasses.replace(p, mask=mask)
-    txt = torch.cat([p.txt, p.txt.new_zeros(B, T - n, p.txt.shape[2])], 1)
-    return dataclasses.replace(p, txt=txt, mask=torch.cat([mask, mask.new_zeros(B, T - n)], 1))
-
-
-def cfg_batch(cond: Prompt, uncond: Prompt) -> Prompt:
-    """[cond; uncond] as one batch of 2B: both branches in one call (on a dp=2 mesh, one
-    per rank). Ragged masked prompts are padded to a common length with masked tokens."""
-    if cond.mask is not None or uncond.mask is not None or cond.txt.shape[1] != uncond.txt.shape[1]:
-        T = max(cond.txt.shape[1], uncond.txt.shape[1])
-        cond, uncond = _pad_to(cond, T), _pad_to(uncond, T)
-    cat = lambda a, b: None if a is None else torch.cat([a, b])  # noqa: E731
-    mask = cat(cond.mask, uncond.mask)
-    mask = None if mask is not None and bool(mask.all()) else mask  # as the pipelines: all real -> None
-    return Prompt(cat(cond.txt, uncond.txt), cat(cond.pooled, uncond.pooled), mask, cond.txt_ids)
-
-
 def combine(pred: torch.Tensor, scale: float, normalise: bool) -> torch.Tensor:
     """[cond; uncond] predictions -> ``uncond + scale (cond - uncond)``; Qwen-Image rescales
     each token to the conditional prediction's norm (``normalise``)."""
@@ -468,7 +428,7 @@ def _chunk(model, req, images, job, dtype, device) -> _Chunk:
     if job.cfg is not None:
         neg = _encode(model, req.negatives, req.negative_embeds, rows, msl, "negative_")
         neg = _to(neg, dtype, device)
-        cond = model.cfg_batch(cond, neg) if hasattr(model, "cfg_batch") else cfg_batch(cond, neg)
+        cond = model.cfg_batch(cond, neg)
     shape = lambda B: model.noise_shape(B, *job.hw)  # noqa: E731
     return _Chunk(images, _requests.draw(req.noise, images, shape, model.pack, model.take, dtype, device), cond)
 
@@ -481,7 +441,7 @@ def _check_ranks(lay, chunks, model, settings: dict) -> None:
     for name, field in (("pooled (prompt)", "pooled"), ("prompt mask (prompt)", "mask")):
         if any(getattr(c.cond, field) is not None for c in chunks):
             tensors[name] = [getattr(c.cond, field) for c in chunks]
-    if getattr(model, "ref", None) is not None:
+    if model.ref is not None:
         tensors["reference latents (image)"] = model.ref
     _ranks.check(lay, settings, tensors)
 
@@ -573,8 +533,8 @@ def sample(
     hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
     _check_latents(model, pipe, req, *hw)
     on_step = _on_step(pipe, callback, callback_on_step_end)
-    run = _cache.CacheRun.of(cache, image is not None and getattr(model, "kv", False))
-    if run is not None and fam in ("flux3", "qwenimage21"):
+    run = _cache.CacheRun.of(cache, image is not None and bool(model.kv))
+    if run is not None and not model.step_cache:
         raise ValueError(f"cache: step caching is not supported for {fam} yet; expected None")
     job = _Job(fam, hw, steps, sigmas, guidance, cfg, output_type, max_sequence_length, batch_size, on_step, run)
     with torch.no_grad():
@@ -611,7 +571,7 @@ def _settings(job: _Job, pipe, req, lay, model, dtype, size) -> dict:
     return dict(
         height=size[0], width=size[1], steps=job.steps, sigmas=sigmas, guidance=job.guidance, true_cfg=job.cfg,
         dtype=dtype, output_type=job.output_type, images=req.n, share=lay.share, batch_size=job.batch_size,
-        kv_cache=getattr(model, "kv", None), max_sequence_length=job.max_sequence_length, noise=req.noise[0],
+        kv_cache=model.kv, max_sequence_length=job.max_sequence_length, noise=req.noise[0],
         cache=None if job.cache is None else repr(job.cache.config),
     )  # fmt: skip
 
@@ -634,9 +594,8 @@ def _run(model, pipe, chunk: _Chunk, job: _Job):
     device = chunk.x.device
     model.prepare(chunk.cond, *job.hw, job.guidance, device)
     sched = _scheduler(pipe, job.fam, chunk.x.shape[1], job.steps, device, job.sigmas)
-    if hasattr(model, "schedule"):  # FLUX.3's flow map reads the next timestep
-        model.schedule(sched)
-    x = _denoise(model, sched, chunk.x, chunk.cond, job.cfg, job.fam == "qwenimage", job.on_step, job.cache)
+    model.schedule(sched)
+    x = _denoise(model, sched, chunk.x, chunk.cond, job.cfg, model.normalise_cfg, job.on_step, job.cache)
     return x if job.output_type == "latent" else _decode(model, pipe, x, *job.hw, job.output_type)
 
 
@@ -665,12 +624,8 @@ def _family_model(fam: str, params, pipe, image, kv_cache):
     if image is None and isinstance(pipe, diffusers.QwenImageEditPipeline):
         raise ValueError("image: a QwenImageEditPipeline edits a reference image; expected a PIL image, got None")
     if fam == "qwenimage21":
-        from ._sample_next import Qwen21
-
         return Qwen21(params, pipe, kv_cache)
     if fam == "flux3" and not kv_cache and image is None:
-        from ._sample_next import Flux3
-
         return Flux3(params, pipe)
     if fam == "flux3":
         raise ValueError("image, kv_cache: fd.sample runs FLUX.3 text to image only; expected None")
