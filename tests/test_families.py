@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 import functional_dit as fd
 import weights
 from functional_dit import families, tiny
-from functional_dit.cli import _checks, bench, generate
+from functional_dit.cli import _checks, bench, demo, generate
 from functional_dit.configs import DiTConfig, Pipeline
 from functional_dit.lora import _io as lora_io
 from functional_dit.pipelines import adapter, sampler
@@ -84,6 +84,8 @@ def test_pipeline_tables_come_from_the_registry():
         assert tiny.family(kind) == fam.KEY and families.of(tiny.transformer_config(kind)) is fam
     for name, config in bench.mid_configs().items():
         assert families.key(config) == name
+    for row in demo.rows():  # the demo table's family column
+        assert row.family == families.of(tiny.transformer_config(row.kind)).NAME
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=IDS)

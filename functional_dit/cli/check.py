@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .. import api as _api
+from .. import families
 
 
 def _tiny_inputs(config, seed: int = 0):
@@ -145,10 +146,9 @@ def run(args) -> int:
     backend = args.backend or ("openxla" if torch.device(device).type == "xla" else "inductor")
     tol = 1e-4 if dtype == torch.float32 else 5e-2  # fp32: kernel order only; bf16: storage rounding
     ok = True
-    for name, config in _api.PRESETS.items():
-        if not name.endswith("-tiny"):
-            continue
-        if isinstance(config, _api.qwenimage21.QwenImage21Config) and mode != "eager":
+    for fam in families.FAMILIES:
+        name, config = fam.TINY, families.tiny_config(fam)
+        if fam.KEY == "qwenimage21" and mode != "eager":
             print(f"{name:<18} skip  {mode}: Qwen-Image 2.1 reads img_mask on the host (not traceable yet); eager only")
             continue
         r = check_family(name, config, device, dtype, mode, backend, tol)
