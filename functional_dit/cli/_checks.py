@@ -82,16 +82,14 @@ def check_checkpoint(model: str, config, pipeline: str, flag: str):
     (``flag`` names where it comes from) runs that family."""
     import weights
 
-    from ..pipelines.sampler import PIPELINES
-
     try:
         config = weights.inspect(model, config=config)
     except ValueError as e:
         raise CLIError(f"--model: {str(e).splitlines()[0]}") from None
-    family = families.key(config)
-    if PIPELINES[pipeline] != family:
+    family, runs = families.key(config), families.of_pipeline(pipeline).KEY
+    if runs != family:
         raise CLIError(
-            f"{flag}: a {pipeline} runs a {PIPELINES[pipeline]} transformer, but --model {model} is {family} "
+            f"{flag}: a {pipeline} runs a {runs} transformer, but --model {model} is {family} "
             f"({type(config).__name__}); pass a --base of the same family"
         )
     return config

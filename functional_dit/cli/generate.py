@@ -60,12 +60,10 @@ def _pipeline_class(folder: str, flag: str) -> str:
     path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(path):
         raise CLIError(f"{flag}: {folder} is not a checkpoint: no model_index.json (a diffusers pipeline folder)")
-    from ..pipelines.sampler import PIPELINES
-
     with open(path) as f:
         name = json.load(f).get("_class_name")
-    if name not in PIPELINES:
-        raise CLIError(f"{flag}: {folder} holds a {name}; expected one of {sorted(PIPELINES)}")
+    if name not in families.SAMPLED:
+        raise CLIError(f"{flag}: {folder} holds a {name}; expected one of {sorted(families.SAMPLED)}")
     return name
 
 
