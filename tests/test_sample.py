@@ -247,20 +247,20 @@ def _cfg_parallel_qwen(rank, world):
     mesh = sharding.make_mesh(dp=2, device_type="cpu")
     sharded = sharding.shard_params(params, mesh)
     calls = []
-    apply = fd._api.apply
+    apply = fd.api.apply
 
     def spy(p, x, *a, **k):  # record the batch each model call gets
         calls.append(x.shape[0])
         return apply(p, x, *a, **k)
 
     out = {}
-    fd._sample._api.apply = spy
+    fd.api.apply = spy  # the sampler calls fd.apply through the api module
     try:
         for name, prompt in (("one", RAGGED[:1]), ("two", RAGGED)):
             out[name] = fd.sample(sharded, pipe, prompt, **kw)
             out[name + " calls"], calls[:] = list(calls), []
     finally:
-        fd._sample._api.apply = apply
+        fd.api.apply = apply
     out["single one"] = fd.sample(params, pipe, RAGGED[:1], **kw)
     out["single two"] = fd.sample(params, pipe, RAGGED, **kw)
     return out
