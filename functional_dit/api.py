@@ -17,7 +17,7 @@ import sharding
 from sharding.tree import flatten, nest
 
 from . import configs as _config
-from . import flux1, flux2, flux3, qwenimage, qwenimage21
+from . import families as _families
 from .lora import internal as _lora
 from .nn import compile as _compile
 from .nn import fused as _fuse
@@ -26,28 +26,13 @@ from .nn import values as _values
 from .params import Params, ParamSpec, check_leaves, register_pytree
 
 # The families: config class -> the module that owns it (specs, check_inputs, forward, presets,
-# DIFFUSERS_CLASS). A static table: adding a family is one line here.
-FAMILIES = {
-    flux1.Flux1Config: flux1,
-    flux2.Flux2Config: flux2,
-    qwenimage.QwenImageConfig: qwenimage,
-    flux3.Flux3Config: flux3,
-    qwenimage21.QwenImage21Config: qwenimage21,
-}
+# DIFFUSERS_CLASS), read off the one family registry (`functional_dit.families`).
+FAMILIES = dict(_families.BY_CONFIG)
 PRESETS = {name: cfg for fam in FAMILIES.values() for name, cfg in fam.PRESETS.items()}
 DIFFUSERS_CLASSES = {fam.DIFFUSERS_CLASS: cls for cls, fam in FAMILIES.items()}
 REGIONS = {cls: _compile.regions(fam) for cls, fam in FAMILIES.items()}  # each family's blocks as compile regions
 register_pytree(FAMILIES)
-
-
-def family(config):
-    """The family module that owns ``config`` (a config instance or `Params`)."""
-    config = config.config if isinstance(config, Params) else config
-    fam = FAMILIES.get(type(config))
-    if fam is None:
-        known = [cls.__name__ for cls in FAMILIES]
-        raise ValueError(f"config: expected one of {known}, got {type(config).__name__}")
-    return fam
+family = _families.of  # the family module that owns a config or `Params`
 
 
 def as_config(config):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Mapping
+from typing import NamedTuple
 
 
 class DiTConfig:
@@ -101,3 +102,14 @@ def to_mapping(cfg, class_name: str) -> dict:
         v = getattr(cfg, f.name)
         out[f.name] = list(v) if isinstance(v, tuple) else v
     return out
+
+
+class Pipeline(NamedTuple):
+    """A stock diffusers pipeline that runs a family's transformer, as a family file declares
+    it (names only: the core imports no diffusers): its class name, its kind in the tiny
+    offline set (`functional_dit.pipelines.tiny`; None: not built there), and whether
+    `fd.sample` drives it (False: only `fd.DiffusersTransformer` serves it)."""
+
+    name: str
+    tiny: str | None = None
+    sample: bool = False

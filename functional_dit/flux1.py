@@ -15,6 +15,7 @@ import torch
 
 from .configs import (
     DiTConfig,
+    Pipeline,
     as_ints,
     require_bool,
     require_non_negative,
@@ -48,6 +49,7 @@ from .params import (
 
 DIFFUSERS_CLASS = "FluxTransformer2DModel"
 NAME = "FLUX.1"
+KEY = "flux1"  # the family in code: fd.sample, the adapter, the tiny pipelines, bench
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +111,21 @@ PRESETS = {
         axes_dims_rope=(4, 6, 6),
     ),
 }
+
+CONFIG = Flux1Config
+TINY = "flux1-tiny"  # the preset tests and the offline tiny pipelines start from
+# The released weights of the presets on the Hugging Face Hub (`generate` reads the local cache only).
+REPOS = {
+    "flux1-dev": "black-forest-labs/FLUX.1-dev",
+    "flux1-schnell": "black-forest-labs/FLUX.1-schnell",
+}
+# The stock diffusers pipelines that run this transformer (see `configs.Pipeline`).
+PIPELINES = (
+    Pipeline("FluxPipeline", tiny="flux", sample=True),
+    Pipeline("FluxKontextPipeline", tiny="flux-kontext", sample=True),
+    Pipeline("FluxImg2ImgPipeline", sample=True),
+    Pipeline("FluxInpaintPipeline", sample=True),
+)
 
 
 # ----------------------------------------------------------------------------- specs

@@ -24,6 +24,7 @@ import sharding
 from . import flux2_kv as kv
 from .configs import (
     DiTConfig,
+    Pipeline,
     as_ints,
     require,
     require_bool,
@@ -40,6 +41,7 @@ from .params import MOD3, MOD6, MOD_OUT, PACKED, Segment, linear_spec, mod_spec,
 
 DIFFUSERS_CLASS = "Flux2Transformer2DModel"
 NAME = "FLUX.2"
+KEY = "flux2"  # the family in code: fd.sample, the adapter, the tiny pipelines, bench
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +133,21 @@ PRESETS = {
         guidance_embeds=True,
     ),
 }
+
+CONFIG = Flux2Config
+TINY = "flux2-tiny"  # the preset tests and the offline tiny pipelines start from
+# The released weights of the presets on the Hugging Face Hub (`generate` reads the local cache only).
+REPOS = {
+    "flux2-dev": "black-forest-labs/FLUX.2-dev",
+    "flux2-klein-4b": "black-forest-labs/FLUX.2-klein-4B",
+    "flux2-klein-9b": "black-forest-labs/FLUX.2-klein-9B",
+}
+# The stock diffusers pipelines that run this transformer (see `configs.Pipeline`).
+PIPELINES = (
+    Pipeline("Flux2Pipeline", tiny="flux2", sample=True),
+    Pipeline("Flux2KleinPipeline", tiny="flux2-klein", sample=True),
+    Pipeline("Flux2KleinKVPipeline", tiny="flux2-klein-kv", sample=True),
+)
 
 
 # ----------------------------------------------------------------------------- specs

@@ -26,6 +26,7 @@ import sharding
 from . import flux2
 from .configs import (
     DiTConfig,
+    Pipeline,
     as_ints,
     require,
     require_bool,
@@ -48,6 +49,7 @@ from .params import MOD3, MOD_OUT, linear_spec, mod_spec, norm_spec, ordered_blo
 
 DIFFUSERS_CLASS = "Flux3Transformer2DModel"
 NAME = "FLUX.3"
+KEY = "flux3"  # the family in code: fd.sample, the adapter, the tiny pipelines, bench
 MODES = ("image", "image_cond", "txt")  # diffusers' modulation heads, in its key order
 
 
@@ -129,6 +131,15 @@ PRESETS = {
         flow_map=True,
     ),
 }
+
+CONFIG = Flux3Config
+TINY = "flux3-tiny"  # the preset tests and the offline tiny pipelines start from
+REPOS = {}  # released weights of the presets on the Hugging Face Hub: none yet
+# The stock diffusers pipelines that run this transformer (see `configs.Pipeline`).
+PIPELINES = (
+    Pipeline("Flux3ModularPipeline", tiny="flux3", sample=True),
+    Pipeline("Flux3DistilledModularPipeline", tiny="flux3-distilled", sample=True),
+)
 
 
 # ----------------------------------------------------------------------------- specs

@@ -26,6 +26,7 @@ import sharding
 
 from .configs import (
     DiTConfig,
+    Pipeline,
     as_ints,
     is_int,
     require_bool,
@@ -40,6 +41,7 @@ from .params import MOD6, MOD_OUT, ParamSpec, linear_spec, mod_spec, norm_spec, 
 
 DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
 NAME = "Qwen-Image"
+KEY = "qwenimage"  # the family in code: fd.sample, the adapter, the tiny pipelines, bench
 THETA = 10000
 
 
@@ -103,6 +105,23 @@ PRESETS = {
         axes_dims_rope=(4, 6, 6),
     ),
 }
+
+CONFIG = QwenImageConfig
+TINY = "qwen-image-tiny"  # the preset tests and the offline tiny pipelines start from
+# The released weights of the presets on the Hugging Face Hub (`generate` reads the local cache only).
+REPOS = {
+    "qwen-image": "Qwen/Qwen-Image",
+    "qwen-image-edit-2511": "Qwen/Qwen-Image-Edit-2511",
+}
+# The stock diffusers pipelines that run this transformer (see `configs.Pipeline`).
+PIPELINES = (
+    Pipeline("QwenImagePipeline", tiny="qwen-image", sample=True),
+    Pipeline("QwenImageEditPipeline", tiny="qwen-image-edit", sample=True),
+    Pipeline("QwenImageEditPlusPipeline", tiny="qwen-image-edit-plus", sample=True),
+    Pipeline("QwenImageImg2ImgPipeline", sample=True),
+    Pipeline("QwenImageInpaintPipeline", sample=True),
+    Pipeline("QwenImageLayeredPipeline", sample=True),
+)
 
 
 # ----------------------------------------------------------------------------- specs

@@ -34,6 +34,7 @@ from sharding.tree import flatten, mismatch_report, nest
 from . import qwenimage
 from .configs import (
     DiTConfig,
+    Pipeline,
     as_ints,
     require_bool,
     require_non_negative,
@@ -57,6 +58,7 @@ from .params import (
 
 DIFFUSERS_CLASS = "QwenImage21Transformer2DModel"
 NAME = "Qwen-Image 2.1"
+KEY = "qwenimage21"  # the family in code: fd.sample, the adapter, the tiny pipelines, bench
 TOKENS_PER_SLOT = 4  # each vision-language image slot stands for 2x2 latent tokens
 MOD4 = ("scale", "gate", "scale2", "gate2")  # the shared modulation: (attn, MLP) x (scale, gate)
 
@@ -120,6 +122,15 @@ PRESETS = {
         axes_dims_rope=(4, 6, 6),
     ),
 }
+
+CONFIG = QwenImage21Config
+TINY = "qwen-image-2.1-tiny"  # the preset tests and the offline tiny pipelines start from
+REPOS = {}  # released weights of the presets on the Hugging Face Hub: none yet
+# The stock diffusers pipelines that run this transformer (see `configs.Pipeline`).
+PIPELINES = (
+    Pipeline("QwenImage21Pipeline", tiny="qwen-image-2.1", sample=True),
+    Pipeline("QwenImage21ModularPipeline"),
+)
 
 
 # ----------------------------------------------------------------------------- specs

@@ -14,16 +14,13 @@ import torch
 
 import functional_dit as fd
 from functional_dit import tiny
-from functional_dit.pipelines import _tiny_next
 
 # docs/architecture.md#numerics: fp32 parity; through a few sampler steps the errors stay ~1e-6
 FP32 = dict(rtol=1e-5, atol=1e-5)
 
 CALLS = {
-    "flux3": dict(height=32, width=32, num_inference_steps=3, text_encoder_out_layers=_tiny_next.FLUX3_LAYERS),
-    "flux3-distilled": dict(
-        height=32, width=32, num_inference_steps=3, text_encoder_out_layers=_tiny_next.FLUX3_LAYERS
-    ),
+    "flux3": dict(height=32, width=32, num_inference_steps=3, text_encoder_out_layers=tiny.FLUX3_LAYERS),
+    "flux3-distilled": dict(height=32, width=32, num_inference_steps=3, text_encoder_out_layers=tiny.FLUX3_LAYERS),
     "qwen-image-2.1": dict(height=64, width=64, num_inference_steps=3),
 }
 

@@ -143,7 +143,8 @@ def test_encoders_of_another_family_are_refused():
     pipe = tiny.pipeline("flux")
     with pytest.raises(ValueError, match="encoders: a FluxPipeline runs a flux1 transformer, but params are qwen"):
         fd.sample(fd.init(tiny.transformer_config("qwen-image")), pipe, "a", steps=1, seed=0, **SIZE)
-    with pytest.raises(ValueError, match="params: expected fd.Params of FLUX.1, FLUX.2 or Qwen-Image, got dict"):
+    want = "params: expected fd.Params of FLUX.1, FLUX.2, Qwen-Image, FLUX.3 or Qwen-Image 2.1, got dict"
+    with pytest.raises(ValueError, match=want):
         fd.sample({}, pipe, "a", steps=1, seed=0, **SIZE)
     with pytest.raises(ValueError, match="encoders: expected a diffusers pipeline or a mapping"):
         fd.sample(fd.from_diffusers(pipe.transformer), "not a pipeline", "a", steps=1, seed=0, **SIZE)

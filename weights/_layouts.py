@@ -14,6 +14,8 @@ import dataclasses
 import re
 from collections.abc import Iterable, Mapping
 
+from functional_dit import families
+
 LINEAR = (("weight", "weight"), ("bias", "bias"))  # (source leaf, diffusers leaf)
 NORM = (("scale", "weight"),)  # BFL RMSNorm stores its gain as `scale`
 
@@ -192,13 +194,7 @@ SIGNATURES = (
     ("QwenImage21Transformer2DModel", "bfl", "transformer_blocks.0.img_mlp.gate_up.weight"),  # before diffusers'
     ("QwenImage21Transformer2DModel", "diffusers", "txt_in.text_norm.weight"),
 )
-FAMILY_NAMES = {
-    "FluxTransformer2DModel": "FLUX.1",
-    "Flux2Transformer2DModel": "FLUX.2",
-    "QwenImageTransformer2DModel": "Qwen-Image",
-    "Flux3Transformer2DModel": "FLUX.3",
-    "QwenImage21Transformer2DModel": "Qwen-Image 2.1",
-}
+FAMILY_NAMES = {fam.DIFFUSERS_CLASS: fam.NAME for fam in families.FAMILIES}  # the family registry's
 STRIP_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI / Kohya wrappers around a BFL state dict
 
 

@@ -21,6 +21,7 @@ import torch
 
 import functional_dit as fd
 import sharding
+from functional_dit import families
 from sharding.tree import flatten, mismatch_report, nest
 
 from . import _commit
@@ -158,7 +159,8 @@ def _no_config_message(src: Source, detected) -> str:
     if detected is None:
         return (
             f"config: {src.path} has no {CONFIG_NAME} and its keys match no known layout "
-            f"(FLUX.1, FLUX.2, Qwen-Image in diffusers or Black Forest Labs layout); found {len(found)} keys "
+            f"({', '.join(fam.NAME for fam in families.FAMILIES)} in diffusers or Black Forest Labs layout); "
+            f"found {len(found)} keys "
             f"such as {found[:8]}. Pass config= a preset name in {sorted(fd.PRESETS)} or a config."
         )
     cls, layout = detected

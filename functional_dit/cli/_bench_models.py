@@ -149,7 +149,7 @@ def inputs(config, device, dtype, seed: int = 0, hw=IMG_HW, txt_len: int = TXT_L
     """(fd.apply kwargs, diffusers forward kwargs) for one image of ``hw`` latent tokens."""
     g = torch.Generator().manual_seed(seed)
     h, w = hw
-    fam = _api.family(config).__name__.rsplit(".", 1)[-1]
+    fam = _api.family(config).KEY
     x = torch.randn(1, h * w, config.in_channels, generator=g).to(device, dtype)
     t = torch.rand(1, generator=g).to(device)
     width = getattr(config, "joint_attention_dim", None) or config.context_in_dim  # Qwen-Image 2.1: context_in_dim

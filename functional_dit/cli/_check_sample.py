@@ -2,7 +2,7 @@
 family's tiny pipeline, against the same call on the CPU.
 
 Two images per case, the second with another seed and another step count. Each runs
-the fixed-graph loop (`functional_dit._sample_xla`) in its strict mode (any host read
+the fixed-graph loop (`functional_dit.pipelines.sampler_xla`) in its strict mode (any host read
 of tensor data inside a step raises). On torch_xla it reports, per image, the XLA
 compilations and executions inside the loop and in the whole call, and the
 device-to-host transfers inside the loop (``torch_xla.debug.metrics``); image 2 must
@@ -19,6 +19,7 @@ from .. import api as _api
 from ..pipelines import sampler_xla as _sample_xla
 from ..pipelines import tiny
 from ..pipelines.sampler import sample
+from . import _xla_metrics as _metrics
 
 IMAGES = ((0, 3), (1, 4))  # (seed, steps) of image 1 and image 2
 
@@ -107,9 +108,7 @@ def _line(i: int, r: dict, tol: float) -> str:
 
 def run(device, dtype, tol: float) -> bool:
     """Every case; prints one block per case and returns whether all passed."""
-    from .check import _xla
-
-    met = _xla() if torch.device(device).type == "xla" else None
+    met = _metrics.xla() if torch.device(device).type == "xla" else None
     ok = True
     for name, kind, kw in cases():
         r = check_case(kind, kw, device, dtype, tol, met)

@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from .. import families
 from ._args import CLIError
 
 # `fd.sample`'s pipelines: which take reference images (None: optional), by class name.
@@ -109,16 +110,14 @@ def check_checkpoint(model: str, config, pipeline: str, flag: str):
     (``flag`` names where it comes from) runs that family."""
     import weights
 
-    from ..pipelines.sampler import PIPELINES
-
     try:
         config = weights.inspect(model, config=config)
     except ValueError as e:
         raise CLIError(f"--model: {str(e).splitlines()[0]}") from None
-    family = {"Flux1Config": "flux1", "Flux2Config": "flux2", "QwenImageConfig": "qwenimage"}[type(config).__name__]
-    if PIPELINES[pipeline] != family:
+    family, runs = families.key(config), families.of_pipeline(pipeline).KEY
+    if runs != family:
         raise CLIError(
-            f"{flag}: a {pipeline} runs a {PIPELINES[pipeline]} transformer, but --model {model} is {family} "
+            f"{flag}: a {pipeline} runs a {runs} transformer, but --model {model} is {family} "
             f"({type(config).__name__}); pass a --base of the same family"
         )
     return config

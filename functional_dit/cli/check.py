@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 
 from .. import api as _api
+from .. import families
+from . import _xla_metrics as _metrics
 
 
 def _tiny_inputs(config, seed: int = 0):
@@ -32,23 +34,6 @@ def _to(kw: dict, device, dtype) -> dict:
             v = v.to(device, dtype) if k in ("x", "txt", "pooled") else v.to(device)  # ids, t stay fp32
         out[k] = v
     return out
-
-
-def _xla():
-    try:
-        import torch_xla.debug.metrics as met
-    except ImportError:
-        return None
-    return met
-
-
-def _xla_compiles(met) -> int:
-    data = met.metric_data("CompileTime")
-    return 0 if data is None else data[0]
-
-
-def _aten_fallbacks(met) -> list[str]:
-    return [name for name in met.counter_names() if name.startswith("aten::")]
 
 
 def _precision_casts(device):
@@ -77,7 +62,7 @@ def check_family(name, config, device, dtype, mode, backend, tol) -> dict:
         want = _api.apply(params, **_to(kw, "cpu", dtype)).float()
     dev_params = _api.init(config, seed=0, dtype=dtype, device=device)
     kw_dev, kw2 = _to(kw, device, dtype), _to(dict(kw, t=kw["t"] * 0.5), device, dtype)
-    met = _xla() if torch.device(device).type == "xla" else None
+    met = _metrics.xla() if torch.device(device).type == "xla" else None
     if met is not None:
         met.clear_all()
     report = {}
@@ -98,12 +83,12 @@ def check_family(name, config, device, dtype, mode, backend, tol) -> dict:
             report["recompiled"] = False  # nothing is compiled
         else:
             got = _api.apply(dev_params, **kw_dev).cpu()
-            before = _xla_compiles(met) if met is not None else None
+            before = _metrics.compiles(met) if met is not None else None
             _api.apply(dev_params, **kw2).cpu()
-            report["recompiled"] = False if met is None else _xla_compiles(met) != before
+            report["recompiled"] = False if met is None else _metrics.compiles(met) != before
     err = (got.float() - want).abs().max().item()
     report.update(max_abs_err=err, scale=want.abs().max().item(), parity=err <= tol * max(1.0, want.abs().max().item()))
-    report["aten_fallbacks"] = _aten_fallbacks(met) if met is not None else []
+    report["aten_fallbacks"] = _metrics.aten_fallbacks(met) if met is not None else []
     report["ok"] = report["parity"] and report["recompiled"] is False and not report["aten_fallbacks"]
     return report
 
@@ -139,10 +124,9 @@ def run(args) -> int:
         print(f"device {device}, dtype {args.dtype}, fd.sample (fixed-graph loop, strict: no host reads in a step)")
         return 0 if ok else 1
     ok = True
-    for name, config in _api.PRESETS.items():
-        if not name.endswith("-tiny"):
-            continue
-        if isinstance(config, _api.qwenimage21.QwenImage21Config) and mode != "eager":
+    for fam in families.FAMILIES:
+        name, config = fam.TINY, families.tiny_config(fam)
+        if fam.KEY == "qwenimage21" and mode != "eager":
             print(f"{name:<18} skip  {mode}: Qwen-Image 2.1 reads img_mask on the host (not traceable yet); eager only")
             continue
         r = check_family(name, config, device, dtype, mode, backend, tol)

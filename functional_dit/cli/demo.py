@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from .. import families
 from ._args import CLIError, positive
 
 PROMPT = "a red fox sitting in fresh snow, soft morning light, detailed fur"
@@ -29,12 +30,16 @@ NEGATIVE = "blurry, low quality"
 @dataclasses.dataclass(frozen=True)
 class Row:
     name: str  # also the PNG's name
-    family: str
     kind: str  # functional_dit.pipelines.tiny kind (the stock pipeline class)
     ours: dict  # fd.sample keyword arguments beyond prompt, size, steps, seed
     stock: dict  # the same for the stock pipeline call
     cache: str | None = None  # a step cache (fd.sample's cache=; diffusers' same on the stock side)
     stock_class: str | None = None  # another stock pipeline over the tiny kind's components (from_pipe)
+
+    @property
+    def family(self) -> str:
+        """The family's name (the registry's) of the transformer this row's pipeline runs."""
+        return families.TINY_KINDS[self.kind][0].NAME
 
 
 def reference_image(size: int = 96) -> Image.Image:
@@ -57,27 +62,25 @@ def rows() -> list[Row]:
     inpaint = dict(image=ref, mask_image=inpaint_mask(), strength=0.8)
     cfg = dict(true_cfg=4.0, negative_prompt=NEGATIVE)
     return [
-        Row("flux1-dev", "FLUX.1", "flux", dict(guidance=3.5), dict(guidance_scale=3.5)),
+        Row("flux1-dev", "flux", dict(guidance=3.5), dict(guidance_scale=3.5)),
         Row(
             "flux1-inpaint",
-            "FLUX.1",
             "flux",
             dict(inpaint, guidance=3.5),
             dict(inpaint, guidance_scale=3.5),
             stock_class="FluxInpaintPipeline",
         ),
-        Row("flux2-dev", "FLUX.2", "flux2", dict(guidance=4.0), dict(guidance_scale=4.0)),
-        Row("flux2-klein-kv", "FLUX.2", "flux2-klein-kv", dict(image=ref), dict(image=ref)),
-        Row("qwen-image", "Qwen-Image", "qwen-image", cfg, dict(true_cfg_scale=4.0, negative_prompt=NEGATIVE)),
+        Row("flux2-dev", "flux2", dict(guidance=4.0), dict(guidance_scale=4.0)),
+        Row("flux2-klein-kv", "flux2-klein-kv", dict(image=ref), dict(image=ref)),
+        Row("qwen-image", "qwen-image", cfg, dict(true_cfg_scale=4.0, negative_prompt=NEGATIVE)),
         Row(
             "qwen-image-fbcache",
-            "Qwen-Image",
             "qwen-image",
             cfg,
             dict(true_cfg_scale=4.0, negative_prompt=NEGATIVE),
             cache="fbcache:1.1",  # random tiny weights: their first-block changes are 1.06-2.1
         ),
-        Row("qwen-image-edit", "Qwen-Image", "qwen-image-edit", dict(image=ref), dict(image=ref, true_cfg_scale=1.0)),
+        Row("qwen-image-edit", "qwen-image-edit", dict(image=ref), dict(image=ref, true_cfg_scale=1.0)),
     ]
 
 

@@ -16,22 +16,16 @@ import time
 
 import torch
 
+from .. import families
 from ..pipelines import placement as _placement
 from ..pipelines.schedule import STRENGTH, t_start
 from . import _checks as C
 from ._args import CLIError, cache_spec, positive
 from ._files import write_image
 
-# Released weights of the presets on the Hugging Face Hub (looked up in the local cache only).
-PRESET_REPOS = {
-    "flux1-dev": "black-forest-labs/FLUX.1-dev",
-    "flux1-schnell": "black-forest-labs/FLUX.1-schnell",
-    "flux2-dev": "black-forest-labs/FLUX.2-dev",
-    "flux2-klein-4b": "black-forest-labs/FLUX.2-klein-4B",
-    "flux2-klein-9b": "black-forest-labs/FLUX.2-klein-9B",
-    "qwen-image": "Qwen/Qwen-Image",
-    "qwen-image-edit-2511": "Qwen/Qwen-Image-Edit-2511",
-}
+# Released weights of the presets on the Hugging Face Hub (looked up in the local cache
+# only): each family file's REPOS.
+PRESET_REPOS = {name: repo for fam in families.FAMILIES for name, repo in fam.REPOS.items()}
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
@@ -136,12 +130,10 @@ def _pipeline_class(folder: str, flag: str) -> str:
     path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(path):
         raise CLIError(f"{flag}: {folder} is not a checkpoint: no model_index.json (a diffusers pipeline folder)")
-    from ..pipelines.sampler import PIPELINES
-
     with open(path) as f:
         name = json.load(f).get("_class_name")
-    if name not in PIPELINES:
-        raise CLIError(f"{flag}: {folder} holds a {name}; expected one of {sorted(PIPELINES)}")
+    if name not in families.SAMPLED:
+        raise CLIError(f"{flag}: {folder} holds a {name}; expected one of {sorted(families.SAMPLED)}")
     return name
 
 

@@ -23,7 +23,8 @@ import sharding
 from sharding.tree import nest
 from weights.internal import read_tensors
 
-from ..api import PRESETS, config_to_diffusers
+from .. import families
+from ..api import PRESETS
 from ..params import Params
 from . import _layouts
 from ._adapter import Adapter, LoraConfig, base_config, linear_modules
@@ -33,7 +34,7 @@ METADATA_KEY = "lora_adapter_metadata"  # diffusers' safetensors metadata entry
 
 
 def _family(config) -> str:
-    return config_to_diffusers(config)["_class_name"]
+    return families.of(config).DIFFUSERS_CLASS
 
 
 def _index(config) -> dict:

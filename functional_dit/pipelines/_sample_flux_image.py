@@ -1,7 +1,7 @@
 """FLUX.1 image-to-image and inpainting for `fd.sample` (diffusers' ``FluxImg2ImgPipeline``
 and ``FluxInpaintPipeline``, ``pipeline_flux_img2img.py`` / ``pipeline_flux_inpaint.py``).
 
-What the two stock pipelines add around the text-to-image loop of `_sample._Flux1`:
+What the two stock pipelines add around the text-to-image loop of `_sample_families._Flux1`:
 
 - the init image is preprocessed and VAE-encoded in *sample* mode, so its posterior draw
   takes the image's generator before the noise does;
@@ -27,7 +27,7 @@ import dataclasses
 import torch
 
 from . import _requests
-from .sampler import _Flux1
+from ._sample_families import _Flux1
 from .schedule import STRENGTH, t_start
 
 GUIDANCE = 7.0  # their guidance_scale default (FluxPipeline's is 3.5)
@@ -140,7 +140,9 @@ def _processors(pipe):
 class Flux1Image(_Flux1):
     """`_Flux1` started from a noised init image, on a cut schedule, with inpainting's
     per-step blend. `fd.sample` calls ``images``, ``draw``, ``begin``, ``after_step`` and
-    ``finish`` where it has them."""
+    ``overlay`` (`_steps.Steps`)."""
+
+    blends_steps = True
 
     def __init__(self, params, pipe, edit: Edit):
         super().__init__(params, pipe)

@@ -8,9 +8,14 @@ from __future__ import annotations
 import torch
 
 from .. import api as _api
+from .. import flux3
+from ._steps import Prompt, Steps
 
 
-class Qwen21:
+class Qwen21(Steps):
+    cfg_on_device = True
+    step_cache = False  # not supported yet
+
     def __init__(self, params, pipe, kv_cache: bool | None):
         self.params, self.pipe, self.c = params, pipe, params.config
         self.kv = params.config.causal_condition if kv_cache is None else bool(kv_cache)
@@ -21,8 +26,6 @@ class Qwen21:
         self.pads, self.branches, self.caches = [], None, {}
 
     def encode(self, prompts, msl):
-        from .sampler import Prompt
-
         txt, mask, pad = self.pipe.encode_prompt(prompt=prompts, device=self.pipe._execution_device)
         self.pads.append(pad)
         return Prompt(txt, mask=mask)
@@ -71,13 +74,14 @@ class Qwen21:
         return z * std + mean
 
 
-class Flux3:
+class Flux3(Steps):
     """The modular Flux3 pipelines, text to image: stacked Qwen3-VL hidden states (one
     prompt per encoder call, right-padded to a multiple of 80 tokens), 2x2-patchified
     128-channel latents as tokens, 4-axis ids with the image H/W scaled by 0.5, a
     constant-shift schedule, CFG (the base model's guider) as one batch, and for a flow
     map the target timestep (the next scheduler timestep, 0 after the last)."""
 
+    step_cache = False  # not supported yet
     PAD_MULTIPLE, ROPE_SCALE = 80, 0.5  # modular_pipelines/flux3: Flux3TextEncoderStep, Flux3PrepareLatentsStep
 
     def __init__(self, params, pipe):
@@ -93,8 +97,6 @@ class Flux3:
 
     def encode(self, prompts, msl):
         from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
-
-        from .sampler import Prompt
 
         embed = Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds
         pipe, kw = self.pipe, dict(max_sequence_length=msl or 8192, pad_multiple=self.PAD_MULTIPLE)
@@ -122,9 +124,7 @@ class Flux3:
         img_ids = torch.stack(
             [zeros, rows.reshape(-1) * self.ROPE_SCALE, cols.reshape(-1) * self.ROPE_SCALE, zeros], -1
         )
-        from ..flux3 import rope_table
-
-        self.rope = rope_table(self.c, img_ids.to(device), cond.txt_ids.to(device))
+        self.rope = flux3.rope_table(self.c, img_ids.to(device), cond.txt_ids.to(device))
         self.step = 0
 
     def schedule(self, sched):

@@ -24,8 +24,8 @@ import torch
 
 from .. import qwenimage as _qwen
 from . import _requests
-from .sampler import _Qwen
-from .sampler import pack_2x2 as _pack
+from ._sample_families import _Qwen
+from ._sample_families import pack_2x2 as _pack
 from .schedule import STRENGTH, t_start
 
 IMG2IMG = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
@@ -299,7 +299,7 @@ class Layered(_Qwen):
     one packed sequence, the image appended as the condition (frame -1 of the layer-3D
     RoPE), ``additional_t_cond`` 0 (RGB), its own schedule and plain (unrescaled) CFG."""
 
-    normalise = False  # the pipeline's cfg_normalize=False
+    normalise_cfg = False  # the pipeline's cfg_normalize=False
 
     def __init__(self, params, pipe, layers: int):
         super().__init__(params, pipe)

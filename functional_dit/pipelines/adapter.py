@@ -45,6 +45,7 @@ from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DMo
 from sharding.internal import is_dtensor
 from sharding.tree import nest
 
+from .. import families as _families
 from ..api import config_to_diffusers, family
 from ..params import Params
 from . import _adapter_io as io
@@ -57,27 +58,9 @@ from ._cache_hooks import CacheHooks
 _PEFT_LOG = diffusers.utils.logging.get_logger("diffusers.loaders.peft")
 KVCache = kv.KVCache  # the cache a FLUX.2 extract call returns: a diffusers Flux2KVCache
 
-_FAMILY_OF_CLASS = {
-    "Flux1Config": "flux1",
-    "Flux2Config": "flux2",
-    "QwenImageConfig": "qwenimage",
-    "Flux3Config": "flux3",
-    "QwenImage21Config": "qwenimage21",
-}
-_STOCK_CLASS = {
-    "flux1": "FluxTransformer2DModel",
-    "flux2": "Flux2Transformer2DModel",
-    "qwenimage": "QwenImageTransformer2DModel",
-    "flux3": "Flux3Transformer2DModel",
-    "qwenimage21": "QwenImage21Transformer2DModel",
-}
-_PIPELINES = {
-    "flux1": "FluxPipeline / FluxKontextPipeline",
-    "flux2": "Flux2Pipeline / Flux2KleinPipeline / Flux2KleinKVPipeline",
-    "qwenimage": "QwenImagePipeline / QwenImageEditPipeline / QwenImageEditPlusPipeline",
-    "flux3": "Flux3ModularPipeline / Flux3DistilledModularPipeline",
-    "qwenimage21": "QwenImage21Pipeline / QwenImage21ModularPipeline",
-}
+# Per family key: the stock class it stands in for and the pipelines it serves (the registry's).
+_STOCK_CLASS = {fam.KEY: fam.DIFFUSERS_CLASS for fam in _families.FAMILIES}
+_PIPELINES = {fam.KEY: " / ".join(_families.pipeline_names(fam)) for fam in _families.FAMILIES}
 # Forward arguments beyond the shared ones (hidden_states, timestep,
 # encoder_hidden_states, guidance, return_dict), per family.
 _FAMILY_ARGS = {
@@ -144,7 +127,7 @@ def _broadcast_text(x, txt, args):
 def _family(params) -> str:
     if not isinstance(params, Params):
         raise ValueError(f"params: expected functional_dit.Params, got {type(params).__name__}")
-    return _FAMILY_OF_CLASS[type(params.config).__name__]
+    return _families.key(params)
 
 
 class _Node(torch.nn.Module):

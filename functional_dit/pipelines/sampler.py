@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -42,61 +41,33 @@ import torch
 import sharding
 from sharding.internal import is_dtensor
 
-from .. import api as _api
-from .. import flux1, flux2
-from .. import qwenimage as _qwen
+from .. import families as _families
 from ..params import Params
 from . import _ranks, _requests
+from . import _sample_flux_image as _flux_image
+from . import _sample_flux_kontext as _kontext
+from . import _sample_qwen_image as _qi
 from . import cache as _cache
 from . import placement as _placement
+from . import sampler_xla as _sample_xla
+from ._sample_families import _Flux1, _Flux2, _Qwen, combine
+from ._sample_next import Flux3, Qwen21
+from ._steps import Prompt
 
-# The pipeline classes `sample` drives, by transformer family.
-PIPELINES = {
-    "FluxPipeline": "flux1",
-    "FluxImg2ImgPipeline": "flux1",  # img2img and inpainting: `_sample_flux_image`
-    "FluxInpaintPipeline": "flux1",
-    "FluxKontextPipeline": "flux1",  # `_sample_flux_kontext`
-    "Flux2Pipeline": "flux2",
-    "Flux2KleinPipeline": "flux2",
-    "Flux2KleinKVPipeline": "flux2",
-    "QwenImagePipeline": "qwenimage",
-    "QwenImageEditPipeline": "qwenimage",
-    "QwenImageImg2ImgPipeline": "qwenimage",  # these four: `functional_dit._sample_qwen_image`
-    "QwenImageInpaintPipeline": "qwenimage",
-    "QwenImageEditPlusPipeline": "qwenimage",
-    "QwenImageLayeredPipeline": "qwenimage",
-    "QwenImage21Pipeline": "qwenimage21",
-    "Flux3ModularPipeline": "flux3",
-    "Flux3DistilledModularPipeline": "flux3",
-}
+# The pipeline classes `sample` drives -> the family key of their transformer (the registry's).
+PIPELINES = {name: _families.of_pipeline(name).KEY for name in _families.SAMPLED}
 _OUTPUT_TYPES = ("pil", "np", "pt", "latent")
-
-
-@dataclasses.dataclass
-class Prompt:
-    """Text conditioning for one batch: txt (B, T, C), FLUX.1's pooled (B, C'), Qwen's
-    mask (B, T) 1 = real token or None, FLUX.2's txt_ids (T, 4)."""
-
-    txt: torch.Tensor
-    pooled: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    txt_ids: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------- encoders
 
 
 def _family_name(params) -> str:
-    """ "flux1", "flux2" or "qwenimage" from the params' config class."""
-    config = getattr(params, "config", None)
-    from ..flux3 import Flux3Config
-    from ..qwenimage21 import QwenImage21Config
-
-    families = (("flux1", flux1.Flux1Config), ("flux2", flux2.Flux2Config), ("qwenimage", _qwen.QwenImageConfig))
-    for name, cls in (*families, ("qwenimage21", QwenImage21Config), ("flux3", Flux3Config)):
-        if isinstance(config, cls):
-            return name
-    raise ValueError(f"params: expected fd.Params of FLUX.1, FLUX.2 or Qwen-Image, got {type(params).__name__}")
+    """The family key of ``params`` ("flux1", "flux2", ...: `functional_dit.families`)."""
+    if not isinstance(params, Params):
+        *most, last = (fam.NAME for fam in _families.FAMILIES)
+        raise ValueError(f"params: expected fd.Params of {', '.join(most)} or {last}, got {type(params).__name__}")
+    return _families.key(params)
 
 
 def as_pipeline(encoders, params):
@@ -209,265 +180,6 @@ def _scheduler(pipe, fam: str, seq_len: int, steps: int, device, sigmas=None):
 # ----------------------------------------------------------------------------- latents
 
 
-def pack_2x2(z: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, H/2 · W/2, 4C): 2x2 patches, channels first (FLUX.1, Qwen-Image)."""
-    B, C, H, W = z.shape
-    return z.view(B, C, H // 2, 2, W // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, (H // 2) * (W // 2), C * 4)
-
-
-def unpack_2x2(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """Inverse of `pack_2x2` for a latent of h x w (before packing)."""
-    B, _, C4 = x.shape
-    return x.view(B, h // 2, w // 2, C4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, C4 // 4, h, w)
-
-
-def grid_ids(h: int, w: int, n_axes: int, dtype, device, t: int = 0) -> torch.Tensor:
-    """(h·w, n_axes) positions of an h x w token grid: axis 0 = t, 1 = row, 2 = col, rest 0."""
-    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-    ids = torch.zeros(h * w, n_axes, dtype=torch.int64)
-    ids[:, 0], ids[:, 1], ids[:, 2] = t, rows.reshape(-1), cols.reshape(-1)
-    return ids.to(device=device, dtype=dtype)
-
-
-# ----------------------------------------------------------------------------- families
-
-
-def _plain_apply(*args, **kwargs):
-    """`fd.apply`, looked up when called."""
-    return _api.apply(*args, **kwargs)
-
-
-class _Flux1:
-    """FluxPipeline: T5 + CLIP pooled text, 2x2-packed 16-channel latents, 3-axis ids."""
-
-    apply = staticmethod(_plain_apply)  # a step cache's `_cache.CacheRun.apply` in its place
-
-    def __init__(self, params, pipe):
-        self.params, self.pipe, self.c = params, pipe, params.config
-
-    def encode(self, prompts, msl):
-        txt, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, max_sequence_length=msl or 512)
-        return Prompt(txt, pooled)
-
-    def encode_embeds(self, msl, prompt_embeds, pooled_prompt_embeds):
-        return Prompt(prompt_embeds, pooled_prompt_embeds)
-
-    def noise_shape(self, B, h, w):
-        return (B, self.c.in_channels // 4, h, w)
-
-    pack = staticmethod(pack_2x2)
-    take = staticmethod(lambda latents: latents)  # the pipeline's latents= are packed
-
-    def prepare(self, cond: Prompt, h, w, guidance, device):
-        img_ids = grid_ids(h // 2, w // 2, 3, torch.float32, device)
-        txt_ids = torch.zeros(cond.txt.shape[1], 3, device=device)
-        self.rope = flux1.rope_table(self.c, img_ids, txt_ids)
-        self.guidance = 3.5 if guidance is None else guidance
-
-    def __call__(self, x, t, cond: Prompt):
-        g = torch.full((x.shape[0],), float(self.guidance), device=x.device) if self.c.guidance_embeds else None
-        return self.apply(self.params, x, t, cond.txt, pooled=cond.pooled, guidance=g, rope=self.rope)
-
-    def decode_latents(self, x, h, w):
-        vae = self.pipe.vae
-        return unpack_2x2(x, h, w) / vae.config.scaling_factor + vae.config.shift_factor
-
-
-class _Flux2:
-    """Flux2Pipeline / Flux2KleinPipeline / Flux2KleinKVPipeline: stacked text-encoder
-    layers, patchified 2x2 latents packed as tokens, 4-axis ids, reference images."""
-
-    apply = staticmethod(_plain_apply)  # a step cache's `_cache.CacheRun.apply` in its place
-
-    def __init__(self, params, pipe, kv_cache: bool):
-        self.params, self.pipe, self.c, self.kv = params, pipe, params.config, kv_cache
-        self.ref = self.ref_ids = self.cache = None
-
-    def encode(self, prompts, msl):
-        txt, txt_ids = self.pipe.encode_prompt(prompt=prompts, max_sequence_length=msl or 512)
-        return Prompt(txt, txt_ids=txt_ids[0])
-
-    def encode_embeds(self, msl, prompt_embeds):
-        return Prompt(prompt_embeds, txt_ids=self.pipe._prepare_text_ids(prompt_embeds)[0].to(prompt_embeds.device))
-
-    def noise_shape(self, B, h, w):
-        return (B, self.c.in_channels, h // 2, w // 2)
-
-    @staticmethod
-    def pack(z):
-        """(B, C, h/2, w/2) -> (B, h/2 · w/2, C): row-major tokens (also the pipeline's latents= layout)."""
-        return z.reshape(*z.shape[:2], -1).permute(0, 2, 1)
-
-    take = pack
-
-    def images(self, images, B, device):
-        """Reference images -> packed latents (B, R, C) and ids (R, 4), the pipeline's way."""
-        pipe, multiple = self.pipe, self.pipe.vae_scale_factor * 2
-        processed = []
-        for img in images:
-            pipe.image_processor.check_image_input(img)
-            w, h = img.size
-            if w * h > 1024 * 1024:
-                img = pipe.image_processor._resize_to_target_area(img, 1024 * 1024)
-                w, h = img.size
-            w, h = w // multiple * multiple, h // multiple * multiple
-            processed.append(pipe.image_processor.preprocess(img, height=h, width=w, resize_mode="crop"))
-        ref, ids = pipe.prepare_image_latents(processed, B, None, device, pipe.vae.dtype)
-        self.ref, self.ref_ids = ref, ids[0]
-
-    def prepare(self, cond: Prompt, h, w, guidance, device):
-        img_ids = grid_ids(h // 2, w // 2, 4, torch.int64, device)
-        if self.ref is not None:
-            img_ids = torch.cat([self.ref_ids, img_ids] if self.kv else [img_ids, self.ref_ids])
-        self.rope = flux2.rope_table(self.c, img_ids, cond.txt_ids)
-        if self.kv and self.ref is not None:  # later steps: no reference rows
-            n, S = cond.txt_ids.shape[0], img_ids.shape[0] - self.ref.shape[1]
-            self.rope_cached = tuple(torch.cat([a[:n], a[a.shape[0] - S :]]) for a in self.rope)
-        self.guidance = (4.0 if guidance is None else guidance) if self.c.guidance_embeds else None
-        self.cache = None  # a new batch extracts its own reference KV cache
-
-    def __call__(self, x, t, cond: Prompt):
-        B, S = x.shape[:2]
-        g = None if self.guidance is None else torch.full((B,), float(self.guidance), device=x.device)
-        kw = dict(guidance=g)
-        if self.ref is None:
-            return self.apply(self.params, x, t, cond.txt, rope=self.rope, **kw)
-        ref = _batch(self.ref, B).to(x.dtype)
-        if not self.kv:
-            return self.apply(self.params, torch.cat([x, ref], 1), t, cond.txt, rope=self.rope, **kw)[:, :S]
-        if self.cache is None:
-            x = torch.cat([ref, x], 1)
-            out, self.cache = _api.apply(
-                self.params, x, t, cond.txt, rope=self.rope, kv_cache="extract", num_ref_tokens=ref.shape[1], **kw
-            )
-            return out
-        return self.apply(self.params, x, t, cond.txt, rope=self.rope_cached, kv_cache=self.cache, **kw)
-
-    def latent_output(self, x, h, w):
-        """``output_type="latent"`` as the stock pipeline returns it: FLUX.2-dev the packed
-        tokens, klein (every klein pipeline) the VAE's input (unpacked, de-normalised)."""
-        return x if type(self.pipe).__name__ == "Flux2Pipeline" else self.decode_latents(x, h, w)
-
-    def decode_latents(self, x, h, w):
-        vae = self.pipe.vae
-        B, _, C = x.shape
-        z = x.permute(0, 2, 1).reshape(B, C, h // 2, w // 2)
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
-        z = z * std + mean
-        return z.reshape(B, C // 4, 2, 2, h // 2, w // 2).permute(0, 1, 4, 2, 5, 3).reshape(B, C // 4, h, w)
-
-
-class _Qwen:
-    """QwenImagePipeline / QwenImageEditPipeline: Qwen2.5-VL text (ragged, masked),
-    2x2-packed latents with a frame axis, RoPE from img_shapes, normalised true CFG."""
-
-    apply = staticmethod(_plain_apply)  # a step cache's `_cache.CacheRun.apply` in its place
-
-    def __init__(self, params, pipe):
-        self.params, self.pipe, self.c = params, pipe, params.config
-        self.ref = self.prompt_image = None
-        self.ref_shape = None
-
-    def encode(self, prompts, msl):
-        kw = {} if self.prompt_image is None else {"image": self.prompt_image}
-        txt, mask = self.pipe.encode_prompt(prompt=prompts, max_sequence_length=msl or 512, **kw)
-        return Prompt(txt, mask=mask)
-
-    def encode_embeds(self, msl, prompt_embeds, prompt_embeds_mask=None):
-        """As the pipeline's encode_prompt with embeddings: cut to ``msl``, all-real mask -> None."""
-        txt, mask = prompt_embeds[:, : msl or 512], prompt_embeds_mask
-        mask = None if mask is None or bool(mask[:, : txt.shape[1]].all()) else mask[:, : txt.shape[1]]
-        return Prompt(txt, mask=mask)
-
-    def noise_shape(self, B, h, w):
-        return (B, 1, self.c.in_channels // 4, h, w)
-
-    pack = staticmethod(lambda z: pack_2x2(z[:, 0]))
-    take = staticmethod(lambda latents: latents)  # the pipeline's latents= are packed
-
-    def images(self, images, B, device):
-        """The Edit pipeline's reference: resized to about 1024² (multiple of 32), VAE-encoded
-        (distribution mode), normalised, packed; also the image its text encoder sees."""
-        if len(images) != 1:
-            raise ValueError(f"image: QwenImageEditPipeline takes one reference image, got {len(images)}")
-        pipe, img = self.pipe, images[0]
-        w, h = _qwen_edit_size(img.size)
-        self.prompt_image = pipe.image_processor.resize(img, h, w)
-        pixels = pipe.image_processor.preprocess(self.prompt_image, h, w).unsqueeze(2)
-        z = pipe._encode_vae_image(pixels.to(device=device, dtype=pipe.vae.dtype), generator=None)
-        self.ref = _batch(pack_2x2(z[:, :, 0]), B)
-        self.ref_shape = (1, z.shape[3] // 2, z.shape[4] // 2)
-
-    def prepare(self, cond: Prompt, h, w, guidance, device):
-        self.shapes = [(1, h // 2, w // 2)] + ([self.ref_shape] if self.ref is not None else [])
-        self.rope = _qwen.pos_embed(self.shapes, cond.txt.shape[1], self.c.axes_dims_rope, device=device)
-
-    def __call__(self, x, t, cond: Prompt):
-        B, S = x.shape[:2]
-        if self.ref is not None:
-            x = torch.cat([x, _batch(self.ref, B).to(x.dtype)], 1)
-        out = self.apply(self.params, x, t, cond.txt, txt_mask=cond.mask, img_shapes=[self.shapes] * B, rope=self.rope)
-        return out[:, :S]
-
-    def decode_latents(self, x, h, w):
-        vae = self.pipe.vae
-        z = unpack_2x2(x, h, w)[:, :, None].to(vae.dtype)  # (B, C, 1, h, w)
-        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z.device, z.dtype)
-        std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z.device, z.dtype)
-        return z / std + mean
-
-
-def _qwen_edit_size(size) -> tuple[int, int]:
-    """(width, height) of about 1024² pixels with the image's aspect ratio, multiples of 32."""
-    ratio = size[0] / size[1]
-    w = math.sqrt(1024 * 1024 * ratio)
-    return round(w / 32) * 32, round(w / ratio / 32) * 32
-
-
-def _batch(t: torch.Tensor, B: int) -> torch.Tensor:
-    """Repeat a batch of b to B rows (B a multiple of b), as the pipelines repeat references."""
-    return t if t.shape[0] == B else t.repeat(B // t.shape[0], *([1] * (t.ndim - 1)))
-
-
-# ----------------------------------------------------------------------------- CFG
-
-
-def _pad_to(p: Prompt, T: int) -> Prompt:
-    """Right-pad a prompt batch with masked (zero) tokens to T tokens (Qwen's ragged prompts)."""
-    B, n = p.txt.shape[:2]
-    mask = torch.ones(B, n, dtype=torch.long, device=p.txt.device) if p.mask is None else p.mask
-    if n == T:
-        return dataclasses.replace(p, mask=mask)
-    txt = torch.cat([p.txt, p.txt.new_zeros(B, T - n, p.txt.shape[2])], 1)
-    return dataclasses.replace(p, txt=txt, mask=torch.cat([mask, mask.new_zeros(B, T - n)], 1))
-
-
-def cfg_batch(cond: Prompt, uncond: Prompt) -> Prompt:
-    """[cond; uncond] as one batch of 2B: both branches in one call (on a dp=2 mesh, one
-    per rank). Ragged masked prompts are padded to a common length with masked tokens."""
-    if cond.mask is not None or uncond.mask is not None or cond.txt.shape[1] != uncond.txt.shape[1]:
-        T = max(cond.txt.shape[1], uncond.txt.shape[1])
-        cond, uncond = _pad_to(cond, T), _pad_to(uncond, T)
-    cat = lambda a, b: None if a is None else torch.cat([a, b])  # noqa: E731
-    mask = cat(cond.mask, uncond.mask)
-    mask = None if mask is not None and bool(mask.all()) else mask  # as the pipelines: all real -> None
-    return Prompt(cat(cond.txt, uncond.txt), cat(cond.pooled, uncond.pooled), mask, cond.txt_ids)
-
-
-def combine(pred: torch.Tensor, scale: float, normalise: bool) -> torch.Tensor:
-    """[cond; uncond] predictions -> ``uncond + scale (cond - uncond)``; Qwen-Image rescales
-    each token to the conditional prediction's norm (``normalise``)."""
-    cond, uncond = pred.chunk(2)
-    out = uncond + scale * (cond - uncond)
-    if normalise:
-        out = out * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(out, dim=-1, keepdim=True))
-    return out
-
-
-# ----------------------------------------------------------------------------- the loop
-
-
 @dataclasses.dataclass
 class _Chunk:
     """One model batch: its image indices, packed noise (B, S, C) and text (CFG-batched)."""
@@ -496,9 +208,11 @@ def _chunk(model, req, images, job, dtype, device) -> _Chunk:
     cond = _encode(model, req.prompts, req.embeds, rows, msl)
     if job.cfg is not None:
         neg = _encode(model, req.negatives, req.negative_embeds, rows, msl, "negative_")
-        own = getattr(model, "cfg_batch", None)  # Qwen-Image 2.1 keeps its branches (on the device)
-        cond = own(_to(cond, dtype, device), _to(neg, dtype, device)) if own else cfg_batch(cond, neg)
-    cond = _to(cond, dtype, device)  # batched before the move: cfg_batch's mask check reads no accelerator
+        if model.cfg_on_device:  # Qwen-Image 2.1 keeps its branches, on the device
+            cond = model.cfg_batch(_to(cond, dtype, device), _to(neg, dtype, device))
+        else:  # batched before the move: the default's mask check reads no accelerator
+            cond = model.cfg_batch(cond, neg)
+    cond = _to(cond, dtype, device)
     shape = lambda B: model.noise_shape(B, *job.hw)  # noqa: E731
     draw = getattr(model, "draw", _requests.draw)  # img2img: the posterior draw comes first
     return _Chunk(images, draw(req.noise, images, shape, model.pack, model.take, dtype, device), cond)
@@ -512,7 +226,7 @@ def _check_ranks(lay, chunks, model, settings: dict) -> None:
     for name, field in (("pooled (prompt)", "pooled"), ("prompt mask (prompt)", "mask")):
         if any(getattr(c.cond, field) is not None for c in chunks):
             tensors[name] = [getattr(c.cond, field) for c in chunks]
-    if getattr(model, "ref", None) is not None:
+    if model.ref is not None:
         tensors["reference latents (image)"] = model.ref
     tensors.update(getattr(model, "checked", {}))
     _ranks.check(lay, settings, tensors)
@@ -609,18 +323,15 @@ def sample(
     ``encoder_placement``: "replicate", "shard" (over the params' tp group), "cpu" or
     "offload" (`functional_dit.pipelines.placement`); ``vae_tiling``: decode in tiles.
     """
-    from . import _sample_qwen_image as _qi
 
     fam = _family_name(params)
     pipe = as_pipeline(encoders, params)
-    from . import _sample_flux_kontext as _kontext
 
     height, width = _kontext.size(pipe, height, width, max_area)  # Kontext rescales to max_area
     _check_args(pipe, height, width, output_type, batch_size)
     _placement.check(encoder_placement, vae_tiling)
     steps, sigmas = _check_steps(steps, sigmas)
     pipe = _qi.pipeline(pipe, steps, output_type, image, mask_image, strength, padding_mask_crop, layers)
-    from . import _sample_flux_image as _flux_image  # it builds on _Flux1
 
     edit = None
     if fam != "qwenimage":  # FLUX.1's image jobs (and their arguments refused for the other families)
@@ -640,15 +351,14 @@ def sample(
     hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
     _check_latents(model, pipe, req, *hw)
     on_step = _on_step(pipe, callback, callback_on_step_end)
-    run = _cache.CacheRun.of(cache, image is not None and getattr(model, "kv", False))
-    if run is not None and fam in ("flux3", "qwenimage21"):
+    run = _cache.CacheRun.of(cache, image is not None and bool(model.kv))
+    if run is not None and not model.step_cache:
         raise ValueError(f"cache: step caching is not supported for {fam} yet; expected None")
     job = _Job(fam, hw, steps, sigmas, guidance, cfg, output_type, max_sequence_length, batch_size, on_step, run)
     with torch.no_grad():
         if image is not None:
             model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
-        if hasattr(model, "init_latents"):  # img2img, inpainting: the start image's latents
-            req = model.init_latents(req, height, width, device, dtype)
+        req = model.init_latents(req, height, width, device, dtype)  # img2img, inpainting: the start image
         with _placement.placed(pipe, encoder_placement, mesh, device):
             chunks = [_chunk(model, req, c, job, dtype, device) for c in _chunks(lay.share, batch_size)]
         _check_ranks(lay, chunks, model, _settings(job, pipe, req, lay, model, dtype, (height, width)))
@@ -681,7 +391,7 @@ def _settings(job: _Job, pipe, req, lay, model, dtype, size) -> dict:
     return dict(
         height=size[0], width=size[1], steps=job.steps, sigmas=sigmas, guidance=job.guidance, true_cfg=job.cfg,
         dtype=dtype, output_type=job.output_type, images=req.n, share=lay.share, batch_size=job.batch_size,
-        kv_cache=getattr(model, "kv", None), max_sequence_length=job.max_sequence_length, noise=req.noise[0],
+        kv_cache=model.kv, max_sequence_length=job.max_sequence_length, noise=req.noise[0],
         cache=None if job.cache is None else repr(job.cache.config),
         **{"strength": getattr(model, "strength", None), **getattr(model, "settings", {})},
     )  # fmt: skip
@@ -702,20 +412,17 @@ def _check_latents(model, pipe, req, h: int, w: int) -> None:
 
 def _run(model, pipe, chunk: _Chunk, job: _Job):
     """One chunk from noise to its output: prepare, denoise, decode."""
-    from . import sampler_xla as _sample_xla
 
     device = chunk.x.device
     model.prepare(chunk.cond, *job.hw, job.guidance, device)
     fixed = _sample_xla.wanted(model, job, pipe, device)  # lazy devices: one fixed graph per step
     sched = _scheduler(pipe, job.fam, chunk.x.shape[1], job.steps, "cpu" if fixed else device, job.sigmas)
-    if hasattr(model, "schedule"):  # FLUX.3's flow map reads the next timestep
-        model.schedule(sched)
-    x, on_step = model.begin(sched, chunk, job.on_step) if hasattr(model, "begin") else (chunk.x, job.on_step)
-    normalise = getattr(model, "normalise", job.fam == "qwenimage")  # Qwen-Image's norm-rescaled CFG
+    model.schedule(sched)
+    x, on_step = model.begin(sched, chunk, job.on_step)
     loop = _sample_xla.denoise if fixed else _denoise
-    x = loop(model, sched, x, chunk.cond, job.cfg, normalise, on_step, job.cache)
+    x = loop(model, sched, x, chunk.cond, job.cfg, model.normalise_cfg, on_step, job.cache)
     if job.output_type == "latent":
-        return model.latent_output(x, *job.hw) if hasattr(model, "latent_output") else x
+        return model.latent_output(x, *job.hw)
     return _decode(model, pipe, x, *job.hw, job.output_type)
 
 
@@ -741,16 +448,10 @@ def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=N
     jobs in `_sample_qwen_image`) after the argument checks."""
     import diffusers
 
-    from . import _sample_qwen_image as _qi
-
     if edit is not None:
-        from ._sample_flux_image import Flux1Image
-
-        return Flux1Image(params, pipe, edit)
+        return _flux_image.Flux1Image(params, pipe, edit)
     if type(pipe).__name__ == "FluxKontextPipeline":
-        from ._sample_flux_kontext import Flux1Kontext
-
-        return Flux1Kontext(params, pipe)
+        return _kontext.Flux1Kontext(params, pipe)
     if type(pipe).__name__ in _qi.PIPELINES:
         return _qi.model(params, pipe, image, **img2img)
     if image is not None and (fam == "flux1" or isinstance(pipe, diffusers.QwenImagePipeline)):
@@ -761,12 +462,8 @@ def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=N
     if image is None and isinstance(pipe, diffusers.QwenImageEditPipeline):
         raise ValueError("image: a QwenImageEditPipeline edits a reference image; expected a PIL image, got None")
     if fam == "qwenimage21":
-        from ._sample_next import Qwen21
-
         return Qwen21(params, pipe, kv_cache)
     if fam == "flux3" and not kv_cache and image is None:
-        from ._sample_next import Flux3
-
         return Flux3(params, pipe)
     if fam == "flux3":
         raise ValueError("image, kv_cache: fd.sample runs FLUX.3 text to image only; expected None")
@@ -785,14 +482,13 @@ def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, 
     `_cache.CacheRun`, the calls go through its step cache."""
     if run is not None:
         model.apply = run.start(branches=1 if cfg is None else 2, steps=len(sched.timesteps))
-    after = getattr(model, "after_step", None)  # inpainting's blend
     for i, t in enumerate(sched.timesteps):
         xin = torch.cat([x, x]) if cfg is not None else x
         pred = model(xin, t.expand(xin.shape[0]).to(x.dtype) / 1000, cond)
         if cfg is not None:
             pred = combine(pred, cfg, normalise)
         x = sched.step(pred, t, x, return_dict=False)[0]
-        x = x if after is None else after(i, sched, x)
+        x = model.after_step(i, sched, x)  # inpainting's blend
         if callback is not None:
             x = callback(i, t, x)
     return x
@@ -807,7 +503,7 @@ def _decode(model, pipe, x, h: int, w: int, output_type: str):
     img = pipe.vae.decode(z, return_dict=False)[0]
     img = img[:, :, 0] if img.ndim == 5 else img  # Qwen-Image's VAE has a frame axis
     out = pipe.image_processor.postprocess(img, output_type=output_type)
-    return model.overlay(out) if hasattr(model, "overlay") else out
+    return model.overlay(out)
 
 
 def _to(p: Prompt, dtype, device) -> Prompt:

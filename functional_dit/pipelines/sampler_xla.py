@@ -26,7 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..nn import values as _values
-from . import sampler as _sample
+from . import _sample_families as _sample
 
 _FORCED: contextvars.ContextVar = contextvars.ContextVar("fd_static_loop", default=None)
 
@@ -61,8 +61,8 @@ def wanted(model, job, pipe, device) -> bool:
         return False
     fixed = isinstance(model, (_sample._Flux1, _sample._Flux2, _sample._Qwen))
     stochastic = pipe.scheduler.config.get("stochastic_sampling", False)
-    blend = hasattr(model, "after_step")  # FLUX.1 inpainting's per-step blend runs in the usual loop
-    return fixed and job.cache is None and not stochastic and not blend
+    # FLUX.1 inpainting's per-step blend runs in the usual loop
+    return fixed and job.cache is None and not stochastic and not model.blends_steps
 
 
 def euler(x: torch.Tensor, pred: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:

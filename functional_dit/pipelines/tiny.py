@@ -16,7 +16,11 @@ Kinds (`KINDS`): ``flux`` (FluxPipeline), ``flux-kontext`` (FluxKontextPipeline)
 (Flux2KleinKVPipeline), ``qwen-image`` (QwenImagePipeline), ``qwen-image-edit``
 (QwenImageEditPipeline), ``qwen-image-edit-plus`` (QwenImageEditPlusPipeline),
 ``qwen-image-2.1`` (QwenImage21Pipeline), ``flux3`` / ``flux3-distilled`` (the modular
-Flux3 pipelines; see `functional_dit.pipelines._tiny_next`).
+``Flux3ModularPipeline`` / ``Flux3DistilledModularPipeline``, built from their blocks; the
+tiny FLUX.3 text encoder has 2 layers, so call them with
+``text_encoder_out_layers=FLUX3_LAYERS``). The kinds and their pipeline classes are the
+family files' ``PIPELINES`` (`functional_dit.families`); each kind's transformer config is
+its family's tiny preset with the text widths its encoders give.
 
 The tokenizers are byte-level (one token per byte, no merges), so prompts are long in
 tokens: at the pipelines' default ``max_sequence_length`` the text encoders see the
@@ -37,6 +41,7 @@ same pipeline; the stock transformer gets `fd.init` weights (random, no zero-ini
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import diffusers
@@ -44,37 +49,17 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from .. import Flux1Config, Flux2Config, QwenImageConfig, config_to_diffusers, init, to_state_dict
-from . import _tiny_next as _next
+from .. import config_to_diffusers, families, init, to_state_dict
 
-KINDS = (
-    "flux",
-    "flux-kontext",
-    "flux2",
-    "flux2-klein",
-    "flux2-klein-kv",
-    "qwen-image",
-    "qwen-image-edit",
-    "qwen-image-edit-plus",
-    *_next.KINDS,
-)
-
-PIPELINE_CLASSES = {
-    "flux": "FluxPipeline",
-    "flux-kontext": "FluxKontextPipeline",
-    "flux2": "Flux2Pipeline",
-    "flux2-klein": "Flux2KleinPipeline",
-    "flux2-klein-kv": "Flux2KleinKVPipeline",
-    "qwen-image": "QwenImagePipeline",
-    "qwen-image-edit": "QwenImageEditPipeline",
-    "qwen-image-edit-plus": "QwenImageEditPlusPipeline",
-    **_next.KINDS,
-}
+PIPELINE_CLASSES = {kind: p.name for kind, (_, p) in families.TINY_KINDS.items()}  # kind -> stock pipeline
+KINDS = tuple(PIPELINE_CLASSES)
 
 # Text encoder widths. The transformers' joint_attention_dim follows from them: FLUX.2
-# stacks three hidden-state layers (3 x width), Qwen-Image takes the last one.
-_T5_DIM, _CLIP_DIM, _MISTRAL_DIM, _QWEN3_DIM, _QWEN25_DIM = 32, 24, 16, 16, 32
+# stacks three hidden-state layers (3 x width), Qwen-Image takes the last one, FLUX.3
+# stacks the Qwen3-VL layers FLUX3_LAYERS.
+_T5_DIM, _CLIP_DIM, _MISTRAL_DIM, _QWEN3_DIM, _QWEN25_DIM, _VL_DIM = 32, 24, 16, 16, 32, 24
 _MISTRAL_LAYERS, _QWEN3_LAYERS = 31, 28  # FLUX.2 reads hidden states 10, 20, 30; klein 9, 18, 27
+FLUX3_LAYERS = (1, 2)  # the hidden states the tiny FLUX.3 encoder stacks (text_encoder_out_layers)
 
 
 def _check_kind(kind) -> str:
@@ -85,13 +70,8 @@ def _check_kind(kind) -> str:
 
 def family(kind: str) -> str:
     """``"flux1"``, ``"flux2"``, ``"qwenimage"``, ``"flux3"`` or ``"qwenimage21"``: the
-    transformer family a kind runs."""
-    _check_kind(kind)
-    if kind in _next.KINDS:
-        return "qwenimage21" if kind == "qwen-image-2.1" else "flux3"
-    return (
-        "flux1" if kind.startswith("flux-") or kind == "flux" else "flux2" if kind.startswith("flux2") else "qwenimage"
-    )
+    transformer family a kind runs (the family registry's key)."""
+    return families.TINY_KINDS[_check_kind(kind)][0].KEY
 
 
 # ---------------------------------------------------------------- tokenizers
@@ -415,64 +395,124 @@ def scheduler() -> diffusers.FlowMatchEulerDiscreteScheduler:
     )
 
 
+# ---------------------------------------------------------------- Qwen3-VL (FLUX.3, Qwen-Image 2.1)
+
+
+class Qwen3VLProcessorNoVideo(transformers.Qwen3VLProcessor):
+    """Qwen3-VL's processor without a video processor (which needs torchvision). Module
+    level so a saved pipeline can be reloaded."""
+
+    attributes = ["image_processor", "tokenizer"]
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        transformers.ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+        tokens = {"image": "<|image_pad|>", "video": "<|video_pad|>", "vision_start": "<|vision_start|>"}
+        tokens["vision_end"] = "<|vision_end|>"
+        for name, token in tokens.items():
+            setattr(self, f"{name}_token", token)
+            setattr(self, f"{name}_token_id", tokenizer.convert_tokens_to_ids(token))
+
+
+def qwen3vl_processor() -> Qwen3VLProcessorNoVideo:
+    image_processor = transformers.Qwen2VLImageProcessorPil(
+        min_pixels=32 * 32, max_pixels=64 * 64, patch_size=16, merge_size=2
+    )
+    tok = qwen_tokenizer(_QWEN2VL_CHAT_TEMPLATE)
+    return Qwen3VLProcessorNoVideo(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)
+
+
+def _qwen3vl_text(tok) -> dict:
+    return dict(
+        vocab_size=len(tok),
+        hidden_size=_VL_DIM,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=12,
+        max_position_embeddings=4096,
+        rope_scaling={"rope_type": "default", "mrope_section": [2, 2, 2], "mrope_interleaved": True},
+        pad_token_id=tok.pad_token_id,
+    )
+
+
+def qwen3vl_encoder(tok, seed: int = 0) -> transformers.Qwen3VLForConditionalGeneration:
+    special = ("image", "video", "vision_start", "vision_end")
+    ids = {
+        f"{n}_token_id": tok.convert_tokens_to_ids(f"<|{n if n.startswith('vision') else n + '_pad'}|>")
+        for n in special
+    }
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=_VL_DIM, patch_size=16)
+    vision |= dict(
+        spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0]
+    )
+    cfg = transformers.Qwen3VLConfig(text_config=_qwen3vl_text(tok), vision_config=vision, **ids)
+    return _seeded(seed, lambda: transformers.Qwen3VLForConditionalGeneration(cfg))
+
+
+def qwen21_vae(seed: int = 0) -> diffusers.AutoencoderKLQwenImage21:
+    """16x spatial compression (5 levels, as the pipeline assumes), 8 latent channels."""
+    cfg = dict(base_dim=8, decoder_base_dim=8, z_dim=8, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1)
+    cfg |= dict(temperal_downsample=[False] * 4, latents_mean=[0.0] * 8, latents_std=[1.0] * 8)
+    return _seeded(seed, lambda: diffusers.AutoencoderKLQwenImage21(**cfg))
+
+
+def _qwen3vl_components(kind: str, seed: int) -> dict:
+    """Qwen-Image 2.1's and FLUX.3's components: a Qwen3-VL encoder and processor."""
+    proc = qwen3vl_processor()
+    parts = {"text_encoder": qwen3vl_encoder(proc.tokenizer, seed)}
+    if kind == "qwen-image-2.1":
+        return parts | {"scheduler": scheduler(), "vae": qwen21_vae(seed), "processor": proc}
+    # FLUX.3's recipe: a constant shift (6.93) configured on the scheduler (modular_pipelines/flux3/before_denoise.py)
+    sched = diffusers.FlowMatchEulerDiscreteScheduler(shift=6.93)
+    return parts | {"scheduler": sched, "vae": flux2_vae(seed), "tokenizer": proc}
+
+
 # ---------------------------------------------------------------- transformers
 
 
+_FLUX2_WIDTHS = {"flux2": _MISTRAL_DIM, "flux2-klein": _QWEN3_DIM, "flux2-klein-kv": _QWEN3_DIM}
+# FLUX.3: the stacked encoder layers' width; image_cond tokens are VAE latents, as x.
+_FLUX3 = dict(cond_in_channels=16, num_layers=1, joint_attention_dim=len(FLUX3_LAYERS) * _VL_DIM)
+# Per kind: what it changes in its family's tiny preset (the text widths its encoders give,
+# and the switches of the released model it stands for).
+_CONFIG_CHANGES = {
+    "flux": dict(joint_attention_dim=_T5_DIM, pooled_projection_dim=_CLIP_DIM, guidance_embeds=True),  # dev-style
+    "flux-kontext": dict(joint_attention_dim=_T5_DIM, pooled_projection_dim=_CLIP_DIM, guidance_embeds=False),
+    # FLUX.2-dev is guidance-distilled, klein is not
+    **{k: dict(joint_attention_dim=3 * w, guidance_embeds=k == "flux2") for k, w in _FLUX2_WIDTHS.items()},
+    **{k: dict(joint_attention_dim=_QWEN25_DIM) for k in ("qwen-image", "qwen-image-edit", "qwen-image-edit-plus")},
+    "qwen-image-2.1": dict(context_in_dim=_VL_DIM),
+    "flux3": dict(_FLUX3, flow_map=False),  # the base model
+    "flux3-distilled": dict(_FLUX3, flow_map=True),  # the flow map
+}
+
+
 def transformer_config(kind: str):
-    """The tiny transformer config a kind's pipeline needs (widths match its encoders)."""
-    fam = family(kind)
-    if kind in _next.KINDS:
-        return _next.transformer_config(kind)
-    if fam == "flux1":
-        return Flux1Config(
-            patch_size=1,
-            in_channels=16,
-            num_layers=2,
-            num_single_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=_T5_DIM,
-            pooled_projection_dim=_CLIP_DIM,
-            guidance_embeds=kind == "flux",  # dev-style guidance for flux, schnell-style for kontext
-            axes_dims_rope=(4, 6, 6),
-        )
-    if fam == "flux2":
-        width = _MISTRAL_DIM if kind == "flux2" else _QWEN3_DIM
-        return Flux2Config(
-            patch_size=1,
-            in_channels=16,
-            num_layers=2,
-            num_single_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=4,
-            joint_attention_dim=3 * width,
-            timestep_guidance_channels=32,
-            mlp_ratio=3.0,
-            axes_dims_rope=(4, 4, 4, 4),
-            guidance_embeds=kind == "flux2",  # klein is not guidance-distilled
-        )
-    return QwenImageConfig(
-        patch_size=2,
-        in_channels=16,
-        out_channels=4,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=4,
-        joint_attention_dim=_QWEN25_DIM,
-        axes_dims_rope=(4, 6, 6),
-    )
+    """The tiny transformer config a kind's pipeline needs: its family's tiny preset with
+    the widths of the kind's encoders."""
+    fam = families.TINY_KINDS[_check_kind(kind)][0]
+    return dataclasses.replace(families.tiny_config(fam), **_CONFIG_CHANGES[kind])
+
+
+def fix_buffers(module, dtype) -> None:
+    """``.to(bf16)`` also rounds Qwen-Image 2.1's fp32 frequency buffer, which
+    ``from_pretrained(torch_dtype=...)`` keeps: restore it."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21TemporalTimesteps
+
+    if isinstance(module, diffusers.QwenImage21Transformer2DModel) and dtype != torch.float32:
+        module.time_text_embed.time_proj.freqs = QwenImage21TemporalTimesteps(256).freqs
 
 
 def stock_transformer(kind: str, *, seed: int = 0, dtype=torch.float32):
     """The stock diffusers transformer for ``kind`` with ``fd.init(config, seed)`` weights."""
-    if kind in _next.KINDS:
-        return _next.stock_transformer(kind, seed=seed, dtype=dtype)
     cfg = config_to_diffusers(transformer_config(kind))
     cls = getattr(diffusers, cfg.pop("_class_name"))
     module = cls(**cfg)
     module.load_state_dict(to_state_dict(init(transformer_config(kind), seed=seed)))
     if module.dtype != dtype:  # diffusers' to(dtype) warns about fp32 modules even when it changes nothing
         module = module.to(dtype)
+    fix_buffers(module, dtype)
     return module.eval().requires_grad_(False)
 
 
@@ -482,8 +522,8 @@ def stock_transformer(kind: str, *, seed: int = 0, dtype=torch.float32):
 def components(kind: str, *, seed: int = 0) -> dict:
     """Every component but the transformer, as the pipeline's ``__init__`` names them."""
     fam = family(kind)
-    if kind in _next.KINDS:
-        return _next.components(kind, seed=seed)
+    if fam in ("flux3", "qwenimage21"):
+        return _qwen3vl_components(kind, seed)
     if fam == "flux1":
         tok, tok2 = clip_tokenizer(), t5_tokenizer()
         return {
@@ -530,12 +570,24 @@ def pipeline(kind: str, *, seed: int = 0, dtype=torch.float32, transformer=None)
     `fd.DiffusersTransformer`); by default the stock diffusers class with
     ``fd.init(transformer_config(kind), seed)`` weights."""
     _check_kind(kind)
-    if kind in _next.KINDS:
-        return _next.pipeline(kind, seed, dtype, transformer)
     if transformer is None:
         transformer = stock_transformer(kind, seed=seed, dtype=dtype)
-    pipe = getattr(diffusers, PIPELINE_CLASSES[kind])(**components(kind, seed=seed), transformer=transformer)
+    pipe = _assemble(kind, components(kind, seed=seed), transformer)
     if dtype != torch.float32:
         pipe = pipe.to(dtype)
-    pipe.set_progress_bar_config(disable=True)
+        fix_buffers(transformer, dtype)
+    if hasattr(pipe, "set_progress_bar_config"):  # the modular pipelines have no progress bar
+        pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _assemble(kind: str, parts: dict, transformer):
+    """The stock pipeline of ``kind`` over ``parts``; FLUX.3's modular pipelines are built
+    from their blocks, without the prompt upsampler (the prompt is encoded as given)."""
+    if family(kind) != "flux3":
+        return getattr(diffusers, PIPELINE_CLASSES[kind])(**parts, transformer=transformer)
+    blocks = getattr(diffusers, "Flux3DistilledAutoBlocks" if kind == "flux3-distilled" else "Flux3AutoBlocks")()
+    blocks.sub_blocks.pop("prompt_upsampler")
+    pipe = blocks.init_pipeline()
+    pipe.update_components(**parts, transformer=transformer)
     return pipe
