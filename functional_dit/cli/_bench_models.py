@@ -12,66 +12,69 @@ import torch
 
 import sharding
 
+from .. import Flux1Config, Flux2Config, Flux3Config, QwenImage21Config, QwenImageConfig
 from .. import api as _api
 
 IMG_HW = (32, 32)  # 1024 image tokens
 TXT_LEN = 128
 
 
-def mid_configs() -> dict:
-    """The mid-size configs (8 heads x 64 = 512 wide), ~37-44 M params each."""
-    from .. import Flux1Config, Flux2Config, Flux3Config, QwenImage21Config, QwenImageConfig
+# The mid-size configs (8 heads x 64 = 512 wide), ~37-44 M params each.
+MID_CONFIGS = {
+    "flux1": Flux1Config(
+        in_channels=64,
+        num_layers=2,
+        num_single_layers=4,
+        attention_head_dim=64,
+        num_attention_heads=8,
+        joint_attention_dim=512,
+        pooled_projection_dim=256,
+        guidance_embeds=True,
+        axes_dims_rope=(8, 28, 28),
+    ),
+    "flux2": Flux2Config(
+        in_channels=128,
+        num_layers=2,
+        num_single_layers=6,
+        attention_head_dim=64,
+        num_attention_heads=8,
+        joint_attention_dim=512,
+        axes_dims_rope=(16, 16, 16, 16),
+    ),
+    "qwenimage": QwenImageConfig(
+        in_channels=64,
+        num_layers=4,
+        attention_head_dim=64,
+        num_attention_heads=8,
+        joint_attention_dim=512,
+        axes_dims_rope=(8, 28, 28),
+    ),
+    "flux3": Flux3Config(  # the released klein's channels and RoPE split, mid width
+        in_channels=128,
+        cond_in_channels=128,
+        num_layers=2,
+        num_single_layers=5,
+        attention_head_dim=64,
+        num_attention_heads=8,
+        joint_attention_dim=512,
+        axes_dims_rope=(16, 16, 16, 16),
+        flow_map=True,
+    ),
+    "qwenimage21": QwenImage21Config(
+        in_channels=64,
+        out_channels=64,
+        num_layers=10,
+        attention_head_dim=64,
+        num_attention_heads=8,
+        context_in_dim=512,
+        axes_dims_rope=(8, 28, 28),
+    ),
+}
 
-    return {
-        "flux1": Flux1Config(
-            in_channels=64,
-            num_layers=2,
-            num_single_layers=4,
-            attention_head_dim=64,
-            num_attention_heads=8,
-            joint_attention_dim=512,
-            pooled_projection_dim=256,
-            guidance_embeds=True,
-            axes_dims_rope=(8, 28, 28),
-        ),
-        "flux2": Flux2Config(
-            in_channels=128,
-            num_layers=2,
-            num_single_layers=6,
-            attention_head_dim=64,
-            num_attention_heads=8,
-            joint_attention_dim=512,
-            axes_dims_rope=(16, 16, 16, 16),
-        ),
-        "qwenimage": QwenImageConfig(
-            in_channels=64,
-            num_layers=4,
-            attention_head_dim=64,
-            num_attention_heads=8,
-            joint_attention_dim=512,
-            axes_dims_rope=(8, 28, 28),
-        ),
-        "flux3": Flux3Config(  # the released klein's channels and RoPE split, mid width
-            in_channels=128,
-            cond_in_channels=128,
-            num_layers=2,
-            num_single_layers=5,
-            attention_head_dim=64,
-            num_attention_heads=8,
-            joint_attention_dim=512,
-            axes_dims_rope=(16, 16, 16, 16),
-            flow_map=True,
-        ),
-        "qwenimage21": QwenImage21Config(
-            in_channels=64,
-            out_channels=64,
-            num_layers=10,
-            attention_head_dim=64,
-            num_attention_heads=8,
-            context_in_dim=512,
-            axes_dims_rope=(8, 28, 28),
-        ),
-    }
+
+def mid_configs() -> dict:
+    """A copy of `MID_CONFIGS`, by family key."""
+    return dict(MID_CONFIGS)
 
 
 def random_params(config, device, dtype, seed: int = 0):

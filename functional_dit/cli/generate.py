@@ -322,6 +322,24 @@ def run(args) -> int:
     return _run_one(args, pipe, params, images, device, rank0, start, loaded)
 
 
+def _sample_kwargs(args, images) -> dict:
+    """``--prompt``'s `fd.sample` arguments beyond params, pipeline and the step callback."""
+    return dict(
+        height=args.height,
+        width=args.width,
+        steps=args.steps,
+        seed=args.seed,
+        guidance=args.guidance,
+        true_cfg=args.true_cfg,
+        negative_prompt=args.negative_prompt,
+        image=images,
+        strength=getattr(args, "strength", None),
+        mask_image=getattr(args, "mask_image", None),
+        cache=getattr(args, "cache", None),
+        **_placement.cli_kwargs(args),
+    )
+
+
 def _run_one(args, pipe, params, images, device, rank0: bool, start: float, loaded: float) -> int:
     """``--prompt``: one image with a progress bar over steps, written by rank 0."""
     from tqdm.auto import tqdm
@@ -338,24 +356,7 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
         bar.update()
 
     try:
-        image = fd.sample(
-            params,
-            pipe,
-            args.prompt,
-            height=args.height,
-            width=args.width,
-            steps=args.steps,
-            seed=args.seed,
-            guidance=args.guidance,
-            true_cfg=args.true_cfg,
-            negative_prompt=args.negative_prompt,
-            image=images,
-            strength=strength,
-            mask_image=getattr(args, "mask_image", None),
-            callback=step,
-            cache=getattr(args, "cache", None),
-            **_placement.cli_kwargs(args),
-        )[0]
+        image = fd.sample(params, pipe, args.prompt, callback=step, **_sample_kwargs(args, images))[0]
     except ValueError as e:
         raise CLIError(str(e).splitlines()[0]) from None
     finally:

@@ -331,13 +331,8 @@ def sample(
     _check_args(pipe, height, width, output_type, batch_size)
     _placement.check(encoder_placement, vae_tiling)
     steps, sigmas = _check_steps(steps, sigmas)
-    pipe = _qi.pipeline(pipe, steps, output_type, image, mask_image, strength, padding_mask_crop, layers)
-
-    edit = None
-    if fam != "qwenimage":  # FLUX.1's image jobs (and their arguments refused for the other families)
-        edit = _flux_image.check(
-            pipe, fam, steps, image, strength, mask_image, padding_mask_crop, output_type, latents, (height, width)
-        )
+    jobs = (image, mask_image, strength, padding_mask_crop, layers)
+    pipe, edit = _image_job(pipe, fam, steps, output_type, jobs, latents, (height, width))
     _requests.check_max_sequence_length(fam, max_sequence_length)
     cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
     cfg = _qi.true_cfg(fam, cfg, negative_prompt, negative_prompt_embeds)
@@ -365,6 +360,18 @@ def sample(
         with sharding.bind(lay.mesh) if lay.split else contextlib.nullcontext(), _placement.tiling(pipe, vae_tiling):
             parts = [_run(model, pipe, c, job) for c in chunks]
         return _ranks.collect(lay, _ranks.concat(parts, output_type), output_type, local)
+
+
+def _image_job(pipe, fam: str, steps: int, output_type: str, jobs: tuple, latents, size):
+    """The image-to-image jobs' checks, before anything heavy: Qwen-Image's (its pipeline
+    upgraded to img2img / inpainting where an image is given) and FLUX.1's (an
+    `_sample_flux_image.Edit`, or None); every other family refuses their arguments."""
+    image, mask_image, strength, padding_mask_crop, layers = jobs
+    pipe = _qi.pipeline(pipe, steps, output_type, image, mask_image, strength, padding_mask_crop, layers)
+    if fam == "qwenimage":
+        return pipe, None
+    crop = padding_mask_crop
+    return pipe, _flux_image.check(pipe, fam, steps, image, strength, mask_image, crop, output_type, latents, size)
 
 
 @dataclasses.dataclass(frozen=True)

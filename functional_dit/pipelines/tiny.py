@@ -519,39 +519,29 @@ def stock_transformer(kind: str, *, seed: int = 0, dtype=torch.float32):
 # ---------------------------------------------------------------- pipelines
 
 
-def components(kind: str, *, seed: int = 0) -> dict:
-    """Every component but the transformer, as the pipeline's ``__init__`` names them."""
-    fam = family(kind)
-    if fam in ("flux3", "qwenimage21"):
-        return _qwen3vl_components(kind, seed)
-    if fam == "flux1":
-        tok, tok2 = clip_tokenizer(), t5_tokenizer()
-        return {
-            "scheduler": scheduler(),
-            "vae": flux_vae(seed),
-            "text_encoder": clip_text_encoder(tok, seed),
-            "tokenizer": tok,
-            "text_encoder_2": t5_encoder(tok2, seed),
-            "tokenizer_2": tok2,
-            "image_encoder": None,
-            "feature_extractor": None,
-        }
-    if kind == "flux2":
-        tok = mistral_tokenizer()
-        return {
-            "scheduler": scheduler(),
-            "vae": flux2_vae(seed),
-            "text_encoder": mistral3_encoder(tok, seed),
-            "tokenizer": tok,
-        }
-    if fam == "flux2":
-        tok = qwen_tokenizer()
-        return {
-            "scheduler": scheduler(),
-            "vae": flux2_vae(seed),
-            "text_encoder": qwen3_encoder(tok, seed),
-            "tokenizer": tok,
-        }
+def _flux1_components(seed: int) -> dict:
+    tok, tok2 = clip_tokenizer(), t5_tokenizer()
+    return {
+        "scheduler": scheduler(),
+        "vae": flux_vae(seed),
+        "text_encoder": clip_text_encoder(tok, seed),
+        "tokenizer": tok,
+        "text_encoder_2": t5_encoder(tok2, seed),
+        "tokenizer_2": tok2,
+        "image_encoder": None,
+        "feature_extractor": None,
+    }
+
+
+def _flux2_components(kind: str, seed: int) -> dict:
+    """FLUX.2-dev's Mistral3 encoder; klein's Qwen3."""
+    tok = mistral_tokenizer() if kind == "flux2" else qwen_tokenizer()
+    parts = {"scheduler": scheduler(), "vae": flux2_vae(seed)}  # built in the order they always were
+    parts["text_encoder"] = mistral3_encoder(tok, seed) if kind == "flux2" else qwen3_encoder(tok, seed)
+    return {**parts, "tokenizer": tok}
+
+
+def _qwen_components(kind: str, seed: int) -> dict:
     tok = qwen_tokenizer(_QWEN2VL_CHAT_TEMPLATE)
     parts = {
         "scheduler": scheduler(),
@@ -562,6 +552,18 @@ def components(kind: str, *, seed: int = 0) -> dict:
     if kind != "qwen-image":
         parts["processor"] = qwen_vl_processor()
     return parts
+
+
+def components(kind: str, *, seed: int = 0) -> dict:
+    """Every component but the transformer, as the pipeline's ``__init__`` names them."""
+    fam = family(kind)
+    if fam in ("flux3", "qwenimage21"):
+        return _qwen3vl_components(kind, seed)
+    if fam == "flux1":
+        return _flux1_components(seed)
+    if fam == "flux2":
+        return _flux2_components(kind, seed)
+    return _qwen_components(kind, seed)
 
 
 def pipeline(kind: str, *, seed: int = 0, dtype=torch.float32, transformer=None):
