@@ -92,14 +92,22 @@ def stock(pipe, prompts, kw) -> torch.Tensor:
 
 
 def _ranked(rank, world):
-    """Every case under tp=2 and dp=2."""
+    """Every case under tp=2 and dp=2, with the batch of each model call (``fd.apply``
+    looked up when called, as the sampler does)."""
     small_areas(setattr)
-    pipes, out = pipelines(), {}
+    pipes, out, calls, apply = pipelines(), {}, [], fd.api.apply
+
+    def spy(p, x, *a, **k):
+        calls.append(x.shape[0])
+        return apply(p, x, *a, **k)
+
+    fd.api.apply = spy
     for axes in (dict(tp=2), dict(dp=2)):
         mesh = sharding.make_mesh(**axes, device_type="cpu")
         sharded = {k: sharding.shard_params(fd.from_diffusers(p.transformer), mesh) for k, p in pipes.items()}
         for name, which, prompts, kw in cases():
             out[f"{name} {axes}"] = ours(sharded[which], pipes[which], prompts, kw)
+            out[f"{name} {axes} calls"], calls[:] = list(calls), []
     return out
 
 
@@ -114,7 +122,11 @@ def test_tp2_and_dp2_equal_single_process_and_stock(monkeypatch):
         torch.testing.assert_close(single, expected, **FP32)
         for axes in ("{'tp': 2}", "{'dp': 2}"):
             key = f"{name} {axes}"
+            # dp splits two images into one per group; one image with CFG is one batch of
+            # [cond; uncond] per step, which fd.apply splits over dp (one branch per rank)
+            batch = 1 if name.endswith("-two") and "dp" in axes else 2
+            assert [r[key + " calls"] for r in results] == [[batch, batch]] * 2, key
             torch.testing.assert_close(results[0][key], single, **FP32, msg=lambda m, key=key: f"{key}: {m}")
             torch.testing.assert_close(results[0][key], expected, **FP32, msg=lambda m, key=key: f"{key}: {m}")
-    for key in results[0]:
+    for key in [k for k in results[0] if not k.endswith(" calls")]:
         assert torch.equal(results[0][key], results[1][key]), key  # every rank returns the same latents
