@@ -44,6 +44,7 @@ from sharding.internal import is_dtensor
 from .. import families as _families
 from ..params import Params
 from . import _ranks, _requests
+from . import _sample_flux2_image as _flux2_image
 from . import _sample_flux_image as _flux_image
 from . import _sample_flux_kontext as _kontext
 from . import _sample_qwen_image as _qi
@@ -245,6 +246,7 @@ def sample(
     true_cfg: float | None = None,
     negative_prompt=None,
     image=None,
+    image_reference=None,
     mask_image=None,
     strength: float | None = None,
     padding_mask_crop: int | None = None,
@@ -275,7 +277,7 @@ def sample(
     ``encoders``: a diffusers pipeline of a supported class (``FluxPipeline``,
     ``FluxImg2ImgPipeline``, ``FluxInpaintPipeline``, ``FluxKontextPipeline``,
     ``Flux2Pipeline``, ``Flux2KleinPipeline``, ``Flux2KleinKVPipeline``,
-    ``QwenImagePipeline``, ``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``,
+    ``Flux2KleinInpaintPipeline``, ``QwenImagePipeline``, ``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``,
     ``QwenImageImg2ImgPipeline``, ``QwenImageInpaintPipeline``, ``QwenImageLayeredPipeline``;
     its transformer is ignored and may be None, e.g. ``from_pretrained(path,
     transformer=None)``) or a mapping of its components.
@@ -304,6 +306,9 @@ def sample(
     ``QwenImagePipeline`` given one runs img2img), with ``strength`` (0.6 by default),
     ``mask_image`` (white = repaint) and ``padding_mask_crop`` as the stock pipelines take
     them; the image to split for Qwen-Image-Layered, into ``layers`` (4 by default) images.
+    ``Flux2KleinInpaintPipeline``: ``image`` and ``mask_image`` required, the output at the
+    image's size (``height``/``width`` ignored, as stock), ``strength`` 0.8 by default, and
+    ``image_reference``, one more reference image after the encoded init image.
     ``kv_cache``: FLUX.2 with reference images: extract the reference tokens' keys and
     values on the first step and reuse them (``Flux2KleinKVPipeline``); default True for a
     ``Flux2KleinKVPipeline``, else False.
@@ -328,13 +333,19 @@ def sample(
     pipe = as_pipeline(encoders, params)
 
     height, width = _kontext.size(pipe, height, width, max_area)  # Kontext rescales to max_area
+    height, width = _flux2_image.size(pipe, height, width, image)  # klein inpainting: the image's size
     _check_args(pipe, height, width, output_type, batch_size)
     _placement.check(encoder_placement, vae_tiling)
     steps, sigmas = _check_steps(steps, sigmas)
     pipe = _qi.pipeline(pipe, steps, output_type, image, mask_image, strength, padding_mask_crop, layers)
 
     edit = None
-    if fam != "qwenimage":  # FLUX.1's image jobs (and their arguments refused for the other families)
+    if _flux2_image.wanted(pipe):  # klein inpainting
+        args = (steps, image, mask_image, image_reference, strength, padding_mask_crop, output_type, kv_cache)
+        edit = _flux2_image.check(pipe, *args)
+    else:
+        _flux2_image.refuse_reference(image_reference)
+    if fam != "qwenimage" and edit is None:  # FLUX.1's image jobs (and their arguments refused for the other families)
         edit = _flux_image.check(
             pipe, fam, steps, image, strength, mask_image, padding_mask_crop, output_type, latents, (height, width)
         )
@@ -448,6 +459,8 @@ def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=N
     jobs in `_sample_qwen_image`) after the argument checks."""
     import diffusers
 
+    if isinstance(edit, _flux2_image.Inpaint):
+        return _flux2_image.Flux2Inpaint(params, pipe, edit)
     if edit is not None:
         return _flux_image.Flux1Image(params, pipe, edit)
     if type(pipe).__name__ == "FluxKontextPipeline":
