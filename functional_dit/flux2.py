@@ -147,6 +147,7 @@ PIPELINES = (
     Pipeline("Flux2Pipeline", tiny="flux2", sample=True),
     Pipeline("Flux2KleinPipeline", tiny="flux2-klein", sample=True),
     Pipeline("Flux2KleinKVPipeline", tiny="flux2-klein-kv", sample=True),
+    Pipeline("Flux2KleinInpaintPipeline", sample=True),  # from_pipe of the tiny klein
 )
 
 

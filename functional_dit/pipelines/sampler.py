@@ -44,6 +44,7 @@ from sharding.internal import is_dtensor
 from .. import families as _families
 from ..params import Params
 from . import _ranks, _requests
+from . import _sample_flux2_image as _flux2_image
 from . import _sample_flux_image as _flux_image
 from . import _sample_flux_kontext as _kontext
 from . import _sample_qwen_image as _qi
@@ -245,6 +246,7 @@ def sample(
     true_cfg: float | None = None,
     negative_prompt=None,
     image=None,
+    image_reference=None,
     mask_image=None,
     strength: float | None = None,
     padding_mask_crop: int | None = None,
@@ -275,7 +277,7 @@ def sample(
     ``encoders``: a diffusers pipeline of a supported class (``FluxPipeline``,
     ``FluxImg2ImgPipeline``, ``FluxInpaintPipeline``, ``FluxKontextPipeline``,
     ``Flux2Pipeline``, ``Flux2KleinPipeline``, ``Flux2KleinKVPipeline``,
-    ``QwenImagePipeline``, ``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``,
+    ``Flux2KleinInpaintPipeline``, ``QwenImagePipeline``, ``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``,
     ``QwenImageImg2ImgPipeline``, ``QwenImageInpaintPipeline``, ``QwenImageLayeredPipeline``;
     its transformer is ignored and may be None, e.g. ``from_pretrained(path,
     transformer=None)``) or a mapping of its components.
@@ -304,6 +306,9 @@ def sample(
     ``QwenImagePipeline`` given one runs img2img), with ``strength`` (0.6 by default),
     ``mask_image`` (white = repaint) and ``padding_mask_crop`` as the stock pipelines take
     them; the image to split for Qwen-Image-Layered, into ``layers`` (4 by default) images.
+    ``Flux2KleinInpaintPipeline``: ``image`` and ``mask_image`` required, the output at the
+    image's size (``height``/``width`` ignored, as stock), ``strength`` 0.8 by default, and
+    ``image_reference``, one more reference image after the encoded init image.
     ``kv_cache``: FLUX.2 with reference images: extract the reference tokens' keys and
     values on the first step and reuse them (``Flux2KleinKVPipeline``); default True for a
     ``Flux2KleinKVPipeline``, else False.
@@ -328,11 +333,12 @@ def sample(
     pipe = as_pipeline(encoders, params)
 
     height, width = _kontext.size(pipe, height, width, max_area)  # Kontext rescales to max_area
+    height, width = _flux2_image.size(pipe, height, width, image)  # klein inpainting: the image's size
     _check_args(pipe, height, width, output_type, batch_size)
     _placement.check(encoder_placement, vae_tiling)
     steps, sigmas = _check_steps(steps, sigmas)
     jobs = (image, mask_image, strength, padding_mask_crop, layers)
-    pipe, edit = _image_job(pipe, fam, steps, output_type, jobs, latents, (height, width))
+    pipe, edit = _image_job(pipe, fam, steps, output_type, jobs, latents, (height, width), (image_reference, kv_cache))
     _requests.check_max_sequence_length(fam, max_sequence_length)
     cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
     cfg = _qi.true_cfg(fam, cfg, negative_prompt, negative_prompt_embeds)
@@ -362,15 +368,19 @@ def sample(
         return _ranks.collect(lay, _ranks.concat(parts, output_type), output_type, local)
 
 
-def _image_job(pipe, fam: str, steps: int, output_type: str, jobs: tuple, latents, size):
+def _image_job(pipe, fam: str, steps: int, output_type: str, jobs: tuple, latents, size, klein: tuple):
     """The image-to-image jobs' checks, before anything heavy: Qwen-Image's (its pipeline
-    upgraded to img2img / inpainting where an image is given) and FLUX.1's (an
-    `_sample_flux_image.Edit`, or None); every other family refuses their arguments."""
-    image, mask_image, strength, padding_mask_crop, layers = jobs
-    pipe = _qi.pipeline(pipe, steps, output_type, image, mask_image, strength, padding_mask_crop, layers)
+    upgraded to img2img / inpainting where an image is given), klein inpainting's and
+    FLUX.1's (an edit, or None); every other family refuses their arguments."""
+    image, mask_image, strength, crop, layers = jobs
+    image_reference, kv_cache = klein
+    pipe = _qi.pipeline(pipe, steps, output_type, image, mask_image, strength, crop, layers)
+    if _flux2_image.wanted(pipe):  # klein inpainting
+        args = (steps, image, mask_image, image_reference, strength, crop, output_type, kv_cache)
+        return pipe, _flux2_image.check(pipe, *args)
+    _flux2_image.refuse_reference(image_reference)
     if fam == "qwenimage":
         return pipe, None
-    crop = padding_mask_crop
     return pipe, _flux_image.check(pipe, fam, steps, image, strength, mask_image, crop, output_type, latents, size)
 
 
@@ -455,6 +465,8 @@ def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=N
     jobs in `_sample_qwen_image`) after the argument checks."""
     import diffusers
 
+    if isinstance(edit, _flux2_image.Inpaint):
+        return _flux2_image.Flux2Inpaint(params, pipe, edit)
     if edit is not None:
         return _flux_image.Flux1Image(params, pipe, edit)
     if type(pipe).__name__ == "FluxKontextPipeline":

@@ -1,0 +1,163 @@
+"""FLUX.2-klein inpainting for `fd.sample` (diffusers' ``Flux2KleinInpaintPipeline``,
+``pipeline_flux2_klein_inpaint.py``).
+
+What the stock pipeline adds around klein's text-to-image loop (`_sample_families._Flux2`):
+
+- the output size is the init image's: resized to about 1024² if larger, then floored to
+  multiples of the VAE scale x 2; the ``height`` and ``width`` given are ignored, as stock;
+- the init image is VAE-encoded in *argmax* mode (no draw: the noise is klein's own),
+  patchified and batch-normalised; those latents are also the first reference image
+  (ids ``t = 10``), an optional ``image_reference`` the second (``t = 20``);
+- the schedule is the full one cut by ``strength`` (`schedule.t_start`, 0.8 by default as
+  stock), started from ``scale_noise(image latents, first timestep, noise)``; given
+  ``latents=`` are the start as they are and the noise of the blend;
+- after every step ``(1 - m) · image latents noised to the next timestep + m · latents``,
+  the mask binarised and *bilinear*-resized to the token grid (one value per token);
+  ``padding_mask_crop`` crops image and mask around the mask and pastes the result back
+  (``output_type="pil"`` only, as the stock pipeline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ._sample_families import _batch, _Flux2
+from ._sample_flux_image import _check_crop, _check_strength, _one_image, cut
+
+NAME = "Flux2KleinInpaintPipeline"
+STRENGTH = 0.8  # the stock pipeline's default (FLUX.1's and Qwen-Image's is schedule.STRENGTH)
+MAX_AREA = 1024 * 1024  # larger images are resized to about this many pixels, as stock
+
+
+@dataclasses.dataclass(frozen=True)
+class Inpaint:
+    """A checked klein inpainting job: init image, mask, optional reference, strength, crop."""
+
+    image: object
+    mask: object
+    reference: object | None
+    strength: float
+    pad: int | None
+
+
+def wanted(pipe) -> bool:
+    """Whether ``pipe`` is the stock klein inpainting pipeline."""
+    return type(pipe).__name__ == NAME
+
+
+def _fit(pipe, img):
+    """(the image, height, width) as the stock pipeline sizes it: resized to about
+    `MAX_AREA` if larger, the size floored to multiples of the VAE scale x 2."""
+    multiple = pipe.vae_scale_factor * 2
+    h, w = img.height, img.width
+    if h * w > MAX_AREA:
+        scale = math.sqrt(MAX_AREA / (h * w))
+        img = pipe.image_processor.resize(img, int(h * scale), int(w * scale))
+        h, w = img.height, img.width
+    return img, h // multiple * multiple, w // multiple * multiple
+
+
+def size(pipe, height, width, image) -> tuple:
+    """(height, width) of the output: the init image's for a klein inpainting pipeline
+    (the given ones ignored, as stock), else as given."""
+    if not wanted(pipe) or image is None:
+        return height, width
+    _, h, w = _fit(pipe, _one_image(image, "image"))
+    if h < 1 or w < 1:
+        raise ValueError(f"image: expected at least {pipe.vae_scale_factor * 2} pixels each way, got {image.size}")
+    return h, w
+
+
+def check(pipe, steps, image, mask_image, image_reference, strength, padding_mask_crop, output_type, kv_cache):
+    """The checked `Inpaint` of a ``Flux2KleinInpaintPipeline``; raises before any encoding."""
+    for name, v in (("image", image), ("mask_image", mask_image)):
+        if v is None:
+            raise ValueError(f"{name}: a {NAME} needs one (a PIL image), got None")
+    if kv_cache:
+        raise ValueError(f"kv_cache: a {NAME} feeds its references every step; expected None or False, got True")
+    img, mask = _one_image(image, "image"), _one_image(mask_image, "mask_image")
+    ref = None if image_reference is None else _one_image(image_reference, "image_reference")
+    strength = _check_strength(STRENGTH if strength is None else strength, steps)
+    if padding_mask_crop is not None:
+        _check_crop(padding_mask_crop, mask, output_type)
+    return Inpaint(img, mask, ref, strength, padding_mask_crop)
+
+
+def refuse_reference(image_reference) -> None:
+    """``image_reference`` belongs to the klein inpainting pipeline only."""
+    if image_reference is not None:
+        raise ValueError(f"image_reference: only a {NAME} takes it; expected None, got {image_reference!r:.80}")
+
+
+class Flux2Inpaint(_Flux2):
+    """`_Flux2` started from the noised init image, on a cut schedule, the encoded init
+    image (and ``image_reference``) as references, the mask blended in after every step."""
+
+    blends_steps = True
+
+    def __init__(self, params, pipe, job: Inpaint):
+        super().__init__(params, pipe, False)
+        self.job, self.strength = job, job.strength
+        self.settings = {"inpaint": True, "padding_mask_crop": job.pad, "image_reference": job.reference is not None}
+        self.crop = self.init = self.mask = self.cur = None
+        self.given = False
+
+    def images(self, images, B, device):
+        """Nothing yet: the init image is encoded at the output size (`init_latents`)."""
+
+    @property
+    def checked(self) -> dict:
+        """The inputs every rank of a group must hold the same (`sampler._check_ranks`)."""
+        return {"image latents (image)": self.init, "mask (mask_image)": self.mask}
+
+    def init_latents(self, req, height: int, width: int, device, dtype):
+        """Encode the init image (argmax: no draw) and the reference, and the mask, at the
+        output size; the request is unchanged (the noise is drawn as for text to image)."""
+        pipe, job = self.pipe, self.job
+        self.given = req.noise[0] == "latents"  # the start latents as given, and the blend's noise
+        raw, _, _ = _fit(pipe, job.image)
+        mode = "default" if job.pad is None else "fill"
+        if job.pad is not None:
+            self.crop = pipe.mask_processor.get_crop_region(job.mask, width, height, pad=job.pad)
+        kw = dict(crops_coords=self.crop, resize_mode=mode)
+        pixels = pipe.image_processor.preprocess(raw, height, width, **kw)
+        z = pipe._encode_vae_image(pixels.to(device=device, dtype=dtype), generator=None)  # (1, C, h/2, w/2)
+        self.init, self.raw = self.pack(z), raw
+        refs = [z] + ([] if job.reference is None else [self._reference(job.reference)])
+        self.ref, ids = pipe.prepare_image_latents(refs, 1, None, device, dtype)
+        self.ref_ids = ids[0]
+        m = pipe.mask_processor.preprocess(job.mask, height=height, width=width, **kw)
+        self.mask = pipe.prepare_mask_latents(m, 1, 1, height, width, dtype, device)  # (1, S, 1)
+        return req
+
+    def _reference(self, img) -> torch.Tensor:
+        """``image_reference`` as the stock pipeline preprocesses it (pixels, encoded later)."""
+        img, h, w = _fit(self.pipe, img)
+        return self.pipe.image_processor.preprocess(img, h, w, resize_mode="crop")
+
+    def begin(self, sched, chunk, on_step):
+        """Cut the schedule; start from the image latents noised to its first timestep (or
+        the given ``latents=`` as they are). Returns (start latents, the step hook)."""
+        x = chunk.x
+        cut(sched, self.strength)
+        self.cur = (_batch(self.init, x.shape[0]).to(x.dtype), x)
+        if self.given:
+            return x, on_step
+        return sched.scale_noise(self.cur[0], sched.timesteps[:1].repeat(x.shape[0]), x), on_step
+
+    def after_step(self, i: int, sched, x: torch.Tensor) -> torch.Tensor:
+        """Keep the image outside the mask, noised to the next timestep (unnoised after the last)."""
+        init, noise = self.cur
+        if i < len(sched.timesteps) - 1:
+            init = sched.scale_noise(init, sched.timesteps[i + 1 : i + 2], noise)
+        mask = self.mask.to(x.dtype)
+        return (1 - mask) * init + mask * x
+
+    def overlay(self, images):
+        """``padding_mask_crop``: each output pasted into the init image, as the pipeline."""
+        if self.crop is None:
+            return images
+        return [self.pipe.image_processor.apply_overlay(self.job.mask, self.raw, im, self.crop) for im in images]
