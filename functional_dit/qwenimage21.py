@@ -560,8 +560,9 @@ def check_inputs(
     ``(out, cache)``, a `QwenImage21KVCache` of the prefix (text and condition tokens);
     ``kv_cache=cache``: the prefix's keys and values come from the cache, only the
     target's tokens are computed. ``layout=``: `read_layout`'s result in place of img_mask
-    (nothing read on the host: a fixed graph per step on lazy devices). fd.apply returns ``QwenImage21Transformer2DModel(...)[0]``:
-    (B, L, out) over the joint sequence, or (B, target, out) with a cache passed."""
+    (nothing read on the host: a fixed graph per step on lazy devices). fd.apply returns
+    ``QwenImage21Transformer2DModel(...)[0]``: (B, L, out) over the joint sequence, or
+    (B, target, out) with a cache passed."""
     c = params.config
     leaf = reference_leaf(params, "img_in.weight")
     B, S = _check_streams(c, leaf, x, t, txt)

@@ -194,8 +194,8 @@ def test_plan_is_the_schedule_moved_once():
 def test_check_sample_on_cpu_runs_the_fixed_loop(monkeypatch, capsys):
     """``check --device cpu --sample`` (the XLA check's own check), on its first case:
     on the CPU the fixed loop equals the usual one, so both images match exactly."""
-    from functional_dit import _check_sample
     from functional_dit.__main__ import main
+    from functional_dit.cli import _check_sample
 
     first = _check_sample.cases()[0]
     monkeypatch.setattr(_check_sample, "cases", lambda: [first])
