@@ -521,11 +521,36 @@ def joint_bias(lay: Layout, txt_mask, B: int, S: int) -> torch.Tensor | None:
     return torch.cat([bias, bias.new_zeros(B, S)], 1).index_select(1, lay.source.to(bias.device))
 
 
-ARGS = ("txt_mask", "img_shapes", "img_mask", "kv_cache")  # of fd.apply's keywords, the ones 2.1 takes
+def read_layout(img_mask, img_shapes, T: int, S: int, device=None) -> Layout:
+    """The `Layout` that `check_inputs` reads from ``img_mask`` on the host (checked as
+    there), for ``layout=``: read once, later calls read nothing on the host."""
+    B = img_mask.shape[0] if isinstance(img_mask, torch.Tensor) and img_mask.dim() else 0
+    shapes = _check_shapes(img_shapes, B, S)
+    return layout(_check_img_mask(img_mask, B, T, S, shapes), shapes, T, device)
+
+
+def _check_layout(lay, img_mask, T: int, S: int, device) -> Layout:
+    """A precomputed ``layout`` (in place of img_mask) fits this call's T text and S latent rows."""
+    if img_mask is not None:
+        raise ValueError("img_mask, layout: expected one of them (layout is read from img_mask), got both")
+    if not isinstance(lay, Layout):
+        raise ValueError(f"layout: expected a qwenimage21.Layout (read_layout), got {type(lay).__name__}")
+    L_ = lay.source.shape[0]
+    if L_ != len(lay.text_rows) + S or any(r >= T for r in lay.text_rows) or lay.source.device != device:
+        raise ValueError(
+            f"layout: expected one for {T} text rows and {S} latent tokens on {device}, got {len(lay.text_rows)} "
+            f"text rows of {L_} on {lay.source.device}"
+        )
+    return lay
+
+
+ARGS = ("txt_mask", "img_shapes", "img_mask", "kv_cache", "layout")  # of fd.apply's keywords, the ones 2.1 takes
 BATCHED = ("bias",)  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
-def check_inputs(params, x, t, txt, *, img_shapes=None, img_mask=None, txt_mask=None, kv_cache=None) -> dict:
+def check_inputs(
+    params, x, t, txt, *, img_shapes=None, img_mask=None, txt_mask=None, kv_cache=None, layout=None
+) -> dict:
     """Checks the Qwen-Image 2.1 inputs (full view) and returns `forward`'s keywords: x
     (B, S, in_channels) latents (condition images first, the target last), t (B,) in
     [0, 1], txt (B, T, context_in_dim) the encoder's sequence, img_shapes per sample the
@@ -534,16 +559,22 @@ def check_inputs(params, x, t, txt, *, img_shapes=None, img_mask=None, txt_mask=
     slots, txt_mask (B, T) bool/int, 1 = real token. ``kv_cache="extract"``: returns
     ``(out, cache)``, a `QwenImage21KVCache` of the prefix (text and condition tokens);
     ``kv_cache=cache``: the prefix's keys and values come from the cache, only the
-    target's tokens are computed. fd.apply returns ``QwenImage21Transformer2DModel(...)[0]``:
-    (B, L, out) over the joint sequence, or (B, target, out) with a cache passed."""
+    target's tokens are computed. ``layout=``: `read_layout`'s result in place of img_mask
+    (nothing read on the host: a fixed graph per step on lazy devices). fd.apply returns
+    ``QwenImage21Transformer2DModel(...)[0]``: (B, L, out) over the joint sequence, or
+    (B, target, out) with a cache passed."""
     c = params.config
     leaf = reference_leaf(params, "img_in.weight")
     B, S = _check_streams(c, leaf, x, t, txt)
-    if img_shapes is None or img_mask is None:
+    if img_shapes is None or (img_mask is None and layout is None):
         raise ValueError("img_shapes, img_mask: Qwen-Image 2.1 needs both (the images' grids and their slots)")
-    shapes = _check_shapes(img_shapes, B, S)
     T = txt.shape[1]
-    lay = layout(_check_img_mask(img_mask, B, T, S, shapes), shapes, T, x.device)
+    if layout is not None:
+        _check_shapes(img_shapes, B, S)
+        lay = _check_layout(layout, img_mask, T, S, x.device)
+    else:
+        check_tensor("img_mask", img_mask, (B, None))
+        lay = read_layout(img_mask, img_shapes, T, S, x.device)
     if txt_mask is not None:
         _check_mask(txt_mask, B, T, leaf.device)
     mode = _check_kv(c, kv_cache, B, lay.prefix, leaf)

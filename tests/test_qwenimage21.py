@@ -163,3 +163,17 @@ def test_bad_inputs(tiny):
         fd.apply(params, **other, kv_cache=cache)
     with pytest.raises(ValueError, match="kv_cache: needs causal_condition=True"):
         fd.apply(fd.init(TINY_NC), **inputs(TINY_NC), kv_cache="extract")
+
+
+def test_layout_read_once_gives_the_same_output(tiny):
+    """``layout=`` (`read_layout`, read once on the host) in place of img_mask: the same
+    output bit for bit; a layout of another call, or both, refused."""
+    _, params = tiny
+    kw, other = inputs(TINY, "edit", 2, ragged=True), inputs(TINY, "t2i", 2)
+    lay = q21.read_layout(kw["img_mask"], kw["img_shapes"], kw["txt"].shape[1], kw["x"].shape[1])
+    got = fd.apply(params, **{**kw, "img_mask": None}, layout=lay)
+    torch.testing.assert_close(got, fd.apply(params, **kw), rtol=0, atol=0)  # the same ops on the same inputs
+    with pytest.raises(ValueError, match="img_mask, layout: expected one of them"):
+        fd.apply(params, **kw, layout=lay)
+    with pytest.raises(ValueError, match="layout: expected one for"):
+        fd.apply(params, **{**other, "img_mask": None}, layout=lay)

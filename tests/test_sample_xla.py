@@ -44,6 +44,8 @@ CASES = [
     ("flux2-klein-cfg-ref", "flux2-klein", dict(true_cfg=4.0, image=ref_image())),
     ("flux2-klein-kv", "flux2-klein-kv", dict(image=ref_image())),
     ("qwen-image-ragged-cfg", "qwen-image", dict(true_cfg=4.0, negative_prompt="blurry, low quality")),
+    ("flux3-flow-map", "flux3-distilled", {}),  # the target timesteps moved once with t and dt
+    ("qwen-image-2.1-kv-cfg", "qwen-image-2.1", dict(true_cfg=3.0, negative_prompt="blur")),  # layouts read once
 ]
 
 
@@ -84,10 +86,10 @@ def _captured_steps(pipe, params, kw) -> list[tuple]:
     """The (model, x, t, dt, cond, cfg, normalise) of every step of a 2-step fd.sample."""
     seen, real = [], _sample_xla.step
 
-    def spy(model, x, t, dt, cond, cfg, normalise):
+    def spy(model, x, t, dt, cond, cfg, normalise, extra=None):
         cache = getattr(model, "cache", None)
         seen.append((model, cache, x, t, dt, cond, cfg, normalise))
-        return real(model, x, t, dt, cond, cfg, normalise)
+        return real(model, x, t, dt, cond, cfg, normalise, extra)
 
     with pytest.MonkeyPatch.context() as patch, _sample_xla.static():
         patch.setattr(_sample_xla, "step", spy)
@@ -192,8 +194,8 @@ def test_plan_is_the_schedule_moved_once():
 def test_check_sample_on_cpu_runs_the_fixed_loop(monkeypatch, capsys):
     """``check --device cpu --sample`` (the XLA check's own check), on its first case:
     on the CPU the fixed loop equals the usual one, so both images match exactly."""
-    from functional_dit import _check_sample
     from functional_dit.__main__ import main
+    from functional_dit.cli import _check_sample
 
     first = _check_sample.cases()[0]
     monkeypatch.setattr(_check_sample, "cases", lambda: [first])

@@ -6,8 +6,8 @@ the fixed-graph loop (`functional_dit.pipelines.sampler_xla`) in its strict mode
 of tensor data inside a step raises). On torch_xla it reports, per image, the XLA
 compilations and executions inside the loop and in the whole call, and the
 device-to-host transfers inside the loop (``torch_xla.debug.metrics``); image 2 must
-compile nothing, the loop must compile once (twice with FLUX.2's reference KV cache:
-the extracting first step), transfer nothing, and no ``aten::`` op may fall back.
+compile nothing, the loop must compile once (twice with FLUX.2's reference KV cache or
+Qwen-Image 2.1's prefix cache: the extracting first step), transfer nothing, and no ``aten::`` op may fall back.
 """
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ def cases() -> list[tuple[str, str, dict]]:
         ("flux2-klein-cfg", "flux2-klein", dict(true_cfg=4.0)),
         ("flux2-klein-kv-ref", "flux2-klein-kv", dict(image=_ref_image())),
         ("qwen-image-cfg", "qwen-image", dict(true_cfg=4.0, negative_prompt="blurry, low quality")),
+        ("flux3-cfg", "flux3", dict(true_cfg=3.5, negative_prompt="")),
+        ("flux3-flow-map", "flux3-distilled", {}),
+        ("qwen-image-2.1-kv-cfg", "qwen-image-2.1", dict(true_cfg=3.0, negative_prompt="blur")),
+        ("qwen-image-2.1", "qwen-image-2.1", dict(kv_cache=False)),
     ]
 
 
-SKIPPED = {  # families whose fd.sample keeps the usual loop on XLA, and why
-    "flux3": "FLUX.3's flow map reads the next timestep from the schedule (usual loop)",
-    "qwen-image-2.1": "Qwen-Image 2.1 reads img_mask on the host (usual loop)",
-}
+TWO_GRAPHS = ("flux2-klein-kv", "qwen-image-2.1")  # a KV cache's extracting first step is its own graph
 
 
 def _counts(met) -> dict:
@@ -87,7 +88,7 @@ def check_case(kind: str, kw: dict, device, dtype, tol: float, met) -> dict:
     fallbacks = [n for n in met.counter_names() if n.startswith("aten::")] if met is not None else []
     ok = all(r["err"] <= tol * max(1.0, r["scale"]) for r in images) and not fallbacks
     if met is not None:
-        once = 2 if kind == "flux2-klein-kv" else 1  # the KV cache's extracting first step is its own graph
+        once = 2 if kind in TWO_GRAPHS and kw.get("kv_cache", True) else 1
         first, second = images
         ok &= first["loop"]["compiles"] <= once and second["call_compiles"] == 0 and second["loop"]["compiles"] == 0
         ok &= all(r["loop"]["transfers"] == 0 for r in images)
@@ -117,6 +118,4 @@ def run(device, dtype, tol: float) -> bool:
         for i, image in enumerate(r["images"]):
             print(f"    {_line(i, image, tol)}")
         print(f"    aten:: fallbacks: {r['fallbacks'] or 'none'}")
-    for name, why in SKIPPED.items():
-        print(f"{name:<20} skip  {why}")
     return ok

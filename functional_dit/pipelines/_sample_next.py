@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import api as _api
-from .. import flux3
+from .. import flux3, qwenimage21
 from ._steps import Prompt, Steps
 
 
@@ -46,13 +46,18 @@ class Qwen21(Steps):
     take = staticmethod(lambda latents: latents)  # latents= given packed
 
     def prepare(self, cond, h, w, guidance, device):
+        """Each branch's joint-sequence layout, read from its image-slot mask on the host
+        once per run (the steps then read nothing there)."""
         self.shape = (1, h, w)
+        self.layouts = [self._layout(pad, h * w, device) for pad in self.pads]
+
+    def _layout(self, pad, S: int, device):
+        slots = torch.cat([pad, pad.new_ones(pad.shape[0], S // 4)], 1)
+        return qwenimage21.read_layout(slots, [[self.shape]] * pad.shape[0], pad.shape[1], S, device)
 
     def _branch(self, i: int, x, t, p):
         B, S = x.shape[:2]
-        pad = self.pads[i].to(x.device)
-        slots = torch.cat([pad, pad.new_ones(pad.shape[0], S // 4)], 1)
-        kw = dict(txt_mask=p.mask, img_shapes=[[self.shape]] * B, img_mask=slots)
+        kw = dict(txt_mask=p.mask, img_shapes=[[self.shape]] * B, layout=self.layouts[i])
         if not self.kv:
             return _api.apply(self.params, x, t, p.txt, **kw)[:, -S:]
         if i not in self.caches:
@@ -130,12 +135,21 @@ class Flux3(Steps):
     def schedule(self, sched):
         self.timesteps = sched.timesteps
 
-    def __call__(self, x, t, cond):
-        target = None
-        if self.c.flow_map:
-            i, ts = self.step, self.timesteps
-            nxt = ts[i + 1] if i + 1 < len(ts) else torch.zeros_like(ts[i])
-            target = (nxt / 1000).expand(x.shape[0]).to(x.dtype)
+    @staticmethod
+    def _target(ts, i: int, batch: int, dtype) -> torch.Tensor:
+        """Step i's flow-map target: the next timestep / 1000, 0 after the last."""
+        nxt = ts[i + 1] if i + 1 < len(ts) else torch.zeros_like(ts[i])
+        return (nxt / 1000).expand(batch).to(dtype)
+
+    def step_inputs(self, sched, batch, dtype):
+        """The flow map's target timestep per step, for the fixed-graph loop."""
+        if not self.c.flow_map:
+            return super().step_inputs(sched, batch, dtype)
+        return [{"target": self._target(sched.timesteps, i, batch, dtype)} for i in range(len(sched.timesteps))]
+
+    def __call__(self, x, t, cond, target=None):
+        if target is None and self.c.flow_map:  # the usual loop: read from the schedule here
+            target = self._target(self.timesteps, self.step, x.shape[0], x.dtype)
             self.step += 1
         return _api.apply(self.params, x, t, cond.txt, rope=self.rope, target_timestep=target)
 

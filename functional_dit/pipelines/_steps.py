@@ -75,6 +75,12 @@ class Steps:
     def schedule(self, sched) -> None:
         """Sees the run's scheduler after it is set (FLUX.3's flow map reads the timesteps)."""
 
+    def step_inputs(self, sched, batch: int, dtype) -> list[dict]:
+        """Per step, the model's extra inputs (``__call__`` keywords) computed on the host
+        before the fixed-graph loop and moved to the device once (FLUX.3's flow-map target
+        timesteps); none by default."""
+        return [{} for _ in sched.timesteps]
+
     def begin(self, sched, chunk, on_step):
         """Before the first step: (start latents, the step hook). img2img / inpainting cut
         the schedule here and start from the noised image."""

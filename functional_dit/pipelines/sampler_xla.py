@@ -5,7 +5,8 @@ graph per step, the same graph at every step.
 lets the lazy graph grow over the whole loop, so on torch_xla every step count is a new
 program. Here the schedule is computed on the host before the loop — each step's model
 timestep ``t`` (B,) and Euler increment ``dt`` (a 0-d tensor, as the scheduler's
-``sigma_next - sigma``) — and moved to the device once; a step is then a pure function of
+``sigma_next - sigma``), and a family's extra per-step inputs (FLUX.3's flow-map target
+timestep, `Steps.step_inputs`) — and moved to the device once; a step is then a pure function of
 device data (`step`: the model call, CFG, the Euler update of
 ``FlowMatchEulerDiscreteScheduler.step``), cut off by ``torch_xla.sync()``. Changing the
 seed, the step count or the sigmas changes only data, never the graph. On the CPU the
@@ -27,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..nn import values as _values
 from . import _sample_families as _sample
+from . import _sample_next as _next
 
 _FORCED: contextvars.ContextVar = contextvars.ContextVar("fd_static_loop", default=None)
 
@@ -55,11 +57,10 @@ def static(strict: bool = False, record: list | None = None):
 def wanted(model, job, pipe, device) -> bool:
     """Whether `fd.sample` runs this chunk through `denoise`: on a lazy (xla) device or
     under `static`, for the families whose step is a fixed graph. Step caches decide on
-    the host, FLUX.3's flow map and Qwen-Image 2.1 read their schedule or masks there,
-    and a stochastic scheduler draws noise: those keep the usual loop."""
+    the host and a stochastic scheduler draws noise: those keep the usual loop."""
     if torch.device(device).type != "xla" and _FORCED.get() is None:
         return False
-    fixed = isinstance(model, (_sample._Flux1, _sample._Flux2, _sample._Qwen))
+    fixed = isinstance(model, (_sample._Flux1, _sample._Flux2, _sample._Qwen, _next.Flux3, _next.Qwen21))
     stochastic = pipe.scheduler.config.get("stochastic_sampling", False)
     # FLUX.1 inpainting's per-step blend runs in the usual loop
     return fixed and job.cache is None and not stochastic and not model.blends_steps
@@ -71,11 +72,12 @@ def euler(x: torch.Tensor, pred: torch.Tensor, dt: torch.Tensor) -> torch.Tensor
     return (x.to(torch.float32) + dt * pred).to(pred.dtype)
 
 
-def step(model, x, t, dt, cond, cfg: float | None, normalise: bool) -> torch.Tensor:
+def step(model, x, t, dt, cond, cfg: float | None, normalise: bool, extra: dict | None = None) -> torch.Tensor:
     """One sampler step on device data: the model call ([cond; uncond] as one batch with
-    CFG), the guidance combination and the Euler update. x (B, S, C), t (B or 2B,)."""
+    CFG; ``extra`` its per-step keywords, `extras`), the guidance combination and the
+    Euler update. x (B, S, C), t (B or 2B,)."""
     xin = torch.cat([x, x]) if cfg is not None else x
-    pred = model(xin, t, cond)
+    pred = model(xin, t, cond, **(extra or {}))
     if cfg is not None:
         pred = _sample.combine(pred, cfg, normalise)
     return euler(x, pred, dt)
@@ -94,6 +96,12 @@ def plan(sched, batch: int, dtype, device) -> list[tuple[torch.Tensor, torch.Ten
     return out
 
 
+def extras(model, sched, batch: int, dtype, device) -> list[dict]:
+    """Every step's extra model inputs (`Steps.step_inputs`), computed on the host from the
+    CPU schedule and moved to ``device`` once, with `plan`."""
+    return [{k: v.to(device) for k, v in e.items()} for e in model.step_inputs(sched, batch, dtype)]
+
+
 def _sync(device):
     """``torch_xla.sync`` on xla (cuts the lazy graph here), nothing elsewhere."""
     if torch.device(device).type != "xla":
@@ -107,13 +115,15 @@ def denoise(model, sched, x, cond, cfg: float | None, normalise: bool, callback,
     """`fd.sample`'s loop as fixed device steps (the usual `_sample._denoise` signature;
     ``run`` is always None here). ``callback(i, t, x)`` gets the host timestep."""
     opts = _FORCED.get() or Options()
-    steps = plan(sched, x.shape[0] * (1 if cfg is None else 2), x.dtype, x.device)
+    batch = x.shape[0] * (1 if cfg is None else 2)
+    steps = plan(sched, batch, x.dtype, x.device)
+    more = extras(model, sched, batch, x.dtype, x.device)
     sync = _sync(x.device)
     sync()  # inputs, RoPE tables, references and schedule become device data first
     counters = _Counters(x.device, opts.record)
-    for i, (t, dt) in enumerate(steps):
+    for i, ((t, dt), extra) in enumerate(zip(steps, more)):
         with _strict() if opts.strict else contextlib.nullcontext():
-            x = step(model, x, t, dt, cond, cfg, normalise)
+            x = step(model, x, t, dt, cond, cfg, normalise, extra)
             sync()
         if callback is not None:
             x = callback(i, sched.timesteps[i], x)
