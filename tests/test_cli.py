@@ -174,7 +174,7 @@ def test_bench_smoke_writes_the_report(tmp_path, capsys):
 def test_unknown_bench_choices_are_refused(capsys):
     assert main(["bench", "--preset", "nope", "--no-compile", "--no-tp", "--out", ""]) == 2
     assert re.fullmatch(r"error: --preset: expected one of .*\n", capsys.readouterr().err)
-    assert main(["bench", "--families", "flux3", "--no-compile", "--no-tp", "--out", ""]) == 2
+    assert main(["bench", "--families", "flux9", "--no-compile", "--no-tp", "--out", ""]) == 2
     assert re.fullmatch(r"error: --families: expected a subset of .*\n", capsys.readouterr().err)
 
 
@@ -213,9 +213,11 @@ def test_bench_released_depth_keeps_the_mid_width():
 
     from functional_dit.cli import bench
 
-    args = argparse.Namespace(preset=None, families="flux1,flux2,qwenimage", depth="released")
+    args = argparse.Namespace(preset=None, families="flux1,flux2,qwenimage,flux3,qwenimage21", depth="released")
     configs, mids = bench._configs(args), bench.mid_configs()
     assert (configs["flux1"].num_layers, configs["flux1"].num_single_layers) == (19, 38)
     assert (configs["flux2"].num_layers, configs["flux2"].num_single_layers) == (8, 48)
     assert configs["qwenimage"].num_layers == 60
-    assert all(configs[n].inner_dim == mids[n].inner_dim for n in mids)
+    assert (configs["flux3"].num_layers, configs["flux3"].num_single_layers) == (5, 28)  # flux3-klein
+    assert configs["qwenimage21"].num_layers == 32
+    assert set(configs) == set(mids) and all(configs[n].inner_dim == mids[n].inner_dim for n in mids)

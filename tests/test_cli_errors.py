@@ -114,6 +114,9 @@ _INTERRUPTED = textwrap.dedent(
     """
     import os, signal, sys, time
     import weights
+    # An interactive shell's Ctrl-C: the parent (a pytest-xdist worker) may ignore SIGINT,
+    # and an ignored signal stays ignored in its children.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     def inspect(*args, **kw):  # Ctrl-C while the checkpoint is being read
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(30)

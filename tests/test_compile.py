@@ -119,7 +119,7 @@ def test_prepared_layout_is_never_stale():
     assert _fuse.fused(group) is not None
     with torch.no_grad():
         block["attn"]["to_k"]["weight"].mul_(2)  # in place: the fused buffer itself changes
-        tree = _fuse._copy_dicts(params.tree)
+        tree = sharding.tree.map_tree(lambda _, leaf: leaf, params.tree)  # new dicts, the same tensors
         tree["single_transformer_blocks"]["0"]["attn"]["to_k"]["weight"] = block["attn"]["to_k"]["weight"].clone()
         replaced = params.replace(tree)  # a new tensor: that group runs unfused
         plain = fd.init(C.TINY, seed=0)

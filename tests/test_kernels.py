@@ -238,12 +238,12 @@ def test_ranks_of_a_mesh_choose_alike():
 
 
 def test_bench_report_keeps_one_section_per_machine_kind(tmp_path, monkeypatch):
-    from functional_dit.cli import bench
+    from functional_dit.cli import _bench_models, bench
 
     path = tmp_path / "BENCHMARKS.md"
     path.write_text("# Benchmarks\n\nintro\n\n## Intel(R) Xeon(R) Processor\n\n- old Intel figures\n")
-    monkeypatch.setattr(bench, "cpu_model", lambda: "AMD EPYC")
-    assert bench.machine_kind() == "AMD EPYC" + (
+    monkeypatch.setattr(_bench_models, "cpu_model", lambda: "AMD EPYC")
+    assert _bench_models.machine_kind() == "AMD EPYC" + (
         f" + {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     )
     monkeypatch.setattr(bench, "machine_kind", lambda: "AMD EPYC")
