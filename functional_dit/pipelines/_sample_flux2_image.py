@@ -26,6 +26,7 @@ import torch
 
 from ._sample_families import _batch, _Flux2
 from ._sample_flux_image import _check_crop, _check_strength, _one_image, cut
+from .schedule import blend
 
 NAME = "Flux2KleinInpaintPipeline"
 STRENGTH = 0.8  # the stock pipeline's default (FLUX.1's and Qwen-Image's is schedule.STRENGTH)
@@ -151,10 +152,7 @@ class Flux2Inpaint(_Flux2):
     def after_step(self, i: int, sched, x: torch.Tensor) -> torch.Tensor:
         """Keep the image outside the mask, noised to the next timestep (unnoised after the last)."""
         init, noise = self.cur
-        if i < len(sched.timesteps) - 1:
-            init = sched.scale_noise(init, sched.timesteps[i + 1 : i + 2], noise)
-        mask = self.mask.to(x.dtype)
-        return (1 - mask) * init + mask * x
+        return blend(sched, i, init, noise, self.mask, x)
 
     def overlay(self, images):
         """``padding_mask_crop``: each output pasted into the init image, as the pipeline."""

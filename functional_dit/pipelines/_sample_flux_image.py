@@ -28,7 +28,7 @@ import torch
 
 from . import _requests
 from ._sample_families import _Flux1
-from .schedule import STRENGTH, t_start
+from .schedule import STRENGTH, blend, t_start
 
 GUIDANCE = 7.0  # their guidance_scale default (FluxPipeline's is 3.5)
 
@@ -209,10 +209,7 @@ class Flux1Image(_Flux1):
         if self.edit.mask is None:
             return x
         init, noise = self.cur
-        if i < len(sched.timesteps) - 1:
-            init = sched.scale_noise(init, sched.timesteps[i + 1 : i + 2], noise)
-        mask = self.mask.to(x.dtype)
-        return (1 - mask) * init + mask * x
+        return blend(sched, i, init, noise, self.mask, x)
 
     def overlay(self, images):
         """``padding_mask_crop``: paste each generated crop back into the init image."""
