@@ -174,7 +174,7 @@ def test_adapter_honours_enable_cache(recorder, fixed_fbc_tail):
             pipe.transformer.enable_cache(config)
         expected = stock_latents(stock, 3, **kw)
         torch.testing.assert_close(stock_latents(ours, 3, **kw), expected, **FP32)
-        assert ours.transformer._fd_states == {}  # dropped by the pipeline after the run, as diffusers' hooks
+        assert ours.transformer.step_cache_hook().state_manager._state_cache == {}  # dropped after the run, as stock
         for pipe in (stock, ours):
             pipe.transformer.disable_cache()
 

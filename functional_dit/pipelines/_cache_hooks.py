@@ -1,20 +1,32 @@
 """diffusers' ``CacheMixin`` for `fd.DiffusersTransformer`: ``enable_cache(config)`` with
-diffusers' own configs runs `functional_dit.pipelines.cache` steps, one state per
-``cache_context`` name ("cond", "uncond", as the pipelines open them), dropped by
-``_reset_stateful_cache`` (which the pipelines call after each run) — the semantics of
-diffusers' hooks, without hooks on modules. Configs it cannot honour raise a
-``ValueError`` naming them.
+diffusers' own configs registers one stateful diffusers hook on the adapter itself
+(`StepCacheHook`, under the stock leader hook's name) whose per-context state runs
+`functional_dit.pipelines.cache` steps. diffusers' own ``cache_context``,
+``_reset_stateful_cache`` and ``disable_cache`` reach it as they reach the stock hooks, so
+contexts ("cond", "uncond"), resets and removal have the stock semantics; the forward
+stays `fd.apply` (no hooks on blocks). Configs it cannot honour raise a ``ValueError``
+naming them.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import diffusers
 import torch
+from diffusers.hooks import HookRegistry
+from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
+from diffusers.hooks.hooks import BaseState, CacheContext, ModelHook, StateManager
+from diffusers.hooks.mag_cache import _MAG_CACHE_LEADER_BLOCK_HOOK
+from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
 
 from ..api import apply
 from . import cache as _cache
+
+# The stock hook each of our caches stands in for (what diffusers' disable_cache removes).
+HOOK_NAMES = {
+    _cache.FirstBlockCache: _FBC_LEADER_BLOCK_HOOK,
+    _cache.TaylorSeer: _TAYLORSEER_CACHE_HOOK,
+    _cache.MagCache: _MAG_CACHE_LEADER_BLOCK_HOOK,
+}
 
 
 def from_diffusers_config(config):
@@ -43,49 +55,68 @@ def from_diffusers_config(config):
     )
 
 
+class _State(BaseState):
+    """One context's cache state (`functional_dit.pipelines.cache`'s immutable value)."""
+
+    def __init__(self, cache):
+        self.cache, self.value = cache, _cache.init(cache)
+
+    def reset(self) -> None:
+        self.value = _cache.init(self.cache)
+
+
+class StepCacheHook(ModelHook):
+    """The adapter's step cache as a stateful diffusers hook: a `StateManager` of one state
+    per ``cache_context`` name; the forward itself is left alone (the adapter's forward
+    runs the step through `CacheHooks.cached_apply`)."""
+
+    _is_stateful = True
+
+    def __init__(self, cache):
+        super().__init__()
+        self.cache = cache
+        self.state_manager = StateManager(_State, init_args=(cache,))
+
+    def reset_state(self, module):
+        self.state_manager.reset()
+        return module
+
+    def state(self) -> _State:
+        """The current context's state; MagCache uses ``"inference"`` without one, as diffusers'."""
+        if isinstance(self.cache, _cache.MagCache) and self.state_manager._context is None:
+            self.state_manager.set_context(CacheContext(name="inference"))
+        return self.state_manager.get_state()  # diffusers' "No cache context is set" otherwise
+
+
 class CacheHooks(diffusers.CacheMixin):
-    """``enable_cache`` / ``disable_cache`` / ``cache_context`` / ``_reset_stateful_cache``
-    over `functional_dit.pipelines.cache`; the adapter's forward calls `cached_apply`."""
+    """diffusers' ``CacheMixin`` whose ``enable_cache`` maps the config onto our caches and
+    registers a `StepCacheHook`; ``disable_cache``, ``cache_context`` and
+    ``_reset_stateful_cache`` are diffusers' own. The adapter's forward calls `cached_apply`."""
 
     def enable_cache(self, config) -> None:
         if self.is_cache_enabled:
             raise ValueError(f"Caching has already been enabled with {type(self._cache_config)}; disable it first.")
-        self.__dict__.update(_fd_cache=from_diffusers_config(config), _fd_states={})
+        cache = from_diffusers_config(config)
+        registry = HookRegistry.check_if_exists_or_initialize(self)
+        registry.register_hook(StepCacheHook(cache), HOOK_NAMES[type(cache)])
+        registry.invalidate_child_registries_cache()
         self._cache_config = config
 
-    def disable_cache(self) -> None:
-        self.__dict__.update(_fd_cache=None, _fd_states={})
-        self._cache_config = None
-
-    @contextlib.contextmanager
-    def cache_context(self, name: str, **kwargs):
-        """The pipelines' ``with transformer.cache_context("cond")``: the state to use."""
-        self.__dict__["_fd_context"] = name
-        try:
-            yield
-        finally:
-            self.__dict__["_fd_context"] = None
-
-    def _reset_stateful_cache(self, recurse: bool = True) -> None:
-        self.__dict__["_fd_states"] = {}
+    def step_cache_hook(self) -> StepCacheHook | None:
+        """The registered `StepCacheHook`, None when no cache is enabled."""
+        registry = self.__dict__.get("_diffusers_hook")
+        hooks = [registry.get_hook(n) for n in HOOK_NAMES.values()] if registry is not None else []
+        return next((h for h in hooks if isinstance(h, StepCacheHook)), None)
 
     def cached_apply(self, params, x, t, txt, lora=None, checkpoint: bool = False, **kwargs):
         """`fd.apply`, or with a cache enabled one cached step in the current context's state."""
-        cache = self.__dict__.get("_fd_cache")
-        if cache is None:
+        hook = self.step_cache_hook()
+        if hook is None:
             return apply(params, x, t, txt, lora=lora, checkpoint=checkpoint, **kwargs)
         if checkpoint and torch.is_grad_enabled():
             raise ValueError("enable_cache: step caching with gradient checkpointing under autograd is not supported")
         if lora:
             raise ValueError("lora: step caching with on-the-fly LoRA is not supported; merge it (lora.merge)")
-        name = self.__dict__.get("_fd_context") or (
-            "inference" if isinstance(cache, _cache.MagCache) else None  # as diffusers' MagCache
-        )
-        if name is None:
-            raise ValueError(
-                "No cache context is set. Wrap the denoiser call in `model.cache_context(name, ...)` before calling it."
-            )
-        states = self.__dict__["_fd_states"]
-        state = states[name] if name in states else _cache.init(cache)
-        out, states[name] = _cache.step(params, cache, state, x, t, txt, **kwargs)
+        state = hook.state()
+        out, state.value = _cache.step(params, hook.cache, state.value, x, t, txt, **kwargs)
         return out
