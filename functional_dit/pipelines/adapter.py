@@ -51,6 +51,7 @@ from ..params import Params
 from . import _adapter_io as io
 from . import _adapter_kv as kv
 from ._adapter_peft import PeftMixin
+from ._adapter_rope import stock_pos_embed
 from ._adapter_surface import SurfaceMixin
 from ._cache_hooks import CacheHooks
 
@@ -215,6 +216,9 @@ class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelM
         self.register_to_config(**cfg)
         self.__dict__["_fd_config"] = params.config
         _tree_module(self, params.tree, (), type(self).__name__, fam)
+        pos_embed = stock_pos_embed(fam, self.config)  # the stock RoPE module (unused by forward)
+        if pos_embed is not None:
+            self.pos_embed = pos_embed
         self.gradient_checkpointing = False  # what the stock classes hold (enable_gradient_checkpointing)
         # What diffusers records in a pipeline's model_index.json: the stock class, whose
         # checkpoint folder save_pretrained writes (see the module docstring).
