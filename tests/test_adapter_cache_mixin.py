@@ -1,0 +1,217 @@
+"""`fd.DiffusersTransformer` as diffusers' ``CacheMixin``, against the stock FLUX.1 module,
+and the stock ``pos_embed`` per family.
+
+What diffusers' cache test mixins check of a transformer class, covered with our own
+tests: ``issubclass(..., CacheMixin)``, ``enable_cache`` / ``is_cache_enabled`` /
+``disable_cache`` (the hook registered under the stock name and removed), a second
+``enable_cache`` refused, ``cache_context`` isolating states, ``_reset_stateful_cache``
+starting afresh; beyond them, each config's outputs step by step equal the stock
+module's under the same config (both CFG contexts interleaved as the pipelines call
+them), and every config the adapter cannot honour is a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import diffusers
+import pytest
+import torch
+from cases_flux1 import diffusers_kwargs as flux1_kwargs
+from cases_flux1 import inputs as flux1_inputs
+from diffusers.hooks import (
+    FasterCacheConfig,
+    FirstBlockCacheConfig,
+    MagCacheConfig,
+    PyramidAttentionBroadcastConfig,
+    SeaCacheConfig,
+    TaylorSeerCacheConfig,
+    TextKVCacheConfig,
+)
+from diffusers.models.cache_utils import CacheMixin
+
+import functional_dit as fd
+from functional_dit import flux1, flux2, qwenimage
+
+FLUX1 = fd.PRESETS["flux1-tiny"]
+STEPS = 5
+# Adapter vs stock in fp32: the same maths (bitwise equal on the AMD EPYC this was written
+# on); the bound is the plain forward's, for GEMM paths that round differently; a skipped
+# step reuses residuals computed that way.
+FP32 = dict(rtol=1e-5, atol=1e-5)
+# diffusers' cache configs the adapter honours, each set so that some of the STEPS calls
+# compute and some skip (checked below against the uncached outputs).
+CONFIGS = {
+    "fbc": lambda: FirstBlockCacheConfig(threshold=0.3),
+    "taylorseer": lambda: TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1, use_lite_mode=True),
+    "magcache": lambda: MagCacheConfig(
+        mag_ratios=[1.0, 1.01, 1.02, 0.99, 1.0], num_inference_steps=STEPS, threshold=0.06, retention_ratio=0.2
+    ),
+}
+
+
+def pair(seed: int = 0):
+    """(stock FluxTransformer2DModel, adapter over its weights)."""
+    cfg = fd.config_to_diffusers(FLUX1)
+    torch.manual_seed(seed)
+    stock = getattr(diffusers, cfg.pop("_class_name"))(**cfg).eval()
+    return stock, fd.DiffusersTransformer(fd.from_diffusers(stock))
+
+
+def step_inputs(seed: int) -> list[dict]:
+    """STEPS forward calls of a denoising run: latents drifting a little, timesteps falling."""
+    kw = flux1_kwargs(flux1_inputs(FLUX1, seed=seed))
+    g = torch.Generator().manual_seed(seed + 100)
+    noise = torch.randn(kw["hidden_states"].shape, generator=g)
+    return [
+        dict(kw, hidden_states=kw["hidden_states"] + 0.02 * i * noise, timestep=kw["timestep"] * (1 - 0.1 * i))
+        for i in range(STEPS)
+    ]
+
+
+@torch.no_grad()
+def run(model, calls: dict[str, list[dict]]) -> dict[str, list[torch.Tensor]]:
+    """Per context name its outputs, the contexts interleaved step by step (as CFG does)."""
+    outs = {name: [] for name in calls}
+    for i in range(STEPS):
+        for name, steps in calls.items():
+            with model.cache_context(name):
+                outs[name].append(model(**steps[i])[0])
+    return outs
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_each_config_equals_stock_flux1(name):
+    stock, ad = pair()
+    calls = {"cond": step_inputs(1), "uncond": step_inputs(2)}
+    plain = run(ad, calls)  # no cache: every call computes
+    for model in (stock, ad):
+        model.enable_cache(CONFIGS[name]())
+    want, got = run(stock, calls), run(ad, calls)
+    skipped = 0
+    for ctx in calls:
+        for i in range(STEPS):
+            torch.testing.assert_close(got[ctx][i], want[ctx][i], **FP32)
+            skipped += not torch.allclose(got[ctx][i], plain[ctx][i], **FP32)
+    assert 0 < skipped < 2 * STEPS - 2  # the cache took effect on some calls, not on all
+    # _reset_stateful_cache (what the pipelines call after a run): the next call computes again
+    for model in (stock, ad):
+        model._reset_stateful_cache()
+    with torch.no_grad(), ad.cache_context("cond"):
+        torch.testing.assert_close(ad(**calls["cond"][0])[0], plain["cond"][0], **FP32)
+    assert ad.step_cache_hook().state_manager._state_cache.keys() == {"cond"}
+
+
+def test_cache_mixin_surface():
+    """What diffusers' cache test mixins check: the class, the enabled state, the hook
+    under the stock name and its removal, a second enable refused, the context's error."""
+    stock, ad = pair()
+    assert issubclass(type(ad), CacheMixin) and isinstance(ad, CacheMixin)
+    kw = step_inputs(1)[0]
+    for name, hook in (("fbc", "fbc_leader_block_hook"), ("taylorseer", "taylorseer_cache")):
+        assert not ad.is_cache_enabled
+        ad.enable_cache(CONFIGS[name]())
+        assert ad.is_cache_enabled and ad._diffusers_hook.get_hook(hook) is ad.step_cache_hook()
+        with pytest.raises(ValueError, match="Caching has already been enabled"):
+            ad.enable_cache(CONFIGS[name]())
+        stock.enable_cache(CONFIGS[name]())
+        for model in (stock, ad):  # as the stock hooks: FBC and TaylorSeer need a context
+            with pytest.raises(ValueError, match="No cache context is set"):
+                model(**kw)
+        stock.disable_cache()
+        ad.disable_cache()
+        assert not ad.is_cache_enabled and ad._diffusers_hook.get_hook(hook) is None
+        assert ad.step_cache_hook() is None
+        torch.testing.assert_close(ad(**kw)[0], stock(**kw)[0], **FP32)  # plain forward again
+    # MagCache without a context uses "inference", as the stock hook does
+    for model in (stock, ad):
+        model.enable_cache(CONFIGS["magcache"]())
+    with torch.no_grad():
+        for kw in step_inputs(3):
+            torch.testing.assert_close(ad(**kw)[0], stock(**kw)[0], **FP32)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (TaylorSeerCacheConfig(), r"config: TaylorSeerCacheConfig\(.*use_lite_mode=False.*not supported"),
+        (TaylorSeerCacheConfig(use_lite_mode=True, cache_identifiers=["proj_out"]), "identifier patterns"),
+        (MagCacheConfig(calibrate=True), r"config: MagCacheConfig\(calibrate=True\) is not supported"),
+        (FasterCacheConfig(current_timestep_callback=lambda: 500), "config: FasterCacheConfig is not supported"),
+        (
+            PyramidAttentionBroadcastConfig(current_timestep_callback=lambda: 500),
+            "config: PyramidAttentionBroadcastConfig is not supported",
+        ),
+        (SeaCacheConfig(), "config: SeaCacheConfig is not supported"),
+        (TextKVCacheConfig(), "config: TextKVCacheConfig is not supported"),
+    ],
+)
+def test_refuses_configs_it_cannot_honour(config, match):
+    """Configs the stock FLUX.1 honours but the adapter does not: a ValueError naming the
+    config, nothing enabled (never a silent no-op)."""
+    _, ad = pair()
+    with pytest.raises(ValueError, match=match):
+        ad.enable_cache(config)
+    assert not ad.is_cache_enabled and ad.step_cache_hook() is None
+
+
+# ---------------------------------------------------------------- pos_embed
+
+
+def _stock_and_adapter(config, seed: int = 0):
+    cfg = fd.config_to_diffusers(config)
+    torch.manual_seed(seed)
+    stock = getattr(diffusers, cfg.pop("_class_name"))(**cfg)
+    return stock, fd.DiffusersTransformer(fd.from_diffusers(stock))
+
+
+def _complex_to_cos_sin(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' complex Qwen RoPE (S, D/2) as our interleaved (cos, sin) (S, D)."""
+    return freqs.real.repeat_interleave(2, -1), freqs.imag.repeat_interleave(2, -1)
+
+
+@pytest.mark.parametrize("layered", [False, True])
+def test_qwen_pos_embed_is_stock_and_fd_apply_tables(layered):
+    """Qwen-Image's ``pos_embed`` is the stock class's module (``QwenEmbedLayer3DRope`` for
+    Layered), adds nothing to ``state_dict()`` / ``parameters()``, and gives the tables
+    `fd.apply` builds for the same image shapes and text length."""
+    config = fd.PRESETS["qwen-image-tiny"]
+    if layered:
+        config = dataclasses.replace(config, use_additional_t_cond=True, use_layer3d_rope=True)
+    stock, ad = _stock_and_adapter(config)
+    assert type(ad.pos_embed) is type(stock.pos_embed)
+    assert type(ad.pos_embed).__name__ == ("QwenEmbedLayer3DRope" if layered else "QwenEmbedRope")
+    assert ad.state_dict().keys() == stock.state_dict().keys()
+    assert [n for n, _ in ad.named_parameters()] == [n for n, _ in stock.named_parameters()]
+    assert [n for n, _ in ad.named_buffers()] == [n for n, _ in stock.named_buffers()]
+    shapes, txt_len = [(1, 2, 4)] * 3 if layered else [(1, 4, 6)], 5  # Layered: 2 layers and the condition
+    img, txt = ad.pos_embed([shapes], max_txt_seq_len=txt_len, device=torch.device("cpu"))
+    stock_img, stock_txt = stock.pos_embed([shapes], max_txt_seq_len=txt_len, device=torch.device("cpu"))
+    assert torch.equal(img, stock_img) and torch.equal(txt, stock_txt)
+    cos, sin = qwenimage.pos_embed(shapes, txt_len, config.axes_dims_rope, layered)  # what fd.apply uses
+    want = [torch.cat(p) for p in zip(_complex_to_cos_sin(txt), _complex_to_cos_sin(img))]
+    # the stock tables are polar(1, angle) in fp32, ours cos/sin of the same fp32 angles:
+    # equal up to the rounding of each (|error| measured <= 6e-8)
+    torch.testing.assert_close(cos, want[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, want[1], rtol=0, atol=1e-6)
+
+
+def test_flux_pos_embed_is_stock_and_fd_apply_tables():
+    """FLUX.1 / FLUX.2 ``pos_embed``: the stock module, nothing in ``state_dict()``, and
+    calling it on the ids gives `fd.apply`'s RoPE table (`rope_table`)."""
+    g = torch.Generator().manual_seed(0)
+    for config, mod in ((FLUX1, flux1), (fd.PRESETS["flux2-tiny"], flux2)):
+        stock, ad = _stock_and_adapter(config)
+        assert type(ad.pos_embed) is type(stock.pos_embed)
+        assert ad.state_dict().keys() == stock.state_dict().keys()
+        assert [n for n, _ in ad.named_parameters()] == [n for n, _ in stock.named_parameters()]
+        n_axes = len(config.axes_dims_rope)
+        img_ids, txt_ids = torch.randn(6, n_axes, generator=g) * 4, torch.randn(3, n_axes, generator=g) * 4
+        want = mod.rope_table(config, img_ids, txt_ids)
+        if mod is flux1:  # the stock FLUX.1 forward embeds the joint (txt; img) ids at once
+            got = ad.pos_embed(torch.cat([txt_ids, img_ids]))
+        else:  # the stock FLUX.2 forward embeds image and text ids apart, txt first in attention
+            got = [torch.cat(p) for p in zip(ad.pos_embed(txt_ids), ad.pos_embed(img_ids))]
+        for a, b in zip(got, want):
+            # both take fp64 angles to fp32 (bitwise equal here); the bound allows another libm
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
