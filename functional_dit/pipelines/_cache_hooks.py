@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import diffusers
 import torch
-from diffusers.hooks import HookRegistry
+from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, MagCacheConfig, TaylorSeerCacheConfig
 from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
 from diffusers.hooks.hooks import BaseState, CacheContext, ModelHook, StateManager
 from diffusers.hooks.mag_cache import _MAG_CACHE_LEADER_BLOCK_HOOK
@@ -32,8 +32,6 @@ HOOK_NAMES = {
 def from_diffusers_config(config):
     """Our cache config for a diffusers one: ``FirstBlockCacheConfig``,
     ``TaylorSeerCacheConfig(use_lite_mode=True)`` or ``MagCacheConfig`` (not calibrating)."""
-    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
-
     if isinstance(config, FirstBlockCacheConfig):
         return _cache.FirstBlockCache(config.threshold)
     if isinstance(config, TaylorSeerCacheConfig):
