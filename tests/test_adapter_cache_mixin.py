@@ -215,3 +215,20 @@ def test_flux_pos_embed_is_stock_and_fd_apply_tables():
         for a, b in zip(got, want):
             # both take fp64 angles to fp32 (bitwise equal here); the bound allows another libm
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("preset", ["flux1-tiny", "flux2-tiny", "qwen-image-tiny", "flux3-tiny", "qwen-image-2.1-tiny"])
+def test_pos_embed_is_the_stock_module(preset):
+    """Every family: the stock class's RoPE module with the stock settings, and the stock
+    ``state_dict()`` and parameter names (pos_embed holds no parameter or buffer)."""
+    stock, ad = _stock_and_adapter(fd.PRESETS[preset])
+    assert type(ad.pos_embed) is type(stock.pos_embed)
+    settings = ("theta", "axes_dim", "scale_rope")
+    assert {k: getattr(ad.pos_embed, k, None) for k in settings} == {
+        k: getattr(stock.pos_embed, k, None) for k in settings
+    }
+    assert ad.state_dict().keys() == stock.state_dict().keys()
+    assert [n for n, _ in ad.named_parameters()] == [n for n, _ in stock.named_parameters()]
+    # (Qwen-Image 2.1's stock time embedding holds a non-persistent buffer the adapter
+    # does not: outside pos_embed, not in state_dict)
+    assert [n for n, _ in ad.pos_embed.named_buffers()] == [n for n, _ in stock.pos_embed.named_buffers()] == []
