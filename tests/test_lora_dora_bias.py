@@ -68,9 +68,10 @@ def _stock_adapter(module, params, variant, seed=5):
     module.set_adapters("x", WEIGHT)
 
 
-def _ours(peft_name: str) -> str:
+def _ours(peft_name: str, adapter: str = "x") -> str:
     """PEFT's parameter name -> our Adapter key (the adapter name dropped, as saved)."""
-    return peft_name.replace(".lora_magnitude_vector.x.weight", ".lora_magnitude_vector").replace(".x.", ".")
+    name = peft_name.replace(f".lora_magnitude_vector.{adapter}.weight", ".lora_magnitude_vector")
+    return name.replace(f".{adapter}.", ".")
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -168,6 +169,45 @@ def test_init_matches_peft_initialisation():
         want = _call(params, kw, lora=[(plain, 1.0)])
         torch.testing.assert_close(_call(params, kw, lora=[(dora, 1.0)]), want, **FP32)
         torch.testing.assert_close(_call(params, kw, lora=[(biased, 1.0)]), _call(params, kw), **FP32)
+
+
+@pytest.mark.parametrize("init", [True, False])
+def test_adapter_new_adapter_initialises_as_peft(init):
+    """The diffusers adapter's ``add_adapter`` builds its `lora.Adapter` with
+    ``new_adapter``: a zero bias (``init_lora_weights=True``; else random, non-zero) and
+    DoRA's magnitude ``||W + s B A||`` per row, as PEFT's ``add_adapter`` sets them."""
+    from functional_dit.pipelines._adapter_peft import new_adapter
+
+    _, config = _case("flux1")
+    module, params = diffusers_model(config, seed=3)
+    targets = ["to_q", "to_out.0", "proj_out"]
+    for variant in ("dora", "bias"):
+        cfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=init, **VARIANTS[variant])
+        ad = new_adapter(params, cfg)
+        assert (ad.config.use_dora, ad.config.lora_bias) == (variant == "dora", variant == "bias")
+        assert {m for m, _, _ in ad.config.modules} == {n[: -len(".weight")] for n, _ in _peft_targets(module, targets)}
+        for m, _, _ in ad.config.modules:
+            A, B = ad.factors(m)
+            W = params.flat()[f"{m}.weight"]
+            if variant == "dora":  # PEFT's DoraLinearLayer.update_layer at the same W, A, B
+                want = torch.linalg.norm(W + ad.config.scale(m) * (B @ A), dim=1)
+                torch.testing.assert_close(ad.magnitude(m), want, **FP32)
+            else:
+                assert (ad.bias(m).abs().sum() > 0) != init, m
+    module.add_adapter(peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets, use_dora=True), adapter_name="d")
+    ours = new_adapter(params, peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets, use_dora=True))
+    stock = {_ours(n, "d"): p for n, p in module.named_parameters() if "lora_magnitude_vector" in n}
+    assert set(stock) == {k for k in ours.flat() if k.endswith("lora_magnitude_vector")}
+    for k, v in stock.items():  # B = 0: both ||W||, whatever the RNG drew for A
+        torch.testing.assert_close(ours.flat()[k], v, **FP32)
+
+
+def _peft_targets(module, targets):
+    """The linear weights PEFT's name matching picks: the module name or a dotted suffix."""
+    names = [n[: -len(".weight")] for n, p in module.named_parameters() if n.endswith(".weight") and p.ndim == 2]
+    return [
+        (n + ".weight", None) for n in names if "lora" not in n and any(n == t or n.endswith("." + t) for t in targets)
+    ]
 
 
 # ----------------------------------------------------------------------------- tensor parallelism
