@@ -154,6 +154,10 @@ def test_bad_input_is_refused(tmp_path):
     plain = lora.to_state_dict(lora.init(params, rank=2))
     with pytest.raises(ValueError, match="no lora_magnitude_vector"):
         lora.from_state_dict(plain, params, meta)
+    biased = lora.to_state_dict(lora.init(params, rank=2, lora_bias=True))
+    meta = {lora.METADATA_KEY: json.dumps({"lora_bias": False, "lora_alpha": 2})}
+    with pytest.raises(ValueError, match="lora_B.bias keys in the file, but its metadata says lora_bias=False"):
+        lora.from_state_dict(biased, params, meta)
 
 
 def test_init_matches_peft_initialisation():

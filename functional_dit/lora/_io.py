@@ -73,11 +73,17 @@ def _refuse_unsupported(state: Mapping) -> None:
         )
 
 
-def _flags(sources: dict, meta: dict) -> tuple[bool, bool]:
+def _flags(sources: dict, meta: dict, problems: list) -> tuple[bool, bool]:
     """``(lora_bias, use_dora)``: whether any module has a bias / magnitude key (as
-    diffusers reads them), or the metadata says so (then every module must have one)."""
-    bias = any("bias" in f for f in sources.values()) or bool(meta.get("lora_bias"))
-    return bias, any("magnitude" in f for f in sources.values()) or bool(meta.get("use_dora"))
+    diffusers reads them), or the metadata says so (then every module must have one);
+    keys the metadata denies (``lora_bias: false``) are a problem."""
+    out = []
+    for x, field in (("bias", "lora_bias"), ("magnitude", "use_dora")):
+        keys = any(x in f for f in sources.values())
+        if keys and meta.get(field, True) is False:
+            problems.append(f"{_layouts.ROW_LEAVES[x]} keys in the file, but its metadata says {field}=False")
+        out.append(keys or bool(meta.get(field)))
+    return out[0], out[1]
 
 
 def _metadata(metadata: Mapping | None) -> dict:
@@ -107,7 +113,7 @@ def from_state_dict(state: Mapping[str, torch.Tensor], params_or_config, metadat
     _refuse_unsupported(state)
     index, known = _index(config), linear_modules(config)
     sources, problems = _group(state, index, config)
-    flags = _flags(sources, meta)
+    flags = _flags(sources, meta, problems)
     flat, modules, assumed = {}, [], []
     seen: dict[str, str] = {}  # diffusers module -> the source module that gave it
     for name, f in sources.items():
