@@ -132,7 +132,7 @@ def _check_our_file(config, ad, kw, ref, cases, tmp_path):
 
 
 def test_bad_input_is_refused(tmp_path):
-    _, config = _case("flux1")
+    cases, config = _case("flux1")
     params = fd.init(config, seed=0)
     with pytest.raises(ValueError, match="lora_bias: a LoRA bias is not supported with DoRA"):
         lora.init(params, lora_bias=True, use_dora=True)
@@ -154,6 +154,9 @@ def test_bad_input_is_refused(tmp_path):
     plain = lora.to_state_dict(lora.init(params, rank=2))
     with pytest.raises(ValueError, match="no lora_magnitude_vector"):
         lora.from_state_dict(plain, params, meta)
+    bare = ad.replace(lora.init(params, rank=2).tree)  # DoRA config, factors only
+    with pytest.raises(ValueError, match="has use_dora=True but its tree has no .*lora_magnitude_vector"):
+        _call(params, cases.inputs(config), lora=[(bare, 1.0)])
     biased = lora.to_state_dict(lora.init(params, rank=2, lora_bias=True))
     meta = {lora.METADATA_KEY: json.dumps({"lora_bias": False, "lora_alpha": 2})}
     with pytest.raises(ValueError, match="lora_B.bias keys in the file, but its metadata says lora_bias=False"):

@@ -127,11 +127,17 @@ class Adapter(Params):
 
     def bias(self, module: str) -> torch.Tensor | None:
         """``lora_B``'s bias of ``module`` (None without ``lora_bias``)."""
-        return get(self.tree, f"{module}.lora_B.bias") if self.config.lora_bias else None
+        return self._leaf(f"{module}.lora_B.bias", "lora_bias") if self.config.lora_bias else None
 
     def magnitude(self, module: str) -> torch.Tensor | None:
         """DoRA's magnitude vector of ``module`` (None without ``use_dora``)."""
-        return get(self.tree, f"{module}.lora_magnitude_vector") if self.config.use_dora else None
+        return self._leaf(f"{module}.lora_magnitude_vector", "use_dora") if self.config.use_dora else None
+
+    def _leaf(self, path: str, flag: str) -> torch.Tensor:
+        try:
+            return get(self.tree, path)
+        except KeyError:
+            raise ValueError(f"adapter: its config has {flag}=True but its tree has no {path}") from None
 
     def replace(self, tree: Mapping) -> Adapter:
         return Adapter(self.config, tree)
