@@ -272,7 +272,7 @@ def test_peft_add_adapter_trains():
     torch.optim.SGD([p for p in ad.parameters() if p.requires_grad], lr=1.0).step()
     with torch.no_grad():
         assert max_err(out(ad, kw), base) > 1e-4  # the step moved the LoRA update off zero
-    for bad, match in ((dict(use_dora=True), "use_dora"), (dict(lora_dropout=0.1), "lora_dropout")):
+    for bad, match in ((dict(bias="all"), "adapter_config.bias"), (dict(lora_dropout=0.1), "lora_dropout")):
         with pytest.raises(ValueError, match=match):
             ad.add_adapter(_peft_config(**bad), adapter_name="x")
     with pytest.raises(ValueError, match="already exists"):

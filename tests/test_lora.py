@@ -115,7 +115,7 @@ def test_fp32_adapter_on_bf16_weights():
     w, b = torch.randn(6, 5, generator=g).bfloat16(), torch.randn(6, generator=g).bfloat16()
     A, B = torch.randn(3, 5, generator=g), torch.randn(6, 3, generator=g)
     x = torch.randn(2, 4, 5, generator=g).bfloat16()
-    got = L.linear({"weight": w, "bias": b, "lora": ((A, B, 0.5),)}, x)
+    got = L.linear({"weight": w, "bias": b, "lora": ((A, B, 0.5, None, None),)}, x)
     want = (torch.nn.functional.linear(x, w, b) + (x.float() @ A.T @ B.T) * 0.5).bfloat16()
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -247,13 +247,13 @@ def test_wrong_keys_are_listed_in_one_error():
     config = fd.PRESETS["flux1-tiny"]
     state = _peft_state(config)
     state["transformer.transformer_blocks.7.attn.to_q.lora_A.weight"] = torch.zeros(4, 32)
-    state["transformer.transformer_blocks.0.attn.to_q.lora_B.bias"] = torch.zeros(32)
+    state["transformer.transformer_blocks.0.attn.to_q.lora_B.scale"] = torch.zeros(32)
     del state["transformer.transformer_blocks.1.attn.to_k.lora_B.weight"]
     msg = _expect(
         state,
         config,
         "transformer_blocks.7.attn.to_q",
-        "lora_B.bias: not a LoRA factor",
+        "lora_B.scale: not a LoRA factor",
         "transformer_blocks.1.attn.to_k: missing factor(s) ['lora_B']",
     )
     assert msg.startswith("lora: the file does not match Flux1Config (3 problems)")
@@ -279,12 +279,15 @@ def test_wrong_family_is_named():
     _expect(_peft_state(qwen), fd.PRESETS["flux1-tiny"], "expected lora_A (r, 32)", "got (4, 64)")
 
 
-def test_dora_is_refused():
+def test_partial_dora_is_refused():
+    """DoRA is read (tests/test_lora_dora_bias.py); a magnitude on some modules only, or
+    use_dora in the metadata without magnitudes, is a file error naming the modules."""
     config = fd.PRESETS["flux1-tiny"]
     state = _peft_state(config)
     state["transformer.transformer_blocks.0.attn.to_q.lora_magnitude_vector"] = torch.ones(32)
-    _expect(state, config, "DoRA", "not supported")
-    _expect(_peft_state(config), config, "DoRA", metadata={"lora_adapter_metadata": '{"transformer.use_dora": true}'})
+    _expect(state, config, "no lora_magnitude_vector", "use_dora")
+    meta = {"lora_adapter_metadata": '{"transformer.use_dora": true}'}
+    _expect(_peft_state(config), config, "no lora_magnitude_vector", metadata=meta)
 
 
 def test_pickles_are_refused(tmp_path):

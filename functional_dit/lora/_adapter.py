@@ -3,7 +3,11 @@
 An adapter holds, for every adapted linear module ``m`` of a base model, the factors
 ``A`` = ``m.lora_A.weight`` (rank, in) and ``B`` = ``m.lora_B.weight`` (out, rank) of
 the low-rank update ``W + s * (alpha / rank) * B @ A`` (Hu et al., "LoRA", 2021; PEFT's
-``LoraLayer``). Like `functional_dit.Params`, its flattened dotted paths are the
+``LoraLayer``). PEFT's two variants add one leaf per module: ``lora_bias`` a bias
+``m.lora_B.bias`` (out,) on ``B`` (the update is ``s * (B @ A @ x + b)``), ``use_dora``
+a magnitude ``m.lora_magnitude_vector`` (out,) (DoRA, Liu et al. 2024, PEFT's
+``DoraLinearLayer``: the layer's output is ``mag / ||W + s B A||_row * (W + s B A) x``
+plus its bias, the row norm detached). Like `functional_dit.Params`, its flattened dotted paths are the
 diffusers/PEFT state-dict keys (without the pipeline's ``transformer.`` prefix), its
 config is static metadata, and it is a pytree for ``torch.func`` and optree alike.
 
@@ -11,7 +15,8 @@ Each factor has a `ParamSpec` derived from its base weight's: ``A`` keeps the ba
 input axis, ``B`` its output axis (with the fused blocks of either), the rank axis is
 ``"lora_rank"``. So `sharding.plan` / `sharding.shard_params` place the factors from
 the same rules as the base: the factor on the base's sharded dim is sharded (per block
-for a fused projection), the other replicated.
+for a fused projection), the other replicated; a bias and a magnitude follow ``B``'s
+output axis.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Mapping
 
 import torch
 
+import sharding
 from sharding.tree import flatten, get, nest
 
 from ..params import Params, ParamSpec, register_tree_node
@@ -37,16 +43,30 @@ def linear_modules(config) -> dict[str, ParamSpec]:
     return {k[: -len(".weight")]: s for k, s in specs.items() if k.endswith(".weight") and len(s.shape) == 2}
 
 
-def factor_specs(weight: ParamSpec, rank: int) -> dict:
-    """``{"lora_A": {"weight": spec}, "lora_B": {"weight": spec}}`` for a base ``weight`` spec."""
+def factor_specs(weight: ParamSpec, rank: int, bias: bool = False, dora: bool = False) -> dict:
+    """``{"lora_A": {"weight": spec}, "lora_B": {"weight": spec}}`` for a base ``weight`` spec,
+    with ``lora_B.bias`` (``bias``) and ``lora_magnitude_vector`` (``dora``) on its output axis."""
     (out_dim, in_dim), (out_axis, in_axis) = weight.shape, weight.axes
     blocks = weight.blocks
     a_blocks = blocks if weight.block_dim == 1 else None
     b_blocks = blocks if weight.block_dim == 0 else None
-    return {
+    out = ParamSpec((out_dim,), (out_axis,), b_blocks)
+    specs = {
         "lora_A": {"weight": ParamSpec((rank, in_dim), (RANK, in_axis), a_blocks)},
-        "lora_B": {"weight": ParamSpec((out_dim, rank), (out_axis, RANK), b_blocks)},
+        "lora_B": {"weight": ParamSpec((out_dim, rank), (out_axis, RANK), b_blocks)} | ({"bias": out} if bias else {}),
     }
+    return specs | ({"lora_magnitude_vector": out} if dora else {})
+
+
+def weight_norm(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s, axis: str | None = None) -> torch.Tensor:
+    """DoRA's ``||W + s * B @ A||`` per output row (out,), in the adapter's dtype and
+    detached, as PEFT's ``DoraLinearLayer.get_weight_norm``. ``axis``: the mesh axis a
+    row-parallel ``W`` and ``A`` hold their columns on; the squares are summed over it."""
+    with torch.no_grad():
+        w = W.detach().to(A.dtype) + s * (B.detach() @ A.detach())
+        if axis is None or sharding.axis_size(axis) == 1:
+            return torch.linalg.norm(w, dim=1).to(w.dtype)
+        return sharding.psum(w.square().sum(1), axis).sqrt()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,13 +74,22 @@ class LoraConfig:
     """What an adapter adapts: the ``base`` model config and, per module, its ``rank`` and
     ``alpha`` (``modules``: a tuple of ``(path, rank, alpha)``, in the base's order). The
     update of module ``m`` is scaled by ``alpha / rank`` (``alpha / sqrt(rank)`` with
-    ``use_rslora``, PEFT's rank-stabilised LoRA), times the scale the caller passes."""
+    ``use_rslora``, PEFT's rank-stabilised LoRA), times the scale the caller passes.
+    ``lora_bias`` / ``use_dora``: every module has a ``lora_B.bias`` / a
+    ``lora_magnitude_vector`` (PEFT's fields; PEFT does not combine them, nor do we)."""
 
     base: object
     modules: tuple[tuple[str, int, float], ...]
     use_rslora: bool = False
+    lora_bias: bool = False
+    use_dora: bool = False
 
     def __post_init__(self):
+        for name in ("use_rslora", "lora_bias", "use_dora"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+        if self.lora_bias and self.use_dora:
+            raise ValueError("lora_bias: a LoRA bias is not supported with DoRA (nor by PEFT); got use_dora=True too")
         known = linear_modules(self.base)
         bad = [m for m, _, _ in self.modules if m not in known]
         if bad:
@@ -80,18 +109,35 @@ class LoraConfig:
     def param_specs(self) -> dict:
         """Nested dict of the factors' `ParamSpec` s (read by `sharding.plan`)."""
         known = linear_modules(self.base)
-        return nest({f"{m}.{k}": s for m, r, _ in self.modules for k, s in flatten(factor_specs(known[m], r)).items()})
+        flags = self.lora_bias, self.use_dora
+        specs = {m: flatten(factor_specs(known[m], r, *flags)) for m, r, _ in self.modules}
+        return nest({f"{m}.{k}": s for m, leaves in specs.items() for k, s in leaves.items()})
 
 
 class Adapter(Params):
     """LoRA factors: ``config`` (a `LoraConfig`) and ``tree`` (nested dicts whose dotted
-    paths are ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``). Treat it as
-    immutable; a pytree like `Params` (``torch.func.grad`` over it returns an Adapter)."""
+    paths are ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``, and
+    ``<module>.lora_B.bias`` / ``<module>.lora_magnitude_vector`` where the config says).
+    Treat it as immutable; a pytree like `Params` (``torch.func.grad`` over it returns an Adapter)."""
 
     __slots__ = ()
 
     def factors(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         return get(self.tree, f"{module}.lora_A.weight"), get(self.tree, f"{module}.lora_B.weight")
+
+    def bias(self, module: str) -> torch.Tensor | None:
+        """``lora_B``'s bias of ``module`` (None without ``lora_bias``)."""
+        return self._leaf(f"{module}.lora_B.bias", "lora_bias") if self.config.lora_bias else None
+
+    def magnitude(self, module: str) -> torch.Tensor | None:
+        """DoRA's magnitude vector of ``module`` (None without ``use_dora``)."""
+        return self._leaf(f"{module}.lora_magnitude_vector", "use_dora") if self.config.use_dora else None
+
+    def _leaf(self, path: str, flag: str) -> torch.Tensor:
+        try:
+            return get(self.tree, path)
+        except KeyError:
+            raise ValueError(f"adapter: its config has {flag}=True but its tree has no {path}") from None
 
     def replace(self, tree: Mapping) -> Adapter:
         return Adapter(self.config, tree)
@@ -128,18 +174,27 @@ def init(
     dtype=torch.float32,
     device="cpu",
     zero_b: bool = True,
+    lora_bias: bool = False,
+    use_dora: bool = False,
 ) -> Adapter:
     """A fresh adapter as PEFT initialises one: ``A`` Kaiming-uniform, ``B`` zero (so the
-    adapted model starts equal to the base); ``zero_b=False`` draws ``B`` small and random
-    too (tests). ``targets``: module paths, or suffixes such as ``"attn.to_q"`` (default:
-    every attention q/k/v/out projection); ``alpha`` defaults to ``rank`` (scale 1)."""
+    adapted model starts equal to the base); ``zero_b=False`` draws ``B`` (and the bias)
+    small and random too (tests). ``targets``: module paths, or suffixes such as
+    ``"attn.to_q"`` (default: every attention q/k/v/out projection); ``alpha`` defaults to
+    ``rank`` (scale 1). ``lora_bias``: a ``lora_B`` bias (zero); ``use_dora``: DoRA, its
+    magnitude ``||W + (alpha / rank) B @ A||`` per row, so ``params_or_config`` must be Params."""
     config = base_config(params_or_config)
+    if use_dora and not isinstance(params_or_config, Params):
+        raise ValueError(
+            "params_or_config: use_dora=True needs the base Params (DoRA's magnitude is ||W||), got a config"
+        )
     known = linear_modules(config)
     targets = DEFAULT_TARGETS if targets is None else tuple(targets)
     modules = [m for m in known if any(m == t or m.endswith("." + t) for t in targets)]
     if not modules:
         raise ValueError(f"targets: {targets} match no linear layer of {type(config).__name__}")
-    lcfg = LoraConfig(config, tuple((m, int(rank), float(rank if alpha is None else alpha)) for m in modules))
+    spec = tuple((m, int(rank), float(rank if alpha is None else alpha)) for m in modules)
+    lcfg = LoraConfig(config, spec, lora_bias=lora_bias, use_dora=use_dora)
     gen = torch.Generator().manual_seed(seed)
     flat = {}
     for m in modules:
@@ -148,7 +203,23 @@ def init(
         flat[f"{m}.lora_A.weight"] = (torch.rand(rank, in_dim, generator=gen) * 2 - 1) * bound
         b = torch.randn(out_dim, rank, generator=gen) * 0.1 if not zero_b else torch.zeros(out_dim, rank)
         flat[f"{m}.lora_B.weight"] = b
-    return Adapter(lcfg, nest({k: v.to(device=device, dtype=dtype) for k, v in flat.items()}))
+        if lora_bias:
+            flat[f"{m}.lora_B.bias"] = torch.randn(out_dim, generator=gen) * 0.1 if not zero_b else torch.zeros(out_dim)
+    flat = {k: v.to(device=device, dtype=dtype) for k, v in flat.items()}
+    if use_dora:
+        flat.update(magnitudes(params_or_config, lcfg, flat))
+    return Adapter(lcfg, nest(flat))
+
+
+def magnitudes(params: Params, lcfg: LoraConfig, flat: Mapping) -> dict:
+    """``{"<m>.lora_magnitude_vector": ||W + (alpha / rank) B @ A||}`` for every module of
+    ``lcfg`` from the factors in ``flat``: PEFT's DoRA initialisation (``||W||`` at ``B`` = 0)."""
+    weights = params.flat()
+    out = {}
+    for m, _, _ in lcfg.modules:
+        A, B = flat[f"{m}.lora_A.weight"], flat[f"{m}.lora_B.weight"]
+        out[f"{m}.lora_magnitude_vector"] = weight_norm(weights[f"{m}.weight"].to(A.device), A, B, lcfg.scale(m))
+    return out
 
 
 # The projections LoRA trainers adapt by default (diffusers' training scripts: to_q, to_k,

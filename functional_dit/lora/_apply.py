@@ -1,14 +1,20 @@
 """The two ways to apply LoRA adapters, equal to each other: `merge` folds the updates
 into new weights; `attach` (what ``fd.apply(..., lora=[(adapter, scale), ...])`` runs)
-hands each adapted layer its factors, and ``_layers.linear`` / ``row_linear`` add
-``scale * (x @ A.T) @ B.T`` to the layer's output, so the base weights are shared
-between calls and adapters and may stay in a lower precision.
+hands each adapted layer its factors, and ``nn.layers.linear`` / ``row_linear`` add
+``scale * ((x @ A.T) @ B.T + b)`` to the layer's output (``b``: ``lora_B``'s bias, if
+any), so the base weights are shared between calls and adapters and may stay in a lower
+precision. DoRA: attach hands the layer the factor ``g = mag / ||W + s B A||_row`` (the
+norm detached, PEFT's ``DoraLinearLayer``), and the layer adds ``(g - 1) * (its output
+less its bias) + g * s * B A x``; merge stores ``g * (W + s B A)``.
 
 Under tensor parallelism both run in the local view, each factor placed from its base
 weight's plan (see `_adapter`): a column-parallel layer holds ``A`` whole and its rows
 of ``B``; a row-parallel layer its columns of ``A`` and ``B`` whole, and sums the rank-r
 products ``x @ A.T`` over the axis before ``B`` (one small all-reduce), so the forward
-and every factor's gradient equal the unsharded ones.
+and every factor's gradient equal the unsharded ones. A bias and a magnitude sit with
+``B``'s rows (sharded on a column-parallel layer, whole on a row-parallel one, where the
+bias is added once, after the all-reduce). DoRA's row norm of a row-parallel layer sums
+the squares of this rank's columns over the axis (one all-reduce of width out).
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ from sharding.internal import like
 from sharding.tree import copy_path, flatten, map_tree
 
 from ..params import Params
-from ._adapter import Adapter
+from ._adapter import Adapter, weight_norm
 
-LORA = "lora"  # the key under which a layer dict carries its ((A, B, scale), ...) in attach
+LORA = "lora"  # the key under which a layer dict carries its ((A, B, s, bias, g), ...) in attach
 
 
 def check(params: Params, lora, name: str = "lora") -> list[tuple[Adapter, object]]:
@@ -62,15 +68,24 @@ def local_adapters(pairs, mesh) -> list[tuple[Adapter, object]]:
 
 
 @functools.lru_cache(maxsize=64)
-def _column_axes(config, sizes: tuple) -> dict[str, str]:
-    """``{module: mesh axis}`` of the column-parallel modules (``B`` sharded, ``A`` whole)."""
+def _parallel_axes(config, sizes: tuple) -> tuple[dict[str, str], dict[str, str]]:
+    """``({module: mesh axis}, {module: mesh axis})`` of the column-parallel modules (``B``
+    sharded, ``A`` whole) and of the row-parallel ones (``A``'s columns sharded)."""
     plan = flatten(sharding.plan(config, dict(sizes)))
-    out = {}
+    column, row = {}, {}
     for m, _, _ in config.modules:
-        b = plan[f"{m}.lora_B.weight"]
+        a, b = plan[f"{m}.lora_A.weight"], plan[f"{m}.lora_B.weight"]
         if isinstance(b, sharding.Shard):
-            out[m] = b.axis
-    return out
+            column[m] = b.axis
+        if isinstance(a, sharding.Shard) and a.dim == 1:
+            row[m] = a.axis
+    return column, row
+
+
+def _mesh_axes(config) -> tuple[dict[str, str], dict[str, str]]:
+    """`_parallel_axes` on the bound mesh (none bound: no parallel layers)."""
+    mesh = sharding.current_mesh()
+    return _parallel_axes(config, tuple(sorted(sharding.mesh_sizes(mesh).items()))) if mesh is not None else ({}, {})
 
 
 def _replicated_input(a: torch.Tensor, axis: str) -> torch.Tensor:
@@ -79,35 +94,69 @@ def _replicated_input(a: torch.Tensor, axis: str) -> torch.Tensor:
     return sharding.pvary(a, axis)
 
 
+def _dora_factor(ad: Adapter, m: str, weight: torch.Tensor, s, axis) -> torch.Tensor | None:
+    """DoRA's ``mag / ||W + s B A||_row`` of module ``m`` (None for plain LoRA); the
+    gradient reaches ``mag`` only, as in PEFT."""
+    if not ad.config.use_dora:
+        return None
+    A, B = ad.factors(m)
+    return ad.magnitude(m) / weight_norm(weight, A, B, s, axis)
+
+
 def attach(params: Params, pairs) -> Params:
-    """``params`` (local view) whose adapted layer dicts carry ``"lora": ((A, B, s), ...)``,
-    ``s`` = the caller's scale x the module's ``alpha / rank``; nothing is copied but the
+    """``params`` (local view) whose adapted layer dicts carry ``"lora": ((A, B, s, bias,
+    g), ...)``, ``s`` = the caller's scale x the module's ``alpha / rank``, ``bias`` the
+    ``lora_B`` bias or None, ``g`` the DoRA factor or None; nothing is copied but the
     dicts on the way to each adapted layer."""
     tree = dict(params.tree)
-    mesh = sharding.current_mesh()
-    sizes = tuple(sorted(sharding.mesh_sizes(mesh).items())) if mesh is not None else ()
     for ad, scale in pairs:
-        column = _column_axes(ad.config, sizes) if sizes else {}
+        column, row = _mesh_axes(ad.config)
         for m, _, _ in ad.config.modules:
             A, B = ad.factors(m)
+            s = scale * ad.config.scale(m)
+            node = copy_path(tree, m)
+            g = _dora_factor(ad, m, node["weight"], s, row.get(m))
             if m in column:
                 A = _replicated_input(A, column[m])
-            node = copy_path(tree, m)
-            node[LORA] = node.get(LORA, ()) + ((A, B, scale * ad.config.scale(m)),)
-    return Params(params.config, tree)  # not .replace: the tree now holds (A, B, s) tuples, not only tensors
+            node[LORA] = node.get(LORA, ()) + ((A, B, s, ad.bias(m), g),)
+    return Params(params.config, tree)  # not .replace: the tree now holds (A, B, s, bias, g) tuples, not only tensors
+
+
+def _merged(ad: Adapter, m: str, W: torch.Tensor, bias, s, axis) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Module ``m``'s weight and bias with the update folded in (fp32, in their dtypes):
+    ``W + s B A`` (DoRA: ``g * (W + s B A)``, PEFT's merge) and ``bias + s * b``."""
+    A, B = (f.float() for f in ad.factors(m))
+    merged = W.float() + (B @ A) * s
+    g = _dora_factor(ad, m, W.float(), s, axis)
+    merged = merged if g is None else g.float()[:, None] * merged
+    b = ad.bias(m)
+    if b is not None:
+        if bias is None:
+            raise ValueError(
+                f"adapter: {m} has a lora_B bias (lora_bias=True) but the base layer has none, so it cannot be "
+                "merged (PEFT refuses it too); apply it on the fly with fd.apply(..., lora=[(adapter, scale)])"
+            )
+        bias = (bias.float() + b.float() * s).to(bias.dtype)
+    return merged.to(W.dtype), bias
 
 
 def merge(params: Params, adapter: Adapter, scale: float = 1.0) -> Params:
     """New params with ``W + scale * (alpha / rank) * B @ A`` in every adapted layer
-    (computed in fp32, stored in W's dtype); ``params`` is left as it is. Plain or
-    sharded alike (sharded params need the adapter placed on the same mesh)."""
+    (computed in fp32, stored in W's dtype), ``lora_B``'s bias added to the base bias and
+    DoRA's magnitude applied (see the module docstring); ``params`` is left as it is.
+    Plain or sharded alike (sharded params need the adapter placed on the same mesh).
+    DoRA's norm is taken of the weight given: merging onto params that already hold
+    another merged adapter norms that sum (PEFT norms the unmerged weight)."""
     ((adapter, scale),) = check(params, [(adapter, scale)], "adapter")
     local, mesh = sharding.local_view(params)
     ((ad, _),) = local_adapters([(adapter, scale)], mesh)
     flat, new = params.flat(), local.flat()
-    for m, _, _ in ad.config.modules:
-        A, B = ad.factors(m)
-        W = new[f"{m}.weight"]
-        delta = (B.float() @ A.float()) * (scale * ad.config.scale(m))
-        flat[f"{m}.weight"] = like((W.float() + delta).to(W.dtype), flat[f"{m}.weight"])  # DTensor if W was
+    with sharding.bind(mesh):
+        _, row = _mesh_axes(ad.config)
+        for m, _, _ in ad.config.modules:
+            s = scale * ad.config.scale(m)
+            W, b = _merged(ad, m, new[f"{m}.weight"], new.get(f"{m}.bias"), s, row.get(m))
+            flat[f"{m}.weight"] = like(W, flat[f"{m}.weight"])  # DTensor if W was
+            if b is not None:
+                flat[f"{m}.bias"] = like(b, flat[f"{m}.bias"])
     return Params(params.config, map_tree(lambda path, _: flat[path], params.tree))

@@ -3,8 +3,9 @@
 `from_state_dict` resolves every key through `_layouts` (strict: one ValueError lists
 every unknown module, missing or extra factor, rank or shape mismatch), reads the
 scaling from ``alpha`` keys or diffusers' ``lora_adapter_metadata`` (``lora_alpha``,
-``alpha_pattern``, ``use_rslora``) and refuses DoRA and LoRA biases, which it does not
-implement. `load` reads only safetensors, through `weights`' reader (``weights.internal``):
+``alpha_pattern``, ``use_rslora``). PEFT's ``lora_B.bias`` (``lora_bias``) and
+``lora_magnitude_vector`` (DoRA) keys are read; Kohya's ``dora_scale`` is refused.
+`load` reads only safetensors, through `weights`' reader (``weights.internal``):
 pickles can run code when loaded and are refused, and a corrupt header is the same
 `weights.CheckpointError` (a ValueError) a checkpoint's would be.
 """
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 import torch
 
 import sharding
-from sharding.tree import nest
+from sharding.tree import flatten, nest
 from weights.internal import read_tensors
 
 from .. import families
@@ -63,16 +64,26 @@ def _strip(name: str) -> str:
     return name
 
 
-def _refuse_unsupported(state: Mapping, meta: dict) -> None:
-    dora = [k for k in state if any(m in k for m in _layouts.DORA_MARKERS)]
-    if dora or meta.get("use_dora"):
+def _refuse_unsupported(state: Mapping) -> None:
+    dora = [k for k in state if k.endswith("." + _layouts.KOHYA_DORA)]
+    if dora:
         raise ValueError(
-            f"lora: DoRA adapters (weight-decomposed LoRA) are not supported: the file has "
-            f"{len(dora)} magnitude keys such as {dora[:3]} (use_dora={meta.get('use_dora')}); "
-            "merge it into the weights with PEFT first, or use a plain LoRA"
+            f"lora: Kohya/LyCORIS DoRA keys (dora_scale) are not supported: the file has {len(dora)} such as "
+            f"{dora[:3]}; PEFT/diffusers DoRA files (lora_magnitude_vector) are read"
         )
-    if meta.get("lora_bias"):
-        raise ValueError("lora: LoRA with a bias on lora_B (lora_bias=True) is not supported")
+
+
+def _flags(sources: dict, meta: dict, problems: list) -> tuple[bool, bool]:
+    """``(lora_bias, use_dora)``: whether any module has a bias / magnitude key (as
+    diffusers reads them), or the metadata says so (then every module must have one);
+    keys the metadata denies (``lora_bias: false``) are a problem."""
+    out = []
+    for x, field in (("bias", "lora_bias"), ("magnitude", "use_dora")):
+        keys = any(x in f for f in sources.values())
+        if keys and meta.get(field, True) is False:
+            problems.append(f"{_layouts.ROW_LEAVES[x]} keys in the file, but its metadata says {field}=False")
+        out.append(keys or bool(meta.get(field)))
+    return out[0], out[1]
 
 
 def _metadata(metadata: Mapping | None) -> dict:
@@ -99,13 +110,14 @@ def from_state_dict(state: Mapping[str, torch.Tensor], params_or_config, metadat
     problem. Text-encoder LoRA keys are skipped with a warning."""
     config = base_config(params_or_config)
     meta = _metadata(metadata)
-    _refuse_unsupported(state, meta)
+    _refuse_unsupported(state)
     index, known = _index(config), linear_modules(config)
     sources, problems = _group(state, index, config)
+    flags = _flags(sources, meta, problems)
     flat, modules, assumed = {}, [], []
     seen: dict[str, str] = {}  # diffusers module -> the source module that gave it
     for name, f in sources.items():
-        err = _check_source(name, f, index[name], known)
+        err = _check_source(name, f, index[name], known) or _check_rows(name, f, index[name], flags)
         if err:
             problems.append(err)
             continue
@@ -116,11 +128,12 @@ def from_state_dict(state: Mapping[str, torch.Tensor], params_or_config, metadat
             seen[tgt.module] = name
             modules.append(_target_module(tgt, f, meta, problems, assumed))
             flat[f"{tgt.module}.lora_A.weight"], flat[f"{tgt.module}.lora_B.weight"] = f["A"], _rows(f["B"], tgt)
+            flat.update({f"{tgt.module}.{k}": _rows(f[x], tgt) for x, k in _layouts.ROW_LEAVES.items() if x in f})
     if problems or not modules:
         raise ValueError(_report(config, problems or ["no LoRA factors in the file"], state))
     if assumed:
         warnings.warn(_ASSUMED_ALPHA.format(n=len(assumed), of=len(modules), first=assumed[0]), stacklevel=3)
-    return _adapter(config, modules, flat, meta, known)
+    return _adapter(config, modules, flat, meta, known, flags)
 
 
 def _group(state: Mapping, index: dict, config) -> tuple[dict[str, dict], list[str]]:
@@ -135,7 +148,10 @@ def _group(state: Mapping, index: dict, config) -> tuple[dict[str, dict], list[s
             continue
         parts = _split_key(key)
         if parts is None:
-            problems.append(f"{key}: not a LoRA factor (expected .lora_A/.lora_B/.lora_down/.lora_up.weight or .alpha)")
+            problems.append(
+                f"{key}: not a LoRA factor (expected .lora_A/.lora_B/.lora_down/.lora_up.weight, "
+                f".lora_B.bias, .lora_magnitude_vector or .alpha)"
+            )
             continue
         name = _strip(parts[0])
         if name not in index:
@@ -165,13 +181,13 @@ def _target_module(tgt, f: dict, meta: dict, problems: list, assumed: list) -> t
     return tgt.module, r, float(meta.get("lora_alpha", r) if alpha is None else alpha)
 
 
-def _adapter(config, modules: list, flat: dict, meta: dict, known: dict) -> Adapter:
-    """The `Adapter` of ``modules`` in the base model's module order."""
+def _adapter(config, modules: list, flat: dict, meta: dict, known: dict, flags: tuple) -> Adapter:
+    """The `Adapter` of ``modules`` in the base model's module order; ``flags``:
+    ``(lora_bias, use_dora)``."""
     order = {m: i for i, m in enumerate(known)}
     modules.sort(key=lambda m: order[m[0]])
-    lcfg = LoraConfig(config, tuple(modules), bool(meta.get("use_rslora", False)))
-    keys = [f"{m}.lora_{x}.weight" for m, _, _ in modules for x in "AB"]
-    return Adapter(lcfg, nest({k: flat[k] for k in keys}))
+    lcfg = LoraConfig(config, tuple(modules), bool(meta.get("use_rslora", False)), *flags)
+    return Adapter(lcfg, nest({k: flat[k] for k in flatten(lcfg.param_specs())}))
 
 
 _ASSUMED_ALPHA = (
@@ -179,6 +195,18 @@ _ASSUMED_ALPHA = (
     "assuming alpha = rank (scale 1). An adapter trained with another alpha (PEFT's lora_alpha = 2r is "
     "common) then acts at another strength: set the scale with lora=[(adapter, scale)] or lora.merge(scale=...)"
 )
+
+
+def _check_rows(name: str, f: dict, targets, flags: tuple) -> str | None:
+    """A problem with ``name``'s bias / magnitude: missing where the file has them
+    elsewhere (or its metadata says so), or not of the up factor's rows."""
+    for x, on in zip(("bias", "magnitude"), flags):
+        key = _layouts.ROW_LEAVES[x]
+        if on and x not in f:
+            return f"{name}: no {key} (other modules or the metadata have them: lora_bias / use_dora)"
+        if on and tuple(f[x].shape) != (f["B"].shape[0],):
+            return f"{name}: expected {key} of shape ({f['B'].shape[0]},), got {tuple(f[x].shape)}"
+    return None
 
 
 def _check_source(name: str, f: dict, targets, known) -> str | None:
@@ -297,6 +325,8 @@ def save(adapter: Adapter, path, prefix: str = "transformer.") -> None:
         "use_rslora": ad.config.use_rslora,
         "rank_pattern": {m: v for m, v in ranks.items() if v != r},
         "alpha_pattern": {m: v for m, v in alphas.items() if v != alpha},
+        "lora_bias": ad.config.lora_bias,
+        "use_dora": ad.config.use_dora,
     }
     meta = {prefix + k: v for k, v in fields.items()}
     state = {k: v.detach().contiguous() for k, v in to_state_dict(ad, prefix).items()}

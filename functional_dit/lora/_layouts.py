@@ -44,8 +44,12 @@ FACTORS = {
     "lora_B.weight": ("B", "peft"),
     "lora_down.weight": ("A", "kohya"),
     "lora_up.weight": ("B", "kohya"),
+    "lora_B.bias": ("bias", "peft"),  # PEFT's lora_bias=True
+    "lora_magnitude_vector": ("magnitude", "peft"),  # PEFT's DoRA (use_dora=True)
 }
-DORA_MARKERS = ("lora_magnitude_vector", "dora_scale")
+# per-output-row leaves (out,), cut by rows like the up factor
+ROW_LEAVES = {"bias": "lora_B.bias", "magnitude": "lora_magnitude_vector"}
+KOHYA_DORA = "dora_scale"  # LyCORIS/Kohya DoRA: another layout and norm axis, refused
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,15 +30,21 @@ def linear(p, x: torch.Tensor) -> torch.Tensor:
     """``x @ W.T + b`` with whole (replicated) weights, or as the local half of a sharded one.
     With LoRA factors attached (``p["lora"]``, see ``functional_dit.lora``) their updates are added."""
     y = F.linear(x, p["weight"], p.get("bias"))
-    return y if "lora" not in p else _add_lora(y, [F.linear(x.to(a.dtype), a) for a, _, _ in p["lora"]], p["lora"])
+    return y if "lora" not in p else _add_lora(y, [F.linear(x.to(f[0].dtype), f[0]) for f in p["lora"]], p)
 
 
-def _add_lora(y: torch.Tensor, hs, factors) -> torch.Tensor:
-    """``y + sum(s * h @ B.T)`` over the attached ``(A, B, s)`` with ``h = x @ A.T``, summed
-    in the adapters' dtype and cast to ``y``'s, as PEFT's ``LoraLayer`` does."""
-    out = y
-    for h, (_, b, s) in zip(hs, factors):
-        out = out + F.linear(h, b) * s
+def _add_lora(y: torch.Tensor, hs, p) -> torch.Tensor:
+    """``y + sum(s * (h @ B.T + b))`` over the attached ``(A, B, s, b, g)`` with ``h = x @ A.T``,
+    summed in the adapters' dtype and cast to ``y``'s, as PEFT's ``LoraLayer`` does. With a
+    DoRA factor ``g`` (out,), PEFT's ``DoraLinearLayer``: ``+ (g - 1) * (out - bias) + g * s * h @ B.T``,
+    ``out`` the output so far (the base's and earlier adapters', as PEFT's running result)."""
+    out, base_bias = y, p.get("bias")
+    for h, (_, B, s, b, g) in zip(hs, p["lora"]):
+        u = F.linear(h, B, b) * s
+        if g is None:
+            out = out + u
+        else:
+            out = out + (g - 1) * (out if base_bias is None else out - base_bias) + g * u
     return out.to(y.dtype)
 
 
@@ -95,9 +101,9 @@ def row_linear(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
     y = y if p.get("bias") is None else y + p["bias"]
     if "lora" not in p:
         return y
-    hs = [F.linear(x.to(a.dtype), a) for a, _, _ in p["lora"]]
+    hs = [F.linear(x.to(f[0].dtype), f[0]) for f in p["lora"]]
     h = sharding.psum(torch.cat(hs, -1), axis).split([t.shape[-1] for t in hs], -1)
-    return _add_lora(y, h, p["lora"])
+    return _add_lora(y, h, p)
 
 
 def row_linears(pairs: list, axis: str = "tp") -> list[torch.Tensor]:

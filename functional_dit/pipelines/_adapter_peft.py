@@ -11,7 +11,7 @@ with their weights (`fd.apply(..., lora=...)`), nothing merged.
 ``set_adapters(names, weights)``, ``set_adapter``, ``active_adapters``,
 ``disable_adapters`` / ``enable_adapters`` (``disable_lora`` / ``enable_lora``),
 ``delete_adapters`` and ``unload_lora`` behave as the stock ones. What PEFT offers and
-`functional_dit.lora` does not compute (DoRA, LoRA biases, dropout, per-block weight
+`functional_dit.lora` does not compute (dropout, per-block weight
 dicts, hotswapping, fusing into the base weights in place) raises a ValueError naming it.
 """
 
@@ -28,8 +28,6 @@ from sharding.tree import nest
 PEFT_FILE = "pytorch_lora_weights.safetensors"  # what the stock save_lora_adapter writes
 # PEFT LoraConfig fields and the only values functional_dit.lora computes.
 _PEFT_DEFAULTS = {
-    "use_dora": False,
-    "lora_bias": False,
     "bias": "none",
     "lora_dropout": 0.0,
     "modules_to_save": None,
@@ -61,13 +59,17 @@ def _check_peft_config(cfg) -> None:
         )
     if cfg.init_lora_weights not in (True, False):
         raise ValueError(f"adapter_config.init_lora_weights: expected True or False, got {cfg.init_lora_weights!r}")
+    if cfg.use_dora and cfg.lora_bias:
+        raise ValueError("adapter_config.lora_bias: not supported together with use_dora=True (nor by PEFT), got True")
 
 
 def new_adapter(params, cfg):
     """A fresh `lora.Adapter` for ``params`` from a PEFT ``LoraConfig``, initialised as PEFT
     does from torch's global RNG: ``A`` Kaiming-uniform, ``B`` zero (``init_lora_weights=
-    False``: Kaiming-uniform too, so the update is not zero)."""
+    False``: Kaiming-uniform too, so the update is not zero); a ``lora_bias`` zero (else
+    nn.Linear's uniform); DoRA's magnitude ``||W + (alpha / r) B A||`` per row."""
     import functional_dit.lora as lora
+    from functional_dit.lora import internal as lora_internal
 
     _check_peft_config(cfg)
     known = lora.linear_modules(params.config)
@@ -79,7 +81,7 @@ def new_adapter(params, cfg):
         (m, int(_pattern(cfg.rank_pattern, m, cfg.r)), float(_pattern(cfg.alpha_pattern, m, cfg.lora_alpha)))
         for m in modules
     )
-    lcfg = lora.LoraConfig(params.config, spec, bool(cfg.use_rslora))
+    lcfg = lora.LoraConfig(params.config, spec, bool(cfg.use_rslora), bool(cfg.lora_bias), bool(cfg.use_dora))
     flat, leaves = {}, params.flat()
     for m, r, _ in spec:
         w = leaves[f"{m}.weight"]
@@ -87,6 +89,11 @@ def new_adapter(params, cfg):
         a = (torch.rand(r, in_dim) * 2 - 1) / math.sqrt(in_dim)  # kaiming_uniform_(a=sqrt(5))
         b = torch.zeros(out_dim, r) if cfg.init_lora_weights else (torch.rand(out_dim, r) * 2 - 1) / math.sqrt(r)
         flat[f"{m}.lora_A.weight"], flat[f"{m}.lora_B.weight"] = (t.to(w.device, w.dtype) for t in (a, b))
+        if cfg.lora_bias:
+            bias = torch.zeros(out_dim) if cfg.init_lora_weights else (torch.rand(out_dim) * 2 - 1) / math.sqrt(r)
+            flat[f"{m}.lora_B.bias"] = bias.to(w.device, w.dtype)
+    if cfg.use_dora:
+        flat.update(lora_internal.magnitudes(params, lcfg, flat))
     return lora.Adapter(lcfg, nest(flat))
 
 
