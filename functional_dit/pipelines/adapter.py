@@ -42,6 +42,7 @@ import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
 
+import sharding
 from sharding.internal import is_dtensor
 from sharding.tree import nest
 
@@ -50,7 +51,7 @@ from ..api import config_to_diffusers, family
 from ..params import Params
 from . import _adapter_io as io
 from . import _adapter_kv as kv
-from ._adapter_peft import PeftMixin
+from ._adapter_peft import PeftMixin, check_name
 from ._adapter_surface import SurfaceMixin
 from ._cache_hooks import CacheHooks
 
@@ -363,34 +364,36 @@ class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelM
         ``network_alphas`` are honoured; hub downloads, hotswapping and pickles are not supported."""
         import functional_dit.lora as lora
 
+        from ._adapter_peft import loaded_config, read_lora, reconcile
+
         alphas = kwargs.pop("network_alphas", None) or {}
         name = kwargs.pop("adapter_name", None)
         if kwargs.pop("hotswap", False):
             raise ValueError("hotswap: not supported by functional_dit's adapter; use set_lora to swap adapters")
-        for ignored in ("_pipeline", "low_cpu_mem_usage"):
+        for ignored in ("_pipeline", "low_cpu_mem_usage"):  # nothing is initialised before the factors are read
             kwargs.pop(ignored, None)
         if kwargs.pop("use_safetensors", None) is False:
             raise ValueError("use_safetensors: only safetensors are read (pickle is refused), got False")
         weight_name = kwargs.pop("weight_name", None)
         if kwargs:
             raise ValueError(f"load_lora_adapter: unsupported arguments {sorted(kwargs)}")
-        source = pretrained_model_name_or_path_or_dict
-        if isinstance(source, dict):
-            own = {k: v for k, v in source.items() if prefix is None or k.startswith(f"{prefix}.")}
-            if not own:  # as the stock method: e.g. a LoRA for the text encoder only
-                _PEFT_LOG.warning(
-                    f"No LoRA keys associated to {type(self).__name__} found with the prefix={prefix!r}; "
-                    "nothing loaded into the transformer"
-                )
-                return
-            own.update({k: torch.as_tensor(v) for k, v in alphas.items()})
-            ad = lora.from_state_dict(own, self.params, None if metadata is None else {lora.METADATA_KEY: metadata})
-        else:
-            source = os.fspath(source)
-            if weight_name is not None and os.path.isdir(source):
-                source = os.path.join(source, weight_name)
-            ad = lora.load(source, self._base_params(detached=True))
-        self._peft_add_loaded(ad, name)
+        state, metadata = read_lora(pretrained_model_name_or_path_or_dict, prefix, metadata, weight_name)
+        if not state:  # as the stock method: e.g. a LoRA for the text encoder only
+            _PEFT_LOG.warning(
+                f"No LoRA keys associated to {type(self).__name__} found with the prefix={prefix!r}; "
+                "nothing loaded into the transformer"
+            )
+            return
+        name = f"default_{len(self._peft_state())}" if name is None else check_name(name, self._peft_state())
+        if prefix is not None:
+            alphas = {k.removeprefix(f"{prefix}."): v for k, v in alphas.items() if k.startswith(f"{prefix}.")}
+        cfg = loaded_config(state, alphas, metadata, self.state_dict(), name)
+        params = self._base_params(detached=True)
+        state = reconcile(state, params.config, cfg, name)
+        own = dict(state, **{k: torch.as_tensor(v) for k, v in alphas.items()})
+        ad = lora.from_state_dict(own, params, None if metadata is None else {lora.METADATA_KEY: metadata})
+        _, mesh = sharding.local_view(params)
+        self._peft_add_loaded(ad if mesh is None else sharding.shard_params(ad, mesh), name, cfg)
 
     def _flux1_args(self, pooled_projections=None, img_ids=None, txt_ids=None, joint_attention_kwargs=None):
         self._lora_scale("joint_attention_kwargs", joint_attention_kwargs)
