@@ -1,18 +1,22 @@
 """diffusers' PEFT entry points on `DiffusersTransformer`, over `functional_dit.lora`.
 
-The stock classes inject PEFT ``LoraLayer`` s into their ``nn.Linear`` modules; the
-adapter has no such modules, so here a named adapter is a `functional_dit.lora.Adapter`
-whose factors are registered as parameters of the adapter module under the PEFT names
-(``<module>.lora_A.<adapter name>.weight``: ``parameters()`` lists them, ``to()`` moves
-them, an optimizer trains them) and every forward applies the active ones on the fly
-with their weights (`fd.apply(..., lora=...)`), nothing merged.
+The stock classes inject PEFT ``LoraLayer`` s into their ``nn.Linear`` modules. Here a
+named adapter is a `functional_dit.lora.Adapter` whose tensors are registered on the
+adapted modules, each of which becomes a PEFT ``BaseTunerLayer`` holding them as PEFT
+does (`_adapter_peft_layers`: ``<module>.lora_A.<adapter name>.weight``, the base weight
+at ``<module>.base_layer.weight``, so ``state_dict()`` and ``get_peft_model_state_dict``
+give the stock keys; ``parameters()`` lists them, ``to()`` moves them, an optimizer
+trains them). Every forward applies the active ones on the fly at the layers' scalings
+(`fd.apply(..., lora=...)`); ``fuse_lora`` folds them into the base weights in place.
 
-``add_adapter(peft.LoraConfig)``, ``load_lora_adapter``, ``save_lora_adapter``,
-``set_adapters(names, weights)``, ``set_adapter``, ``active_adapters``,
+``add_adapter(peft.LoraConfig)``, ``load_lora_adapter`` (the stock ``peft_config`` from
+the file's metadata or inferred, ``low_cpu_mem_usage`` accepted, missing / unexpected
+LoRA keys warned about as the stock loader warns), ``save_lora_adapter`` (the stock file
+and metadata), ``set_adapters(names, weights)``, ``set_adapter``, ``active_adapters``,
 ``disable_adapters`` / ``enable_adapters`` (``disable_lora`` / ``enable_lora``),
-``delete_adapters`` and ``unload_lora`` behave as the stock ones. What PEFT offers and
-`functional_dit.lora` does not compute (DoRA, LoRA biases, dropout, per-block weight
-dicts, hotswapping, fusing into the base weights in place) raises a ValueError naming it.
+``fuse_lora`` / ``unfuse_lora``, ``delete_adapters`` and ``unload_lora`` behave as the
+stock ones. What PEFT offers and `functional_dit.lora` does not compute (DoRA, LoRA
+biases, dropout, per-block weight dicts, hotswapping) raises a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -198,7 +202,8 @@ def reconcile(state: dict, config, peft_config, name: str) -> dict:
     """``state`` (PEFT keys, prefix stripped) as the stock loader takes it: a linear
     module given one factor gets the other as PEFT initialises it, and keys of adapted
     modules that are no LoRA tensor are dropped, each reported with the stock warning
-    (diffusers' ``_maybe_warn_for_unhandled_keys``: same logger, same message)."""
+    (diffusers' ``_maybe_warn_for_unhandled_keys``: same logger, same message; a missing
+    key named as PEFT names it in the model, an unexpected one as given)."""
     import collections
 
     from diffusers.utils.peft_utils import _maybe_warn_for_unhandled_keys
@@ -218,10 +223,7 @@ def reconcile(state: dict, config, peft_config, name: str) -> dict:
             r = given.shape[0] if leaf == "lora_B.weight" else given.shape[1]
             out[f"{m}.{leaf}"] = _init_factor(leaf, r, known[m].shape, given, peft_config.init_lora_weights)
             missing.append(f"{m}.{_named(leaf, name)}")
-    with_name = [
-        k.replace(f".{split[k][1].split('.')[0]}.", f".{split[k][1].split('.')[0]}.{name}.", 1) for k in unexpected
-    ]
-    keys = collections.namedtuple("IncompatibleKeys", "missing_keys unexpected_keys")(missing, with_name)
+    keys = collections.namedtuple("IncompatibleKeys", "missing_keys unexpected_keys")(missing, unexpected)
     _maybe_warn_for_unhandled_keys(keys, name)
     return out
 
@@ -324,10 +326,10 @@ class PeftMixin(PeftAdapterMixin):
         self._peft_set_active([name])
 
     def _peft_add_loaded(self, adapter, name, peft_config) -> None:
-        """A loaded adapter at weight 1, used together with those already active."""
-        active = self.active_adapters()
+        """A loaded adapter at weight 1; it becomes the one active adapter, as the stock
+        loader makes it (``set_adapters`` combines several)."""
         self._peft_register(name, adapter, peft_config, trainable=False)
-        self._peft_set_active([*active, name])
+        self._peft_set_active([name])
 
     def _peft_names(self, adapter_names) -> list[str]:
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)

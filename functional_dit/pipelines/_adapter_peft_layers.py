@@ -48,19 +48,8 @@ def _holder(subtree: dict, trainable: bool) -> Factor:
 
 class LoraLayer(BaseTunerLayer):
     """The PEFT side of an adapted linear module (mixed into its `_Node` class by
-    `adapt`). Its own ``weight`` / ``bias`` are the base layer's (there is no separate
-    ``base_layer``)."""
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self._parameters["weight"]
-
-    @property
-    def bias(self):
-        return self._parameters.get("bias")
-
-    def get_base_layer(self) -> torch.nn.Module:
-        return self
+    `adapt`); the module's own ``weight`` / ``bias`` move to its ``base_layer`` child, as
+    PEFT's ``LoraLayer`` holds them (``state_dict`` keys ``<module>.base_layer.weight``)."""
 
     def forward(self, *args, **kwargs):
         raise ValueError(f"{self._fd_path}: a LoRA layer of DiffusersTransformer, applied by fd.apply, not callable")
@@ -103,7 +92,7 @@ class LoraLayer(BaseTunerLayer):
         lcfg = self._fd_lcfg[name]
         entry = tuple(e for e in lcfg.modules if e[0] == self._fd_path)
         sub = lora.Adapter(dataclasses.replace(lcfg, modules=entry), nest({self._fd_path: self.factor_tree(name)}))
-        own = {f"{self._fd_path}.{k}": p for k, p in self._parameters.items() if p is not None}
+        own = {f"{self._fd_path}.{k}": p for k, p in self.base_layer._parameters.items() if p is not None}
         base = Params(lcfg.base, nest(own))
         base_scale = self._base_scale(name)
         scale = factor * self.scaling[name] / base_scale if base_scale else 0.0
@@ -128,7 +117,7 @@ class LoraLayer(BaseTunerLayer):
                 raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems to be broken")
             with torch.no_grad():
                 for k, v in new.items():
-                    self._parameters[k].copy_(v)
+                    self.base_layer._parameters[k].copy_(v)
             self.merged_adapters.append(name)
 
     def unmerge(self) -> None:
@@ -142,7 +131,7 @@ class LoraLayer(BaseTunerLayer):
             if name in self.scaling:
                 with torch.no_grad():
                     for k, v in self.folded(name, -1.0).items():
-                        self._parameters[k].copy_(v)
+                        self.base_layer._parameters[k].copy_(v)
 
 
 _CLASSES: dict[type, type] = {}
@@ -160,6 +149,10 @@ def adapt(node: torch.nn.Module, path: str) -> LoraLayer:
     """``node`` (a `_Node` at ``path``) as a `LoraLayer` with no adapters yet."""
     if not isinstance(node, LoraLayer):
         plain = type(node)
+        base = plain()
+        for k in list(node._parameters):
+            base.register_parameter(k, node._parameters.pop(k))
+        node.add_module("base_layer", base)
         node.__class__ = _lora_class(plain)
         node.__dict__.update({k: {} for k in _OTHER})
         node.__dict__.update(
@@ -198,9 +191,24 @@ def remove(node: LoraLayer, name: str) -> None:
         return
     for key in node.adapter_layer_names:
         del node._modules[key]
+    base = node._modules.pop("base_layer")
     node.__class__ = node.__dict__.pop("_fd_plain")
+    for k, p in base._parameters.items():
+        node.register_parameter(k, p)
     for k in (*_OTHER, *_STATE):
         node.__dict__.pop(k, None)
+
+
+def base_key(key: str, layers) -> str | None:
+    """The base model's name of parameter ``key`` (``<m>.base_layer.weight`` -> ``<m>.weight``),
+    or None for a LoRA tensor of a layer in ``layers`` (module paths)."""
+    head = key
+    while "." in head:
+        head, _, _ = head.rpartition(".")
+        if head in layers:
+            rest = key[len(head) + 1 :]
+            return f"{head}.{rest[len('base_layer.') :]}" if rest.startswith("base_layer.") else None
+    return key
 
 
 def active_pairs(layers) -> dict[str, dict[str, float]]:

@@ -52,6 +52,7 @@ from ..params import Params
 from . import _adapter_io as io
 from . import _adapter_kv as kv
 from ._adapter_peft import PeftMixin, check_name
+from ._adapter_peft_layers import base_key as layers_base_key
 from ._adapter_surface import SurfaceMixin
 from ._cache_hooks import CacheHooks
 
@@ -231,11 +232,11 @@ class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelM
 
     def _base_params(self, detached: bool) -> Params:
         """The base model's parameters (the PEFT factors left out) as `Params`."""
-        flat = {
-            k: p.detach() if detached or not p.requires_grad else p
-            for k, p in self.named_parameters(remove_duplicate=False)
-            if ".lora_A." not in k and ".lora_B." not in k
-        }
+        layers, flat = self._peft_layers(), {}
+        for k, p in self.named_parameters(remove_duplicate=False):
+            key = layers_base_key(k, layers) if layers else k
+            if key is not None:
+                flat[key] = p.detach() if detached or not p.requires_grad else p
         return Params(self._fd_config, nest(flat))
 
     def _family_module(self):
@@ -359,8 +360,10 @@ class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelM
     def load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="transformer", metadata=None, **kwargs):
         """What ``pipe.load_lora_weights(...)`` calls: read the LoRA (a state dict, a
         safetensors file or a folder holding ``pytorch_lora_weights.safetensors``) with
-        `functional_dit.lora` and add it at weight 1, used with the adapters already active,
-        under ``adapter_name`` (default ``default_<n>``; see ``set_adapters``).
+        `functional_dit.lora` and add it at weight 1 under ``adapter_name`` (default
+        ``default_<n>``) as the one active adapter, as the stock loader does (``set_adapters``
+        combines several). Its ``peft_config`` is the stock loader's (the file's metadata, or
+        inferred); missing or unexpected LoRA keys are warned about as the stock loader warns.
         ``network_alphas`` are honoured; hub downloads, hotswapping and pickles are not supported."""
         import functional_dit.lora as lora
 
