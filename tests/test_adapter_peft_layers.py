@@ -203,9 +203,9 @@ def test_lora_loading_as_stock(tmp_path):
 
 
 def test_pipeline_fuse_lora_reaches_the_adapter(tmp_path):
-    stock_pipe = tiny.pipeline("flux2", seed=0)
+    stock_pipe = tiny.pipeline("qwen-image", seed=0)
     params = fd.from_diffusers(stock_pipe.transformer)
-    ours = tiny.pipeline("flux2", seed=0, transformer=fd.DiffusersTransformer(params))
+    ours = tiny.pipeline("qwen-image", seed=0, transformer=fd.DiffusersTransformer(params))
     torch.manual_seed(3)
     stock_pipe.transformer.add_adapter(_config())
     state = get_peft_model_state_dict(stock_pipe.transformer, adapter_name="default")
