@@ -325,6 +325,21 @@ class PeftMixin(PeftAdapterMixin):
         self._peft_register(name, new_adapter(self.params, adapter_config), adapter_config, trainable=True)
         self._peft_set_active([name])
 
+    def _peft_load(self, state: dict, metadata, alphas: dict, name) -> None:
+        """Add the LoRA ``state`` (PEFT keys, prefix stripped) as the stock loader does:
+        its ``peft_config`` built first (a TypeError for bad metadata), the keys reconciled
+        (`reconcile`), the factors read by `functional_dit.lora` (placed as the params are)."""
+        import functional_dit.lora as lora
+        import sharding
+
+        name = f"default_{len(self._peft_state())}" if name is None else check_name(name, self._peft_state())
+        cfg = loaded_config(state, {k: float(v) for k, v in alphas.items()}, metadata, self.state_dict(), name)
+        params = self._base_params(detached=True)
+        state = dict(reconcile(state, params.config, cfg, name), **{k: torch.as_tensor(v) for k, v in alphas.items()})
+        ad = lora.from_state_dict(state, params, None if metadata is None else {lora.METADATA_KEY: metadata})
+        _, mesh = sharding.local_view(params)
+        self._peft_add_loaded(ad if mesh is None else sharding.shard_params(ad, mesh), name, cfg)
+
     def _peft_add_loaded(self, adapter, name, peft_config) -> None:
         """A loaded adapter at weight 1; it becomes the one active adapter, as the stock
         loader makes it (``set_adapters`` combines several)."""

@@ -42,7 +42,6 @@ import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
 
-import sharding
 from sharding.internal import is_dtensor
 from sharding.tree import nest
 
@@ -51,7 +50,7 @@ from ..api import config_to_diffusers, family
 from ..params import Params
 from . import _adapter_io as io
 from . import _adapter_kv as kv
-from ._adapter_peft import PeftMixin, check_name
+from ._adapter_peft import PeftMixin
 from ._adapter_peft_layers import base_key as layers_base_key
 from ._adapter_surface import SurfaceMixin
 from ._cache_hooks import CacheHooks
@@ -365,9 +364,7 @@ class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelM
         combines several). Its ``peft_config`` is the stock loader's (the file's metadata, or
         inferred); missing or unexpected LoRA keys are warned about as the stock loader warns.
         ``network_alphas`` are honoured; hub downloads, hotswapping and pickles are not supported."""
-        import functional_dit.lora as lora
-
-        from ._adapter_peft import loaded_config, read_lora, reconcile
+        from ._adapter_peft import read_lora
 
         alphas = kwargs.pop("network_alphas", None) or {}
         name = kwargs.pop("adapter_name", None)
@@ -387,16 +384,9 @@ class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelM
                 "nothing loaded into the transformer"
             )
             return
-        name = f"default_{len(self._peft_state())}" if name is None else check_name(name, self._peft_state())
         if prefix is not None:
             alphas = {k.removeprefix(f"{prefix}."): v for k, v in alphas.items() if k.startswith(f"{prefix}.")}
-        cfg = loaded_config(state, alphas, metadata, self.state_dict(), name)
-        params = self._base_params(detached=True)
-        state = reconcile(state, params.config, cfg, name)
-        own = dict(state, **{k: torch.as_tensor(v) for k, v in alphas.items()})
-        ad = lora.from_state_dict(own, params, None if metadata is None else {lora.METADATA_KEY: metadata})
-        _, mesh = sharding.local_view(params)
-        self._peft_add_loaded(ad if mesh is None else sharding.shard_params(ad, mesh), name, cfg)
+        self._peft_load(state, metadata, alphas, name)
 
     def _flux1_args(self, pooled_projections=None, img_ids=None, txt_ids=None, joint_attention_kwargs=None):
         self._lora_scale("joint_attention_kwargs", joint_attention_kwargs)
