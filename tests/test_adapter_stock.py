@@ -294,7 +294,6 @@ def test_refuses_what_it_cannot_honour():
         "enable_layerwise_casting": ad.enable_layerwise_casting,
         "enable_group_offload": lambda: ad.enable_group_offload("cpu"),
         "enable_xformers_memory_efficient_attention": ad.enable_xformers_memory_efficient_attention,
-        "fuse_lora": ad.fuse_lora,
         "enable_lora_hotswap": lambda: ad.enable_lora_hotswap(target_rank=8),
     }
     for name, call in calls.items():

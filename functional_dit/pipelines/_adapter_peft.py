@@ -1,29 +1,38 @@
 """diffusers' PEFT entry points on `DiffusersTransformer`, over `functional_dit.lora`.
 
-The stock classes inject PEFT ``LoraLayer`` s into their ``nn.Linear`` modules; the
-adapter has no such modules, so here a named adapter is a `functional_dit.lora.Adapter`
-whose factors are registered as parameters of the adapter module under the PEFT names
-(``<module>.lora_A.<adapter name>.weight``: ``parameters()`` lists them, ``to()`` moves
-them, an optimizer trains them) and every forward applies the active ones on the fly
-with their weights (`fd.apply(..., lora=...)`), nothing merged.
+The stock classes inject PEFT ``LoraLayer`` s into their ``nn.Linear`` modules. Here a
+named adapter is a `functional_dit.lora.Adapter` whose tensors are registered on the
+adapted modules, each of which becomes a PEFT ``BaseTunerLayer`` holding them as PEFT
+does (`_adapter_peft_layers`: ``<module>.lora_A.<adapter name>.weight``, the base weight
+at ``<module>.base_layer.weight``, so ``state_dict()`` and ``get_peft_model_state_dict``
+give the stock keys; ``parameters()`` lists them, ``to()`` moves them, an optimizer
+trains them). Every forward applies the active ones on the fly at the layers' scalings
+(`fd.apply(..., lora=...)`); ``fuse_lora`` folds them into the base weights in place.
 
-``add_adapter(peft.LoraConfig)``, ``load_lora_adapter``, ``save_lora_adapter``,
-``set_adapters(names, weights)``, ``set_adapter``, ``active_adapters``,
+``add_adapter(peft.LoraConfig)``, ``load_lora_adapter`` (the stock ``peft_config`` from
+the file's metadata or inferred, ``low_cpu_mem_usage`` accepted, missing / unexpected
+LoRA keys warned about as the stock loader warns), ``save_lora_adapter`` (the stock file
+and metadata), ``set_adapters(names, weights)``, ``set_adapter``, ``active_adapters``,
 ``disable_adapters`` / ``enable_adapters`` (``disable_lora`` / ``enable_lora``),
-``delete_adapters`` and ``unload_lora`` behave as the stock ones. What PEFT offers and
-`functional_dit.lora` does not compute (dropout, per-block weight
-dicts, hotswapping, fusing into the base weights in place) raises a ValueError naming it.
+``fuse_lora`` / ``unfuse_lora``, ``delete_adapters`` and ``unload_lora`` behave as the
+stock ones. What PEFT offers and `functional_dit.lora` does not compute (dropout, per-block
+weight dicts, hotswapping) raises a ValueError naming it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 
 import torch
 from diffusers.loaders.peft import PeftAdapterMixin
 
-from sharding.tree import nest
+from sharding.internal import is_dtensor
+from sharding.tree import flatten, nest
+
+from . import _adapter_peft_layers as layers_mod
 
 PEFT_FILE = "pytorch_lora_weights.safetensors"  # what the stock save_lora_adapter writes
 # PEFT LoraConfig fields and the only values functional_dit.lora computes.
@@ -97,6 +106,14 @@ def new_adapter(params, cfg):
     return lora.Adapter(lcfg, nest(flat))
 
 
+def peft_metadata(cfg) -> dict:
+    """The safetensors metadata the stock ``save_lora_adapter`` writes for ``cfg``."""
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+
+    meta = {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.to_dict().items()}
+    return {"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(meta, indent=2, sort_keys=True)}
+
+
 def check_name(name, taken=()) -> str:
     if not isinstance(name, str) or not name or "." in name:
         raise ValueError(f"adapter_name: expected a non-empty name without '.', got {name!r}")
@@ -133,18 +150,109 @@ def lora_file(path, weight_name) -> str:
     return os.path.join(os.fspath(path), name)
 
 
-def _holder(t: torch.Tensor, trainable: bool) -> torch.nn.Module:
-    m = torch.nn.Module()
-    m.register_parameter("weight", torch.nn.Parameter(t, requires_grad=trainable))
-    return m
+def read_lora(source, prefix, metadata, weight_name) -> tuple[dict, dict | None]:
+    """(state dict, LoraConfig fields or None) of what ``load_lora_adapter`` reads — a
+    state dict or a safetensors file / folder (`weights`' reader: pickles refused) —
+    the keys under ``prefix`` with it stripped, as the stock loader reads them."""
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+
+    from weights.internal import read_tensors
+
+    if isinstance(source, dict):
+        state = dict(source)
+    else:
+        path = os.fspath(source)
+        if os.path.isdir(path):
+            path = os.path.join(path, PEFT_FILE if weight_name is None else weight_name)
+        state, file_meta = read_tensors(path)
+        raw = (file_meta or {}).get(LORA_ADAPTER_METADATA_KEY)
+        metadata = json.loads(raw) if metadata is None and raw else metadata
+    if prefix is not None:
+        state = {k.removeprefix(f"{prefix}."): v for k, v in state.items() if k.startswith(f"{prefix}.")}
+        if metadata is not None:
+            metadata = {k.removeprefix(f"{prefix}."): v for k, v in metadata.items() if k.startswith(f"{prefix}.")}
+    return state, metadata
+
+
+def loaded_config(state: dict, alphas, metadata, model_state: dict, name: str):
+    """The ``peft.LoraConfig`` the stock loader builds for a loaded LoRA: from its metadata,
+    else from its ranks and alphas (diffusers' own function, with its TypeError for bad
+    metadata)."""
+    from diffusers.utils.peft_utils import _create_lora_config
+
+    ranks = {f"^{k}": v.shape[1] for k, v in state.items() if "lora_B" in k and v.ndim > 1}
+    return _create_lora_config(state, alphas or None, metadata, ranks, model_state_dict=model_state, adapter_name=name)
+
+
+_FACTORS = ("lora_A.weight", "lora_B.weight")
+_LEAVES = (*_FACTORS, "lora_B.bias")  # what PEFT's LoraLayer on an nn.Linear holds per adapter
+
+
+def _init_factor(leaf: str, r: int, shape: tuple, like: torch.Tensor, init_weights) -> torch.Tensor:
+    """A missing factor as PEFT initialises it (global RNG): ``A`` Kaiming-uniform, ``B``
+    zero (``init_lora_weights=False``: small uniform)."""
+    out_dim, in_dim = shape
+    if leaf == "lora_A.weight":
+        t = (torch.rand(r, in_dim) * 2 - 1) / math.sqrt(in_dim)  # kaiming_uniform_(a=sqrt(5))
+    else:
+        t = torch.zeros(out_dim, r) if init_weights is not False else (torch.rand(out_dim, r) * 2 - 1) / math.sqrt(r)
+    return t.to(like.device, like.dtype)
+
+
+def _named(leaf: str, name: str) -> str:
+    """A leaf as PEFT names it in the model: ``lora_A.weight`` -> ``lora_A.<name>.weight``."""
+    first, _, rest = leaf.partition(".")
+    return f"{first}.{name}.{rest}" if rest else f"{first}.{name}"
+
+
+def reconcile(state: dict, config, peft_config, name: str) -> dict:
+    """``state`` (PEFT keys, prefix stripped) as the stock loader takes it: a linear
+    module given one factor gets the other as PEFT initialises it, and keys of adapted
+    modules that are no LoRA tensor are dropped, each reported with the stock warning
+    (diffusers' ``_maybe_warn_for_unhandled_keys``: same logger, same message; a missing
+    key named as PEFT names it in the model, an unexpected one as given)."""
+    import collections
+
+    from diffusers.utils.peft_utils import _maybe_warn_for_unhandled_keys
+
+    import functional_dit.lora as lora
+
+    known = lora.linear_modules(config)
+    split = {k: k.split(".lora_", 1) for k in state if ".lora_" in k}
+    split = {k: (m, "lora_" + rest) for k, (m, rest) in split.items() if m in known}
+    unexpected = [k for k, (_, leaf) in split.items() if leaf not in _LEAVES]
+    out = {k: v for k, v in state.items() if k not in unexpected}
+    missing = []
+    for m in dict.fromkeys(m for m, leaf in split.values() if leaf in _FACTORS):
+        have = {leaf: out[f"{m}.{leaf}"] for leaf in _FACTORS if f"{m}.{leaf}" in out}
+        for leaf in (f for f in _FACTORS if f not in have):
+            (given,) = have.values()
+            r = given.shape[0] if leaf == "lora_B.weight" else given.shape[1]
+            out[f"{m}.{leaf}"] = _init_factor(leaf, r, known[m].shape, given, peft_config.init_lora_weights)
+            missing.append(f"{m}.{_named(leaf, name)}")
+    keys = collections.namedtuple("IncompatibleKeys", "missing_keys unexpected_keys")(missing, unexpected)
+    _maybe_warn_for_unhandled_keys(keys, name)
+    return out
+
+
+def _module_leaves(adapter, module: str) -> dict:
+    """``module``'s own subtree of ``adapter`` ({"lora_A": {...}, "lora_B": {...}, ...}),
+    every leaf the adapter holds for it; the subtrees of adapted child modules left out."""
+    from sharding.tree import get
+
+    others = {m for m, _, _ in adapter.config.modules if m.startswith(module + ".")}
+    sub = get(adapter.tree, module)
+    inner = {k for k in sub for o in others if o == f"{module}.{k}" or o.startswith(f"{module}.{k}.")}
+    return {k: v for k, v in sub.items() if k not in inner}
 
 
 class PeftMixin(PeftAdapterMixin):
     """The PEFT methods of `DiffusersTransformer` (see the module docstring), each of
-    diffusers' ``PeftAdapterMixin`` overridden (code that checks for that mixin, as the
-    pipelines' LoRA loaders do, finds it). State: ``_peft`` {name: [lora.LoraConfig,
-    weight, peft config or None]} in load order, ``_peft_active`` the names in use,
-    ``_peft_disabled``."""
+    diffusers' ``PeftAdapterMixin`` overridden or reached through PEFT tuner layers
+    (`_adapter_peft_layers`; code that checks for that mixin, as the pipelines' LoRA
+    loaders do, finds it). State: ``_peft`` {name: [lora.LoraConfig, peft.LoraConfig]}
+    in load order, ``_peft_layers`` {module path: its `LoraLayer`}; the active adapters,
+    their scalings, disabled and merged state live in the layers, as in PEFT."""
 
     @property
     def _hf_peft_config_loaded(self) -> bool:
@@ -153,38 +261,65 @@ class PeftMixin(PeftAdapterMixin):
     def _peft_state(self) -> dict:
         return self.__dict__.setdefault("_peft", {})
 
-    def _peft_register(self, name: str, adapter, weight: float, peft_config, trainable: bool) -> None:
-        for m, _, _ in adapter.config.modules:
-            node = self.get_submodule(m)
-            for factor in ("lora_A", "lora_B"):
-                if factor not in node._modules:
-                    node.add_module(factor, torch.nn.ModuleDict())
-                node._modules[factor][name] = _holder(adapter.factors(m)[factor == "lora_B"], trainable)
-        self._peft_state()[name] = [adapter.config, weight, peft_config]
+    def _peft_layers(self) -> dict:
+        return self.__dict__.setdefault("_peft_layer_map", {})
 
-    def _peft_adapter(self, name: str):
-        """The named adapter as a `lora.Adapter` over the registered factors (not detached:
-        gradients reach them)."""
+    def _peft_register(self, name: str, adapter, peft_config, trainable: bool) -> None:
+        layers = self._peft_layers()
+        for m, _, _ in adapter.config.modules:
+            node = layers.get(m) or layers.setdefault(m, layers_mod.adapt(self.get_submodule(m), m))
+            layers_mod.add(node, name, adapter.config, _module_leaves(adapter, m), trainable)
+        self._peft_state()[name] = [adapter.config, peft_config]
+        self.__dict__.pop("_peft_cfg_cache", None)
+
+    def _peft_set_active(self, names: list[str]) -> None:
+        for node in self._peft_layers().values():
+            node._active_adapter = list(names)
+
+    def _peft_adapter(self, name: str, modules=None):
+        """The named adapter as a `lora.Adapter` over the registered tensors (not detached:
+        gradients reach them); ``modules``: only those."""
         import functional_dit.lora as lora
 
         lcfg = self._peft_state()[name][0]
+        layers = self._peft_layers()
         flat = {}
         for m, _, _ in lcfg.modules:
-            node = self.get_submodule(m)
-            for factor in ("lora_A", "lora_B"):
-                flat[f"{m}.{factor}.weight"] = node._modules[factor][name].weight
+            if modules is None or m in modules:
+                flat.update({f"{m}.{k}": v for k, v in flatten(layers[m].factor_tree(name)).items()})
         return lora.Adapter(lcfg, nest(flat))
 
+    def _forward_config(self, name: str, scalings: dict):
+        """(lora.LoraConfig, scale) applying adapter ``name`` at the layers' ``scalings``:
+        its own config at one scale when every module has the same ratio to alpha / r,
+        else a config over those modules whose alphas carry each ratio (cached)."""
+        lcfg = self._peft_state()[name][0]
+        ratios = {m: (s / lcfg.scale(m) if lcfg.scale(m) else 0.0) for m, s in scalings.items()}
+        if len(set(ratios.values())) == 1 and len(ratios) == len(lcfg.modules):
+            return lcfg, next(iter(ratios.values()))
+        cache = self.__dict__.setdefault("_peft_cfg_cache", {})
+        key = (name, tuple(sorted(ratios.items())))
+        if key not in cache:
+            modules = tuple((m, r, a * ratios[m]) for m, r, a in lcfg.modules if m in ratios)
+            cache[key] = dataclasses.replace(lcfg, modules=modules)
+        return cache[key], 1.0
+
     def _peft_pairs(self) -> list:
-        if self.__dict__.get("_peft_disabled", False):
-            return []
-        state = self._peft_state()
-        return [(self._peft_adapter(n), state[n][1]) for n in self.__dict__.get("_peft_active", [])]
+        """What the forward applies: per adapter name, where it is active (not disabled,
+        not merged), at the layers' scalings."""
+        active = layers_mod.active_pairs(self._peft_layers().values())
+        import functional_dit.lora as lora
+
+        pairs = []
+        for name in (n for n in self._peft_state() if n in active):
+            cfg, scale = self._forward_config(name, active[name])
+            pairs.append((lora.Adapter(cfg, self._peft_adapter(name, active[name]).tree), scale))
+        return pairs
 
     @property
     def peft_config(self) -> dict:
-        """{adapter name: the PEFT config given to ``add_adapter`` (None for a loaded file)}."""
-        return {n: s[2] for n, s in self._peft_state().items()}
+        """{adapter name: its ``peft.LoraConfig``} (a loaded file's: built as the stock loader does)."""
+        return {n: s[1] for n, s in self._peft_state().items()}
 
     def add_adapter(self, adapter_config, adapter_name: str = "default") -> None:
         """A new trainable LoRA from a ``peft.LoraConfig`` (its factors require grad); it
@@ -194,15 +329,29 @@ class PeftMixin(PeftAdapterMixin):
         if not isinstance(adapter_config, peft.LoraConfig):
             raise ValueError(f"adapter_config: expected a peft.LoraConfig, got {type(adapter_config).__name__}")
         name = check_name(adapter_name, self._peft_state())
-        self._peft_register(name, new_adapter(self.params, adapter_config), 1.0, adapter_config, trainable=True)
-        self.__dict__["_peft_active"] = [name]
+        self._peft_register(name, new_adapter(self.params, adapter_config), adapter_config, trainable=True)
+        self._peft_set_active([name])
 
-    def _peft_add_loaded(self, adapter, name) -> None:
-        """A loaded adapter at weight 1, used together with those already active."""
-        state = self._peft_state()
-        name = f"default_{len(state)}" if name is None else check_name(name, state)
-        self._peft_register(name, adapter, 1.0, None, trainable=False)
-        self.__dict__["_peft_active"] = [*self.__dict__.get("_peft_active", []), name]
+    def _peft_load(self, state: dict, metadata, alphas: dict, name) -> None:
+        """Add the LoRA ``state`` (PEFT keys, prefix stripped) as the stock loader does:
+        its ``peft_config`` built first (a TypeError for bad metadata), the keys reconciled
+        (`reconcile`), the factors read by `functional_dit.lora` (placed as the params are)."""
+        import functional_dit.lora as lora
+        import sharding
+
+        name = f"default_{len(self._peft_state())}" if name is None else check_name(name, self._peft_state())
+        cfg = loaded_config(state, {k: float(v) for k, v in alphas.items()}, metadata, self.state_dict(), name)
+        params = self._base_params(detached=True)
+        state = dict(reconcile(state, params.config, cfg, name), **{k: torch.as_tensor(v) for k, v in alphas.items()})
+        ad = lora.from_state_dict(state, params, None if metadata is None else {lora.METADATA_KEY: metadata})
+        _, mesh = sharding.local_view(params)
+        self._peft_add_loaded(ad if mesh is None else sharding.shard_params(ad, mesh), name, cfg)
+
+    def _peft_add_loaded(self, adapter, name, peft_config) -> None:
+        """A loaded adapter at weight 1; it becomes the one active adapter, as the stock
+        loader makes it (``set_adapters`` combines several)."""
+        self._peft_register(name, adapter, peft_config, trainable=False)
+        self._peft_set_active([name])
 
     def _peft_names(self, adapter_names) -> list[str]:
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
@@ -214,42 +363,62 @@ class PeftMixin(PeftAdapterMixin):
         return names
 
     def set_adapters(self, adapter_names, weights=None) -> None:
-        """Use exactly ``adapter_names``, at ``weights`` (a float, or one per name; None: 1)."""
+        """Use exactly ``adapter_names``, at ``weights`` (a float, or one per name; None: 1),
+        set on every layer as the stock one sets them (``set_weights_and_activate_adapters``)."""
+        from diffusers.utils.peft_utils import set_weights_and_activate_adapters
+
         names = self._peft_names(adapter_names)
-        for n, w in zip(names, weights_for(names, weights)):
-            self._peft_state()[n][1] = w
-        self.__dict__["_peft_active"] = names
+        set_weights_and_activate_adapters(self, names, weights_for(names, weights))
 
     def set_adapter(self, adapter_name) -> None:
         """Use exactly ``adapter_name`` (a name or a list), at the weights they have."""
-        self.__dict__["_peft_active"] = self._peft_names(adapter_name)
+        names = self._peft_names(adapter_name)
+        for node in self._peft_layers().values():
+            node.set_adapter(names)
 
     def active_adapters(self) -> list[str]:
-        return list(self.__dict__.get("_peft_active", []))
+        """The active adapters (those of the first LoRA layer, as the stock method reads them)."""
+        return next((list(n.active_adapters) for n in self._peft_layers().values()), [])
 
     def disable_adapters(self) -> None:
-        self.__dict__["_peft_disabled"] = True
+        for node in self._peft_layers().values():
+            node.enable_adapters(False)
 
     def enable_adapters(self) -> None:
-        self.__dict__["_peft_disabled"] = False
+        for node in self._peft_layers().values():
+            node.enable_adapters(True)
 
     disable_lora, enable_lora = disable_adapters, enable_adapters
 
     def delete_adapters(self, adapter_names) -> None:
-        """Remove the named adapters and their factors."""
+        """Remove the named adapters and their tensors (a layer left without any is a
+        plain module again)."""
+        layers = self._peft_layers()
         for name in self._peft_names(adapter_names):
             for m, _, _ in self._peft_state().pop(name)[0].modules:
-                node = self.get_submodule(m)
-                for factor in ("lora_A", "lora_B"):
-                    del node._modules[factor][name]
-                    if not node._modules[factor]:
-                        del node._modules[factor]
-            self.__dict__["_peft_active"] = [n for n in self.active_adapters() if n != name]
+                layers_mod.remove(layers[m], name)
+                if not isinstance(layers[m], layers_mod.LoraLayer):
+                    del layers[m]
+        self.__dict__.pop("_peft_cfg_cache", None)
 
     def unload_lora(self) -> None:
-        """Remove every adapter: named ones and those ``set_lora`` set."""
+        """Remove every adapter: named ones and those ``set_lora`` set (merged weights stay
+        merged, as the stock method leaves them)."""
         self.delete_adapters(list(self._peft_state()))
         self.__dict__["_lora"] = []
+
+    def fuse_lora(self, lora_scale=1.0, safe_fusing=False, adapter_names=None):
+        """Fold the active adapters (or ``adapter_names``), at their weights x ``lora_scale``,
+        into the base weights in place (the stock method over PEFT's ``merge`` of each
+        layer, which computes with `functional_dit.lora.merge`). ``safe_fusing``: the stock
+        ValueError if a fused weight would not be finite, raised before any change."""
+        if adapter_names is not None:
+            adapter_names = self._peft_names(adapter_names)
+        if safe_fusing:
+            for node in self._peft_layers().values():
+                names = adapter_names if adapter_names is not None else node.active_adapters
+                node.check_finite([n for n in names if n not in node.merged_adapters], lora_scale)
+        super().fuse_lora(lora_scale, safe_fusing=safe_fusing, adapter_names=adapter_names)
 
     def save_lora_adapter(
         self,
@@ -259,33 +428,21 @@ class PeftMixin(PeftAdapterMixin):
         safe_serialization: bool = True,
         weight_name: str | None = None,
     ) -> None:
-        """Write the named adapter as a diffusers LoRA file (`lora.save`), which
-        ``load_lora_adapter`` and ``pipe.load_lora_weights`` read back."""
-        import functional_dit.lora as lora
+        """Write the named adapter as the stock method does (its PEFT tensors, its
+        ``LoraConfig`` in the metadata); ``load_lora_adapter`` and ``pipe.load_lora_weights``
+        read it back."""
+        from safetensors.torch import save_file
+
+        from sharding import unshard
 
         if adapter_name not in self._peft_state():
-            raise ValueError(f"adapter_name: Adapter name {adapter_name} not found in the model")
+            raise ValueError(f"adapter_name: Adapter name {adapter_name} not found in the model.")
         if not safe_serialization:
             raise ValueError("safe_serialization: only safetensors are written (pickle is refused), got False")
         ad = self._peft_adapter(adapter_name)
-        if upcast_before_saving:
-            ad = ad.replace(nest({k: v.float() for k, v in ad.flat().items()}))
-        lora.save(ad, lora_file(save_directory, weight_name), prefix="")
-
-    def fuse_lora(self, *args, **kwargs):
-        raise ValueError(
-            "fuse_lora: the adapter applies LoRA on the fly and does not fuse it into its weights in place; "
-            "merge with functional_dit.lora.merge(params, adapter, scale) and wrap the result instead"
-        )
-
-    def unfuse_lora(self, *args, **kwargs):
-        raise ValueError("unfuse_lora: the adapter never fuses LoRA (see fuse_lora)")
-
-    def _fuse_lora_apply(self, *args, **kwargs):
-        self.fuse_lora()
-
-    def _unfuse_lora_apply(self, *args, **kwargs):
-        self.unfuse_lora()
+        ad = unshard(ad) if any(is_dtensor(t) for t in ad.leaves()) else ad
+        state = {k: (v.float() if upcast_before_saving else v).detach().contiguous() for k, v in ad.flat().items()}
+        save_file(state, lora_file(save_directory, weight_name), metadata=peft_metadata(self.peft_config[adapter_name]))
 
     def enable_lora_hotswap(self, *args, **kwargs):
         raise ValueError("enable_lora_hotswap: hotswapping is not supported; use set_adapters / set_lora to swap")

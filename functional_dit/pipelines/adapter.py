@@ -52,6 +52,7 @@ from ..params import Params
 from . import _adapter_io as io
 from . import _adapter_kv as kv
 from ._adapter_peft import PeftMixin
+from ._adapter_peft_layers import base_key as layers_base_key
 from ._adapter_rope import stock_pos_embed
 from ._adapter_surface import SurfaceMixin
 from ._cache_hooks import CacheHooks
@@ -235,11 +236,11 @@ class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelM
 
     def _base_params(self, detached: bool) -> Params:
         """The base model's parameters (the PEFT factors left out) as `Params`."""
-        flat = {
-            k: p.detach() if detached or not p.requires_grad else p
-            for k, p in self.named_parameters(remove_duplicate=False)
-            if ".lora_A." not in k and ".lora_B." not in k
-        }
+        layers, flat = self._peft_layers(), {}
+        for k, p in self.named_parameters(remove_duplicate=False):
+            key = layers_base_key(k, layers) if layers else k
+            if key is not None:
+                flat[key] = p.detach() if detached or not p.requires_grad else p
         return Params(self._fd_config, nest(flat))
 
     def _family_module(self):
@@ -363,39 +364,34 @@ class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelM
     def load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="transformer", metadata=None, **kwargs):
         """What ``pipe.load_lora_weights(...)`` calls: read the LoRA (a state dict, a
         safetensors file or a folder holding ``pytorch_lora_weights.safetensors``) with
-        `functional_dit.lora` and add it at weight 1, used with the adapters already active,
-        under ``adapter_name`` (default ``default_<n>``; see ``set_adapters``).
+        `functional_dit.lora` and add it at weight 1 under ``adapter_name`` (default
+        ``default_<n>``) as the one active adapter, as the stock loader does (``set_adapters``
+        combines several). Its ``peft_config`` is the stock loader's (the file's metadata, or
+        inferred); missing or unexpected LoRA keys are warned about as the stock loader warns.
         ``network_alphas`` are honoured; hub downloads, hotswapping and pickles are not supported."""
-        import functional_dit.lora as lora
+        from ._adapter_peft import read_lora
 
         alphas = kwargs.pop("network_alphas", None) or {}
         name = kwargs.pop("adapter_name", None)
         if kwargs.pop("hotswap", False):
             raise ValueError("hotswap: not supported by functional_dit's adapter; use set_lora to swap adapters")
-        for ignored in ("_pipeline", "low_cpu_mem_usage"):
+        for ignored in ("_pipeline", "low_cpu_mem_usage"):  # nothing is initialised before the factors are read
             kwargs.pop(ignored, None)
         if kwargs.pop("use_safetensors", None) is False:
             raise ValueError("use_safetensors: only safetensors are read (pickle is refused), got False")
         weight_name = kwargs.pop("weight_name", None)
         if kwargs:
             raise ValueError(f"load_lora_adapter: unsupported arguments {sorted(kwargs)}")
-        source = pretrained_model_name_or_path_or_dict
-        if isinstance(source, dict):
-            own = {k: v for k, v in source.items() if prefix is None or k.startswith(f"{prefix}.")}
-            if not own:  # as the stock method: e.g. a LoRA for the text encoder only
-                _PEFT_LOG.warning(
-                    f"No LoRA keys associated to {type(self).__name__} found with the prefix={prefix!r}; "
-                    "nothing loaded into the transformer"
-                )
-                return
-            own.update({k: torch.as_tensor(v) for k, v in alphas.items()})
-            ad = lora.from_state_dict(own, self.params, None if metadata is None else {lora.METADATA_KEY: metadata})
-        else:
-            source = os.fspath(source)
-            if weight_name is not None and os.path.isdir(source):
-                source = os.path.join(source, weight_name)
-            ad = lora.load(source, self._base_params(detached=True))
-        self._peft_add_loaded(ad, name)
+        state, metadata = read_lora(pretrained_model_name_or_path_or_dict, prefix, metadata, weight_name)
+        if not state:  # as the stock method: e.g. a LoRA for the text encoder only
+            _PEFT_LOG.warning(
+                f"No LoRA keys associated to {type(self).__name__} found with the prefix={prefix!r}; "
+                "nothing loaded into the transformer"
+            )
+            return
+        if prefix is not None:
+            alphas = {k.removeprefix(f"{prefix}."): v for k, v in alphas.items() if k.startswith(f"{prefix}.")}
+        self._peft_load(state, metadata, alphas, name)
 
     def _flux1_args(self, pooled_projections=None, img_ids=None, txt_ids=None, joint_attention_kwargs=None):
         self._lora_scale("joint_attention_kwargs", joint_attention_kwargs)
