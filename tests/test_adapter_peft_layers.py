@@ -223,3 +223,38 @@ def test_pipeline_fuse_lora_reaches_the_adapter(tmp_path):
         assert not pipe.transformer.get_submodule("transformer_blocks.0.attn.to_q").merged
         outs.append(fused)
     assert max_err(outs[1], outs[0]) <= FP32
+
+
+@pytest.mark.parametrize("field", ["use_dora", "lora_bias"])
+def test_dora_and_bias_layers_as_stock(tmp_path, field):
+    """A DoRA / LoRA-bias adapter saved by the stock module, loaded into the adapter: the
+    tuner layers hold the magnitude / bias as PEFT's do, outputs and fusing equal stock's,
+    and unfusing DoRA (a row rescaling, not additive) gives back the weights it replaced."""
+    stock, ad = _pair()
+    kw = diffusers_kwargs(inputs(FLUX2))
+    torch.manual_seed(3)
+    stock.add_adapter(peft.LoraConfig(**{**_config().to_dict(), field: True}), adapter_name="x")
+    with torch.no_grad():  # non-trivial magnitudes / biases (PEFT starts them at ||W|| / 0)
+        for n, p in stock.named_parameters():
+            if "lora_magnitude_vector" in n or "lora_B" in n and n.endswith("bias"):
+                p.mul_(1.3).add_(0.05)
+    stock.save_lora_adapter(tmp_path, adapter_name="x")
+    ad.load_lora_adapter(tmp_path, prefix=None, adapter_name="x")
+    want, got = get_peft_model_state_dict(stock, adapter_name="x"), get_peft_model_state_dict(ad, adapter_name="x")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert any("lora_magnitude_vector" in k or k.endswith("lora_B.bias") for k in got)
+    assert max_err(_out(ad, kw), _out(stock, kw)) <= FP32
+    q = "transformer_blocks.0.attn.to_q"
+    before = ad.get_submodule(q).base_layer.weight.detach().clone()
+    if field == "lora_bias":  # FLUX.2's linears have no bias to fold b into: both refuse to fuse
+        with pytest.raises(ValueError, match="bias"):
+            ad.fuse_lora(lora_scale=0.7)
+        assert torch.equal(ad.get_submodule(q).base_layer.weight, before) and not ad.get_submodule(q).merged
+        with pytest.raises(RuntimeError, match="no bias"):  # last: the stock shares the adapter's weights
+            stock.fuse_lora(lora_scale=0.7)
+        return
+    for model in (stock, ad):
+        model.fuse_lora(lora_scale=0.7)
+    assert max_err(_out(ad, kw), _out(stock, kw)) <= FP32
+    ad.unfuse_lora()
+    assert torch.equal(ad.get_submodule(q).base_layer.weight, before)

@@ -185,7 +185,8 @@ def loaded_config(state: dict, alphas, metadata, model_state: dict, name: str):
 
 
 _FACTORS = ("lora_A.weight", "lora_B.weight")
-_LEAVES = (*_FACTORS, "lora_B.bias")  # what PEFT's LoraLayer on an nn.Linear holds per adapter
+# what PEFT's LoraLayer on an nn.Linear holds per adapter (the magnitude: its DoRA layer's)
+_LEAVES = (*_FACTORS, "lora_B.bias", "lora_magnitude_vector")
 
 
 def _init_factor(leaf: str, r: int, shape: tuple, like: torch.Tensor, init_weights) -> torch.Tensor:

@@ -26,6 +26,9 @@ from sharding.tree import flatten, nest
 from ..params import Params
 
 _OTHER = ("r", "lora_alpha", "scaling", "use_rslora")  # PEFT's per-adapter dicts of a LoraLayer
+# Leaves of a module's `lora.Adapter` subtree that are one tensor, held by PEFT as a module
+# with a ``weight`` (its DoRA layer: ``<module>.lora_magnitude_vector.<name>.weight``).
+_VECTORS = ("lora_magnitude_vector",)
 
 
 class Factor(torch.nn.Module):
@@ -81,7 +84,9 @@ class LoraLayer(BaseTunerLayer):
         for key in self.adapter_layer_names:
             holder = getattr(self, key)
             if name in holder:
-                flat.update({f"{key}.{k}": p for k, p in holder[name].named_parameters()})
+                params = dict(holder[name].named_parameters())
+                own = {key: params["weight"]} if key in _VECTORS else {f"{key}.{k}": p for k, p in params.items()}
+                flat.update(own)
         return nest(flat)
 
     def folded(self, name: str, factor: float) -> dict:
@@ -115,6 +120,8 @@ class LoraLayer(BaseTunerLayer):
             new = self.folded(name, 1.0)
             if safe_merge and not all(torch.isfinite(v).all() for v in new.values()):
                 raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems to be broken")
+            if self._fd_lcfg[name].use_dora:  # DoRA's merge is not additive: keep what it replaces
+                self._fd_saved[name] = {k: self.base_layer._parameters[k].detach().clone() for k in new}
             with torch.no_grad():
                 for k, v in new.items():
                     self.base_layer._parameters[k].copy_(v)
@@ -122,21 +129,23 @@ class LoraLayer(BaseTunerLayer):
 
     def unmerge(self) -> None:
         """PEFT's unmerge: subtract every merged adapter at its current scaling, as PEFT
-        does (exact up to the rounding of the weights' dtype)."""
+        does (exact up to the rounding of the weights' dtype); a DoRA adapter, whose merge
+        rescales the rows, gets back the weights it replaced."""
         if not self.merged:
             warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
             return
         while self.merged_adapters:
             name = self.merged_adapters.pop()
             if name in self.scaling:
+                old = self._fd_saved.pop(name, None)
                 with torch.no_grad():
-                    for k, v in self.folded(name, -1.0).items():
+                    for k, v in (old if old is not None else self.folded(name, -1.0)).items():
                         self.base_layer._parameters[k].copy_(v)
 
 
 _CLASSES: dict[type, type] = {}
 _STATE = ("_fd_path", "_fd_lcfg", "adapter_layer_names", "other_param_names", "_active_adapter", "_disable_adapters")
-_STATE += ("merged_adapters",)
+_STATE += ("merged_adapters", "_fd_saved")
 
 
 def _lora_class(cls: type) -> type:
@@ -159,6 +168,7 @@ def adapt(node: torch.nn.Module, path: str) -> LoraLayer:
             _fd_plain=plain,
             _fd_path=path,
             _fd_lcfg={},
+            _fd_saved={},
             adapter_layer_names=(),
             other_param_names=_OTHER,
             _active_adapter=[],
@@ -175,7 +185,7 @@ def add(node: LoraLayer, name: str, lcfg, subtree: dict, trainable: bool) -> Non
         if key not in node._modules:
             node.add_module(key, torch.nn.ModuleDict())
             node.__dict__["adapter_layer_names"] = (*node.adapter_layer_names, key)
-        node._modules[key][name] = _holder(value, trainable)
+        node._modules[key][name] = _holder({"weight": value} if key in _VECTORS else value, trainable)
     (_, r, alpha), *_ = (e for e in lcfg.modules if e[0] == node._fd_path)
     node.r[name], node.lora_alpha[name], node.use_rslora[name] = r, alpha, bool(lcfg.use_rslora)
     node._fd_lcfg[name] = lcfg
