@@ -22,10 +22,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import os
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import families as _families
+from ..nn import scan as _scan
 from ..nn import values as _values
 from . import _sample_families as _sample
 from . import _sample_next as _next
@@ -37,17 +41,23 @@ _FORCED: contextvars.ContextVar = contextvars.ContextVar("fd_static_loop", defau
 class Options:
     """How `static` runs the loop: ``strict`` raises on host reads inside a step;
     ``record`` (a list) gets one dict per loop: steps, and on torch_xla the compiles,
-    executions and device-to-host transfers inside the loop."""
+    executions and device-to-host transfers inside the loop. ``scan``: each segment of
+    blocks as one scan over its weights stacked once before the loop (`nn.scan`); None:
+    as the ``FD_XLA_SCAN_BLOCKS`` environment variable says (``1``: on)."""
 
     strict: bool = False
     record: list | None = None
+    scan: bool | None = None
 
 
 @contextlib.contextmanager
-def static(strict: bool = False, record: list | None = None):
+def static(strict: bool = False, record: list | None = None, scan: bool | None = None):
     """Run `fd.sample`'s supported loops as `denoise` on any device (on torch_xla it is
-    always used), optionally ``strict`` and recording per-loop counters."""
-    token = _FORCED.set(Options(strict, record))
+    always used), optionally ``strict``, recording per-loop counters, and with scanned
+    block segments."""
+    if scan not in (None, True, False):
+        raise ValueError(f"scan: expected True, False or None, got {scan!r}")
+    token = _FORCED.set(Options(strict, record, scan))
     try:
         yield
     finally:
@@ -119,16 +129,41 @@ def denoise(model, sched, x, cond, cfg: float | None, normalise: bool, callback,
     steps = plan(sched, batch, x.dtype, x.device)
     more = extras(model, sched, batch, x.dtype, x.device)
     sync = _sync(x.device)
-    sync()  # inputs, RoPE tables, references and schedule become device data first
-    counters = _Counters(x.device, opts.record)
-    for i, ((t, dt), extra) in enumerate(zip(steps, more)):
-        with _strict() if opts.strict else contextlib.nullcontext():
-            x = step(model, x, t, dt, cond, cfg, normalise, extra)
-            sync()
-        if callback is not None:
-            x = callback(i, sched.timesteps[i], x)
-    counters.done(len(steps))
+    with _scanned(model, opts, x.device) as segments:
+        sync()  # inputs, RoPE tables, references, schedule and stacked blocks become device data first
+        counters = _Counters(x.device, opts.record, segments)
+        for i, ((t, dt), extra) in enumerate(zip(steps, more)):
+            with _strict() if opts.strict else contextlib.nullcontext():
+                x = step(model, x, t, dt, cond, cfg, normalise, extra)
+                sync()
+            if callback is not None:
+                x = callback(i, sched.timesteps[i], x)
+        counters.done(len(steps))
     return x
+
+
+def scanning(opts: Options) -> bool:
+    """Whether the loop scans the block segments: ``opts.scan``, else ``FD_XLA_SCAN_BLOCKS``."""
+    if opts.scan is not None:
+        return opts.scan
+    value = os.environ.get("FD_XLA_SCAN_BLOCKS", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"FD_XLA_SCAN_BLOCKS: expected 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _scanned(model, opts: Options, device):
+    """`nn.scan.stacked` over the model's params for the segments its family scans, with
+    torch_xla's scan on xla (the eager `nn.scan.eager_scan` elsewhere); else nothing."""
+    params = getattr(model, "params", None)
+    names = getattr(_families.of(params), "SCANNED", ()) if params is not None and scanning(opts) else ()
+    if not names:
+        return contextlib.nullcontext({})
+    if torch.device(device).type != "xla":
+        return _scan.stacked(params, names, _scan.eager_scan)
+    from torch_xla.experimental.scan import scan
+
+    return _scan.stacked(params, names, functools.partial(scan, is_fn_pure=True))
 
 
 @contextlib.contextmanager
@@ -144,8 +179,8 @@ class _Counters:
 
     NAMES = {"compiles": "CompileTime", "executions": "ExecuteTime", "transfers": "TransferFromDeviceTime"}
 
-    def __init__(self, device, record):
-        self.record, self.met = record, None
+    def __init__(self, device, record, segments=()):
+        self.record, self.met, self.scanned = record, None, sorted(segments)
         if record is not None and torch.device(device).type == "xla":
             import torch_xla.debug.metrics as met
 
@@ -164,7 +199,8 @@ class _Counters:
     def done(self, steps: int) -> None:
         if self.record is not None:
             end = self._read()
-            self.record.append(dict(steps=steps, **{k: end[k] - self.start[k] for k in end}))
+            scanned = dict(scanned=self.scanned) if self.scanned else {}
+            self.record.append(dict(steps=steps, **scanned, **{k: end[k] - self.start[k] for k in end}))
 
 
 class HostSyncError(RuntimeError):
