@@ -154,6 +154,9 @@ class Flux2Inpaint(_Flux2):
         init, noise = self.cur
         return blend(sched, i, init, noise, self.mask, x)
 
+    def blend_parts(self):
+        return (*self.cur, self.mask)
+
     def overlay(self, images):
         """``padding_mask_crop``: each output pasted into the init image, as the pipeline."""
         if self.crop is None:

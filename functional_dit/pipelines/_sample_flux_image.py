@@ -211,6 +211,9 @@ class Flux1Image(_Flux1):
         init, noise = self.cur
         return blend(sched, i, init, noise, self.mask, x)
 
+    def blend_parts(self):
+        return None if self.edit.mask is None or self.cur is None else (*self.cur, self.mask)
+
     def overlay(self, images):
         """``padding_mask_crop``: paste each generated crop back into the init image."""
         if self.crop is None:

@@ -33,6 +33,8 @@ from ..nn import scan as _scan
 from ..nn import values as _values
 from . import _sample_families as _sample
 from . import _sample_next as _next
+from . import _steps
+from . import schedule as _schedule
 
 _FORCED: contextvars.ContextVar = contextvars.ContextVar("fd_static_loop", default=None)
 
@@ -72,8 +74,9 @@ def wanted(model, job, pipe, device) -> bool:
         return False
     fixed = isinstance(model, (_sample._Flux1, _sample._Flux2, _sample._Qwen, _next.Flux3, _next.Qwen21))
     stochastic = pipe.scheduler.config.get("stochastic_sampling", False)
-    # FLUX.1 inpainting's per-step blend runs in the usual loop
-    return fixed and job.cache is None and not stochastic and not model.blends_steps
+    # an inpainting blend runs on the device when the model gives it as data (`blend_parts`)
+    blends = model.blends_steps and type(model).blend_parts is _steps.Steps.blend_parts
+    return fixed and job.cache is None and not stochastic and not blends
 
 
 def euler(x: torch.Tensor, pred: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
@@ -95,14 +98,16 @@ def step(model, x, t, dt, cond, cfg: float | None, normalise: bool, extra: dict 
 
 def plan(sched, batch: int, dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every step's (t, dt), computed on the host from the scheduler's CPU timesteps and
-    sigmas exactly as the usual loop computes them, then moved to ``device`` once."""
-    ts, sigmas = sched.timesteps, sched.sigmas
+    sigmas exactly as the usual loop computes them, then moved to ``device`` once. A cut
+    schedule (img2img, inpainting) steps from ``sigmas[begin_index]`` on, as
+    ``sched.step`` does."""
+    ts, sigmas, b = sched.timesteps, sched.sigmas, sched.begin_index or 0
     if ts.device.type != "cpu" or sigmas.device.type != "cpu":
         raise ValueError(f"sched: expected the schedule on the cpu, got {ts.device} and {sigmas.device}")
     out = []
     for i in range(len(ts)):
         t = ts[i].expand(batch).to(dtype) / 1000
-        out.append((t.to(device), (sigmas[i + 1] - sigmas[i]).to(device)))
+        out.append((t.to(device), (sigmas[b + i + 1] - sigmas[b + i]).to(device)))
     return out
 
 
@@ -128,18 +133,28 @@ def denoise(model, sched, x, cond, cfg: float | None, normalise: bool, callback,
     batch = x.shape[0] * (1 if cfg is None else 2)
     steps = plan(sched, batch, x.dtype, x.device)
     more = extras(model, sched, batch, x.dtype, x.device)
+    parts = model.blend_parts()
+    blends = [None] * len(steps) if parts is None else [s.to(x.device) for s in _schedule.blend_plan(sched, x.dtype)]
     sync = _sync(x.device)
     with _scanned(model, opts, x.device) as segments:
         sync()  # inputs, RoPE tables, references, schedule and stacked blocks become device data first
         counters = _Counters(x.device, opts.record, segments)
-        for i, ((t, dt), extra) in enumerate(zip(steps, more)):
+        for i, ((t, dt), extra, mix) in enumerate(zip(steps, more, blends)):
             with _strict() if opts.strict else contextlib.nullcontext():
                 x = step(model, x, t, dt, cond, cfg, normalise, extra)
+                x = x if mix is None else _schedule.blend_at(x, mix, *parts)
                 sync()
+            _advance(sched, i)
             if callback is not None:
                 x = callback(i, sched.timesteps[i], x)
         counters.done(len(steps))
     return x
+
+
+def _advance(sched, i: int) -> None:
+    """The scheduler's step index as ``sched.step`` leaves it after step ``i``, for hooks
+    that read it (``scale_noise`` in a callback's blend, ``callback_on_step_end``)."""
+    sched._step_index = (sched.begin_index or 0) + i + 1
 
 
 def scanning(opts: Options) -> bool:
