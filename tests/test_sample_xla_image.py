@@ -32,11 +32,12 @@ def _pipe(kind, cls):
     return getattr(diffusers, cls).from_pipe(base), fd.init(tiny.transformer_config(kind), seed=0)
 
 
+INPAINT = dict(image=picture(), mask_image=mask(), strength=0.6)  # 3 of 4 steps: a cut schedule
 # (name, tiny kind, pipeline class, fd.sample kwargs); img2img's cut schedule is inpainting's
 CASES = [
-    ("flux1-inpaint", "flux", "FluxInpaintPipeline", dict(image=picture(), mask_image=mask(), strength=0.6)),
-    ("klein-inpaint", "flux2-klein", "Flux2KleinInpaintPipeline", dict(image=picture(), mask_image=mask(), strength=0.6)),
-    ("qwen-inpaint", "qwen-image", "QwenImageInpaintPipeline", dict(image=picture(), mask_image=mask(), strength=0.6)),
+    ("flux1-inpaint", "flux", "FluxInpaintPipeline", INPAINT),
+    ("klein-inpaint", "flux2-klein", "Flux2KleinInpaintPipeline", INPAINT),
+    ("qwen-inpaint", "qwen-image", "QwenImageInpaintPipeline", INPAINT),
 ]
 
 
