@@ -22,6 +22,15 @@ def blend(sched, i: int, init, noise, mask, x):
     return (1 - mask) * init + mask * x
 
 
+def noised_start(sched, init, noise):
+    """The start latents of a cut schedule, ``scale_noise(init, its first timestep, noise)``
+    with the sigma read on the host and moved as one (1, 1, 1) value: the same arithmetic,
+    and on a lazy device the same graph for every step count (the scheduler moves its
+    whole sigma table to the device)."""
+    sigma = sched.sigmas.to(init.dtype)[sched.begin_index or 0].reshape(1, 1, 1).to(init.device)
+    return sigma * noise + (1.0 - sigma) * init
+
+
 def blend_plan(sched, dtype) -> list[torch.Tensor]:
     """`blend`'s noise level after each step as data, (1, 1, 1) each: the sigma
     ``scale_noise`` reads after step ``i`` (the scheduler's step index then is
