@@ -68,3 +68,17 @@ def test_fixed_loop_with_scanned_blocks_equals_usual_loop_bitwise(monkeypatch):
         fd.sample(params, pipe, "a red cube", **args)
     with pytest.raises(ValueError, match="scan: expected True, False or None, got 'on'"):
         _sample_xla.static(scan="on").__enter__()
+
+
+def test_check_sample_scan_blocks_on_cpu(capsys):
+    """``check --device cpu --sample --only flux1-dev --scan-blocks``: the eager scan on
+    the CPU equals the usual loop exactly; a name matching no case is refused."""
+    from functional_dit.__main__ import main
+    from functional_dit.cli import _check_sample
+
+    assert main(["check", "--device", "cpu", "--sample", "--only", "flux1-dev", "--scan-blocks"]) == 0
+    out = capsys.readouterr().out
+    assert "flux1-dev            ok" in out and out.count("max|err| 0.00e+00") == 2, out
+    assert out.count(", blocks scanned") == 3 and "flux1-true-cfg" not in out, out
+    with pytest.raises(ValueError, match="only: no case name contains 'nope'"):
+        _check_sample.run("cpu", torch.float32, 1e-4, only="nope")
