@@ -24,6 +24,7 @@ from .configs import (
     require_rope_axes,
 )
 from .nn import layers as L
+from .nn import scan as _scan
 from .nn.checks import (
     check_guidance,
     check_ids,
@@ -295,6 +296,7 @@ def single_block(p, x, mod, pe, head_dim, key_bias=None):
 
 
 REGIONS = ("double_block", "single_block")  # compiled once and reused per layer (`nn.compile`)
+SCANNED = ("transformer_blocks", "single_transformer_blocks")  # segments `forward` runs through `nn.scan.layers`
 
 
 def modulations(params, vec) -> tuple[list, list, list, torch.Tensor]:
@@ -372,9 +374,21 @@ def forward(params, x, t, txt, *, pooled, guidance, pe, blocks=None):
     txt = L.linear(params["context_embedder"], txt)
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
     img_mods, txt_mods, single_mods, out_mod = modulations(params, vec)
-    for p, img_mod, txt_mod in zip(ordered_blocks(params, "transformer_blocks"), img_mods, txt_mods):
-        img, txt = double(p, img, txt, img_mod, txt_mod, pe, D, key_bias)
+    consts = (pe, key_bias)
+    pair = (img_mods, txt_mods)
+    img, txt = _scan.layers(params, "transformer_blocks", _double, (img, txt), pair, consts, (double, D))
     x = torch.cat([txt, img], 1)
-    for p, mod in zip(ordered_blocks(params, "single_transformer_blocks"), single_mods):
-        x = single(p, x, mod, pe, D, key_bias)
+    x = _scan.layers(params, "single_transformer_blocks", _single, x, (single_mods,), consts, (single, D))
     return final_layer(params, x[:, txt.shape[1] :], out_mod), S, None
+
+
+def _double(carry, p, mods, consts, static):
+    """One double block as a `nn.scan.layers` step: carry (img, txt)."""
+    (fn, D), (pe, key_bias) = static, consts
+    return fn(p, *carry, *mods, pe, D, key_bias)
+
+
+def _single(x, p, mods, consts, static):
+    """One single block as a `nn.scan.layers` step."""
+    (fn, D), (pe, key_bias) = static, consts
+    return fn(p, x, *mods, pe, D, key_bias)

@@ -31,14 +31,30 @@ def _ref_image(w: int = 80, h: int = 64):
     return Image.fromarray((np.random.default_rng(0).random((h, w, 3)) * 255).astype("uint8"))
 
 
+def _mask(w: int = 80, h: int = 64):
+    """White (repaint) in the right half's upper part, black elsewhere."""
+    from PIL import Image
+
+    a = np.zeros((h, w), dtype="uint8")
+    a[8:40, 40:72] = 255
+    return Image.fromarray(a)
+
+
+def _inpaint() -> dict:
+    return dict(image=_ref_image(), mask_image=_mask(), strength=0.6)  # 2 of 3, then 3 of 4 steps
+
+
 def cases() -> list[tuple[str, str, dict]]:
-    """(name, tiny pipeline kind, fd.sample kwargs): every model path of the fixed loop."""
+    """(name, tiny pipeline kind[:pipeline class], fd.sample kwargs): every model path of
+    the fixed loop."""
     return [
         ("flux1-dev", "flux", dict(guidance=4.0)),
+        ("flux1-inpaint", "flux:FluxInpaintPipeline", _inpaint()),
         ("flux1-true-cfg", "flux", dict(true_cfg=2.0, negative_prompt="blurry")),
         ("flux2-dev-ref", "flux2", dict(image=_ref_image())),
         ("flux2-klein-cfg", "flux2-klein", dict(true_cfg=4.0)),
         ("flux2-klein-kv-ref", "flux2-klein-kv", dict(image=_ref_image())),
+        ("flux2-klein-inpaint", "flux2-klein:Flux2KleinInpaintPipeline", _inpaint()),
         ("qwen-image-cfg", "qwen-image", dict(true_cfg=4.0, negative_prompt="blurry, low quality")),
         ("flux3-cfg", "flux3", dict(true_cfg=3.5, negative_prompt="")),
         ("flux3-flow-map", "flux3-distilled", {}),
@@ -60,13 +76,13 @@ def _counts(met) -> dict:
     return {"compiles": 0 if data is None else data[0]}
 
 
-def _image(pipe, params, dev_params, kw, seed, steps, met) -> dict:
+def _image(pipe, params, dev_params, kw, seed, steps, met, scan=False) -> dict:
     """One image on the CPU and on the device: error, scale and the device counters."""
     args = dict(height=32, width=32, steps=steps, seed=seed, output_type="latent", **kw)
     with torch.no_grad():
         want = sample(params, pipe, "a red cube", **args).float()
         record, before = [], _counts(met)
-        with _sample_xla.static(strict=True, record=record):
+        with _sample_xla.static(strict=True, record=record, scan=scan):
             got = sample(dev_params, pipe, "a red cube", **args)
         after = _counts(met)
         err = (got.cpu().float() - want).abs().max().item()
@@ -76,15 +92,24 @@ def _image(pipe, params, dev_params, kw, seed, steps, met) -> dict:
     return out
 
 
-def check_case(kind: str, kw: dict, device, dtype, tol: float, met) -> dict:
-    """Images 1 and 2 of one case; ``ok`` when both agree and compile as required."""
+def _pipeline(kind: str):
+    """The tiny pipeline of ``kind`` (``kind:Class``: that diffusers pipeline on its components)."""
+    import diffusers
+
+    kind, _, cls = kind.partition(":")
     pipe = tiny.pipeline(kind)
-    config = tiny.transformer_config(kind)
+    return (getattr(diffusers, cls).from_pipe(pipe) if cls else pipe), tiny.transformer_config(kind)
+
+
+def check_case(kind: str, kw: dict, device, dtype, tol: float, met, scan: bool = False) -> dict:
+    """Images 1 and 2 of one case; ``ok`` when both agree and compile as required;
+    ``scan``: with the block segments scanned (`sampler_xla.static`)."""
+    pipe, config = _pipeline(kind)
     params = _api.init(config, seed=0, dtype=dtype)
     dev_params = _api.init(config, seed=0, dtype=dtype, device=device)
     if met is not None:
         met.clear_all()
-    images = [_image(pipe, params, dev_params, kw, s, n, met) for s, n in IMAGES]
+    images = [_image(pipe, params, dev_params, kw, s, n, met, scan) for s, n in IMAGES]
     fallbacks = [n for n in met.counter_names() if n.startswith("aten::")] if met is not None else []
     ok = all(r["err"] <= tol * max(1.0, r["scale"]) for r in images) and not fallbacks
     if met is not None:
@@ -97,6 +122,7 @@ def check_case(kind: str, kw: dict, device, dtype, tol: float, met) -> dict:
 
 def _line(i: int, r: dict, tol: float) -> str:
     seed, steps = IMAGES[i]
+    steps = r["loop"].get("steps", steps)  # img2img / inpainting run the cut schedule's
     text = f"image {i + 1} (seed {seed}, {steps} steps): max|err| {r['err']:.2e} (scale {r['scale']:.2f}, tol {tol:g})"
     loop = r["loop"]
     if "compiles" in loop:
@@ -104,15 +130,21 @@ def _line(i: int, r: dict, tol: float) -> str:
             f", compiles {loop['compiles']} in the loop / {r['call_compiles']} in the call, "
             f"executions {loop['executions']}, host transfers in the loop {loop['transfers']}"
         )
+    if loop.get("scanned"):
+        text += ", blocks scanned"
     return text
 
 
-def run(device, dtype, tol: float) -> bool:
-    """Every case; prints one block per case and returns whether all passed."""
+def run(device, dtype, tol: float, scan: bool = False, only: str | None = None) -> bool:
+    """Every case (``only``: those whose name contains it); prints one block per case and
+    returns whether all passed."""
     met = _metrics.xla() if torch.device(device).type == "xla" else None
+    picked = [c for c in cases() if only is None or only in c[0]]
+    if not picked:
+        raise ValueError(f"only: no case name contains {only!r}; expected part of one of {[c[0] for c in cases()]}")
     ok = True
-    for name, kind, kw in cases():
-        r = check_case(kind, kw, device, dtype, tol, met)
+    for name, kind, kw in picked:
+        r = check_case(kind, kw, device, dtype, tol, met, scan)
         ok &= r["ok"]
         print(f"{name:<20} {'ok' if r['ok'] else 'FAIL'}")
         for i, image in enumerate(r["images"]):

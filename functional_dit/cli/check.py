@@ -101,6 +101,8 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--backend", default=None, help="torch.compile backend (default: inductor; openxla on xla)")
     p.add_argument("--sample", action="store_true", help="fd.sample end to end instead (docs/xla.md)")
+    p.add_argument("--only", default=None, help="with --sample: the cases whose name contains this")
+    p.add_argument("--scan-blocks", action="store_true", help="with --sample: block segments as one scan each")
 
 
 def run(args) -> int:
@@ -120,8 +122,10 @@ def run(args) -> int:
     if getattr(args, "sample", False):
         from . import _check_sample
 
-        ok = _check_sample.run(device, dtype, tol)
-        print(f"device {device}, dtype {args.dtype}, fd.sample (fixed-graph loop, strict: no host reads in a step)")
+        scan = getattr(args, "scan_blocks", False)
+        ok = _check_sample.run(device, dtype, tol, scan, getattr(args, "only", None))
+        how = "strict: no host reads in a step" + (", blocks scanned" if scan else "")
+        print(f"device {device}, dtype {args.dtype}, fd.sample (fixed-graph loop, {how})")
         return 0 if ok else 1
     ok = True
     for fam in families.FAMILIES:

@@ -26,7 +26,7 @@ import torch
 
 from ._sample_families import _batch, _Flux2
 from ._sample_flux_image import _check_crop, _check_strength, _one_image, cut
-from .schedule import blend
+from .schedule import blend, noised_start
 
 NAME = "Flux2KleinInpaintPipeline"
 STRENGTH = 0.8  # the stock pipeline's default (FLUX.1's and Qwen-Image's is schedule.STRENGTH)
@@ -125,7 +125,8 @@ class Flux2Inpaint(_Flux2):
             self.crop = pipe.mask_processor.get_crop_region(job.mask, width, height, pad=job.pad)
         kw = dict(crops_coords=self.crop, resize_mode=mode)
         pixels = pipe.image_processor.preprocess(raw, height, width, **kw)
-        z = pipe._encode_vae_image(pixels.to(device=device, dtype=dtype), generator=None)  # (1, C, h/2, w/2)
+        pixels = pixels.to(device=pipe.vae.device, dtype=dtype)  # the VAE's device (the CPU, with the params on xla)
+        z = pipe._encode_vae_image(pixels, generator=None).to(device)  # (1, C, h/2, w/2)
         self.init, self.raw = self.pack(z), raw
         refs = [z] + ([] if job.reference is None else [self._reference(job.reference)])
         self.ref, ids = pipe.prepare_image_latents(refs, 1, None, device, dtype)
@@ -147,12 +148,15 @@ class Flux2Inpaint(_Flux2):
         self.cur = (_batch(self.init, x.shape[0]).to(x.dtype), x)
         if self.given:
             return x, on_step
-        return sched.scale_noise(self.cur[0], sched.timesteps[:1].repeat(x.shape[0]), x), on_step
+        return noised_start(sched, self.cur[0], x), on_step
 
     def after_step(self, i: int, sched, x: torch.Tensor) -> torch.Tensor:
         """Keep the image outside the mask, noised to the next timestep (unnoised after the last)."""
         init, noise = self.cur
         return blend(sched, i, init, noise, self.mask, x)
+
+    def blend_parts(self):
+        return (*self.cur, self.mask)
 
     def overlay(self, images):
         """``padding_mask_crop``: each output pasted into the init image, as the pipeline."""

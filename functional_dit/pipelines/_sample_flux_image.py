@@ -28,7 +28,7 @@ import torch
 
 from . import _requests
 from ._sample_families import _Flux1
-from .schedule import STRENGTH, blend, t_start
+from .schedule import STRENGTH, blend, noised_start, t_start
 
 GUIDANCE = 7.0  # their guidance_scale default (FluxPipeline's is 3.5)
 
@@ -157,8 +157,8 @@ class Flux1Image(_Flux1):
         self.crop = None if e.pad is None else self.mask_proc.get_crop_region(e.mask, W, H, pad=e.pad)
         mode = "default" if self.crop is None else "fill"
         pixels = self.proc.preprocess(e.image, height=H, width=W, crops_coords=self.crop, resize_mode=mode)
-        self.posterior = vae.encode(pixels.to(device=device, dtype=vae.dtype)).latent_dist
-        self.ref = [self.pack(self.posterior.mean)]  # compared across ranks before the first step
+        self.posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist  # draws move in `draw`
+        self.ref = [self.pack(self.posterior.mean).to(device)]  # compared across ranks before the first step
         if e.mask is not None:
             m = self.mask_proc.preprocess(e.mask, height=H, width=W, resize_mode=mode, crops_coords=self.crop)
             h, w = self.posterior.mean.shape[2:]
@@ -202,7 +202,7 @@ class Flux1Image(_Flux1):
         self.cur = None if init is None else (init, x)
         if init is None:
             return x, on_step
-        return sched.scale_noise(init, sched.timesteps[:1].repeat(x.shape[0]), x), on_step
+        return noised_start(sched, init, x), on_step
 
     def after_step(self, i: int, sched, x: torch.Tensor) -> torch.Tensor:
         """Inpainting: keep the image outside the mask, noised to the next timestep."""
@@ -210,6 +210,9 @@ class Flux1Image(_Flux1):
             return x
         init, noise = self.cur
         return blend(sched, i, init, noise, self.mask, x)
+
+    def blend_parts(self):
+        return None if self.edit.mask is None or self.cur is None else (*self.cur, self.mask)
 
     def overlay(self, images):
         """``padding_mask_crop``: paste each generated crop back into the init image."""

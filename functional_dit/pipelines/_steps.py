@@ -95,6 +95,11 @@ class Steps:
         """The latents after step ``i``'s scheduler update (as they are by default)."""
         return x
 
+    def blend_parts(self):
+        """``after_step``'s inpainting blend as data, (image latents, noise, mask), for the
+        fixed-graph loop to blend on the device (`schedule.blend_plan`); None: no blend."""
+        return None
+
     def latent_output(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """What ``output_type="latent"`` returns, as the stock pipeline (the packed latents)."""
         return x

@@ -22,13 +22,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import os
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import families as _families
+from ..nn import scan as _scan
 from ..nn import values as _values
 from . import _sample_families as _sample
 from . import _sample_next as _next
+from . import _steps
+from . import schedule as _schedule
 
 _FORCED: contextvars.ContextVar = contextvars.ContextVar("fd_static_loop", default=None)
 
@@ -37,17 +43,23 @@ _FORCED: contextvars.ContextVar = contextvars.ContextVar("fd_static_loop", defau
 class Options:
     """How `static` runs the loop: ``strict`` raises on host reads inside a step;
     ``record`` (a list) gets one dict per loop: steps, and on torch_xla the compiles,
-    executions and device-to-host transfers inside the loop."""
+    executions and device-to-host transfers inside the loop. ``scan``: each segment of
+    blocks as one scan over its weights stacked once before the loop (`nn.scan`); None:
+    as the ``FD_XLA_SCAN_BLOCKS`` environment variable says (``1``: on)."""
 
     strict: bool = False
     record: list | None = None
+    scan: bool | None = None
 
 
 @contextlib.contextmanager
-def static(strict: bool = False, record: list | None = None):
+def static(strict: bool = False, record: list | None = None, scan: bool | None = None):
     """Run `fd.sample`'s supported loops as `denoise` on any device (on torch_xla it is
-    always used), optionally ``strict`` and recording per-loop counters."""
-    token = _FORCED.set(Options(strict, record))
+    always used), optionally ``strict``, recording per-loop counters, and with scanned
+    block segments."""
+    if scan not in (None, True, False):
+        raise ValueError(f"scan: expected True, False or None, got {scan!r}")
+    token = _FORCED.set(Options(strict, record, scan))
     try:
         yield
     finally:
@@ -62,8 +74,9 @@ def wanted(model, job, pipe, device) -> bool:
         return False
     fixed = isinstance(model, (_sample._Flux1, _sample._Flux2, _sample._Qwen, _next.Flux3, _next.Qwen21))
     stochastic = pipe.scheduler.config.get("stochastic_sampling", False)
-    # FLUX.1 inpainting's per-step blend runs in the usual loop
-    return fixed and job.cache is None and not stochastic and not model.blends_steps
+    # an inpainting blend runs on the device when the model gives it as data (`blend_parts`)
+    blends = model.blends_steps and type(model).blend_parts is _steps.Steps.blend_parts
+    return fixed and job.cache is None and not stochastic and not blends
 
 
 def euler(x: torch.Tensor, pred: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
@@ -85,14 +98,16 @@ def step(model, x, t, dt, cond, cfg: float | None, normalise: bool, extra: dict 
 
 def plan(sched, batch: int, dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every step's (t, dt), computed on the host from the scheduler's CPU timesteps and
-    sigmas exactly as the usual loop computes them, then moved to ``device`` once."""
-    ts, sigmas = sched.timesteps, sched.sigmas
+    sigmas exactly as the usual loop computes them, then moved to ``device`` once. A cut
+    schedule (img2img, inpainting) steps from ``sigmas[begin_index]`` on, as
+    ``sched.step`` does."""
+    ts, sigmas, b = sched.timesteps, sched.sigmas, sched.begin_index or 0
     if ts.device.type != "cpu" or sigmas.device.type != "cpu":
         raise ValueError(f"sched: expected the schedule on the cpu, got {ts.device} and {sigmas.device}")
     out = []
     for i in range(len(ts)):
         t = ts[i].expand(batch).to(dtype) / 1000
-        out.append((t.to(device), (sigmas[i + 1] - sigmas[i]).to(device)))
+        out.append((t.to(device), (sigmas[b + i + 1] - sigmas[b + i]).to(device)))
     return out
 
 
@@ -118,17 +133,52 @@ def denoise(model, sched, x, cond, cfg: float | None, normalise: bool, callback,
     batch = x.shape[0] * (1 if cfg is None else 2)
     steps = plan(sched, batch, x.dtype, x.device)
     more = extras(model, sched, batch, x.dtype, x.device)
+    parts = model.blend_parts()
+    blends = [None] * len(steps) if parts is None else [s.to(x.device) for s in _schedule.blend_plan(sched, x.dtype)]
     sync = _sync(x.device)
-    sync()  # inputs, RoPE tables, references and schedule become device data first
-    counters = _Counters(x.device, opts.record)
-    for i, ((t, dt), extra) in enumerate(zip(steps, more)):
-        with _strict() if opts.strict else contextlib.nullcontext():
-            x = step(model, x, t, dt, cond, cfg, normalise, extra)
-            sync()
-        if callback is not None:
-            x = callback(i, sched.timesteps[i], x)
-    counters.done(len(steps))
+    with _scanned(model, opts, x.device) as segments:
+        sync()  # inputs, RoPE tables, references, schedule and stacked blocks become device data first
+        counters = _Counters(x.device, opts.record, segments)
+        for i, ((t, dt), extra, mix) in enumerate(zip(steps, more, blends)):
+            with _strict() if opts.strict else contextlib.nullcontext():
+                x = step(model, x, t, dt, cond, cfg, normalise, extra)
+                x = x if mix is None else _schedule.blend_at(x, mix, *parts)
+                sync()
+            _advance(sched, i)
+            if callback is not None:
+                x = callback(i, sched.timesteps[i], x)
+        counters.done(len(steps))
     return x
+
+
+def _advance(sched, i: int) -> None:
+    """The scheduler's step index as ``sched.step`` leaves it after step ``i``, for hooks
+    that read it (``scale_noise`` in a callback's blend, ``callback_on_step_end``)."""
+    sched._step_index = (sched.begin_index or 0) + i + 1
+
+
+def scanning(opts: Options) -> bool:
+    """Whether the loop scans the block segments: ``opts.scan``, else ``FD_XLA_SCAN_BLOCKS``."""
+    if opts.scan is not None:
+        return opts.scan
+    value = os.environ.get("FD_XLA_SCAN_BLOCKS", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"FD_XLA_SCAN_BLOCKS: expected 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _scanned(model, opts: Options, device):
+    """`nn.scan.stacked` over the model's params for the segments its family scans, with
+    torch_xla's scan on xla (the eager `nn.scan.eager_scan` elsewhere); else nothing."""
+    params = getattr(model, "params", None)
+    names = getattr(_families.of(params), "SCANNED", ()) if params is not None and scanning(opts) else ()
+    if not names:
+        return contextlib.nullcontext({})
+    if torch.device(device).type != "xla":
+        return _scan.stacked(params, names, _scan.eager_scan)
+    from torch_xla.experimental.scan import scan
+
+    return _scan.stacked(params, names, functools.partial(scan, is_fn_pure=True))
 
 
 @contextlib.contextmanager
@@ -144,8 +194,8 @@ class _Counters:
 
     NAMES = {"compiles": "CompileTime", "executions": "ExecuteTime", "transfers": "TransferFromDeviceTime"}
 
-    def __init__(self, device, record):
-        self.record, self.met = record, None
+    def __init__(self, device, record, segments=()):
+        self.record, self.met, self.scanned = record, None, sorted(segments)
         if record is not None and torch.device(device).type == "xla":
             import torch_xla.debug.metrics as met
 
@@ -164,7 +214,8 @@ class _Counters:
     def done(self, steps: int) -> None:
         if self.record is not None:
             end = self._read()
-            self.record.append(dict(steps=steps, **{k: end[k] - self.start[k] for k in end}))
+            scanned = dict(scanned=self.scanned) if self.scanned else {}
+            self.record.append(dict(steps=steps, **scanned, **{k: end[k] - self.start[k] for k in end}))
 
 
 class HostSyncError(RuntimeError):
