@@ -29,6 +29,7 @@ SLOW_FIRST = (
     "test_generate_many.py::test_prompts_run_killed_and_resumed",
     "test_grad_sharded.py::test_sharded_grads_equal_unsharded",
     "test_sharding.py::test_two_ranks_collectives_shard_map_and_shard_params",
+    "test_cache.py::test_bench_cache_rows",
     "test_notebooks.py::test_notebook_executes",
     "test_weights_commit.py::test_sigkill_of_a_real_save_process",
     "test_cli.py::test_demo_shortened_writes_pngs_and_a_table",
