@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch.utils import _pytree as pytree
 
 import functional_dit as fd
@@ -112,3 +114,15 @@ def test_more_families_scan_their_blocks_bitwise(kind, kw, names, monkeypatch):
     assert calls == sizes * 2, "each segment ran as one scan over all its blocks, at each step"
     # Bitwise: the same kernels on the same values, in the same order (as for FLUX.1).
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_flux2_reference_kv_keeps_the_block_loop():
+    """klein's reference KV cache reads and writes per-block KV: nothing is stacked."""
+    pipe, params = tiny.pipeline("flux2-klein-kv"), fd.init(tiny.transformer_config("flux2-klein-kv"), seed=0)
+    image = Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255).astype("uint8"))
+    args = dict(height=32, width=32, output_type="latent", steps=2, seed=0, image=image)
+    want, record = fd.sample(params, pipe, "a red cube", **args), []
+    with _sample_xla.static(strict=True, record=record, scan=True):
+        got = fd.sample(params, pipe, "a red cube", **args)
+    assert record == [{"steps": 2}], "no segment was scanned"
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same loop: bitwise
