@@ -36,6 +36,7 @@ from .configs import (
 )
 from .flux2_kv import Ref
 from .nn import layers as L
+from .nn import scan as _scan
 from .nn.checks import check_guidance, check_ids, check_rope, check_rope_or_ids, check_streams, reference_leaf
 from .params import MOD3, MOD6, MOD_OUT, PACKED, Segment, linear_spec, mod_spec, norm_spec, ordered_blocks, units
 
@@ -366,6 +367,7 @@ def single_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None, txt_len=0, re
 
 
 REGIONS = ("double_block", "single_block")  # compiled once and reused per layer (`nn.compile`)
+SCANNED = ("transformer_blocks", "single_transformer_blocks")  # `forward` scans them without reference KV
 
 
 def final_layer(p, x, temb, eps=1e-6):
@@ -431,6 +433,11 @@ def _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache, bl
     if blocks is not None and ref is None and cache is None:  # compile regions; their inputs must not alias
         double, single = blocks.double_block, blocks.single_block
         mod_img, mod_txt, mod_single = (tuple(m.clone() for m in mod) for mod in (mod_img, mod_txt, mod_single))
+    if ref is None and cache is None:  # no reference KV: each segment through `nn.scan.layers`
+        consts, static = (mod_img, mod_txt, mod_single, pe, key_bias), (double, single, D, eps, T)
+        img, txt = _scan.layers(params, "transformer_blocks", _double, (img, txt), (), consts, static)
+        x = _scan.layers(params, "single_transformer_blocks", _single, torch.cat([txt, img], 1), (), consts, static)
+        return x[:, T:], refs
     for i, p in enumerate(ordered_blocks(params, "transformer_blocks")):
         ref = ref if cache is None else kv.local_cache(cache, "transformer_blocks", i, img.device)
         img, txt, ref = double(p, img, txt, mod_img, mod_txt, pe, D, eps, key_bias, ref)
@@ -442,6 +449,18 @@ def _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache, bl
         x, ref = single(p, x, mod_single, pe, D, eps, key_bias, T, ref)
         refs[f"single_transformer_blocks.{i}"] = ref
     return x[:, T:], refs
+
+
+def _double(carry, p, layer, consts, static):
+    """One double block without reference KV as a `nn.scan.layers` step: carry (img, txt)."""
+    (fn, _, D, eps, _), (mod_img, mod_txt, _, pe, key_bias) = static, consts
+    return fn(p, *carry, mod_img, mod_txt, pe, D, eps, key_bias, None)[:2]
+
+
+def _single(x, p, layer, consts, static):
+    """One single block without reference KV as a `nn.scan.layers` step."""
+    (_, fn, D, eps, T), (_, _, mod_single, pe, key_bias) = static, consts
+    return fn(p, x, mod_single, pe, D, eps, key_bias, T, None)[0]
 
 
 ARGS = ("guidance", "img_ids", "txt_ids", "rope", "kv_cache", "num_ref_tokens", "ref_fixed_timestep")

@@ -36,6 +36,7 @@ from .configs import (
     require_rope_axes,
 )
 from .nn import layers as L
+from .nn import scan as _scan
 from .nn.checks import check_rope, check_streams, check_tensor, reference_leaf
 from .params import MOD6, MOD_OUT, ParamSpec, linear_spec, mod_spec, norm_spec, ordered_blocks
 
@@ -322,6 +323,7 @@ def block(p, img, txt, img_mod, txt_mod, pe, head_dim, key_bias=None, cond_rows=
 
 
 REGIONS = ("block",)  # compiled once and reused per layer (`nn.compile`)
+SCANNED = ("transformer_blocks",)  # the segment `forward` runs through `nn.scan.layers`
 
 
 def final_layer(p, x, mod):
@@ -466,6 +468,12 @@ def forward(params, x, t, txt, *, pe, cond_rows, bias, t_cond, blocks=None):
     txt = L.linear(params["txt_in"], L.rms_norm_fp32(params["txt_norm"], txt))
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe, bias)
     img_mods, txt_mods, out_mod = modulations(params, temb, img.shape[0])
-    for p, img_mod, txt_mod in zip(ordered_blocks(params, "transformer_blocks"), img_mods, txt_mods):
-        img, txt = run_block(p, img, txt, img_mod, txt_mod, pe, c.attention_head_dim, key_bias, cond_rows)
+    consts, static = (pe, key_bias, cond_rows), (run_block, c.attention_head_dim)
+    img, txt = _scan.layers(params, "transformer_blocks", _block, (img, txt), (img_mods, txt_mods), consts, static)
     return final_layer(params, img, out_mod), S, None
+
+
+def _block(carry, p, mods, consts, static):
+    """One block as a `nn.scan.layers` step: carry (img, txt)."""
+    (fn, D), (pe, key_bias, cond_rows) = static, consts
+    return fn(p, *carry, *mods, pe, D, key_bias, cond_rows)

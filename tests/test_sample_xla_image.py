@@ -1,8 +1,8 @@
 """The fixed-graph loop (`functional_dit.pipelines.sampler_xla`) for the image jobs, on
-the CPU: FLUX.1 and FLUX.2-klein inpainting blend on the device with the noise levels
-moved once (`schedule.blend_plan`), and every cut schedule (img2img, inpainting, also
-Qwen-Image's, whose blend is a step hook) steps from ``begin_index`` on: the same latents
-as the usual loop, with no host read inside a step."""
+the CPU: FLUX.1, FLUX.2-klein and Qwen-Image inpainting blend on the device with the
+noise levels moved once (`schedule.blend_plan`), and every cut schedule (img2img,
+inpainting) steps from ``begin_index`` on: the same latents as the usual loop, with no
+host read inside a step."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from PIL import Image
 import functional_dit as fd
 from functional_dit import tiny
 from functional_dit.pipelines import sampler_xla as _sample_xla
+from functional_dit.pipelines.schedule import blend_at as _blend_at
 
 
 def picture(w=48, h=40, seed=0) -> Image.Image:
@@ -42,14 +43,17 @@ CASES = [
 
 
 @pytest.mark.parametrize("name, kind, cls, kw", CASES, ids=[c[0] for c in CASES])
-def test_fixed_loop_equals_usual_loop(name, kind, cls, kw):
+def test_fixed_loop_equals_usual_loop(name, kind, cls, kw, monkeypatch):
     pipe, params = _pipe(kind, cls)
+    blends = []  # the device blend (`schedule.blend_at`), not a host-side step hook
+    monkeypatch.setattr(_sample_xla._schedule, "blend_at", lambda *a: blends.append(1) or _blend_at(*a))
     args = dict(height=32, width=32, output_type="latent", steps=4, seed=3, **kw)
     want = fd.sample(params, pipe, "a red cube", **args)
     record = []
     with _sample_xla.static(strict=True, record=record):  # any host read inside a step raises
         got = fd.sample(params, pipe, "a red cube", **args)
     assert len(record) == 1 and record[0]["steps"] == 3, "the fixed loop ran the cut schedule (strength 0.6 of 4 steps)"
+    assert len(blends) == 3, "the fixed loop blended on the device after each step"
     # Bitwise as values: the same kernels in the same order; after the last step the
     # device blend adds 0 · noise to the image latents (only a zero's sign may differ).
     torch.testing.assert_close(got, want, rtol=0, atol=0)

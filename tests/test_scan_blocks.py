@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch.utils import _pytree as pytree
 
 import functional_dit as fd
@@ -82,3 +84,45 @@ def test_check_sample_scan_blocks_on_cpu(capsys):
     assert out.count(", blocks scanned") == 3 and "flux1-true-cfg" not in out, out
     with pytest.raises(ValueError, match="only: no case name contains 'nope'"):
         _check_sample.run("cpu", torch.float32, 1e-4, only="nope")
+
+
+# (tiny kind, fd.sample kwargs, its scanned segments): FLUX.2 without reference KV, Qwen-Image
+FAMILIES = [
+    ("flux2-klein", dict(true_cfg=4.0), SEGMENTS),
+    ("qwen-image", dict(true_cfg=4.0, negative_prompt="blurry"), ("transformer_blocks",)),
+]
+
+
+@pytest.mark.parametrize("kind, kw, names", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_more_families_scan_their_blocks_bitwise(kind, kw, names, monkeypatch):
+    config = tiny.transformer_config(kind)
+    pipe, params = tiny.pipeline(kind), fd.init(config, seed=0)
+    args = dict(height=32, width=32, output_type="latent", steps=2, seed=0, **kw)
+    want = fd.sample(params, pipe, "a red cube", **args)
+    calls, eager = [], _scan.eager_scan
+
+    def scan(fn, carry, xs):
+        calls.append(pytree.tree_leaves(xs)[0].shape[0])
+        return eager(fn, carry, xs)
+
+    monkeypatch.setattr(_scan, "eager_scan", scan)
+    record = []
+    with _sample_xla.static(strict=True, record=record, scan=True):
+        got = fd.sample(params, pipe, "a red cube", **args)
+    assert record == [{"steps": 2, "scanned": sorted(names)}]
+    sizes = [len(params.tree[n]) for n in names]
+    assert calls == sizes * 2, "each segment ran as one scan over all its blocks, at each step"
+    # Bitwise: the same kernels on the same values, in the same order (as for FLUX.1).
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_flux2_reference_kv_keeps_the_block_loop():
+    """klein's reference KV cache reads and writes per-block KV: nothing is stacked."""
+    pipe, params = tiny.pipeline("flux2-klein-kv"), fd.init(tiny.transformer_config("flux2-klein-kv"), seed=0)
+    image = Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255).astype("uint8"))
+    args = dict(height=32, width=32, output_type="latent", steps=2, seed=0, image=image)
+    want, record = fd.sample(params, pipe, "a red cube", **args), []
+    with _sample_xla.static(strict=True, record=record, scan=True):
+        got = fd.sample(params, pipe, "a red cube", **args)
+    assert record == [{"steps": 2}], "no segment was scanned"
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same loop: bitwise

@@ -56,6 +56,7 @@ def cases() -> list[tuple[str, str, dict]]:
         ("flux2-klein-kv-ref", "flux2-klein-kv", dict(image=_ref_image())),
         ("flux2-klein-inpaint", "flux2-klein:Flux2KleinInpaintPipeline", _inpaint()),
         ("qwen-image-cfg", "qwen-image", dict(true_cfg=4.0, negative_prompt="blurry, low quality")),
+        ("qwen-inpaint", "qwen-image:QwenImageInpaintPipeline", _inpaint()),
         ("flux3-cfg", "flux3", dict(true_cfg=3.5, negative_prompt="")),
         ("flux3-flow-map", "flux3-distilled", {}),
         ("qwen-image-2.1-kv-cfg", "qwen-image-2.1", dict(true_cfg=3.0, negative_prompt="blur")),

@@ -26,7 +26,7 @@ from .. import qwenimage as _qwen
 from . import _requests
 from ._sample_families import _Qwen
 from ._sample_families import pack_2x2 as _pack
-from .schedule import STRENGTH, t_start
+from .schedule import STRENGTH, blend, noised_start, t_start
 
 IMG2IMG = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
 PIPELINES = (*IMG2IMG, "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline")  # also in `_sample.PIPELINES`
@@ -163,10 +163,12 @@ class Img2Img(_Qwen):
     """QwenImageImg2ImgPipeline / QwenImageInpaintPipeline: the text-to-image steps from a
     VAE-encoded start image, the partial schedule and (inpainting) the per-step blend."""
 
+    blends_steps = True  # inpainting's blend (`after_step`; as data for the fixed loop, `blend_parts`)
+
     def __init__(self, params, pipe, strength: float, mask_image=None, crop: int | None = None):
         super().__init__(params, pipe)
         self.strength, self.mask_image, self.crop = strength, mask_image, crop
-        self.start = self.mask = self.raw = self.crops = None
+        self.start = self.mask = self.raw = self.crops = self.cur = None
 
     def images(self, images, B, device):
         """Kept as given: they are preprocessed at the output size (`init_latents`)."""
@@ -202,8 +204,9 @@ class Img2Img(_Qwen):
                 raise ValueError("latents: a QwenImageInpaintPipeline takes none (the stock one fails); expected None")
             return req  # the stock img2img starts from the given latents as they are
         gens, noise = _generators(req.noise, pixels.shape[0])
-        z = self.pipe._encode_vae_image(pixels.unsqueeze(2).to(device=device, dtype=dtype), generator=gens)
-        self.start = _pack(z[:, :, 0])
+        vae_device = self.pipe.vae.device  # encoded where the VAE is (the CPU on a lazy device)
+        z = self.pipe._encode_vae_image(pixels.unsqueeze(2).to(device=vae_device, dtype=dtype), generator=gens)
+        self.start = _pack(z[:, :, 0]).to(device)
         if mask is not None:
             h, w = z.shape[-2:]
             mask = torch.nn.functional.interpolate(mask, size=(h, w)).to(device=device, dtype=dtype)
@@ -211,37 +214,31 @@ class Img2Img(_Qwen):
         return dataclasses.replace(req, noise=noise)
 
     def begin(self, sched, chunk, on_step):
-        """The partial schedule, the noised start latents and (inpainting) the per-step blend
-        before ``on_step``: (start latents, step hook)."""
+        """The partial schedule and the noised start latents; inpainting keeps (image
+        latents, noise, mask) for its per-step blend. Returns (start latents, ``on_step``)."""
         first = t_start(len(sched.timesteps), self.strength)
         sched.timesteps = sched.timesteps[first:]
         sched.set_begin_index(first)
+        self.cur = None
         if self.start is None:  # latents= given: the start as it is
             return chunk.x, on_step
         init = _rows(self.start, chunk.images).to(chunk.x.dtype)
-        x = sched.scale_noise(init, sched.timesteps[:1].repeat(chunk.x.shape[0]), chunk.x)
-        if self.mask is None:
-            return x, on_step
-        return x, _blend(sched, init, _rows(self.mask, chunk.images), chunk.x, on_step)
+        if self.mask is not None:
+            self.cur = (init, chunk.x, _rows(self.mask, chunk.images))
+        return noised_start(sched, init, chunk.x), on_step
+
+    def after_step(self, i: int, sched, x: torch.Tensor) -> torch.Tensor:
+        """Inpainting: the image latents noised to the next timestep where the mask is 0."""
+        return x if self.cur is None else blend(sched, i, *self.cur, x)
+
+    def blend_parts(self):
+        return self.cur
 
     def overlay(self, images):
         """``padding_mask_crop``: each output pasted into the original image, as the pipeline."""
         if self.crop is None:
             return images
         return [self.pipe.image_processor.apply_overlay(self.mask_image, self.raw[0], i, self.crops) for i in images]
-
-
-def _blend(sched, init, mask, noise, on_step):
-    """After each step: the image latents noised to the next timestep (unnoised after the
-    last) where the mask is 0, the model's latents where it is 1; then ``on_step``."""
-    ts = sched.timesteps
-
-    def hook(i, t, x):
-        proper = init if i == len(ts) - 1 else sched.scale_noise(init, torch.tensor([ts[i + 1]]), noise)
-        x = (1 - mask) * proper + mask * x
-        return x if on_step is None else on_step(i, t, x)
-
-    return hook
 
 
 def _dims(area: int, size) -> tuple[int, int]:

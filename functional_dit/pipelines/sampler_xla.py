@@ -169,9 +169,11 @@ def scanning(opts: Options) -> bool:
 
 def _scanned(model, opts: Options, device):
     """`nn.scan.stacked` over the model's params for the segments its family scans, with
-    torch_xla's scan on xla (the eager `nn.scan.eager_scan` elsewhere); else nothing."""
+    torch_xla's scan on xla (the eager `nn.scan.eager_scan` elsewhere); else nothing.
+    FLUX.2's reference KV cache keeps the block loop (its blocks read and write per-block KV)."""
     params = getattr(model, "params", None)
-    names = getattr(_families.of(params), "SCANNED", ()) if params is not None and scanning(opts) else ()
+    use = params is not None and not getattr(model, "kv", None) and scanning(opts)
+    names = getattr(_families.of(params), "SCANNED", ()) if use else ()
     if not names:
         return contextlib.nullcontext({})
     if torch.device(device).type != "xla":
