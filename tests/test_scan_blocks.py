@@ -1,7 +1,7 @@
 """Block segments as one scan over stacked weights (`functional_dit.nn.scan`), tested on
 the CPU with the eager scan: the same results as the plain per-block loop, bit for bit.
 The torch_xla scan itself (graph size, compile time) is measured by ``check --device xla
---sample --scan`` (docs/xla.md)."""
+--sample --scan-blocks`` (docs/xla.md)."""
 
 from __future__ import annotations
 
