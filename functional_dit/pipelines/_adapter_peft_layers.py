@@ -109,8 +109,8 @@ class LoraLayer(BaseTunerLayer):
     def check_finite(self, names, factor: float = 1.0) -> None:
         """The stock ValueError if merging any of ``names`` would give a non-finite weight."""
         for name in names:
-            if name in self.scaling and not all(torch.isfinite(v).all() for v in self.folded(name, factor).values()):
-                raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems to be broken")
+            if name in self.scaling:
+                _refuse_nan(name, self.folded(name, factor))
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
         """PEFT's merge: fold the (active, or ``adapter_names``) adapters into the base
@@ -118,8 +118,8 @@ class LoraLayer(BaseTunerLayer):
         names = [n for n in check_adapters_to_merge(self, adapter_names) if n in self.scaling]
         for name in names:
             new = self.folded(name, 1.0)
-            if safe_merge and not all(torch.isfinite(v).all() for v in new.values()):
-                raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems to be broken")
+            if safe_merge:
+                _refuse_nan(name, new)
             if self._fd_lcfg[name].use_dora:  # DoRA's merge is not additive: keep what it replaces
                 self._fd_saved[name] = {k: self.base_layer._parameters[k].detach().clone() for k in new}
             with torch.no_grad():
@@ -141,6 +141,12 @@ class LoraLayer(BaseTunerLayer):
                 with torch.no_grad():
                     for k, v in (old if old is not None else self.folded(name, -1.0)).items():
                         self.base_layer._parameters[k].copy_(v)
+
+
+def _refuse_nan(name: str, new: dict) -> None:
+    """The stock ValueError when adapter ``name``'s merged weights ``new`` are not finite."""
+    if not all(torch.isfinite(v).all() for v in new.values()):
+        raise ValueError(f"NaNs detected in the merged weights. The adapter {name} seems to be broken")
 
 
 _CLASSES: dict[type, type] = {}

@@ -18,8 +18,7 @@ def blend(sched, i: int, init, noise, mask, x):
     timestep, unnoised after the last), the generated ones inside it."""
     if i < len(sched.timesteps) - 1:
         init = sched.scale_noise(init, sched.timesteps[i + 1 : i + 2], noise)
-    mask = mask.to(x.dtype)
-    return (1 - mask) * init + mask * x
+    return _masked(init, mask, x)
 
 
 def noised_start(sched, init, noise):
@@ -28,7 +27,7 @@ def noised_start(sched, init, noise):
     and on a lazy device the same graph for every step count (the scheduler moves its
     whole sigma table to the device)."""
     sigma = sched.sigmas.to(init.dtype)[sched.begin_index or 0].reshape(1, 1, 1).to(init.device)
-    return sigma * noise + (1.0 - sigma) * init
+    return _noised(sigma, init, noise)
 
 
 def blend_plan(sched, dtype) -> list[torch.Tensor]:
@@ -42,6 +41,15 @@ def blend_plan(sched, dtype) -> list[torch.Tensor]:
 def blend_at(x, sigma, init, noise, mask):
     """`blend` with the noise level ``sigma`` as a tensor (`blend_plan`): the same
     arithmetic as ``scale_noise`` and `blend`, and none of their host-side indexing."""
-    init = sigma * noise + (1.0 - sigma) * init
+    return _masked(_noised(sigma, init, noise), mask, x)
+
+
+def _noised(sigma, init, noise):
+    """``scale_noise``'s arithmetic with the noise level as a tensor."""
+    return sigma * noise + (1.0 - sigma) * init
+
+
+def _masked(init, mask, x):
+    """The inpainting blend: the (noised) image outside the mask, the latents inside."""
     mask = mask.to(x.dtype)
     return (1 - mask) * init + mask * x
