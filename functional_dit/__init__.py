@@ -41,6 +41,7 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "FirstBlockCache": (".pipelines.cache", "FirstBlockCache"),
     "MagCache": (".pipelines.cache", "MagCache"),
     "TaylorSeer": (".pipelines.cache", "TaylorSeer"),
+    "FasterCache": (".pipelines.cache", "FasterCache"),
     "tiny": (".tiny", None),
     "lora": (".lora", None),
 }
@@ -69,6 +70,7 @@ __all__ = [
     "FirstBlockCache",
     "MagCache",
     "TaylorSeer",
+    "FasterCache",
     "Flux1Config",
     "Flux2Config",
     "Flux2KVCache",

@@ -255,24 +255,30 @@ def joint_attention(q, k, v, pe, key_bias=None) -> torch.Tensor:
     return L.attention(L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v, key_bias)
 
 
-def double_block(p, img, txt, img_mod, txt_mod, pe, head_dim, key_bias=None):
-    """MMDiT block: separate weights per stream, one joint attention over (txt; img);
-    ``img_mod``/``txt_mod`` (B, 6C) its ``norm1``/``norm1_context`` modulations (`modulations`)."""
-    i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=-1)
-    t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=-1)
-    a = p["attn"]
-    iq, ik, iv = qkv(a, L.norm_modulate(img, i_shift, i_scale), head_dim)
-    tq, tk, tv = qkv(
-        a,
-        L.norm_modulate(txt, t_shift, t_scale),
-        head_dim,
-        ("add_q_proj", "add_k_proj", "add_v_proj"),
-        ("norm_added_q", "norm_added_k"),
-    )
+def double_attention(a, img, txt, pe, head_dim, key_bias=None):
+    """A double block's attention module (diffusers' ``FluxAttention``): q, k, v of both
+    (normalised, modulated) streams, one joint attention over (txt; img), each stream's
+    output projection. Returns (img_attn, txt_attn)."""
+    iq, ik, iv = qkv(a, img, head_dim)
+    tq, tk, tv = qkv(a, txt, head_dim, ("add_q_proj", "add_k_proj", "add_v_proj"), ("norm_added_q", "norm_added_k"))
     out = joint_attention(torch.cat([tq, iq], 1), torch.cat([tk, ik], 1), torch.cat([tv, iv], 1), pe, key_bias)
     t_out, i_out = L.split_rows(out, txt.shape[1])
     # the two streams side by side: under TP each pair of output projections is one all-reduce
     i_attn, t_attn = L.row_linears([(a["to_out"]["0"], i_out), (a["to_add_out"], t_out)])
+    return i_attn, t_attn
+
+
+def double_block(p, img, txt, img_mod, txt_mod, pe, head_dim, key_bias=None, attn=None):
+    """MMDiT block: separate weights per stream, one joint attention over (txt; img);
+    ``img_mod``/``txt_mod`` (B, 6C) its ``norm1``/``norm1_context`` modulations (`modulations`).
+    ``attn``: None, or a function given the block's `double_attention` as a function of no
+    arguments, returning its outputs or a stand-in for them (where diffusers' attention-level
+    caches hook, `functional_dit.pipelines.cache`)."""
+    i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=-1)
+    t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=-1)
+    i_in, t_in = L.norm_modulate(img, i_shift, i_scale), L.norm_modulate(txt, t_shift, t_scale)
+    module = lambda: double_attention(p["attn"], i_in, t_in, pe, head_dim, key_bias)  # noqa: E731
+    i_attn, t_attn = module() if attn is None else attn(module)
     img, txt = L.gated(img, i_gate[:, None], i_attn), L.gated(txt, t_gate[:, None], t_attn)
     i_ff, t_ff = L.gelu_mlps(
         [
@@ -284,15 +290,21 @@ def double_block(p, img, txt, img_mod, txt_mod, pe, head_dim, key_bias=None):
     return img, L.clip_fp16(txt)  # diffusers clips only the text stream here
 
 
-def single_block(p, x, mod, pe, head_dim, key_bias=None):
+def single_block(p, x, mod, pe, head_dim, key_bias=None, attn=None):
     """Parallel attention + MLP over the joint (txt; img) sequence x (B, S, C); ``mod``
-    (B, 3C) its ``norm`` modulation (`modulations`)."""
+    (B, 3C) its ``norm`` modulation (`modulations`). ``attn`` as in `double_block`: the
+    attention module (q, k, v and the joint attention, before ``proj_out``) is then run
+    apart from the MLP input projection."""
     shift, scale, gate = mod.chunk(3, dim=-1)
     h = L.norm_modulate(x, shift, scale)
     a = p["attn"]
-    q, k, v, mlp = L.linear_group_gelu([a["to_q"], a["to_k"], a["to_v"], p["proj_mlp"]], h)  # BFL's linear1
-    attn = joint_attention(*heads(a, q, k, v, head_dim), pe, key_bias)
-    return L.clip_fp16(L.gated(x, gate[:, None], L.row_linear_cat(p["proj_out"], [attn, mlp])))
+    if attn is None:
+        q, k, v, mlp = L.linear_group_gelu([a["to_q"], a["to_k"], a["to_v"], p["proj_mlp"]], h)  # BFL's linear1
+        out = joint_attention(*heads(a, q, k, v, head_dim), pe, key_bias)
+    else:
+        mlp = L.linear_gelu(p["proj_mlp"], h)
+        out = attn(lambda: joint_attention(*qkv(a, h, head_dim), pe, key_bias))
+    return L.clip_fp16(L.gated(x, gate[:, None], L.row_linear_cat(p["proj_out"], [out, mlp])))
 
 
 REGIONS = ("double_block", "single_block")  # compiled once and reused per layer (`nn.compile`)

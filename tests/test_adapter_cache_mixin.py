@@ -44,6 +44,13 @@ FP32 = dict(rtol=1e-5, atol=1e-5)
 CONFIGS = {
     "fbc": lambda: FirstBlockCacheConfig(threshold=0.3),
     "taylorseer": lambda: TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1, use_lite_mode=True),
+    # the default mode, on every attention module; fp32 factors, so that outputs that agree
+    # to fp32 rounding cannot round to different bf16 factors
+    "taylorseer-attention": lambda: TaylorSeerCacheConfig(2, 1, taylor_factors_dtype=torch.float32),
+    # second order, one module giving zeros on predicted steps (stock: skip beats cache)
+    "taylorseer-skip": lambda: TaylorSeerCacheConfig(
+        2, 2, max_order=2, taylor_factors_dtype=torch.float32, skip_predict_identifiers=[r"single_\w+\.1\.attn"]
+    ),
     "magcache": lambda: MagCacheConfig(
         mag_ratios=[1.0, 1.01, 1.02, 0.99, 1.0], num_inference_steps=STEPS, threshold=0.06, retention_ratio=0.2
     ),
@@ -70,10 +77,13 @@ def step_inputs(seed: int) -> list[dict]:
 
 
 @torch.no_grad()
-def run(model, calls: dict[str, list[dict]]) -> dict[str, list[torch.Tensor]]:
-    """Per context name its outputs, the contexts interleaved step by step (as CFG does)."""
+def run(model, calls: dict[str, list[dict]], before=None) -> dict[str, list[torch.Tensor]]:
+    """Per context name its outputs, the contexts interleaved step by step (as CFG does);
+    ``before(i)`` is called before the calls of step i."""
     outs = {name: [] for name in calls}
     for i in range(STEPS):
+        if before is not None:
+            before(i)
         for name, steps in calls.items():
             with model.cache_context(name):
                 outs[name].append(model(**steps[i])[0])
@@ -100,6 +110,47 @@ def test_each_config_equals_stock_flux1(name):
     with torch.no_grad(), ad.cache_context("cond"):
         torch.testing.assert_close(ad(**calls["cond"][0])[0], plain["cond"][0], **FP32)
     assert ad.step_cache_hook().state_manager._state_cache.keys() == {"cond"}
+
+
+def test_faster_cache_equals_stock_flux1():
+    """FasterCacheConfig of a guidance-distilled model (FLUX.1-dev), step by step against
+    the stock module: attention outputs computed at every 2nd call inside the timestep
+    range and extrapolated between, one state for both contexts (as the stock hooks hold),
+    the weight callback given each attention module (the adapter's, by its stock name)."""
+    stock, ad = pair()
+    calls = {"cond": step_inputs(1), "uncond": step_inputs(2)}
+    now, given = [0.0], {"stock": [], "ad": []}
+
+    def config(who):
+        weight = lambda module: given[who].append(module) or 0.3  # noqa: E731
+        return FasterCacheConfig(
+            spatial_attention_block_skip_range=2,
+            spatial_attention_timestep_skip_range=(-1, 901),  # step 0 (t = 1000) computes: stock needs it
+            current_timestep_callback=lambda: now[0],
+            attention_weight_callback=weight,
+            is_guidance_distilled=True,
+            tensor_format="BCHW",
+        )
+
+    at = lambda i: now.__setitem__(0, 1000.0 - 150 * i)  # noqa: E731
+    plain = run(ad, calls)
+    stock.enable_cache(config("stock"))
+    ad.enable_cache(config("ad"))
+    want, got = run(stock, calls, at), run(ad, calls, at)
+    skipped = 0
+    for ctx in calls:
+        for i in range(STEPS):
+            torch.testing.assert_close(got[ctx][i], want[ctx][i], **FP32)
+            skipped += not torch.allclose(got[ctx][i], plain[ctx][i], **FP32)
+    assert 0 < skipped < 2 * STEPS - 2
+    attention = [m for m in ad.modules() if hasattr(m, "set_processor")]
+    assert len(given["ad"]) == len(given["stock"]) > 0 and {id(m) for m in given["ad"]} == {id(m) for m in attention}
+    ad._reset_stateful_cache()  # the pipelines' reset: the next call computes again
+    now[0] = 500.0
+    with torch.no_grad():
+        torch.testing.assert_close(ad(**calls["cond"][0])[0], plain["cond"][0], **FP32)
+    ad.disable_cache()
+    assert not ad.is_cache_enabled and ad._diffusers_hook.get_hook("faster_cache_denoiser") is None
 
 
 def test_cache_mixin_surface():
@@ -134,10 +185,17 @@ def test_cache_mixin_surface():
 @pytest.mark.parametrize(
     "config, match",
     [
-        (TaylorSeerCacheConfig(), r"config: TaylorSeerCacheConfig\(.*use_lite_mode=False.*not supported"),
-        (TaylorSeerCacheConfig(use_lite_mode=True, cache_identifiers=["proj_out"]), "identifier patterns"),
+        (
+            TaylorSeerCacheConfig(cache_identifiers=[r"transformer_blocks\.0\.ff"]),
+            r"pattern 'transformer_blocks\\\\.0\\\\.ff' matches 'transformer_blocks.0.ff', which is not an attention",
+        ),
+        (TaylorSeerCacheConfig(cache_identifiers=["attn"]), r"patterns \['attn'\] match none of the attention"),
         (MagCacheConfig(calibrate=True), r"config: MagCacheConfig\(calibrate=True\) is not supported"),
-        (FasterCacheConfig(current_timestep_callback=lambda: 500), "config: FasterCacheConfig is not supported"),
+        (
+            FasterCacheConfig(current_timestep_callback=lambda: 500),
+            r"config: FasterCacheConfig\(is_guidance_distilled=False\) is not supported",
+        ),
+        (FasterCacheConfig(is_guidance_distilled=True, tensor_format="BSC"), "`tensor_format` must be one of"),
         (
             PyramidAttentionBroadcastConfig(current_timestep_callback=lambda: 500),
             "config: PyramidAttentionBroadcastConfig is not supported",

@@ -152,6 +152,46 @@ def test_taylorseer_equals_diffusers(fam, recorder):
     torch.testing.assert_close(got, expected, **FP32)
 
 
+def test_taylorseer_on_attention_equals_diffusers(recorder):
+    """TaylorSeer's default mode: every attention module's output extrapolated, the rest of
+    each block computed (FLUX.1, true CFG). fp32 factors: outputs that agree to fp32
+    rounding could round to different bf16 factors."""
+    kw = dict(cache_interval=2, disable_cache_before_step=2, max_order=2, taylor_factors_dtype=torch.float32)
+    ours = fd.TaylorSeer(**kw, modules=fd_cache.ATTENTION)
+    expected, seen, got, run = run_both("flux1", TaylorSeerCacheConfig(**kw), ours, recorder)
+    n_hooks = len(seen) // (2 * STEPS)  # one per attention module
+    assert n_hooks == 4 and run.decisions == per_step(seen, n_hooks) and run.skipped() > 0
+    torch.testing.assert_close(got, expected, **FP32)
+
+
+def faster_config(pipe) -> FasterCacheConfig:
+    """diffusers' FasterCache for FLUX.1 (guidance-distilled), the timestep the pipeline's."""
+    return FasterCacheConfig(
+        spatial_attention_block_skip_range=2,
+        spatial_attention_timestep_skip_range=(-1, 950),  # the first step (t = 1000) computes, as stock needs
+        current_timestep_callback=lambda: pipe.current_timestep,
+        attention_weight_callback=lambda _: 0.3,
+        is_guidance_distilled=True,
+        tensor_format="BCHW",
+    )
+
+
+def test_fastercache_equals_diffusers():
+    """FasterCache on FLUX.1 without true CFG (one call per step, as for FLUX.1-dev):
+    the stock pipeline's latents; ours reads the timestep from t (t x 1000)."""
+    pipe = tiny.pipeline("flux")
+    params = fd.from_diffusers(pipe.transformer)
+    pipe.transformer.enable_cache(faster_config(pipe))
+    expected = stock_latents(pipe, 3, prompt="a red cube", num_inference_steps=STEPS, **SIZE, **MSL)
+    run = fd.CacheRun(fd.FasterCache(2, (-1, 950), weight=0.3))
+    got = fd.sample(params, pipe, "a red cube", steps=STEPS, seed=3, output_type="latent", cache=run, **SIZE, **MSL)
+    # step 0 (t = 1000) lies outside the range; inside it every 2nd call (2, 4) computes
+    assert run.decisions == ((True,), (False,), (True,), (False,), (True,), (False,))
+    torch.testing.assert_close(got, expected, **FP32)
+    plain = fd.sample(params, pipe, "a red cube", steps=STEPS, seed=3, output_type="latent", **SIZE, **MSL)
+    assert not torch.allclose(got, plain, **FP32)
+
+
 @pytest.mark.parametrize("fam", ["flux1", "flux2-dev", "qwen-image"])  # Flux2Pipeline needs no cache_context here
 def test_magcache_equals_diffusers(fam, recorder):
     kw = dict(mag_ratios=fd_cache.FLUX_MAG_RATIOS, num_inference_steps=STEPS, threshold=0.06)
@@ -169,7 +209,12 @@ def test_adapter_honours_enable_cache(recorder, fixed_fbc_tail):
     stock = tiny.pipeline(kind)
     ours = tiny.pipeline(kind, transformer=fd.DiffusersTransformer(fd.from_diffusers(stock.transformer)))
     kw = dict(prompt="a red cube", num_inference_steps=STEPS, **SIZE, **stock_kw)
-    for config in (FirstBlockCacheConfig(FBC_THRESHOLD["flux1"]), TaylorSeerCacheConfig(2, 2, use_lite_mode=True)):
+    configs = (
+        FirstBlockCacheConfig(FBC_THRESHOLD["flux1"]),
+        TaylorSeerCacheConfig(2, 2, use_lite_mode=True),
+        TaylorSeerCacheConfig(2, 2, taylor_factors_dtype=torch.float32),  # on the attention modules
+    )
+    for config in configs:
         for pipe in (stock, ours):
             pipe.transformer.enable_cache(config)
         expected = stock_latents(stock, 3, **kw)
@@ -177,14 +222,20 @@ def test_adapter_honours_enable_cache(recorder, fixed_fbc_tail):
         assert ours.transformer.step_cache_hook().state_manager._state_cache == {}  # dropped after the run, as stock
         for pipe in (stock, ours):
             pipe.transformer.disable_cache()
+    # FasterCache (one state for all contexts, as stock): without true CFG, as it serves FLUX.1-dev
+    kw = dict(prompt="a red cube", num_inference_steps=STEPS, **SIZE, **MSL)
+    for pipe in (stock, ours):
+        pipe.transformer.enable_cache(faster_config(pipe))
+    expected = stock_latents(stock, 3, **kw)
+    torch.testing.assert_close(stock_latents(ours, 3, **kw), expected, **FP32)
+    assert ours.transformer.step_cache_hook().shared.value.iteration == 0  # reset after the run, as stock
 
 
 @pytest.mark.parametrize(
     "config, match",
     [
-        (TaylorSeerCacheConfig(), r"config: TaylorSeerCacheConfig\(.*use_lite_mode=False.*not supported"),
         (MagCacheConfig(calibrate=True), r"config: MagCacheConfig\(calibrate=True\) is not supported"),
-        (FasterCacheConfig(), "config: FasterCacheConfig.*not supported"),
+        (FasterCacheConfig(), r"config: FasterCacheConfig\(is_guidance_distilled=False\) is not supported"),
     ],
 )
 def test_adapter_refuses_unsupported_configs(config, match):
@@ -212,7 +263,9 @@ def test_labels_read_back():
     for spec in (
         "fbcache:0.08",
         "taylorseer:interval=4,warmup=2,order=2,until=20,dtype=float32",
+        "taylorseer:interval=4,warmup=2,attention=1",
         "magcache:0.1,max_skip=2",
+        "fastercache:skip=3,weight=0.4,low=100,high=700",
     ):
         cache = fd_cache.parse(spec)
         assert fd_cache.parse(fd_cache.label(cache)) == cache
@@ -222,7 +275,7 @@ def test_labels_read_back():
     "cache, match",
     [
         ("fbcache:x", "cache: threshold='x' is not a number"),
-        ("teacache:0.1", r"cache: expected one of \['fbcache', 'magcache', 'taylorseer'\]"),
+        ("teacache:0.1", r"cache: expected one of \['fastercache', 'fbcache', 'magcache', 'taylorseer'\]"),
         ("taylorseer:order=-1", "max_order: expected an int >= 0, got -1"),
         ("taylorseer:dtype=half4", "taylor_factors_dtype: expected a floating torch.dtype or None, got 'half4'"),
         (0.1, "cache: expected FirstBlockCache, TaylorSeer, MagCache or a spec"),
@@ -239,7 +292,8 @@ def test_bad_cache_argument(cache, match):
 
 def _cached_on_meshes(rank, world):
     """FLUX.1 with true CFG and First-Block Cache, single process then tp=2, sp=2 (9 image
-    tokens: one padded row) and dp=2 (CFG parallel: a rank per half); TaylorSeer on sp=2.
+    tokens: one padded row) and dp=2 (CFG parallel: a rank per half); TaylorSeer on sp=2;
+    TaylorSeer on the attention modules and FasterCache on tp=2 and sp=2.
     Records every First-Block metric as reduced and as this rank alone would see it."""
     pipe = tiny.pipeline("flux")
     params = fd.from_diffusers(pipe.transformer)
@@ -265,6 +319,17 @@ def _cached_on_meshes(rank, world):
         for name, p in (("ts-single", params), ("ts-sp", sharding.shard_params(params, mesh))):
             run = fd.CacheRun(fd.TaylorSeer(cache_interval=2, disable_cache_before_step=2))
             out[name] = (fd.sample(p, pipe, "a red cube", cache=run, **kw), run.decisions, [])
+        # the attention-level caches: each rank extrapolates its local part of each attention
+        # output (tp: its heads of the single blocks' attention; sp: its rows). fp32 factors:
+        # bf16 ones would round outputs that differ in fp32 rounding (the ranks' matmul
+        # orders) a bf16 step apart (seen: 9e-4 at sp=2)
+        tp = sharding.shard_params(params, sharding.make_mesh(tp=2, device_type="cpu"))
+        sp = sharding.shard_params(params, mesh)
+        attention = fd.TaylorSeer(2, 2, taylor_factors_dtype=torch.float32, modules=fd_cache.ATTENTION)
+        for cache, tag in ((attention, "tsa"), (fd.FasterCache(2, (-1, 950), weight=0.3), "fc")):
+            for name, p in (("single", params), ("tp", tp), ("sp", sp)):
+                run = fd.CacheRun(cache)
+                out[f"{tag}-{name}"] = (fd.sample(p, pipe, "a red cube", cache=run, **kw), run.decisions, [])
     finally:
         fd_cache.branch_sums = orig
     return out
@@ -286,8 +351,10 @@ def test_cached_sampling_on_tp_sp_dp_equals_single_process():
             # reduced metrics: the single-process ones (float64 sums of fp32 residuals that
             # agree to fp32 rounding), the same on every rank
             torch.testing.assert_close(torch.tensor([s[1] for s in r[name][2]]), torch.tensor([s[1] for s in sums]))
-        assert r["ts-sp"][1] == r["ts-single"][1]
-        torch.testing.assert_close(r["ts-sp"][0], r["ts-single"][0], **FP32)
+        for name in ("ts-sp", "tsa-tp", "tsa-sp", "fc-tp", "fc-sp"):
+            single = r[name.split("-")[0] + "-single"]
+            assert r[name][1] == single[1] and any(not c for d in single[1] for c in d), name
+            torch.testing.assert_close(r[name][0], single[0], **FP32)
     for name in ("tp", "sp", "dp"):
         assert [s[1] for s in results[0][name][2]] == [s[1] for s in results[1][name][2]], name
         assert torch.equal(results[0][name][0], results[1][name][0]), name
@@ -326,12 +393,16 @@ def test_bench_cache_rows():
     from functional_dit.cli import _bench_cache
 
     specs = ["fbcache:0.9", "taylorseer:interval=2,warmup=2", "magcache:0.06"]
+    specs += ["taylorseer:interval=2,warmup=2,dtype=float32,attention=1", "fastercache:skip=2,weight=0.3,high=950"]
     caches = [fd_cache.parse(s) for s in specs]
     rows = _bench_cache.family_rows("flux1", tiny.transformer_config("flux"), caches, 4, 32)
     for r in rows:
         assert r["vs_stock_cached"] < 1e-5, r  # the oracle tests' fp32 bound
         assert r["block_calls"] == 4 * 4 and 0 <= r["block_calls_skipped"] < r["block_calls"]
     assert rows[1]["block_calls_skipped"] == 4  # TaylorSeer: steps 0, 1, 3 computed, step 2 predicted
+    # the attention-level caches skip attention calls inside the blocks, no block call
+    assert [r["steps_computed"] for r in rows[3:]] == [[3], [2]] and rows[3]["block_calls_skipped"] == 0
+    assert rows[3]["vs_uncached"] > 1e-6 and rows[4]["vs_uncached"] > 1e-6
     (r,) = _bench_cache.family_rows("flux2-klein", tiny.transformer_config("flux2-klein"), caches[:1], 2, 32)
     assert r["stock_s"] is None and r["vs_stock_cached"].startswith("TypeError"), r
     assert "| flux2-klein | fbcache:0.9 |" in "\n".join(_bench_cache.table([r]))

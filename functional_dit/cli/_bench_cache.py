@@ -41,14 +41,30 @@ def bench_config(kind: str, mid):
     return dataclasses.replace(cfg, **{k: getattr(mid, k) for k in _WIDTH_KEYS if hasattr(cfg, k)})
 
 
-def diffusers_config(cache, steps: int):
-    """diffusers' config for our ``cache`` (MagCache at ``steps``)."""
-    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+def diffusers_config(cache, steps: int, pipe=None):
+    """diffusers' config for our ``cache`` (MagCache at ``steps``; FasterCache reading
+    ``pipe``'s current timestep)."""
+    from diffusers.hooks import FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
     if isinstance(cache, _cache.FirstBlockCache):
         return FirstBlockCacheConfig(cache.threshold)
     if isinstance(cache, _cache.TaylorSeer):
-        return TaylorSeerCacheConfig(use_lite_mode=True, **dataclasses.asdict(cache))
+        kw = {k: v for k, v in dataclasses.asdict(cache).items() if k not in ("modules", "skip_modules")}
+        if cache.modules is None:
+            return TaylorSeerCacheConfig(use_lite_mode=True, **kw)
+        skip = list(cache.skip_modules) or None
+        return TaylorSeerCacheConfig(cache_identifiers=list(cache.modules), skip_predict_identifiers=skip, **kw)
+    if isinstance(cache, _cache.FasterCache):
+        weight = cache.weight
+        return FasterCacheConfig(
+            spatial_attention_block_skip_range=cache.block_skip_range,
+            spatial_attention_timestep_skip_range=cache.timestep_skip_range,
+            spatial_attention_block_identifiers=cache.modules,
+            attention_weight_callback=None if callable(weight) else (lambda _: weight),
+            current_timestep_callback=cache.timestep or (lambda: pipe.current_timestep),
+            is_guidance_distilled=True,
+            tensor_format="BCHW",
+        )
     kw = dataclasses.asdict(cache) | dict(num_inference_steps=steps, mag_ratios=list(cache.mag_ratios))
     return MagCacheConfig(**kw)
 
@@ -70,7 +86,7 @@ def _stock(pipe, steps: int, size: int, kw: dict) -> tuple[float, torch.Tensor]:
 def _stock_cached(pipe, cache, steps, size, kw):
     """The stock pipeline with diffusers' cache: (seconds, latents), or (None, why) where
     diffusers cannot run it (FLUX.2's First-Block Cache tail crash)."""
-    pipe.transformer.enable_cache(diffusers_config(cache, steps))
+    pipe.transformer.enable_cache(diffusers_config(cache, steps, pipe))
     try:
         return _stock(pipe, steps, size, kw)
     except (TypeError, ValueError) as e:
@@ -107,6 +123,8 @@ def _row(fam, cache, sample, plain, t_plain, t_stock, pipe, steps, size, stock_k
     cached, t_cached = _timed(lambda: sample(run))
     t_stock_cached, stock_cached = _stock_cached(pipe, run.config, steps, size, stock_kw)
     per_skip = n_blocks - 1 if isinstance(run.config, _cache.FirstBlockCache) else n_blocks
+    if _cache.attention_level(run.config):
+        per_skip = 0  # inside the blocks: no block call is skipped, attention calls are
     branch_steps = sum(len(d) for d in run.decisions)
     vs_stock = (cached - stock_cached).abs().max().item() if isinstance(stock_cached, torch.Tensor) else stock_cached
     return dict(

@@ -3,20 +3,31 @@ diffusers' own configs registers one stateful diffusers hook on the adapter itse
 (`StepCacheHook`, under the stock leader hook's name) whose per-context state runs
 `functional_dit.pipelines.cache` steps. diffusers' own ``cache_context``,
 ``_reset_stateful_cache`` and ``disable_cache`` reach it as they reach the stock hooks, so
-contexts ("cond", "uncond"), resets and removal have the stock semantics; the forward
-stays `fd.apply` (no hooks on blocks). Configs it cannot honour raise a ``ValueError``
-naming them.
+contexts ("cond", "uncond"), resets and removal have the stock semantics (FasterCache's
+state, as the stock one's, ignores contexts); the forward stays `fd.apply` (no hooks on
+modules: the attention-level caches hook the block functions' attention inside the step).
+Configs it cannot honour raise a ``ValueError`` naming them.
 """
 
 from __future__ import annotations
 
+import re
+
 import diffusers
 import torch
-from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, MagCacheConfig, TaylorSeerCacheConfig
+from diffusers.hooks import (
+    FasterCacheConfig,
+    FirstBlockCacheConfig,
+    HookRegistry,
+    MagCacheConfig,
+    TaylorSeerCacheConfig,
+)
+from diffusers.hooks.faster_cache import _FASTER_CACHE_DENOISER_HOOK
 from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
 from diffusers.hooks.hooks import BaseState, CacheContext, ModelHook, StateManager
 from diffusers.hooks.mag_cache import _MAG_CACHE_LEADER_BLOCK_HOOK
-from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
+from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK, _TRANSFORMER_BLOCK_IDENTIFIERS
+from diffusers.utils import logging
 
 from ..api import apply
 from . import cache as _cache
@@ -26,31 +37,88 @@ HOOK_NAMES = {
     _cache.FirstBlockCache: _FBC_LEADER_BLOCK_HOOK,
     _cache.TaylorSeer: _TAYLORSEER_CACHE_HOOK,
     _cache.MagCache: _MAG_CACHE_LEADER_BLOCK_HOOK,
+    _cache.FasterCache: _FASTER_CACHE_DENOISER_HOOK,
 }
+_FASTER_FORMATS = ("BCFHW", "BFCHW", "BCHW")  # the tensor formats the stock FasterCache accepts
 
 
-def from_diffusers_config(config):
+def from_diffusers_config(config, module=None):
     """Our cache config for a diffusers one: ``FirstBlockCacheConfig``,
-    ``TaylorSeerCacheConfig(use_lite_mode=True)`` or ``MagCacheConfig`` (not calibrating)."""
+    ``TaylorSeerCacheConfig`` (lite mode: on the output; default mode: on the attention
+    modules its patterns name), ``MagCacheConfig`` (not calibrating) or
+    ``FasterCacheConfig(is_guidance_distilled=True)``. ``module``: the adapter, whose
+    attention modules FasterCache's weight callback is given, as the stock one's is."""
     if isinstance(config, FirstBlockCacheConfig):
         return _cache.FirstBlockCache(config.threshold)
     if isinstance(config, TaylorSeerCacheConfig):
-        if not config.use_lite_mode or config.skip_predict_identifiers or config.cache_identifiers:
-            raise ValueError(
-                f"config: {config!r} is not supported by functional_dit's adapter; it runs TaylorSeer on the model "
-                "output only: TaylorSeerCacheConfig(use_lite_mode=True) without identifier patterns"
-            )
-        keys = ("cache_interval", "disable_cache_before_step", "disable_cache_after_step", "max_order")
-        keys += ("taylor_factors_dtype",)
-        return _cache.TaylorSeer(**{k: getattr(config, k) for k in keys})
+        return _taylor(config)
+    if isinstance(config, FasterCacheConfig):
+        return _faster(config, module)
     if isinstance(config, MagCacheConfig) and not config.calibrate:
         keys = ("threshold", "max_skip_steps", "retention_ratio", "num_inference_steps")
         return _cache.MagCache(tuple(config.mag_ratios.tolist()), **{k: getattr(config, k) for k in keys})
     raise ValueError(
         f"config: {type(config).__name__}{'(calibrate=True)' * bool(getattr(config, 'calibrate', False))} is not "
-        "supported by functional_dit's adapter; expected FirstBlockCacheConfig, "
-        "TaylorSeerCacheConfig(use_lite_mode=True) or MagCacheConfig(calibrate=False)"
+        "supported by functional_dit's adapter; expected FirstBlockCacheConfig, TaylorSeerCacheConfig, "
+        "MagCacheConfig(calibrate=False) or FasterCacheConfig(is_guidance_distilled=True)"
     )
+
+
+def _taylor(config: TaylorSeerCacheConfig) -> _cache.TaylorSeer:
+    """Lite mode on the output (user patterns overridden, with the stock warning); the
+    default mode on the attention modules of ``cache_identifiers`` (default: the stock
+    attention identifiers), ``skip_predict_identifiers`` giving zeros."""
+    keys = ("cache_interval", "disable_cache_before_step", "disable_cache_after_step", "max_order")
+    kw = {k: getattr(config, k) for k in (*keys, "taylor_factors_dtype")}
+    if config.use_lite_mode:
+        if config.skip_predict_identifiers or config.cache_identifiers:
+            logging.get_logger("diffusers.hooks.taylorseer_cache").warning("Lite mode overrides user patterns.")
+        return _cache.TaylorSeer(**kw)
+    modules = tuple(config.cache_identifiers or _TRANSFORMER_BLOCK_IDENTIFIERS)
+    return _cache.TaylorSeer(**kw, modules=modules, skip_modules=tuple(config.skip_predict_identifiers or ()))
+
+
+def _faster(config: FasterCacheConfig, module) -> _cache.FasterCache:
+    if not config.is_guidance_distilled:
+        raise ValueError(
+            "config: FasterCacheConfig(is_guidance_distilled=False) is not supported by functional_dit's adapter: "
+            "its unconditional-branch approximation splits a [uncond; cond] batch and filters the output's last two "
+            "dims as an image, which these models' (B, S, C) token outputs are not; expected is_guidance_distilled=True"
+        )
+    if config.tensor_format not in _FASTER_FORMATS:
+        raise ValueError(f"`tensor_format` must be one of {list(_FASTER_FORMATS)}, but got {config.tensor_format}.")
+    callback = config.attention_weight_callback
+    weight = 0.5 if callback is None else (lambda name: callback(module.get_submodule(name)))  # stock default 0.5
+    return _cache.FasterCache(
+        block_skip_range=config.spatial_attention_block_skip_range,
+        timestep_skip_range=tuple(config.spatial_attention_timestep_skip_range),
+        weight=weight,
+        timestep=config.current_timestep_callback,
+        modules=tuple(config.spatial_attention_block_identifiers),
+    )
+
+
+def _check_modules(cache, module) -> None:
+    """TaylorSeer patterns that name modules other than attention modules cannot be
+    honoured (the adapter hooks attention modules only), nor patterns that leave no module
+    hooked (no cache at all): a ValueError naming them."""
+    if not isinstance(cache, _cache.TaylorSeer) or cache.modules is None:
+        return
+    names = [n for n, _ in module.named_modules() if n]
+    attention = {n for n, m in module.named_modules() if hasattr(m, "set_processor")}
+    patterns = (*cache.modules, *cache.skip_modules)
+    for p in patterns:
+        other = [n for n in names if n not in attention and re.fullmatch(p, n)]
+        if other:
+            raise ValueError(
+                f"config: TaylorSeerCacheConfig pattern {p!r} matches {other[0]!r}, which is not an attention "
+                "module; functional_dit's adapter caches attention module outputs only"
+            )
+    if not any(re.fullmatch(p, n) for p in patterns for n in attention):
+        raise ValueError(
+            f"config: TaylorSeerCacheConfig patterns {list(patterns)} match none of the attention modules "
+            f"({', '.join(sorted(attention)[:3])}, ...)"
+        )
 
 
 class _State(BaseState):
@@ -65,8 +133,9 @@ class _State(BaseState):
 
 class StepCacheHook(ModelHook):
     """The adapter's step cache as a stateful diffusers hook: a `StateManager` of one state
-    per ``cache_context`` name; the forward itself is left alone (the adapter's forward
-    runs the step through `CacheHooks.cached_apply`)."""
+    per ``cache_context`` name (FasterCache: one state for all, as the stock hooks hold);
+    the forward itself is left alone (the adapter's forward runs the step through
+    `CacheHooks.cached_apply`)."""
 
     _is_stateful = True
 
@@ -74,13 +143,18 @@ class StepCacheHook(ModelHook):
         super().__init__()
         self.cache = cache
         self.state_manager = StateManager(_State, init_args=(cache,))
+        self.shared = _State(cache) if isinstance(cache, _cache.FasterCache) else None
 
     def reset_state(self, module):
         self.state_manager.reset()
+        if self.shared is not None:
+            self.shared.reset()
         return module
 
     def state(self) -> _State:
         """The current context's state; MagCache uses ``"inference"`` without one, as diffusers'."""
+        if self.shared is not None:
+            return self.shared
         if isinstance(self.cache, _cache.MagCache) and self.state_manager._context is None:
             self.state_manager.set_context(CacheContext(name="inference"))
         return self.state_manager.get_state()  # diffusers' "No cache context is set" otherwise
@@ -94,7 +168,8 @@ class CacheHooks(diffusers.CacheMixin):
     def enable_cache(self, config) -> None:
         if self.is_cache_enabled:
             raise ValueError(f"Caching has already been enabled with {type(self._cache_config)}; disable it first.")
-        cache = from_diffusers_config(config)
+        cache = from_diffusers_config(config, self)
+        _check_modules(cache, self)
         registry = HookRegistry.check_if_exists_or_initialize(self)
         registry.register_hook(StepCacheHook(cache), HOOK_NAMES[type(cache)])
         registry.invalidate_child_registries_cache()

@@ -29,7 +29,9 @@ from ..params import ordered_blocks
 class Stages:
     """``streams`` before block 0; ``blocks[i](streams, ctx) -> streams``; ``final(img,
     ctx) -> out``; ``txt_len`` the local text rows; ``seq`` the full image length;
-    ``batched`` the ctx keys whose tensors (or lists/tuples of tensors) are batch-first."""
+    ``batched`` the ctx keys whose tensors (or lists/tuples of tensors) are batch-first;
+    ``attention`` the stock names of the attention modules whose blocks take a hook: a
+    ctx entry ``"attn"``, {name: hook}, passes each block its hook."""
 
     streams: tuple
     blocks: list[Callable]
@@ -38,6 +40,7 @@ class Stages:
     txt_len: int
     seq: int
     batched: tuple[str, ...]
+    attention: tuple[str, ...] = ()
 
     def image(self, streams: tuple) -> torch.Tensor:
         """The image rows (B, S_img_local, C) of ``streams``."""
@@ -74,13 +77,23 @@ def _joint(streams: tuple) -> torch.Tensor:
 
 
 def _flux1_double(p, i, streams, ctx):
-    img, txt, block = *streams, _compile.regions(flux1).double_block
-    return block(p, img, txt, ctx["img_mods"][i], ctx["txt_mods"][i], ctx["pe"], ctx["D"], ctx["bias"])
+    img, txt = streams
+    args = (p, img, txt, ctx["img_mods"][i], ctx["txt_mods"][i], ctx["pe"], ctx["D"], ctx["bias"])
+    return _block(flux1, "double_block", ctx, f"transformer_blocks.{i}.attn", args)
 
 
 def _flux1_single(p, i, streams, ctx):
-    block = _compile.regions(flux1).single_block
-    return (block(p, _joint(streams), ctx["single_mods"][i], ctx["pe"], ctx["D"], ctx["bias"]),)
+    args = (p, _joint(streams), ctx["single_mods"][i], ctx["pe"], ctx["D"], ctx["bias"])
+    return (_block(flux1, "single_block", ctx, f"single_transformer_blocks.{i}.attn", args),)
+
+
+def _block(fam, name: str, ctx: dict, attn_name: str, args: tuple):
+    """The family's block function ``name`` on ``args``: as its compile region, or, where
+    ctx holds an attention hook for ``attn_name``, the plain function with that hook."""
+    hook = ctx.get("attn", {}).get(attn_name)
+    if hook is None:
+        return getattr(_compile.regions(fam), name)(*args)
+    return getattr(fam, name)(*args, attn=hook)
 
 
 def flux1_stages(params, x, t, txt, *, pooled, guidance, pe) -> Stages:
@@ -99,7 +112,9 @@ def flux1_stages(params, x, t, txt, *, pooled, guidance, pe) -> Stages:
     blocks += [_bind(_flux1_single, p, i) for i, p in enumerate(ordered_blocks(params, "single_transformer_blocks"))]
     final = lambda img, c: flux1.final_layer(params, img, c["out_mod"])  # noqa: E731
     batched = ("img_mods", "txt_mods", "single_mods", "out_mod", "bias")
-    return Stages((img, txt), blocks, ctx, final, txt.shape[1], x.shape[1], batched)
+    names = [f"transformer_blocks.{i}.attn" for i in range(len(doubles))]
+    names += [f"single_transformer_blocks.{i}.attn" for i in range(len(blocks) - len(doubles))]
+    return Stages((img, txt), blocks, ctx, final, txt.shape[1], x.shape[1], batched, tuple(names))
 
 
 # ----------------------------------------------------------------------------- FLUX.2

@@ -18,11 +18,20 @@ is reproduced and how:
 - `MagCache` (``MagCacheConfig``): skip every block while the accumulated error of the
   calibrated magnitude ratios stays under ``threshold``, reusing the last computed
   residual of the whole block stack.
+- `TaylorSeer` with ``modules`` (``TaylorSeerCacheConfig()``, its default mode): the same
+  schedule, but what is extrapolated is each attention module's output, inside the
+  blocks; the rest of every block is computed.
+- `FasterCache` (``FasterCacheConfig`` of a guidance-distilled model): within a timestep
+  range, each attention module's output is computed every ``block_skip_range``-th step
+  and extrapolated linearly from its last two outputs between.
+
+The attention-level caches hook the family's block functions at their attention module
+(the blocks' ``attn`` argument, FLUX.1); the others run whole blocks.
 
 Under a mesh every rank holds its local part of the state (sp rows, dp items); the
 First-Block metric is summed over sp and dp (one small all-reduce per axis) so that
 every rank takes the same decision; TaylorSeer and MagCache decide from the step count
-alone.
+alone, FasterCache from the step count and the timestep.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -55,18 +66,29 @@ class FirstBlockCache:
         _check_number("threshold", self.threshold, 0.0)
 
 
+# The stock names of the attention modules diffusers' attention-level caches hook by
+# default (``diffusers.hooks``' spatial attention identifiers).
+ATTENTION = ("^blocks.*attn", "^transformer_blocks.*attn", "^single_transformer_blocks.*attn")
+
+
 @dataclasses.dataclass(frozen=True)
 class TaylorSeer:
-    """TaylorSeer on the model output (diffusers' ``TaylorSeerCacheConfig`` with
-    ``use_lite_mode=True``): compute for steps < ``disable_cache_before_step``, then every
-    ``cache_interval``-th step, and from ``disable_cache_after_step`` on; extrapolate to
-    order ``max_order`` between, with factors stored in ``taylor_factors_dtype``."""
+    """TaylorSeer (diffusers' ``TaylorSeerCacheConfig``): compute for steps <
+    ``disable_cache_before_step``, then every ``cache_interval``-th step, and from
+    ``disable_cache_after_step`` on; extrapolate to order ``max_order`` between, with
+    factors stored in ``taylor_factors_dtype``. ``modules`` None: on the model output
+    (``use_lite_mode=True``); else regex patterns (``re.fullmatch``) of the attention
+    modules whose outputs are extrapolated (diffusers' default mode: `ATTENTION`), and
+    ``skip_modules`` those that give zeros of their last shape instead (its
+    ``skip_predict_identifiers``)."""
 
     cache_interval: int = 5
     disable_cache_before_step: int = 3
     disable_cache_after_step: int | None = None
     max_order: int = 1
     taylor_factors_dtype: torch.dtype | None = torch.bfloat16
+    modules: tuple[str, ...] | None = None
+    skip_modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check_int("cache_interval", self.cache_interval, 1)
@@ -77,6 +99,61 @@ class TaylorSeer:
         dtype = self.taylor_factors_dtype
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"taylor_factors_dtype: expected a floating torch.dtype or None, got {dtype!r}")
+        if self.modules is not None:
+            object.__setattr__(self, "modules", _patterns("modules", self.modules))
+        object.__setattr__(self, "skip_modules", _patterns("skip_modules", self.skip_modules))
+        if self.modules is None and self.skip_modules:
+            raise ValueError(f"skip_modules: needs attention modules (modules=...), got {self.skip_modules!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FasterCache:
+    """FasterCache's attention reuse (diffusers' ``FasterCacheConfig`` with
+    ``is_guidance_distilled=True``): while the timestep (``timestep()``, or None: t x 1000)
+    lies strictly inside ``timestep_skip_range``, each attention module matching
+    ``modules`` (``re.search``) computes at every ``block_skip_range``-th call only, and
+    between returns ``last + (last - the one before) x weight`` (``weight``: a number, or
+    a function of the module's name). ``block_skip_range`` None: always compute."""
+
+    block_skip_range: int | None = 2
+    timestep_skip_range: tuple = (-1, 681)
+    weight: float | Callable[[str], float] = 0.5
+    timestep: Callable[[], float] | None = None
+    modules: tuple[str, ...] = ATTENTION
+
+    def __post_init__(self):
+        if self.block_skip_range is not None:
+            _check_int("block_skip_range", self.block_skip_range, 1)
+        r = self.timestep_skip_range
+        if not (isinstance(r, (tuple, list)) and len(r) == 2 and all(_is_number(v) for v in r)):
+            raise ValueError(f"timestep_skip_range: expected (low, high) numbers, got {r!r}")
+        object.__setattr__(self, "timestep_skip_range", tuple(r))
+        if not (callable(self.weight) or _is_number(self.weight)):
+            raise ValueError(f"weight: expected a number or a function of the module name, got {self.weight!r}")
+        if self.timestep is not None and not callable(self.timestep):
+            raise ValueError(f"timestep: expected None or a function returning the timestep, got {self.timestep!r}")
+        object.__setattr__(self, "modules", _patterns("modules", self.modules))
+
+
+def attention_level(cache) -> bool:
+    """Whether ``cache`` works on the attention modules inside the blocks."""
+    return isinstance(cache, FasterCache) or (isinstance(cache, TaylorSeer) and cache.modules is not None)
+
+
+def _is_number(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float))
+
+
+def _patterns(name: str, patterns) -> tuple[str, ...]:
+    """``patterns`` as a tuple of regex strings (each compiled once to check it)."""
+    if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+        raise ValueError(f"{name}: expected a sequence of regex strings, got {patterns!r}")
+    for p in patterns:
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise ValueError(f"{name}: {p!r} is not a regex ({e})") from None
+    return tuple(patterns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +191,7 @@ class MagCache:
         return src[torch.round(grid).long()]
 
 
-METHODS = {"fbcache": FirstBlockCache, "taylorseer": TaylorSeer, "magcache": MagCache}
+METHODS = {"fbcache": FirstBlockCache, "taylorseer": TaylorSeer, "magcache": MagCache, "fastercache": FasterCache}
 
 
 def _check_number(name, v, lo) -> None:
@@ -146,7 +223,9 @@ _SPEC_KEYS = {
         "until": "disable_cache_after_step",
         "order": "max_order",
         "dtype": "taylor_factors_dtype",
+        "attention": "modules",
     },
+    "fastercache": {"skip": "block_skip_range", "weight": "weight", "low": "low", "high": "high"},
     "magcache": {
         "threshold": "threshold",
         "max_skip": "max_skip_steps",
@@ -159,21 +238,27 @@ _SPEC_KEYS = {
 
 def parse(spec: str):
     """A config from ``"method[:value][,key=value...]"``: ``fbcache:0.08`` (threshold),
-    ``taylorseer:interval=4,warmup=2,order=2,dtype=float32``, ``magcache:0.1,max_skip=2``
-    (FLUX's published ratios, diffusers' ``FLUX_MAG_RATIOS``)."""
+    ``taylorseer:interval=4,warmup=2,order=2,dtype=float32`` (``attention=1``: on the
+    attention modules), ``magcache:0.1,max_skip=2`` (FLUX's published ratios, diffusers'
+    ``FLUX_MAG_RATIOS``), ``fastercache:skip=2,weight=0.5,low=-1,high=681``."""
     method, _, rest = spec.partition(":")
     if method not in METHODS:
         raise ValueError(f"cache: expected one of {sorted(METHODS)}[:options], got {spec!r}")
     kw = {}
     for i, item in enumerate(p for p in rest.split(",") if p):
         key, eq, value = item.partition("=")
-        if not eq and i == 0 and method != "taylorseer":
+        if not eq and i == 0 and method in ("fbcache", "magcache"):
             key, value = "threshold", item
         if key not in _SPEC_KEYS[method]:
             raise ValueError(f"cache: {method} takes {sorted(_SPEC_KEYS[method])}, got {key!r} in {spec!r}")
         kw[_SPEC_KEYS[method][key]] = _spec_value(key, value, spec)
     if method == "magcache":
         kw.setdefault("mag_ratios", FLUX_MAG_RATIOS)
+    if "modules" in kw:
+        kw["modules"] = ATTENTION if kw["modules"] else None
+    if method == "fastercache":
+        low, high = FasterCache.timestep_skip_range
+        kw["timestep_skip_range"] = (kw.pop("low", low), kw.pop("high", high))
     return METHODS[method](**kw)
 
 
@@ -184,8 +269,13 @@ def label(cache) -> str:
     if isinstance(cache, TaylorSeer):
         until = "" if cache.disable_cache_after_step is None else f",until={cache.disable_cache_after_step}"
         dtype = str(cache.taylor_factors_dtype).removeprefix("torch.")
+        attention = "" if cache.modules is None else ",attention=1" if cache.modules == ATTENTION else ",modules=..."
         return (f"taylorseer:interval={cache.cache_interval},warmup={cache.disable_cache_before_step},"
-                f"order={cache.max_order}{until},dtype={dtype}")  # fmt: skip
+                f"order={cache.max_order}{until},dtype={dtype}{attention}")  # fmt: skip
+    if isinstance(cache, FasterCache):
+        weight = "fn" if callable(cache.weight) else f"{cache.weight:g}"
+        low, high = cache.timestep_skip_range
+        return f"fastercache:skip={cache.block_skip_range},weight={weight},low={low:g},high={high:g}"
     steps = "" if cache.num_inference_steps is None else f",steps={cache.num_inference_steps}"
     return f"magcache:{cache.threshold:g},max_skip={cache.max_skip_steps},retention={cache.retention_ratio:g}{steps}"
 
@@ -194,7 +284,7 @@ def _spec_value(key: str, value: str, spec: str):
     try:
         if key == "dtype":
             return getattr(torch, value) if isinstance(getattr(torch, value, None), torch.dtype) else value
-        return float(value) if key in ("threshold", "retention") else int(value)
+        return float(value) if key in ("threshold", "retention", "weight", "low", "high") else int(value)
     except ValueError:
         raise ValueError(f"cache: {key}={value!r} is not a number in {spec!r}") from None
 
@@ -221,7 +311,8 @@ class FBCState(NamedTuple):
 
 class TaylorState(NamedTuple):
     """Step counter, the step of the last update, the Taylor factors of the output
-    (order 0, 1, ...), the per-step decisions and the output dtype."""
+    (order 0, 1, ...) — with ``modules``, per attention module name a `ModuleFactors` —,
+    the per-step decisions and the output dtype."""
 
     step: int = -1
     last: int | None = None
@@ -242,7 +333,26 @@ class MagState(NamedTuple):
     log: tuple = ()
 
 
-_STATES = {FirstBlockCache: FBCState, TaylorSeer: TaylorState, MagCache: MagState}
+class ModuleFactors(NamedTuple):
+    """One attention module's TaylorSeer state: per output its factors (order 0, 1, ...),
+    dtype and shape, and their device (a skipped module keeps no factors)."""
+
+    factors: tuple = ()
+    dtypes: tuple = ()
+    shapes: tuple = ()
+    device: torch.device | None = None
+
+
+class FasterState(NamedTuple):
+    """Calls so far, per attention module name its last two outputs (each a tuple of
+    tensors, local view), and per step the per-branch decisions (True = computed)."""
+
+    iteration: int = 0
+    outputs: dict | None = None
+    log: tuple = ()
+
+
+_STATES = {FirstBlockCache: FBCState, TaylorSeer: TaylorState, MagCache: MagState, FasterCache: FasterState}
 
 
 def init(cache):
@@ -278,10 +388,9 @@ def step(params, cache, state, x, t, txt, *, branches: int = 1, **kwargs):
 def _step_local(fam, params, cache, state, x, t, txt, kwargs, branches):
     """`_api._apply_local` with the cache between the stages: prepare, dp split, step, gathers."""
     inputs = fam.check_inputs(params, x, t, txt, **kwargs)
-    B = x.shape[0]
+    B, info = x.shape[0], _Items(x.shape[0], branches, t)
     x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
     inputs = {k: sharding.shard(v, "dp", 0) if k in fam.BATCHED and v is not None else v for k, v in inputs.items()}
-    info = _Items(B, branches)
     fast = _fuse.active(params, fam.FUSED, (x, t, txt, inputs))
     with _kernels.fast_kernels(fast):
         stages = lambda: _stages.STAGES[fam](params, x, t, txt, **inputs)  # noqa: E731
@@ -290,13 +399,18 @@ def _step_local(fam, params, cache, state, x, t, txt, kwargs, branches):
 
 
 class _Items:
-    """This rank's batch items: each one's branch (-1 for dp padding)."""
+    """This rank's batch items: each one's branch (-1 for dp padding); ``t`` the step's
+    times of the whole batch."""
 
-    def __init__(self, B: int, branches: int):
+    def __init__(self, B: int, branches: int, t: torch.Tensor):
         chunk, start = sharding.local_len(B, "dp"), sharding.axis_index("dp") * sharding.local_len(B, "dp")
         per = B // branches
-        self.n = branches
+        self.n, self.t = branches, t
         self.branch = [g // per if g < B else -1 for g in range(start, start + chunk)]
+
+    def timestep(self) -> float:
+        """The step's timestep on diffusers' scale (t x 1000, the first item's)."""
+        return float(self.t.flatten()[0]) * 1000
 
     def computes(self, per_branch) -> list[bool]:
         """Per local item: does it compute? dp padding follows the real items when they agree."""
@@ -364,31 +478,38 @@ def branch_sums(r, prev, info: _Items, seq: int, reduce: bool = True):
 # ----------------------------------------------------------------------------- TaylorSeer
 
 
-def _taylor_step(cache: TaylorSeer, state: TaylorState, stages, info: _Items):
+def _taylor_schedule(cache: TaylorSeer, state: TaylorState) -> tuple[int, bool]:
+    """The step index and whether TaylorSeer's warm-up / interval / cool-down computes it."""
     i = state.step + 1
     warm = i < cache.disable_cache_before_step
     on_interval = (i - cache.disable_cache_before_step - 1) % cache.cache_interval == 0
     cool = cache.disable_cache_after_step is not None and i >= cache.disable_cache_after_step
-    compute = warm or on_interval or cool
+    return i, warm or on_interval or cool
+
+
+def _taylor_step(cache: TaylorSeer, state: TaylorState, stages, info: _Items):
+    if cache.modules is not None:
+        return _taylor_modules_step(cache, state, stages, info)
+    i, compute = _taylor_schedule(cache, state)
     log = state.log + ((compute,) * info.n,)
     if compute:
         s = stages()
         out = s.final(s.image(s.run(s.streams, s.blocks)), s.ctx)
-        return out, TaylorState(i, i, _taylor_update(cache, state, out, i), log, out.dtype)
+        return out, TaylorState(i, i, _taylor_update(cache, state.factors, state.last, out, i), log, out.dtype)
     if state.last is None:
         raise ValueError(f"cache: {cache} would predict step {i} before any computed step")
     return _taylor_predict(state.factors, i - state.last, state.dtype), state._replace(step=i, log=log)
 
 
-def _taylor_update(cache: TaylorSeer, state: TaylorState, out: torch.Tensor, i: int) -> tuple:
+def _taylor_update(cache: TaylorSeer, factors: tuple, last: int | None, out: torch.Tensor, i: int) -> tuple:
     """Factors [out, finite differences / step distance, ...] up to ``max_order``, stored in
-    ``taylor_factors_dtype`` (differences taken against the stored, rounded factors)."""
+    ``taylor_factors_dtype`` (differences taken against the stored, rounded ``factors``)."""
     new = [out]
-    if state.last is not None:
+    if last is not None:
         for j in range(cache.max_order):
-            if j >= len(state.factors) or state.factors[j].shape != new[j].shape:
+            if j >= len(factors) or factors[j].shape != new[j].shape:
                 break
-            new.append((new[j] - state.factors[j].to(out.dtype)) / (i - state.last))
+            new.append((new[j] - factors[j].to(out.dtype)) / (i - last))
     dtype = cache.taylor_factors_dtype or out.dtype
     return tuple(f.to(dtype) for f in new)
 
@@ -399,6 +520,105 @@ def _taylor_predict(factors: tuple, offset: int, dtype) -> torch.Tensor:
     for order, f in enumerate(factors):
         out = out + f.to(dtype) * ((offset**order) / math.factorial(order))
     return out
+
+
+def _taylor_modules_step(cache: TaylorSeer, state: TaylorState, stages, info: _Items):
+    """TaylorSeer on the attention modules: every block runs, each hooked attention module
+    computes (updating its factors) or is extrapolated (or zeros, for ``skip_modules``)."""
+    i, compute = _taylor_schedule(cache, state)
+    s = stages()
+    skip = {n: any(re.fullmatch(p, n) for p in cache.skip_modules) for n in s.attention}
+    names = [n for n in s.attention if skip[n] or any(re.fullmatch(p, n) for p in cache.modules)]
+    _require_modules(cache, s, names)
+    if not compute and state.last is None:
+        raise ValueError(f"cache: {cache} would predict step {i} before any computed step")
+    old, new = state.factors or {}, dict(state.factors or {})
+
+    def hook(name):
+        def run(module):
+            if not compute:
+                return _unwrap(_module_predict(old[name], i - state.last, skip[name]))
+            outs = module()
+            new[name] = _module_update(cache, old.get(name), state.last, _wrap(outs), i, skip[name])
+            return outs
+
+        return run
+
+    hooks = {n: hook(n) for n in names}
+    out = s.final(s.image(s.run(s.streams, s.blocks, dict(s.ctx, attn=hooks))), s.ctx)
+    log = state.log + ((compute,) * info.n,)
+    return out, TaylorState(i, i if compute else state.last, new, log, out.dtype)
+
+
+def _module_update(cache, prev: ModuleFactors | None, last, outs: tuple, i: int, skip: bool) -> ModuleFactors:
+    dtypes, shapes, device = tuple(o.dtype for o in outs), tuple(o.shape for o in outs), outs[0].device
+    if skip:
+        return ModuleFactors((), dtypes, shapes, device)
+    before = prev.factors if prev is not None else ((),) * len(outs)
+    factors = tuple(_taylor_update(cache, f, last, o, i) for f, o in zip(before, outs))
+    return ModuleFactors(factors, dtypes, shapes, device)
+
+
+def _module_predict(m: ModuleFactors, offset: int, skip: bool) -> tuple:
+    if skip:
+        return tuple(torch.zeros(shape, dtype=d, device=m.device) for shape, d in zip(m.shapes, m.dtypes))
+    return tuple(_taylor_predict(f, offset, d) for f, d in zip(m.factors, m.dtypes))
+
+
+def _wrap(outs) -> tuple:
+    return (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+
+
+def _unwrap(outs: tuple):
+    return outs[0] if len(outs) == 1 else outs
+
+
+def _require_modules(cache, s, names: list) -> None:
+    """A ValueError when the family's blocks take no attention hook, or no module matches."""
+    if not s.attention:
+        raise ValueError(f"cache: {cache} works inside the blocks; this family's blocks take no attention hook")
+    if not names:
+        raise ValueError(
+            f"cache: {cache} matches none of the model's attention modules ({', '.join(s.attention[:3])}, ...)"
+        )
+
+
+# ----------------------------------------------------------------------------- FasterCache
+
+
+def _faster_step(cache: FasterCache, state: FasterState, stages, info: _Items):
+    """FasterCache's attention reuse: one decision per call (timestep range, iteration);
+    a module with no output yet computes."""
+    s = stages()
+    hooked = cache.block_skip_range is not None
+    names = [n for n in s.attention if hooked and any(re.search(p, n) for p in cache.modules)]
+    if hooked:
+        _require_modules(cache, s, names)
+    low, high = cache.timestep_skip_range
+    ts = cache.timestep() if cache.timestep is not None else info.timestep()
+    n = state.iteration
+    reuse = hooked and low < ts < high and not (n > 0 and n % cache.block_skip_range == 0)
+    old, new = state.outputs or {}, dict(state.outputs or {})
+    computed = []
+
+    def hook(name):
+        def run(module):
+            prev = old.get(name)
+            if reuse and prev is not None:
+                w = (lambda: cache.weight(name)) if callable(cache.weight) else (lambda: cache.weight)  # noqa: E731
+                outs = tuple(t1 + (t1 - t2) * w() for t2, t1 in zip(*prev))  # a weight per output, as stock
+            else:
+                outs = _wrap(module())
+                computed.append(name)
+            new[name] = (outs, outs) if prev is None else (prev[1], outs)
+            return _unwrap(outs)
+
+        return run
+
+    hooks = {nm: hook(nm) for nm in names}
+    out = s.final(s.image(s.run(s.streams, s.blocks, dict(s.ctx, attn=hooks))), s.ctx)
+    log = state.log + ((len(computed) == len(names),) * info.n,)
+    return out, FasterState(n + 1, new, log)
 
 
 # ----------------------------------------------------------------------------- MagCache
@@ -435,7 +655,7 @@ def _mag_step(cache: MagCache, state: MagState, stages, info: _Items):
     return s.final(img, s.ctx), state
 
 
-_STEP = {FirstBlockCache: _fbc_step, TaylorSeer: _taylor_step, MagCache: _mag_step}
+_STEP = {FirstBlockCache: _fbc_step, TaylorSeer: _taylor_step, MagCache: _mag_step, FasterCache: _faster_step}
 
 
 # ----------------------------------------------------------------------------- sampling runs
