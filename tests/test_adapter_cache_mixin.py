@@ -7,7 +7,9 @@ tests: ``issubclass(..., CacheMixin)``, ``enable_cache`` / ``is_cache_enabled`` 
 ``enable_cache`` refused, ``cache_context`` isolating states, ``_reset_stateful_cache``
 starting afresh; beyond them, each config's outputs step by step equal the stock
 module's under the same config (both CFG contexts interleaved as the pipelines call
-them), and every config the adapter cannot honour is a ValueError naming it.
+them) — First-Block Cache, TaylorSeer in both modes (on the output, on the attention
+modules, with a skipped module), MagCache, FasterCache with its timestep and weight
+callbacks —, and every config the adapter cannot honour is a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -180,6 +182,23 @@ def test_cache_mixin_surface():
     with torch.no_grad():
         for kw in step_inputs(3):
             torch.testing.assert_close(ad(**kw)[0], stock(**kw)[0], **FP32)
+
+
+def test_taylorseer_lite_mode_overrides_patterns_as_stock(caplog):
+    """Lite mode with identifier patterns: the stock warning, the patterns ignored (the
+    outputs those of lite mode without them)."""
+    stock, ad = pair()
+    kw = dict(cache_interval=2, disable_cache_before_step=1, use_lite_mode=True)
+    calls = {"cond": step_inputs(1)}
+    ad.enable_cache(TaylorSeerCacheConfig(**kw))
+    want = run(ad, calls)
+    ad.disable_cache()
+    with caplog.at_level("WARNING", logger="diffusers.hooks.taylorseer_cache"):
+        ad.enable_cache(TaylorSeerCacheConfig(**kw, cache_identifiers=[r"transformer_blocks\.0\.attn"]))
+    assert "Lite mode overrides user patterns." in caplog.text
+    got = run(ad, calls)
+    for a, b in zip(got["cond"], want["cond"]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize(

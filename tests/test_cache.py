@@ -279,12 +279,38 @@ def test_labels_read_back():
         ("taylorseer:order=-1", "max_order: expected an int >= 0, got -1"),
         ("taylorseer:dtype=half4", "taylor_factors_dtype: expected a floating torch.dtype or None, got 'half4'"),
         (0.1, "cache: expected FirstBlockCache, TaylorSeer, MagCache or a spec"),
+        ("fastercache:skip=0", "block_skip_range: expected an int >= 1, got 0"),
     ],
 )
 def test_bad_cache_argument(cache, match):
     pipe = tiny.pipeline("flux")
     with pytest.raises(ValueError, match=match):
         fd.sample(fd.from_diffusers(pipe.transformer), pipe, "x", steps=1, seed=0, cache=cache, **SIZE)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: fd.FasterCache(timestep_skip_range=(1,)), r"timestep_skip_range: expected \(low, high\) numbers"),
+        (lambda: fd.FasterCache(weight="0.5"), "weight: expected a number or a function of the module name"),
+        (lambda: fd.FasterCache(timestep=500), "timestep: expected None or a function"),
+        (lambda: fd.FasterCache(modules="attn"), "modules: expected a sequence of regex strings"),
+        (lambda: fd.TaylorSeer(modules=("(",)), r"modules: '\(' is not a regex"),
+        (lambda: fd.TaylorSeer(skip_modules=("x",)), r"skip_modules: needs attention modules \(modules=...\)"),
+    ],
+)
+def test_bad_attention_cache_configs(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_attention_patterns_matching_no_module():
+    """Patterns that hook no attention module: a ValueError listing the model's, not an
+    uncached run."""
+    pipe = tiny.pipeline("flux")
+    run = fd.CacheRun(fd.TaylorSeer(modules=(r"blocks\.99\.attn",)))
+    with pytest.raises(ValueError, match=r"matches none of the model's attention modules \(transformer_blocks.0.attn"):
+        fd.sample(fd.from_diffusers(pipe.transformer), pipe, "x", steps=1, seed=0, cache=run, **SIZE)
 
 
 # ----------------------------------------------------------------------------- ranks
