@@ -599,14 +599,14 @@ def _faster_step(cache: FasterCache, state: FasterState, stages, info: _Items):
     n = state.iteration
     reuse = hooked and low < ts < high and not (n > 0 and n % cache.block_skip_range == 0)
     old, new = state.outputs or {}, dict(state.outputs or {})
+    weight = cache.weight if callable(cache.weight) else (lambda _: cache.weight)
     computed = []
 
     def hook(name):
         def run(module):
             prev = old.get(name)
             if reuse and prev is not None:
-                w = (lambda: cache.weight(name)) if callable(cache.weight) else (lambda: cache.weight)  # noqa: E731
-                outs = tuple(t1 + (t1 - t2) * w() for t2, t1 in zip(*prev))  # a weight per output, as stock
+                outs = tuple(t1 + (t1 - t2) * weight(name) for t2, t1 in zip(*prev))  # a weight per output, as stock
             else:
                 outs = _wrap(module())
                 computed.append(name)
