@@ -21,6 +21,7 @@ import pytest
 import torch
 from _dist import spawn
 from diffusers.hooks import FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+from diffusers.hooks import faster_cache as faster_hooks
 from diffusers.hooks import first_block_cache as fbc_hooks
 from diffusers.hooks import mag_cache as mag_hooks
 from diffusers.hooks import taylorseer_cache as ts_hooks
@@ -152,20 +153,56 @@ def test_taylorseer_equals_diffusers(fam, recorder):
     torch.testing.assert_close(got, expected, **FP32)
 
 
-def test_taylorseer_on_attention_equals_diffusers(recorder):
+def n_attention(fam: str) -> int:
+    """The number of attention modules (one per block) of the family's tiny transformer."""
+    c = tiny.transformer_config(FAMILIES[fam][0])
+    return c.num_layers + getattr(c, "num_single_layers", 0)
+
+
+@pytest.mark.parametrize("fam", CFG_FAMILIES)
+def test_taylorseer_on_attention_equals_diffusers(fam, recorder):
     """TaylorSeer's default mode: every attention module's output extrapolated, the rest of
-    each block computed (FLUX.1, true CFG). fp32 factors: outputs that agree to fp32
-    rounding could round to different bf16 factors."""
+    each block computed (true CFG). fp32 factors: outputs that agree to fp32 rounding could
+    round to different bf16 factors."""
     kw = dict(cache_interval=2, disable_cache_before_step=2, max_order=2, taylor_factors_dtype=torch.float32)
     ours = fd.TaylorSeer(**kw, modules=fd_cache.ATTENTION)
-    expected, seen, got, run = run_both("flux1", TaylorSeerCacheConfig(**kw), ours, recorder)
+    expected, seen, got, run = run_both(fam, TaylorSeerCacheConfig(**kw), ours, recorder)
     n_hooks = len(seen) // (2 * STEPS)  # one per attention module
-    assert n_hooks == 4 and run.decisions == per_step(seen, n_hooks) and run.skipped() > 0
+    assert n_hooks == n_attention(fam) and run.decisions == per_step(seen, n_hooks) and run.skipped() > 0
     torch.testing.assert_close(got, expected, **FP32)
 
 
+@pytest.fixture
+def faster_recorder(monkeypatch):
+    """Records each stock FasterCache attention call as (iteration, computed) in call order."""
+    seen, approximated = [], [0]
+    block_hook = faster_hooks.FasterCacheBlockHook
+    orig_forward, orig_approx = block_hook.new_forward, block_hook._compute_approximated_attention_output
+
+    def approx(self, *args, **kwargs):
+        approximated[0] += 1
+        return orig_approx(self, *args, **kwargs)
+
+    def new_forward(self, module, *args, **kwargs):
+        before, iteration = approximated[0], self.state.iteration
+        out = orig_forward(self, module, *args, **kwargs)
+        seen.append((iteration, approximated[0] == before))
+        return out
+
+    monkeypatch.setattr(block_hook, "_compute_approximated_attention_output", approx)
+    monkeypatch.setattr(block_hook, "new_forward", new_forward)
+    return seen
+
+
+def faster_steps(seen, n_hooks: int) -> tuple:
+    """Stock FasterCache decisions as per-step 1-tuples; every module of one call agrees."""
+    calls = [seen[i : i + n_hooks] for i in range(0, len(seen), n_hooks)]
+    assert all(len({d for _, d in c}) == 1 and len({n for n, _ in c}) == 1 for c in calls), calls
+    return tuple((c[0][1],) for c in calls)
+
+
 def faster_config(pipe) -> FasterCacheConfig:
-    """diffusers' FasterCache for FLUX.1 (guidance-distilled), the timestep the pipeline's."""
+    """diffusers' FasterCache for a guidance-distilled model, the timestep the pipeline's."""
     return FasterCacheConfig(
         spatial_attention_block_skip_range=2,
         spatial_attention_timestep_skip_range=(-1, 950),  # the first step (t = 1000) computes, as stock needs
@@ -176,20 +213,36 @@ def faster_config(pipe) -> FasterCacheConfig:
     )
 
 
-def test_fastercache_equals_diffusers():
-    """FasterCache on FLUX.1 without true CFG (one call per step, as for FLUX.1-dev):
-    the stock pipeline's latents; ours reads the timestep from t (t x 1000)."""
-    pipe = tiny.pipeline("flux")
+# FasterCache runs: one transformer call per step. FLUX.1 and FLUX.2-dev embed guidance;
+# Qwen-Image runs without true CFG (no negative prompt): stock FasterCache keeps one state
+# for all calls, so true CFG's cond and uncond calls would share (and advance) it, while ours
+# batches the two halves into one call; the two are comparable only without CFG.
+FASTER_RUNS = {
+    "flux1": ("flux", MSL, MSL),
+    "flux2-dev": FAMILIES["flux2-dev"],  # Flux2Pipeline: stock FasterCache needs no cache_context
+    "qwen-image": ("qwen-image", {}, {}),
+}
+
+
+@pytest.mark.parametrize("fam", list(FASTER_RUNS))
+def test_fastercache_equals_diffusers(fam, faster_recorder):
+    """FasterCache without true CFG (one call per step): the stock pipeline's latents and
+    decisions; ours reads the timestep from t (t x 1000)."""
+    kind, stock_kw, our_kw = FASTER_RUNS[fam]
+    pipe = tiny.pipeline(kind)
     params = fd.from_diffusers(pipe.transformer)
     pipe.transformer.enable_cache(faster_config(pipe))
-    expected = stock_latents(pipe, 3, prompt="a red cube", num_inference_steps=STEPS, **SIZE, **MSL)
+    expected = stock_latents(pipe, 3, prompt="a red cube", num_inference_steps=STEPS, **SIZE, **stock_kw)
     run = fd.CacheRun(fd.FasterCache(2, (-1, 950), weight=0.3))
-    got = fd.sample(params, pipe, "a red cube", steps=STEPS, seed=3, output_type="latent", cache=run, **SIZE, **MSL)
-    # step 0 (t = 1000) lies outside the range; inside it every 2nd call (2, 4) computes
-    assert run.decisions == ((True,), (False,), (True,), (False,), (True,), (False,))
+    sample = lambda **kw: fd.sample(  # noqa: E731
+        params, pipe, "a red cube", steps=STEPS, seed=3, output_type="latent", **SIZE, **our_kw, **kw
+    )
+    got = sample(cache=run)
+    assert run.decisions == faster_steps(faster_recorder, n_attention(fam)) and run.skipped() > 0
+    if fam == "flux1":  # step 0 (t = 1000) lies outside the range; inside it every 2nd call (2, 4) computes
+        assert run.decisions == ((True,), (False,), (True,), (False,), (True,), (False,))
     torch.testing.assert_close(got, expected, **FP32)
-    plain = fd.sample(params, pipe, "a red cube", steps=STEPS, seed=3, output_type="latent", **SIZE, **MSL)
-    assert not torch.allclose(got, plain, **FP32)
+    assert not torch.allclose(got, sample(), **FP32)
 
 
 @pytest.mark.parametrize("fam", ["flux1", "flux2-dev", "qwen-image"])  # Flux2Pipeline needs no cache_context here

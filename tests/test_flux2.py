@@ -302,9 +302,8 @@ def test_single_block_split_reads_the_local_width_from_shapes(tiny):
     wo = p["to_out"]["weight"]
     local["to_out"] = {"weight": torch.cat([wo[:, : n // 2], wo[:, n : n + m // 2]], 1)}
     x = torch.randn(1, 3, n)
-    mod = tuple(torch.randn(1, n) for _ in range(3))
-    q, k, v, mlp = flux2._single_in(local, x, mod, D, c.eps)
-    fq, fk, fv, fmlp = flux2._single_in(p, x, mod, D, c.eps)
+    q, k, v, mlp = flux2._single_in(local, x, D, c.eps)
+    fq, fk, fv, fmlp = flux2._single_in(p, x, D, c.eps)
     H = c.num_attention_heads
     for a, b in ((q, fq), (k, fk), (v, fv)):
         torch.testing.assert_close(a, b[:, :, : H // 2], rtol=0, atol=0)
