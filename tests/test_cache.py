@@ -29,7 +29,7 @@ from test_sample import stock_latents
 
 import functional_dit as fd
 import sharding
-from functional_dit import tiny
+from functional_dit import families, tiny
 from functional_dit.pipelines import cache as fd_cache
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # the issue's bound for fp32 latents
@@ -459,3 +459,51 @@ def test_bench_cache_rows():
     (r,) = _bench_cache.family_rows("flux2-klein", tiny.transformer_config("flux2-klein"), caches[:1], 2, 32)
     assert r["stock_s"] is None and r["vs_stock_cached"].startswith("TypeError"), r
     assert "| flux2-klein | fbcache:0.9 |" in "\n".join(_bench_cache.table([r]))
+
+
+ATTENTION_SPECS = ["taylorseer:interval=2,warmup=1,attention=1", "fastercache:skip=2"]
+
+
+@pytest.mark.parametrize("kind", ["flux3", "qwen-image-2.1"])
+def test_attention_caches_refused_without_stages(kind):
+    """FLUX.3 and Qwen-Image 2.1 have no block stages: fd.sample and the adapter's
+    enable_cache refuse the attention-level caches (as every step cache) by name."""
+    pipe = tiny.pipeline(kind)
+    params = fd.from_diffusers(pipe.transformer)
+    fam = families.of(params)
+    for spec in ATTENTION_SPECS:
+        with pytest.raises(ValueError, match=f"cache: step caching is not supported for {fam.KEY} yet"):
+            fd.sample(params, pipe, "a red cube", steps=2, seed=0, output_type="latent", cache=spec, **SIZE)
+    ad = fd.DiffusersTransformer(params)
+    faster = FasterCacheConfig(is_guidance_distilled=True, current_timestep_callback=lambda: 500)
+    for config in (TaylorSeerCacheConfig(2, 1), faster):
+        with pytest.raises(ValueError, match=f"config: step caching is not supported for {fam.NAME} yet"):
+            ad.enable_cache(config)
+        assert not ad.is_cache_enabled
+    with pytest.raises(ValueError, match=f"cache: step caching is not supported for {fam.NAME} yet"):
+        fd_cache.step(params, fd_cache.parse(ATTENTION_SPECS[0]), fd_cache.init(fd_cache.parse(ATTENTION_SPECS[0])),
+                      *(torch.zeros(1) for _ in range(3)))  # fmt: skip
+
+
+def test_attention_caches_refused_with_reference_kv():
+    """FLUX.2-klein's reference KV cache does not combine with step caching: fd.sample with
+    a reference image refuses, and so does the adapter's cached step under the stock KV
+    pipeline (whose transformer calls carry kv_cache_mode)."""
+    from test_sample import ref_image
+
+    pipe = tiny.pipeline("flux2-klein-kv")
+    params = fd.from_diffusers(pipe.transformer)
+    for spec in ATTENTION_SPECS:
+        with pytest.raises(ValueError, match="cache: step caching does not combine with FLUX.2's reference KV cache"):
+            fd.sample(
+                params, pipe, "a", image=ref_image(), steps=2, seed=0, output_type="latent", cache=spec, **SIZE, **MSL
+            )
+    pipe.transformer = fd.DiffusersTransformer(params)
+    faster = FasterCacheConfig(is_guidance_distilled=True, current_timestep_callback=lambda: 500)
+    for config in (TaylorSeerCacheConfig(2, 1), faster):
+        pipe.transformer.enable_cache(config)
+        # the KV pipeline opens no cache_context (TaylorSeer's states need one, stock and ours)
+        ctx = pipe.transformer.cache_context("cond")
+        with ctx, pytest.raises(ValueError, match="kv_cache: step caching does not combine with FLUX.2's reference KV"):
+            pipe(prompt="a", image=ref_image(), num_inference_steps=2, output_type="latent", **SIZE, **MSL)
+        pipe.transformer.disable_cache()
