@@ -459,6 +459,14 @@ def test_bench_cache_rows():
     (r,) = _bench_cache.family_rows("flux2-klein", tiny.transformer_config("flux2-klein"), caches[:1], 2, 32)
     assert r["stock_s"] is None and r["vs_stock_cached"].startswith("TypeError"), r
     assert "| flux2-klein | fbcache:0.9 |" in "\n".join(_bench_cache.table([r]))
+    # the attention-level caches on the true-CFG families: TaylorSeer against the stock one;
+    # FasterCache's stock row not comparable (its one state sees both CFG calls)
+    for fam, kind in (("flux2-klein", "flux2-klein"), ("qwenimage", "qwen-image")):
+        ts, fc = _bench_cache.family_rows(fam, tiny.transformer_config(kind), caches[3:], 4, 32)
+        assert ts["vs_stock_cached"] < 1e-5 and ts["steps_computed"] == [3, 3] and ts["vs_uncached"] > 1e-6, ts
+        assert fc["stock_s"] is None and fc["vs_stock_cached"].startswith("n/a: stock FasterCache"), fc
+        assert 0 < fc["steps_computed"][0] < 4 and fc["vs_uncached"] > 1e-6, fc
+        assert f"| {fam} | fastercache:skip=2," in "\n".join(_bench_cache.table([ts, fc]))
 
 
 ATTENTION_SPECS = ["taylorseer:interval=2,warmup=1,attention=1", "fastercache:skip=2"]
