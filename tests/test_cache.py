@@ -346,8 +346,8 @@ def test_bad_cache_argument(cache, match):
 def _cached_on_meshes(rank, world):
     """FLUX.1 with true CFG and First-Block Cache, single process then tp=2, sp=2 (9 image
     tokens: one padded row) and dp=2 (CFG parallel: a rank per half); TaylorSeer on sp=2;
-    TaylorSeer on the attention modules and FasterCache on tp=2 and sp=2.
-    Records every First-Block metric as reduced and as this rank alone would see it."""
+    TaylorSeer on the attention modules and FasterCache on tp=2 and sp=2, for FLUX.1 and
+    FLUX.2-klein. Records every First-Block metric as reduced and as this rank alone would see it."""
     pipe = tiny.pipeline("flux")
     params = fd.from_diffusers(pipe.transformer)
     kw = dict(height=48, width=48, steps=STEPS, seed=5, true_cfg=2.0, negative_prompt="blurry", output_type="latent")
@@ -383,6 +383,22 @@ def _cached_on_meshes(rank, world):
             for name, p in (("single", params), ("tp", tp), ("sp", sp)):
                 run = fd.CacheRun(cache)
                 out[f"{tag}-{name}"] = (fd.sample(p, pipe, "a red cube", cache=run, **kw), run.decisions, [])
+        # FLUX.2-klein (true CFG): a single block's hooked module is its whole parallel
+        # attention (the fused q, k, v + MLP input projection, to_out over [attn, mlp]),
+        # whose packed weights tp=2 cuts per segment
+        klein = tiny.pipeline("flux2-klein")
+        k_params = fd.from_diffusers(klein.transformer)
+        k_kw = dict(height=48, width=48, steps=STEPS, seed=5, true_cfg=4.0, output_type="latent", **MSL)
+        meshes = [("single", None), ("tp", dict(tp=2)), ("sp", dict(sp=2))]
+        for cache, tag in ((attention, "k-tsa"), (fd.FasterCache(2, (-1, 950), weight=0.3), "k-fc")):
+            for name, axes in meshes:
+                p = (
+                    k_params
+                    if axes is None
+                    else sharding.shard_params(k_params, sharding.make_mesh(**axes, device_type="cpu"))
+                )
+                run = fd.CacheRun(cache)
+                out[f"{tag}-{name}"] = (fd.sample(p, klein, "a red cube", cache=run, **k_kw), run.decisions, [])
     finally:
         fd_cache.branch_sums = orig
     return out
@@ -404,8 +420,8 @@ def test_cached_sampling_on_tp_sp_dp_equals_single_process():
             # reduced metrics: the single-process ones (float64 sums of fp32 residuals that
             # agree to fp32 rounding), the same on every rank
             torch.testing.assert_close(torch.tensor([s[1] for s in r[name][2]]), torch.tensor([s[1] for s in sums]))
-        for name in ("ts-sp", "tsa-tp", "tsa-sp", "fc-tp", "fc-sp"):
-            single = r[name.split("-")[0] + "-single"]
+        for name in ("ts-sp", "tsa-tp", "tsa-sp", "fc-tp", "fc-sp", "k-tsa-tp", "k-tsa-sp", "k-fc-tp", "k-fc-sp"):
+            single = r[name.rsplit("-", 1)[0] + "-single"]
             assert r[name][1] == single[1] and any(not c for d in single[1] for c in d), name
             torch.testing.assert_close(r[name][0], single[0], **FP32)
     for name in ("tp", "sp", "dp"):
