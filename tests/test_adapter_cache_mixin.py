@@ -64,6 +64,7 @@ FAMILIES = {
     "flux1": (FLUX1, cases_flux1),
     "flux2": (cases_flux2.TINY, cases_flux2),  # guidance-distilled, as FLUX.2-dev
     "qwen-image": (cases_qwenimage.TINY, cases_qwenimage),
+    "qwen-image-edit": (cases_qwenimage.TINY_EDIT, cases_qwenimage),  # zero_cond_t: per-token t / t = 0 modulation
 }
 
 
@@ -107,6 +108,7 @@ ATTENTION_CASES = [
     ("flux2", "taylorseer-attention"),
     ("flux2", "taylorseer-skip"),
     ("qwen-image", "taylorseer-attention"),
+    ("qwen-image-edit", "taylorseer-attention"),
 ]
 
 
