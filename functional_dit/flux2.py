@@ -9,6 +9,10 @@ the single blocks, 4-axis RoPE over (txt; img) ids, and no biases anywhere.
 FLUX.2-klein image editing can cache the reference image tokens' keys and values
 (``kv_cache="extract"`` / ``kv_cache=cache``); the cache type and its checks live in
 `flux2_kv`, the block maths that use it here.
+
+`double_attention` and `parallel_attention` are the stock attention modules
+(``Flux2Attention``, ``Flux2ParallelSelfAttention``); the blocks call them through an
+``attn`` hook where diffusers' attention-level caches hook them.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ is reproduced and how:
   and extrapolated linearly from its last two outputs between.
 
 The attention-level caches hook the family's block functions at their attention module
-(the blocks' ``attn`` argument, FLUX.1); the others run whole blocks.
+(the blocks' ``attn`` argument: FLUX.1, FLUX.2, Qwen-Image); the others run whole
+blocks.
 
 Under a mesh every rank holds its local part of the state (sp rows, dp items); the
 First-Block metric is summed over sp and dp (one small all-reduce per axis) so that
