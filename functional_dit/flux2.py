@@ -9,6 +9,10 @@ the single blocks, 4-axis RoPE over (txt; img) ids, and no biases anywhere.
 FLUX.2-klein image editing can cache the reference image tokens' keys and values
 (``kv_cache="extract"`` / ``kv_cache=cache``); the cache type and its checks live in
 `flux2_kv`, the block maths that use it here.
+
+`double_attention` and `parallel_attention` are the stock attention modules
+(``Flux2Attention``, ``Flux2ParallelSelfAttention``); the blocks call them through an
+``attn`` hook where diffusers' attention-level caches hook them.
 """
 
 from __future__ import annotations
@@ -264,23 +268,23 @@ _IMG = (("to_q", "to_k", "to_v"), ("norm_q", "norm_k"))
 _TXT = (("add_q_proj", "add_k_proj", "add_v_proj"), ("norm_added_q", "norm_added_k"))
 
 
-def _stream_qkv(a, x, mod, head_dim, eps, names):
-    """One stream of a double block: AdaLN, then q, k, v (B, S, H, D) with q, k RMS-normalised."""
-    (proj, norms), (shift, scale) = names, mod[:2]
-    h = L.norm_modulate(x, shift, scale, eps)
+def _stream_qkv(a, h, head_dim, eps, names):
+    """One stream of a double block: q, k, v (B, S, H, D) of its normalised, modulated rows
+    ``h``, q and k RMS-normalised."""
+    proj, norms = names
     q, k, v = (L.split_heads(y, head_dim) for y in L.linear_group([a[n] for n in proj], h))
     return L.rms_norm(L.per_head(a[norms[0]]), q, eps), L.rms_norm(L.per_head(a[norms[1]]), k, eps), v
 
 
 def _streams_out(streams, eps):
-    """Per stream ``(x, attn, mod, p_out, p_ff)``: the gated residual attention output, then
-    the gated residual SwiGLU MLP. The streams go side by side, so under TP each of the two
-    steps is one all-reduce for all of them (`L.row_linears`)."""
-    ys = L.row_linears([(p_out, attn) for _, attn, _, p_out, _ in streams])
-    xs = [L.gated(x, mod[2][:, None], y) for (x, _, mod, _, _), y in zip(streams, ys)]
-    hs = [_ff_hidden(p_ff, L.norm_modulate(x, mod[3], mod[4], eps)) for x, (_, _, mod, _, p_ff) in zip(xs, streams)]
+    """Per stream ``(x, attn, mod, p_ff)``, ``attn`` its attention output after the output
+    projection: the gated residual attention output, then the gated residual SwiGLU MLP.
+    The streams go side by side, so under TP their MLP output projections are one
+    all-reduce (`L.row_linears`)."""
+    xs = [L.gated(x, mod[2][:, None], y) for x, y, mod, _ in streams]
+    hs = [_ff_hidden(p_ff, L.norm_modulate(x, mod[3], mod[4], eps)) for x, (_, _, mod, p_ff) in zip(xs, streams)]
     ys = L.row_linears([(p_ff["linear_out"], h) for h, (*_, p_ff) in zip(hs, streams)])
-    return [L.gated(x, mod[5][:, None], y) for x, (_, _, mod, _, _), y in zip(xs, streams, ys)]
+    return [L.gated(x, mod[5][:, None], y) for x, (_, _, mod, _), y in zip(xs, streams, ys)]
 
 
 def _attend(q, k, v, T: int, key_bias, ref: Ref | None):
@@ -301,68 +305,127 @@ def _rope_qk(q, k, pe):
     return L.apply_rope(q, *pe), L.apply_rope(k, *pe)
 
 
-def double_block(p, img, txt, mod_img, mod_txt, pe, head_dim, eps=1e-6, key_bias=None, ref: Ref | None = None):
+def _ref_rows(ref: Ref | None, eps):
+    """The reference tokens' normalised, modulated rows (extract mode), else None."""
+    return None if ref is None or ref.x is None else L.norm_modulate(ref.x, ref.mod[0], ref.mod[1], eps)
+
+
+def _check_hook(attn, ref: Ref | None) -> None:
+    if attn is not None and ref is not None:
+        raise ValueError("attn: an attention hook needs ref=None (no reference KV), got a hook and a Ref")
+
+
+def _double_attention(a, img, txt, pe, head_dim, eps, key_bias, ref: Ref | None, ref_h):
+    """`double_attention` with reference KV: ``ref_h`` the reference tokens' rows (extract)
+    or None, ``ref`` their `Ref` (cached keys/values) or None. Returns the outputs [img,
+    txt(, ref)] after their output projections (under TP one all-reduce for all) and
+    ``ref`` with its k, v."""
+    T = txt.shape[1]
+    tq, tk, tv = _stream_qkv(a, txt, head_dim, eps, _TXT)
+    iq, ik, iv = _stream_qkv(a, img, head_dim, eps, _IMG)
+    q, k = _rope_qk(torch.cat([tq, iq], 1), torch.cat([tk, ik], 1), pe)
+    extra = []
+    if ref_h is not None:
+        rq, rk, rv = _stream_qkv(a, ref_h, head_dim, eps, _IMG)
+        rq, rk = _rope_qk(rq, rk, ref.pe)
+        ref, extra = ref._replace(k=rk, v=rv), [(a["to_out"]["0"], L.attention(rq, rk, rv, ref.bias))]
+    out = _attend(q, k, torch.cat([tv, iv], 1), T, key_bias, ref)
+    return L.row_linears([(a["to_out"]["0"], out[:, T:]), (a["to_add_out"], out[:, :T]), *extra]), ref
+
+
+def double_attention(a, img, txt, pe, head_dim, eps=1e-6, key_bias=None):
+    """A double block's attention module (diffusers' ``Flux2Attention``) over the
+    normalised, modulated streams img (B, S, C) and txt (B, T, C): q, k, v per stream, one
+    joint attention over (txt; img), each stream's output projection. Returns (img_attn,
+    txt_attn)."""
+    return tuple(_double_attention(a, img, txt, pe, head_dim, eps, key_bias, None, None)[0])
+
+
+def double_block(
+    p, img, txt, mod_img, mod_txt, pe, head_dim, eps=1e-6, key_bias=None, ref: Ref | None = None, attn=None
+):
     """MMDiT block with shared modulation: separate weights per stream, one joint attention
     over (txt; img). Reference tokens (extract) go through the img weights with their own
-    modulation and attend only to themselves. Returns img, txt and ref (with its k, v)."""
-    a, T = p["attn"], txt.shape[1]
-    tq, tk, tv = _stream_qkv(a, txt, mod_txt, head_dim, eps, _TXT)
-    iq, ik, iv = _stream_qkv(a, img, mod_img, head_dim, eps, _IMG)
-    q, k = _rope_qk(torch.cat([tq, iq], 1), torch.cat([tk, ik], 1), pe)
-    ref_out = None
-    if ref is not None and ref.x is not None:
-        rq, rk, rv = _stream_qkv(a, ref.x, ref.mod, head_dim, eps, _IMG)
-        rq, rk = _rope_qk(rq, rk, ref.pe)
-        ref, ref_out = ref._replace(k=rk, v=rv), L.attention(rq, rk, rv, ref.bias)
-    out = _attend(q, k, torch.cat([tv, iv], 1), T, key_bias, ref)
-    streams = [
-        (img, out[:, T:], mod_img, a["to_out"]["0"], p["ff"]),
-        (txt, out[:, :T], mod_txt, a["to_add_out"], p["ff_context"]),
-    ]
-    if ref_out is not None:
-        streams.append((ref.x, ref_out, ref.mod, a["to_out"]["0"], p["ff"]))
+    modulation and attend only to themselves. Returns img, txt and ref (with its k, v).
+    ``attn`` (only without ``ref``): None, or a function given the block's
+    `double_attention` as a function of no arguments, returning its outputs or a stand-in
+    for them (where diffusers' attention-level caches hook, `functional_dit.pipelines.cache`)."""
+    _check_hook(attn, ref)
+    h_img, h_txt = L.norm_modulate(img, *mod_img[:2], eps), L.norm_modulate(txt, *mod_txt[:2], eps)
+    if attn is None:
+        (i_attn, t_attn, *r_attn), ref = _double_attention(
+            p["attn"], h_img, h_txt, pe, head_dim, eps, key_bias, ref, _ref_rows(ref, eps)
+        )
+    else:
+        (i_attn, t_attn), r_attn = (
+            attn(lambda: double_attention(p["attn"], h_img, h_txt, pe, head_dim, eps, key_bias)),
+            [],
+        )
+    streams = [(img, i_attn, mod_img, p["ff"]), (txt, t_attn, mod_txt, p["ff_context"])]
+    if r_attn:
+        streams.append((ref.x, r_attn[0], ref.mod, p["ff"]))
     img, txt, *rest = _streams_out(streams, eps)
     if rest:
         ref = ref._replace(x=rest[0])
     return img, L.clip_fp16(txt), ref
 
 
-def _single_in(a, x, mod, head_dim, eps):
-    """AdaLN, then the fused projection to q, k, v (B, S, H, D) and the MLP input.
+def _single_in(a, h, head_dim, eps):
+    """The fused projection of the normalised, modulated rows ``h`` to q, k, v (B, S, H, D)
+    and the MLP input.
 
     The local rows are [q, k, v, gate, up] = 3n + 2m and ``to_out``'s local columns
     n + m, so this rank's width n of q is read off the two shapes (TP-agnostic). Returns
     q, k, v and the MLP's (gate, up).
     """
-    shift, scale, _ = mod
     n = a["to_qkv_mlp_proj"]["weight"].shape[0] - 2 * a["to_out"]["weight"].shape[1]
     m = a["to_out"]["weight"].shape[1] - n
-    h = L.norm_modulate(x, shift, scale, eps)
     qkv, gate, up = L.col_linear_split(a["to_qkv_mlp_proj"], h, [3 * n, m, m])
     q, k, v = (L.split_heads(t, head_dim) for t in qkv.chunk(3, dim=-1))
     q, k = L.rms_norm(L.per_head(a["norm_q"]), q, eps), L.rms_norm(L.per_head(a["norm_k"]), k, eps)
     return q, k, v, (gate, up)
 
 
-def _single_out(a, x, attn, mlp, mod):
-    gate = mod[2]
-    return L.clip_fp16(L.gated(x, gate[:, None], L.row_linear_cat(a["to_out"], [attn, L.swiglu(*mlp)])))
+def _single_proj(a, attn, mlp):
+    """``to_out`` over [attn, swiglu(mlp)] (BFL's ``linear2``)."""
+    return L.row_linear_cat(a["to_out"], [attn, L.swiglu(*mlp)])
 
 
-def single_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None, txt_len=0, ref: Ref | None = None):
-    """Parallel attention + SwiGLU MLP over the joint (txt; img) sequence x (B, S, C).
-    ``txt_len`` (the local text rows) places reference keys between txt and img."""
-    a = p["attn"]
-    q, k, v, mlp = _single_in(a, x, mod, head_dim, eps)
+def _parallel_attention(a, h, pe, head_dim, eps, key_bias, txt_len, ref: Ref | None, ref_h):
+    """`parallel_attention` with reference KV (``ref``, ``ref_h`` as in `_double_attention`):
+    returns its output, the reference rows' output (or None) and ``ref`` with its k, v."""
+    q, k, v, mlp = _single_in(a, h, head_dim, eps)
     q, k = _rope_qk(q, k, pe)
     ref_out = None
-    if ref is not None and ref.x is not None:
-        rq, rk, rv, rmlp = _single_in(a, ref.x, ref.mod, head_dim, eps)
+    if ref_h is not None:
+        rq, rk, rv, rmlp = _single_in(a, ref_h, head_dim, eps)
         rq, rk = _rope_qk(rq, rk, ref.pe)
         ref, ref_out = ref._replace(k=rk, v=rv), L.attention(rq, rk, rv, ref.bias)
-    out = _single_out(a, x, _attend(q, k, v, txt_len, key_bias, ref), mlp, mod)
-    if ref_out is not None:
-        ref = ref._replace(x=_single_out(a, ref.x, ref_out, rmlp, ref.mod))
+    out = _single_proj(a, _attend(q, k, v, txt_len, key_bias, ref), mlp)
+    return out, None if ref_out is None else _single_proj(a, ref_out, rmlp), ref
+
+
+def parallel_attention(a, h, pe, head_dim, eps=1e-6, key_bias=None, txt_len=0):
+    """A single block's attention module (diffusers' ``Flux2ParallelSelfAttention``) over the
+    normalised, modulated joint rows h (B, S, C): the fused q, k, v + MLP input projection,
+    the joint attention, SwiGLU, and ``to_out`` over [attn, mlp]."""
+    return _parallel_attention(a, h, pe, head_dim, eps, key_bias, txt_len, None, None)[0]
+
+
+def single_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None, txt_len=0, ref: Ref | None = None, attn=None):
+    """Parallel attention + SwiGLU MLP over the joint (txt; img) sequence x (B, S, C).
+    ``txt_len`` (the local text rows) places reference keys between txt and img. ``attn``
+    as in `double_block`, given the block's `parallel_attention`."""
+    _check_hook(attn, ref)
+    a, (shift, scale, gate) = p["attn"], mod
+    h = L.norm_modulate(x, shift, scale, eps)
+    if attn is None:
+        y, ref_y, ref = _parallel_attention(a, h, pe, head_dim, eps, key_bias, txt_len, ref, _ref_rows(ref, eps))
+    else:
+        y, ref_y = attn(lambda: parallel_attention(a, h, pe, head_dim, eps, key_bias, txt_len)), None
+    out = L.clip_fp16(L.gated(x, gate[:, None], y))
+    if ref_y is not None:
+        ref = ref._replace(x=L.clip_fp16(L.gated(ref.x, ref.mod[2][:, None], ref_y)))
     return out, ref
 
 

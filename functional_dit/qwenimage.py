@@ -287,8 +287,10 @@ def qkv(p, x, head_dim, names, norms):
 
 
 def joint_attention(p, img, txt, pe, head_dim, key_bias=None):
-    """One attention over the joint [txt; img] sequence (diffusers' order); returns the
-    image and text outputs after their own output projections."""
+    """A block's attention module (diffusers' ``Attention`` with the double-stream
+    processor) over the normalised, modulated streams: one attention over the joint [txt;
+    img] sequence (diffusers' order); returns the image and text outputs after their own
+    output projections (``to_out.0`` / ``to_add_out``)."""
     iq, ik, iv = qkv(p, img, head_dim, ("to_q", "to_k", "to_v"), ("norm_q", "norm_k"))
     tq, tk, tv = qkv(p, txt, head_dim, ("add_q_proj", "add_k_proj", "add_v_proj"), ("norm_added_q", "norm_added_k"))
     cos, sin = pe
@@ -298,19 +300,18 @@ def joint_attention(p, img, txt, pe, head_dim, key_bias=None):
     return L.row_linears([(p["to_out"]["0"], i_out), (p["to_add_out"], t_out)])  # under TP: one all-reduce
 
 
-def block(p, img, txt, img_mod, txt_mod, pe, head_dim, key_bias=None, cond_rows=None):
+def block(p, img, txt, img_mod, txt_mod, pe, head_dim, key_bias=None, cond_rows=None, attn=None):
     """MMDiT block: img (B, S, C), txt (B, T, C); its modulations (`modulations`) img_mod
-    (B, 6C), or (2B, 6C) with ``cond_rows``, and txt_mod (B, 6C)."""
+    (B, 6C), or (2B, 6C) with ``cond_rows``, and txt_mod (B, 6C). ``attn``: None, or a
+    function given the block's `joint_attention` as a function of no arguments, returning
+    its outputs or a stand-in for them (where diffusers' attention-level caches hook,
+    `functional_dit.pipelines.cache`); the attention output is (B, ...) either way, only
+    the modulation around it reads ``cond_rows``."""
     i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_modulation(img_mod, cond_rows)
     t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = (m[:, None] for m in txt_mod.chunk(6, dim=-1))
-    img_a, txt_a = joint_attention(
-        p["attn"],
-        L.norm_modulate(img, i_shift, i_scale),
-        L.norm_modulate(txt, t_shift, t_scale),
-        pe,
-        head_dim,
-        key_bias,
-    )
+    i_in, t_in = L.norm_modulate(img, i_shift, i_scale), L.norm_modulate(txt, t_shift, t_scale)
+    module = lambda: joint_attention(p["attn"], i_in, t_in, pe, head_dim, key_bias)  # noqa: E731
+    img_a, txt_a = module() if attn is None else attn(module)
     img, txt = L.gated(img, i_gate, img_a), L.gated(txt, t_gate, txt_a)
     i_ff, t_ff = L.gelu_mlps(
         [

@@ -1,5 +1,6 @@
-"""`fd.DiffusersTransformer` as diffusers' ``CacheMixin``, against the stock FLUX.1 module,
-and the stock ``pos_embed`` per family.
+"""`fd.DiffusersTransformer` as diffusers' ``CacheMixin``, against the stock FLUX.1 module
+(the attention-level caches also against FLUX.2's and Qwen-Image's), and the stock
+``pos_embed`` per family.
 
 What diffusers' cache test mixins check of a transformer class, covered with our own
 tests: ``issubclass(..., CacheMixin)``, ``enable_cache`` / ``is_cache_enabled`` /
@@ -16,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import cases_flux1
+import cases_flux2
+import cases_qwenimage
 import diffusers
 import pytest
 import torch
-from cases_flux1 import diffusers_kwargs as flux1_kwargs
-from cases_flux1 import inputs as flux1_inputs
 from diffusers.hooks import (
     FasterCacheConfig,
     FirstBlockCacheConfig,
@@ -59,17 +61,27 @@ CONFIGS = {
 }
 
 
-def pair(seed: int = 0):
-    """(stock FluxTransformer2DModel, adapter over its weights)."""
-    cfg = fd.config_to_diffusers(FLUX1)
+# fam: (tiny config, the family's test cases: inputs and their diffusers names)
+FAMILIES = {
+    "flux1": (FLUX1, cases_flux1),
+    "flux2": (cases_flux2.TINY, cases_flux2),  # guidance-distilled, as FLUX.2-dev
+    "qwen-image": (cases_qwenimage.TINY, cases_qwenimage),
+    "qwen-image-edit": (cases_qwenimage.TINY_EDIT, cases_qwenimage),  # zero_cond_t: per-token t / t = 0 modulation
+}
+
+
+def pair(seed: int = 0, fam: str = "flux1"):
+    """(the family's stock transformer, adapter over its weights)."""
+    cfg = fd.config_to_diffusers(FAMILIES[fam][0])
     torch.manual_seed(seed)
     stock = getattr(diffusers, cfg.pop("_class_name"))(**cfg).eval()
     return stock, fd.DiffusersTransformer(fd.from_diffusers(stock))
 
 
-def step_inputs(seed: int) -> list[dict]:
+def step_inputs(seed: int, fam: str = "flux1") -> list[dict]:
     """STEPS forward calls of a denoising run: latents drifting a little, timesteps falling."""
-    kw = flux1_kwargs(flux1_inputs(FLUX1, seed=seed))
+    config, cases = FAMILIES[fam]
+    kw = cases.diffusers_kwargs(cases.inputs(config, seed=seed))
     g = torch.Generator().manual_seed(seed + 100)
     noise = torch.randn(kw["hidden_states"].shape, generator=g)
     return [
@@ -92,10 +104,20 @@ def run(model, calls: dict[str, list[dict]], before=None) -> dict[str, list[torc
     return outs
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_each_config_equals_stock_flux1(name):
-    stock, ad = pair()
-    calls = {"cond": step_inputs(1), "uncond": step_inputs(2)}
+# The attention-level configs on the other families; the skip_predict case on FLUX.2 (its
+# pattern names a single block's Flux2ParallelSelfAttention).
+ATTENTION_CASES = [
+    ("flux2", "taylorseer-attention"),
+    ("flux2", "taylorseer-skip"),
+    ("qwen-image", "taylorseer-attention"),
+    ("qwen-image-edit", "taylorseer-attention"),
+]
+
+
+@pytest.mark.parametrize("fam, name", [("flux1", n) for n in sorted(CONFIGS)] + ATTENTION_CASES, ids=lambda v: str(v))
+def test_each_config_equals_stock(fam, name):
+    stock, ad = pair(fam=fam)
+    calls = {"cond": step_inputs(1, fam), "uncond": step_inputs(2, fam)}
     plain = run(ad, calls)  # no cache: every call computes
     for model in (stock, ad):
         model.enable_cache(CONFIGS[name]())
@@ -114,13 +136,14 @@ def test_each_config_equals_stock_flux1(name):
     assert ad.step_cache_hook().state_manager._state_cache.keys() == {"cond"}
 
 
-def test_faster_cache_equals_stock_flux1():
-    """FasterCacheConfig of a guidance-distilled model (FLUX.1-dev), step by step against
-    the stock module: attention outputs computed at every 2nd call inside the timestep
-    range and extrapolated between, one state for both contexts (as the stock hooks hold),
-    the weight callback given each attention module (the adapter's, by its stock name)."""
-    stock, ad = pair()
-    calls = {"cond": step_inputs(1), "uncond": step_inputs(2)}
+@pytest.mark.parametrize("fam", list(FAMILIES))
+def test_faster_cache_equals_stock(fam):
+    """FasterCacheConfig of a guidance-distilled model, step by step against the stock
+    module: attention outputs computed at every 2nd call inside the timestep range and
+    extrapolated between, one state for both contexts (as the stock hooks hold), the weight
+    callback given each attention module (the adapter's, by its stock name)."""
+    stock, ad = pair(fam=fam)
+    calls = {"cond": step_inputs(1, fam), "uncond": step_inputs(2, fam)}
     now, given = [0.0], {"stock": [], "ad": []}
 
     def config(who):

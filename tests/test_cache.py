@@ -21,6 +21,7 @@ import pytest
 import torch
 from _dist import spawn
 from diffusers.hooks import FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+from diffusers.hooks import faster_cache as faster_hooks
 from diffusers.hooks import first_block_cache as fbc_hooks
 from diffusers.hooks import mag_cache as mag_hooks
 from diffusers.hooks import taylorseer_cache as ts_hooks
@@ -28,7 +29,7 @@ from test_sample import stock_latents
 
 import functional_dit as fd
 import sharding
-from functional_dit import tiny
+from functional_dit import families, tiny
 from functional_dit.pipelines import cache as fd_cache
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # the issue's bound for fp32 latents
@@ -152,20 +153,56 @@ def test_taylorseer_equals_diffusers(fam, recorder):
     torch.testing.assert_close(got, expected, **FP32)
 
 
-def test_taylorseer_on_attention_equals_diffusers(recorder):
+def n_attention(fam: str) -> int:
+    """The number of attention modules (one per block) of the family's tiny transformer."""
+    c = tiny.transformer_config(FAMILIES[fam][0])
+    return c.num_layers + getattr(c, "num_single_layers", 0)
+
+
+@pytest.mark.parametrize("fam", CFG_FAMILIES)
+def test_taylorseer_on_attention_equals_diffusers(fam, recorder):
     """TaylorSeer's default mode: every attention module's output extrapolated, the rest of
-    each block computed (FLUX.1, true CFG). fp32 factors: outputs that agree to fp32
-    rounding could round to different bf16 factors."""
+    each block computed (true CFG). fp32 factors: outputs that agree to fp32 rounding could
+    round to different bf16 factors."""
     kw = dict(cache_interval=2, disable_cache_before_step=2, max_order=2, taylor_factors_dtype=torch.float32)
     ours = fd.TaylorSeer(**kw, modules=fd_cache.ATTENTION)
-    expected, seen, got, run = run_both("flux1", TaylorSeerCacheConfig(**kw), ours, recorder)
+    expected, seen, got, run = run_both(fam, TaylorSeerCacheConfig(**kw), ours, recorder)
     n_hooks = len(seen) // (2 * STEPS)  # one per attention module
-    assert n_hooks == 4 and run.decisions == per_step(seen, n_hooks) and run.skipped() > 0
+    assert n_hooks == n_attention(fam) and run.decisions == per_step(seen, n_hooks) and run.skipped() > 0
     torch.testing.assert_close(got, expected, **FP32)
 
 
+@pytest.fixture
+def faster_recorder(monkeypatch):
+    """Records each stock FasterCache attention call as (iteration, computed) in call order."""
+    seen, approximated = [], [0]
+    block_hook = faster_hooks.FasterCacheBlockHook
+    orig_forward, orig_approx = block_hook.new_forward, block_hook._compute_approximated_attention_output
+
+    def approx(self, *args, **kwargs):
+        approximated[0] += 1
+        return orig_approx(self, *args, **kwargs)
+
+    def new_forward(self, module, *args, **kwargs):
+        before, iteration = approximated[0], self.state.iteration
+        out = orig_forward(self, module, *args, **kwargs)
+        seen.append((iteration, approximated[0] == before))
+        return out
+
+    monkeypatch.setattr(block_hook, "_compute_approximated_attention_output", approx)
+    monkeypatch.setattr(block_hook, "new_forward", new_forward)
+    return seen
+
+
+def faster_steps(seen, n_hooks: int) -> tuple:
+    """Stock FasterCache decisions as per-step 1-tuples; every module of one call agrees."""
+    calls = [seen[i : i + n_hooks] for i in range(0, len(seen), n_hooks)]
+    assert all(len({d for _, d in c}) == 1 and len({n for n, _ in c}) == 1 for c in calls), calls
+    return tuple((c[0][1],) for c in calls)
+
+
 def faster_config(pipe) -> FasterCacheConfig:
-    """diffusers' FasterCache for FLUX.1 (guidance-distilled), the timestep the pipeline's."""
+    """diffusers' FasterCache for a guidance-distilled model, the timestep the pipeline's."""
     return FasterCacheConfig(
         spatial_attention_block_skip_range=2,
         spatial_attention_timestep_skip_range=(-1, 950),  # the first step (t = 1000) computes, as stock needs
@@ -176,20 +213,36 @@ def faster_config(pipe) -> FasterCacheConfig:
     )
 
 
-def test_fastercache_equals_diffusers():
-    """FasterCache on FLUX.1 without true CFG (one call per step, as for FLUX.1-dev):
-    the stock pipeline's latents; ours reads the timestep from t (t x 1000)."""
-    pipe = tiny.pipeline("flux")
+# FasterCache runs: one transformer call per step. FLUX.1 and FLUX.2-dev embed guidance;
+# Qwen-Image runs without true CFG (no negative prompt): stock FasterCache keeps one state
+# for all calls, so true CFG's cond and uncond calls would share (and advance) it, while ours
+# batches the two halves into one call; the two are comparable only without CFG.
+FASTER_RUNS = {
+    "flux1": ("flux", MSL, MSL),
+    "flux2-dev": FAMILIES["flux2-dev"],  # Flux2Pipeline: stock FasterCache needs no cache_context
+    "qwen-image": ("qwen-image", {}, {}),
+}
+
+
+@pytest.mark.parametrize("fam", list(FASTER_RUNS))
+def test_fastercache_equals_diffusers(fam, faster_recorder):
+    """FasterCache without true CFG (one call per step): the stock pipeline's latents and
+    decisions; ours reads the timestep from t (t x 1000)."""
+    kind, stock_kw, our_kw = FASTER_RUNS[fam]
+    pipe = tiny.pipeline(kind)
     params = fd.from_diffusers(pipe.transformer)
     pipe.transformer.enable_cache(faster_config(pipe))
-    expected = stock_latents(pipe, 3, prompt="a red cube", num_inference_steps=STEPS, **SIZE, **MSL)
+    expected = stock_latents(pipe, 3, prompt="a red cube", num_inference_steps=STEPS, **SIZE, **stock_kw)
     run = fd.CacheRun(fd.FasterCache(2, (-1, 950), weight=0.3))
-    got = fd.sample(params, pipe, "a red cube", steps=STEPS, seed=3, output_type="latent", cache=run, **SIZE, **MSL)
-    # step 0 (t = 1000) lies outside the range; inside it every 2nd call (2, 4) computes
-    assert run.decisions == ((True,), (False,), (True,), (False,), (True,), (False,))
+    sample = lambda **kw: fd.sample(  # noqa: E731
+        params, pipe, "a red cube", steps=STEPS, seed=3, output_type="latent", **SIZE, **our_kw, **kw
+    )
+    got = sample(cache=run)
+    assert run.decisions == faster_steps(faster_recorder, n_attention(fam)) and run.skipped() > 0
+    if fam == "flux1":  # step 0 (t = 1000) lies outside the range; inside it every 2nd call (2, 4) computes
+        assert run.decisions == ((True,), (False,), (True,), (False,), (True,), (False,))
     torch.testing.assert_close(got, expected, **FP32)
-    plain = fd.sample(params, pipe, "a red cube", steps=STEPS, seed=3, output_type="latent", **SIZE, **MSL)
-    assert not torch.allclose(got, plain, **FP32)
+    assert not torch.allclose(got, sample(), **FP32)
 
 
 @pytest.mark.parametrize("fam", ["flux1", "flux2-dev", "qwen-image"])  # Flux2Pipeline needs no cache_context here
@@ -319,8 +372,8 @@ def test_attention_patterns_matching_no_module():
 def _cached_on_meshes(rank, world):
     """FLUX.1 with true CFG and First-Block Cache, single process then tp=2, sp=2 (9 image
     tokens: one padded row) and dp=2 (CFG parallel: a rank per half); TaylorSeer on sp=2;
-    TaylorSeer on the attention modules and FasterCache on tp=2 and sp=2.
-    Records every First-Block metric as reduced and as this rank alone would see it."""
+    TaylorSeer on the attention modules and FasterCache on tp=2 and sp=2, for FLUX.1 and
+    FLUX.2-klein. Records every First-Block metric as reduced and as this rank alone would see it."""
     pipe = tiny.pipeline("flux")
     params = fd.from_diffusers(pipe.transformer)
     kw = dict(height=48, width=48, steps=STEPS, seed=5, true_cfg=2.0, negative_prompt="blurry", output_type="latent")
@@ -356,6 +409,22 @@ def _cached_on_meshes(rank, world):
             for name, p in (("single", params), ("tp", tp), ("sp", sp)):
                 run = fd.CacheRun(cache)
                 out[f"{tag}-{name}"] = (fd.sample(p, pipe, "a red cube", cache=run, **kw), run.decisions, [])
+        # FLUX.2-klein (true CFG): a single block's hooked module is its whole parallel
+        # attention (the fused q, k, v + MLP input projection, to_out over [attn, mlp]),
+        # whose packed weights tp=2 cuts per segment
+        klein = tiny.pipeline("flux2-klein")
+        k_params = fd.from_diffusers(klein.transformer)
+        k_kw = dict(height=48, width=48, steps=STEPS, seed=5, true_cfg=4.0, output_type="latent", **MSL)
+        meshes = [("single", None), ("tp", dict(tp=2)), ("sp", dict(sp=2))]
+        for cache, tag in ((attention, "k-tsa"), (fd.FasterCache(2, (-1, 950), weight=0.3), "k-fc")):
+            for name, axes in meshes:
+                p = (
+                    k_params
+                    if axes is None
+                    else sharding.shard_params(k_params, sharding.make_mesh(**axes, device_type="cpu"))
+                )
+                run = fd.CacheRun(cache)
+                out[f"{tag}-{name}"] = (fd.sample(p, klein, "a red cube", cache=run, **k_kw), run.decisions, [])
     finally:
         fd_cache.branch_sums = orig
     return out
@@ -377,8 +446,8 @@ def test_cached_sampling_on_tp_sp_dp_equals_single_process():
             # reduced metrics: the single-process ones (float64 sums of fp32 residuals that
             # agree to fp32 rounding), the same on every rank
             torch.testing.assert_close(torch.tensor([s[1] for s in r[name][2]]), torch.tensor([s[1] for s in sums]))
-        for name in ("ts-sp", "tsa-tp", "tsa-sp", "fc-tp", "fc-sp"):
-            single = r[name.split("-")[0] + "-single"]
+        for name in ("ts-sp", "tsa-tp", "tsa-sp", "fc-tp", "fc-sp", "k-tsa-tp", "k-tsa-sp", "k-fc-tp", "k-fc-sp"):
+            single = r[name.rsplit("-", 1)[0] + "-single"]
             assert r[name][1] == single[1] and any(not c for d in single[1] for c in d), name
             torch.testing.assert_close(r[name][0], single[0], **FP32)
     for name in ("tp", "sp", "dp"):
@@ -432,3 +501,59 @@ def test_bench_cache_rows():
     (r,) = _bench_cache.family_rows("flux2-klein", tiny.transformer_config("flux2-klein"), caches[:1], 2, 32)
     assert r["stock_s"] is None and r["vs_stock_cached"].startswith("TypeError"), r
     assert "| flux2-klein | fbcache:0.9 |" in "\n".join(_bench_cache.table([r]))
+    # the attention-level caches on the true-CFG families: TaylorSeer against the stock one;
+    # FasterCache's stock row not comparable (its one state sees both CFG calls)
+    for fam, kind in (("flux2-klein", "flux2-klein"), ("qwenimage", "qwen-image")):
+        ts, fc = _bench_cache.family_rows(fam, tiny.transformer_config(kind), caches[3:], 4, 32)
+        assert ts["vs_stock_cached"] < 1e-5 and ts["steps_computed"] == [3, 3] and ts["vs_uncached"] > 1e-6, ts
+        assert fc["stock_s"] is None and fc["vs_stock_cached"].startswith("n/a: stock FasterCache"), fc
+        assert 0 < fc["steps_computed"][0] < 4 and fc["vs_uncached"] > 1e-6, fc
+        assert f"| {fam} | fastercache:skip=2," in "\n".join(_bench_cache.table([ts, fc]))
+
+
+ATTENTION_SPECS = ["taylorseer:interval=2,warmup=1,attention=1", "fastercache:skip=2"]
+
+
+@pytest.mark.parametrize("kind", ["flux3", "qwen-image-2.1"])
+def test_attention_caches_refused_without_stages(kind):
+    """FLUX.3 and Qwen-Image 2.1 have no block stages: fd.sample and the adapter's
+    enable_cache refuse the attention-level caches (as every step cache) by name."""
+    pipe = tiny.pipeline(kind)
+    params = fd.from_diffusers(pipe.transformer)
+    fam = families.of(params)
+    for spec in ATTENTION_SPECS:
+        with pytest.raises(ValueError, match=f"cache: step caching is not supported for {fam.KEY} yet"):
+            fd.sample(params, pipe, "a red cube", steps=2, seed=0, output_type="latent", cache=spec, **SIZE)
+    ad = fd.DiffusersTransformer(params)
+    faster = FasterCacheConfig(is_guidance_distilled=True, current_timestep_callback=lambda: 500)
+    for config in (TaylorSeerCacheConfig(2, 1), faster):
+        with pytest.raises(ValueError, match=f"config: step caching is not supported for {fam.NAME} yet"):
+            ad.enable_cache(config)
+        assert not ad.is_cache_enabled
+    with pytest.raises(ValueError, match=f"cache: step caching is not supported for {fam.NAME} yet"):
+        fd_cache.step(params, fd_cache.parse(ATTENTION_SPECS[0]), fd_cache.init(fd_cache.parse(ATTENTION_SPECS[0])),
+                      *(torch.zeros(1) for _ in range(3)))  # fmt: skip
+
+
+def test_attention_caches_refused_with_reference_kv():
+    """FLUX.2-klein's reference KV cache does not combine with step caching: fd.sample with
+    a reference image refuses, and so does the adapter's cached step under the stock KV
+    pipeline (whose transformer calls carry kv_cache_mode)."""
+    from test_sample import ref_image
+
+    pipe = tiny.pipeline("flux2-klein-kv")
+    params = fd.from_diffusers(pipe.transformer)
+    for spec in ATTENTION_SPECS:
+        with pytest.raises(ValueError, match="cache: step caching does not combine with FLUX.2's reference KV cache"):
+            fd.sample(
+                params, pipe, "a", image=ref_image(), steps=2, seed=0, output_type="latent", cache=spec, **SIZE, **MSL
+            )
+    pipe.transformer = fd.DiffusersTransformer(params)
+    faster = FasterCacheConfig(is_guidance_distilled=True, current_timestep_callback=lambda: 500)
+    for config in (TaylorSeerCacheConfig(2, 1), faster):
+        pipe.transformer.enable_cache(config)
+        # the KV pipeline opens no cache_context (TaylorSeer's states need one, stock and ours)
+        ctx = pipe.transformer.cache_context("cond")
+        with ctx, pytest.raises(ValueError, match="kv_cache: step caching does not combine with FLUX.2's reference KV"):
+            pipe(prompt="a", image=ref_image(), num_inference_steps=2, output_type="latent", **SIZE, **MSL)
+        pipe.transformer.disable_cache()

@@ -90,6 +90,63 @@ def test_single_block_parity(case, request):
     _close(f"{case} single block", out, ref)
 
 
+def _hooked(stock_attn, run, out=None):
+    """``run()`` with a forward hook on the stock attention module: returns (its result,
+    the module's output); ``out`` given: the module's output replaced by it."""
+    seen = []
+    handle = stock_attn.register_forward_hook(lambda m, args, y: seen.append(y) or out)
+    try:
+        return run(), seen[0]
+    finally:
+        handle.remove()
+
+
+def _scaled(y, f: float):
+    return tuple(t * f for t in y) if isinstance(y, tuple) else y * f
+
+
+@pytest.mark.parametrize("case", ["tiny", "klein"])
+def test_attention_hook_is_the_stock_attention_module(case, request):
+    """The blocks' ``attn`` hook sits where the stock attention modules are: the function it
+    is given computes the stock module's output (Flux2Attention's (img, txt) after to_out /
+    to_add_out; Flux2ParallelSelfAttention's whole fused projection, attention, SwiGLU and
+    to_out), and a stand-in it returns takes that output's place in the block, as a
+    forward hook's return value does in the stock block."""
+    module, params = request.getfixturevalue(case)
+    c, D = params.config, params.config.attention_head_dim
+    img, txt, temb, ref_pe, pe = _block_inputs(module, params)
+    mod_img, mod_txt = module.double_stream_modulation_img(temb), module.double_stream_modulation_txt(temb)
+    m_img, m_txt, m_single = flux2.modulations(params, temb)
+    x, mod_single = torch.cat([txt, img], 1), module.single_stream_modulation(temb)
+    double, single = module.transformer_blocks[0], module.single_transformer_blocks[1]
+    p_double, p_single = params["transformer_blocks"]["0"], params["single_transformer_blocks"]["1"]
+    runs = {  # name: (stock attention module, stock block call, ours given a hook); (txt, img) order
+        "double": (
+            double.attn,
+            lambda: double(img, txt, mod_img, mod_txt, ref_pe),
+            lambda attn: flux2.double_block(p_double, img, txt, m_img, m_txt, pe, D, c.eps, attn=attn)[1::-1],
+        ),
+        "single": (
+            single.attn,
+            lambda: single(x, None, mod_single, ref_pe),
+            lambda attn: flux2.single_block(p_single, x, m_single, pe, D, c.eps, attn=attn)[0],
+        ),
+    }
+    for name, (stock_attn, stock_block, ours) in runs.items():
+        want, stock_out = _hooked(stock_attn, stock_block)
+        given = []
+        _close(f"{case} {name} block", ours(lambda fn, given=given: given.append(fn()) or given[-1]), want)
+        _close(f"{case} {name} attention module", given[0], stock_out)
+        stand_in = _scaled(stock_out, 0.5)
+        want, _ = _hooked(stock_attn, stock_block, stand_in)
+        _close(f"{case} {name} block with a stand-in", ours(lambda fn, y=stand_in: y), want)
+    ref = flux2.Ref(k=torch.zeros(2, 3, c.num_attention_heads, D), v=torch.zeros(2, 3, c.num_attention_heads, D))
+    with pytest.raises(ValueError, match="attn: an attention hook needs ref=None"):
+        flux2.double_block(p_double, img, txt, m_img, m_txt, pe, D, c.eps, None, ref, attn=lambda fn: fn())
+    with pytest.raises(ValueError, match="attn: an attention hook needs ref=None"):
+        flux2.single_block(p_single, x, m_single, pe, D, c.eps, None, txt.shape[1], ref, attn=lambda fn: fn())
+
+
 def test_rope_matches_diffusers(tiny, klein):
     for module, params in (tiny, klein):
         ids = torch.randn(11, 4) * 50
@@ -302,9 +359,8 @@ def test_single_block_split_reads_the_local_width_from_shapes(tiny):
     wo = p["to_out"]["weight"]
     local["to_out"] = {"weight": torch.cat([wo[:, : n // 2], wo[:, n : n + m // 2]], 1)}
     x = torch.randn(1, 3, n)
-    mod = tuple(torch.randn(1, n) for _ in range(3))
-    q, k, v, mlp = flux2._single_in(local, x, mod, D, c.eps)
-    fq, fk, fv, fmlp = flux2._single_in(p, x, mod, D, c.eps)
+    q, k, v, mlp = flux2._single_in(local, x, D, c.eps)
+    fq, fk, fv, fmlp = flux2._single_in(p, x, D, c.eps)
     H = c.num_attention_heads
     for a, b in ((q, fq), (k, fk), (v, fv)):
         torch.testing.assert_close(a, b[:, :, : H // 2], rtol=0, atol=0)

@@ -135,6 +135,43 @@ def test_block_parity(case, shapes, masked, request):
     torch.testing.assert_close(out_txt, ref_txt, **FP32)
 
 
+@pytest.mark.parametrize("case,shapes", [BLOCK_CASES[0], BLOCK_CASES[2]])  # plain; zero_cond_t (Edit-2511)
+def test_attention_hook_is_the_stock_attention_module(case, shapes, request):
+    """The block's ``attn`` hook sits where the stock ``attn`` module is: the function it is
+    given computes the module's (img, txt) output after to_out.0 / to_add_out, and a
+    stand-in it returns takes that output's place in the block, as a forward hook's return
+    value does in the stock block; with zero_cond_t the modulation around it still reads
+    the reference rows' t = 0 half."""
+    module, params = request.getfixturevalue(case)
+    c = params.config
+    img, txt, temb, mask, ref_pe, pe = _block_inputs(module, c, shapes, seed=len(shapes))
+    index, ref = None, None
+    if c.zero_cond_t:
+        index = torch.tensor([[0] * math.prod(shapes[0]) + [1] * (img.shape[1] - math.prod(shapes[0]))] * 2)
+        ref = Q.ref_mask(shapes)
+    stock_block, p = module.transformer_blocks[0], params["transformer_blocks"]["0"]
+    bias = torch.cat([Q.mask_bias(mask), torch.zeros(img.shape[:2])], 1)
+    mods = _mods(params, temb, txt)
+
+    def stock(out=None):
+        seen = []
+        handle = stock_block.attn.register_forward_hook(lambda m, args, y: seen.append(y) or out)
+        try:
+            txt_out, img_out = stock_block(img, txt, mask, temb, ref_pe, modulate_index=index)
+        finally:
+            handle.remove()
+        return (img_out, txt_out), seen[0]
+
+    ours = lambda attn: Q.block(p, img, txt, *mods, pe, c.attention_head_dim, bias, ref, attn=attn)  # noqa: E731
+    want, stock_out = stock()
+    given = []
+    torch.testing.assert_close(ours(lambda fn: given.append(fn()) or given[-1]), want, **FP32)
+    torch.testing.assert_close(given[0], stock_out, **FP32)
+    stand_in = tuple(y * 0.5 for y in stock_out)
+    want, _ = stock(stand_in)
+    torch.testing.assert_close(ours(lambda fn: stand_in), want, **FP32)
+
+
 def test_time_embed_parity(layered, edit):
     t = torch.rand(3)
     for module, params in (layered, edit):

@@ -29,6 +29,7 @@ from diffusers.hooks.mag_cache import _MAG_CACHE_LEADER_BLOCK_HOOK
 from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK, _TRANSFORMER_BLOCK_IDENTIFIERS
 from diffusers.utils import logging
 
+from .. import api as _api
 from ..api import apply
 from . import cache as _cache
 
@@ -168,6 +169,7 @@ class CacheHooks(diffusers.CacheMixin):
     def enable_cache(self, config) -> None:
         if self.is_cache_enabled:
             raise ValueError(f"Caching has already been enabled with {type(self._cache_config)}; disable it first.")
+        _cache.check_family(_api.family(self.params), "config")  # no stages, no step cache (FLUX.3, Qwen-Image 2.1)
         cache = from_diffusers_config(config, self)
         _check_modules(cache, self)
         registry = HookRegistry.check_if_exists_or_initialize(self)

@@ -87,10 +87,21 @@ def _flux1_single(p, i, streams, ctx):
     return (_block(flux1, "single_block", ctx, f"single_transformer_blocks.{i}.attn", args),)
 
 
+def _hook(ctx: dict, attn_name: str):
+    """The attention hook ctx holds for the module ``attn_name``, or None."""
+    return ctx.get("attn", {}).get(attn_name)
+
+
+def _attention_names(doubles: int, singles: int) -> tuple[str, ...]:
+    """The stock names of the attention modules of ``doubles`` double and ``singles`` single blocks."""
+    names = [f"transformer_blocks.{i}.attn" for i in range(doubles)]
+    return tuple(names + [f"single_transformer_blocks.{i}.attn" for i in range(singles)])
+
+
 def _block(fam, name: str, ctx: dict, attn_name: str, args: tuple):
     """The family's block function ``name`` on ``args``: as its compile region, or, where
     ctx holds an attention hook for ``attn_name``, the plain function with that hook."""
-    hook = ctx.get("attn", {}).get(attn_name)
+    hook = _hook(ctx, attn_name)
     if hook is None:
         return getattr(_compile.regions(fam), name)(*args)
     return getattr(fam, name)(*args, attn=hook)
@@ -112,24 +123,27 @@ def flux1_stages(params, x, t, txt, *, pooled, guidance, pe) -> Stages:
     blocks += [_bind(_flux1_single, p, i) for i, p in enumerate(ordered_blocks(params, "single_transformer_blocks"))]
     final = lambda img, c: flux1.final_layer(params, img, c["out_mod"])  # noqa: E731
     batched = ("img_mods", "txt_mods", "single_mods", "out_mod", "bias")
-    names = [f"transformer_blocks.{i}.attn" for i in range(len(doubles))]
-    names += [f"single_transformer_blocks.{i}.attn" for i in range(len(blocks) - len(doubles))]
-    return Stages((img, txt), blocks, ctx, final, txt.shape[1], x.shape[1], batched, tuple(names))
+    names = _attention_names(len(doubles), len(blocks) - len(doubles))
+    return Stages((img, txt), blocks, ctx, final, txt.shape[1], x.shape[1], batched, names)
 
 
 # ----------------------------------------------------------------------------- FLUX.2
 
 
-def _flux2_double(p, streams, ctx):
+def _flux2_double(p, i, streams, ctx):
     img, txt = streams
     mod_img, mod_txt, _ = ctx["mods"]
-    img, txt, _ = flux2.double_block(p, img, txt, mod_img, mod_txt, ctx["pe"], ctx["D"], ctx["eps"], ctx["bias"])
+    hook = _hook(ctx, f"transformer_blocks.{i}.attn")
+    args = (p, img, txt, mod_img, mod_txt, ctx["pe"], ctx["D"], ctx["eps"], ctx["bias"])
+    img, txt, _ = flux2.double_block(*args, attn=hook)
     return img, txt
 
 
-def _flux2_single(p, streams, ctx):
+def _flux2_single(p, i, streams, ctx):
     T = streams[1].shape[1] if len(streams) == 2 else ctx["T"]
-    x, _ = flux2.single_block(p, _joint(streams), ctx["mods"][2], ctx["pe"], ctx["D"], ctx["eps"], ctx["bias"], T)
+    hook = _hook(ctx, f"single_transformer_blocks.{i}.attn")
+    args = (p, _joint(streams), ctx["mods"][2], ctx["pe"], ctx["D"], ctx["eps"], ctx["bias"], T)
+    x, _ = flux2.single_block(*args, attn=hook)
     return (x,)
 
 
@@ -143,10 +157,12 @@ def flux2_stages(params, x, t, txt, *, guidance, pe_img, pe_txt, num_ref_tokens,
     txt, img, pe, bias = L.shard_joint(txt, img, pe)
     ctx = dict(mods=flux2.modulations(params, temb), temb=temb, pe=pe, bias=bias, D=c.attention_head_dim, eps=c.eps)
     ctx["T"] = txt.shape[1]
-    blocks = [_bind(_flux2_double, p) for p in ordered_blocks(params, "transformer_blocks")]
-    blocks += [_bind(_flux2_single, p) for p in ordered_blocks(params, "single_transformer_blocks")]
+    doubles, singles = ordered_blocks(params, "transformer_blocks"), ordered_blocks(params, "single_transformer_blocks")
+    blocks = [_bind(_flux2_double, p, i) for i, p in enumerate(doubles)]
+    blocks += [_bind(_flux2_single, p, i) for i, p in enumerate(singles)]
     final = lambda img, k: flux2.final_layer(params, img, k["temb"], c.eps)  # noqa: E731
-    return Stages((img, txt), blocks, ctx, final, txt.shape[1], x.shape[1], ("mods", "temb", "bias"))
+    names = _attention_names(len(doubles), len(singles))
+    return Stages((img, txt), blocks, ctx, final, txt.shape[1], x.shape[1], ("mods", "temb", "bias"), names)
 
 
 # ----------------------------------------------------------------------------- Qwen-Image
@@ -155,7 +171,8 @@ def flux2_stages(params, x, t, txt, *, guidance, pe_img, pe_txt, num_ref_tokens,
 def _qwen_block(p, i, streams, ctx):
     img, txt = streams
     mod_i, mod_t = ctx["img_mods"][i], ctx["txt_mods"][i]
-    return _compile.regions(qwen).block(p, img, txt, mod_i, mod_t, ctx["pe"], ctx["D"], ctx["bias"], ctx["cond_rows"])
+    args = (p, img, txt, mod_i, mod_t, ctx["pe"], ctx["D"], ctx["bias"], ctx["cond_rows"])
+    return _block(qwen, "block", ctx, f"transformer_blocks.{i}.attn", args)
 
 
 def qwen_stages(params, x, t, txt, *, pe, cond_rows, bias, t_cond) -> Stages:
@@ -172,7 +189,8 @@ def qwen_stages(params, x, t, txt, *, pe, cond_rows, bias, t_cond) -> Stages:
     ctx.update(D=c.attention_head_dim, zero_cond_t=c.zero_cond_t)
     blocks = [_bind(_qwen_block_mods, p, i) for i, p in enumerate(ordered_blocks(params, "transformer_blocks"))]
     final = lambda img, k: qwen.final_layer(params, img, k["out_mod"])  # noqa: E731
-    return Stages((img, txt), blocks, ctx, final, txt.shape[1], x.shape[1], ("img_mods", "txt_mods", "out_mod", "bias"))
+    batched = ("img_mods", "txt_mods", "out_mod", "bias")
+    return Stages((img, txt), blocks, ctx, final, txt.shape[1], x.shape[1], batched, _attention_names(len(blocks), 0))
 
 
 def _qwen_block_mods(p, i, streams, ctx):

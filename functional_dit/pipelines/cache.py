@@ -26,7 +26,8 @@ is reproduced and how:
   and extrapolated linearly from its last two outputs between.
 
 The attention-level caches hook the family's block functions at their attention module
-(the blocks' ``attn`` argument, FLUX.1); the others run whole blocks.
+(the blocks' ``attn`` argument: FLUX.1, FLUX.2, Qwen-Image); the others run whole
+blocks.
 
 Under a mesh every rank holds its local part of the state (sp rows, dp items); the
 First-Block metric is summed over sp and dp (one small all-reduce per axis) so that
@@ -375,6 +376,7 @@ def step(params, cache, state, x, t, txt, *, branches: int = 1, **kwargs):
     if not isinstance(state, _STATES[type(cache)]):
         raise ValueError(f"state: expected a {_STATES[type(cache)].__name__} for {type(cache).__name__}, got {state!r}")
     fam = _api.family(params)
+    check_family(fam)
     kwargs = _api._family_args(fam, kwargs)
     if kwargs.get("kv_cache") is not None:
         raise ValueError("kv_cache: step caching does not combine with FLUX.2's reference KV cache; expected None")
@@ -383,6 +385,13 @@ def step(params, cache, state, x, t, txt, *, branches: int = 1, **kwargs):
     local, mesh = sharding.local_view(params)
     with sharding.bind(mesh) if mesh is not None else contextlib.nullcontext():
         return _step_local(fam, local, cache, state, x, t, txt, kwargs, branches)
+
+
+def check_family(fam, name: str = "cache") -> None:
+    """A ValueError naming ``name`` for a family whose forward has no stages to cache."""
+    if fam not in _stages.STAGES:
+        known = ", ".join(f.NAME for f in _stages.STAGES)
+        raise ValueError(f"{name}: step caching is not supported for {fam.NAME} yet; expected a {known} model")
 
 
 def _step_local(fam, params, cache, state, x, t, txt, kwargs, branches):
