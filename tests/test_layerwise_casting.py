@@ -340,3 +340,30 @@ def test_sharded_params_are_refused():
     ((core, adapter),) = spawn(_sharded_refusal, 1)
     assert core and "layerwise casting of sharded (DTensor) params is not supported" in core
     assert adapter and "not supported for sharded (DTensor) params" in adapter
+
+
+# ---------------------------------------------------------------- through the pipelines
+
+
+@pytest.mark.parametrize("kind", ["flux", "flux2-klein", "qwen-image"])
+def test_pipeline_with_layerwise_casting_equals_stock(kind):
+    """As a user turns it on: ``pipe.transformer.enable_layerwise_casting(...)`` on a bf16
+    pipeline, the stock transformer in one and the adapter in the other; model CPU offload
+    (accelerate's device hooks move the adapter) keeps the latents."""
+    from test_adapter import PROMPT, SEED, SHORT, adapter
+    from test_adapter import run as run_pipe
+
+    from functional_dit import tiny
+
+    bf16 = dict(seed=SEED, dtype=torch.bfloat16)
+    stock = tiny.pipeline(kind, **bf16)
+    ours = tiny.pipeline(kind, **bf16, transformer=adapter(kind, torch.bfloat16))
+    for pipe in (stock, ours):
+        pipe.transformer.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.bfloat16)
+    assert cast_names(ours.transformer) == stored_names(stock.transformer)
+    want = run_pipe(stock, prompt=PROMPT, **SHORT)
+    got = run_pipe(ours, prompt=PROMPT, **SHORT)
+    assert want.abs().max() > 0.1 and max_err(got, want) == 0.0  # bf16 on a CPU: bitwise (see FP32 above)
+    ours.enable_model_cpu_offload(device="cpu")
+    assert max_err(run_pipe(ours, prompt=PROMPT, **SHORT), got) == 0.0
+    assert cast_names(ours.transformer) == stored_names(stock.transformer)  # still stored after the moves

@@ -16,11 +16,14 @@ the result back into the storage (rounded to the storage dtype); the ops' schema
 which arguments they write. Views (``detach``, ``t``, slices), ``clone`` and device
 moves keep the wrapper over the matching view, copy or move of the storage (so a write
 through a view reaches the storage, and a moved leaf stays stored), which is also what
-``nn.Parameter`` and ``Module.to(device)`` need. Fused projection buffers and the fast kernels read tensor
-storages: `functional_dit.nn.fused` declines wrapped leaves, so the plain per-op path runs.
+``nn.Parameter`` and ``Module.to(device)`` need. Fused projection buffers and the fast
+kernels read tensor storages: `functional_dit.nn.fused` declines wrapped leaves, so the
+plain per-op path runs (`fd.prepare` leaves them as they are).
 
 Gradients flow through the reads to unwrapped inputs (``x.grad``); a wrapped leaf that
-requires grad gets a compute-dtype ``.grad``. Sharded (DTensor) params are refused.
+requires grad gets a compute-dtype ``.grad`` (autograd saves the wrapper, not a cast copy;
+backward reads it again). `fd.apply` computes in one dtype, so the leaves left as they are
+must already be in the compute dtype. Sharded (DTensor) params are refused.
 """
 
 from __future__ import annotations
@@ -208,11 +211,13 @@ def layerwise_cast(
 
 
 def cast_leaf(t: torch.Tensor, storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> CastTensor:
-    """``t`` (plain or a `CastTensor`) stored as ``storage_dtype``, read as ``compute_dtype``."""
+    """``t`` (plain or a `CastTensor`) stored as ``storage_dtype``, read as ``compute_dtype``;
+    it requires grad if ``t`` does."""
+    grad = t.requires_grad
     if isinstance(t, CastTensor):
         t = t.stored
     with torch.no_grad():
-        return CastTensor(t.detach().to(storage_dtype), compute_dtype)
+        return CastTensor(t.detach().to(storage_dtype), compute_dtype, requires_grad=grad)
 
 
 def stored_leaf(t):

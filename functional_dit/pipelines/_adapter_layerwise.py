@@ -60,7 +60,7 @@ class LayerwiseCastingHook(ModelHook):
         )
 
 
-def _peft_stock_class(path: str, module: torch.nn.Module, layers: dict):
+def _peft_stock_class(path: str, layers: dict):
     """The class PEFT gives the stock module at ``path`` when it is part of an adapted
     layer (``layers``: {module path: our LoraLayer}), else None."""
     from peft.tuners.lora import Linear as PeftLinear
@@ -86,7 +86,7 @@ def stock_classes(adapter) -> dict[str, type]:
     layers = adapter._peft_layers()
     out = {}
     for name, module in adapter.named_modules():
-        peft_cls = _peft_stock_class(name, module, layers)
+        peft_cls = _peft_stock_class(name, layers)
         plain = ".".join(p for p in name.split(".") if p != "base_layer")
         out[name] = peft_cls or stock.get(plain, type(module))
     return out
