@@ -16,7 +16,8 @@ CPU offload, ``train()`` + ``backward()`` and ``fd.from_diffusers(adapter)`` wor
 the stock module; each forward reads them back into `Params`. The rest of the stock
 surface (fused projections, gradient checkpointing, the refusals) is in
 `_adapter_surface`, the PEFT methods in `_adapter_peft`, FLUX.2's KV cache (diffusers'
-``Flux2KVCache``) in `_adapter_kv`. Arguments it cannot honour (ControlNet residuals,
+``Flux2KVCache``) in `_adapter_kv`, ``enable_layerwise_casting`` (fp8 storage over
+`fd.layerwise_cast`) in `_adapter_layerwise`. Arguments it cannot honour (ControlNet residuals,
 IP-Adapter embeddings, custom attention processors) raise a ``ValueError``.
 
 LoRA: ``adapter.set_lora([(lora_adapter, scale), ...])`` applies `functional_dit.lora`
