@@ -327,8 +327,27 @@ def test_in_place_writes_reach_the_storage():
         assert out is w
         w[0].copy_(torch.full_like(w[0], 2.0))  # through a view
         torch.mul(w, 2.0, out=w)  # an out= argument
-    assert torch.equal(w.stored[0].float(), torch.full_like(w[0], 4.0))
+        torch._foreach_add_([w], [torch.ones_like(w)])  # a list of written tensors (foreach optimizers)
+    assert torch.equal(w.stored[0].float(), torch.full_like(w[0], 5.0))
     assert w.stored.dtype == FP8
+
+
+def test_load_state_dict_and_an_optimizer_step_write_the_storage():
+    stock, ad = pair("flux1")
+    ad.enable_layerwise_casting(storage_dtype=FP8)
+    other = {k: torch.randn_like(v) for k, v in stock.state_dict().items()}
+    ad.load_state_dict(other)
+    for n, p in ad.named_parameters():
+        want = other[n].to(FP8) if isinstance(p, CastTensor) else other[n]
+        assert torch.equal(stored_leaf(p).view(torch.uint8), want.view(torch.uint8)), n
+    w = ad.get_submodule("x_embedder").weight
+    w.grad = torch.ones_like(w)  # a compute-dtype gradient, as backward leaves it
+    before = w.stored.float()
+    for foreach in (False, True):
+        torch.optim.SGD([w], lr=0.5, foreach=foreach).step()
+        want = (before - 0.5).to(FP8)  # the step in fp32, stored rounded to fp8
+        assert isinstance(w, CastTensor) and torch.equal(w.stored.view(torch.uint8), want.view(torch.uint8))
+        before = w.stored.float()
 
 
 def test_layerwise_cast_refusals():

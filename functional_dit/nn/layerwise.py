@@ -122,15 +122,17 @@ def _moved(t: CastTensor, kwargs: dict) -> CastTensor | None:
 
 
 def _written(func, args, kwargs) -> list:
-    """The wrapped arguments ``func``'s schema says it writes (in-place and ``out=`` ops)."""
+    """The wrapped arguments ``func``'s schema says it writes (in-place, ``out=`` and
+    ``_foreach_*_`` ops, whose written argument is a list)."""
     out = []
     for i, arg in enumerate(func._schema.arguments):
         info = arg.alias_info
         if info is None or not info.is_write:
             continue
         value = args[i] if i < len(args) else kwargs.get(arg.name)
-        if isinstance(value, CastTensor) and all(value is not w for w in out):
-            out.append(value)
+        for t in value if isinstance(value, (list, tuple)) else [value]:  # Tensor(a!)[]: _foreach_add_
+            if isinstance(t, CastTensor) and all(t is not w for w in out):
+                out.append(t)
     return out
 
 
