@@ -350,6 +350,14 @@ def test_load_state_dict_and_an_optimizer_step_write_the_storage():
         before = w.stored.float()
 
 
+def test_cast_params_round_trip_a_safe_torch_load(tmp_path):
+    cast = fd.layerwise_cast(fd.init("flux1-tiny", seed=0), FP8, skip=("norm",))
+    torch.save(cast, tmp_path / "p.pt")
+    back = torch.load(tmp_path / "p.pt", weights_only=True)
+    for a, b in zip(back.leaves(), cast.leaves()):
+        assert type(a) is type(b) and a.dtype == b.dtype and torch.equal(stored_leaf(a), stored_leaf(b))
+
+
 def test_layerwise_cast_refusals():
     params = fd.init("flux1-tiny", seed=0)
     with pytest.raises(ValueError, match="storage_dtype: expected a floating torch.dtype"):

@@ -111,6 +111,11 @@ class CastTensor(torch.Tensor):
         return tree_map(lambda o: back.get(id(o), o), out)
 
 
+# torch.save keeps a CastTensor (its storage and compute dtype); a safe load
+# (torch.load(weights_only=True), the default) may rebuild it, as it rebuilds our Params.
+torch.serialization.add_safe_globals([CastTensor])
+
+
 def _moved(t: CastTensor, kwargs: dict) -> CastTensor | None:
     """``t.to(device)`` (no dtype change, or to its own compute dtype): the stored values on
     the new device, still wrapped; None for a real dtype change (an ordinary cast)."""
