@@ -29,6 +29,7 @@ from .flux2 import Flux2Config
 from .flux2_kv import Flux2KVCache
 from .flux3 import Flux3Config
 from .nn.kernels import kernel_choices
+from .nn.layerwise import CastTensor, layerwise_cast
 from .params import PACKED, Block, Params, ParamSpec, Segment
 from .qwenimage import QwenImageConfig
 from .qwenimage21 import QwenImage21Config, QwenImage21KVCache
@@ -67,6 +68,7 @@ __all__ = [
     "PRESETS",
     "Block",
     "CacheRun",
+    "CastTensor",
     "FirstBlockCache",
     "MagCache",
     "TaylorSeer",
@@ -94,6 +96,7 @@ __all__ = [
     "from_state_dict",
     "init",
     "kernel_choices",
+    "layerwise_cast",
     "num_params",
     "param_specs",
     "prepare",

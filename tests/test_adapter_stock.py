@@ -291,7 +291,6 @@ def test_refuses_what_it_cannot_honour():
         "attn_processors": lambda: ad.attn_processors,
         "set_default_attn_processor": ad.set_default_attn_processor,
         "set_attention_backend": lambda: ad.set_attention_backend("flash"),
-        "enable_layerwise_casting": ad.enable_layerwise_casting,
         "enable_group_offload": lambda: ad.enable_group_offload("cpu"),
         "enable_xformers_memory_efficient_attention": ad.enable_xformers_memory_efficient_attention,
         "enable_lora_hotswap": lambda: ad.enable_lora_hotswap(target_rank=8),

@@ -16,6 +16,7 @@ import torch
 
 import functional_dit as fd
 import sharding
+from functional_dit.nn.layerwise import stored_leaf
 from sharding.internal import is_dtensor
 from sharding.tree import flatten
 
@@ -98,8 +99,9 @@ def _check_args(params, path, progress) -> str:
 
 def _describe(params: fd.Params):
     """``(flat params, flat specs, {key: (dtype, shape)}, {key: bytes})``, after checking
-    that every leaf is one safetensors can store and the config's specs describe."""
-    flat = params.flat()
+    that every leaf is one safetensors can store and the config's specs describe. A
+    layerwise-cast leaf (`fd.layerwise_cast`) is written in the dtype it is stored in."""
+    flat = {k: stored_leaf(t) for k, t in params.flat().items()}
     specs = flatten(fd.param_specs(params.config))
     if list(specs) != list(flat) or any(tuple(flat[k].shape) != s.shape for k, s in specs.items()):
         fd.from_state_dict(params.config, {k: v for k, v in flat.items()})  # raises the ValueError listing them

@@ -19,12 +19,15 @@ import torch.utils.checkpoint
 
 import sharding
 
+from .layerwise import is_cast
+
 
 def region(fn):
     """``fn`` as a compile region: a no-op in eager (and where torch lacks the API), except
-    under `recompute_blocks`. Its inputs must not alias one another (each block's
-    modulation has its own storage). Under autograd the block is traced inline, so
-    compiled gradients equal eager ones; regions serve inference."""
+    under `recompute_blocks`; a block over layerwise-cast leaves is traced inline. Its
+    inputs must not alias one another (each block's modulation has its own storage). Under
+    autograd the block is traced inline, so compiled gradients equal eager ones; regions
+    serve inference."""
     mark = getattr(torch.compiler, "nested_compile_region", None)
     marked = fn if mark is None else mark(fn)
 
@@ -32,6 +35,8 @@ def region(fn):
     def call(*args, **kwargs):
         if torch.is_grad_enabled() and _any_requires_grad((args, kwargs)):
             return _recomputed(fn, args, kwargs) if _RECOMPUTE and _RECOMPUTE[-1] else fn(*args, **kwargs)
+        if _any_cast((args, kwargs)):  # torch's invoke_subgraph has no rule for tensor subclasses
+            return fn(*args, **kwargs)
         return marked(*args, **kwargs)
 
     return call
@@ -89,6 +94,12 @@ def _recomputed(fn, args, kwargs):
             return fn(*a, **kw)
 
     return torch.utils.checkpoint.checkpoint(rerun, *args, use_reentrant=False, **kwargs)
+
+
+def _any_cast(tree) -> bool:
+    """Whether a leaf of ``tree`` is layerwise-cast (`functional_dit.nn.layerwise`): such a
+    block is traced inline (a region's higher-order op does not take tensor subclasses)."""
+    return any(is_cast(t) for t in torch.utils._pytree.tree_leaves(tree))
 
 
 def _any_requires_grad(tree) -> bool:

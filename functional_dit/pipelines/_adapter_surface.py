@@ -7,9 +7,10 @@ by the functional core, and the refusals of those it cannot honour.
   and values stay; no ``to_qkv`` module appears.
 - ``enable_gradient_checkpointing`` / ``disable_gradient_checkpointing``: per-block
   recomputation in backward, ``fd.apply(..., checkpoint=True)``.
-- Attention processors and backends, layerwise casting, group offloading, xformers / NPU
-  attention: these hook the stock attention modules, which the adapter does not have;
-  each raises a ValueError naming itself rather than silently doing nothing.
+- Attention processors and backends, group offloading, xformers / NPU attention: these
+  hook the stock attention modules, which the adapter does not have; each raises a
+  ValueError naming itself rather than silently doing nothing. (Layerwise casting is
+  honoured: `_adapter_layerwise`.)
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class SurfaceMixin:
     def fuse_qkv_projections(self) -> None:
         """Lay the projections out as `fd.prepare` does (eager inference runs each group as
         one matmul; the outputs are unchanged within float rounding)."""
+        if self.layerwise_hook() is not None:
+            raise ValueError(
+                "fuse_qkv_projections: layerwise casting is enabled; its weights are stored in another dtype than they "
+                "compute in, so there is no one buffer to lay them out in (fuse before enabling layerwise casting)"
+            )
         fam = self._family_module()
         with torch.no_grad():
             fused = _fuse.prepare(self._base_params(detached=True), fam.FUSED)
@@ -88,10 +94,6 @@ class SurfaceMixin:
     )
     enable_npu_flash_attention = _refuse("enable_npu_flash_attention", _NO_ATTENTION_MODULES)
     set_use_npu_flash_attention = _refuse("set_use_npu_flash_attention", _NO_ATTENTION_MODULES)
-    enable_layerwise_casting = _refuse(
-        "enable_layerwise_casting",
-        "runs fd.apply on its parameters directly, with no submodule forward to hook; cast with .to(dtype)",
-    )
     enable_group_offload = _refuse(
         "enable_group_offload",
         "runs fd.apply on its parameters directly, with no submodule forward to hook; use enable_model_cpu_offload "

@@ -16,7 +16,8 @@ CPU offload, ``train()`` + ``backward()`` and ``fd.from_diffusers(adapter)`` wor
 the stock module; each forward reads them back into `Params`. The rest of the stock
 surface (fused projections, gradient checkpointing, the refusals) is in
 `_adapter_surface`, the PEFT methods in `_adapter_peft`, FLUX.2's KV cache (diffusers'
-``Flux2KVCache``) in `_adapter_kv`. Arguments it cannot honour (ControlNet residuals,
+``Flux2KVCache``) in `_adapter_kv`, ``enable_layerwise_casting`` (fp8 storage over
+`fd.layerwise_cast`) in `_adapter_layerwise`. Arguments it cannot honour (ControlNet residuals,
 IP-Adapter embeddings, custom attention processors) raise a ``ValueError``.
 
 LoRA: ``adapter.set_lora([(lora_adapter, scale), ...])`` applies `functional_dit.lora`
@@ -51,6 +52,7 @@ from ..api import config_to_diffusers, family
 from ..params import Params
 from . import _adapter_io as io
 from . import _adapter_kv as kv
+from ._adapter_layerwise import LayerwiseMixin
 from ._adapter_peft import PeftMixin
 from ._adapter_peft_layers import base_key as layers_base_key
 from ._adapter_rope import stock_pos_embed
@@ -188,7 +190,9 @@ def _tree_module(node: torch.nn.Module, subtree: dict, path: tuple, owner: str, 
         node.add_module(name, child)
 
 
-class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelMixin, diffusers.ConfigMixin):
+class DiffusersTransformer(
+    CacheHooks, PeftMixin, LayerwiseMixin, SurfaceMixin, diffusers.ModelMixin, diffusers.ConfigMixin
+):
     """A drop-in ``transformer`` for diffusers pipelines computing with `fd.apply`.
 
     ``DiffusersTransformer(params)`` with `Params` from `fd.init`, `fd.from_diffusers`,
@@ -251,7 +255,9 @@ class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelM
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._leaf().dtype
+        """The parameters' dtype; under layerwise casting the compute dtype, as stock."""
+        hook = self.layerwise_hook()
+        return hook.compute_dtype if hook is not None else self._leaf().dtype
 
     @property
     def device(self) -> torch.device:
@@ -466,6 +472,7 @@ class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelM
         bad = {k: v for k, v in dict(kwargs, save_function=save_function, push_to_hub=push_to_hub).items() if v}
         if bad or is_main_process is not True:
             raise ValueError(f"save_pretrained: unsupported arguments {sorted(bad) or ['is_main_process']}")
+        # layerwise-cast leaves are written in the dtype they are stored in (weights.save), as stock
         params, size = self._base_params(detached=True), max_shard_size or "5GB"
         if variant is None:
             weights.save(params, os.fspath(save_directory), max_shard_size=size)
@@ -508,7 +515,11 @@ class DiffusersTransformer(CacheHooks, PeftMixin, SurfaceMixin, diffusers.ModelM
 def _subclass(family: str) -> type:
     name = _STOCK_CLASS[family]
     doc = f"`DiffusersTransformer` for {name} params (made by ``DiffusersTransformer(params)``)."
-    return type(name, (DiffusersTransformer,), {"_family_name": family, "__doc__": doc, "__module__": __name__})
+    attrs = {"_family_name": family, "__doc__": doc, "__module__": __name__}
+    stock = getattr(diffusers, name, None)  # the stock class's layerwise-casting patterns (None: not installed)
+    for attr in ("_skip_layerwise_casting_patterns", "_keep_in_fp32_modules"):
+        attrs[attr] = getattr(stock, attr, None)
+    return type(name, (DiffusersTransformer,), attrs)
 
 
 _SUBCLASSES = {fam: _subclass(fam) for fam in _STOCK_CLASS}
