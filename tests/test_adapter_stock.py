@@ -294,6 +294,7 @@ def test_refuses_what_it_cannot_honour():
         "enable_group_offload": lambda: ad.enable_group_offload("cpu"),
         "enable_xformers_memory_efficient_attention": ad.enable_xformers_memory_efficient_attention,
         "enable_lora_hotswap": lambda: ad.enable_lora_hotswap(target_rank=8),
+        "_load_ip_adapter_weights": lambda: ad._load_ip_adapter_weights([{}]),
     }
     for name, call in calls.items():
         with pytest.raises(ValueError, match=name):

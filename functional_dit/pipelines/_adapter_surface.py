@@ -40,7 +40,12 @@ def _refuse(name: str, why: str):
 
 
 _NO_ATTENTION_MODULES = (
-    "computes attention inside fd.apply (scaled_dot_product_attention) and has no attention modules to hook"
+    "computes attention inside fd.apply (scaled_dot_product_attention): its attention modules hold parameters, "
+    "not processors, and it cannot run another processor's maths"
+)
+_NO_IP_ADAPTER = (
+    "has no IP-Adapter support: fd.apply computes no image-prompt attention (the extra keys and values "
+    "IP-Adapter's processors add to each double block)"
 )
 
 
@@ -86,6 +91,7 @@ class SurfaceMixin:
         raise ValueError(f"attn_processors: {type(self).__name__} (functional_dit) {_NO_ATTENTION_MODULES}")
 
     set_attn_processor = _refuse("set_attn_processor", _NO_ATTENTION_MODULES)
+    _load_ip_adapter_weights = _refuse("_load_ip_adapter_weights", _NO_IP_ADAPTER)  # pipe.load_ip_adapter's call
     set_default_attn_processor = _refuse("set_default_attn_processor", _NO_ATTENTION_MODULES)
     set_attention_backend = _refuse("set_attention_backend", _NO_ATTENTION_MODULES)
     reset_attention_backend = _refuse("reset_attention_backend", _NO_ATTENTION_MODULES)
