@@ -83,7 +83,8 @@ def _run_arguments(p) -> None:
         "--cache",
         type=cache_spec,
         default=None,
-        help="step caching: fbcache:THRESHOLD, taylorseer:interval=N,warmup=N,order=N, magcache:THRESHOLD",
+        help="step caching: fbcache:THRESHOLD, taylorseer:interval=N,warmup=N,order=N[,attention=1], "
+        "magcache:THRESHOLD, fastercache:skip=N,weight=W,low=T,high=T",
     )
     p.add_argument(
         "--encoders",
