@@ -13,6 +13,8 @@ import math
 
 import torch
 
+import sharding
+
 from .configs import (
     DiTConfig,
     Pipeline,
@@ -255,30 +257,69 @@ def joint_attention(q, k, v, pe, key_bias=None) -> torch.Tensor:
     return L.attention(L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v, key_bias)
 
 
-def double_attention(a, img, txt, pe, head_dim, key_bias=None):
+def double_attention(a, img, txt, pe, head_dim, key_bias=None, ip=None):
     """A double block's attention module (diffusers' ``FluxAttention``): q, k, v of both
     (normalised, modulated) streams, one joint attention over (txt; img), each stream's
-    output projection. Returns (img_attn, txt_attn)."""
+    output projection. Returns (img_attn, txt_attn); with ``ip`` (IP-Adapter: per adapter
+    its image-prompt keys, values (B, N, H, D) and scale) also `ip_attention` of the image
+    queries, as diffusers' ``FluxIPAdapterAttnProcessor`` returns it."""
     iq, ik, iv = qkv(a, img, head_dim)
     tq, tk, tv = qkv(a, txt, head_dim, ("add_q_proj", "add_k_proj", "add_v_proj"), ("norm_added_q", "norm_added_k"))
     out = joint_attention(torch.cat([tq, iq], 1), torch.cat([tk, ik], 1), torch.cat([tv, iv], 1), pe, key_bias)
     t_out, i_out = L.split_rows(out, txt.shape[1])
     # the two streams side by side: under TP each pair of output projections is one all-reduce
     i_attn, t_attn = L.row_linears([(a["to_out"]["0"], i_out), (a["to_add_out"], t_out)])
-    return i_attn, t_attn
+    return (i_attn, t_attn) if ip is None else (i_attn, t_attn, ip_attention(iq, ip))
 
 
-def double_block(p, img, txt, img_mod, txt_mod, pe, head_dim, key_bias=None, attn=None):
+def ip_attention(q, ip) -> torch.Tensor:
+    """IP-Adapter's image-prompt attention: the image queries q (B, S, H, D), RMS-normalised,
+    without RoPE, attend to each adapter's keys and values (B, N, H, D); returns the sum of
+    each output (B, S, H·D) times the adapter's scale."""
+    out = torch.zeros(*q.shape[:2], q.shape[2] * q.shape[3], dtype=q.dtype, device=q.device)
+    for k, v, scale in ip:
+        out = out + scale * L.attention(q, k, v)
+    return out
+
+
+def ip_tokens(p, embeds: torch.Tensor, n: int) -> torch.Tensor:
+    """An IP-Adapter's image projection (diffusers' ``ImageProjection``): image embeddings
+    (B, I, E) -> n tokens each, (B, I, n, joint_attention_dim), layer-normalised."""
+    B, n_img = embeds.shape[:2]
+    w = p["image_embeds"]["weight"]
+    y = L.linear(p["image_embeds"], embeds.reshape(B * n_img, *embeds.shape[2:]).to(w.dtype))
+    y = y.reshape(B * n_img, n, -1)
+    y = torch.nn.functional.layer_norm(y, y.shape[-1:], p["norm"]["weight"], p["norm"]["bias"], 1e-5)
+    return y.reshape(B, n_img, n, -1)
+
+
+def ip_keys_values(ip_adapter: dict, head_dim: int) -> list:
+    """Per double block, per adapter: (keys, values, scale), keys and values (B, I·n, H, D)
+    from the adapter's image tokens through the block's ``to_k_ip`` / ``to_v_ip``."""
+    tokens = [
+        ip_tokens(p, e, n)
+        for p, e, n in zip(ip_adapter["image_proj"], ip_adapter["image_embeds"], ip_adapter["tokens"])
+    ]
+    heads_of = lambda y: y.reshape(y.shape[0], -1, y.shape[-1]).unflatten(-1, (-1, head_dim))  # noqa: E731
+    return [
+        [(heads_of(L.linear(kv["to_k_ip"], h)), heads_of(L.linear(kv["to_v_ip"], h)), scale)
+         for kv, h, scale in zip(layer, tokens, scales)]
+        for layer, scales in zip(ip_adapter["layers"], ip_adapter["scale"])
+    ]  # fmt: skip
+
+
+def double_block(p, img, txt, img_mod, txt_mod, pe, head_dim, key_bias=None, attn=None, ip=None):
     """MMDiT block: separate weights per stream, one joint attention over (txt; img);
     ``img_mod``/``txt_mod`` (B, 6C) its ``norm1``/``norm1_context`` modulations (`modulations`).
     ``attn``: None, or a function given the block's `double_attention` as a function of no
     arguments, returning its outputs or a stand-in for them (where diffusers' attention-level
-    caches hook, `functional_dit.pipelines.cache`)."""
+    caches hook, `functional_dit.pipelines.cache`). ``ip``: IP-Adapter's per-adapter keys,
+    values and scales for this block (`ip_keys_values`); its output is added after the MLP."""
     i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=-1)
     t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=-1)
     i_in, t_in = L.norm_modulate(img, i_shift, i_scale), L.norm_modulate(txt, t_shift, t_scale)
-    module = lambda: double_attention(p["attn"], i_in, t_in, pe, head_dim, key_bias)  # noqa: E731
-    i_attn, t_attn = module() if attn is None else attn(module)
+    module = lambda: double_attention(p["attn"], i_in, t_in, pe, head_dim, key_bias, ip)  # noqa: E731
+    i_attn, t_attn, *ip_out = module() if attn is None else attn(module)
     img, txt = L.gated(img, i_gate[:, None], i_attn), L.gated(txt, t_gate[:, None], t_attn)
     i_ff, t_ff = L.gelu_mlps(
         [
@@ -287,6 +328,8 @@ def double_block(p, img, txt, img_mod, txt_mod, pe, head_dim, key_bias=None, att
         ]
     )
     img, txt = L.gated(img, i_gate2[:, None], i_ff), L.gated(txt, t_gate2[:, None], t_ff)
+    if ip_out:
+        img = img + ip_out[0]
     return img, L.clip_fp16(txt)  # diffusers clips only the text stream here
 
 
@@ -354,29 +397,64 @@ def rope_table(config: Flux1Config, img_ids, txt_ids) -> tuple[torch.Tensor, tor
     return L.rope(torch.cat([txt_ids, img_ids], 0), config.axes_dims_rope, theta=10000.0)
 
 
-ARGS = ("pooled", "guidance", "img_ids", "txt_ids", "rope")  # of fd.apply's keywords, the ones FLUX.1 takes
+ARGS = ("pooled", "guidance", "img_ids", "txt_ids", "rope", "ip_adapter")  # of fd.apply's keywords FLUX.1 takes
 BATCHED = ("pooled", "guidance")  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
-def check_inputs(params, x, t, txt, *, pooled=None, guidance=None, img_ids=None, txt_ids=None, rope=None) -> dict:
+def check_inputs(
+    params, x, t, txt, *, pooled=None, guidance=None, img_ids=None, txt_ids=None, rope=None, ip_adapter=None
+) -> dict:
     """Checks the FLUX.1 inputs (full view) and returns `forward`'s keywords: x (B, S_img,
     in_channels), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim), pooled (B,
     pooled_projection_dim), guidance (B,) when the model is guidance-distilled, img_ids
     (S_img, 3) / txt_ids (S_txt, 3) or their 3-D forms. ``rope``: instead of the ids, their
     RoPE table (cos, sin), each (S_txt + S_img, attention_head_dim) fp32, as `rope_table`
-    builds it (to build it once per sampling run). fd.apply returns (B, S_img,
-    patch_size² · out_channels), as ``FluxTransformer2DModel(...)[0]``."""
+    builds it (to build it once per sampling run). ``ip_adapter``: IP-Adapter's inputs
+    (`check_ip_adapter`). fd.apply returns (B, S_img, patch_size² · out_channels), as
+    ``FluxTransformer2DModel(...)[0]``."""
     pe = _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids, rope)
-    return dict(pooled=pooled, guidance=guidance, pe=pe)
+    ip = None if ip_adapter is None else check_ip_adapter(params, ip_adapter, x.shape[0])
+    return dict(pooled=pooled, guidance=guidance, pe=pe, ip=ip)
+
+
+_IP_KEYS = ("image_proj", "tokens", "image_embeds", "layers", "scale")
+
+
+def check_ip_adapter(params, ip: dict, B: int) -> dict:
+    """IP-Adapter's inputs (diffusers' ``MultiIPAdapterImageProjection`` and
+    ``FluxIPAdapterAttnProcessor``), per adapter j: ``image_proj[j]`` its projection
+    ({"image_embeds": linear, "norm": layer norm}), ``tokens[j]`` its tokens per image,
+    ``image_embeds[j]`` (B, I, E) its image embeddings; per double block i:
+    ``layers[i][j]`` ({"to_k_ip": linear, "to_v_ip": linear}) and ``scale[i][j]``. Not
+    on a mesh, nor with scanned blocks (a ValueError)."""
+    if not isinstance(ip, dict) or set(ip) != set(_IP_KEYS):
+        raise ValueError(f"ip_adapter: expected a dict with keys {list(_IP_KEYS)}, got {type(ip).__name__}")
+    n, blocks = len(ip["image_proj"]), len(ordered_blocks(params, "transformer_blocks"))
+    if not (len(ip["tokens"]) == len(ip["image_embeds"]) == n) or len(ip["layers"]) != blocks:
+        raise ValueError(
+            f"ip_adapter: expected {n} tokens and image_embeds (one per adapter) and {blocks} layers (one per double "
+            f"block), got {len(ip['tokens'])}, {len(ip['image_embeds'])} and {len(ip['layers'])}"
+        )
+    if any(len(layer) != n for layer in ip["layers"]) or any(len(s) != n for s in ip["scale"]):
+        raise ValueError(f"ip_adapter: every layer and scale entry must hold {n} adapters")
+    for j, e in enumerate(ip["image_embeds"]):
+        if not isinstance(e, torch.Tensor) or e.ndim < 3 or e.shape[0] != B:
+            raise ValueError(f"ip_adapter: image_embeds[{j}]: expected ({B}, num_images, embed_dim), got {e!r:.80}")
+    busy = [a for a in ("tp", "sp", "dp") if sharding.axis_size(a) > 1]
+    if busy:
+        raise ValueError(
+            f"ip_adapter: IP-Adapter is not supported on a mesh yet, got {busy[0]}={sharding.axis_size(busy[0])}"
+        )
+    return ip
 
 
 prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
 
 
-def forward(params, x, t, txt, *, pooled, guidance, pe, blocks=None):
+def forward(params, x, t, txt, *, pooled, guidance, pe, blocks=None, ip=None):
     """The model on this rank's batch: returns (out sharded over "sp", its full length,
     None). ``blocks``: the block functions to call (the api passes them as compile
-    regions, `nn.compile.regions`); None: this module's."""
+    regions, `nn.compile.regions`); None: this module's. ``ip``: IP-Adapter's inputs."""
     double, single = (double_block, single_block) if blocks is None else (blocks.double_block, blocks.single_block)
     D, S = params.config.attention_head_dim, x.shape[1]
     img = L.linear(params["x_embedder"], x)
@@ -388,6 +466,10 @@ def forward(params, x, t, txt, *, pooled, guidance, pe, blocks=None):
     img_mods, txt_mods, single_mods, out_mod = modulations(params, vec)
     consts = (pe, key_bias)
     pair = (img_mods, txt_mods)
+    if ip is not None:
+        if _scan.scanned(params, "transformer_blocks"):
+            raise ValueError("ip_adapter: IP-Adapter does not run with scanned blocks (FD_XLA_SCAN_BLOCKS); unset it")
+        pair += (ip_keys_values(ip, D),)
     img, txt = _scan.layers(params, "transformer_blocks", _double, (img, txt), pair, consts, (double, D))
     x = torch.cat([txt, img], 1)
     x = _scan.layers(params, "single_transformer_blocks", _single, x, (single_mods,), consts, (single, D))
@@ -395,8 +477,11 @@ def forward(params, x, t, txt, *, pooled, guidance, pe, blocks=None):
 
 
 def _double(carry, p, mods, consts, static):
-    """One double block as a `nn.scan.layers` step: carry (img, txt)."""
+    """One double block as a `nn.scan.layers` step: carry (img, txt); ``mods`` its
+    modulations (and its IP-Adapter keys and values)."""
     (fn, D), (pe, key_bias) = static, consts
+    if len(mods) == 3:
+        return fn(p, *carry, *mods[:2], pe, D, key_bias, ip=mods[2])
     return fn(p, *carry, *mods, pe, D, key_bias)
 
 

@@ -287,8 +287,6 @@ def test_refuses_what_it_cannot_honour():
 
     _, ad = pair("flux2")
     calls = {
-        "set_attn_processor": lambda: ad.set_attn_processor(AttnProcessor()),
-        "attn_processors": lambda: ad.attn_processors,
         "set_default_attn_processor": ad.set_default_attn_processor,
         "set_attention_backend": lambda: ad.set_attention_backend("flash"),
         "enable_group_offload": lambda: ad.enable_group_offload("cpu"),
@@ -301,3 +299,11 @@ def test_refuses_what_it_cannot_honour():
             call()
     with pytest.raises(ValueError, match="processor"):  # a block's attention keeps accepting only the stock ones
         ad.transformer_blocks[0].attn.set_processor(AttnProcessor())
+    # every module's stock processor is reported; another processor changes none of them
+    before = ad.attn_processors
+    assert {type(p).__name__ for p in before.values()} == {"Flux2AttnProcessor", "Flux2ParallelSelfAttnProcessor"}
+    with pytest.raises(ValueError, match="got AttnProcessor, which it cannot honour"):
+        ad.set_attn_processor({**before, next(iter(before)): AttnProcessor()})
+    assert all(a is b for a, b in zip(ad.attn_processors.values(), before.values()))
+    with pytest.raises(ValueError, match="number of processors 1 does not match"):
+        ad.set_attn_processor({next(iter(before)): AttnProcessor()})

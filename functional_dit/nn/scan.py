@@ -49,6 +49,12 @@ def stacked(params, names, scan):
         _ACTIVE.pop()
 
 
+def scanned(params, name: str) -> bool:
+    """Whether `layers` runs ``params[name]`` as a scan (inside `stacked` for these params)."""
+    state = _ACTIVE[-1] if _ACTIVE else None
+    return state is not None and state.tree is params.tree and name in state.segments
+
+
 def layers(params, name: str, step, carry, per_layer: tuple = (), consts: tuple = (), static: tuple = ()):
     """``carry = step(carry, block, layer, consts, static)`` for each block of
     ``params[name]`` in order, ``layer`` the block's entries of the lists in ``per_layer``

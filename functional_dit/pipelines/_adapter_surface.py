@@ -43,10 +43,6 @@ _NO_ATTENTION_MODULES = (
     "computes attention inside fd.apply (scaled_dot_product_attention): its attention modules hold parameters, "
     "not processors, and it cannot run another processor's maths"
 )
-_NO_IP_ADAPTER = (
-    "has no IP-Adapter support: fd.apply computes no image-prompt attention (the extra keys and values "
-    "IP-Adapter's processors add to each double block)"
-)
 
 
 class SurfaceMixin:
@@ -88,10 +84,33 @@ class SurfaceMixin:
 
     @property
     def attn_processors(self) -> dict:
-        raise ValueError(f"attn_processors: {type(self).__name__} (functional_dit) {_NO_ATTENTION_MODULES}")
+        """Per attention module (``<name>.processor``) the stock processor it holds."""
+        return {f"{n}.processor": m.get_processor() for n, m in self._attention_modules()}
 
-    set_attn_processor = _refuse("set_attn_processor", _NO_ATTENTION_MODULES)
-    _load_ip_adapter_weights = _refuse("_load_ip_adapter_weights", _NO_IP_ADAPTER)  # pipe.load_ip_adapter's call
+    def set_attn_processor(self, processor) -> None:
+        """diffusers' method: one processor for every attention module, or a dict of one per
+        module; only the stock processors whose maths `fd.apply` computes are accepted, and
+        a refused one changes none (each is checked first)."""
+        modules = self._attention_modules()
+        if isinstance(processor, dict) and len(processor) != len(modules):
+            raise ValueError(
+                f"A dict of processors was passed, but the number of processors {len(processor)} does not match the"
+                f" number of attention layers: {len(modules)}. Please make sure to pass {len(modules)} processor "
+                "classes."
+            )
+        if isinstance(processor, dict):
+            missing = [n for n, _ in modules if f"{n}.processor" not in processor]
+            if missing:
+                raise ValueError(f"processor: no entry for {missing[0]}.processor")
+        chosen = [(m, processor[f"{n}.processor"] if isinstance(processor, dict) else processor) for n, m in modules]
+        for m, p in chosen:
+            m.check_processor(p)
+        for m, p in chosen:
+            m.set_processor(p)
+
+    def _attention_modules(self) -> list:
+        return [(n, m) for n, m in self.named_modules() if hasattr(m, "check_processor")]
+
     set_default_attn_processor = _refuse("set_default_attn_processor", _NO_ATTENTION_MODULES)
     set_attention_backend = _refuse("set_attention_backend", _NO_ATTENTION_MODULES)
     reset_attention_backend = _refuse("reset_attention_backend", _NO_ATTENTION_MODULES)

@@ -107,8 +107,10 @@ def _block(fam, name: str, ctx: dict, attn_name: str, args: tuple):
     return getattr(fam, name)(*args, attn=hook)
 
 
-def flux1_stages(params, x, t, txt, *, pooled, guidance, pe) -> Stages:
-    """`flux1.forward` up to its first block, as `Stages`."""
+def flux1_stages(params, x, t, txt, *, pooled, guidance, pe, ip=None) -> Stages:
+    """`flux1.forward` up to its first block, as `Stages` (no IP-Adapter)."""
+    if ip is not None:
+        raise ValueError("ip_adapter: step caching with IP-Adapter is not supported; expected ip_adapter=None")
     img = L.linear(params["x_embedder"], x)
     t = t.to(img.dtype) * 1000
     guidance = None if guidance is None else guidance.to(img.dtype) * 1000

@@ -18,7 +18,7 @@ surface (fused projections, gradient checkpointing, the refusals) is in
 `_adapter_surface`, the PEFT methods in `_adapter_peft`, FLUX.2's KV cache (diffusers'
 ``Flux2KVCache``) in `_adapter_kv`, ``enable_layerwise_casting`` (fp8 storage over
 `fd.layerwise_cast`) in `_adapter_layerwise`. Arguments it cannot honour (ControlNet residuals,
-IP-Adapter embeddings, custom attention processors) raise a ``ValueError``.
+custom attention processors) raise a ``ValueError``; FLUX.1's IP-Adapter is in `_adapter_ip`.
 
 LoRA: ``adapter.set_lora([(lora_adapter, scale), ...])`` applies `functional_dit.lora`
 adapters on the fly in every forward (plain or sharded, several at separate scales,
@@ -37,6 +37,7 @@ stock diffusers and the stock transformer.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import diffusers
@@ -52,6 +53,7 @@ from ..api import config_to_diffusers, family
 from ..params import Params
 from . import _adapter_io as io
 from . import _adapter_kv as kv
+from ._adapter_ip import IPAdapterMixin, is_ip_weight
 from ._adapter_layerwise import LayerwiseMixin
 from ._adapter_peft import PeftMixin
 from ._adapter_peft_layers import base_key as layers_base_key
@@ -105,7 +107,7 @@ _UNSUPPORTED = {
 }
 # The stock attention processors whose maths fd.apply computes, per block list.
 _PROCESSORS = {
-    ("flux1", "transformer_blocks"): {"FluxAttnProcessor"},
+    ("flux1", "transformer_blocks"): {"FluxAttnProcessor", "FluxIPAdapterAttnProcessor"},
     ("flux1", "single_transformer_blocks"): {"FluxAttnProcessor"},
     ("flux2", "transformer_blocks"): {"Flux2AttnProcessor", "Flux2KVAttnProcessor"},
     ("flux2", "single_transformer_blocks"): {"Flux2ParallelSelfAttnProcessor", "Flux2KVParallelSelfAttnProcessor"},
@@ -113,6 +115,17 @@ _PROCESSORS = {
     ("flux3", "txt_mode_blocks"): {"Flux3AttnProcessor"},
     ("flux3", "single_transformer_blocks"): {"Flux3AttnProcessor"},
     ("qwenimage21", "transformer_blocks"): {"QwenImage21AttnProcessor", "QwenImage21FlexAttnProcessor"},
+}
+# The stock default processor of each block list's attention (what ``attn_processors`` reports unset).
+_DEFAULT_PROCESSOR = {
+    ("flux1", "transformer_blocks"): "transformer_flux:FluxAttnProcessor",
+    ("flux1", "single_transformer_blocks"): "transformer_flux:FluxAttnProcessor",
+    ("flux2", "transformer_blocks"): "transformer_flux2:Flux2AttnProcessor",
+    ("flux2", "single_transformer_blocks"): "transformer_flux2:Flux2ParallelSelfAttnProcessor",
+    ("qwenimage", "transformer_blocks"): "transformer_qwenimage:QwenDoubleStreamAttnProcessor2_0",
+    ("flux3", "txt_mode_blocks"): "transformer_flux3:Flux3AttnProcessor",
+    ("flux3", "single_transformer_blocks"): "transformer_flux3:Flux3AttnProcessor",
+    ("qwenimage21", "transformer_blocks"): "transformer_qwenimage21:QwenImage21AttnProcessor",
 }
 
 
@@ -150,24 +163,41 @@ class _Node(torch.nn.Module):
 
 class _Attention(_Node):
     """A block's ``attn``: holds the attention processor a pipeline sets (the FLUX.2-klein
-    KV pipeline sets its own at construction), accepting only the stock processors whose
-    maths `fd.apply` computes."""
+    KV pipeline sets its own at construction; IP-Adapter's hold its weights, registered as
+    a child module as on the stock module), accepting only the stock processors whose
+    maths `fd.apply` computes; without one, ``get_processor`` gives the stock default."""
 
-    def __init__(self, owner: str, accepted: set[str]):
+    def __init__(self, owner: str, accepted: set[str], default: str):
         super().__init__()
-        self.__dict__.update(_owner=owner, _accepted=accepted, processor=None)
+        self.__dict__.update(_owner=owner, _accepted=accepted, _default=default, processor=None)
 
-    def set_processor(self, processor) -> None:
+    def check_processor(self, processor) -> None:
         name = type(processor).__name__
         if name not in self._accepted:
             raise ValueError(
                 f"processor: {self._owner} computes attention as one of {sorted(self._accepted)}; got {name}, "
                 "which it cannot honour"
             )
-        self.__dict__["processor"] = processor
+
+    def set_processor(self, processor) -> None:
+        self.check_processor(processor)
+        self._modules.pop("processor", None)
+        self.__dict__.pop("processor", None)
+        if isinstance(processor, torch.nn.Module):
+            self.add_module("processor", processor)
+        else:
+            self.__dict__["processor"] = processor
 
     def get_processor(self, return_deprecated_lora: bool = False):
+        if self.processor is None:
+            self.__dict__["processor"] = _stock_processor(self._default)
         return self.processor
+
+
+def _stock_processor(path: str):
+    """A new stock processor from its ``module:Class`` path in diffusers' transformers."""
+    module, name = path.split(":")
+    return getattr(importlib.import_module(f"diffusers.models.transformers.{module}"), name)()
 
 
 def _tree_module(node: torch.nn.Module, subtree: dict, path: tuple, owner: str, fam: str) -> None:
@@ -179,7 +209,7 @@ def _tree_module(node: torch.nn.Module, subtree: dict, path: tuple, owner: str, 
             node.register_parameter(name, torch.nn.Parameter(value, requires_grad=True))
             continue
         if len(path) == 2 and name == "attn":
-            child = _Attention(owner, _PROCESSORS[(fam, path[0])])
+            child = _Attention(owner, _PROCESSORS[(fam, path[0])], _DEFAULT_PROCESSOR[(fam, path[0])])
         else:
             child = _Node()
         _tree_module(child, value, (*path, name), owner, fam)
@@ -191,7 +221,7 @@ def _tree_module(node: torch.nn.Module, subtree: dict, path: tuple, owner: str, 
 
 
 class DiffusersTransformer(
-    CacheHooks, PeftMixin, LayerwiseMixin, SurfaceMixin, diffusers.ModelMixin, diffusers.ConfigMixin
+    CacheHooks, PeftMixin, LayerwiseMixin, IPAdapterMixin, SurfaceMixin, diffusers.ModelMixin, diffusers.ConfigMixin
 ):
     """A drop-in ``transformer`` for diffusers pipelines computing with `fd.apply`.
 
@@ -242,6 +272,8 @@ class DiffusersTransformer(
         """The base model's parameters (the PEFT factors left out) as `Params`."""
         layers, flat = self._peft_layers(), {}
         for k, p in self.named_parameters(remove_duplicate=False):
+            if is_ip_weight(k):
+                continue
             key = layers_base_key(k, layers) if layers else k
             if key is not None:
                 flat[key] = p.detach() if detached or not p.requires_grad else p
@@ -342,7 +374,8 @@ class DiffusersTransformer(
         if extra:
             raise ValueError(
                 f"{argname}: expected None, {{}} or {{'scale': float}}, got keys {sorted(attention_kwargs)}; "
-                f"{type(self).__name__} supports a LoRA scale but no IP-Adapter or other attention arguments"
+                f"{type(self).__name__} supports a LoRA scale (and FLUX.1 IP-Adapter's ip_adapter_image_embeds) but no "
+                "other attention arguments"
             )
         scale = (attention_kwargs or {}).get("scale", 1.0)
         if scale is None:
@@ -400,14 +433,16 @@ class DiffusersTransformer(
         self._peft_load(state, metadata, alphas, name)
 
     def _flux1_args(self, pooled_projections=None, img_ids=None, txt_ids=None, joint_attention_kwargs=None):
-        self._lora_scale("joint_attention_kwargs", joint_attention_kwargs)
+        kwargs = dict(joint_attention_kwargs or {})
+        ip = self.ip_adapter_input(kwargs.pop("ip_adapter_image_embeds", None))
+        self._lora_scale("joint_attention_kwargs", kwargs)
         if pooled_projections is None:
             raise ValueError(
                 f"pooled_projections: {type(self).__name__} (FLUX.1 params) needs the CLIP pooled embedding, got None, "
                 "as the FLUX.2 and Qwen-Image pipelines call their transformers; is this adapter in the wrong "
                 f"pipeline? It belongs in {_PIPELINES['flux1']}"
             )
-        return dict(pooled=pooled_projections, img_ids=img_ids, txt_ids=txt_ids)
+        return dict(pooled=pooled_projections, img_ids=img_ids, txt_ids=txt_ids, ip_adapter=ip)
 
     def _flux2_args(
         self,
