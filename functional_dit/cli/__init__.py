@@ -3,7 +3,9 @@
 `COMMANDS` names each command's module, which provides ``add_arguments(parser)`` and
 ``run(args) -> int``. Expected failures (bad arguments, missing files, a ``ValueError``
 naming a refused value) print one line, ``error: ...``, and exit with status 2; Ctrl-C
-prints ``interrupted`` and exits with status 130. Under torchrun only rank 0 prints.
+prints ``interrupted`` and exits with status 130. Under torchrun only rank 0 prints, and
+the other ranks give it time to (torchrun ends every rank once one has exited, and a
+faster rank's exit could end rank 0 before its line is out).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 
 from ._args import CLIError
 
@@ -51,6 +54,7 @@ def main(argv=None) -> int:
         return importlib.import_module(args._module).run(args) or 0
     except (CLIError, ValueError) as e:
         _say(f"error: {e}")
+        _let_rank0_report()
         return 2
     except KeyboardInterrupt:
         _say("interrupted")
@@ -60,7 +64,17 @@ def main(argv=None) -> int:
 def _say(line: str) -> None:
     """One line on stderr, from rank 0 only under torchrun (every rank exits alike)."""
     if os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr)
+        print(line, file=sys.stderr, flush=True)
+
+
+REPORT_GRACE_S = 20.0  # how long a rank other than 0 waits, after an error, before it exits
+
+
+def _let_rank0_report() -> None:
+    """Under torchrun, a rank other than 0 waits before exiting: every rank meets the same
+    error, rank 0 prints it and exits, and torchrun then ends this rank (SIGTERM)."""
+    if os.environ.get("RANK", "0") != "0" and "LOCAL_RANK" in os.environ:
+        time.sleep(REPORT_GRACE_S)
 
 
 __all__ = ["COMMANDS", "CLIError", "main", "parser"]
