@@ -39,10 +39,11 @@ CASES = {
     "qwenimage": (QWEN, lambda dtype: qwen_kwargs(qwen_inputs(QWEN, dtype=dtype))),
 }
 # Adapter vs stock forward, both reading the same fp8 weights cast to the compute dtype. fp32:
-# FLUX.1 and FLUX.2 run the stock ops in the stock order (bitwise); Qwen-Image's modulation is
-# one batched matmul where the stock runs one per block (measured <= 4.8e-7 at |y| ~ 2, LoRA
-# included). bf16: `assert_bf16_equal`, bitwise on a CPU (measured so for all three).
-FP32 = {"flux1": 0.0, "flux2": 0.0, "qwenimage": 1e-6}
+# FLUX.1 and FLUX.2 run the stock ops in the stock order (measured bitwise on an AMD EPYC; the
+# bound allows GEMM blockings that differ by CPU and shape); Qwen-Image's modulation is one
+# batched matmul where the stock runs one per block (measured <= 4.8e-7 at |y| ~ 2, LoRA
+# included). bf16: `assert_bf16_equal`, bitwise on a CPU (the README's bf16 claim).
+FP32 = {"flux1": 1e-6, "flux2": 1e-6, "qwenimage": 1e-6}
 
 
 def assert_close(got, want, name: str) -> None:
