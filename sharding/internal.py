@@ -2,22 +2,18 @@
 users (the ``equinox.internal`` idea): the one way to ask "is this a DTensor", to build
 one placed like another, and the checksum `check_replicated` compares ranks by.
 
-DTensor is imported only when asked for, and only where ``torch.distributed`` exists
+DTensor is imported once, with this module, and only where ``torch.distributed`` exists
 (some builds ship without it): a plain tensor is never a DTensor there.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
 from ._replicated import describe
 
 
-@functools.cache
-def dtensor_cls():
-    """``torch.distributed.tensor.DTensor``, or None where torch has no distributed support."""
+def _find_dtensor():
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -25,6 +21,15 @@ def dtensor_cls():
     from torch.distributed.tensor import DTensor
 
     return DTensor
+
+
+_DTENSOR = _find_dtensor()  # once, at import: a plain global read is what torch.compile traces without a note
+
+
+def dtensor_cls():
+    """``torch.distributed.tensor.DTensor``, or None where torch has no distributed support.
+    (Not an ``lru_cache``: dynamo traces through one with a UserWarning per process.)"""
+    return _DTENSOR
 
 
 def is_dtensor(x) -> bool:

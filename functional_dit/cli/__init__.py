@@ -2,7 +2,8 @@
 
 `COMMANDS` names each command's module, which provides ``add_arguments(parser)`` and
 ``run(args) -> int``. Expected failures (bad arguments, missing files, a ``ValueError``
-naming a refused value) print one line, ``error: ...``, and exit with status 2; Ctrl-C
+naming a refused value, and argparse's own errors, without its usage) print one line,
+``error: ...``, and exit with status 2; Ctrl-C
 prints ``interrupted`` and exits with status 130. Under torchrun only rank 0 prints, and
 the other ranks give it time to (torchrun ends every rank once one has exited, and a
 faster rank's exit could end rank 0 before its line is out).
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 import time
 
@@ -32,8 +34,16 @@ COMMANDS = {  # name -> (module with add_arguments / run, one-line help)
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as the commands' own: one line naming the flag, no usage
+    (``--help`` shows it). Subcommand parsers are made of the same class."""
+
+    def error(self, message: str):
+        raise CLIError(re.sub(r"^argument (\S+?)(/\S+)?: ", r"\1: ", message))
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m functional_dit",
         description="FLUX.1, FLUX.2 and Qwen-Image as pure functions: demo, generation.",
     )
@@ -48,9 +58,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser().parse_args(argv)
-    args.argv = argv  # the exact command line, for reports (bench writes it)
     try:
+        args = parser().parse_args(argv)
+        args.argv = argv  # the exact command line, for reports (bench writes it)
         return importlib.import_module(args._module).run(args) or 0
     except (CLIError, ValueError) as e:
         _say(f"error: {e}")

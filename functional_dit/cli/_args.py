@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 class CLIError(Exception):
@@ -26,4 +27,23 @@ def cache_spec(text: str):
     try:
         return parse(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(str(e).removeprefix("cache: ")) from None
+
+
+def finite(text: str) -> float:
+    """A finite float (argparse's ``float`` takes ``nan`` and ``inf``)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
+
+
+def scale(text: str) -> float:
+    """A guidance scale: finite and >= 0 (`fd.sample` refuses a negative one too)."""
+    v = finite(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a scale >= 0, got {text!r}")
+    return v

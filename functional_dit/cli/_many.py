@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import time
 
 from ..pipelines import placement as _placement
+from . import _cache_report
 from ._args import CLIError
 from ._files import write_image
 
@@ -45,24 +47,27 @@ def _check_value(key: str, v, where: str) -> None:
     ok = isinstance(v, kinds[key]) and not isinstance(v, bool)
     if ok and key in ("height", "width", "steps"):
         ok = v > 0
+    if ok and key in ("guidance", "true_cfg") and v is not None:
+        ok = math.isfinite(v) and v >= 0  # as the command line's --guidance / --true-cfg
     if not ok:
         raise CLIError(f"--prompts: {where}: {key}: expected {_want(key)}, got {v!r}")
 
 
 def _want(key: str) -> str:
     return {"prompt": "a string", "negative_prompt": "a string or null", "seed": "an int"}.get(
-        key, "a number or null" if key in ("guidance", "true_cfg") else "a positive int"
+        key, "a finite number >= 0 or null" if key in ("guidance", "true_cfg") else "a positive int"
     )
 
 
-def _line(text: str, where: str, jsonl: bool) -> dict:
-    """One request's own fields from one line of the file."""
+def _line(text: str, where: str, jsonl: bool, indent: int = 0) -> dict:
+    """One request's own fields from one line of the file (``indent``: the characters
+    stripped before ``text``, for the column of a JSON error)."""
     if not jsonl:
         return {"prompt": text}
     try:
         row = json.loads(text)
     except json.JSONDecodeError as e:
-        raise CLIError(f"--prompts: {where}: not JSON ({e.msg})") from None
+        raise CLIError(f"--prompts: {where}, column {e.colno + indent}: not JSON ({e.msg})") from None
     if not isinstance(row, dict) or "prompt" not in row:
         raise CLIError(f"--prompts: {where}: expected a JSON object with a 'prompt', got {text[:60]!r}")
     unknown = sorted(set(row) - set(KEYS))
@@ -80,15 +85,15 @@ def read_requests(path: str, args) -> list[dict]:
     if not os.path.isfile(path):
         raise CLIError(f"--prompts: {path} does not exist")
     with open(path, encoding="utf-8") as f:
-        lines = [(n + 1, line.strip()) for n, line in enumerate(f) if line.strip()]
+        lines = [(n + 1, line.strip(), len(line) - len(line.lstrip())) for n, line in enumerate(f) if line.strip()]
     if not lines:
         raise CLIError(f"--prompts: {path} holds no prompts")
-    jsonl = path.endswith(".jsonl") or all(text.startswith("{") for _, text in lines)
+    jsonl = path.endswith(".jsonl") or all(text.startswith("{") for _, text, _ in lines)
     defaults = dict(height=args.height, width=args.width, steps=args.steps, guidance=args.guidance)
     defaults |= dict(true_cfg=args.true_cfg, negative_prompt=args.negative_prompt)
     out = []
-    for i, (n, text) in enumerate(lines):
-        row = defaults | {"seed": args.seed + i} | _line(text, f"{path}:{n}", jsonl)
+    for i, (n, text, indent) in enumerate(lines):
+        row = defaults | {"seed": args.seed + i} | _line(text, f"{path}:{n}", jsonl, indent)
         out.append({"index": i, **row})
     return out
 
@@ -181,7 +186,7 @@ def sample_round(fd, params, pipe, group: list[dict], images, batch_size: int, p
         batch_size=batch_size,
         output_type="pil",
         local=True,
-        **(placement or {}),  # generate --encoders, --vae-tiling
+        **(placement or {}),  # generate --encoders, --vae-tiling, --cache
     )
     return [group[i] for i in owned], pil
 
@@ -225,12 +230,14 @@ def run_many(args, params, pipe, images, model: str, rank0: bool, dp: int) -> in
     pending = _agreed_pending(args.out_dir, requests, model)
     fmt = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}]"  # img/s, never s/img
     bar = tqdm(total=len(requests), initial=len(requests) - len(pending), unit="img", bar_format=fmt, disable=not rank0)
-    writer, start = _writes(params), time.perf_counter()
+    writer, start, runs = _writes(params), time.perf_counter(), []
     try:
         for group in rounds(pending, dp * args.batch_size):
             t0 = time.perf_counter()
+            runs.append(None if getattr(args, "cache", None) is None else fd.CacheRun(args.cache))
+            kw = dict(_placement.cli_kwargs(args), cache=runs[-1])  # generate --encoders, --vae-tiling, --cache
             try:
-                mine, pil = sample_round(fd, params, pipe, group, images, args.batch_size, _placement.cli_kwargs(args))
+                mine, pil = sample_round(fd, params, pipe, group, images, args.batch_size, kw)
             except ValueError as e:
                 raise CLIError(str(e).splitlines()[0]) from None
             seconds = (time.perf_counter() - t0) / max(len(mine), 1)
@@ -248,4 +255,5 @@ def run_many(args, params, pipe, images, model: str, rank0: bool, dp: int) -> in
             f"wrote {len(pending)} images to {args.out_dir} ({len(requests) - len(pending)} were done; "
             f"{n} of {len(requests)} in {MANIFEST}); {len(pending) / took if pending else 0.0:.3f} images/s"
         )
+        _cache_report.report(runs, params.config)
     return 0

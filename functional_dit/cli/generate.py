@@ -1,8 +1,9 @@
 """``python -m functional_dit generate``: an image from a real checkpoint with `fd.sample`.
 
 ``--model`` is a diffusers pipeline folder, a transformer folder or ``.safetensors`` file
-with ``--base`` for the rest of the pipeline, or a preset whose weights are in the local
-Hugging Face cache (nothing is downloaded). Everything checkable is checked before the
+with ``--base`` for the rest of the pipeline, a preset whose weights are in the local
+Hugging Face cache (nothing is downloaded), or the name of an offline tiny pipeline
+(``flux``, ``qwen-image-edit``, ...: `functional_dit.cli._models`). Everything checkable is checked before the
 heavy loading, each failure one line; the image is written through a temporary file.
 ``--prompts FILE --out-dir DIR`` makes many images (`functional_dit.cli._many`). docs/cli.md.
 """
@@ -19,13 +20,12 @@ import torch
 from .. import families
 from ..pipelines import placement as _placement
 from ..pipelines.schedule import STRENGTH, t_start
+from . import _cache_report, _models, _quiet
 from . import _checks as C
-from ._args import CLIError, cache_spec, positive
+from ._args import CLIError, cache_spec, finite, positive, scale
 from ._files import write_image
+from ._models import PRESET_REPOS  # noqa: F401  (re-exported: the presets' released weights)
 
-# Released weights of the presets on the Hugging Face Hub (looked up in the local cache
-# only): each family file's REPOS.
-PRESET_REPOS = {name: repo for fam in families.FAMILIES for name, repo in fam.REPOS.items()}
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
@@ -48,8 +48,9 @@ def _job_arguments(p) -> None:
     p.add_argument(
         "--model",
         required=True,
-        help="a diffusers pipeline folder, a transformer folder or "
-        ".safetensors file (with --base), or a preset name with weights in the Hugging Face cache",
+        help="a diffusers pipeline folder, a transformer folder or .safetensors file (with --base), "
+        "a preset name with weights in the Hugging Face cache, or an offline tiny pipeline: "
+        + ", ".join(_models.tiny_names()),
     )
     p.add_argument("--base", default=None, help="pipeline folder for the text encoders, VAE and scheduler")
     p.add_argument("--config", default=None, help="preset for a single transformer file without a config")
@@ -68,13 +69,13 @@ def _job_arguments(p) -> None:
         help="reference image(s) (FLUX.2, Qwen-Image-Edit); FLUX.1, Qwen-Image: the init image",
     )
     p.add_argument("--mask", default=None, help="inpainting: the mask image (white = repaint), with --image")
-    p.add_argument("--strength", type=float, default=None, help="img2img/inpainting: share of the steps run (0.6)")
+    p.add_argument("--strength", type=finite, default=None, help="img2img/inpainting: share of the steps run (0.6)")
     p.add_argument("--height", type=positive, default=1024)
     p.add_argument("--width", type=positive, default=1024)
     p.add_argument("--steps", type=positive, default=28)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--guidance", type=float, default=None, help="embedded guidance (FLUX.1-dev, FLUX.2-dev)")
-    p.add_argument("--true-cfg", type=float, default=None, help="classifier-free guidance scale (> 1 enables)")
+    p.add_argument("--guidance", type=scale, default=None, help="embedded guidance (FLUX.1-dev, FLUX.2-dev)")
+    p.add_argument("--true-cfg", type=scale, default=None, help="classifier-free guidance scale (> 1 enables)")
 
 
 def _run_arguments(p) -> None:
@@ -112,10 +113,17 @@ def _preset_folder(name: str) -> str:
     import functional_dit as fd
 
     if name not in fd.PRESETS:
-        raise CLIError(f"--model: {name!r} is no file or folder, nor a preset ({', '.join(sorted(fd.PRESETS))})")
+        raise CLIError(
+            f"--model: {name!r} is no file or folder, nor a model name; expected a checkpoint or one of "
+            f"{', '.join(_models.generatable())}"
+        )
     repo = PRESET_REPOS.get(name)
     if repo is None:
-        raise CLIError(f"--model: preset {name!r} has no released weights to generate with; pass a checkpoint")
+        tiny = _models.tiny_names(families.key(fd.PRESETS[name]))
+        raise CLIError(
+            f"--model: preset {name!r} is a transformer shape without released weights or a pipeline; "
+            f"offline, generate with a tiny pipeline ({', '.join(tiny)}) or pass a checkpoint"
+        )
     from huggingface_hub import snapshot_download
 
     try:
@@ -210,8 +218,7 @@ def vae_scale(base: str) -> int:
     return 2 ** (len(cfg.get("block_out_channels", [0] * 4)) - 1)
 
 
-def _check_size(base: str, height: int, width: int) -> None:
-    scale = vae_scale(base)
+def _check_size(scale: int, height: int, width: int) -> None:
     for flag, v in (("--height", height), ("--width", width)):
         if v % (2 * scale):
             raise CLIError(f"{flag}: expected a multiple of {2 * scale} (VAE scale {scale} x 2x2 packing), got {v}")
@@ -274,44 +281,80 @@ def _check_outputs(args) -> None:
 
 def _setup(args):
     """Checks, the mesh and the loads: (pipe, params, images, device, rank0, start, loaded)."""
-    import diffusers
-
-    import weights
-
     _check_outputs(args)
-    model, base, config = resolve(args)
-    _check_size(base, args.height, args.width)
+    tiny = _tiny_name(args)
+    if tiny is None:
+        model, base, config = resolve(args)
+        scale, pipeline = vae_scale(base), _pipeline_class(base, "--base" if args.base else "--model")
+    else:
+        model, base, config = None, None, _models.tiny_config(tiny)
+        scale, pipeline = _models.TINY_VAE_SCALE, _models.tiny_pipeline_class(tiny)
+    _check_size(scale, args.height, args.width)
     images = C.open_images(args.image)
-    pipeline = _pipeline_class(base, "--base" if args.base else "--model")
     args.mask_image, edit = C.check_edit(pipeline, images, args)
     if edit and args.strength is None:  # the stock img2img/inpainting default, for the progress bar too
         args.strength = STRENGTH
     C.check_images(pipeline, images, edit)
-    config = C.check_checkpoint(model, config, pipeline, "--base" if args.base else "--model")
+    if tiny is None:
+        config = C.check_checkpoint(model, config, pipeline, "--base" if args.base else "--model")
     C.check_guidance(config, args)
     C.check_device(args.device)
     if args.prompts is not None:
         from . import _many
 
         for r in _many.read_requests(args.prompts, args):
-            _check_size(base, r["height"], r["width"])
+            _check_size(scale, r["height"], r["width"])
     mesh = _mesh(args)
     device, dtype = _device_dtype(args, mesh)
     rank0 = _rank() == 0
-    if not rank0:
-        import transformers
-
-        diffusers.utils.logging.disable_progress_bar()
-        transformers.utils.logging.disable_progress_bar()
     start = time.perf_counter()
+    with _quiet.loading(progress=False):
+        if tiny is None:
+            pipe, params = _load(args, model, base, config, mesh, device, dtype)
+        else:
+            pipe, params = _load_tiny(tiny, mesh, device, dtype)
+        _placement.load_to(pipe, device, args.encoders)
+    return pipe, params, images, device, rank0, start, time.perf_counter()
+
+
+def _tiny_name(args) -> str | None:
+    """``--model``'s tiny pipeline name, or None for a path or a preset (`_models.tiny_kind`)."""
+    if os.path.exists(args.model):
+        return None
+    try:
+        kind = _models.tiny_kind(args.model)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    for flag, value in (("--base", args.base), ("--config", args.config)):
+        if kind is not None and value is not None:
+            raise CLIError(f"{flag}: not with --model {args.model}, an offline tiny pipeline with its own parts")
+    return None if kind is None else args.model
+
+
+def _load(args, model, base, config, mesh, device, dtype):
+    """A checkpoint: the pipeline's encoders, VAE and scheduler from ``base``, our transformer from ``model``."""
+    import diffusers
+
+    import weights
+
     pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=None, dtype=dtype)
-    _placement.load_to(pipe, device, args.encoders)
     pipe.set_progress_bar_config(disable=True)
     try:
         params = weights.load(model, config=config, mesh=mesh, dtype=dtype, device=None if mesh else device)
     except ValueError as e:
         raise CLIError(f"--model: {str(e).splitlines()[0]}") from None
-    return pipe, params, images, device, rank0, start, time.perf_counter()
+    return pipe, params
+
+
+def _load_tiny(name: str, mesh, device, dtype):
+    """A tiny pipeline built offline (`_models.tiny_pipeline`), its transformer as our params."""
+    import functional_dit as fd
+    import sharding
+
+    pipe = _models.tiny_pipeline(name, dtype=dtype)
+    params = fd.from_diffusers(pipe.transformer.to(device if mesh is None else "cpu"))
+    pipe.transformer = None  # fd.sample never calls it; the params hold its weights
+    return pipe, params if mesh is None else sharding.shard_params(params, mesh)
 
 
 def run(args) -> int:
@@ -356,8 +399,10 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
         stamps.append(time.perf_counter())
         bar.update()
 
+    kw = _sample_kwargs(args, images)
+    run = kw["cache"] = None if kw["cache"] is None else fd.CacheRun(kw["cache"])  # kept: what it skipped
     try:
-        image = fd.sample(params, pipe, args.prompt, callback=step, **_sample_kwargs(args, images))[0]
+        image = fd.sample(params, pipe, args.prompt, callback=step, **kw)[0]
     except ValueError as e:
         raise CLIError(str(e).splitlines()[0]) from None
     finally:
@@ -371,4 +416,5 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
             f"load {loaded - start:.1f} s, {mean:.3f} s/step, total {time.perf_counter() - start:.1f} s, "
             f"peak memory {_peak_memory_gib(device):.2f} GiB ({device.type})"
         )
+        _cache_report.report([run], params.config)
     return 0

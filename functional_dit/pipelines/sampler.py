@@ -33,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
+import numbers
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -120,6 +122,15 @@ def _check_args(pipe, height, width, output_type, batch_size):
         raise ValueError(f"output_type: expected one of {list(_OUTPUT_TYPES)}, got {output_type!r}")
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"batch_size: expected None or a positive int (images per model call), got {batch_size!r}")
+
+
+def _check_scales(guidance, true_cfg) -> None:
+    """Guidance scales are finite and >= 0. A negative one has no meaning here: the stock
+    pipelines treat a ``true_cfg`` <= 1 as "no CFG" (so -2 would be dropped silently), and
+    an embedded ``guidance`` is a distilled model's input, trained on positive values."""
+    for name, v in (("guidance", guidance), ("true_cfg", true_cfg)):
+        if isinstance(v, numbers.Real) and not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name}: expected None or a finite number >= 0, got {v!r}")
 
 
 def _check_steps(steps, sigmas) -> tuple[int, list | None]:
@@ -335,6 +346,7 @@ def sample(
     height, width = _kontext.size(pipe, height, width, max_area)  # Kontext rescales to max_area
     height, width = _flux2_image.size(pipe, height, width, image)  # klein inpainting: the image's size
     _check_args(pipe, height, width, output_type, batch_size)
+    _check_scales(guidance, true_cfg)
     _placement.check(encoder_placement, vae_tiling)
     steps, sigmas = _check_steps(steps, sigmas)
     jobs = (image, mask_image, strength, padding_mask_crop, layers)
