@@ -32,7 +32,7 @@ SLOW_FIRST = (
     "test_cache.py::test_bench_cache_rows",
     "test_notebooks.py::test_notebook_executes",
     "test_weights_commit.py::test_sigkill_of_a_real_save_process",
-    "test_cli.py::test_demo_shortened_writes_pngs_and_a_table",
+    "test_cli.py::test_demo_shortened_writes_pngs_a_table_and_nothing_else_on_stderr",
     "test_dcp.py::test_finetune_example_resumes_from_dcp",
     "test_grad_sharded.py::test_finetune_example_tp2",
     "test_cli.py::test_check_on_cpu_passes_for_every_family",

@@ -38,7 +38,10 @@ def folder(tmp_path_factory):
         ('{"prompt": "a"}\n{"promt": "b"}\n', [], "p.jsonl:2: expected a JSON object with a 'prompt'"),
         ('{"prompt": "a", "cfg": 2}\n', [], "p.jsonl:1: unknown keys ['cfg']"),
         ('{"prompt": "a", "size": "64x40"}\n', [], "--height: expected a multiple of 16"),
-        ('{"prompt": "a"\n', [], "p.jsonl:1: not JSON"),
+        ('{"prompt": "a"\n', [], "p.jsonl:1, column 15: not JSON (Expecting ',' delimiter)"),
+        ('{"prompt": "a"}\n  {"prompt": "b",, "seed": 1}\n', [], "p.jsonl:2, column 18: not JSON"),  # indented by 2
+        ('{"prompt": "a", "guidance": NaN}\n', [], "guidance: expected a finite number >= 0 or null, got nan"),
+        ('{"prompt": "a", "true_cfg": -2}\n', [], "true_cfg: expected a finite number >= 0 or null, got -2"),
         ("\n\n", [], "holds no prompts"),
         ("a\n", ["--out", "x.png"], "--out-dir: expected with --prompts"),
         ("a\n", ["--prompt", "b"], "--prompt, --prompts: expected exactly one"),
