@@ -1,6 +1,9 @@
 import importlib.metadata
+import inspect
 import os
 import sys
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,9 +47,34 @@ SLOW_FIRST = (
 )
 
 
+# The `slow` marker (``pytest -m "not slow"``: the quick subset, README): every test of
+# these modules (multi-rank, compile, export, notebooks, XLA, killed processes), every
+# test in SLOW_FIRST, and every test whose own code spawns ranks or processes or compiles.
+SLOW_MODULES = (
+    "test_adapter_dist.py", "test_checkpoint_dist.py", "test_compile.py", "test_dcp.py", "test_dist_harness.py",
+    "test_export.py", "test_grad_sharded.py", "test_lora_dist.py", "test_notebooks.py", "test_sample_image_ranks.py",
+    "test_sample_many.py", "test_sample_xla.py", "test_sample_xla_image.py", "test_sharding.py",
+    "test_sharding_flux3_qwen21.py", "test_sharding_models.py", "test_weights_commit.py", "test_weights_dist.py",
+)  # fmt: skip
+SLOW_CALLS = ("spawn(", "torch.distributed.run", "subprocess.", "torch.compile(")
+
+
+def _slow(item, node: str) -> bool:
+    if node.split("::")[0] in SLOW_MODULES or node.startswith(SLOW_FIRST):
+        return True
+    try:
+        source = inspect.getsource(item.function)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return any(call in source for call in SLOW_CALLS)
+
+
 def pytest_collection_modifyitems(config, items):
     def rank(item):
         node = item.nodeid.split("/")[-1]
         return next((i for i, prefix in enumerate(SLOW_FIRST) if node.startswith(prefix)), len(SLOW_FIRST))
 
+    for item in items:
+        if _slow(item, item.nodeid.split("/")[-1]):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=rank)  # stable: the rest keep their order

@@ -1,5 +1,7 @@
 """The README's set-up as a new user meets it: a virtual environment first, the CPU
-build of torch, the two commands .ci/run extracts unchanged; demo output not tracked."""
+build of torch, the demo's install without the [dev] extra, the test command .ci/run
+extracts unchanged; the demo's tolerance and rows as the README and docs/status.md state
+them; demo output not tracked."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _setup_block() -> list[str]:
     text = open(os.path.join(ROOT, "README.md")).read()
-    block = re.search(r"## Set-up: two commands\n.*?```bash\n(.*?)```", text, re.S).group(1)
+    block = re.search(r"## Set-up\n.*?```bash\n(.*?)```", text, re.S).group(1)
     return block.splitlines()
 
 
@@ -22,8 +24,28 @@ def test_setup_makes_a_venv_first_and_keeps_the_ci_command():
     installs = [i for i, ln in enumerate(lines) if "pip install" in ln]
     assert venv < min(installs) and "activate" in lines[venv]
     assert any("--index-url" in ln and "/whl/cpu" in ln and "torch==" in ln for ln in lines)  # the CPU build
-    suite = lines[lines.index("# the whole test suite (what .ci/run runs)") + 1]  # what .ci/run's awk takes
+    marker = next(ln for ln in lines if ln.startswith("# the whole test suite"))  # what .ci/run's awk finds
+    suite = lines[lines.index(marker) + 1]
     assert suite == 'python -m pip install -q -e ".[dev]" "torch==2.13.0" && python -m pytest -n 2 -q'
+    commands = [ln for ln in lines if ln and not ln.startswith("#")]
+    assert len(commands) == 4 and "[dev]" not in commands[2], commands  # venv, CPU torch, demo, suite
+    assert commands[2] == 'python -m pip install -q -e . "torch==2.13.0" && python -m functional_dit demo'
+
+
+def test_demo_tolerance_and_rows_are_the_ones_the_docs_state():
+    from functional_dit import families
+    from functional_dit.cli import demo
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert re.search(r"within\s+the fp32 bound " + re.escape(f"{demo.TOLERANCE:g}"), readme)  # the pass column
+    status = open(os.path.join(ROOT, "docs", "status.md")).read()
+    table = re.search(r"## The demo\n.*?```\n(.*?)```", status, re.S).group(1).splitlines()
+    body = [ln for ln in table if ln.startswith(("FLUX", "Qwen"))]
+    assert len(body) == len(demo.rows()) + 1, body  # every row, and FLUX.1 on tp=2 ranks
+    for row, line in zip(demo.rows(), body):
+        stock = row.stock_class or families.TINY_KINDS[row.kind][1].name
+        assert f" {stock} " in line and line.endswith(f"demo_out/{row.name}.png"), line
+        assert " pass " in line, line
 
 
 def test_demo_output_is_git_ignored():
