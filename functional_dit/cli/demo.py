@@ -29,8 +29,8 @@ from ._args import CLIError, positive
 PROMPT = "a red fox sitting in fresh snow, soft morning light, detailed fur"
 NEGATIVE = "blurry, low quality"
 # The bound every row's max |latent difference| vs the stock pipeline must meet: the
-# project's fp32 parity bound (FLUX rows are bitwise; Qwen-Image's norm-rescaled CFG and
-# its VAE-free latents differ by fp32 rounding, a few 1e-6 at the demo's sizes).
+# project's fp32 parity bound (the FLUX rows are bitwise; Qwen-Image and the tp row differ
+# from stock by fp32 rounding, a few 1e-6 at the demo's sizes: docs/status.md#the-demo).
 TOLERANCE = 1e-5
 
 
