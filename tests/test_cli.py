@@ -99,10 +99,12 @@ def test_generate_refuses_an_output_that_is_not_an_image(flux_folder, tmp_path, 
 
 
 def test_generate_under_torchrun_tp2_writes_the_stock_image(flux_folder, tmp_path):
-    folder, stock, _ = flux_folder
+    """The offline tiny name (``--model flux``: built on every rank, then sharded) under
+    torchrun; a checkpoint folder under torchrun: tests/test_generate_many.py."""
+    _, stock, _ = flux_folder  # the stock image of the same tiny pipeline (seed 0)
     out = tmp_path / "cube.png"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["-m", "functional_dit", "generate", "--model", folder, *GEN, "--tp", "2", "--out", str(out)]
+    cmd += ["-m", "functional_dit", "generate", "--model", "flux", *GEN, "--tp", "2", "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
