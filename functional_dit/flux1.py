@@ -129,6 +129,7 @@ PIPELINES = (
     Pipeline("FluxKontextPipeline", tiny="flux-kontext", sample=True),
     Pipeline("FluxImg2ImgPipeline", sample=True),
     Pipeline("FluxInpaintPipeline", sample=True),
+    Pipeline("FluxControlNetPipeline", tiny="flux-controlnet", sample=True),  # with a ControlNet (docs/controlnet.md)
 )
 
 

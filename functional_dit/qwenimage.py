@@ -123,6 +123,7 @@ PIPELINES = (
     Pipeline("QwenImageImg2ImgPipeline", sample=True),
     Pipeline("QwenImageInpaintPipeline", sample=True),
     Pipeline("QwenImageLayeredPipeline", sample=True),
+    Pipeline("QwenImageControlNetPipeline", tiny="qwen-image-controlnet", sample=True),  # docs/controlnet.md
 )
 
 
