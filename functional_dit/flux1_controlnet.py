@@ -108,8 +108,10 @@ PRESETS = {
     ),
 }
 PRESETS["flux1-controlnet-union-tiny"] = dataclasses.replace(PRESETS["flux1-controlnet-tiny"], num_mode=3)
+# XLabs' layout: double blocks only, the control image through input_hint_block (H/8), patchified 2x2
+# into in_channels = 4 x conditioning_embedding_channels (released: 64 = 4 x 16).
 PRESETS["flux1-controlnet-xlabs-tiny"] = dataclasses.replace(
-    PRESETS["flux1-controlnet-tiny"], num_layers=1, num_single_layers=0, conditioning_embedding_channels=16
+    PRESETS["flux1-controlnet-tiny"], patch_size=2, num_single_layers=0, conditioning_embedding_channels=4
 )
 CONFIG = Flux1ControlNetConfig
 TINY = "flux1-controlnet-tiny"
