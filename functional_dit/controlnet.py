@@ -90,7 +90,10 @@ def config_from_diffusers(cfg):
     if not isinstance(cfg, Mapping) or cfg.get("_class_name") not in BY_DIFFUSERS_CLASS:
         got = cfg.get("_class_name") if isinstance(cfg, Mapping) else type(cfg).__name__
         raise ValueError(f"cfg: expected a config with _class_name in {list(BY_DIFFUSERS_CLASS)}, got {got!r}")
-    return _configs.from_mapping(BY_DIFFUSERS_CLASS[cfg["_class_name"]].CONFIG, cfg)
+    from .api import _drop_keys_diffusers_ignores  # keys the stock class ignores (with a warning), as diffusers
+
+    name = cfg["_class_name"]
+    return _configs.from_mapping(BY_DIFFUSERS_CLASS[name].CONFIG, _drop_keys_diffusers_ignores(name, cfg))
 
 
 def config_to_diffusers(config) -> dict:

@@ -353,3 +353,17 @@ def test_bad_inputs_name_the_argument():
         fd.sample(
             params, pipe, "a", height=32, width=32, steps=1, controlnet=(cn, image(0), 1.0), cache="fbcache:0.1", seed=0
         )
+
+
+def test_weights_round_trip_with_stock_folders(tmp_path):
+    import weights
+
+    for preset in ("flux1-controlnet-xlabs-tiny", "qwen-image-controlnet-tiny"):
+        module = tiny.stock_controlnet(preset, seed=1)
+        module.save_pretrained(tmp_path / preset)  # the stock folder
+        loaded = weights.load(tmp_path / preset, dtype=torch.bfloat16)
+        assert loaded.config == C.PRESETS[preset] and fd.from_diffusers(module).config == loaded.config
+        assert all(torch.equal(loaded.flat()[k], v.bfloat16()) for k, v in module.state_dict().items())
+        weights.save(C.from_diffusers(module), tmp_path / f"ours-{preset}")
+        back = type(module).from_pretrained(tmp_path / f"ours-{preset}")  # stock diffusers reads ours
+        assert all(torch.equal(back.state_dict()[k], v) for k, v in module.state_dict().items())

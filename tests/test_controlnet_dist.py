@@ -1,5 +1,6 @@
 """Sharded ControlNets on 2 CPU gloo ranks: `controlnet.apply` over params sharded by
 ``sharding.shard_params`` (their `ParamSpec` logical axes: the blocks as the transformer's)
+or loaded per rank by ``weights.load(folder, mesh=...)``,
 and `fd.apply` of a sharded transformer taking the residuals, on tp=2, sp=2 and dp=2,
 equal to one process (the docs/architecture.md fp32 tolerance) and bitwise across ranks.
 Odd batch (3 over dp=2), image tokens (9) and text (7; 8 with a Union's mode token) take
@@ -48,10 +49,18 @@ def _run(cn, params, inp, extra, cond):
     return res, fd.apply(params, x, t, txt, **inp, **res)
 
 
-def _work(rank, world):
+def _work(rank, world, folder):
+    import weights
+
     out = {}
     for shape in MESHES:
         mesh = sharding.make_mesh(**shape)
+        loaded = weights.load(folder, mesh=mesh)  # each rank reads its own slices of a diffusers ControlNet folder
+        want = sharding.shard_params(C.init(NAMES[0], seed=1), mesh)
+        out[(str(shape), "load")] = all(
+            torch.equal(a.to_local(), b.to_local()) and a.placements == b.placements
+            for a, b in zip(loaded.leaves(), want.leaves())
+        )
         for name in NAMES:
             cn, params, inp, extra, cond = _case(name)
             sharded = sharding.shard_params(cn, mesh)
@@ -62,8 +71,12 @@ def _work(rank, world):
     return out
 
 
-def test_sharded_controlnet_equals_one_process():
-    ranks = spawn(_work, 2)
+def test_sharded_controlnet_equals_one_process(tmp_path):
+    import weights
+
+    weights.save(C.init(NAMES[0], seed=1), tmp_path)  # a diffusers FluxControlNetModel folder
+    ranks = spawn(_work, 2, str(tmp_path))
+    assert all(r[(str(shape), "load")] for r in ranks for shape in MESHES)
     for name in NAMES:
         want_res, want = _run(*_case(name))
         for shape in MESHES:
