@@ -349,6 +349,8 @@ def test_bad_inputs_name_the_argument():
         )
     with pytest.raises(ValueError, match=r"controlnet\[0\]: expected an int control mode"):
         fd.sample(params, pipe, "a", height=32, width=32, steps=1, controlnet=(union, image(0), 1.0))
+    with pytest.raises(ValueError, match="controlnet: a QwenImageControlNetPipeline runs a ControlNet"):
+        fd.sample(fd.init("qwen-image-tiny"), tiny.pipeline("qwen-image-controlnet"), "a", height=32, width=32, steps=1)
     with pytest.raises(ValueError, match="cache: step caching is not supported"):
         fd.sample(
             params, pipe, "a", height=32, width=32, steps=1, controlnet=(cn, image(0), 1.0), cache="fbcache:0.1", seed=0

@@ -66,9 +66,18 @@ def _one(item, fam: str, i: int) -> Control:
     return Control(params, image, float(scale), mode)
 
 
-def check(controlnet, fam: str, latents) -> list[Control] | None:
-    """The checked ControlNets of ``controlnet`` (one tuple or a list of them), or None."""
+PIPELINES = ("FluxControlNetPipeline", "QwenImageControlNetPipeline")  # need a controlnet= to reproduce
+
+
+def check(controlnet, fam: str, latents, pipe) -> list[Control] | None:
+    """The checked ControlNets of ``controlnet`` (one tuple or a list of them), or None; a
+    stock ControlNet pipeline without one is refused (its control image would be ignored)."""
     if controlnet is None:
+        if type(pipe).__name__ in PIPELINES:
+            raise ValueError(
+                f"controlnet: a {type(pipe).__name__} runs a ControlNet; expected (params, image, scale), e.g. "
+                "(functional_dit.controlnet.from_diffusers(pipe.controlnet), control_image, 1.0), got None"
+            )
         return None
     items = [controlnet] if isinstance(controlnet, tuple) else controlnet
     if not isinstance(items, list) or not items:

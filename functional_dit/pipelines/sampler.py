@@ -344,7 +344,7 @@ def sample(
     _check_args(pipe, height, width, output_type, batch_size)
     _placement.check(encoder_placement, vae_tiling)
     steps, sigmas = _check_steps(steps, sigmas)
-    controls = _controlnet.check(controlnet, fam, latents)
+    controls = _controlnet.check(controlnet, fam, latents, pipe)
     jobs = (image, mask_image, strength, padding_mask_crop, layers)
     pipe, edit = _image_job(pipe, fam, steps, output_type, jobs, latents, (height, width), (image_reference, kv_cache))
     _requests.check_max_sequence_length(fam, max_sequence_length)
