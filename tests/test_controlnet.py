@@ -140,6 +140,12 @@ def _stock(config, seed=2):
     return module, fd.from_diffusers(module)
 
 
+def _stock_flux(module, inp: dict, **res) -> torch.Tensor:
+    names = dict(x="hidden_states", txt="encoder_hidden_states", pooled="pooled_projections", t="timestep")
+    with torch.no_grad():
+        return module(**{names.get(k, k): v for k, v in inp.items()}, return_dict=False, **res)[0]
+
+
 # (double-block samples, single-block samples, repeat) for a FLUX.1 of 3 double and 2 single
 # blocks: one sample for all, fewer than the blocks (interval ceil(3/2) = 2) and more than
 # the blocks, XLabs' cycling, and only one kind.
@@ -157,28 +163,7 @@ def test_flux_transformer_takes_residuals_as_stock(n_double, n_single, repeat):
         controlnet_single_block_samples=samples(n_single),
         controlnet_blocks_repeat=repeat,
     )
-    with torch.no_grad():
-        want = module(
-            hidden_states=inp["x"],
-            encoder_hidden_states=inp["txt"],
-            pooled_projections=inp["pooled"],
-            timestep=inp["t"],
-            img_ids=inp["img_ids"],
-            txt_ids=inp["txt_ids"],
-            guidance=inp["guidance"],
-            return_dict=False,
-            **res,
-        )[0]
-        plain = module(
-            hidden_states=inp["x"],
-            encoder_hidden_states=inp["txt"],
-            pooled_projections=inp["pooled"],
-            timestep=inp["t"],
-            img_ids=inp["img_ids"],
-            txt_ids=inp["txt_ids"],
-            guidance=inp["guidance"],
-            return_dict=False,
-        )[0]
+    want, plain = _stock_flux(module, inp, **res), _stock_flux(module, inp)
     kw = {k: v for k, v in inp.items() if k not in ("x", "t", "txt")}
     got = fd.apply(params, inp["x"], inp["t"], inp["txt"], **kw, **res)
     torch.testing.assert_close(got, want, **FP32)
