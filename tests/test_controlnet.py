@@ -239,6 +239,10 @@ def test_adapter_and_sample_equal_stock_controlnet_pipelines(kind):
     torch.testing.assert_close(adapted.images, stock.images, **FP32)
     off = fd.sample(params, pipe, prompts, seed=3, controlnet=(cn, img, 0.0), **sample_kw)
     assert (off - stock.images).abs().max() > 1e-2  # the ControlNet matters
+    if kind == "qwen-image-controlnet":  # FluxControlNetPipeline opens no cache_context (stock hooks need one)
+        pipe.transformer.enable_cache(diffusers.FirstBlockCacheConfig(threshold=0.1))
+        with pytest.raises(ValueError, match="controlnet_block_samples: step caching with ControlNet residuals"):
+            pipe(prompt=prompts, control_image=img, generator=_gens(3, 2), **pipe_kw)
 
 
 def test_flux_union_multi_and_xlabs_through_pipeline_and_sample():
