@@ -358,3 +358,37 @@ def test_weights_round_trip_with_stock_folders(tmp_path):
         weights.save(C.from_diffusers(module), tmp_path / f"ours-{preset}")
         back = type(module).from_pretrained(tmp_path / f"ours-{preset}")  # stock diffusers reads ours
         assert all(torch.equal(back.state_dict()[k], v) for k, v in module.state_dict().items())
+
+
+def test_bf16_equals_stock():
+    from oracle import assert_bf16_equal
+
+    bf = torch.bfloat16
+    union = tiny.stock_controlnet("flux1-controlnet-union-tiny", seed=1, dtype=bf)
+    inp = {
+        k: v.to(bf) if v.is_floating_point() and k not in ("img_ids", "txt_ids", "guidance") else v
+        for k, v in flux_inputs(None).items()
+    }
+    cond, mode = flux_cond(union.config, 2, 4).to(bf), torch.tensor([[1], [2]])
+    want = stock_flux_residuals(union, inp, cond, mode, 0.7)
+    kw = {k: v for k, v in inp.items() if k not in ("x", "t", "txt")}
+    got = C.apply(C.from_diffusers(union), inp["x"], inp["t"], inp["txt"], cond, scale=0.7, mode=mode, **kw)
+    for a, b in zip(got["controlnet_block_samples"] + got["controlnet_single_block_samples"], want[0] + want[1]):
+        assert_bf16_equal(a, b)
+    qwen = tiny.stock_controlnet("qwen-image-controlnet-tiny", seed=1, dtype=bf)
+    i = {k: v.to(bf) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in qwen_inputs().items()}
+    with torch.no_grad():
+        want = qwen(
+            hidden_states=i["x"],
+            controlnet_cond=i["cond"],
+            encoder_hidden_states=i["txt"],
+            encoder_hidden_states_mask=i["txt_mask"],
+            timestep=i["t"],
+            img_shapes=i["img_shapes"],
+            return_dict=False,
+        )
+    got = C.apply(
+        C.from_diffusers(qwen), i["x"], i["t"], i["txt"], i["cond"], txt_mask=i["txt_mask"], img_shapes=i["img_shapes"]
+    )
+    for a, b in zip(got["controlnet_block_samples"], want):
+        assert_bf16_equal(a, b)
