@@ -392,3 +392,27 @@ def test_bf16_equals_stock():
     )
     for a, b in zip(got["controlnet_block_samples"], want):
         assert_bf16_equal(a, b)
+
+
+def test_qwen_multi_controlnet_through_pipeline_and_sample():
+    net = tiny.stock_controlnet("qwen-image-controlnet-tiny", seed=1)
+    pipe = tiny.pipeline("qwen-image-controlnet", controlnet=diffusers.QwenImageMultiControlNetModel([net]))
+    pipe_kw, sample_kw = _pipe_kwargs("qwen-image-controlnet")
+    imgs = [image(0), image(1)]  # one net, two conditions (the stock multi wrapper's only mode)
+    stock = pipe(
+        prompt="a red cube",
+        control_image=imgs,
+        controlnet_conditioning_scale=[0.5, 0.8],
+        generator=_gens(7, 1),
+        **pipe_kw,
+    ).images
+    cn = C.from_diffusers(net)
+    got = fd.sample(
+        fd.from_diffusers(pipe.transformer),
+        pipe,
+        "a red cube",
+        seed=7,
+        controlnet=[(cn, imgs[0], 0.5), (cn, imgs[1], 0.8)],
+        **sample_kw,
+    )
+    torch.testing.assert_close(got, stock, **FP32)
