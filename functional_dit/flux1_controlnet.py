@@ -227,13 +227,9 @@ def hint(p, image: torch.Tensor) -> torch.Tensor:
     convolutions with SiLU between them (diffusers' ``ControlNetConditioningEmbedding``)."""
     conv = lambda q, y, stride=1: F.conv2d(y, q["weight"], q["bias"], stride=stride, padding=1)  # noqa: E731
     y = F.silu(conv(p["conv_in"], image))
-    for i, q in enumerate(ordered_blocks_of(p["blocks"])):
+    for i, q in enumerate(p["blocks"][k] for k in sorted(p["blocks"], key=int)):
         y = F.silu(conv(q, y, stride=1 + i % 2))
     return conv(p["conv_out"], y)
-
-
-def ordered_blocks_of(tree: dict) -> list:
-    return [tree[k] for k in sorted(tree, key=int)]
 
 
 def cond_tokens(params, cond: torch.Tensor) -> torch.Tensor:
