@@ -152,22 +152,22 @@ def _stock_flux(module, inp: dict, **res) -> torch.Tensor:
 FLUX_RESIDUALS = [(1, 1, False), (2, 3, False), (2, None, True), (None, 2, False)]
 
 
-@pytest.mark.parametrize(("n_double", "n_single", "repeat"), FLUX_RESIDUALS)
-def test_flux_transformer_takes_residuals_as_stock(n_double, n_single, repeat):
+def test_flux_transformer_takes_residuals_as_stock():
     module, params = _stock(dataclasses.replace(fd.PRESETS["flux1-tiny"], num_layers=3))
     inp = flux_inputs(params.config)
+    kw = {k: v for k, v in inp.items() if k not in ("x", "t", "txt")}
     g = torch.Generator().manual_seed(5)
     samples = lambda n: None if n is None else [torch.randn(2, 4, 32, generator=g) for _ in range(n)]  # noqa: E731
-    res = dict(
-        controlnet_block_samples=samples(n_double),
-        controlnet_single_block_samples=samples(n_single),
-        controlnet_blocks_repeat=repeat,
-    )
-    want, plain = _stock_flux(module, inp, **res), _stock_flux(module, inp)
-    kw = {k: v for k, v in inp.items() if k not in ("x", "t", "txt")}
-    got = fd.apply(params, inp["x"], inp["t"], inp["txt"], **kw, **res)
-    torch.testing.assert_close(got, want, **FP32)
-    assert (want - plain).abs().max() > 1e-2  # the residuals matter
+    plain = _stock_flux(module, inp)
+    for n_double, n_single, repeat in FLUX_RESIDUALS:
+        res = dict(
+            controlnet_block_samples=samples(n_double),
+            controlnet_single_block_samples=samples(n_single),
+            controlnet_blocks_repeat=repeat,
+        )
+        want = _stock_flux(module, inp, **res)
+        torch.testing.assert_close(fd.apply(params, inp["x"], inp["t"], inp["txt"], **kw, **res), want, **FP32)
+        assert (want - plain).abs().max() > 1e-2  # the residuals matter
 
 
 @pytest.mark.parametrize("n", [1, 2])  # one for all blocks; fewer than the blocks (interval 2)
@@ -237,8 +237,6 @@ def test_adapter_and_sample_equal_stock_controlnet_pipelines(kind):
         prompt=prompts, control_image=img, controlnet_conditioning_scale=0.8, generator=_gens(3, 2), **pipe_kw
     )
     torch.testing.assert_close(adapted.images, stock.images, **FP32)
-    off = fd.sample(params, pipe, prompts, seed=3, controlnet=(cn, img, 0.0), **sample_kw)
-    assert (off - stock.images).abs().max() > 1e-2  # the ControlNet matters
     if kind == "qwen-image-controlnet":  # FluxControlNetPipeline opens no cache_context (stock hooks need one)
         pipe.transformer.enable_cache(diffusers.FirstBlockCacheConfig(threshold=0.1))
         with pytest.raises(ValueError, match="controlnet_block_samples: step caching with ControlNet residuals"):
