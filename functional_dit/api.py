@@ -17,6 +17,7 @@ import sharding
 from sharding.tree import flatten, nest
 
 from . import configs as _config
+from . import controlnet as _controlnet
 from . import families as _families
 from .lora import internal as _lora
 from .nn import compile as _compile
@@ -47,6 +48,8 @@ def as_config(config):
         return PRESETS[config]
     if isinstance(config, Mapping):
         return config_from_diffusers(config)
+    if type(config) in _controlnet.BY_CONFIG:  # a ControlNet's (its params, specs, checkpoints)
+        return config
     family(config)  # a ValueError naming the config classes
     return config
 
@@ -70,6 +73,8 @@ def config_from_diffusers(cfg):
             f"cfg: expected a mapping, a diffusers module, a config.json path or a folder, got {type(cfg).__name__}"
         )
     name = cfg.get("_class_name")
+    if name in _controlnet.BY_DIFFUSERS_CLASS:
+        return _controlnet.config_from_diffusers(cfg)
     if name is None:
         name = _class_from_keys(cfg)
     if name not in DIFFUSERS_CLASSES:
@@ -120,6 +125,8 @@ def _drop_keys_diffusers_ignores(class_name: str, cfg: Mapping) -> dict:
 
 def config_to_diffusers(config) -> dict:
     config = as_config(config)
+    if type(config) in _controlnet.BY_CONFIG:
+        return _controlnet.config_to_diffusers(config)
     return _config.to_mapping(config, family(config).DIFFUSERS_CLASS)
 
 

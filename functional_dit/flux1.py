@@ -25,6 +25,7 @@ from .configs import (
     require_positive_or_none,
     require_rope_axes,
 )
+from .nn import control as _control
 from .nn import layers as L
 from .nn import scan as _scan
 from .nn.checks import (
@@ -128,6 +129,7 @@ PIPELINES = (
     Pipeline("FluxKontextPipeline", tiny="flux-kontext", sample=True),
     Pipeline("FluxImg2ImgPipeline", sample=True),
     Pipeline("FluxInpaintPipeline", sample=True),
+    Pipeline("FluxControlNetPipeline", tiny="flux-controlnet", sample=True),  # with a ControlNet (docs/controlnet.md)
 )
 
 
@@ -397,12 +399,34 @@ def rope_table(config: Flux1Config, img_ids, txt_ids) -> tuple[torch.Tensor, tor
     return L.rope(torch.cat([txt_ids, img_ids], 0), config.axes_dims_rope, theta=10000.0)
 
 
-ARGS = ("pooled", "guidance", "img_ids", "txt_ids", "rope", "ip_adapter")  # of fd.apply's keywords FLUX.1 takes
+CONTROLNET_ARGS = ("controlnet_block_samples", "controlnet_single_block_samples", "controlnet_blocks_repeat")
+ARGS = (  # of fd.apply's keywords, those FLUX.1 takes
+    "pooled",
+    "guidance",
+    "img_ids",
+    "txt_ids",
+    "rope",
+    "ip_adapter",
+    *CONTROLNET_ARGS,
+)
 BATCHED = ("pooled", "guidance")  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
 def check_inputs(
-    params, x, t, txt, *, pooled=None, guidance=None, img_ids=None, txt_ids=None, rope=None, ip_adapter=None
+    params,
+    x,
+    t,
+    txt,
+    *,
+    pooled=None,
+    guidance=None,
+    img_ids=None,
+    txt_ids=None,
+    rope=None,
+    ip_adapter=None,
+    controlnet_block_samples=None,
+    controlnet_single_block_samples=None,
+    controlnet_blocks_repeat=False,
 ) -> dict:
     """Checks the FLUX.1 inputs (full view) and returns `forward`'s keywords: x (B, S_img,
     in_channels), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim), pooled (B,
@@ -410,11 +434,34 @@ def check_inputs(
     (S_img, 3) / txt_ids (S_txt, 3) or their 3-D forms. ``rope``: instead of the ids, their
     RoPE table (cos, sin), each (S_txt + S_img, attention_head_dim) fp32, as `rope_table`
     builds it (to build it once per sampling run). ``ip_adapter``: IP-Adapter's inputs
-    (`check_ip_adapter`). fd.apply returns (B, S_img, patch_size² · out_channels), as
+    (`check_ip_adapter`). ``controlnet_*``: ControlNet residuals, as the stock class takes
+    them (`check_controlnet`). fd.apply returns (B, S_img, patch_size² · out_channels), as
     ``FluxTransformer2DModel(...)[0]``."""
     pe = _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids, rope)
     ip = None if ip_adapter is None else check_ip_adapter(params, ip_adapter, x.shape[0])
-    return dict(pooled=pooled, guidance=guidance, pe=pe, ip=ip)
+    samples = (controlnet_block_samples, controlnet_single_block_samples)
+    control = check_controlnet(params, x, *samples, controlnet_blocks_repeat)
+    return dict(pooled=pooled, guidance=guidance, pe=pe, ip=ip, controlnet=control)
+
+
+def check_controlnet(params, x, block_samples, single_block_samples, repeat) -> tuple | None:
+    """ControlNet residuals (diffusers' ``controlnet_block_samples`` /
+    ``controlnet_single_block_samples``: lists of (B, S_img, inner_dim) tensors, e.g. what
+    `functional_dit.controlnet.apply` returns) as the residual after each double and each
+    single block (`nn.control.per_block`; ``repeat``: ``controlnet_blocks_repeat``, XLabs'
+    cycling over the double blocks), or None when there are none."""
+    if not isinstance(repeat, bool):
+        raise ValueError(f"controlnet_blocks_repeat: expected True or False, got {repeat!r}")
+    if block_samples is None and single_block_samples is None:
+        return None
+    leaf = reference_leaf(params, "x_embedder.weight")
+    shape = (x.shape[0], x.shape[1], params.config.inner_dim)
+    check = lambda name, s: None if s is None else _control.check_samples(name, s, shape, leaf.dtype, leaf.device)  # noqa: E731
+    doubles = check("controlnet_block_samples", block_samples)
+    singles = check("controlnet_single_block_samples", single_block_samples)
+    n_double = len(ordered_blocks(params, "transformer_blocks"))
+    n_single = len(ordered_blocks(params, "single_transformer_blocks"))
+    return _control.per_block(doubles, n_double, repeat), _control.per_block(singles, n_single)
 
 
 _IP_KEYS = ("image_proj", "tokens", "image_embeds", "layers", "scale")
@@ -451,10 +498,11 @@ def check_ip_adapter(params, ip: dict, B: int) -> dict:
 prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
 
 
-def forward(params, x, t, txt, *, pooled, guidance, pe, blocks=None, ip=None):
+def forward(params, x, t, txt, *, pooled, guidance, pe, blocks=None, ip=None, controlnet=None):
     """The model on this rank's batch: returns (out sharded over "sp", its full length,
     None). ``blocks``: the block functions to call (the api passes them as compile
-    regions, `nn.compile.regions`); None: this module's. ``ip``: IP-Adapter's inputs."""
+    regions, `nn.compile.regions`); None: this module's. ``ip``: IP-Adapter's inputs.
+    ``controlnet``: the residual after each double and single block (`check_controlnet`)."""
     double, single = (double_block, single_block) if blocks is None else (blocks.double_block, blocks.single_block)
     D, S = params.config.attention_head_dim, x.shape[1]
     img = L.linear(params["x_embedder"], x)
@@ -465,27 +513,35 @@ def forward(params, x, t, txt, *, pooled, guidance, pe, blocks=None, ip=None):
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
     img_mods, txt_mods, single_mods, out_mod = modulations(params, vec)
     consts = (pe, key_bias)
-    pair = (img_mods, txt_mods)
+    pair, extras = (img_mods, txt_mods), ()
     if ip is not None:
         if _scan.scanned(params, "transformer_blocks"):
             raise ValueError("ip_adapter: IP-Adapter does not run with scanned blocks (FD_XLA_SCAN_BLOCKS); unset it")
-        pair += (ip_keys_values(ip, D),)
-    img, txt = _scan.layers(params, "transformer_blocks", _double, (img, txt), pair, consts, (double, D))
+        pair, extras = (*pair, ip_keys_values(ip, D)), ("ip",)
+    doubles, singles = (None, None) if controlnet is None else map(_control.local, controlnet)
+    if doubles is not None:
+        pair, extras = (*pair, doubles), (*extras, "res")
+    img, txt = _scan.layers(params, "transformer_blocks", _double, (img, txt), pair, consts, (double, D, extras))
     x = torch.cat([txt, img], 1)
-    x = _scan.layers(params, "single_transformer_blocks", _single, x, (single_mods,), consts, (single, D))
+    per_single = (single_mods,) if singles is None else (single_mods, singles)
+    x = _scan.layers(params, "single_transformer_blocks", _single, x, per_single, consts, (single, D, txt.shape[1]))
     return final_layer(params, x[:, txt.shape[1] :], out_mod), S, None
 
 
 def _double(carry, p, mods, consts, static):
     """One double block as a `nn.scan.layers` step: carry (img, txt); ``mods`` its
-    modulations (and its IP-Adapter keys and values)."""
-    (fn, D), (pe, key_bias) = static, consts
-    if len(mods) == 3:
-        return fn(p, *carry, *mods[:2], pe, D, key_bias, ip=mods[2])
-    return fn(p, *carry, *mods, pe, D, key_bias)
+    modulations, then its ``extras``: IP-Adapter keys and values ("ip"), a ControlNet
+    residual added to the image stream after the block ("res")."""
+    (fn, D, extras), (pe, key_bias) = static, consts
+    more = dict(zip(extras, mods[2:]))
+    ip = {"ip": more["ip"]} if "ip" in more else {}
+    img, txt = fn(p, *carry, *mods[:2], pe, D, key_bias, **ip)
+    return (img + more["res"], txt) if "res" in more else (img, txt)
 
 
 def _single(x, p, mods, consts, static):
-    """One single block as a `nn.scan.layers` step."""
-    (fn, D), (pe, key_bias) = static, consts
-    return fn(p, x, *mods, pe, D, key_bias)
+    """One single block as a `nn.scan.layers` step; a second entry of ``mods`` is a
+    ControlNet residual added to the image tokens after the block."""
+    (fn, D, T), (pe, key_bias) = static, consts
+    x = fn(p, x, mods[0], pe, D, key_bias)
+    return x if len(mods) == 1 else _control.add_image(x, mods[1], T)

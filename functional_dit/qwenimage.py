@@ -35,6 +35,7 @@ from .configs import (
     require_positive_or_none,
     require_rope_axes,
 )
+from .nn import control as _control
 from .nn import layers as L
 from .nn import scan as _scan
 from .nn.checks import check_rope, check_streams, check_tensor, reference_leaf
@@ -122,6 +123,7 @@ PIPELINES = (
     Pipeline("QwenImageImg2ImgPipeline", sample=True),
     Pipeline("QwenImageInpaintPipeline", sample=True),
     Pipeline("QwenImageLayeredPipeline", sample=True),
+    Pipeline("QwenImageControlNetPipeline", tiny="qwen-image-controlnet", sample=True),  # docs/controlnet.md
 )
 
 
@@ -428,11 +430,23 @@ def _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond):
     return shapes
 
 
-ARGS = ("txt_mask", "img_shapes", "additional_t_cond", "rope")  # of fd.apply's keywords, the ones Qwen-Image takes
+# of fd.apply's keywords, the ones Qwen-Image takes
+ARGS = ("txt_mask", "img_shapes", "additional_t_cond", "rope", "controlnet_block_samples")
 BATCHED = ("bias", "t_cond")  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
-def check_inputs(params, x, t, txt, *, txt_mask=None, img_shapes=None, additional_t_cond=None, rope=None) -> dict:
+def check_inputs(
+    params,
+    x,
+    t,
+    txt,
+    *,
+    txt_mask=None,
+    img_shapes=None,
+    additional_t_cond=None,
+    rope=None,
+    controlnet_block_samples=None,
+) -> dict:
     """Checks the Qwen-Image inputs (full view) and returns `forward`'s keywords: x (B,
     S_img, in_channels) packed latents (Edit: the target's then the reference images'
     tokens), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim), txt_mask (B, S_txt)
@@ -442,7 +456,10 @@ def check_inputs(params, x, t, txt, *, txt_mask=None, img_shapes=None, additiona
     and S_txt, each (S_txt + S_img, attention_head_dim) fp32, to build it once per sampling
     run. fd.apply returns (B, S_img, patch_size² · out_channels), as
     ``QwenImageTransformer2DModel(...)[0]``. The model has no guidance embedder
-    (diffusers' ``guidance_embeds`` creates no weights), so ``guidance`` must be None."""
+    (diffusers' ``guidance_embeds`` creates no weights), so ``guidance`` must be None.
+    ``controlnet_block_samples``: ControlNet residuals, a list of (B, S_img, inner_dim)
+    tensors, added to the image stream after the blocks as the stock class adds them
+    (`nn.control.per_block`), e.g. what `functional_dit.controlnet.apply` returns."""
     c = params.config
     shapes = _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond)
     if rope is None:
@@ -452,16 +469,23 @@ def check_inputs(params, x, t, txt, *, txt_mask=None, img_shapes=None, additiona
         pe = check_rope(rope, rows, c.attention_head_dim, reference_leaf(params, "img_in.weight").device)
     cond_rows = sharding.shard(ref_mask(shapes, x.device), "sp", 0) if c.zero_cond_t else None
     bias = None if txt_mask is None else mask_bias(txt_mask)
-    return dict(pe=pe, cond_rows=cond_rows, bias=bias, t_cond=additional_t_cond)
+    control = None
+    if controlnet_block_samples is not None:
+        leaf = reference_leaf(params, "img_in.weight")
+        samples = _control.check_samples(
+            "controlnet_block_samples", controlnet_block_samples, (*x.shape[:2], c.inner_dim), leaf.dtype, leaf.device
+        )
+        control = _control.per_block(samples, len(ordered_blocks(params, "transformer_blocks")))
+    return dict(pe=pe, cond_rows=cond_rows, bias=bias, t_cond=additional_t_cond, controlnet=control)
 
 
 prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
 
 
-def forward(params, x, t, txt, *, pe, cond_rows, bias, t_cond, blocks=None):
+def forward(params, x, t, txt, *, pe, cond_rows, bias, t_cond, blocks=None, controlnet=None):
     """The model on this rank's batch: returns (out sharded over "sp", its full length,
     None). ``blocks``: the block function as a compile region (`nn.compile.regions`,
-    passed by the api); None: this module's."""
+    passed by the api); None: this module's. ``controlnet``: the residual after each block."""
     run_block = block if blocks is None else blocks.block
     c, S = params.config, x.shape[1]
     img = L.linear(params["img_in"], x)
@@ -470,11 +494,14 @@ def forward(params, x, t, txt, *, pe, cond_rows, bias, t_cond, blocks=None):
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe, bias)
     img_mods, txt_mods, out_mod = modulations(params, temb, img.shape[0])
     consts, static = (pe, key_bias, cond_rows), (run_block, c.attention_head_dim)
-    img, txt = _scan.layers(params, "transformer_blocks", _block, (img, txt), (img_mods, txt_mods), consts, static)
+    per_layer = (img_mods, txt_mods) if controlnet is None else (img_mods, txt_mods, _control.local(controlnet))
+    img, txt = _scan.layers(params, "transformer_blocks", _block, (img, txt), per_layer, consts, static)
     return final_layer(params, img, out_mod), S, None
 
 
 def _block(carry, p, mods, consts, static):
-    """One block as a `nn.scan.layers` step: carry (img, txt)."""
+    """One block as a `nn.scan.layers` step: carry (img, txt); a third entry of ``mods`` is
+    a ControlNet residual added to the image stream after the block."""
     (fn, D), (pe, key_bias, cond_rows) = static, consts
-    return fn(p, *carry, *mods, pe, D, key_bias, cond_rows)
+    img, txt = fn(p, *carry, *mods[:2], pe, D, key_bias, cond_rows)
+    return (img if len(mods) == 2 else img + mods[2]), txt

@@ -21,7 +21,7 @@ import torch
 
 import functional_dit as fd
 import sharding
-from functional_dit import families
+from functional_dit import controlnet, families
 from sharding.tree import flatten, mismatch_report, nest
 
 from . import _commit
@@ -116,7 +116,8 @@ def _config(config, src: Source, detected):
     if config is None:
         raise ValueError(_no_config_message(src, detected))
     cls = fd.config_to_diffusers(config)["_class_name"]
-    if detected is not None and detected[0] != cls:
+    # A ControlNet's keys include its family's blocks (detected as that family): diffusers layout.
+    if detected is not None and detected[0] != cls and cls not in controlnet.BY_DIFFUSERS_CLASS:
         raise ValueError(
             f"config: a {L.FAMILY_NAMES.get(cls, cls)} config ({type(config).__name__}), but the keys of "
             f"{src.path} are those of {L.FAMILY_NAMES[detected[0]]} ({detected[1]} layout)"

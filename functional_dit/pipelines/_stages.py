@@ -107,10 +107,11 @@ def _block(fam, name: str, ctx: dict, attn_name: str, args: tuple):
     return getattr(fam, name)(*args, attn=hook)
 
 
-def flux1_stages(params, x, t, txt, *, pooled, guidance, pe, ip=None) -> Stages:
-    """`flux1.forward` up to its first block, as `Stages` (no IP-Adapter)."""
+def flux1_stages(params, x, t, txt, *, pooled, guidance, pe, ip=None, controlnet=None) -> Stages:
+    """`flux1.forward` up to its first block, as `Stages` (no IP-Adapter, no ControlNet)."""
     if ip is not None:
         raise ValueError("ip_adapter: step caching with IP-Adapter is not supported; expected ip_adapter=None")
+    _no_controlnet(controlnet)
     img = L.linear(params["x_embedder"], x)
     t = t.to(img.dtype) * 1000
     guidance = None if guidance is None else guidance.to(img.dtype) * 1000
@@ -177,8 +178,16 @@ def _qwen_block(p, i, streams, ctx):
     return _block(qwen, "block", ctx, f"transformer_blocks.{i}.attn", args)
 
 
-def qwen_stages(params, x, t, txt, *, pe, cond_rows, bias, t_cond) -> Stages:
-    """`qwenimage.forward` up to its first block, as `Stages`."""
+def _no_controlnet(controlnet) -> None:
+    if controlnet is not None:
+        raise ValueError(
+            "controlnet_block_samples: step caching with ControlNet residuals is not supported; disable the cache"
+        )
+
+
+def qwen_stages(params, x, t, txt, *, pe, cond_rows, bias, t_cond, controlnet=None) -> Stages:
+    """`qwenimage.forward` up to its first block, as `Stages` (no ControlNet)."""
+    _no_controlnet(controlnet)
     c = params.config
     img = L.linear(params["img_in"], x)
     temb = qwen.time_embed(params["time_text_embed"], t.to(img.dtype), t_cond, c.zero_cond_t)

@@ -17,8 +17,10 @@ the stock module; each forward reads them back into `Params`. The rest of the st
 surface (fused projections, gradient checkpointing, the refusals) is in
 `_adapter_surface`, the PEFT methods in `_adapter_peft`, FLUX.2's KV cache (diffusers'
 ``Flux2KVCache``) in `_adapter_kv`, ``enable_layerwise_casting`` (fp8 storage over
-`fd.layerwise_cast`) in `_adapter_layerwise`. Arguments it cannot honour (ControlNet residuals,
-custom attention processors) raise a ``ValueError``; FLUX.1's IP-Adapter is in `_adapter_ip`.
+`fd.layerwise_cast`) in `_adapter_layerwise`. Arguments it cannot honour (custom attention
+processors) raise a ``ValueError``; FLUX.1's IP-Adapter is in `_adapter_ip`. ControlNet residuals
+(``controlnet_block_samples``, FLUX.1's ``controlnet_single_block_samples`` and
+``controlnet_blocks_repeat``) go to `fd.apply` as they are (docs/controlnet.md).
 
 LoRA: ``adapter.set_lora([(lora_adapter, scale), ...])`` applies `functional_dit.lora`
 adapters on the fly in every forward (plain or sharded, several at separate scales,
@@ -71,7 +73,15 @@ _PIPELINES = {fam.KEY: " / ".join(_families.pipeline_names(fam)) for fam in _fam
 # Forward arguments beyond the shared ones (hidden_states, timestep,
 # encoder_hidden_states, guidance, return_dict), per family.
 _FAMILY_ARGS = {
-    "flux1": {"pooled_projections", "img_ids", "txt_ids", "joint_attention_kwargs"},
+    "flux1": {
+        "pooled_projections",
+        "img_ids",
+        "txt_ids",
+        "joint_attention_kwargs",
+        "controlnet_block_samples",
+        "controlnet_single_block_samples",
+        "controlnet_blocks_repeat",
+    },
     "flux2": {
         "img_ids",
         "txt_ids",
@@ -81,7 +91,13 @@ _FAMILY_ARGS = {
         "num_ref_tokens",
         "ref_fixed_timestep",
     },
-    "qwenimage": {"encoder_hidden_states_mask", "img_shapes", "attention_kwargs", "additional_t_cond"},
+    "qwenimage": {
+        "encoder_hidden_states_mask",
+        "img_shapes",
+        "attention_kwargs",
+        "additional_t_cond",
+        "controlnet_block_samples",
+    },
     "flux3": {
         "img_ids",
         "txt_ids",
@@ -99,7 +115,7 @@ _FAMILY_ARGS = {
         "kv_cache_mode",
     },
 }
-# Stock forward arguments the adapter does not implement, with their defaults (accepted).
+# Stock forward arguments of the families that do not take them, with their defaults (accepted).
 _UNSUPPORTED = {
     "controlnet_block_samples": None,
     "controlnet_single_block_samples": None,
@@ -354,6 +370,8 @@ class DiffusersTransformer(
         for key, value in kwargs.items():
             if key in _FAMILY_ARGS[fam]:
                 continue
+            if key in _UNSUPPORTED and value is _UNSUPPORTED[key]:  # a stock option left at its default
+                continue
             others = [f for f, keys in _FAMILY_ARGS.items() if key in keys]
             if others:
                 raise ValueError(
@@ -362,8 +380,6 @@ class DiffusersTransformer(
                     f"{' / '.join(_STOCK_CLASS[f] for f in others)} ({' or '.join(_PIPELINES[f] for f in others)}); "
                     "is this adapter in the wrong pipeline?"
                 )
-            if key in _UNSUPPORTED and value is _UNSUPPORTED[key]:  # a stock option left at its default
-                continue
             raise ValueError(f"{key}: not supported by functional_dit's {name} adapter, got {type(value).__name__}")
         return {k: v for k, v in kwargs.items() if k in _FAMILY_ARGS[fam]}
 
@@ -432,7 +448,16 @@ class DiffusersTransformer(
             alphas = {k.removeprefix(f"{prefix}."): v for k, v in alphas.items() if k.startswith(f"{prefix}.")}
         self._peft_load(state, metadata, alphas, name)
 
-    def _flux1_args(self, pooled_projections=None, img_ids=None, txt_ids=None, joint_attention_kwargs=None):
+    def _flux1_args(
+        self,
+        pooled_projections=None,
+        img_ids=None,
+        txt_ids=None,
+        joint_attention_kwargs=None,
+        controlnet_block_samples=None,
+        controlnet_single_block_samples=None,
+        controlnet_blocks_repeat=False,
+    ):
         kwargs = dict(joint_attention_kwargs or {})
         ip = self.ip_adapter_input(kwargs.pop("ip_adapter_image_embeds", None))
         self._lora_scale("joint_attention_kwargs", kwargs)
@@ -442,7 +467,12 @@ class DiffusersTransformer(
                 "as the FLUX.2 and Qwen-Image pipelines call their transformers; is this adapter in the wrong "
                 f"pipeline? It belongs in {_PIPELINES['flux1']}"
             )
-        return dict(pooled=pooled_projections, img_ids=img_ids, txt_ids=txt_ids, ip_adapter=ip)
+        control = dict(
+            controlnet_block_samples=controlnet_block_samples,
+            controlnet_single_block_samples=controlnet_single_block_samples,
+            controlnet_blocks_repeat=controlnet_blocks_repeat,
+        )
+        return dict(pooled=pooled_projections, img_ids=img_ids, txt_ids=txt_ids, ip_adapter=ip, **control)
 
     def _flux2_args(
         self,
@@ -474,13 +504,23 @@ class DiffusersTransformer(
         raise ValueError(f"kv_cache_mode: expected None, 'extract' or 'cached', got {kv_cache_mode!r}")
 
     def _qwen_args(
-        self, encoder_hidden_states_mask=None, img_shapes=None, attention_kwargs=None, additional_t_cond=None
+        self,
+        encoder_hidden_states_mask=None,
+        img_shapes=None,
+        attention_kwargs=None,
+        additional_t_cond=None,
+        controlnet_block_samples=None,
     ):
         self._lora_scale("attention_kwargs", attention_kwargs)
         mask = encoder_hidden_states_mask
         if isinstance(mask, torch.Tensor) and (mask.is_floating_point() or mask.is_complex()):
             mask = mask != 0  # the stock class casts to bool: any non-zero keeps the token
-        return dict(txt_mask=mask, img_shapes=img_shapes, additional_t_cond=additional_t_cond)
+        return dict(
+            txt_mask=mask,
+            img_shapes=img_shapes,
+            additional_t_cond=additional_t_cond,
+            controlnet_block_samples=controlnet_block_samples,
+        )
 
     # ---------------------------------------------------------------- save / load
 

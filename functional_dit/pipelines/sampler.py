@@ -46,6 +46,7 @@ from sharding.internal import is_dtensor
 from .. import families as _families
 from ..params import Params
 from . import _ranks, _requests
+from . import _sample_controlnet as _controlnet
 from . import _sample_flux2_image as _flux2_image
 from . import _sample_flux_image as _flux_image
 from . import _sample_flux_kontext as _kontext
@@ -282,6 +283,7 @@ def sample(
     cache=None,
     encoder_placement: str = "replicate",
     vae_tiling: bool = False,
+    controlnet=None,
 ):
     """Generate images with ``params`` (plain or sharded) and our own denoising loop.
 
@@ -338,6 +340,11 @@ def sample(
     ``fd.CacheRun`` (which then holds the last state and every step's decisions).
     ``encoder_placement``: "replicate", "shard" (over the params' tp group), "cpu" or
     "offload" (`functional_dit.pipelines.placement`); ``vae_tiling``: decode in tiles.
+    ``controlnet``: ``(params, image, scale)`` — ControlNet params (`functional_dit.controlnet`),
+    its control image (PIL) and conditioning scale; ``(params, image, scale, mode)`` for a
+    FLUX.1 Union ControlNet — or a list of them (their residuals summed), as
+    ``FluxControlNetPipeline`` / ``QwenImageControlNetPipeline`` run them
+    (`functional_dit.pipelines._sample_controlnet`; text to image only).
     """
 
     fam = _family_name(params)
@@ -349,6 +356,7 @@ def sample(
     _check_scales(guidance, true_cfg)
     _placement.check(encoder_placement, vae_tiling)
     steps, sigmas = _check_steps(steps, sigmas)
+    controls = _controlnet.check(controlnet, fam, latents, pipe)
     jobs = (image, mask_image, strength, padding_mask_crop, layers)
     pipe, edit = _image_job(pipe, fam, steps, output_type, jobs, latents, (height, width), (image_reference, kv_cache))
     _requests.check_max_sequence_length(fam, max_sequence_length)
@@ -361,6 +369,7 @@ def sample(
     lay = _ranks.layout(mesh, req.n)
     img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop, layers=layers)
     model = _family_model(fam, local_params if lay.split else params, pipe, image, kv_cache, img2img, edit)
+    model = model if controls is None else _controlnet.WithControlNet(model, controls, pipe)
     hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
     _check_latents(model, pipe, req, *hw)
     on_step = _on_step(pipe, callback, callback_on_step_end)

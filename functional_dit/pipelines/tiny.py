@@ -15,7 +15,10 @@ Kinds (`KINDS`): ``flux`` (FluxPipeline), ``flux-kontext`` (FluxKontextPipeline)
 ``flux2`` (Flux2Pipeline), ``flux2-klein`` (Flux2KleinPipeline), ``flux2-klein-kv``
 (Flux2KleinKVPipeline), ``qwen-image`` (QwenImagePipeline), ``qwen-image-edit``
 (QwenImageEditPipeline), ``qwen-image-edit-plus`` (QwenImageEditPlusPipeline),
-``qwen-image-2.1`` (QwenImage21Pipeline), ``flux3`` / ``flux3-distilled`` (the modular
+``qwen-image-2.1`` (QwenImage21Pipeline), ``flux-controlnet`` (FluxControlNetPipeline) and
+``qwen-image-controlnet`` (QwenImageControlNetPipeline) with a stock ControlNet holding
+`functional_dit.controlnet.init` weights (``controlnet=`` passes another: a Union or XLabs one,
+a multi-ControlNet wrapper, or an adapter), ``flux3`` / ``flux3-distilled`` (the modular
 ``Flux3ModularPipeline`` / ``Flux3DistilledModularPipeline``, built from their blocks; the
 tiny FLUX.3 text encoder has 2 layers, so call them with
 ``text_encoder_out_layers=FLUX3_LAYERS``). The kinds and their pipeline classes are the
@@ -478,10 +481,14 @@ _FLUX3 = dict(cond_in_channels=16, num_layers=1, joint_attention_dim=len(FLUX3_L
 # and the switches of the released model it stands for).
 _CONFIG_CHANGES = {
     "flux": dict(joint_attention_dim=_T5_DIM, pooled_projection_dim=_CLIP_DIM, guidance_embeds=True),  # dev-style
+    "flux-controlnet": dict(joint_attention_dim=_T5_DIM, pooled_projection_dim=_CLIP_DIM, guidance_embeds=True),
     "flux-kontext": dict(joint_attention_dim=_T5_DIM, pooled_projection_dim=_CLIP_DIM, guidance_embeds=False),
     # FLUX.2-dev is guidance-distilled, klein is not
     **{k: dict(joint_attention_dim=3 * w, guidance_embeds=k == "flux2") for k, w in _FLUX2_WIDTHS.items()},
-    **{k: dict(joint_attention_dim=_QWEN25_DIM) for k in ("qwen-image", "qwen-image-edit", "qwen-image-edit-plus")},
+    **{
+        k: dict(joint_attention_dim=_QWEN25_DIM)
+        for k in ("qwen-image", "qwen-image-edit", "qwen-image-edit-plus", "qwen-image-controlnet")
+    },
     "qwen-image-2.1": dict(context_in_dim=_VL_DIM),
     "flux3": dict(_FLUX3, flow_map=False),  # the base model
     "flux3-distilled": dict(_FLUX3, flow_map=True),  # the flow map
@@ -549,7 +556,7 @@ def _qwen_components(kind: str, seed: int) -> dict:
         "text_encoder": qwen25vl_encoder(tok, seed),
         "tokenizer": tok,
     }
-    if kind != "qwen-image":
+    if kind not in ("qwen-image", "qwen-image-controlnet"):
         parts["processor"] = qwen_vl_processor()
     return parts
 
@@ -566,15 +573,39 @@ def components(kind: str, *, seed: int = 0) -> dict:
     return _qwen_components(kind, seed)
 
 
-def pipeline(kind: str, *, seed: int = 0, dtype=torch.float32, transformer=None):
+# The ControlNet kinds -> the tiny ControlNet preset their stock ControlNet is built from.
+CONTROLNETS = {"flux-controlnet": "flux1-controlnet-tiny", "qwen-image-controlnet": "qwen-image-controlnet-tiny"}
+
+
+def stock_controlnet(preset: str = "flux1-controlnet-tiny", *, seed: int = 0, dtype=torch.float32):
+    """The stock diffusers ControlNet (``FluxControlNetModel`` / ``QwenImageControlNetModel``)
+    for a `functional_dit.controlnet` preset, with ``controlnet.init(preset, seed)`` weights."""
+    from .. import controlnet as cn
+
+    cfg = cn.config_to_diffusers(preset)
+    module = getattr(diffusers, cfg.pop("_class_name"))(**cfg)
+    module.load_state_dict(cn.to_state_dict(cn.init(preset, seed=seed)))
+    if module.dtype != dtype:  # diffusers' to(dtype) warns about fp32 modules even when it changes nothing
+        module = module.to(dtype)
+    return module.eval().requires_grad_(False)
+
+
+def pipeline(kind: str, *, seed: int = 0, dtype=torch.float32, transformer=None, controlnet=None):
     """A ready stock diffusers pipeline for ``kind`` (see `KINDS`), every module in eval
     mode and ``dtype``. ``transformer``: any drop-in transformer module (e.g.
     `fd.DiffusersTransformer`); by default the stock diffusers class with
-    ``fd.init(transformer_config(kind), seed)`` weights."""
+    ``fd.init(transformer_config(kind), seed)`` weights. ``controlnet`` (the ControlNet
+    kinds): the pipeline's ControlNet module; by default `stock_controlnet` of the kind's
+    tiny preset (`CONTROLNETS`)."""
     _check_kind(kind)
     if transformer is None:
         transformer = stock_transformer(kind, seed=seed, dtype=dtype)
-    pipe = _assemble(kind, components(kind, seed=seed), transformer)
+    parts = components(kind, seed=seed)
+    if kind in CONTROLNETS:
+        parts["controlnet"] = stock_controlnet(CONTROLNETS[kind], seed=seed) if controlnet is None else controlnet
+    elif controlnet is not None:
+        raise ValueError(f"controlnet: the {kind!r} pipeline takes none; expected None (kinds: {sorted(CONTROLNETS)})")
+    pipe = _assemble(kind, parts, transformer)
     if dtype != torch.float32:
         pipe = pipe.to(dtype)
         fix_buffers(transformer, dtype)
