@@ -290,14 +290,43 @@ def _sdpa(q, k, v, key_bias):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
 
 
+def attention_lse(q, k, v, key_bias=None, mask=None):
+    """One key block of ring attention: q (B, Sq, H, D), k, v (B, Sk, H, D) -> (out fp32
+    (B, Sq, H, D) normalised over these keys, log-sum-exp fp32 (B, Sq, H)), the maths of
+    SDPA with its softmax statistics kept (`sharding.merge` combines blocks).
+
+    ``key_bias`` (B, Sk) and ``mask`` (Sq, Sk) are additive (0 keep, -inf drop). A row
+    with no unmasked key gives out 0 and lse -inf, with finite gradients. The maximum
+    is detached: the result does not depend on it, so neither does its gradient."""
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * q.shape[-1] ** -0.5  # (B, H, Sq, Sk)
+    if key_bias is not None:
+        s = s + key_bias[:, None, None, :].float()
+    if mask is not None:
+        s = s + mask
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros((), device=m.device))
+    p = torch.exp(s - m)
+    total = p.sum(-1, keepdim=True)
+    total = total.clamp_min(torch.finfo(p.dtype).tiny)  # 0 only where every key is masked
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v.float()) / total.transpose(1, 2)
+    lse = torch.where(torch.isfinite(s.amax(-1, keepdim=True)), m + total.log(), float("-inf"))
+    return out, lse.squeeze(-1).transpose(1, 2)
+
+
+def _ring_block(q, k, v, key_bias, q_start, k_start):
+    return attention_lse(q, k, v, key_bias)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None = None):
     """Scaled dot-product attention: q, k, v (B, S, H, D) -> (B, S, H*D).
 
     ``key_bias`` (B, S) is an additive key mask (0 keep, -inf drop): static shapes, no
-    boolean indexing. Under Ulysses sequence parallelism S is this rank's slice and
-    `sharding.ulysses` swaps sequence for heads around the kernel.
+    boolean indexing. Under sequence parallelism S is this rank's slice:
+    `sharding.sequence_attention` swaps sequence for heads around the kernel (Ulysses,
+    ``sp``) and, on a ``ring`` axis, passes key/value blocks around the ring
+    (`attention_lse` per block, docs/sharding.md).
     """
-    return sharding.ulysses(_sdpa, q, k, v, key_bias).flatten(2)
+    return sharding.sequence_attention(_sdpa, _ring_block, q, k, v, key_bias).flatten(2)
 
 
 def shard_joint(txt: torch.Tensor, img: torch.Tensor, pe, txt_bias: torch.Tensor | None = None):
