@@ -28,7 +28,10 @@ def _axes(axis) -> tuple[str, ...]:
 
 def split_size(axis) -> int:
     """How many chunks a dim split over ``axis`` has (`SEQUENCE` for "sp")."""
-    return math.prod(axis_size(a) for a in _axes(axis))
+    size = 1
+    for a in _axes(axis):  # a loop, not math.prod over a generator: dynamo traces this
+        size *= axis_size(a)
+    return size
 
 
 def chunk_index(axis) -> int:

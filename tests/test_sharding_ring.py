@@ -5,11 +5,14 @@ ring=2 (tiny configs with 2 or 4 heads, so the degree 4 exceeds the heads or doe
 divide them, and sequence lengths the ring does not divide); the KV caches (FLUX.2's
 reference tokens, Qwen-Image 2.1's prefix) extracted and used on the ring; gradients
 under ring and USP equal unsharded autograd; LoRA on the fly; `fd.sample` with a
-First-Block Cache on USP equals one process, decisions included. The block kernel and
+First-Block Cache on USP equals one process, decisions included; `torch.compile`
+(fullgraph) of USP equals eager. The block kernel and
 the merge are checked in-process against SDPA, and the plan's errors name the values.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -103,7 +106,7 @@ def _lora(config):
     return lora.init(config, rank=2, targets=tuple(lora.linear_modules(config)), alpha=4.0, seed=3, zero_b=False)
 
 
-def _work(rank, world, cases, grad_cases, lora_case):
+def _work(rank, world, cases, grad_cases, lora_case, compile_case):
     from functional_dit import tiny
 
     res = {}
@@ -123,7 +126,17 @@ def _work(rank, world, cases, grad_cases, lora_case):
     pipe = tiny.pipeline("flux")
     mesh = sharding.make_mesh(sp=2, ring=2)
     res["sample"] = _sample(sharding.shard_params(fd.from_diffusers(pipe.transformer), mesh), pipe)
+    res["compiled"] = _compiled(mesh, *compile_case)
     return res
+
+
+def _compiled(mesh, config, kw):
+    """(compiled == eager, the compiled output) of `fd.apply` on ``mesh``: fullgraph (no
+    graph break: the ring's passes are functional collectives), aot_eager and
+    dynamic=False as test_sharding's compile test (dynamo and AOTAutograd, no inductor)."""
+    s = sharding.shard_params(fd.init(config, seed=SEED), mesh)
+    compiled = torch.compile(fd.apply, fullgraph=True, dynamic=False, backend="aot_eager")(s, **kw)
+    return torch.equal(compiled, fd.apply(s, **kw)), compiled
 
 
 def test_ring_and_usp_equal_one_process():
@@ -146,7 +159,11 @@ def test_ring_and_usp_equal_one_process():
     pipe = tiny.pipeline("flux")
     sample_ref = _sample(fd.from_diffusers(pipe.transformer), pipe)
 
-    per_rank = spawn(_work, 4, cases, grad_cases, (F1.TINY, lkw, ad), init=False, timeout=600)
+    one_block = dataclasses.replace(F1.TINY, num_layers=1, num_single_layers=1)
+    ckw = F1.inputs(one_block, batch=2, txt_len=5, h=2, w=3, seed=1)  # 5 + 6 tokens over 4 ranks: padded
+    compile_ref = fd.apply(fd.init(one_block, seed=SEED), **ckw)
+
+    per_rank = spawn(_work, 4, cases, grad_cases, (F1.TINY, lkw, ad), (one_block, ckw), init=False, timeout=600)
 
     r0 = per_rank[0]
     for shape in MESHES:  # every family ran on every mesh
@@ -170,6 +187,9 @@ def test_ring_and_usp_equal_one_process():
         assert r["sample"][1] == decisions
         torch.testing.assert_close(r["sample"][0], latents, **FP32)
         assert torch.equal(r["sample"][0], r0["sample"][0])
+        same, compiled = r["compiled"]
+        assert same  # compiled USP == eager USP, bitwise
+        torch.testing.assert_close(compiled, compile_ref, **FP32)
 
 
 # ----------------------------------------------------------------------------- in process
