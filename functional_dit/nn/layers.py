@@ -292,24 +292,58 @@ def _sdpa(q, k, v, key_bias):
 
 def attention_lse(q, k, v, key_bias=None, mask=None):
     """One key block of ring attention: q (B, Sq, H, D), k, v (B, Sk, H, D) -> (out fp32
-    (B, Sq, H, D) normalised over these keys, log-sum-exp fp32 (B, Sq, H)), the maths of
-    SDPA with its softmax statistics kept (`sharding.merge` combines blocks).
+    (B, Sq, H, D) normalised over these keys, log-sum-exp fp32 (B, Sq, H)), SDPA with its
+    softmax statistics kept (`sharding.merge` combines blocks).
 
     ``key_bias`` (B, Sk) and ``mask`` (Sq, Sk) are additive (0 keep, -inf drop). A row
-    with no unmasked key gives out 0 and lse -inf, with finite gradients. The maximum
-    is detached: the result does not depend on it, so neither does its gradient."""
+    with no unmasked key gives out 0 and lse -inf. On a CPU with nothing to
+    differentiate, torch's fused CPU flash kernel (the one SDPA runs there); else the
+    exact maths, which autograd, forward AD, vmap and torch.compile all trace."""
+    if _fused_lse_ok(q, k, v):
+        return _attention_lse_cpu(q, k, v, key_bias, mask)
+    return _attention_lse_math(q, k, v, key_bias, mask)
+
+
+def _fused_lse_ok(*ts) -> bool:
+    differentiating = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+    return (
+        ts[0].device.type == "cpu"
+        and not differentiating
+        and not torch.compiler.is_compiling()
+        and not sharding.forward_ad_active()
+        and not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts)
+        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    )
+
+
+def _attention_lse_cpu(q, k, v, key_bias, mask):
+    bias = None if key_bias is None else key_bias[:, None, None, :].float()
+    if mask is not None:
+        bias = mask[None, None] if bias is None else bias + mask
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = kernel(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=None if bias is None else bias.to(q.dtype))
+    if bias is not None:  # the kernel gives a row with no key lse 0 (and out 0): make it -inf
+        seen = torch.isfinite(bias).any(-1)  # (B or 1, 1, Sq or 1)
+        lse = torch.where(seen, lse, float("-inf"))
+    return out.transpose(1, 2).float(), lse.transpose(1, 2)
+
+
+def _attention_lse_math(q, k, v, key_bias, mask):
+    """The maths of `attention_lse`; the maximum is detached (the result does not depend
+    on it, so neither does its gradient)."""
     s = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * q.shape[-1] ** -0.5  # (B, H, Sq, Sk)
     if key_bias is not None:
         s = s + key_bias[:, None, None, :].float()
     if mask is not None:
         s = s + mask
-    m = s.amax(-1, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros((), device=m.device))
+    top = s.amax(-1, keepdim=True).detach()
+    seen = torch.isfinite(top)  # False where every key is masked
+    m = torch.where(seen, top, torch.zeros((), device=top.device))
     p = torch.exp(s - m)
     total = p.sum(-1, keepdim=True)
     total = total.clamp_min(torch.finfo(p.dtype).tiny)  # 0 only where every key is masked
     out = torch.einsum("bhqk,bkhd->bqhd", p, v.float()) / total.transpose(1, 2)
-    lse = torch.where(torch.isfinite(s.amax(-1, keepdim=True)), m + total.log(), float("-inf"))
+    lse = torch.where(seen, m + total.log(), float("-inf"))
     return out, lse.squeeze(-1).transpose(1, 2)
 
 
