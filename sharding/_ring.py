@@ -62,12 +62,14 @@ def ring_attention(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bi
     kv = torch.stack([k, v])  # one pass moves both
     out = lse = None
     for step in range(n):
-        if step:
-            kv = ppermute(kv, axis, 1)
+        # the next block's pass is issued before this block's attention, so a compiled
+        # graph (whose waits sit at first use) overlaps the two
+        arriving = ppermute(kv, axis, 1) if step < n - 1 else None
         src = (me - step) % n  # whose block this rank holds now
         bias = None if key_bias is None else key_bias[:, src * L : (src + 1) * L]
         o, lse_o = fn(q, kv[0], kv[1], bias, me * q.shape[1], src * L)
         out, lse = (o, lse_o) if out is None else merge(out, lse, o, lse_o)
+        kv = arriving
     return out.to(q.dtype)
 
 

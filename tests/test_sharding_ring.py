@@ -6,7 +6,7 @@ divide them, and sequence lengths the ring does not divide); the KV caches (FLUX
 reference tokens, Qwen-Image 2.1's prefix) extracted and used on the ring; gradients
 under ring and USP equal unsharded autograd; LoRA on the fly; `fd.sample` with a
 First-Block Cache on USP equals one process, decisions included; `torch.compile`
-(fullgraph) of USP equals eager. The block kernel and
+(fullgraph) of USP equals one process. The block kernel and
 the merge are checked in-process against SDPA, and the plan's errors name the values.
 """
 
@@ -136,12 +136,11 @@ def _work(rank, world, cases, grad_cases, lora_case, compile_case):
 
 
 def _compiled(mesh, config, kw):
-    """(compiled == eager, the compiled output) of `fd.apply` on ``mesh``: fullgraph (no
-    graph break: the ring's passes are functional collectives), aot_eager and
-    dynamic=False as test_sharding's compile test (dynamo and AOTAutograd, no inductor)."""
+    """The compiled `fd.apply` on ``mesh``: fullgraph (no graph break: the ring's passes
+    are functional collectives), aot_eager and dynamic=False as test_sharding's compile
+    test (dynamo and AOTAutograd, no inductor)."""
     s = sharding.shard_params(fd.init(config, seed=SEED), mesh)
-    compiled = torch.compile(fd.apply, fullgraph=True, dynamic=False, backend="aot_eager")(s, **kw)
-    return torch.equal(compiled, fd.apply(s, **kw)), compiled
+    return torch.compile(fd.apply, fullgraph=True, dynamic=False, backend="aot_eager")(s, **kw)
 
 
 def test_ring_and_usp_equal_one_process():
@@ -193,9 +192,9 @@ def test_ring_and_usp_equal_one_process():
         assert r["sample"][1] == decisions
         torch.testing.assert_close(r["sample"][0], latents, **FP32)
         assert torch.equal(r["sample"][0], r0["sample"][0])
-        same, compiled = r["compiled"]
-        assert same  # compiled USP == eager USP, bitwise
-        torch.testing.assert_close(compiled, compile_ref, **FP32)
+        # compiled vs one process at the fp32 tolerance, not bitwise vs eager: eager inference
+        # runs the ring blocks in torch's fused CPU kernel, compiled code the exact maths
+        torch.testing.assert_close(r["compiled"], compile_ref, **FP32)
 
 
 # ----------------------------------------------------------------------------- in process
