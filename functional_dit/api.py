@@ -288,14 +288,14 @@ def _family_args(fam, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in fam.ARGS}
 
 
-_SHARE_AXES = ("sp", "dp")
+_SHARE_AXES = ("ring", "sp", "dp")  # the sequence (sp x ring) and batch splits
 
 
 def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
     """Checks in the full view, the dp split, the family's forward, the sp/dp gathers;
     LoRA ``adapters`` (local views) attached to their layers first, under the bound mesh.
 
-    Params and inputs are first marked by ``sharding.pvary`` over sp and dp: each rank
+    Params and inputs are first marked by ``sharding.pvary`` over ring, sp and dp: each rank
     computes with its own tokens and batch items, so the gradient of any of them (each is
     whole on every rank) comes as per-rank shares, summed over those axes here, once.
     (Over tp the model pairs its collectives Megatron-style instead.)"""

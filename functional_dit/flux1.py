@@ -487,7 +487,7 @@ def check_ip_adapter(params, ip: dict, B: int) -> dict:
     for j, e in enumerate(ip["image_embeds"]):
         if not isinstance(e, torch.Tensor) or e.ndim < 3 or e.shape[0] != B:
             raise ValueError(f"ip_adapter: image_embeds[{j}]: expected ({B}, num_images, embed_dim), got {e!r:.80}")
-    busy = [a for a in ("tp", "sp", "dp") if sharding.axis_size(a) > 1]
+    busy = [a for a in ("tp", "sp", "ring", "dp") if sharding.axis_size(a) > 1]
     if busy:
         raise ValueError(
             f"ip_adapter: IP-Adapter is not supported on a mesh yet, got {busy[0]}={sharding.axis_size(busy[0])}"

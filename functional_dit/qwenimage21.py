@@ -403,14 +403,46 @@ def _full_attention(q, k, v, key_bias):
     return _sdpa(q, k, v, _bias4(key_bias))
 
 
+def segment_mask(segments: tuple, prefix: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """`block_causal`'s mask as an additive (Sq, Sk) bias of query and key positions: a
+    prefix segment's queries see the keys before its end (a text segment causally), the
+    target's queries (and padding rows, stripped later) see every key."""
+    allowed = (q_pos >= prefix)[:, None].expand(q_pos.shape[0], k_pos.shape[0])
+    for start, end, is_text in segments:
+        ok = k_pos[None] < end
+        if is_text:
+            ok = ok & (k_pos[None] <= q_pos[:, None])
+        allowed = allowed | (((q_pos >= start) & (q_pos < end))[:, None] & ok)
+    zero = torch.zeros((), device=q_pos.device)
+    return torch.where(allowed, zero, torch.full((), float("-inf"), device=q_pos.device))
+
+
+def ring_block_causal(segments: tuple, prefix: int):
+    """`block_causal` as a ring-attention block kernel (``sharding.ring_attention``): the
+    same mask from the blocks' positions in the sequence."""
+
+    def block(q, k, v, key_bias, q_start, k_start):
+        pos = lambda start, n: torch.arange(start, start + n, device=q.device)  # noqa: E731
+        mask = segment_mask(segments, prefix, pos(q_start, q.shape[1]), pos(k_start, k.shape[1]))
+        return L.attention_lse(q, k, v, key_bias, mask)
+
+    return block
+
+
+def _ring_full(q, k, v, key_bias, q_start, k_start):
+    return L.attention_lse(q, k, v, key_bias)
+
+
 class Attn(NamedTuple):
     """How a block attends: ``fn`` (`block_causal` or full), and in cached mode this
-    layer's cached k, v and their key bias (local view)."""
+    layer's cached k, v and their key bias (local view); ``block`` the same as a ring
+    attention block kernel (on a ``ring`` mesh axis)."""
 
     fn: object
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    block: object = _ring_full
 
 
 def attention(a, h, pe, head_dim, eps, key_bias, how: Attn):
@@ -424,7 +456,7 @@ def attention(a, h, pe, head_dim, eps, key_bias, how: Attn):
             bias = torch.cat(
                 [zeros(how.k) if how.bias is None else how.bias, zeros(k) if key_bias is None else key_bias], 1
             )
-    out = sharding.ulysses(how.fn, q, kk, vv, bias).flatten(2)
+    out = sharding.sequence_attention(how.fn, how.block, q, kk, vv, bias).flatten(2)
     return L.row_linear(a["to_out"]["0"], out), k, v
 
 
@@ -642,7 +674,8 @@ def forward(params, x, t, txt, *, lay, pe, bias, mode, cache, batch):
     hows = (
         _cached_layers(cache, bias, x.device)
         if mode == "cached"
-        else [Attn(block_causal(lay.segments, lay.prefix))] * len(blocks)
+        else [Attn(block_causal(lay.segments, lay.prefix), block=ring_block_causal(lay.segments, lay.prefix))]
+        * len(blocks)
     )
     kvs = {}
     for i, (p, how) in enumerate(zip(blocks, hows)):

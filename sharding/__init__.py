@@ -6,7 +6,18 @@ other packages of the repository live in `sharding.internal`."""
 
 from . import tree
 from ._autodiff import forward_ad_active
-from ._axes import all_gather, all_to_all, axis_index, axis_size, bind, current_mesh, psum, pvary, ulysses
+from ._axes import (
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    bind,
+    current_mesh,
+    ppermute,
+    psum,
+    pvary,
+    ulysses,
+)
 from ._checkpoint import checkpoint_state
 from ._map import P, shard_map
 from ._mesh import AXES as AXES
@@ -27,7 +38,8 @@ from ._plan import (
     local_shape as local_shape,
 )
 from ._replicated import check_replicated
-from ._seq import gather, local_len, pad_bias, shard
+from ._ring import merge, ring_attention, sequence_attention
+from ._seq import SEQUENCE, chunk_index, gather, local_len, pad_bias, shard, split_size
 from ._shard import (
     dtensor_from_local,
     dtensor_placements,
@@ -42,6 +54,7 @@ from ._shard import (
 __all__ = [
     "DEFAULT_RULES",
     "P",
+    "SEQUENCE",
     "Replicate",
     "Shard",
     "all_gather",
@@ -53,6 +66,7 @@ __all__ = [
     "bytes_per_rank",
     "check_placement",
     "check_replicated",
+    "chunk_index",
     "checkpoint_state",
     "current_mesh",
     "default_device_type",
@@ -66,15 +80,20 @@ __all__ = [
     "local_view",
     "make_mesh",
     "mesh_device",
+    "merge",
     "mesh_sizes",
     "pad_bias",
     "placement_of",
     "plan",
+    "ppermute",
     "psum",
+    "ring_attention",
+    "sequence_attention",
     "pvary",
     "shard",
     "shard_map",
     "shard_params",
+    "split_size",
     "specs_of",
     "take",
     "tree",

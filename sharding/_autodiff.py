@@ -2,8 +2,9 @@
 
 Each collective's backward makes every rank's gradients equal the unsharded ones
 (Megatron-LM's pairing): ``psum`` all-reduce / identity, ``pvary`` identity /
-all-reduce, ``all_gather`` / this rank's slice, ``all_to_all`` / the reverse all-to-all.
-All four are linear, so jvp and vmap apply the op itself. Each is an
+all-reduce, ``all_gather`` / this rank's slice, ``all_to_all`` / the reverse all-to-all,
+``ppermute`` (ring attention's pass to the next rank) / the pass back to the previous one.
+All five are linear, so jvp and vmap apply the op itself. Each is an
 ``autograd.Function`` with a ``vmap`` rule; the ``jvp`` rule lives on a subclass used
 only under forward AD, since dynamo refuses ``fullgraph`` training graphs through a
 Function defining ``jvp``. The table and the reasons: docs/autodiff.md.
@@ -55,6 +56,18 @@ def all_to_all(x: torch.Tensor, group, n: int, split_dim: int, concat_dim: int) 
     out = _done(_funcol().all_to_all_single(chunks.flatten(0, 1), None, None, group))
     out = out.unflatten(0, (n, -1)).movedim(1, split_dim + 1)  # (n, ..., chunk at split_dim, ...)
     return out.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
+
+
+def permute(x: torch.Tensor, group, n: int, index: int, shift: int) -> torch.Tensor:
+    """Send ``x`` to rank ``index + shift`` of the group (mod ``n``) and return what rank
+    ``index - shift`` sent: one neighbour-to-neighbour pass of a ring. Written as an
+    all-to-all whose splits send everything to one peer (``funcol`` has no send/recv, and
+    this form traces under torch.compile; on NCCL it lowers to one send and one recv)."""
+    flat = x.contiguous().view(-1)
+    m, dst, src = flat.numel(), (index + shift) % n, (index - shift) % n
+    sends = [m if r == dst else 0 for r in range(n)]
+    receives = [m if r == src else 0 for r in range(n)]
+    return _done(_funcol().all_to_all_single(flat, receives, sends, group)).view(x.shape)
 
 
 def forward_ad_active() -> bool:
@@ -160,6 +173,26 @@ class AllToAll(torch.autograd.Function):
         return swap(_front(x, in_dims[0]), group, n, split_dim + 1, concat_dim + 1), 0
 
 
+class Permute(torch.autograd.Function):
+    """Ring pass by ``shift`` forward; the pass back (by ``-shift``) backward."""
+
+    @staticmethod
+    def forward(x, group, n, index, shift):
+        return permute(x, group, n, index, shift)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.n, ctx.index, ctx.shift = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        return ppermute(g, ctx.group, ctx.n, ctx.index, -ctx.shift), None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, n, index, shift):
+        return ppermute(_front(x, in_dims[0]), group, n, index, shift), 0
+
+
 class _PsumJvp(Psum):
     @staticmethod
     def jvp(ctx, tx, _):
@@ -182,6 +215,12 @@ class _AllToAllJvp(AllToAll):
     @staticmethod
     def jvp(ctx, tx, *_):
         return swap(tx, ctx.group, ctx.n, ctx.split_dim, ctx.concat_dim)
+
+
+class _PermuteJvp(Permute):
+    @staticmethod
+    def jvp(ctx, tx, *_):
+        return ppermute(tx, ctx.group, ctx.n, ctx.index, ctx.shift)
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -223,3 +262,9 @@ def swap(x: torch.Tensor, group, n: int, split_dim: int, concat_dim: int) -> tor
     if not _needs_rules(x):
         return all_to_all(x, group, n, split_dim, concat_dim)
     return _fn(AllToAll, _AllToAllJvp).apply(x, group, n, split_dim, concat_dim)
+
+
+def ppermute(x: torch.Tensor, group, n: int, index: int, shift: int) -> torch.Tensor:
+    if not _needs_rules(x):
+        return permute(x, group, n, index, shift)
+    return _fn(Permute, _PermuteJvp).apply(x, group, n, index, shift)

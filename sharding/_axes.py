@@ -122,6 +122,16 @@ def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int) -> t
     return _autodiff.swap(x, _group(axis), n, split_dim, concat_dim)
 
 
+def ppermute(x: torch.Tensor, axis: str, shift: int = 1) -> torch.Tensor:
+    """Pass ``x`` ``shift`` places along the ring of ``axis``: this rank sends its ``x`` to
+    the rank ``shift`` after it (cyclically) and returns what the rank ``shift`` before it
+    sent (JAX's ``ppermute`` with a cyclic shift). Backward: the pass back."""
+    n, index = _axis(axis)
+    if n == 1 or shift % n == 0:
+        return x
+    return _autodiff.ppermute(x, _group(axis), n, index, shift)
+
+
 def ulysses(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None, axis: str = "sp"):
     """Run ``fn(q, k, v, key_bias)`` on the whole sequence with this rank's heads:
     q, k, v (B, S/n, H, D) -> all-to-all -> (B, S, H/n, D); ``key_bias`` (B, S/n) is

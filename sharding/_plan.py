@@ -172,7 +172,8 @@ def _check_heads(config, rules, sizes) -> None:
     if (heads // tp) % sp:
         raise ValueError(
             f"num_attention_heads: Ulysses sequence parallelism needs the {heads // tp} heads per rank "
-            f"({heads} / {axis or 'tp'}={tp}) to divide by the degree sp={sp}"
+            f"({heads} / {axis or 'tp'}={tp}) to divide by the degree sp={sp}; a ring axis splits the sequence "
+            f"with no such limit (make_mesh(..., ring=n), docs/sharding.md)"
         )
 
 

@@ -73,6 +73,11 @@ def test_generate_transformer_file_with_base(flux_folder, tmp_path):
         ("{folder}", ["--height", "40"], "--height: expected a multiple of 16 (VAE scale 8 x 2x2 packing), got 40"),
         ("{folder}", ["--width", "8"], "--width: expected a multiple of 16"),
         ("{folder}", ["--tp", "2"], "--tp*--sp*--dp: expected 1 for a single process"),
+        (
+            "{folder}",
+            ["--sp", "2", "--ring", "2"],
+            "--tp*--sp*--dp*--ring: expected 1 for a single process (no torchrun), got 1*2*1*2 = 4",
+        ),
         ("{folder}", ["--image", "{tmp}/nope.png"], "--image: {tmp}/nope.png does not exist"),
     ],
 )

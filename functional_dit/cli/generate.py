@@ -11,6 +11,7 @@ heavy loading, each failure one line; the image is written through a temporary f
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import time
@@ -33,8 +34,8 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
 DESCRIPTION = (
-    "Generate an image with fd.sample. Under torchrun, --tp/--sp/--dp shard the model "
-    "over the ranks (tp*sp*dp = the number of ranks); rank 0 shows progress and writes the image."
+    "Generate an image with fd.sample. Under torchrun, --tp/--sp/--dp/--ring shard the model "
+    "over the ranks (tp*sp*dp*ring = the number of ranks); rank 0 shows progress and writes the image."
 )
 
 
@@ -97,6 +98,9 @@ def _run_arguments(p) -> None:
     p.add_argument("--tp", type=positive, default=1)
     p.add_argument("--sp", type=positive, default=1)
     p.add_argument("--dp", type=positive, default=1)
+    p.add_argument(
+        "--ring", type=positive, default=1, help="ring attention degree: splits the sequence further, any head count"
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator, else cpu)")
     p.add_argument(
         "--dtype",
@@ -229,15 +233,17 @@ def _check_size(scale: int, height: int, width: int) -> None:
 
 def _mesh(args):
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
-    want = args.tp * args.sp * args.dp
+    sizes = {"tp": args.tp, "sp": args.sp, "dp": args.dp, **({"ring": args.ring} if args.ring > 1 else {})}
+    want = math.prod(sizes.values())
     if want != world_env:
         where = "torchrun's WORLD_SIZE" if "WORLD_SIZE" in os.environ else "a single process (no torchrun)"
-        raise CLIError(f"--tp*--sp*--dp: expected {world_env} for {where}, got {args.tp}*{args.sp}*{args.dp} = {want}")
+        flags, values = "*".join(f"--{k}" for k in sizes), "*".join(str(v) for v in sizes.values())
+        raise CLIError(f"{flags}: expected {world_env} for {where}, got {values} = {want}")
     if want == 1:
         return None
     import sharding
 
-    return sharding.make_mesh(tp=args.tp, sp=args.sp, dp=args.dp, device_type=args.device)
+    return sharding.make_mesh(**sizes, device_type=args.device)
 
 
 def _device_dtype(args, mesh):

@@ -290,14 +290,77 @@ def _sdpa(q, k, v, key_bias):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
 
 
+def attention_lse(q, k, v, key_bias=None, mask=None):
+    """One key block of ring attention: q (B, Sq, H, D), k, v (B, Sk, H, D) -> (out fp32
+    (B, Sq, H, D) normalised over these keys, log-sum-exp fp32 (B, Sq, H)), SDPA with its
+    softmax statistics kept (`sharding.merge` combines blocks).
+
+    ``key_bias`` (B, Sk) and ``mask`` (Sq, Sk) are additive (0 keep, -inf drop). A row
+    with no unmasked key gives out 0 and lse -inf. On a CPU with nothing to
+    differentiate, torch's fused CPU flash kernel (the one SDPA runs there); else the
+    exact maths, which autograd, forward AD, vmap and torch.compile all trace."""
+    if _fused_lse_ok(q, k, v):
+        return _attention_lse_cpu(q, k, v, key_bias, mask)
+    return _attention_lse_math(q, k, v, key_bias, mask)
+
+
+def _fused_lse_ok(*ts) -> bool:
+    differentiating = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+    return (
+        ts[0].device.type == "cpu"
+        and not differentiating
+        and not torch.compiler.is_compiling()
+        and not sharding.forward_ad_active()
+        and not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts)
+        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    )
+
+
+def _attention_lse_cpu(q, k, v, key_bias, mask):
+    bias = None if key_bias is None else key_bias[:, None, None, :].float()
+    if mask is not None:
+        bias = mask[None, None] if bias is None else bias + mask
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = kernel(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=None if bias is None else bias.to(q.dtype))
+    if bias is not None:  # the kernel gives a row with no key lse 0 (and out 0): make it -inf
+        seen = torch.isfinite(bias).any(-1)  # (B or 1, 1, Sq or 1)
+        lse = torch.where(seen, lse, float("-inf"))
+    return out.transpose(1, 2).float(), lse.transpose(1, 2)
+
+
+def _attention_lse_math(q, k, v, key_bias, mask):
+    """The maths of `attention_lse`; the maximum is detached (the result does not depend
+    on it, so neither does its gradient)."""
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * q.shape[-1] ** -0.5  # (B, H, Sq, Sk)
+    if key_bias is not None:
+        s = s + key_bias[:, None, None, :].float()
+    if mask is not None:
+        s = s + mask
+    top = s.amax(-1, keepdim=True).detach()
+    seen = torch.isfinite(top)  # False where every key is masked
+    m = torch.where(seen, top, torch.zeros((), device=top.device))
+    p = torch.exp(s - m)
+    total = p.sum(-1, keepdim=True)
+    total = total.clamp_min(torch.finfo(p.dtype).tiny)  # 0 only where every key is masked
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v.float()) / total.transpose(1, 2)
+    lse = torch.where(seen, m + total.log(), float("-inf"))
+    return out, lse.squeeze(-1).transpose(1, 2)
+
+
+def _ring_block(q, k, v, key_bias, q_start, k_start):
+    return attention_lse(q, k, v, key_bias)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None = None):
     """Scaled dot-product attention: q, k, v (B, S, H, D) -> (B, S, H*D).
 
     ``key_bias`` (B, S) is an additive key mask (0 keep, -inf drop): static shapes, no
-    boolean indexing. Under Ulysses sequence parallelism S is this rank's slice and
-    `sharding.ulysses` swaps sequence for heads around the kernel.
+    boolean indexing. Under sequence parallelism S is this rank's slice:
+    `sharding.sequence_attention` swaps sequence for heads around the kernel (Ulysses,
+    ``sp``) and, on a ``ring`` axis, passes key/value blocks around the ring
+    (`attention_lse` per block, docs/sharding.md).
     """
-    return sharding.ulysses(_sdpa, q, k, v, key_bias).flatten(2)
+    return sharding.sequence_attention(_sdpa, _ring_block, q, k, v, key_bias).flatten(2)
 
 
 def shard_joint(txt: torch.Tensor, img: torch.Tensor, pe, txt_bias: torch.Tensor | None = None):

@@ -29,8 +29,9 @@ The attention-level caches hook the family's block functions at their attention 
 (the blocks' ``attn`` argument: FLUX.1, FLUX.2, Qwen-Image); the others run whole
 blocks.
 
-Under a mesh every rank holds its local part of the state (sp rows, dp items); the
-First-Block metric is summed over sp and dp (one small all-reduce per axis) so that
+Under a mesh every rank holds its local part of the state (sequence rows over sp and
+ring, dp items); the First-Block metric is summed over sp, ring and dp (one small
+all-reduce per axis) so that
 every rank takes the same decision; TaylorSeer and MagCache decide from the step count
 alone, FasterCache from the step count and the timestep.
 """
@@ -469,9 +470,9 @@ def _rest_image(s, head: tuple, img1: torch.Tensor, computes: list[bool]) -> tor
 
 def branch_sums(r, prev, info: _Items, seq: int, reduce: bool = True):
     """Per branch: sum |r - prev| and sum |prev| over its items' real image rows (float64),
-    summed over the sp and dp ranks (``reduce``) so that every rank sees the whole."""
+    summed over the sp, ring and dp ranks (``reduce``) so that every rank sees the whole."""
     chunk = r.shape[1]
-    valid = max(0, min(chunk, seq - sharding.axis_index("sp") * chunk))  # sp padding rows excluded
+    valid = max(0, min(chunk, seq - sharding.chunk_index("sp") * chunk))  # sequence padding rows excluded
     num = (r - prev).abs()[:, :valid].double().sum((1, 2))
     den = prev.abs()[:, :valid].double().sum((1, 2))
     sums = torch.zeros(2, info.n, dtype=torch.float64, device=r.device)
@@ -480,7 +481,7 @@ def branch_sums(r, prev, info: _Items, seq: int, reduce: bool = True):
             sums[0, b] += num[i]
             sums[1, b] += den[i]
     if reduce:
-        sums = sharding.psum(sharding.psum(sums, "sp"), "dp")
+        sums = sharding.psum(sharding.psum(sharding.psum(sums, "sp"), "ring"), "dp")
     return sums[0], sums[1]
 
 
