@@ -20,6 +20,7 @@ from .. import families
 from ..pipelines import placement as _placement
 from ..pipelines.schedule import STRENGTH, t_start
 from . import _checks as C
+from . import _lora
 from ._args import CLIError, cache_spec, positive
 from ._files import write_image
 
@@ -75,6 +76,14 @@ def _job_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--guidance", type=float, default=None, help="embedded guidance (FLUX.1-dev, FLUX.2-dev)")
     p.add_argument("--true-cfg", type=float, default=None, help="classifier-free guidance scale (> 1 enables)")
+    p.add_argument(
+        "--lora",
+        action="append",
+        type=_lora.spec,
+        default=None,
+        metavar="PATH[:SCALE]",
+        help="a LoRA file applied on the fly at SCALE (1) to every prompt; repeatable",
+    )
 
 
 def _run_arguments(p) -> None:
@@ -279,6 +288,7 @@ def _setup(args):
     import weights
 
     _check_outputs(args)
+    _lora.check(args)
     model, base, config = resolve(args)
     _check_size(base, args.height, args.width)
     images = C.open_images(args.image)
@@ -347,6 +357,7 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
 
     import functional_dit as fd
 
+    adapters = _lora.argument([args.lora], _lora.load(params, [args.lora]))
     strength = getattr(args, "strength", None)
     runs = args.steps if strength is None else args.steps - t_start(args.steps, strength)
     bar = tqdm(total=runs, desc="denoising", disable=not rank0)
@@ -357,7 +368,7 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
         bar.update()
 
     try:
-        image = fd.sample(params, pipe, args.prompt, callback=step, **_sample_kwargs(args, images))[0]
+        image = fd.sample(params, pipe, args.prompt, callback=step, lora=adapters, **_sample_kwargs(args, images))[0]
     except ValueError as e:
         raise CLIError(str(e).splitlines()[0]) from None
     finally:
