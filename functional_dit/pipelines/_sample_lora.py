@@ -13,6 +13,8 @@ adapters' low-rank updates (docs/sampling.md, "LoRA").
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from ..lora import Adapter
@@ -57,6 +59,16 @@ def local(items: tuple | None, mesh) -> tuple | None:
             if id(ad) not in seen:
                 seen[id(ad)] = _lora.local_adapters([(ad, s)], mesh)[0][0]
     return tuple(tuple((seen[id(ad)], s) for ad, s in pairs) for pairs in items)
+
+
+def fingerprint(items: tuple | None):
+    """Per image, a digest of each adapter's config (base, modules, ranks, alphas) and its
+    scale: what the ranks that compute the same images must agree on (`_ranks.check`; the
+    factors themselves are per-rank shards)."""
+    if items is None:
+        return None
+    key = {id(ad): hashlib.sha1(repr(ad.config).encode()).hexdigest()[:16] for pairs in items for ad, _ in pairs}
+    return tuple(tuple((key[id(ad)], float(s)) for ad, s in pairs) for pairs in items)
 
 
 def rows(items: tuple, batch: int) -> list[tuple]:

@@ -421,7 +421,7 @@ def _settings(job: _Job, pipe, req, lay, model, dtype, size) -> dict:
         height=size[0], width=size[1], steps=job.steps, sigmas=sigmas, guidance=job.guidance, true_cfg=job.cfg,
         dtype=dtype, output_type=job.output_type, images=req.n, share=lay.share, batch_size=job.batch_size,
         kv_cache=model.kv, max_sequence_length=job.max_sequence_length, noise=req.noise[0],
-        cache=None if job.cache is None else repr(job.cache.config),
+        cache=None if job.cache is None else repr(job.cache.config), lora=_lora_items.fingerprint(job.lora),
         **{"strength": getattr(model, "strength", None), **getattr(model, "settings", {})},
     )  # fmt: skip
 
