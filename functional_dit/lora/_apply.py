@@ -7,6 +7,11 @@ precision. DoRA: attach hands the layer the factor ``g = mag / ||W + s B A||_row
 norm detached, PEFT's ``DoraLinearLayer``), and the layer adds ``(g - 1) * (its output
 less its bias) + g * s * B A x``; merge stores ``g * (W + s B A)``.
 
+Per item, ``(adapter, scale, rows)``: the adapter applies to those batch rows only; attach
+maps them to this dp rank's rows (`local_rows`) and hands the layers a constant index, and
+the layers gather those rows of ``x``, compute their update alone and add it back there
+(``index_select`` / ``index_add``: static shapes, no merged copy per adapter).
+
 Under tensor parallelism both run in the local view, each factor placed from its base
 weight's plan (see `_adapter`): a column-parallel layer holds ``A`` whole and its rows
 of ``B``; a row-parallel layer its columns of ``A`` and ``B`` whole, and sums the rank-r
@@ -31,7 +36,7 @@ from sharding.tree import copy_path, flatten, map_tree
 from ..params import Params
 from ._adapter import Adapter, weight_norm
 
-LORA = "lora"  # the key under which a layer dict carries its ((A, B, s, bias, g), ...) in attach
+LORA = "lora"  # the key under which a layer dict carries its ((A, B, s, bias, g[, (rows, n)]), ...) in attach
 
 
 def check(params: Params, lora, name: str = "lora", batch: int | None = None) -> list[tuple]:
