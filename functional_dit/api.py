@@ -244,6 +244,9 @@ def apply(params: Params, x, t, txt, *, lora=None, checkpoint: bool = False, **k
 
     ``lora`` (every family): a list of ``(adapter, scale)`` pairs (``functional_dit.lora``)
     applied on the fly, unmerged; sharded params need the adapters placed on the same mesh.
+    Per item: ``(adapter, scale, rows)`` applies the adapter to those rows of the batch only
+    (Python ints in ``[0, B)``; each row computes only its own adapters' low-rank updates,
+    gathered by row), e.g. ``lora=[(a, 1.0, [0, 2]), (b, 0.5, [1])]``; pairs and triples mix.
 
     ``checkpoint=True``: gradient (activation) checkpointing, per block: under autograd
     each transformer block keeps only its inputs and recomputes its activations in
@@ -254,7 +257,7 @@ def apply(params: Params, x, t, txt, *, lora=None, checkpoint: bool = False, **k
     kwargs = _family_args(fam, kwargs)
     _values.check_values(t, x=x, txt=txt, pooled=kwargs.get("pooled"), guidance=kwargs.get("guidance"))
     local, mesh = sharding.local_view(params)
-    adapters = _lora_adapters(params, lora, mesh)
+    adapters = _lora_adapters(params, lora, mesh, x.shape[0] if isinstance(x, torch.Tensor) and x.ndim else None)
     if not checkpoint:  # no context manager on the default path: nothing extra for torch.compile to trace
         return _apply_bound(fam, local, mesh, x, t, txt, kwargs, adapters)
     with _compile.recompute_blocks():
@@ -268,12 +271,12 @@ def _apply_bound(fam, local: Params, mesh, x, t, txt, kwargs: dict, adapters) ->
         return _apply_local(fam, local, x, t, txt, kwargs, adapters)
 
 
-def _lora_adapters(params: Params, lora, mesh) -> list:
-    """``lora`` checked against ``params`` (a list of ``(adapter, scale)``; None: none), as
-    the adapters' local views on the params' mesh."""
+def _lora_adapters(params: Params, lora, mesh, batch: int | None = None) -> list:
+    """``lora`` checked against ``params`` (a list of ``(adapter, scale[, rows])``, rows of a
+    batch of ``batch``; None: none), as the adapters' local views on the params' mesh."""
     if lora is None:
         return []
-    return _lora.local_adapters(_lora.check(params, lora), mesh)
+    return _lora.local_adapters(_lora.check(params, lora, batch=batch), mesh)
 
 
 def _family_args(fam, kwargs: dict) -> dict:
@@ -300,7 +303,7 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
     whole on every rank) comes as per-rank shares, summed over those axes here, once.
     (Over tp the model pairs its collectives Megatron-style instead.)"""
     if adapters:
-        params = _lora.attach(params, adapters)
+        params = _lora.attach(params, adapters, x.shape[0])
     if torch.is_grad_enabled() and any(sharding.axis_size(a) > 1 for a in _SHARE_AXES):  # only backward sums
         params, x, t, txt, kwargs = pytree.tree_map(_share, (params, x, t, txt, kwargs))
     inputs = fam.check_inputs(params, x, t, txt, **kwargs)

@@ -16,13 +16,13 @@ import os
 import time
 
 from ..pipelines import placement as _placement
-from . import _cache_report
+from . import _cache_report, _lora
 from ._args import CLIError
 from ._files import write_image
 
 META_KEY = "functional_dit"
 MANIFEST = "manifest.jsonl"
-KEYS = ("prompt", "seed", "height", "width", "size", "steps", "guidance", "true_cfg", "negative_prompt")
+KEYS = ("prompt", "seed", "height", "width", "size", "steps", "guidance", "true_cfg", "negative_prompt", "lora")
 # The settings that must be equal for requests to share one fd.sample call.
 SHARED = ("height", "width", "steps", "guidance", "true_cfg")
 
@@ -75,8 +75,11 @@ def _line(text: str, where: str, jsonl: bool, indent: int = 0) -> dict:
         raise CLIError(f"--prompts: {where}: unknown keys {unknown}; expected some of {list(KEYS)}")
     if "size" in row:
         row["height"], row["width"] = _size(row.pop("size"), where)
+    if "lora" in row:
+        row["lora"] = _lora.field(row["lora"], where)
     for k, v in row.items():
-        _check_value(k, v, where)
+        if k != "lora":
+            _check_value(k, v, where)
     return row
 
 
@@ -91,6 +94,7 @@ def read_requests(path: str, args) -> list[dict]:
     jsonl = path.endswith(".jsonl") or all(text.startswith("{") for _, text, _ in lines)
     defaults = dict(height=args.height, width=args.width, steps=args.steps, guidance=args.guidance)
     defaults |= dict(true_cfg=args.true_cfg, negative_prompt=args.negative_prompt)
+    defaults |= {"lora": args.lora} if getattr(args, "lora", None) else {}  # absent: as before --lora existed
     out = []
     for i, (n, text, indent) in enumerate(lines):
         row = defaults | {"seed": args.seed + i} | _line(text, f"{path}:{n}", jsonl, indent)
@@ -171,8 +175,11 @@ def rounds(pending: list[dict], per_round: int) -> list[list[dict]]:
     return [group[i : i + per_round] for group in by_key.values() for i in range(0, len(group), per_round)]
 
 
-def sample_round(fd, params, pipe, group: list[dict], images, batch_size: int, placement: dict | None = None):
-    """One `fd.sample` call for ``group``: (requests this dp group owns, their PIL images)."""
+def sample_round(
+    fd, params, pipe, group: list[dict], images, batch_size: int, placement: dict | None = None, adapters=None
+):
+    """One `fd.sample` call for ``group``: (requests this dp group owns, their PIL images);
+    each request with its own LoRA adapters (``adapters``: path -> loaded adapter)."""
     first = group[0]
     negatives = [r["negative_prompt"] or "" for r in group]
     owned, pil = fd.sample(
@@ -186,6 +193,7 @@ def sample_round(fd, params, pipe, group: list[dict], images, batch_size: int, p
         batch_size=batch_size,
         output_type="pil",
         local=True,
+        lora=_lora.argument([r.get("lora") for r in group], adapters or {}),
         **(placement or {}),  # generate --encoders, --vae-tiling, --cache
     )
     return [group[i] for i in owned], pil
@@ -228,6 +236,7 @@ def run_many(args, params, pipe, images, model: str, rank0: bool, dp: int) -> in
 
     requests = read_requests(args.prompts, args)
     pending = _agreed_pending(args.out_dir, requests, model)
+    adapters = _lora.load(params, [r.get("lora") for r in pending])  # each file once
     fmt = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}]"  # img/s, never s/img
     bar = tqdm(total=len(requests), initial=len(requests) - len(pending), unit="img", bar_format=fmt, disable=not rank0)
     writer, start, runs = _writes(params), time.perf_counter(), []
@@ -237,7 +246,7 @@ def run_many(args, params, pipe, images, model: str, rank0: bool, dp: int) -> in
             runs.append(None if getattr(args, "cache", None) is None else fd.CacheRun(args.cache))
             kw = dict(_placement.cli_kwargs(args), cache=runs[-1])  # generate --encoders, --vae-tiling, --cache
             try:
-                mine, pil = sample_round(fd, params, pipe, group, images, args.batch_size, kw)
+                mine, pil = sample_round(fd, params, pipe, group, images, args.batch_size, kw, adapters)
             except ValueError as e:
                 raise CLIError(str(e).splitlines()[0]) from None
             seconds = (time.perf_counter() - t0) / max(len(mine), 1)

@@ -21,7 +21,7 @@ import torch
 from .. import families
 from ..pipelines import placement as _placement
 from ..pipelines.schedule import STRENGTH, t_start
-from . import _cache_report, _models, _quiet
+from . import _cache_report, _lora, _models, _quiet
 from . import _checks as C
 from ._args import CLIError, cache_spec, finite, positive, scale
 from ._files import write_image
@@ -77,6 +77,14 @@ def _job_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--guidance", type=scale, default=None, help="embedded guidance (FLUX.1-dev, FLUX.2-dev)")
     p.add_argument("--true-cfg", type=scale, default=None, help="classifier-free guidance scale (> 1 enables)")
+    p.add_argument(
+        "--lora",
+        action="append",
+        type=_lora.spec,
+        default=None,
+        metavar="PATH[:SCALE]",
+        help="a LoRA file applied on the fly at SCALE (1) to every prompt; repeatable",
+    )
 
 
 def _run_arguments(p) -> None:
@@ -288,6 +296,7 @@ def _check_outputs(args) -> None:
 def _setup(args):
     """Checks, the mesh and the loads: (pipe, params, images, device, rank0, start, loaded)."""
     _check_outputs(args)
+    _lora.check(args)
     tiny = _tiny_name(args)
     if tiny is None:
         model, base, config = resolve(args)
@@ -396,6 +405,7 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
 
     import functional_dit as fd
 
+    adapters = _lora.argument([args.lora], _lora.load(params, [args.lora]))
     strength = getattr(args, "strength", None)
     runs = args.steps if strength is None else args.steps - t_start(args.steps, strength)
     bar = tqdm(total=runs, desc="denoising", disable=not rank0)
@@ -408,7 +418,7 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
     kw = _sample_kwargs(args, images)
     run = kw["cache"] = None if kw["cache"] is None else fd.CacheRun(kw["cache"])  # kept: what it skipped
     try:
-        image = fd.sample(params, pipe, args.prompt, callback=step, **kw)[0]
+        image = fd.sample(params, pipe, args.prompt, callback=step, lora=adapters, **kw)[0]
     except ValueError as e:
         raise CLIError(str(e).splitlines()[0]) from None
     finally:

@@ -7,6 +7,11 @@ precision. DoRA: attach hands the layer the factor ``g = mag / ||W + s B A||_row
 norm detached, PEFT's ``DoraLinearLayer``), and the layer adds ``(g - 1) * (its output
 less its bias) + g * s * B A x``; merge stores ``g * (W + s B A)``.
 
+Per item, ``(adapter, scale, rows)``: the adapter applies to those batch rows only; attach
+maps them to this dp rank's rows (`local_rows`) and hands the layers a constant index, and
+the layers gather those rows of ``x``, compute their update alone and add it back there
+(``index_select`` / ``index_add``: static shapes, no merged copy per adapter).
+
 Under tensor parallelism both run in the local view, each factor placed from its base
 weight's plan (see `_adapter`): a column-parallel layer holds ``A`` whole and its rows
 of ``B``; a row-parallel layer its columns of ``A`` and ``B`` whole, and sums the rank-r
@@ -31,30 +36,54 @@ from sharding.tree import copy_path, flatten, map_tree
 from ..params import Params
 from ._adapter import Adapter, weight_norm
 
-LORA = "lora"  # the key under which a layer dict carries its ((A, B, s, bias, g), ...) in attach
+LORA = "lora"  # the key under which a layer dict carries its ((A, B, s, bias, g[, (rows, n)]), ...) in attach
 
 
-def check(params: Params, lora, name: str = "lora") -> list[tuple[Adapter, object]]:
-    """``lora`` as a list of (Adapter, scale) pairs made for ``params``' config."""
+def check(params: Params, lora, name: str = "lora", batch: int | None = None) -> list[tuple]:
+    """``lora`` as a list of ``(Adapter, scale)`` pairs made for ``params``' config, or
+    ``(Adapter, scale, rows)`` triples: the adapter applies to those batch rows only
+    (distinct ints in ``[0, batch)``, returned as a sorted tuple; per-item LoRA)."""
     if isinstance(lora, Adapter) or not isinstance(lora, (list, tuple)):
         raise ValueError(f"{name}: expected a list of (adapter, scale) pairs, got {type(lora).__name__}")
-    pairs = []
-    for i, pair in enumerate(lora):
-        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], Adapter)):
-            raise ValueError(f"{name}[{i}]: expected an (Adapter, scale) pair, got {pair!r:.80}")
-        ad, scale = pair
+    out = []
+    for i, entry in enumerate(lora):
+        if not (isinstance(entry, (list, tuple)) and len(entry) in (2, 3) and isinstance(entry[0], Adapter)):
+            raise ValueError(
+                f"{name}[{i}]: expected an (Adapter, scale) pair or an (Adapter, scale, rows) triple, got {entry!r:.80}"
+            )
+        ad, scale = entry[:2]
         if not (isinstance(scale, numbers.Real) or (isinstance(scale, torch.Tensor) and scale.ndim == 0)):
             raise ValueError(f"{name}[{i}]: scale must be a real number or a 0-d tensor, got {scale!r:.80}")
         if ad.config.base != params.config:
             raise ValueError(f"{name}[{i}]: the adapter was made for {ad.config.base}, the params are {params.config}")
-        pairs.append((ad, scale))
-    return pairs
+        out.append((ad, scale) if len(entry) == 2 else (ad, scale, _check_rows(entry[2], batch, f"{name}[{i}]")))
+    return out
+
+
+def _check_rows(rows, batch: int | None, name: str) -> tuple[int, ...]:
+    """``rows`` as a sorted tuple of distinct batch indices (Python ints: static shapes)."""
+    ok = isinstance(rows, (list, tuple, range)) and all(isinstance(r, int) and not isinstance(r, bool) for r in rows)
+    if ok and len(set(rows)) == len(rows) and (batch is None or all(0 <= r < batch for r in rows)):
+        return tuple(sorted(rows))
+    where = "" if batch is None else f" in [0, {batch})"
+    raise ValueError(f"{name}: rows must be distinct ints{where} (batch rows), got {rows!r:.80}")
+
+
+def local_rows(rows: tuple, batch: int) -> tuple[int, ...] | None:
+    """This rank's rows among ``rows`` of a batch of ``batch``, split over "dp" as
+    ``fd.apply`` splits it (contiguous chunks): their local indices, or None when they are
+    all of this rank's real rows (the plain path, no gather)."""
+    chunk = sharding.local_len(batch, "dp")
+    start = sharding.axis_index("dp") * chunk
+    real = max(0, min(chunk, batch - start))
+    local = tuple(r - start for r in rows if start <= r < start + real)
+    return None if local and local == tuple(range(real)) else local
 
 
 def local_adapters(pairs, mesh) -> list[tuple[Adapter, object]]:
     """The adapters' local views; their mesh must be the params' ``mesh`` (None: plain)."""
     out = []
-    for i, (ad, scale) in enumerate(pairs):
+    for i, (ad, *rest) in enumerate(pairs):
         local, amesh = sharding.local_view(ad)
         if (amesh is None) != (mesh is None) or (mesh is not None and amesh is not mesh and amesh != mesh):
             what = "plain tensors" if amesh is None else f"sharded on {amesh}"
@@ -63,7 +92,7 @@ def local_adapters(pairs, mesh) -> list[tuple[Adapter, object]]:
                 f"{'plain tensors' if mesh is None else f'sharded on {mesh}'}; place it like the params with "
                 "sharding.shard_params(adapter, mesh) or lora.load(path, params, mesh=mesh)"
             )
-        out.append((local, scale))
+        out.append((local, *rest))
     return out
 
 
@@ -103,13 +132,20 @@ def _dora_factor(ad: Adapter, m: str, weight: torch.Tensor, s, axis) -> torch.Te
     return ad.magnitude(m) / weight_norm(weight, A, B, s, axis)
 
 
-def attach(params: Params, pairs) -> Params:
+def attach(params: Params, pairs, batch: int | None = None) -> Params:
     """``params`` (local view) whose adapted layer dicts carry ``"lora": ((A, B, s, bias,
-    g), ...)``, ``s`` = the caller's scale x the module's ``alpha / rank``, ``bias`` the
+    g[, rows]), ...)``, ``s`` = the caller's scale x the module's ``alpha / rank``, ``bias`` the
     ``lora_B`` bias or None, ``g`` the DoRA factor or None; nothing is copied but the
-    dicts on the way to each adapted layer."""
+    dicts on the way to each adapted layer. An ``(adapter, scale, rows)`` triple (rows of
+    a batch of ``batch``) adds ``rows = (index, n)``: this rank's rows (`local_rows`) as an
+    index tensor into its ``n`` batch rows; an adapter with none of them is not attached."""
     tree = dict(params.tree)
-    for ad, scale in pairs:
+    for ad, scale, *rows in pairs:
+        rows = local_rows(rows[0], batch) if rows else None
+        if rows == ():
+            continue
+        n = None if rows is None else sharding.local_len(batch, "dp")  # this rank's rows of the batch
+        index = () if rows is None else ((torch.tensor(rows, dtype=torch.long, device=_device(ad)), n),)
         column, row = _mesh_axes(ad.config)
         for m, _, _ in ad.config.modules:
             A, B = ad.factors(m)
@@ -118,8 +154,13 @@ def attach(params: Params, pairs) -> Params:
             g = _dora_factor(ad, m, node["weight"], s, row.get(m))
             if m in column:
                 A = _replicated_input(A, column[m])
-            node[LORA] = node.get(LORA, ()) + ((A, B, s, ad.bias(m), g),)
+            node[LORA] = node.get(LORA, ()) + ((A, B, s, ad.bias(m), g, *index),)
     return Params(params.config, tree)  # not .replace: the tree now holds (A, B, s, bias, g) tuples, not only tensors
+
+
+def _device(ad: Adapter) -> torch.device:
+    """Where the adapter's factors are (its row index goes there too)."""
+    return ad.factors(ad.config.modules[0][0])[0].device
 
 
 def _merged(ad: Adapter, m: str, W: torch.Tensor, bias, s, axis) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -30,21 +30,48 @@ def linear(p, x: torch.Tensor) -> torch.Tensor:
     """``x @ W.T + b`` with whole (replicated) weights, or as the local half of a sharded one.
     With LoRA factors attached (``p["lora"]``, see ``functional_dit.lora``) their updates are added."""
     y = F.linear(x, p["weight"], p.get("bias"))
-    return y if "lora" not in p else _add_lora(y, [F.linear(x.to(f[0].dtype), f[0]) for f in p["lora"]], p)
+    return y if "lora" not in p else _add_lora(y, [_lora_in(x, f) for f in p["lora"]], p)
+
+
+def _lora_rows(f, x: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The batch rows an attached adapter ``f`` applies to: its optional 6th entry ``(index,
+    n)``, a (k,) index tensor built from Python ints into a batch of ``n`` rows (per-item LoRA,
+    `functional_dit.lora`); None: all rows. ``x``'s dim 0 must be those ``n`` items."""
+    if len(f) < 6:
+        return None
+    index, n = f[5]
+    if x is not None and x.shape[0] != n:
+        raise ValueError(
+            f"lora: a per-item adapter (rows) reached a layer whose input has {x.shape[0]} rows, not the batch's "
+            f"{n} items (rows shared by the items, such as Qwen-Image 2.1's t = 0 timestep row); apply that "
+            "adapter to every row or leave those modules out of it"
+        )
+    return index
+
+
+def _lora_in(x: torch.Tensor, f) -> torch.Tensor:
+    """``x @ A.T`` of the rows ``f`` applies to (rows on x's dim 0, the batch)."""
+    rows = _lora_rows(f, x)
+    return F.linear((x if rows is None else x.index_select(0, rows)).to(f[0].dtype), f[0])
 
 
 def _add_lora(y: torch.Tensor, hs, p) -> torch.Tensor:
-    """``y + sum(s * (h @ B.T + b))`` over the attached ``(A, B, s, b, g)`` with ``h = x @ A.T``,
+    """``y + sum(s * (h @ B.T + b))`` over the attached ``(A, B, s, b, g[, rows])`` with ``h = x @ A.T``,
     summed in the adapters' dtype and cast to ``y``'s, as PEFT's ``LoraLayer`` does. With a
     DoRA factor ``g`` (out,), PEFT's ``DoraLinearLayer``: ``+ (g - 1) * (out - bias) + g * s * h @ B.T``,
-    ``out`` the output so far (the base's and earlier adapters', as PEFT's running result)."""
+    ``out`` the output so far (the base's and earlier adapters', as PEFT's running result).
+    With ``rows`` the update is computed for those batch rows only and added back at them."""
     out, base_bias = y, p.get("bias")
-    for h, (_, B, s, b, g) in zip(hs, p["lora"]):
+    for h, f in zip(hs, p["lora"]):
+        _, B, s, b, g = f[:5]
+        rows = _lora_rows(f)
         u = F.linear(h, B, b) * s
-        if g is None:
-            out = out + u
-        else:
-            out = out + (g - 1) * (out if base_bias is None else out - base_bias) + g * u
+        if rows is None:
+            out = out + u if g is None else out + (g - 1) * (out if base_bias is None else out - base_bias) + g * u
+            continue
+        cur = out.index_select(0, rows)
+        delta = u if g is None else (g - 1) * (cur if base_bias is None else cur - base_bias) + g * u
+        out = out.to(torch.promote_types(out.dtype, delta.dtype)).index_add(0, rows, delta.to(out.dtype))
     return out.to(y.dtype)
 
 
@@ -101,9 +128,9 @@ def row_linear(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
     y = y if p.get("bias") is None else y + p["bias"]
     if "lora" not in p:
         return y
-    hs = [F.linear(x.to(f[0].dtype), f[0]) for f in p["lora"]]
-    h = sharding.psum(torch.cat(hs, -1), axis).split([t.shape[-1] for t in hs], -1)
-    return _add_lora(y, h, p)
+    hs = [_lora_in(x, f) for f in p["lora"]]  # each adapter's rows: flattened into one all-reduce
+    flat = sharding.psum(torch.cat([h.flatten() for h in hs]), axis).split([h.numel() for h in hs])
+    return _add_lora(y, [v.view(h.shape) for v, h in zip(flat, hs)], p)
 
 
 def row_linears(pairs: list, axis: str = "tp") -> list[torch.Tensor]:

@@ -8,7 +8,6 @@ import math
 
 import torch
 
-from .. import api as _api
 from .. import flux1, flux2
 from .. import qwenimage as _qwen
 from ._steps import Prompt, Steps
@@ -133,7 +132,7 @@ class _Flux2(Steps):
             return self.apply(self.params, torch.cat([x, ref], 1), t, cond.txt, rope=self.rope, **kw)[:, :S]
         if self.cache is None:
             x = torch.cat([ref, x], 1)
-            out, self.cache = _api.apply(
+            out, self.cache = self.apply(
                 self.params, x, t, cond.txt, rope=self.rope, kv_cache="extract", num_ref_tokens=ref.shape[1], **kw
             )
             return out

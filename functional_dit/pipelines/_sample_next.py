@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import api as _api
 from .. import flux3, qwenimage21
 from ._steps import Prompt, Steps
 
@@ -59,11 +58,11 @@ class Qwen21(Steps):
         B, S = x.shape[:2]
         kw = dict(txt_mask=p.mask, img_shapes=[[self.shape]] * B, layout=self.layouts[i])
         if not self.kv:
-            return _api.apply(self.params, x, t, p.txt, **kw)[:, -S:]
+            return self.apply(self.params, x, t, p.txt, **kw)[:, -S:]
         if i not in self.caches:
-            out, self.caches[i] = _api.apply(self.params, x, t, p.txt, kv_cache="extract", **kw)
+            out, self.caches[i] = self.apply(self.params, x, t, p.txt, kv_cache="extract", **kw)
             return out[:, -S:]
-        return _api.apply(self.params, x, t, p.txt, kv_cache=self.caches[i], **kw)[:, -S:]
+        return self.apply(self.params, x, t, p.txt, kv_cache=self.caches[i], **kw)[:, -S:]
 
     def __call__(self, x, t, cond):
         if self.branches is None:
@@ -151,7 +150,7 @@ class Flux3(Steps):
         if target is None and self.c.flow_map:  # the usual loop: read from the schedule here
             target = self._target(self.timesteps, self.step, x.shape[0], x.dtype)
             self.step += 1
-        return _api.apply(self.params, x, t, cond.txt, rope=self.rope, target_timestep=target)
+        return self.apply(self.params, x, t, cond.txt, rope=self.rope, target_timestep=target)
 
     def decode_latents(self, x, h, w):
         vae = self.pipe.vae

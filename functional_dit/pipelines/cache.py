@@ -50,6 +50,7 @@ import torch
 import sharding
 
 from .. import api as _api
+from ..lora import internal as _lora
 from ..nn import fused as _fuse
 from ..nn import kernels as _kernels
 from . import _stages
@@ -370,9 +371,9 @@ def decisions(state) -> tuple:
 # ----------------------------------------------------------------------------- apply
 
 
-def step(params, cache, state, x, t, txt, *, branches: int = 1, **kwargs):
+def step(params, cache, state, x, t, txt, *, branches: int = 1, lora=None, **kwargs):
     """`fd.apply` with ``cache``: returns ``(out, new_state)``. The batch is ``branches``
-    equal groups (e.g. [cond; uncond]), each with its own decision."""
+    equal groups (e.g. [cond; uncond]), each with its own decision. ``lora``: as `fd.apply`'s."""
     cache = check(cache)
     if not isinstance(state, _STATES[type(cache)]):
         raise ValueError(f"state: expected a {_STATES[type(cache)].__name__} for {type(cache).__name__}, got {state!r}")
@@ -384,7 +385,9 @@ def step(params, cache, state, x, t, txt, *, branches: int = 1, **kwargs):
     if not isinstance(branches, int) or branches < 1 or x.shape[0] % branches:
         raise ValueError(f"branches: expected a positive divisor of the batch {x.shape[0]}, got {branches!r}")
     local, mesh = sharding.local_view(params)
+    adapters = _api._lora_adapters(params, lora, mesh, x.shape[0])
     with sharding.bind(mesh) if mesh is not None else contextlib.nullcontext():
+        local = _lora.attach(local, adapters, x.shape[0]) if adapters else local
         return _step_local(fam, local, cache, state, x, t, txt, kwargs, branches)
 
 

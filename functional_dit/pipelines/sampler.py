@@ -50,6 +50,7 @@ from . import _sample_controlnet as _controlnet
 from . import _sample_flux2_image as _flux2_image
 from . import _sample_flux_image as _flux_image
 from . import _sample_flux_kontext as _kontext
+from . import _sample_lora as _lora_items
 from . import _sample_qwen_image as _qi
 from . import cache as _cache
 from . import placement as _placement
@@ -284,6 +285,7 @@ def sample(
     encoder_placement: str = "replicate",
     vae_tiling: bool = False,
     controlnet=None,
+    lora=None,
 ):
     """Generate images with ``params`` (plain or sharded) and our own denoising loop.
 
@@ -345,6 +347,11 @@ def sample(
     FLUX.1 Union ControlNet — or a list of them (their residuals summed), as
     ``FluxControlNetPipeline`` / ``QwenImageControlNetPipeline`` run them
     (`functional_dit.pipelines._sample_controlnet`; text to image only).
+    ``lora``: LoRA adapters applied on the fly (nothing merged): ``[(adapter, scale), ...]``
+    for every prompt, or one such list per prompt (``[[(a, 1.0)], [(b, 0.5)], []]``), each
+    image computing only its own adapters' updates in the shared batch, both CFG branches
+    alike (`functional_dit.pipelines._sample_lora`); sharded params need the adapters on
+    their mesh (``lora.load(path, params)``).
     """
 
     fam = _family_name(params)
@@ -364,6 +371,7 @@ def sample(
     cfg = _qi.true_cfg(fam, cfg, negative_prompt, negative_prompt_embeds)
     given = {k: v for k, v in locals().items() if "prompt_embeds" in k}  # the six stock embedding arguments
     req = _requests.requests(fam, prompt, num_images_per_prompt, seed, latents, negative_prompt, cfg is not None, given)
+    adapters = _lora_items.per_image(params, lora, req.n // req.per_prompt, req.per_prompt)
     device, dtype = _param_device_dtype(params)
     local_params, mesh = sharding.local_view(params)
     lay = _ranks.layout(mesh, req.n)
@@ -376,7 +384,10 @@ def sample(
     run = _cache.CacheRun.of(cache, image is not None and bool(model.kv))
     if run is not None and not model.step_cache:
         raise ValueError(f"cache: step caching is not supported for {fam} yet; expected None")
-    job = _Job(fam, hw, steps, sigmas, guidance, cfg, output_type, max_sequence_length, batch_size, on_step, run)
+    adapters = _lora_items.local(adapters, mesh) if lay.split else adapters  # the model runs on local params
+    job = _Job(
+        fam, hw, steps, sigmas, guidance, cfg, output_type, max_sequence_length, batch_size, on_step, run, adapters
+    )
     with torch.no_grad():
         if image is not None:
             model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
@@ -421,6 +432,7 @@ class _Job:
     batch_size: int | None
     on_step: Callable | None
     cache: object | None = None  # a _cache.CacheRun, or None
+    lora: tuple | None = None  # per image, its (adapter, scale) pairs (`_sample_lora.per_image`), or None
 
 
 def _settings(job: _Job, pipe, req, lay, model, dtype, size) -> dict:
@@ -430,7 +442,7 @@ def _settings(job: _Job, pipe, req, lay, model, dtype, size) -> dict:
         height=size[0], width=size[1], steps=job.steps, sigmas=sigmas, guidance=job.guidance, true_cfg=job.cfg,
         dtype=dtype, output_type=job.output_type, images=req.n, share=lay.share, batch_size=job.batch_size,
         kv_cache=model.kv, max_sequence_length=job.max_sequence_length, noise=req.noise[0],
-        cache=None if job.cache is None else repr(job.cache.config),
+        cache=None if job.cache is None else repr(job.cache.config), lora=_lora_items.fingerprint(job.lora),
         **{"strength": getattr(model, "strength", None), **getattr(model, "settings", {})},
     )  # fmt: skip
 
@@ -458,10 +470,19 @@ def _run(model, pipe, chunk: _Chunk, job: _Job):
     model.schedule(sched)
     x, on_step = model.begin(sched, chunk, job.on_step)
     loop = _sample_xla.denoise if fixed else _denoise
-    x = loop(model, sched, x, chunk.cond, job.cfg, model.normalise_cfg, on_step, job.cache)
+    model.apply = _chunk_apply(model, job, len(sched.timesteps), chunk.images)
+    x = loop(model, sched, x, chunk.cond, job.cfg, model.normalise_cfg, on_step)
     if job.output_type == "latent":
         return model.latent_output(x, *job.hw)
     return _decode(model, pipe, x, *job.hw, job.output_type)
+
+
+def _chunk_apply(model, job: _Job, steps: int, images):
+    """The chunk's ``fd.apply``: the step cache's (a fresh state per chunk) or the plain
+    one, with the chunk's per-image LoRA adapters (`_sample_lora.calls`)."""
+    plain = type(model).apply
+    apply = plain if job.cache is None else job.cache.start(branches=1 if job.cfg is None else 2, steps=steps)
+    return _lora_items.calls(apply, job.lora, images)
 
 
 def _on_step(pipe, callback, callback_on_step_end):
@@ -516,12 +537,10 @@ def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=N
     return _Qwen(params, pipe)
 
 
-def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, callback, run=None):
+def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, callback):
     """The loop: one model call per step ([cond; uncond] as one batch with CFG), then the
-    scheduler's Euler step; ``callback(i, t, x)`` may return new latents; with a
-    `_cache.CacheRun`, the calls go through its step cache."""
-    if run is not None:
-        model.apply = run.start(branches=1 if cfg is None else 2, steps=len(sched.timesteps))
+    scheduler's Euler step; ``callback(i, t, x)`` may return new latents; the calls go
+    through ``model.apply`` (`_chunk_apply`: a step cache's, per-image LoRA)."""
     for i, t in enumerate(sched.timesteps):
         xin = torch.cat([x, x]) if cfg is not None else x
         pred = model(xin, t.expand(xin.shape[0]).to(x.dtype) / 1000, cond)

@@ -126,9 +126,9 @@ def _sync(device):
     return torch_xla.sync
 
 
-def denoise(model, sched, x, cond, cfg: float | None, normalise: bool, callback, run=None):
-    """`fd.sample`'s loop as fixed device steps (the usual `_sample._denoise` signature;
-    ``run`` is always None here). ``callback(i, t, x)`` gets the host timestep."""
+def denoise(model, sched, x, cond, cfg: float | None, normalise: bool, callback):
+    """`fd.sample`'s loop as fixed device steps (the usual `_sample._denoise` signature).
+    ``callback(i, t, x)`` gets the host timestep."""
     opts = _FORCED.get() or Options()
     batch = x.shape[0] * (1 if cfg is None else 2)
     steps = plan(sched, batch, x.dtype, x.device)
