@@ -23,7 +23,14 @@ SEED = 0  # the tiny pipelines' weights: tiny.pipeline's default seed, as the de
 TINY_VAE_SCALE = 8  # every tiny VAE downscales x8 (tests/test_cli.py checks the pipelines' vae_scale_factor)
 # The modular FLUX.3 pipelines take a call argument the stock text-to-image call lacks
 # (``text_encoder_out_layers`` for the 2-layer tiny encoder); generate does not pass it.
-_NOT_GENERATED = ("Flux3ModularPipeline", "Flux3DistilledModularPipeline")
+# The ControlNet pipelines need a control image and ControlNet params, which generate has
+# no flags for (fd.sample(controlnet=...) in Python; docs/controlnet.md).
+_NOT_GENERATED = (
+    "Flux3ModularPipeline",
+    "Flux3DistilledModularPipeline",
+    "FluxControlNetPipeline",
+    "QwenImageControlNetPipeline",
+)
 TINY = tuple(kind for kind, (_, p) in families.TINY_KINDS.items() if p.sample and p.name not in _NOT_GENERATED)
 # Presets with released weights (looked up in the local Hugging Face cache only).
 PRESET_REPOS = {name: repo for fam in families.FAMILIES for name, repo in fam.REPOS.items()}
