@@ -6,7 +6,7 @@ other packages of the repository live in `sharding.internal`."""
 
 from . import tree
 from ._autodiff import forward_ad_active
-from ._axes import all_gather, all_to_all, axis_index, axis_size, bind, current_mesh, psum, pvary, ulysses
+from ._axes import all_gather, all_to_all, axis_index, axis_size, bind, current_mesh, pmax, psum, pvary, ulysses
 from ._checkpoint import checkpoint_state
 from ._map import P, shard_map
 from ._mesh import AXES as AXES
@@ -70,6 +70,7 @@ __all__ = [
     "pad_bias",
     "placement_of",
     "plan",
+    "pmax",
     "psum",
     "pvary",
     "shard",
