@@ -289,3 +289,61 @@ def test_tp2_and_sp2_equal_one_quantized_process():
         assert any(b for *_, b in rank_out.values())  # the fused projections were checked
     for key in per_rank[0]:
         assert torch.equal(per_rank[0][key][1], per_rank[1][key][1]), key  # ranks: bitwise identical outputs
+
+
+# ----------------------------------------------------------------------------- LoRA and compile
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_lora_over_quantized_base_matches_peft_over_reference_fp8_linears(name, tmp_path):
+    """PEFT's LoRA layers wrap the reference fp8 linears (nn.Linear subclasses): the base
+    output quantized, the low-rank update in the compute dtype from the unquantized x."""
+    cases, config = _family(name)
+    _, params = diffusers_model(config, seed=3)
+    q = fd.quantize(params, "fp8-row", skip=())
+    module = reference_module(config, q, seed=3)
+    every = tuple(fd.lora.linear_modules(params.config))
+    ad = fd.lora.init(params, rank=4, targets=every, alpha=8.0, seed=1, zero_b=False)
+    fd.lora.save(ad, tmp_path / "a.safetensors")
+    module.load_lora_adapter(str(tmp_path), weight_name="a.safetensors", prefix="transformer", adapter_name="a")
+    module.set_adapters(["a"], [0.8])
+    kw = cases.inputs(config)
+    with torch.no_grad():
+        ref = module(**cases.diffusers_kwargs(kw))[0]
+        fly = _call(q, kw, lora=[(ad, 0.8)])
+        base = _call(q, kw)
+        deq = _call(fd.dequantize(q), kw, lora=[(ad, 0.8)])
+    assert (fly - base).abs().max() > 1e-2  # the adapter shows
+    assert_tokens_close(fly, ref, f"{name} lora")
+    # against the same LoRA over the dequantized base: within the quantization's own error
+    rel = ((fly - deq).norm() / deq.norm()).item()
+    assert rel < 0.15, rel
+
+
+def _graph_breaks(fn, *args, **kwargs):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    out = torch.compile(fn, backend=backend, dynamic=False)(*args, **kwargs)
+    return out, sum(counters["graph_break"].values()), graphs
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compile_has_zero_graph_breaks_over_quantized_params(name):
+    cases, config = _family(name)
+    q = fd.quantize(fd.init(config, seed=0), "fp8-row")
+    kw = cases.inputs(config)
+    out, breaks, graphs = _graph_breaks(fd.apply, q, **kw)
+    assert breaks == 0 and len(graphs) == 1, (breaks, len(graphs))
+    torch.testing.assert_close(out, fd.apply(q, **kw), **FP32)  # compiled = eager (the same fp8 roundings)
+    nodes = [str(n.target) for gm in graphs for m in gm.modules() if hasattr(m, "graph") for n in m.graph.nodes]
+    assert any("_scaled_mm" in t for t in nodes)  # the scaled GEMM is traced
+    if hasattr(torch.compiler, "nested_compile_region"):  # regional: blocks over fp8 leaves stay compile regions
+        assert any("invoke_subgraph" in t for t in nodes)
