@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import tempfile
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from oracle import diffusers_model
 
 import functional_dit as fd
 import sharding
+import weights
 from functional_dit.nn import quant
 
 FAMILIES = ["flux1", "flux2", "qwenimage"]
@@ -224,11 +226,12 @@ def test_bad_arguments_give_clear_errors():
 # ----------------------------------------------------------------------------- tp and sp
 
 
-def _sharded_work(rank, world, cases):
+def _sharded_work(rank, world, cases, saved):
     """Per family, scheme and mesh: (one quantized process's output, the sharded one's,
     whether the local fp8 shards and scales of the fused projections are the per-block
-    slices of the whole ones); and the error quantizing sharded params gives."""
-    out = {}
+    slices of the whole ones); the errors quantizing or saving sharded params give; and
+    whether ``weights.load(saved, mesh=)`` holds what ``shard_params`` of the loaded params does."""
+    out = {"load": _load_sharded(saved)}
     for name, config, kw in cases:
         p = fd.init(config, seed=5)
         for scheme in SCHEMES:
@@ -245,7 +248,29 @@ def _sharded_work(rank, world, cases):
         out["sharded-then-quantized"] = None
     except ValueError as e:
         out["sharded-then-quantized"] = str(e)
+    try:
+        weights.save(sharding.shard_params(fd.quantize(fd.init(cases[0][1])), mesh), tempfile.mkdtemp())
+        out["save-sharded"] = None
+    except ValueError as e:
+        out["save-sharded"] = str(e)
     return out
+
+
+def _load_sharded(path) -> bool:
+    mesh = sharding.make_mesh(tp=2)
+    want = sharding.shard_params(weights.load(path), mesh)
+    got = weights.load(path, mesh=mesh)
+    same = []
+    for a, b in zip(got.leaves(), want.leaves()):
+        a, b = a.to_local(), b.to_local()
+        same.append(quant.is_quant(a) == quant.is_quant(b) and torch.equal(*(_bits(t) for t in (a, b))))
+        if quant.is_quant(a):
+            same.append(torch.equal(a.scale, b.scale))
+    return all(same) and any(quant.is_quant(t.to_local()) for t in got.leaves())
+
+
+def _bits(t):
+    return t.qdata.view(torch.uint8) if quant.is_quant(t) else t
 
 
 def _per_block_ok(q, s, mesh) -> dict:
@@ -274,14 +299,17 @@ def _per_block_ok(q, s, mesh) -> dict:
     return checks
 
 
-def test_tp2_and_sp2_equal_one_quantized_process():
+def test_tp2_and_sp2_equal_one_quantized_process(tmp_path):
     cases = []
     for name in FAMILIES:
         C, config = _family(name)
         cases.append((name, config, C.inputs(config, batch=2, txt_len=8, seed=1)))
-    per_rank = spawn(_sharded_work, 2, cases, timeout=300)
+    weights.save(fd.quantize(fd.init("flux2-tiny", dtype=torch.bfloat16), "fp8-row", skip=()), tmp_path)
+    per_rank = spawn(_sharded_work, 2, cases, str(tmp_path), timeout=300)
     for rank_out in per_rank:
+        assert rank_out.pop("load")  # each rank read its rows of the fp8 weights and of their scales
         assert "quantize the unsharded params, then shard them" in rank_out.pop("sharded-then-quantized")
+        assert "save the quantized params before sharding them" in rank_out.pop("save-sharded")
         assert len(rank_out) == len(FAMILIES) * len(SCHEMES) * 2
         for key, (whole, out, blocks) in rank_out.items():
             assert_tokens_close(out, whole, str(key))
@@ -347,3 +375,29 @@ def test_compile_has_zero_graph_breaks_over_quantized_params(name):
     assert any("_scaled_mm" in t for t in nodes)  # the scaled GEMM is traced
     if hasattr(torch.compiler, "nested_compile_region"):  # regional: blocks over fp8 leaves stay compile regions
         assert any("invoke_subgraph" in t for t in nodes)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_save_load_round_trip_and_the_stock_loader_refuses(scheme, tmp_path):
+    import diffusers
+
+    q = fd.quantize(fd.init("flux2-tiny", dtype=torch.bfloat16), scheme)
+    weights.save(q, tmp_path, max_shard_size="100KB")  # several shards: scales may sit apart from their weights
+    loaded = weights.load(tmp_path)
+    for key, a in q.flat().items():
+        b = loaded.flat()[key]
+        assert type(a) is type(b) and a.dtype == b.dtype, key
+        if quant.is_quant(a):
+            assert b.scheme == scheme and torch.equal(_bits(a), _bits(b)) and torch.equal(a.scale, b.scale), key
+        else:
+            assert torch.equal(a, b), key
+    kw = importlib.import_module("cases_flux2").inputs(q.config, dtype=torch.bfloat16)
+    assert torch.equal(_call(loaded, kw), _call(q, kw))
+    as_fp32 = weights.load(tmp_path, dtype=torch.float32)  # dtype= is the compute dtype; fp8 stays fp8
+    w = as_fp32.flat()["transformer_blocks.0.attn.to_q.weight"]
+    assert quant.is_quant(w) and w.dtype == torch.float32 and w.qdata.dtype == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="Unknown quantization type, got functional_dit-fp8"):
+        diffusers.Flux2Transformer2DModel.from_pretrained(tmp_path)
