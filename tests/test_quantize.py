@@ -86,7 +86,11 @@ class RefFp8Linear(torch.nn.Linear):
 
 def reference_module(config, q: fd.Params, seed: int):
     """The diffusers module at ``fd.init(config, seed)`` whose linears quantized in ``q`` run `ref_linear`."""
-    module, _ = diffusers_model(config, seed=seed)
+    return swap_linears(diffusers_model(config, seed=seed)[0], q)
+
+
+def swap_linears(module, q: fd.Params):
+    """``module`` with each linear quantized in ``q`` replaced by a `RefFp8Linear`."""
     flat = q.flat()
     for name, m in list(module.named_modules()):
         w = flat.get(f"{name}.weight")
@@ -401,3 +405,29 @@ def test_save_load_round_trip_and_the_stock_loader_refuses(scheme, tmp_path):
     assert quant.is_quant(w) and w.dtype == torch.float32 and w.qdata.dtype == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="Unknown quantization type, got functional_dit-fp8"):
         diffusers.Flux2Transformer2DModel.from_pretrained(tmp_path)
+
+
+# ----------------------------------------------------------------------------- fd.sample, caches, the adapter
+
+
+@pytest.mark.parametrize("kind", ["flux", "flux2", "qwen-image"])
+def test_sample_and_adapter_pipeline_over_quantized_params(kind):
+    """fd.sample over fp8 params vs the stock pipeline whose transformer runs the reference
+    fp8 linears; the stock pipeline over `fd.DiffusersTransformer` of the same params; a
+    step cache that always computes leaves fd.sample as it is."""
+    from functional_dit import tiny
+
+    size, prompt = dict(height=32, width=32), "a red cube on a table"
+    pipe = tiny.pipeline(kind)
+    q = fd.quantize(fd.from_diffusers(pipe.transformer), "fp8-row")
+    ours = fd.sample(q, pipe, prompt, steps=2, seed=3, output_type="latent", **size)
+    run = fd.CacheRun("fbcache:0")  # First-Block Cache at threshold 0: computes every step
+    cached = fd.sample(q, pipe, prompt, steps=2, seed=3, output_type="latent", cache=run, **size)
+    assert run.skipped() == 0 and torch.equal(cached, ours)
+    gen = lambda: [torch.Generator().manual_seed(3)]  # noqa: E731  (what fd.sample(seed=3) draws)
+    adapter = tiny.pipeline(kind, transformer=fd.DiffusersTransformer(q))
+    via_adapter = adapter(prompt=prompt, num_inference_steps=2, generator=gen(), output_type="latent", **size).images
+    torch.testing.assert_close(via_adapter, ours, **FP32)  # the same fd.apply under the stock loop
+    swap_linears(pipe.transformer, q)
+    ref = pipe(prompt=prompt, num_inference_steps=2, generator=gen(), output_type="latent", **size).images
+    assert_tokens_close(ours, ref, f"{kind} sample")
