@@ -280,7 +280,7 @@ def _bits(t):
 def _per_block_ok(q, s, mesh) -> dict:
     """Rank r holds the r-th slice of each block of the fused weights, qdata and scales."""
     r, checks = mesh.get_local_rank("tp"), {}
-    for path, n_blocks, dim in (
+    for path, _n_blocks, dim in (
         ("single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight", 5, 0),  # FLUX.2 [q, k, v, gate, up]
         ("transformer_blocks.0.ff.linear_in.weight", 2, 0),  # FLUX.2 SwiGLU [gate, up]
         ("single_transformer_blocks.0.proj_out.weight", 2, 1),  # FLUX.1 [attn, mlp] columns
@@ -430,4 +430,8 @@ def test_sample_and_adapter_pipeline_over_quantized_params(kind):
     torch.testing.assert_close(via_adapter, ours, **FP32)  # the same fd.apply under the stock loop
     swap_linears(pipe.transformer, q)
     ref = pipe(prompt=prompt, num_inference_steps=2, generator=gen(), output_type="latent", **size).images
-    assert_tokens_close(ours, ref, f"{kind} sample")
+    # Sampled latents hold few tokens (FLUX.2's 32 px: 4), so the bound is relative over all
+    # of them: a flipped fp8 rounding in step 1 moves step 2's input. Measured (fp8-row):
+    # FLUX.2 2.8e-3, against 2.2e-2 between the quantized and the unquantized latents.
+    rel = ((ours - ref).norm() / ref.norm()).item()
+    assert rel <= 5e-3, f"{kind}: fd.sample vs the reference pipeline, relative error {rel:.3g}"

@@ -24,10 +24,9 @@ import sharding
 from functional_dit import families
 from sharding.tree import flatten, mismatch_report, nest
 
-from . import _commit
+from . import _commit, _quant
 from . import _format as F
 from . import _layouts as L
-from . import _quant
 from ._format import CheckpointError
 from ._source import CONFIG_NAME, Source, open_source
 

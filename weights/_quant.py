@@ -59,7 +59,8 @@ def split(src):
     if qc.get("quant_method") != METHOD or scheme not in quant.SCHEMES:
         raise F.CheckpointError(
             f"{src.path}: holds '*.weight_scale' tensors but config.json's quantization_config is {qc or None}; "
-            f"expected {{'quant_method': {METHOD!r}, 'scheme': one of {list(quant.SCHEMES)}}} (what weights.save writes)"
+            f"expected {{'quant_method': {METHOD!r}, 'scheme': one of {list(quant.SCHEMES)}}} "
+            "(what weights.save writes)"
         )
     kept = {k: v for k, v in src.tensors.items() if not (k.endswith(SUFFIX) and k[: -len(SUFFIX)] in scales)}
     return dataclasses.replace(src, tensors=kept), scales, scheme
@@ -68,7 +69,9 @@ def split(src):
 def config_json(cfg: dict) -> dict:
     """config.json without our quantization entry (not a diffusers config argument)."""
     qc = cfg.get("quantization_config")
-    return {k: v for k, v in cfg.items() if k != "quantization_config"} if qc and qc.get("quant_method") == METHOD else cfg
+    return (
+        {k: v for k, v in cfg.items() if k != "quantization_config"} if qc and qc.get("quant_method") == METHOD else cfg
+    )
 
 
 def wrap(flat: dict, scales: dict, scheme: str, regions: dict, compute_dtype) -> dict:

@@ -20,9 +20,8 @@ from functional_dit.nn.layerwise import stored_leaf
 from sharding.internal import is_dtensor
 from sharding.tree import flatten
 
-from . import _commit
+from . import _commit, _quant
 from . import _format as F
-from . import _quant
 from ._load import _bar, check_progress
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}

@@ -94,7 +94,8 @@ class QuantTensor(torch.Tensor):
         self.qdata, self.scale, self.scheme = qdata, scale, scheme
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        return f"QuantTensor(shape={tuple(self.shape)}, scheme={self.scheme!r}, compute={self.dtype}, device={self.device})"
+        shape, dev = tuple(self.shape), self.device
+        return f"QuantTensor(shape={shape}, scheme={self.scheme!r}, compute={self.dtype}, device={dev})"
 
     def __tensor_flatten__(self):
         return ["qdata", "scale"], (self.dtype, self.scheme)
