@@ -435,3 +435,28 @@ def test_sample_and_adapter_pipeline_over_quantized_params(kind):
     # FLUX.2 2.8e-3, against 2.2e-2 between the quantized and the unquantized latents.
     rel = ((ours - ref).norm() / ref.norm()).item()
     assert rel <= 5e-3, f"{kind}: fd.sample vs the reference pipeline, relative error {rel:.3g}"
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def test_cli_generate_and_bench_quantize(tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+
+    from functional_dit import tiny
+    from functional_dit.__main__ import main
+
+    pipe = tiny.pipeline("flux")
+    pipe.save_pretrained(tmp_path / "pipe")
+    out = tmp_path / "cube.png"
+    argv = ["generate", "--model", str(tmp_path / "pipe"), "--prompt", "a cube", "--height", "32", "--width", "48"]
+    assert main([*argv, "--steps", "2", "--seed", "3", "--quantize", "fp8-row", "--out", str(out)]) == 0
+    q = fd.quantize(fd.from_diffusers(pipe.transformer), "fp8-row")
+    want = fd.sample(q, pipe, "a cube", height=32, width=48, steps=2, seed=3)[0]
+    assert np.array_equal(np.asarray(Image.open(out)), np.asarray(want))
+    bench = ["bench", "--preset", "flux1-tiny", "--runs", "1", "--no-compile", "--quantize", "fp8-tensor", "--out", ""]
+    assert main(bench) == 0
+    assert "flux1-tiny" in capsys.readouterr().out
+    assert main(["generate", "--model", str(tmp_path / "pipe"), "--quantize", "int4", "--prompt", "x"]) == 2
+    assert "--quantize: invalid choice: 'int4'" in capsys.readouterr().err

@@ -93,6 +93,12 @@ def _run_arguments(p) -> None:
         help="text encoders: whole on every rank, sharded over --tp, on the CPU, or offloaded to it between uses",
     )
     p.add_argument("--vae-tiling", action="store_true", help="decode in tiles (less memory for large images)")
+    p.add_argument(
+        "--quantize",
+        default=None,
+        choices=["fp8-row", "fp8-tensor"],
+        help="fp8 compute (fd.quantize, its default skip list): the transformer's linears as scaled fp8 GEMMs",
+    )
     p.add_argument("--tp", type=positive, default=1)
     p.add_argument("--sp", type=positive, default=1)
     p.add_argument("--dp", type=positive, default=1)
@@ -307,11 +313,27 @@ def _setup(args):
     pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=None, dtype=dtype)
     _placement.load_to(pipe, device, args.encoders)
     pipe.set_progress_bar_config(disable=True)
-    try:
-        params = weights.load(model, config=config, mesh=mesh, dtype=dtype, device=None if mesh else device)
+    fp8 = getattr(args, "quantize", None)
+    try:  # fp8: quantized whole on the host (scales over whole rows), then sharded or moved
+        params = weights.load(
+            model, config=config, mesh=None if fp8 else mesh, dtype=dtype, device=None if mesh or fp8 else device
+        )
     except ValueError as e:
         raise CLIError(f"--model: {str(e).splitlines()[0]}") from None
+    if fp8:
+        params = _quantized(params, fp8, mesh, device)
     return pipe, params, images, device, rank0, start, time.perf_counter()
+
+
+def _quantized(params, scheme: str, mesh, device):
+    """``params`` in fp8 compute (`fd.quantize`), sharded over ``mesh`` or moved to ``device``."""
+    import functional_dit as fd
+    import sharding
+
+    params = fd.quantize(params, scheme)
+    if mesh is not None:
+        return sharding.shard_params(params, mesh)
+    return params.replace(torch.utils._pytree.tree_map(lambda t: t.to(device), params.tree))
 
 
 def run(args) -> int:
