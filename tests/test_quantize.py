@@ -458,5 +458,6 @@ def test_cli_generate_and_bench_quantize(tmp_path, capsys):
     bench = ["bench", "--preset", "flux1-tiny", "--runs", "1", "--no-compile", "--quantize", "fp8-tensor", "--out", ""]
     assert main(bench) == 0
     assert "flux1-tiny" in capsys.readouterr().out
-    assert main(["generate", "--model", str(tmp_path / "pipe"), "--quantize", "int4", "--prompt", "x"]) == 2
-    assert "--quantize: invalid choice: 'int4'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse: status 2 and the choices, before anything loads
+        main(["generate", "--model", str(tmp_path / "pipe"), "--quantize", "int4", "--prompt", "x"])
+    assert e.value.code == 2 and "--quantize: invalid choice: 'int4'" in capsys.readouterr().err
