@@ -12,11 +12,13 @@ the relative error (Frobenius) vs the fp32 unquantized model of
 - one ``fd.apply`` at each of 8 timesteps (the mean, and the share of steps within 5 %),
 - the latents of ``fd.sample`` at 4 steps (the tiny pipeline, one prompt, seed 0);
 with the default skip list (`functional_dit.nn.quant.DEFAULT_SKIP`) and with every linear
-quantized, and the bf16 unquantized model beside them for scale. Also the CPU time of one
-``fd.apply`` (bf16 compute, median of 5, this machine, both in one run) quantized vs not:
-on a CPU ``torch._scaled_mm`` is not a faster kernel, so this is an honest cost, not a speed-up.
+quantized, and the bf16 unquantized model beside them for scale.
 
-    python examples/quantization_table.py [--memory] [--error]   (both by default)
+``--time``: the CPU time of one ``fd.apply`` (bf16 compute, median of 5, this machine, both
+in one run) quantized vs not: on a CPU ``torch._scaled_mm`` is not a faster kernel, so this
+is an honest cost, not a speed-up.
+
+    python examples/quantization_table.py [--memory] [--error] [--time]   (all by default)
 """
 
 from __future__ import annotations
@@ -159,7 +161,9 @@ def cpu_time() -> str:
     """Median seconds of one bf16 fd.apply on flux2-tiny-sized wider model, quantized vs not."""
     import dataclasses
 
-    config = dataclasses.replace(fd.PRESETS["flux2-tiny"], num_attention_heads=8, attention_head_dim=64)
+    config = dataclasses.replace(
+        fd.PRESETS["flux2-tiny"], num_attention_heads=8, attention_head_dim=64, axes_dims_rope=(16, 16, 16, 16)
+    )
     params = fd.init(config, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     S, T = 256, 64
@@ -189,13 +193,14 @@ def cpu_time() -> str:
 
 
 def main(argv: list[str]) -> None:
-    which = set(argv) or {"--memory", "--error"}
+    which = set(argv) or {"--memory", "--error", "--time"}
     if "--memory" in which:
         print(memory_table())
         print()
     if "--error" in which:
         print(error_table())
         print()
+    if "--time" in which:
         print(cpu_time())
 
 
