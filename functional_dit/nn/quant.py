@@ -218,7 +218,8 @@ def quantize_activation(x: torch.Tensor, scheme: str, axis: str | None = None) -
         amax = x.abs().amax(-1, keepdim=True)
     else:
         amax = x.abs().amax(dim=tuple(range(1, x.dim())), keepdim=True) if x.dim() > 1 else x.abs().amax(-1, True)
-        amax = sharding.pmax(amax, "sp")
+        for seq_axis in ("sp", "ring"):  # the item's tokens over every sequence axis (a missing one: no-op)
+            amax = sharding.pmax(amax, seq_axis)
     if axis is not None:
         amax = sharding.pmax(amax, axis)
     scale = _scale(amax)
