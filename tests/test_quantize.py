@@ -485,3 +485,30 @@ def test_memory_table_script_meets_the_target_and_torch_load_rebuilds_fp8_leaves
     assert quant.is_quant(w) and torch.equal(
         w.dequantize(), q.flat()["transformer_blocks.0.attn.to_q.weight"].dequantize()
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_torchao_float8_tensor_where_installed(dtype):
+    """torchao's own Float8Tensor (built directly: its quantize_ config refuses a CPU), its
+    torch kernel (`torch._scaled_mm`): the same fp8 weights and scales, bitwise the same
+    output. torchao is not a dependency; where it is installed this runs (docs/quantization.md)."""
+    pytest.importorskip("torchao", minversion="0.18")
+    from torchao.float8.inference import Float8MMConfig
+    from torchao.quantization import Float8Tensor, PerRow, PerTensor
+    from torchao.quantization.quantize_.common import KernelPreference
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import QuantizeTensorToFloat8Kwargs
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(64, 96, generator=g) * torch.rand(64, 1, generator=g) * 3).to(dtype)
+    x = (torch.randn(1, 5, 96, generator=g) * 4).to(dtype)  # one item: torchao's per-tensor scale is per call
+    torch_kernel = KernelPreference.TORCH
+    for granularity, scheme in ((PerRow(), "fp8-row"), (PerTensor(), "fp8-tensor")):
+        act = QuantizeTensorToFloat8Kwargs(granularity=granularity, kernel_preference=torch_kernel)
+        ao = Float8Tensor.from_hp(
+            w, granularity=granularity, mm_config=Float8MMConfig(use_fast_accum=False), act_quant_kwargs=act,
+            kernel_preference=torch_kernel,
+        )  # fmt: skip
+        ours = quant.quantize_weight(w, scheme)
+        assert torch.equal(ao.qdata.view(torch.uint8), ours.qdata.view(torch.uint8))
+        assert torch.equal(ao.scale.float().reshape(ours.scale.shape), ours.scale)
+        assert torch.equal(quant.linear(x, ours), torch.nn.functional.linear(x, ao))
