@@ -30,6 +30,7 @@ from .flux2_kv import Flux2KVCache
 from .flux3 import Flux3Config
 from .nn.kernels import kernel_choices
 from .nn.layerwise import CastTensor, layerwise_cast
+from .nn.quant import QuantTensor, dequantize, quantize
 from .params import PACKED, Block, Params, ParamSpec, Segment
 from .qwenimage import QwenImageConfig
 from .qwenimage21 import QwenImage21Config, QwenImage21KVCache
@@ -80,6 +81,7 @@ __all__ = [
     "ParamSpec",
     "Params",
     "Segment",
+    "QuantTensor",
     "QwenImageConfig",
     "QwenImage21Config",
     "QwenImage21KVCache",
@@ -92,6 +94,7 @@ __all__ = [
     "qwenimage21",
     "config_from_diffusers",
     "config_to_diffusers",
+    "dequantize",
     "from_diffusers",
     "from_state_dict",
     "init",
@@ -100,6 +103,7 @@ __all__ = [
     "num_params",
     "param_specs",
     "prepare",
+    "quantize",
     "sample",
     "stack_params",
     "to_state_dict",

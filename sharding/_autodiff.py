@@ -42,8 +42,8 @@ def _all_gather_dim0():
 # ----------------------------------------------------------------------------- the raw collectives
 
 
-def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    return _done(_funcol().all_reduce(x, "sum", group))
+def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    return _done(_funcol().all_reduce(x, op, group))
 
 
 def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:

@@ -86,6 +86,15 @@ def psum(x: torch.Tensor, axis: str) -> torch.Tensor:
     return _autodiff.psum(x, _group(axis))
 
 
+def pmax(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """The elementwise maximum of ``x`` over ``axis`` (an all-reduce), for values that take
+    no gradient (``x`` is detached), such as the quantization scale of a row split over
+    ``axis``."""
+    if axis_size(axis) == 1:
+        return x
+    return _autodiff.all_reduce(x.detach(), _group(axis), "max")
+
+
 def pvary(x: torch.Tensor, axes) -> torch.Tensor:
     """``x`` as is, marked as entering code that differs across ``axes`` (a name or a
     tuple of names), as JAX's ``pvary``. Backward: the gradient summed over ``axes``.

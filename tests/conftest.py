@@ -47,6 +47,7 @@ SLOW_FIRST = (
     "test_sample_many.py::test_distinct_prompts_over_dp2",
     "test_sharding_flux3_qwen21.py::test_sharded_equals_unsharded_and_grads",
     "test_lora_per_item.py::test_tp2_sp2_dp2_equal_single_process",
+    "test_quantize.py::test_tp2_and_sp2_equal_one_quantized_process",
 )
 
 

@@ -24,7 +24,7 @@ import sharding
 from functional_dit import controlnet, families
 from sharding.tree import flatten, mismatch_report, nest
 
-from . import _commit
+from . import _commit, _quant
 from . import _format as F
 from . import _layouts as L
 from ._format import CheckpointError
@@ -69,10 +69,13 @@ def load(
     if stats is not None and not isinstance(stats, dict):
         raise ValueError(f"stats: expected None or a dict, got {type(stats).__name__}")
     device = _device(device, mesh)
-    src, config, specs, resolved = _resolve(path, config, variant, dtype)
+    src, config, specs, resolved, (scales, scheme) = _resolve(path, config, variant, dtype)
     plan = _flat_plan(config, specs, mesh, plan)
     regions = {k: _region(s.shape, mesh, plan and plan[k]) for k, s in specs.items()}
-    flat = _fill(src, resolved, regions, dtype, device, mesh, progress, stats)
+    flat = _fill(src, resolved, regions, dtype, device, mesh, progress, stats, fp8=scales)
+    if scales:  # fp8 weights (fd.quantize): wrapped with their scales, computing in the others' dtype
+        compute = dtype or next(t.dtype for k, t in flat.items() if k not in scales and t.is_floating_point())
+        flat = _quant.wrap(flat, scales, scheme, regions, compute)
     return _finish(config, flat, specs, mesh, plan)
 
 
@@ -84,8 +87,8 @@ def inspect(path, config=None, *, dtype: torch.dtype | None = None, variant: str
 
 
 def _resolve(path, config, variant, dtype):
-    """``(source, config, flat specs, key resolution)``, every check passed."""
-    src = open_source(path, variant)
+    """``(source, config, flat specs, key resolution, (fp8 scales, scheme))``, every check passed."""
+    src, scales, scheme = _quant.split(open_source(path, variant))
     if src.config_path is not None:  # a folder: temporaries of a killed save go
         _commit.clean_leftovers(os.path.dirname(src.config_path))
     detected = L.detect(src.tensors)
@@ -96,8 +99,8 @@ def _resolve(path, config, variant, dtype):
     shapes = {k: s.shape for k, s in specs.items()}
     resolved = L.identity(shapes) if layout == "diffusers" else L.resolve(L.BFL_TABLES[cls], shapes)
     _check_keys(src, config, layout, resolved)
-    _check_dtypes(src, resolved, dtype)
-    return src, config, specs, resolved
+    _check_dtypes(src, resolved, dtype, quantized=scales)
+    return src, config, specs, resolved, (scales, scheme)
 
 
 # ----------------------------------------------------------------------------- config and keys
@@ -127,7 +130,7 @@ def _config(config, src: Source, detected):
 
 def _json_config(src: Source, detected):
     """config.json as a config; without ``_class_name`` the family comes from the keys."""
-    cfg = src.config_json
+    cfg = _quant.config_json(src.config_json)
     if "_class_name" not in cfg:
         if detected is None:
             found = sorted(src.tensors)
@@ -199,7 +202,7 @@ def _named(src_key: str, feeds: dict, layout: str) -> str:
     return f"{src_key} (-> {', '.join(dict.fromkeys(feeds[src_key]))})"
 
 
-def _check_dtypes(src: Source, resolved: L.Resolved, dtype) -> None:
+def _check_dtypes(src: Source, resolved: L.Resolved, dtype, quantized=()) -> None:
     bad = [
         f"{info.file}: tensor {k!r} has dtype {info.dtype}"
         for k in resolved.source_shapes
@@ -210,6 +213,8 @@ def _check_dtypes(src: Source, resolved: L.Resolved, dtype) -> None:
         raise CheckpointError(f"expected floating-point parameters ({', '.join(F.FLOAT_DTYPES)}): {bad[:20]}{more}")
     by_dtype: dict[str, list[str]] = {}
     for k in resolved.source_shapes:
+        if k in quantized:  # fp8 weights with scales: stored fp8, computed in the others' dtype
+            continue
         by_dtype.setdefault(src.tensors[k].dtype, []).append(k)
     if dtype is None and len(by_dtype) > 1:
         found = {d: (len(ks), ks[:3]) for d, ks in by_dtype.items()}
@@ -272,10 +277,11 @@ def _device(device, mesh):
     return want
 
 
-def _fill(src: Source, resolved: L.Resolved, regions: dict, dtype, device, mesh, progress, stats) -> dict:
+def _fill(src: Source, resolved: L.Resolved, regions: dict, dtype, device, mesh, progress, stats, fp8=()) -> dict:
     reader = F.Reader()
     sizes = {k: [sum(b - a for a, b in r) for r in regions[k]] for k in resolved.pieces}
-    out_dtype = lambda k: dtype or src.tensors[resolved.pieces[k][0].src].torch_dtype  # noqa: E731
+    file_dtype = lambda k: src.tensors[resolved.pieces[k][0].src].torch_dtype  # noqa: E731
+    out_dtype = lambda k: file_dtype(k) if k in fp8 else dtype or file_dtype(k)  # noqa: E731
     total = sum(math.prod(s) * out_dtype(k).itemsize for k, s in sizes.items())
     flat = {}
     with _bar(total, progress, mesh, f"loading {os.path.basename(os.path.normpath(src.path))}") as bar:

@@ -20,7 +20,7 @@ from functional_dit.nn.layerwise import stored_leaf
 from sharding.internal import is_dtensor
 from sharding.tree import flatten
 
-from . import _commit
+from . import _commit, _quant
 from . import _format as F
 from ._load import _bar, check_progress
 
@@ -83,6 +83,7 @@ def save(params: fd.Params, path, max_shard_size="5GB", *, progress: bool | None
         if len(groups) > 1:
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": _weight_map(names, groups)}
         config = {**fd.config_to_diffusers(params.config), "_diffusers_version": _diffusers_version()}
+        config.update(_quant.config_entry(params.flat()))
         out.run(out.commit, index, config)
     if mesh is not None:
         _agree(mesh, out)
@@ -100,11 +101,14 @@ def _check_args(params, path, progress) -> str:
 def _describe(params: fd.Params):
     """``(flat params, flat specs, {key: (dtype, shape)}, {key: bytes})``, after checking
     that every leaf is one safetensors can store and the config's specs describe. A
-    layerwise-cast leaf (`fd.layerwise_cast`) is written in the dtype it is stored in."""
+    layerwise-cast leaf (`fd.layerwise_cast`) is written in the dtype it is stored in, an fp8
+    leaf (`fd.quantize`) as its fp8 values and its scales (`weights._quant`)."""
     flat = {k: stored_leaf(t) for k, t in params.flat().items()}
     specs = flatten(fd.param_specs(params.config))
     if list(specs) != list(flat) or any(tuple(flat[k].shape) != s.shape for k, s in specs.items()):
         fd.from_state_dict(params.config, {k: v for k, v in flat.items()})  # raises the ValueError listing them
+    flat = _quant.expand(flat)
+    specs = {k: specs.get(k) for k in flat}  # a scale has no spec (never sharded: sharded fp8 is refused)
     meta = {k: (t.dtype, tuple(t.shape)) for k, t in flat.items()}
     for k, (dtype, _) in meta.items():
         if dtype not in F.TORCH_TO_ST:

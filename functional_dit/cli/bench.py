@@ -26,6 +26,7 @@ from sharding.internal import is_dtensor
 
 from .. import api as _api
 from ..nn import kernels as _kernels
+from ..nn import quant as _quant
 from . import _bench_cache
 from ._bench_models import (
     IMG_HW,
@@ -170,7 +171,7 @@ def _eager_figures(config, med: dict, flops: int, peak: float, err: float, note)
 
 def eager_section(name, config, args) -> dict:
     params = random_params(config, args.device, args.dtype)
-    ours = _api.prepare(params)  # kernels="auto": each op's kernels measured here
+    ours = _api.prepare(params) if not _fp8(args) else _ours(params, args)  # kernels="auto": measured here
     _kernels.clear()  # this family's picks only (`_chosen`)
     kw, dkw = inputs(config, args.device, args.dtype, **shape(args))
     stock, note = _stock_contenders(params, args, dkw)
@@ -262,6 +263,15 @@ def cold_compile(which, config, args, warm_dir) -> float:
         return torch.load(path)
 
 
+def _fp8(args) -> str | None:
+    return getattr(args, "quantize", None)
+
+
+def _ours(params, args):
+    """``params``, or with ``--quantize`` their fp8 compute form (`fd.quantize`, default skip list)."""
+    return params if not _fp8(args) else _quant.quantize(params, _fp8(args))
+
+
 def compile_section(name, config, args, warm_dir) -> dict:
     """Cold compile time (each in a fresh process, see `cold_compile`) at full depth and one
     block, ours and diffusers; then compiled vs compiled, alternating."""
@@ -275,7 +285,8 @@ def compile_section(name, config, args, warm_dir) -> dict:
     torch._dynamo.reset()
     f = torch.compile(_api.apply, fullgraph=True, dynamic=False)
     g = torch.compile(module, fullgraph=True, dynamic=False)
-    med = alternate({"ours": lambda: f(params, **kw), "diffusers": lambda: g(**dkw)[0]}, args.runs, args.device)
+    ours = _ours(params, args)
+    med = alternate({"ours": lambda: f(ours, **kw), "diffusers": lambda: g(**dkw)[0]}, args.runs, args.device)
     out.update(compiled_ours=med["ours"], compiled_diffusers=med["diffusers"])
     out["ratio_compiled"] = out["compiled_ours"] / out["compiled_diffusers"]
     out["ratio_compile_time"] = out["compile_ours_full"] / out["compile_diffusers_full"]
@@ -560,6 +571,13 @@ def add_arguments(p) -> None:
     p.add_argument("--no-compile", action="store_true", help="skip the compile figures")
     p.add_argument("--no-tp", action="store_true", help="skip tp=2 (CPU only)")
     p.add_argument(
+        "--quantize",
+        choices=_quant.SCHEMES,
+        default=None,
+        help="ours with fp8 compute (fd.quantize, default skip list) in the eager and compiled figures, "
+        "diffusers unquantized; implies --no-tp",
+    )
+    p.add_argument(
         "--out",
         default=None,
         help="a Markdown file to write the report to (default: none; the committed "
@@ -604,6 +622,8 @@ def _setup(args) -> dict:
         raise ValueError(f"--dtype: expected a torch dtype name, got {args.dtype!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if _fp8(args):
+        args.no_tp = True  # the tp=2 rows build their own unquantized params
     import torch._inductor.config as inductor_config
 
     inductor_config.fx_graph_cache = False  # cold compile times

@@ -103,6 +103,12 @@ def _run_arguments(p) -> None:
         help="text encoders: whole on every rank, sharded over --tp, on the CPU, or offloaded to it between uses",
     )
     p.add_argument("--vae-tiling", action="store_true", help="decode in tiles (less memory for large images)")
+    p.add_argument(
+        "--quantize",
+        default=None,
+        choices=["fp8-row", "fp8-tensor"],
+        help="fp8 compute (fd.quantize, its default skip list): the transformer's linears as scaled fp8 GEMMs",
+    )
     p.add_argument("--tp", type=positive, default=1)
     p.add_argument("--sp", type=positive, default=1)
     p.add_argument("--dp", type=positive, default=1)
@@ -327,7 +333,7 @@ def _setup(args):
         if tiny is None:
             pipe, params = _load(args, model, base, config, mesh, device, dtype)
         else:
-            pipe, params = _load_tiny(tiny, mesh, device, dtype)
+            pipe, params = _load_tiny(tiny, mesh, device, dtype, getattr(args, "quantize", None))
         _placement.load_to(pipe, device, args.encoders)
     return pipe, params, images, device, rank0, start, time.perf_counter()
 
@@ -354,22 +360,41 @@ def _load(args, model, base, config, mesh, device, dtype):
 
     pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=None, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
-    try:
-        params = weights.load(model, config=config, mesh=mesh, dtype=dtype, device=None if mesh else device)
+    fp8 = getattr(args, "quantize", None)
+    try:  # fp8: quantized whole on the host (scales over whole rows), then sharded or moved
+        params = weights.load(
+            model, config=config, mesh=None if fp8 else mesh, dtype=dtype, device=None if mesh or fp8 else device
+        )
     except ValueError as e:
         raise CLIError(f"--model: {str(e).splitlines()[0]}") from None
+    if fp8:
+        params = _quantized(params, fp8, mesh, device)
     return pipe, params
 
 
-def _load_tiny(name: str, mesh, device, dtype):
-    """A tiny pipeline built offline (`_models.tiny_pipeline`), its transformer as our params."""
+def _load_tiny(name: str, mesh, device, dtype, quantize: str | None = None):
+    """A tiny pipeline built offline (`_models.tiny_pipeline`), its transformer as our params
+    (fp8 compute with ``quantize``: `_quantized`)."""
     import functional_dit as fd
     import sharding
 
     pipe = _models.tiny_pipeline(name, dtype=dtype)
-    params = fd.from_diffusers(pipe.transformer.to(device if mesh is None else "cpu"))
+    params = fd.from_diffusers(pipe.transformer.to(device if mesh is None and not quantize else "cpu"))
     pipe.transformer = None  # fd.sample never calls it; the params hold its weights
+    if quantize:
+        return pipe, _quantized(params, quantize, mesh, device)
     return pipe, params if mesh is None else sharding.shard_params(params, mesh)
+
+
+def _quantized(params, scheme: str, mesh, device):
+    """``params`` in fp8 compute (`fd.quantize`), sharded over ``mesh`` or moved to ``device``."""
+    import functional_dit as fd
+    import sharding
+
+    params = fd.quantize(params, scheme)
+    if mesh is not None:
+        return sharding.shard_params(params, mesh)
+    return params.replace(torch.utils._pytree.tree_map(lambda t: t.to(device), params.tree))
 
 
 def run(args) -> int:

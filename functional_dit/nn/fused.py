@@ -10,9 +10,9 @@ shapes and values, no extra memory once the old params are dropped. The forward
 (`fast.linear_group`, behind `layers.linear_group`) recognises such a layout from the
 tensors' storage and runs one matmul over the whole buffer, splitting its output (views, no copy); anything else
 (unprepared params, tensors that require grad while grad is enabled, traced code, params
-inside a ``torch.func`` transform, layerwise-cast leaves, whose storage is another dtype:
-`functional_dit.nn.layerwise`) runs the projections one by one, as diffusers does;
-`prepare` leaves groups with a layerwise-cast leaf as they are.
+inside a ``torch.func`` transform, layerwise-cast and fp8 leaves, whose storage is another
+dtype: `functional_dit.nn.layerwise`, `functional_dit.nn.quant`) runs the projections one by
+one, as diffusers does; `prepare` leaves groups with such a leaf as they are.
 Because the check reads the storage on every call, a prepared layout can never be
 stale: a leaf replaced by another tensor breaks the adjacency and that group simply
 runs unfused; an in-place update of a leaf is an update of the buffer.
@@ -34,6 +34,7 @@ from sharding.tree import get, map_tree, put
 
 from ..params import Params
 from .layerwise import is_cast
+from .quant import is_quant
 
 _FUSABLE_DEVICES = ("cpu", "cuda")
 
@@ -46,7 +47,7 @@ def _rows_of_one_buffer(ts: list[torch.Tensor]) -> torch.Tensor | None:
     """The tensor spanning ``ts`` when they are consecutive, contiguous row blocks of
     one storage (same dtype, device and trailing shape); else None."""
     t0 = ts[0]
-    if any(is_cast(t) for t in ts):
+    if any(is_cast(t) or is_quant(t) for t in ts):
         return None  # stored in another dtype than it reads as: no buffer to read
     if t0.device.type not in _FUSABLE_DEVICES or not t0.is_contiguous():
         return None
@@ -115,7 +116,7 @@ def kernels(params, groups) -> str:
                 w = get(block, f"{block_groups[0][0]}.weight")
             except KeyError:
                 return "auto"
-            if is_cast(w):
+            if is_cast(w) or is_quant(w):
                 return "auto"
             return _MODES.get(w.untyped_storage().data_ptr(), "auto")
     return "auto"
@@ -139,9 +140,11 @@ def _concat_rows(leaves: list, mode: str = "auto") -> list:
     DTensor leaves: of one local buffer, each re-wrapped with its placements); the buffer
     remembers the kernels ``mode``."""
     is_d = [is_dtensor(t) for t in leaves]
-    if any(is_cast(t) for t in leaves) or (any(is_d) and not all(is_d)):
+    if any(is_cast(t) or is_quant(t) for t in leaves) or (any(is_d) and not all(is_d)):
         return leaves
     local = [local_tensor(t) for t in leaves]
+    if any(is_quant(t) for t in local):  # sharded fp8 leaves
+        return leaves
     if len({(t.dtype, t.device, t.shape[1:]) for t in local}) != 1:
         return leaves
     buffer = torch.cat([t.detach() for t in local])

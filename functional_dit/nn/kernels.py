@@ -12,7 +12,8 @@ order; see docs/architecture.md, Fast eager kernels):
   compiled code fuses the exact maths itself, and in-place ops on graph inputs break
   tracing.
 - The op's own condition in `WHEN`: no LoRA factors on the layer (their updates are per
-  layer, the fast kernels see only the base weight); the RMS norm's three-pass kernel
+  layer, the fast kernels see only the base weight) and no fp8 weight (`quant`: its
+  scaled GEMM is the exact op's); the RMS norm's three-pass kernel
   on a CPU only (a GPU's fused kernel is faster; docs/notes.md).
 - A projection group runs as one GEMM only where `fd.prepare` laid its weights out as one
   buffer, read off their storage on every call (`fused.fused`), so a layout can never
@@ -62,6 +63,8 @@ import torch
 
 import sharding
 
+from . import quant
+
 MODES = ("auto", "fast", "exact")
 MARGIN = 0.03  # a fast kernel must be this much faster than the exact one to be chosen
 ROUNDS = 7  # alternating rounds per measurement
@@ -104,11 +107,11 @@ def fast() -> bool:
 
 
 def _no_lora(p, *args, **kwargs) -> bool:
-    return "lora" not in p
+    return "lora" not in p and not quant.is_quant(p["weight"])
 
 
 def _none_lora(ps, *args, **kwargs) -> bool:
-    return not any("lora" in p for p in ps)
+    return not any("lora" in p or quant.is_quant(p["weight"]) for p in ps)
 
 
 def _x_on_cpu(p, x, *args, **kwargs) -> bool:

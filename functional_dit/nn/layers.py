@@ -20,16 +20,23 @@ import torch.nn.functional as F
 
 import sharding
 
-from . import fast
+from . import fast, quant
 from .kernels import replaceable
 
 # ----------------------------------------------------------------------------- projections
 
 
+def _matmul(x: torch.Tensor, w: torch.Tensor, b=None, axis: str | None = None) -> torch.Tensor:
+    """``x @ w.T + b``; an fp8 weight (`quant.QuantTensor`) runs as a scaled GEMM, x's scales
+    taken over the whole row (maxed over ``axis`` when x's channels are split over it)."""
+    return quant.linear(x, w, b, axis) if quant.is_quant(w) else F.linear(x, w, b)
+
+
 def linear(p, x: torch.Tensor) -> torch.Tensor:
     """``x @ W.T + b`` with whole (replicated) weights, or as the local half of a sharded one.
-    With LoRA factors attached (``p["lora"]``, see ``functional_dit.lora``) their updates are added."""
-    y = F.linear(x, p["weight"], p.get("bias"))
+    With LoRA factors attached (``p["lora"]``, see ``functional_dit.lora``) their updates are added
+    (in the compute dtype, also over an fp8 weight: `functional_dit.nn.quant`)."""
+    y = _matmul(x, p["weight"], p.get("bias"))
     return y if "lora" not in p else _add_lora(y, [_lora_in(x, f) for f in p["lora"]], p)
 
 
@@ -124,7 +131,7 @@ def row_linear(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
     too (one small all-reduce) before ``B``, so ``B`` sees the whole product."""
     if sharding.axis_size(axis) == 1:
         return linear(p, x)
-    y = sharding.psum(F.linear(x, p["weight"]), axis)
+    y = sharding.psum(_matmul(x, p["weight"], axis=axis), axis)
     y = y if p.get("bias") is None else y + p["bias"]
     if "lora" not in p:
         return y
@@ -140,7 +147,7 @@ def row_linears(pairs: list, axis: str = "tp") -> list[torch.Tensor]:
     factors take `row_linear`'s own path."""
     if sharding.axis_size(axis) == 1 or len(pairs) == 1 or any("lora" in p for p, _ in pairs):
         return [row_linear(p, x, axis) for p, x in pairs]
-    ys = [F.linear(x, p["weight"]) for p, x in pairs]
+    ys = [_matmul(x, p["weight"], axis=axis) for p, x in pairs]
     summed = sharding.psum(torch.cat(ys, 1), axis).split([y.shape[1] for y in ys], 1)
     return [y if p.get("bias") is None else y + p["bias"] for y, (p, _) in zip(summed, pairs)]
 
