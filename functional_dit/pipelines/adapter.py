@@ -497,26 +497,25 @@ class DiffusersTransformer(
     ) -> None:
         """Write a stock diffusers checkpoint folder (``config.json`` + safetensors) with
         `weights.save`; the stock class's ``from_pretrained`` loads it. ``variant`` names
-        the files as diffusers does (``diffusion_pytorch_model.<variant>.safetensors``).
-        With sharded params every rank must call it (rank 0 writes); a variant needs plain
-        params. The adapter's PEFT factors are not part of the checkpoint (``save_lora_adapter``)."""
+        the files as diffusers does (``diffusion_pytorch_model.<variant>.safetensors``);
+        ``safe_serialization=False`` writes the stock pickled ``.bin`` files (``torch.save``
+        of each shard's state dict, as diffusers writes them; `from_pretrained` reads them
+        back with ``torch.load(weights_only=True)`` only). With sharded params every rank
+        must call it (rank 0 writes); a variant or pickles need plain params. The adapter's PEFT factors are not part of the checkpoint (``save_lora_adapter``)."""
         import weights
 
-        if not safe_serialization:
-            raise ValueError("safe_serialization: only safetensors are written (pickle is refused), got False")
         bad = {k: v for k, v in dict(kwargs, save_function=save_function, push_to_hub=push_to_hub).items() if v}
         if bad or is_main_process is not True:
             raise ValueError(f"save_pretrained: unsupported arguments {sorted(bad) or ['is_main_process']}")
         # layerwise-cast leaves are written in the dtype they are stored in (weights.save), as stock
         params, size = self._base_params(detached=True), max_shard_size or "5GB"
-        if variant is None:
+        if variant is None and safe_serialization:
             weights.save(params, os.fspath(save_directory), max_shard_size=size)
             return
         if any(is_dtensor(t) for t in params.leaves()):
-            raise ValueError(
-                f"variant: saving a variant needs plain (unsharded) params, got sharded ones ({variant!r})"
-            )
-        io.save_variant(params, os.fspath(save_directory), variant, size)
+            what = f"a variant ({variant!r})" if variant is not None else "pickled weights (safe_serialization=False)"
+            raise ValueError(f"save_pretrained: saving {what} needs plain (unsharded) params, got sharded ones")
+        io.save_renamed(params, os.fspath(save_directory), variant, size, pickle=not safe_serialization)
 
     @classmethod
     def from_pretrained(
@@ -526,18 +525,24 @@ class DiffusersTransformer(
         single safetensors file): ``mesh`` / ``plan`` stream each rank's own slices
         (sharded params), ``device`` as in `weights.load`; the stock keywords
         (``torch_dtype`` / ``dtype``, ``variant``, ``subfolder``, ``device_map``,
-        ``low_cpu_mem_usage``, ``output_loading_info``, ...) with the stock meanings
-        (`functional_dit.pipelines._adapter_io`)."""
+        ``low_cpu_mem_usage``, ``output_loading_info``, ``use_safetensors``, ...) with the
+        stock meanings (`functional_dit.pipelines._adapter_io`). A folder of pickled
+        ``.bin`` weights (``save_pretrained(safe_serialization=False)``) is read with
+        ``torch.load(weights_only=True)``, never a full unpickling."""
         import weights
 
         opts = io.load_options(kwargs, device)
         path = os.fspath(path)
         if subfolder:
             path = os.path.join(path, subfolder)
-        io.check_weights(path, opts["variant"])
-        params = weights.load(
-            path, mesh=mesh, plan=plan, dtype=opts["dtype"], device=opts["device"], variant=opts["variant"]
-        )
+        pickled = io.pickled(path, opts["variant"], opts["use_safetensors"])
+        if pickled is not None:
+            params = io.load_pickled(path, pickled, opts["dtype"], opts["device"], mesh, plan)
+        else:
+            io.check_weights(path, opts["variant"])
+            params = weights.load(
+                path, mesh=mesh, plan=plan, dtype=opts["dtype"], device=opts["device"], variant=opts["variant"]
+            )
         if cls is not DiffusersTransformer and _family(params) != cls._family_name:
             raise ValueError(
                 f"path: {cls.__name__} expects a {_STOCK_CLASS[cls._family_name]} checkpoint, "
