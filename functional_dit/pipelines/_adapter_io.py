@@ -97,8 +97,9 @@ def pickled(path: str, variant, use_safetensors) -> list[str] | None:
         return None
     files = pickle_files(path, variant)
     if use_safetensors is False and files is None:
+        name = _stock_name("diffusion_pytorch_model.safetensors", variant, True)
         raise NoWeightsError(
-            f"Error no file named {_stock_name('diffusion_pytorch_model.safetensors', variant, True)} found in directory {path} "
+            f"Error no file named {name} found in directory {path} "
             "(use_safetensors=False reads only the pickled .bin weights)"
         )
     if use_safetensors is None and any(os.path.lexists(os.path.join(path, n)) for n in variant_names(variant)):

@@ -501,7 +501,8 @@ class DiffusersTransformer(
         ``safe_serialization=False`` writes the stock pickled ``.bin`` files (``torch.save``
         of each shard's state dict, as diffusers writes them; `from_pretrained` reads them
         back with ``torch.load(weights_only=True)`` only). With sharded params every rank
-        must call it (rank 0 writes); a variant or pickles need plain params. The adapter's PEFT factors are not part of the checkpoint (``save_lora_adapter``)."""
+        must call it (rank 0 writes); a variant or pickles need plain params. The adapter's
+        PEFT factors are not part of the checkpoint (``save_lora_adapter``)."""
         import weights
 
         bad = {k: v for k, v in dict(kwargs, save_function=save_function, push_to_hub=push_to_hub).items() if v}
