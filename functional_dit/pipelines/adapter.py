@@ -142,6 +142,54 @@ def _broadcast_text(x, txt, args):
     return x, txt.expand(B, *txt.shape[1:]), args
 
 
+def _batch(v) -> int | None:
+    return v.shape[0] if isinstance(v, torch.Tensor) and v.dim() > 0 else None
+
+
+def _broadcast_flux1(x, t, txt, args):
+    """FLUX.1's batch-1 inputs broadcast as ``FluxTransformer2DModel`` broadcasts them: its
+    time, guidance and pooled embeddings are summed into one ``temb`` (any of them with
+    batch 1 serves the others' batch), and each stream is modulated by ``temb``, so the
+    image stream takes the batch of ``hidden_states`` and ``temb``, the text stream that of
+    ``encoder_hidden_states`` and ``temb``; the two must then agree (FluxPipeline sends one
+    negative prompt's embeddings for several prompts under true CFG: text and pooled of
+    batch 1, timestep and guidance of the batch). Expanded explicitly here; what the stock
+    module cannot broadcast (e.g. every conditioning input of batch 1 for a batch of
+    images) stays an error (`fd.apply`'s)."""
+    named = dict(x=x, t=t, txt=txt, guidance=args.get("guidance"), pooled=args.get("pooled"))
+    temb = {_batch(named[k]) for k in ("t", "guidance", "pooled")} - {None}
+    if len(temb - {1}) > 1:
+        return x, t, txt, args
+    tb = max(temb, default=1)
+    streams = {max(_batch(x), tb), max(_batch(txt), tb)} if None not in (_batch(x), _batch(txt)) else set()
+    if len(streams) != 1 or any(_batch(v) not in (None, 1, *streams) for v in named.values()):
+        return x, t, txt, args
+    B = streams.pop()
+    out = {k: v.expand(B, *v.shape[1:]) if _batch(v) == 1 else v for k, v in named.items()}
+    return out["x"], out["t"], out["txt"], dict(args, guidance=out["guidance"], pooled=out["pooled"])
+
+
+def _broadcast_layout(x, args):
+    """Qwen-Image's ``img_shapes`` / ``img_mask`` with fewer items than the batch, as the
+    stock classes read them: ``QwenImageTransformer2DModel`` builds its RoPE from
+    ``img_shapes[0]`` alone and ``QwenImage21Transformer2DModel`` reads ``img_shapes[0]``
+    and ``img_mask[0]`` ("samples share a layout"), while the pipelines send one entry per
+    prompt, not per image (``num_images_per_prompt``). Equal items are repeated to the
+    batch; items that differ stay `fd.apply`'s error (the stock class warns, or not even
+    that for ``img_mask``, and gives every image the first item's layout). The Layered
+    model's batch-1 ``additional_t_cond`` (one per prompt too) is broadcast as stock."""
+    B, shapes, mask = x.shape[0], args.get("img_shapes"), args.get("img_mask")
+    if isinstance(shapes, (list, tuple)) and 0 < len(shapes) != B and all(s == shapes[0] for s in shapes):
+        args = dict(args, img_shapes=[shapes[0]] * B)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] not in (0, B):
+        if mask.shape[0] == 1 or all(torch.equal(row, mask[0]) for row in mask):
+            args = dict(args, img_mask=mask[:1].expand(B, -1))
+    cond = args.get("additional_t_cond")  # Layered's: summed into the time embedding, so broadcast as stock
+    if isinstance(cond, torch.Tensor) and cond.dim() > 0 and cond.shape[0] == 1 != B:
+        args = dict(args, additional_t_cond=cond.expand(B, *cond.shape[1:]))
+    return args
+
+
 def _family(params) -> str:
     if not isinstance(params, Params):
         raise ValueError(f"params: expected functional_dit.Params, got {type(params).__name__}")
@@ -325,7 +373,14 @@ class DiffusersTransformer(
             args.update(_NEW_FAMILIES[fam].args(self, **kwargs))
         else:
             args.update(self._qwen_args(**kwargs))
-        hidden_states, encoder_hidden_states, args = _broadcast_text(hidden_states, encoder_hidden_states, args)
+        if fam == "flux1":
+            hidden_states, timestep, encoder_hidden_states, args = _broadcast_flux1(
+                hidden_states, timestep, encoder_hidden_states, args
+            )
+        else:
+            hidden_states, encoder_hidden_states, args = _broadcast_text(hidden_states, encoder_hidden_states, args)
+        if fam in ("qwenimage", "qwenimage21"):
+            args = _broadcast_layout(hidden_states, args)
         scale = self.__dict__.pop("_call_scale", 1.0)
         pairs = [(ad, s * scale) for ad, s in self.get_lora()]
         out = self.cached_apply(
