@@ -255,3 +255,54 @@ def test_qwen_num_images_per_prompt(case, monkeypatch):
     ref, out = flat(ref), flat(out)  # Layered: a list of per-image layer stacks
     assert ref.abs().max() > 0.1
     assert max_err(out, ref) <= FP32  # measured <= 1e-6
+
+
+# ---------------------------------------------------------------- LoRA alphas in the state dict
+
+
+def _peft_lora_with_alphas(pipe, tmp_path):
+    """diffusers' ``test_with_alpha_in_state_dict``: a PEFT LoRA saved by the pipeline, read
+    back with ``<key>.alpha`` entries (random, per ``to_k`` factor) added, as Kohya-derived
+    files carry them."""
+    import safetensors.torch
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=False)
+    pipe.transformer.add_adapter(cfg)
+    pipe.save_lora_weights(tmp_path, transformer_lora_layers=get_peft_model_state_dict(pipe.transformer))
+    pipe.unload_lora_weights()
+    state = safetensors.torch.load_file(tmp_path / "pytorch_lora_weights.safetensors")
+    gen = torch.Generator().manual_seed(5)
+    alphas = {f"{k}.alpha": float(torch.randint(10, 100, (), generator=gen)) for k in state if "to_k.lora_A" in k}
+    return state, alphas
+
+
+def test_lora_alpha_entries_as_stock(tmp_path):
+    out = {}
+    for side in ("stock", "ours"):
+        pipe = tiny.pipeline("flux", seed=SEED, transformer=None if side == "stock" else adapter("flux"))
+        state, alphas = _peft_lora_with_alphas(pipe, tmp_path / side)
+        pipe.load_lora_weights(dict(state))
+        plain = run(pipe, prompt=PROMPT, **SHORT)
+        pipe.unload_lora_weights()
+        pipe.load_lora_weights({**state, **alphas})
+        out[side] = run(pipe, prompt=PROMPT, **SHORT)
+        assert max_err(out[side], plain) > 1e-3  # the alphas change the result (diffusers' test asks this)
+    assert max_err(out["ours"], out["stock"]) <= FP32  # measured 4.8e-7
+
+
+def test_lora_load_reads_alpha_on_a_factor():
+    """`functional_dit.lora` reads ``<module>.lora_A.weight.alpha`` as the module's alpha
+    (scale alpha / r), as ``<module>.alpha``."""
+    import functional_dit.lora as lora
+
+    params = fd.init(tiny.transformer_config("flux"), seed=SEED)
+    ad = lora.init(params, rank=4, targets=["transformer_blocks.0.attn.to_k"], alpha=4.0, seed=1, zero_b=False)
+    base = {k: v for k, v in lora.to_state_dict(ad).items() if not k.endswith(".alpha")}
+    on_factor = lora.from_state_dict(
+        {**base, "transformer_blocks.0.attn.to_k.lora_A.weight.alpha": torch.tensor(12.0)}, params
+    )
+    on_module = lora.from_state_dict({**base, "transformer_blocks.0.attn.to_k.alpha": torch.tensor(12.0)}, params)
+    assert on_factor.config == on_module.config and on_factor.config.modules[0][2] == 12.0
