@@ -306,3 +306,54 @@ def test_lora_load_reads_alpha_on_a_factor():
     )
     on_module = lora.from_state_dict({**base, "transformer_blocks.0.attn.to_k.alpha": torch.tensor(12.0)}, params)
     assert on_factor.config == on_module.config and on_factor.config.modules[0][2] == 12.0
+
+
+# ---------------------------------------------------------------- MagCache per CFG branch
+
+
+def test_magcache_true_cfg_without_cache_context_decides_per_branch(caplog):
+    """FluxInpaintPipeline (as Kontext) opens no ``cache_context``: the stock MagCache hook
+    then shares one state between the cond and uncond calls. Per CFG branch is what
+    `fd.sample` does and what the stock hook does where a pipeline opens "cond" / "uncond";
+    the adapter decides per branch too, and warns that the stock transformer differs here."""
+    import numpy as np
+    import PIL.Image
+    from diffusers.hooks import MagCacheConfig
+
+    from functional_dit.pipelines import cache as fd_cache
+
+    steps = 6
+    kw = dict(mag_ratios=fd_cache.FLUX_MAG_RATIOS, num_inference_steps=steps, threshold=0.06)
+    mask = PIL.Image.fromarray(((np.random.RandomState(1).rand(32, 32) > 0.5) * 255).astype("uint8"))
+    call = dict(prompt=PROMPT, negative_prompt="blurry", true_cfg_scale=2.0, image=_rgb(0), mask_image=mask,
+                num_inference_steps=steps, strength=1.0, **SHORT)  # fmt: skip
+
+    def pipe(transformer):
+        p = diffusers.FluxInpaintPipeline(**tiny.components("flux", seed=SEED), transformer=transformer)
+        p.set_progress_bar_config(disable=True)
+        return p
+
+    stock = tiny.stock_transformer("flux", seed=SEED)
+    params = fd.from_diffusers(stock)
+    stock.enable_cache(MagCacheConfig(**kw))
+    shared = run(pipe(stock), **call)  # the stock pipeline as it is: one state for both calls
+    forward, calls = stock.forward, []
+
+    def per_branch(*args, **kwargs):  # the stock hook with the contexts FluxPipeline opens
+        calls.append(None)
+        with stock.cache_context("cond" if len(calls) % 2 else "uncond"):
+            return forward(*args, **kwargs)
+
+    stock.forward = per_branch
+    branch = run(pipe(stock), **call)
+    ad = fd.DiffusersTransformer(params)
+    ad.enable_cache(MagCacheConfig(**kw))
+    with caplog.at_level("WARNING"):
+        ours = run(pipe(ad), **call)
+    assert "MagCache with true CFG and no cache_context" in caplog.text
+    sampled = fd.sample(params, pipe(tiny.stock_transformer("flux", seed=SEED)), PROMPT, negative_prompt="blurry",
+                        true_cfg=2.0, image=_rgb(0), mask_image=mask, steps=steps, seed=0, height=32, width=32,
+                        strength=1.0, output_type="latent", cache=fd.MagCache(**kw), **SHORT)  # fmt: skip
+    assert max_err(ours, branch) <= FP32  # measured 0
+    assert max_err(sampled, ours) <= FP32  # measured 7.7e-7: one batched call vs two
+    assert max_err(shared, branch) > 0.1  # the stock sharing is another result (measured 0.91)

@@ -33,6 +33,7 @@ from .. import api as _api
 from ..api import apply
 from . import cache as _cache
 
+_LOG = logging.get_logger("functional_dit.pipelines.cache")
 # The stock hook each of our caches stands in for (what diffusers' disable_cache removes).
 HOOK_NAMES = {
     _cache.FirstBlockCache: _FBC_LEADER_BLOCK_HOOK,
@@ -150,15 +151,38 @@ class StepCacheHook(ModelHook):
         self.state_manager.reset()
         if self.shared is not None:
             self.shared.reset()
+        for key in ("_branch", "_auto", "_warned"):
+            self.__dict__.pop(key, None)
         return module
 
-    def state(self) -> _State:
-        """The current context's state; MagCache uses ``"inference"`` without one, as diffusers'."""
+    def state(self, t=None) -> _State:
+        """The current context's state. MagCache without one (FluxInpaintPipeline and
+        FluxKontextPipeline open none) decides per CFG branch: the n-th call at the same
+        timestep ``t`` gets its own state (``"inference"``, ``"inference/1"``, ...), as
+        `fd.sample` decides per CFG half and as the stock hook does where a pipeline opens
+        "cond" / "uncond" contexts; the stock hook without contexts shares ``"inference"``
+        between the cond and uncond calls (a warning says so, once per run)."""
         if self.shared is not None:
             return self.shared
-        if isinstance(self.cache, _cache.MagCache) and self.state_manager._context is None:
-            self.state_manager.set_context(CacheContext(name="inference"))
+        ctx = self.state_manager._context
+        if isinstance(self.cache, _cache.MagCache) and (ctx is None or ctx is self.__dict__.get("_auto")):
+            self.state_manager.set_context(self._branch_context(t))
         return self.state_manager.get_state()  # diffusers' "No cache context is set" otherwise
+
+    def _branch_context(self, t) -> CacheContext:
+        last, n = self.__dict__.get("_branch", (None, -1))
+        n = n + 1 if last is not None and t is not None and last.shape == t.shape and torch.equal(last, t) else 0
+        self.__dict__["_branch"] = (None if t is None else t.detach().clone(), n)
+        if n == 1 and not self.__dict__.get("_warned"):
+            self.__dict__["_warned"] = True
+            _LOG.warning(
+                "MagCache with true CFG and no cache_context (this pipeline opens none): functional_dit's adapter "
+                "decides per CFG branch (one MagCache state for the conditional call, one for the unconditional), as "
+                "fd.sample does; diffusers' MagCache hook on the stock transformer shares one state between the two "
+                "calls here, so its images differ (docs/caching.md)"
+            )
+        self.__dict__["_auto"] = CacheContext(name="inference" if n == 0 else f"inference/{n}")
+        return self.__dict__["_auto"]
 
 
 class CacheHooks(diffusers.CacheMixin):
@@ -192,6 +216,6 @@ class CacheHooks(diffusers.CacheMixin):
             raise ValueError("enable_cache: step caching with gradient checkpointing under autograd is not supported")
         if lora:
             raise ValueError("lora: step caching with on-the-fly LoRA is not supported; merge it (lora.merge)")
-        state = hook.state()
+        state = hook.state(t)
         out, state.value = _cache.step(params, hook.cache, state.value, x, t, txt, **kwargs)
         return out
