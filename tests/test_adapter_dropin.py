@@ -357,3 +357,35 @@ def test_magcache_true_cfg_without_cache_context_decides_per_branch(caplog):
     assert max_err(ours, branch) <= FP32  # measured 0
     assert max_err(sampled, ours) <= FP32  # measured 7.7e-7: one batched call vs two
     assert max_err(shared, branch) > 0.1  # the stock sharing is another result (measured 0.91)
+
+
+# ---------------------------------------------------------------- Pyramid Attention Broadcast
+
+
+@pytest.mark.parametrize("kind", ["flux", "qwen-image"])
+def test_pyramid_attention_broadcast_equals_stock(kind, caplog):
+    """``enable_cache(PyramidAttentionBroadcastConfig(...))`` (diffusers' pipeline-test
+    config) on the adapter: the stock PAB hooks' latents through the pipeline; FLUX.1 with
+    true CFG (both calls share the stock PAB state, as ours); Qwen-Image without (its cond and
+    uncond texts differ in length, and the stock shared state then crashes reusing one
+    call's attention output in the other: a size mismatch); ``disable_cache`` gives the plain run."""
+    from diffusers.hooks import PyramidAttentionBroadcastConfig
+
+    call = dict(prompt=PROMPT, num_inference_steps=6)
+    call.update(dict(negative_prompt="blurry", true_cfg_scale=2.0, **SHORT) if kind == "flux" else {})
+    out = {}
+    for side in ("stock", "ours"):
+        pipe = tiny.pipeline(kind, seed=SEED, transformer=None if side == "stock" else adapter(kind))
+        plain = run(pipe, **call)
+        config = PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2,
+            spatial_attention_timestep_skip_range=(100, 800),
+            spatial_attention_block_identifiers=["transformer_blocks"],
+            current_timestep_callback=lambda pipe=pipe: pipe.current_timestep,
+        )
+        pipe.transformer.enable_cache(config)
+        out[side] = run(pipe, **call)
+        assert max_err(out[side], plain) > 1e-3  # attention was reused
+        pipe.transformer.disable_cache()
+        assert not pipe.transformer.is_cache_enabled and max_err(run(pipe, **call), plain) == 0
+    assert max_err(out["ours"], out["stock"]) <= FP32

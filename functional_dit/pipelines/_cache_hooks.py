@@ -20,12 +20,14 @@ from diffusers.hooks import (
     FirstBlockCacheConfig,
     HookRegistry,
     MagCacheConfig,
+    PyramidAttentionBroadcastConfig,
     TaylorSeerCacheConfig,
 )
 from diffusers.hooks.faster_cache import _FASTER_CACHE_DENOISER_HOOK
 from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
 from diffusers.hooks.hooks import BaseState, CacheContext, ModelHook, StateManager
 from diffusers.hooks.mag_cache import _MAG_CACHE_LEADER_BLOCK_HOOK
+from diffusers.hooks.pyramid_attention_broadcast import _PYRAMID_ATTENTION_BROADCAST_HOOK
 from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK, _TRANSFORMER_BLOCK_IDENTIFIERS
 from diffusers.utils import logging
 
@@ -56,13 +58,16 @@ def from_diffusers_config(config, module=None):
         return _taylor(config)
     if isinstance(config, FasterCacheConfig):
         return _faster(config, module)
+    if isinstance(config, PyramidAttentionBroadcastConfig):
+        return _pab(config)
     if isinstance(config, MagCacheConfig) and not config.calibrate:
         keys = ("threshold", "max_skip_steps", "retention_ratio", "num_inference_steps")
         return _cache.MagCache(tuple(config.mag_ratios.tolist()), **{k: getattr(config, k) for k in keys})
     raise ValueError(
         f"config: {type(config).__name__}{'(calibrate=True)' * bool(getattr(config, 'calibrate', False))} is not "
         "supported by functional_dit's adapter; expected FirstBlockCacheConfig, TaylorSeerCacheConfig, "
-        "MagCacheConfig(calibrate=False) or FasterCacheConfig(is_guidance_distilled=True)"
+        "MagCacheConfig(calibrate=False), FasterCacheConfig(is_guidance_distilled=True) or "
+        "PyramidAttentionBroadcastConfig"
     )
 
 
@@ -95,6 +100,34 @@ def _faster(config: FasterCacheConfig, module) -> _cache.FasterCache:
         block_skip_range=config.spatial_attention_block_skip_range,
         timestep_skip_range=tuple(config.spatial_attention_timestep_skip_range),
         weight=weight,
+        timestep=config.current_timestep_callback,
+        modules=tuple(config.spatial_attention_block_identifiers),
+    )
+
+
+def _pab(config: PyramidAttentionBroadcastConfig) -> _cache.FasterCache:
+    """Pyramid Attention Broadcast on the spatial attention modules: the stock hook computes a
+    module's attention at its first call, outside the timestep range and at every
+    ``spatial_attention_block_skip_range``-th call, and returns its last output between:
+    FasterCache's schedule (the same decision per call) with weight 0 (``last + (last - the one
+    before) x 0`` is ``last``), one state for every call (the stock PAB state ignores contexts).
+    These models have no temporal blocks and no cross-attention modules (their attention is
+    joint: the stock hooks none of them for those ranges), so a temporal or cross range hooks
+    nothing, as stock; none at all is the stock default (spatial 2, with its warning)."""
+    skip = config.spatial_attention_block_skip_range
+    if skip is None and config.temporal_attention_block_skip_range is None:
+        if config.cross_attention_block_skip_range is None:
+            logging.get_logger("diffusers.hooks.pyramid_attention_broadcast").warning(
+                "Pyramid Attention Broadcast requires one or more of `spatial_attention_block_skip_range`, "
+                "`temporal_attention_block_skip_range` or `cross_attention_block_skip_range` parameters to be set to "
+                "an integer, not `None`. Defaulting to using `spatial_attention_block_skip_range=2`. To avoid this "
+                "warning, please set one of the above parameters."
+            )
+            skip = config.spatial_attention_block_skip_range = 2
+    return _cache.FasterCache(
+        block_skip_range=skip,
+        timestep_skip_range=tuple(config.spatial_attention_timestep_skip_range),
+        weight=0.0,
         timestep=config.current_timestep_callback,
         modules=tuple(config.spatial_attention_block_identifiers),
     )
@@ -197,14 +230,18 @@ class CacheHooks(diffusers.CacheMixin):
         cache = from_diffusers_config(config, self)
         _check_modules(cache, self)
         registry = HookRegistry.check_if_exists_or_initialize(self)
-        registry.register_hook(StepCacheHook(cache), HOOK_NAMES[type(cache)])
+        pab = isinstance(config, PyramidAttentionBroadcastConfig)  # disable_cache removes the stock PAB name
+        registry.register_hook(
+            StepCacheHook(cache), _PYRAMID_ATTENTION_BROADCAST_HOOK if pab else HOOK_NAMES[type(cache)]
+        )
         registry.invalidate_child_registries_cache()
         self._cache_config = config
 
     def step_cache_hook(self) -> StepCacheHook | None:
         """The registered `StepCacheHook`, None when no cache is enabled."""
         registry = self.__dict__.get("_diffusers_hook")
-        hooks = [registry.get_hook(n) for n in HOOK_NAMES.values()] if registry is not None else []
+        names = (*HOOK_NAMES.values(), _PYRAMID_ATTENTION_BROADCAST_HOOK)
+        hooks = [registry.get_hook(n) for n in names] if registry is not None else []
         return next((h for h in hooks if isinstance(h, StepCacheHook)), None)
 
     def cached_apply(self, params, x, t, txt, lora=None, checkpoint: bool = False, **kwargs):
