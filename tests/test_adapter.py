@@ -282,8 +282,6 @@ def test_unsupported_arguments_raise():
         ad.transformer_blocks[0].attn.set_processor(diffusers.models.attention_processor.AttnProcessor2_0())
     with pytest.raises(ValueError, match="params: expected functional_dit.Params, got dict"):
         fd.DiffusersTransformer({})
-    with pytest.raises(ValueError, match="safe_serialization"):
-        ad.save_pretrained("unused", safe_serialization=False)
 
 
 def test_readme_swap_runs():

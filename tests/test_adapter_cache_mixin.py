@@ -27,7 +27,6 @@ from diffusers.hooks import (
     FasterCacheConfig,
     FirstBlockCacheConfig,
     MagCacheConfig,
-    PyramidAttentionBroadcastConfig,
     SeaCacheConfig,
     TaylorSeerCacheConfig,
     TextKVCacheConfig,
@@ -238,10 +237,6 @@ def test_taylorseer_lite_mode_overrides_patterns_as_stock(caplog):
             r"config: FasterCacheConfig\(is_guidance_distilled=False\) is not supported",
         ),
         (FasterCacheConfig(is_guidance_distilled=True, tensor_format="BSC"), "`tensor_format` must be one of"),
-        (
-            PyramidAttentionBroadcastConfig(current_timestep_callback=lambda: 500),
-            "config: PyramidAttentionBroadcastConfig is not supported",
-        ),
         (SeaCacheConfig(), "config: SeaCacheConfig is not supported"),
         (TextKVCacheConfig(), "config: TextKVCacheConfig is not supported"),
     ],

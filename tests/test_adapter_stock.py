@@ -287,7 +287,6 @@ def test_refuses_what_it_cannot_honour():
 
     _, ad = pair("flux2")
     calls = {
-        "set_default_attn_processor": ad.set_default_attn_processor,
         "set_attention_backend": lambda: ad.set_attention_backend("flash"),
         "enable_group_offload": lambda: ad.enable_group_offload("cpu"),
         "enable_xformers_memory_efficient_attention": ad.enable_xformers_memory_efficient_attention,

@@ -176,3 +176,21 @@ def test_sharded_compile_has_zero_graph_breaks_and_prepare_fuses_local_rows():
             assert breaks == 0 and graphs == 1, f"{name}: {breaks} graph breaks, {graphs} graphs"
             assert err < 1e-5, f"{name}: compiled differs from eager (prepared) by {err}"
             assert fused_rows is not None, f"{name}: the prepared local q/k/v are not one buffer"
+
+
+def test_compile_with_lora_on_the_fly_has_zero_graph_breaks():
+    """fd.apply(..., lora=[...]) under torch.compile: one graph, no break (a
+    functools.cached_property on the adapter config used to take an RLock, which dynamo
+    cannot enter: 'Unsupported context manager', one break per adapted block kind)."""
+    import cases_flux1 as C
+
+    import functional_dit.lora as lora
+
+    params = fd.init(C.TINY, seed=0)
+    kw = C.inputs(C.TINY, batch=1, seed=0)
+    one = lora.init(params, rank=4, seed=1, zero_b=False)
+    two = lora.init(params, rank=2, alpha=4.0, seed=2, zero_b=False, targets=["transformer_blocks.0.attn.to_q"])
+    pairs = [(one, 0.8), (two, 0.5)]
+    out, breaks, graphs = _compile_counts(fd.apply, params, lora=pairs, **kw)
+    assert breaks == 0 and len(graphs) == 1, (breaks, len(graphs))
+    torch.testing.assert_close(out, fd.apply(params, lora=pairs, **kw), rtol=1e-5, atol=1e-5)  # same ops, traced

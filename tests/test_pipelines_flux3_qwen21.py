@@ -86,3 +86,19 @@ def test_sample_matches_stock_pipeline(kind, pipe_kw, sample_kw):
     out = fd.sample(fd.from_diffusers(pipe.transformer), pipe, "a red cube", steps=3, seed=0, **size, **sample_kw,
                     output_type="latent")  # fmt: skip
     torch.testing.assert_close(out, ref, **FP32)
+
+
+def test_qwen21_image_does_not_depend_on_its_batch():
+    """Qwen-Image 2.1 lays a batch out by its first prompt, so two prompts of different
+    lengths in one call move each other's tokens (stock too: 0.048 on image 0 here). fd.sample
+    makes one image per call for this family by default, so image 0 is the prompt alone's
+    (bitwise: the same calls); an explicit larger batch_size warns and shows the difference."""
+    pipe = _pipe("qwen-image-2.1")
+    params = fd.from_diffusers(pipe.transformer)
+    prompts = ["a cat", "a red cube on a wooden table under a warm lamp, photo"]
+    kw = dict(steps=2, seed=0, height=64, width=64, output_type="latent", kv_cache=False)
+    alone = fd.sample(params, pipe, prompts[:1], **kw)
+    assert torch.equal(fd.sample(params, pipe, prompts, **kw)[:1], alone)
+    with pytest.warns(UserWarning, match="batch_size=2 with Qwen-Image 2.1"):
+        batched = fd.sample(params, pipe, prompts, batch_size=2, **kw)
+    assert (batched[:1] - alone).abs().max() > 1e-3

@@ -22,7 +22,6 @@ output axis.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 
@@ -97,14 +96,15 @@ class LoraConfig:
         for m, r, a in self.modules:
             if not (isinstance(r, int) and r > 0) or not math.isfinite(a):
                 raise ValueError(f"modules: {m}: expected a positive int rank and a finite alpha, got {r!r}, {a!r}")
-
-    @functools.cached_property
-    def _scales(self) -> dict[str, float]:  # cached on the instance; not a field (eq and hash ignore it)
-        return {m: a / math.sqrt(r) if self.use_rslora else a / r for m, r, a in self.modules}
+        # Each module's scale, computed once and kept on the instance (not a field: eq and hash ignore
+        # it). Not a functools.cached_property: its RLock (Python < 3.12) is a context manager
+        # torch.compile cannot trace, a graph break in every fd.apply(..., lora=...).
+        scales = {m: a / math.sqrt(r) if self.use_rslora else a / r for m, r, a in self.modules}
+        object.__setattr__(self, "_scales", scales)
 
     def scale(self, module: str) -> float:
         """``alpha / rank`` (or ``alpha / sqrt(rank)``) of ``module``."""
-        return self._scales[module]
+        return self.__dict__["_scales"][module]
 
     def param_specs(self) -> dict:
         """Nested dict of the factors' `ParamSpec` s (read by `sharding.plan`)."""

@@ -53,7 +53,11 @@ def _split_key(key: str):
         if key.endswith("." + suffix):
             return key[: -len(suffix) - 1], factor, layout
     if key.endswith(".alpha"):
-        return key[: -len(".alpha")], "alpha", None
+        name = key[: -len(".alpha")]
+        for suffix in _layouts.FACTORS:  # an alpha hung on a factor: "<module>.lora_A.weight.alpha", as diffusers
+            if name.endswith("." + suffix):  # reads it (any key with "alpha" is the module's network alpha)
+                return name[: -len(suffix) - 1], "alpha", None
+        return name, "alpha", None
     return None
 
 

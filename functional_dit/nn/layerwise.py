@@ -23,7 +23,10 @@ plain per-op path runs (`fd.prepare` leaves them as they are).
 Gradients flow through the reads to unwrapped inputs (``x.grad``); a wrapped leaf that
 requires grad gets a compute-dtype ``.grad`` (autograd saves the wrapper, not a cast copy;
 backward reads it again). `fd.apply` computes in one dtype, so the leaves left as they are
-must already be in the compute dtype. Sharded (DTensor) params are refused.
+must already be in the compute dtype. ``cat`` / ``stack`` of leaves stored alike join the
+storages (the values are the same), so `sharding.shard_params` of cast params keeps every
+leaf stored, the per-block-split fused projections included. `layerwise_cast` of sharded
+(DTensor) params is refused (cast first, then shard).
 """
 
 from __future__ import annotations
@@ -90,6 +93,9 @@ class CastTensor(torch.Tensor):
             dtype = args[0].dtype
             out = func(args[0].stored, *args[1:], **kwargs)
             return tree_map(lambda o: CastTensor(o, dtype) if isinstance(o, torch.Tensor) else o, out)
+        joined = _joined(func, args, kwargs)
+        if joined is not None:
+            return joined
         if func is _aten._to_copy.default and isinstance(args[0], CastTensor):
             moved = _moved(args[0], kwargs)
             if moved is not None:
@@ -124,6 +130,22 @@ def _moved(t: CastTensor, kwargs: dict) -> CastTensor | None:
         return None
     opts = {k: v for k, v in kwargs.items() if k in ("device", "non_blocking", "memory_format")}
     return CastTensor(t.stored.to(**opts), t.dtype)
+
+
+def _joined(func, args, kwargs) -> CastTensor | None:
+    """``cat`` / ``stack`` of leaves all stored alike: the storages joined, still wrapped
+    (joining commutes with the elementwise cast, so the values are the same); what
+    `sharding.shard_params` does to the per-block slices of a fused dim (FLUX.1's
+    single-block ``proj_mlp`` / ``proj_out``), which then stay in the storage dtype. None
+    for any other op or a mix."""
+    if func not in (_aten.cat.default, _aten.stack.default) or not args or not isinstance(args[0], (list, tuple)):
+        return None
+    ts = args[0]
+    if not ts or not all(isinstance(t, CastTensor) for t in ts):
+        return None
+    if len({(t.dtype, t.stored.dtype) for t in ts}) != 1:
+        return None
+    return CastTensor(func([t.stored for t in ts], *args[1:], **kwargs), ts[0].dtype)
 
 
 def _written(func, args, kwargs) -> list:

@@ -344,6 +344,8 @@ class PeftMixin(PeftAdapterMixin):
         cfg = loaded_config(state, {k: float(v) for k, v in alphas.items()}, metadata, self.state_dict(), name)
         params = self._base_params(detached=True)
         state = dict(reconcile(state, params.config, cfg, name), **{k: torch.as_tensor(v) for k, v in alphas.items()})
+        if metadata is None and alphas:  # the stock config's alphas: a module without one gets its lora_alpha,
+            metadata = {"lora_alpha": cfg.lora_alpha, "alpha_pattern": dict(cfg.alpha_pattern)}  # the most common
         ad = lora.from_state_dict(state, params, None if metadata is None else {lora.METADATA_KEY: metadata})
         _, mesh = sharding.local_view(params)
         self._peft_add_loaded(ad if mesh is None else sharding.shard_params(ad, mesh), name, cfg)

@@ -7,7 +7,8 @@ by the functional core, and the refusals of those it cannot honour.
   and values stay; no ``to_qkv`` module appears.
 - ``enable_gradient_checkpointing`` / ``disable_gradient_checkpointing``: per-block
   recomputation in backward, ``fd.apply(..., checkpoint=True)``.
-- Attention processors and backends, group offloading, xformers / NPU attention: these
+- ``set_default_attn_processor``: accepted, a no-op (the default maths is `fd.apply`'s).
+- Attention backends, group offloading, xformers / NPU attention: these
   hook the stock attention modules, which the adapter does not have; each raises a
   ValueError naming itself rather than silently doing nothing. (Layerwise casting is
   honoured: `_adapter_layerwise`.)
@@ -111,7 +112,14 @@ class SurfaceMixin:
     def _attention_modules(self) -> list:
         return [(n, m) for n, m in self.named_modules() if hasattr(m, "check_processor")]
 
-    set_default_attn_processor = _refuse("set_default_attn_processor", _NO_ATTENTION_MODULES)
+    def set_default_attn_processor(self) -> None:
+        """Accepted, and changes nothing: the default attention processor computes exactly
+        the maths `fd.apply` computes (diffusers' pipeline tests call this on every component
+        that has it, to compare against the default maths). The stock FLUX.1 / FLUX.2 /
+        Qwen-Image classes do not define the method; custom processors stay refused
+        (`set_attn_processor`). Processors a pipeline set (IP-Adapter's, FLUX.2-klein's KV
+        ones) are kept: they are how the stock classes hold those features' state."""
+
     set_attention_backend = _refuse("set_attention_backend", _NO_ATTENTION_MODULES)
     reset_attention_backend = _refuse("reset_attention_backend", _NO_ATTENTION_MODULES)
     enable_xformers_memory_efficient_attention = _refuse(

@@ -20,12 +20,14 @@ from diffusers.hooks import (
     FirstBlockCacheConfig,
     HookRegistry,
     MagCacheConfig,
+    PyramidAttentionBroadcastConfig,
     TaylorSeerCacheConfig,
 )
 from diffusers.hooks.faster_cache import _FASTER_CACHE_DENOISER_HOOK
 from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
 from diffusers.hooks.hooks import BaseState, CacheContext, ModelHook, StateManager
 from diffusers.hooks.mag_cache import _MAG_CACHE_LEADER_BLOCK_HOOK
+from diffusers.hooks.pyramid_attention_broadcast import _PYRAMID_ATTENTION_BROADCAST_HOOK
 from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK, _TRANSFORMER_BLOCK_IDENTIFIERS
 from diffusers.utils import logging
 
@@ -33,6 +35,7 @@ from .. import api as _api
 from ..api import apply
 from . import cache as _cache
 
+_LOG = logging.get_logger("functional_dit.pipelines.cache")
 # The stock hook each of our caches stands in for (what diffusers' disable_cache removes).
 HOOK_NAMES = {
     _cache.FirstBlockCache: _FBC_LEADER_BLOCK_HOOK,
@@ -55,13 +58,16 @@ def from_diffusers_config(config, module=None):
         return _taylor(config)
     if isinstance(config, FasterCacheConfig):
         return _faster(config, module)
+    if isinstance(config, PyramidAttentionBroadcastConfig):
+        return _pab(config)
     if isinstance(config, MagCacheConfig) and not config.calibrate:
         keys = ("threshold", "max_skip_steps", "retention_ratio", "num_inference_steps")
         return _cache.MagCache(tuple(config.mag_ratios.tolist()), **{k: getattr(config, k) for k in keys})
     raise ValueError(
         f"config: {type(config).__name__}{'(calibrate=True)' * bool(getattr(config, 'calibrate', False))} is not "
         "supported by functional_dit's adapter; expected FirstBlockCacheConfig, TaylorSeerCacheConfig, "
-        "MagCacheConfig(calibrate=False) or FasterCacheConfig(is_guidance_distilled=True)"
+        "MagCacheConfig(calibrate=False), FasterCacheConfig(is_guidance_distilled=True) or "
+        "PyramidAttentionBroadcastConfig"
     )
 
 
@@ -94,6 +100,34 @@ def _faster(config: FasterCacheConfig, module) -> _cache.FasterCache:
         block_skip_range=config.spatial_attention_block_skip_range,
         timestep_skip_range=tuple(config.spatial_attention_timestep_skip_range),
         weight=weight,
+        timestep=config.current_timestep_callback,
+        modules=tuple(config.spatial_attention_block_identifiers),
+    )
+
+
+def _pab(config: PyramidAttentionBroadcastConfig) -> _cache.FasterCache:
+    """Pyramid Attention Broadcast on the spatial attention modules: the stock hook computes a
+    module's attention at its first call, outside the timestep range and at every
+    ``spatial_attention_block_skip_range``-th call, and returns its last output between:
+    FasterCache's schedule (the same decision per call) with weight 0 (``last + (last - the one
+    before) x 0`` is ``last``), one state for every call (the stock PAB state ignores contexts).
+    These models have no temporal blocks and no cross-attention modules (their attention is
+    joint: the stock hooks none of them for those ranges), so a temporal or cross range hooks
+    nothing, as stock; none at all is the stock default (spatial 2, with its warning)."""
+    skip = config.spatial_attention_block_skip_range
+    if skip is None and config.temporal_attention_block_skip_range is None:
+        if config.cross_attention_block_skip_range is None:
+            logging.get_logger("diffusers.hooks.pyramid_attention_broadcast").warning(
+                "Pyramid Attention Broadcast requires one or more of `spatial_attention_block_skip_range`, "
+                "`temporal_attention_block_skip_range` or `cross_attention_block_skip_range` parameters to be set to "
+                "an integer, not `None`. Defaulting to using `spatial_attention_block_skip_range=2`. To avoid this "
+                "warning, please set one of the above parameters."
+            )
+            skip = config.spatial_attention_block_skip_range = 2
+    return _cache.FasterCache(
+        block_skip_range=skip,
+        timestep_skip_range=tuple(config.spatial_attention_timestep_skip_range),
+        weight=0.0,
         timestep=config.current_timestep_callback,
         modules=tuple(config.spatial_attention_block_identifiers),
     )
@@ -150,15 +184,38 @@ class StepCacheHook(ModelHook):
         self.state_manager.reset()
         if self.shared is not None:
             self.shared.reset()
+        for key in ("_branch", "_auto", "_warned"):
+            self.__dict__.pop(key, None)
         return module
 
-    def state(self) -> _State:
-        """The current context's state; MagCache uses ``"inference"`` without one, as diffusers'."""
+    def state(self, t=None) -> _State:
+        """The current context's state. MagCache without one (FluxInpaintPipeline and
+        FluxKontextPipeline open none) decides per CFG branch: the n-th call at the same
+        timestep ``t`` gets its own state (``"inference"``, ``"inference/1"``, ...), as
+        `fd.sample` decides per CFG half and as the stock hook does where a pipeline opens
+        "cond" / "uncond" contexts; the stock hook without contexts shares ``"inference"``
+        between the cond and uncond calls (a warning says so, once per run)."""
         if self.shared is not None:
             return self.shared
-        if isinstance(self.cache, _cache.MagCache) and self.state_manager._context is None:
-            self.state_manager.set_context(CacheContext(name="inference"))
+        ctx = self.state_manager._context
+        if isinstance(self.cache, _cache.MagCache) and (ctx is None or ctx is self.__dict__.get("_auto")):
+            self.state_manager.set_context(self._branch_context(t))
         return self.state_manager.get_state()  # diffusers' "No cache context is set" otherwise
+
+    def _branch_context(self, t) -> CacheContext:
+        last, n = self.__dict__.get("_branch", (None, -1))
+        n = n + 1 if last is not None and t is not None and last.shape == t.shape and torch.equal(last, t) else 0
+        self.__dict__["_branch"] = (None if t is None else t.detach().clone(), n)
+        if n == 1 and not self.__dict__.get("_warned"):
+            self.__dict__["_warned"] = True
+            _LOG.warning(
+                "MagCache with true CFG and no cache_context (this pipeline opens none): functional_dit's adapter "
+                "decides per CFG branch (one MagCache state for the conditional call, one for the unconditional), as "
+                "fd.sample does; diffusers' MagCache hook on the stock transformer shares one state between the two "
+                "calls here, so its images differ (docs/caching.md)"
+            )
+        self.__dict__["_auto"] = CacheContext(name="inference" if n == 0 else f"inference/{n}")
+        return self.__dict__["_auto"]
 
 
 class CacheHooks(diffusers.CacheMixin):
@@ -173,14 +230,18 @@ class CacheHooks(diffusers.CacheMixin):
         cache = from_diffusers_config(config, self)
         _check_modules(cache, self)
         registry = HookRegistry.check_if_exists_or_initialize(self)
-        registry.register_hook(StepCacheHook(cache), HOOK_NAMES[type(cache)])
+        pab = isinstance(config, PyramidAttentionBroadcastConfig)  # disable_cache removes the stock PAB name
+        registry.register_hook(
+            StepCacheHook(cache), _PYRAMID_ATTENTION_BROADCAST_HOOK if pab else HOOK_NAMES[type(cache)]
+        )
         registry.invalidate_child_registries_cache()
         self._cache_config = config
 
     def step_cache_hook(self) -> StepCacheHook | None:
         """The registered `StepCacheHook`, None when no cache is enabled."""
         registry = self.__dict__.get("_diffusers_hook")
-        hooks = [registry.get_hook(n) for n in HOOK_NAMES.values()] if registry is not None else []
+        names = (*HOOK_NAMES.values(), _PYRAMID_ATTENTION_BROADCAST_HOOK)
+        hooks = [registry.get_hook(n) for n in names] if registry is not None else []
         return next((h for h in hooks if isinstance(h, StepCacheHook)), None)
 
     def cached_apply(self, params, x, t, txt, lora=None, checkpoint: bool = False, **kwargs):
@@ -192,6 +253,6 @@ class CacheHooks(diffusers.CacheMixin):
             raise ValueError("enable_cache: step caching with gradient checkpointing under autograd is not supported")
         if lora:
             raise ValueError("lora: step caching with on-the-fly LoRA is not supported; merge it (lora.merge)")
-        state = hook.state()
+        state = hook.state(t)
         out, state.value = _cache.step(params, hook.cache, state.value, x, t, txt, **kwargs)
         return out

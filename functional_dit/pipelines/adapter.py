@@ -158,6 +158,54 @@ def _broadcast_text(x, txt, args):
     return x, txt.expand(B, *txt.shape[1:]), args
 
 
+def _batch(v) -> int | None:
+    return v.shape[0] if isinstance(v, torch.Tensor) and v.dim() > 0 else None
+
+
+def _broadcast_flux1(x, t, txt, args):
+    """FLUX.1's batch-1 inputs broadcast as ``FluxTransformer2DModel`` broadcasts them: its
+    time, guidance and pooled embeddings are summed into one ``temb`` (any of them with
+    batch 1 serves the others' batch), and each stream is modulated by ``temb``, so the
+    image stream takes the batch of ``hidden_states`` and ``temb``, the text stream that of
+    ``encoder_hidden_states`` and ``temb``; the two must then agree (FluxPipeline sends one
+    negative prompt's embeddings for several prompts under true CFG: text and pooled of
+    batch 1, timestep and guidance of the batch). Expanded explicitly here; what the stock
+    module cannot broadcast (e.g. every conditioning input of batch 1 for a batch of
+    images) stays an error (`fd.apply`'s)."""
+    named = dict(x=x, t=t, txt=txt, guidance=args.get("guidance"), pooled=args.get("pooled"))
+    temb = {_batch(named[k]) for k in ("t", "guidance", "pooled")} - {None}
+    if len(temb - {1}) > 1:
+        return x, t, txt, args
+    tb = max(temb, default=1)
+    streams = {max(_batch(x), tb), max(_batch(txt), tb)} if None not in (_batch(x), _batch(txt)) else set()
+    if len(streams) != 1 or any(_batch(v) not in (None, 1, *streams) for v in named.values()):
+        return x, t, txt, args
+    B = streams.pop()
+    out = {k: v.expand(B, *v.shape[1:]) if _batch(v) == 1 else v for k, v in named.items()}
+    return out["x"], out["t"], out["txt"], dict(args, guidance=out["guidance"], pooled=out["pooled"])
+
+
+def _broadcast_layout(x, args):
+    """Qwen-Image's ``img_shapes`` / ``img_mask`` with fewer items than the batch, as the
+    stock classes read them: ``QwenImageTransformer2DModel`` builds its RoPE from
+    ``img_shapes[0]`` alone and ``QwenImage21Transformer2DModel`` reads ``img_shapes[0]``
+    and ``img_mask[0]`` ("samples share a layout"), while the pipelines send one entry per
+    prompt, not per image (``num_images_per_prompt``). Equal items are repeated to the
+    batch; items that differ stay `fd.apply`'s error (the stock class warns, or not even
+    that for ``img_mask``, and gives every image the first item's layout). The Layered
+    model's batch-1 ``additional_t_cond`` (one per prompt too) is broadcast as stock."""
+    B, shapes, mask = x.shape[0], args.get("img_shapes"), args.get("img_mask")
+    if isinstance(shapes, (list, tuple)) and 0 < len(shapes) != B and all(s == shapes[0] for s in shapes):
+        args = dict(args, img_shapes=[shapes[0]] * B)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] not in (0, B):
+        if mask.shape[0] == 1 or all(torch.equal(row, mask[0]) for row in mask):
+            args = dict(args, img_mask=mask[:1].expand(B, -1))
+    cond = args.get("additional_t_cond")  # Layered's: summed into the time embedding, so broadcast as stock
+    if isinstance(cond, torch.Tensor) and cond.dim() > 0 and cond.shape[0] == 1 != B:
+        args = dict(args, additional_t_cond=cond.expand(B, *cond.shape[1:]))
+    return args
+
+
 def _family(params) -> str:
     if not isinstance(params, Params):
         raise ValueError(f"params: expected functional_dit.Params, got {type(params).__name__}")
@@ -341,7 +389,14 @@ class DiffusersTransformer(
             args.update(_NEW_FAMILIES[fam].args(self, **kwargs))
         else:
             args.update(self._qwen_args(**kwargs))
-        hidden_states, encoder_hidden_states, args = _broadcast_text(hidden_states, encoder_hidden_states, args)
+        if fam == "flux1":
+            hidden_states, timestep, encoder_hidden_states, args = _broadcast_flux1(
+                hidden_states, timestep, encoder_hidden_states, args
+            )
+        else:
+            hidden_states, encoder_hidden_states, args = _broadcast_text(hidden_states, encoder_hidden_states, args)
+        if fam in ("qwenimage", "qwenimage21"):
+            args = _broadcast_layout(hidden_states, args)
         scale = self.__dict__.pop("_call_scale", 1.0)
         pairs = [(ad, s * scale) for ad, s in self.get_lora()]
         out = self.cached_apply(
@@ -537,26 +592,26 @@ class DiffusersTransformer(
     ) -> None:
         """Write a stock diffusers checkpoint folder (``config.json`` + safetensors) with
         `weights.save`; the stock class's ``from_pretrained`` loads it. ``variant`` names
-        the files as diffusers does (``diffusion_pytorch_model.<variant>.safetensors``).
-        With sharded params every rank must call it (rank 0 writes); a variant needs plain
-        params. The adapter's PEFT factors are not part of the checkpoint (``save_lora_adapter``)."""
+        the files as diffusers does (``diffusion_pytorch_model.<variant>.safetensors``);
+        ``safe_serialization=False`` writes the stock pickled ``.bin`` files (``torch.save``
+        of each shard's state dict, as diffusers writes them; `from_pretrained` reads them
+        back with ``torch.load(weights_only=True)`` only). With sharded params every rank
+        must call it (rank 0 writes); a variant or pickles need plain params. The adapter's
+        PEFT factors are not part of the checkpoint (``save_lora_adapter``)."""
         import weights
 
-        if not safe_serialization:
-            raise ValueError("safe_serialization: only safetensors are written (pickle is refused), got False")
         bad = {k: v for k, v in dict(kwargs, save_function=save_function, push_to_hub=push_to_hub).items() if v}
         if bad or is_main_process is not True:
             raise ValueError(f"save_pretrained: unsupported arguments {sorted(bad) or ['is_main_process']}")
         # layerwise-cast leaves are written in the dtype they are stored in (weights.save), as stock
         params, size = self._base_params(detached=True), max_shard_size or "5GB"
-        if variant is None:
+        if variant is None and safe_serialization:
             weights.save(params, os.fspath(save_directory), max_shard_size=size)
             return
         if any(is_dtensor(t) for t in params.leaves()):
-            raise ValueError(
-                f"variant: saving a variant needs plain (unsharded) params, got sharded ones ({variant!r})"
-            )
-        io.save_variant(params, os.fspath(save_directory), variant, size)
+            what = f"a variant ({variant!r})" if variant is not None else "pickled weights (safe_serialization=False)"
+            raise ValueError(f"save_pretrained: saving {what} needs plain (unsharded) params, got sharded ones")
+        io.save_renamed(params, os.fspath(save_directory), variant, size, pickle=not safe_serialization)
 
     @classmethod
     def from_pretrained(
@@ -566,18 +621,24 @@ class DiffusersTransformer(
         single safetensors file): ``mesh`` / ``plan`` stream each rank's own slices
         (sharded params), ``device`` as in `weights.load`; the stock keywords
         (``torch_dtype`` / ``dtype``, ``variant``, ``subfolder``, ``device_map``,
-        ``low_cpu_mem_usage``, ``output_loading_info``, ...) with the stock meanings
-        (`functional_dit.pipelines._adapter_io`)."""
+        ``low_cpu_mem_usage``, ``output_loading_info``, ``use_safetensors``, ...) with the
+        stock meanings (`functional_dit.pipelines._adapter_io`). A folder of pickled
+        ``.bin`` weights (``save_pretrained(safe_serialization=False)``) is read with
+        ``torch.load(weights_only=True)``, never a full unpickling."""
         import weights
 
         opts = io.load_options(kwargs, device)
         path = os.fspath(path)
         if subfolder:
             path = os.path.join(path, subfolder)
-        io.check_weights(path, opts["variant"])
-        params = weights.load(
-            path, mesh=mesh, plan=plan, dtype=opts["dtype"], device=opts["device"], variant=opts["variant"]
-        )
+        pickled = io.pickled(path, opts["variant"], opts["use_safetensors"])
+        if pickled is not None:
+            params = io.load_pickled(path, pickled, opts["dtype"], opts["device"], mesh, plan)
+        else:
+            io.check_weights(path, opts["variant"])
+            params = weights.load(
+                path, mesh=mesh, plan=plan, dtype=opts["dtype"], device=opts["device"], variant=opts["variant"]
+            )
         if cls is not DiffusersTransformer and _family(params) != cls._family_name:
             raise ValueError(
                 f"path: {cls.__name__} expects a {_STOCK_CLASS[cls._family_name]} checkpoint, "
