@@ -12,6 +12,9 @@ import functools
 
 import torch
 
+from ._fsdp import gather_dims as gather_dims
+from ._fsdp import gathered_blocks as gathered_blocks
+from ._fsdp import wrap_tree as wrap_tree
 from ._replicated import describe
 
 
