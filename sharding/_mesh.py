@@ -110,9 +110,9 @@ def make_mesh(
     """A ``DeviceMesh`` of shape (dp, fsdp, ring, sp, tp) named ("dp", "fsdp", "ring", "sp",
     "tp"), tp innermost. ``fsdp`` holds 1/fsdp of every parameter per rank (after tp's
     split), gathered per block in ``fd.apply``, and splits the batch like ``dp``
-    (docs/sharding.md, "Fully sharded parameters"). ``sp`` splits the sequence with Ulysses' all-to-all (its degree, times tp,
-    must divide the heads); ``ring`` splits it further with ring attention (any degree);
-    docs/sharding.md says when to choose which.
+    (docs/sharding.md, "Fully sharded parameters"). ``sp`` splits the sequence with
+    Ulysses' all-to-all (its degree, times tp, must divide the heads); ``ring`` splits it
+    further with ring attention (any degree); docs/sharding.md says when to choose which.
 
     ``device_type`` defaults to the available accelerator, else "cpu". When no process
     group exists one is initialised (gloo, nccl, neuron, ... to match the device) with
