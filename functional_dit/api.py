@@ -249,6 +249,8 @@ def apply(params: Params, x, t, txt, *, lora=None, checkpoint: bool = False, **k
     kwargs = _family_args(fam, kwargs)
     _values.check_values(t, x=x, txt=txt, pooled=kwargs.get("pooled"), guidance=kwargs.get("guidance"))
     local, mesh = sharding.local_view(params)
+    if mesh is not None and _fsdp.mesh_fsdp(mesh) > 1:
+        _check_fsdp(local, lora)
     adapters = _lora_adapters(params, lora, mesh)
     if not checkpoint:  # no context manager on the default path: nothing extra for torch.compile to trace
         return _apply_bound(fam, local, mesh, x, t, txt, kwargs, adapters)
@@ -295,8 +297,6 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
     whole on every rank) comes as per-rank shares, summed over those axes here, once.
     (Over tp the model pairs its collectives Megatron-style instead.)"""
     fsdp = sharding.axis_size("fsdp") > 1
-    if fsdp:
-        _check_fsdp(params, adapters)
     if adapters:
         params = _lora.attach(params, adapters)
     if torch.is_grad_enabled() and any(sharding.axis_size(a) > 1 for a in (*_SHARE_AXES, "fsdp")):  # backward sums
@@ -337,13 +337,15 @@ def _share_params(params: Params) -> Params:
     return Params(params.config, nest(flat))
 
 
-def _check_fsdp(params: Params, adapters) -> None:
+def _check_fsdp(params: Params, lora) -> None:
     """What fully sharded params do not run with yet: a ValueError naming it."""
-    if adapters:
+    if lora:
         raise ValueError(
             "lora: LoRA on the fly is not supported with fully sharded params (an fsdp mesh axis) yet; merge the "
             "adapter before sharding (lora.merge), or use a mesh without fsdp"
         )
+    if torch.compiler.is_compiling():
+        raise ValueError("fsdp: torch.compile of fd.apply over fully sharded params is not supported yet")
     if any(_layerwise.is_cast(x) for x in flatten(params.tree).values()):
         raise ValueError(
             "params: layerwise-cast storage is not supported with fully sharded params (an fsdp mesh axis) yet; "
@@ -354,5 +356,3 @@ def _check_fsdp(params: Params, adapters) -> None:
             "params: fd.prepare'd params are not supported with fully sharded params (an fsdp mesh axis); "
             "pass the params unprepared"
         )
-    if torch.compiler.is_compiling():
-        raise ValueError("fsdp: torch.compile of fd.apply over fully sharded params is not supported yet")

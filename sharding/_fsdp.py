@@ -28,7 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _autodiff
-from ._axes import _axis, _group, current_mesh
+from ._axes import _axis, _group, _layout, current_mesh
 from ._plan import FSDP, FullyShard, plan
 from .tree import leaves
 
@@ -68,6 +68,35 @@ def fsdp_size() -> int:
 def _dims(config, names: tuple, shape: tuple) -> dict:
     """``{dotted path: dim}`` of the leaves the default plan fully shards on the mesh."""
     return {p: pl.dim for p, pl in leaves(plan(config, dict(zip(names, shape)))) if isinstance(pl, FullyShard)}
+
+
+def fsdp_degree(params) -> int:
+    """The "fsdp" size of the mesh of ``params``' DTensor leaves (``Params`` or a tree); 1 when
+    plain or when the mesh has no fsdp axis."""
+    from .internal import is_dtensor
+
+    tree = params.tree if hasattr(params, "tree") and hasattr(params, "config") else params
+    for _, x in leaves(tree):
+        if is_dtensor(x):
+            return mesh_fsdp(x.device_mesh)
+    return 1
+
+
+def mesh_fsdp(mesh) -> int:
+    """The size of ``mesh``'s "fsdp" axis (1 when it has none); traceable by dynamo."""
+    names, sizes, _ = _layout(mesh)
+    return sizes[names.index(FSDP)] if FSDP in names else 1
+
+
+def refuse_fsdp(params, feature: str, instead: str = "") -> None:
+    """A ValueError when ``params`` are fully sharded (an fsdp axis > 1) and ``feature``
+    does not support that yet, naming both."""
+    n = fsdp_degree(params)
+    if n > 1:
+        raise ValueError(
+            f"fsdp: {feature} is not supported with fully sharded params (a mesh with fsdp={n}) yet"
+            + (f"; {instead}" if instead else "")
+        )
 
 
 def gather_dims(config, mesh) -> dict[str, int]:

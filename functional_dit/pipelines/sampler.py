@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 import sharding
-from sharding.internal import is_dtensor
+from sharding.internal import is_dtensor, refuse_fsdp
 
 from .. import families as _families
 from ..params import Params
@@ -345,6 +345,7 @@ def sample(
     given = {k: v for k, v in locals().items() if "prompt_embeds" in k}  # the six stock embedding arguments
     req = _requests.requests(fam, prompt, num_images_per_prompt, seed, latents, negative_prompt, cfg is not None, given)
     device, dtype = _param_device_dtype(params)
+    refuse_fsdp(params, "fd.sample", "run fd.apply in your own loop, or use a mesh without fsdp")
     local_params, mesh = sharding.local_view(params)
     lay = _ranks.layout(mesh, req.n)
     img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop, layers=layers)
