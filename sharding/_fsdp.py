@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Mapping
 
 import torch
@@ -154,6 +155,81 @@ def _reduce(g: torch.Tensor, dim: int, n: int, index: int, group, reduce: str) -
     return out.movedim(0, dim)
 
 
+# ----------------------------------------------------------------------------- one block at once
+
+
+def _pack(xs, dims) -> torch.Tensor:
+    """Every leaf with its fsdp dim moved first, flattened and concatenated: (sum of numels,)."""
+    return torch.cat([x.detach().movedim(d, 0).reshape(-1) for x, d in zip(xs, dims)])
+
+
+def _start_block(xs, dims):
+    """Issue one all-gather for all of a block's fully sharded leaves (async)."""
+    return _autodiff._all_gather_dim0()(_pack(xs, dims), 0, _group(FSDP))
+
+
+def _unpack(rows: torch.Tensor, xs, dims) -> list:
+    """The leaves from (n, L) rows (row r: rank r's packed shards), each gathered on its dim."""
+    out, offset, n = [], 0, rows.shape[0]
+    for x, d in zip(xs, dims):
+        moved = x.movedim(d, 0).shape
+        piece = rows[:, offset : offset + x.numel()].reshape(n * moved[0], *moved[1:])
+        out.append(piece.movedim(0, d).to(x.dtype))  # (a no-op unless the block mixes dtypes)
+        offset += x.numel()
+    return out
+
+
+def _finish_block(xs, dims, pending) -> list:
+    """The gathered leaves of `_start_block`'s ``pending``, differentiable w.r.t. ``xs``
+    through one `BlockGathered` (one reduce-scatter for the whole block in backward)."""
+    n, index = _axis(FSDP)
+    fulls = _unpack(_autodiff._done(pending).view(n, -1), xs, dims)
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in xs)):
+        return fulls
+    meta = (tuple(dims), n, index, _group(FSDP), _OPTIONS[-1]["reduce"], len(xs))
+    return list(BlockGathered.apply(meta, *xs, *fulls))
+
+
+class BlockGathered(torch.autograd.Function):
+    """Forward: a block's gathered leaves (computed outside, possibly prefetched). Backward:
+    every leaf's gradient packed into one buffer, summed over fsdp with one reduce-scatter
+    (or one all-reduce and this rank's rows), and unpacked into this rank's shards."""
+
+    @staticmethod
+    def forward(meta, *args):
+        k = meta[-1]
+        return tuple(f.view_as(f) for f in args[k:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.meta = inputs[0]
+        ctx.shapes = [(tuple(x.shape), x.dtype, x.device) for x in inputs[1 : 1 + inputs[0][-1]]]
+
+    @staticmethod
+    def backward(ctx, *gs):
+        dims, n, index, group, reduce, k = ctx.meta
+        rows = []
+        for g, (shape, dtype, device), d in zip(gs, ctx.shapes, dims):
+            full = list(shape)
+            full[d] *= n
+            g = torch.zeros(full, dtype=dtype, device=device) if g is None else g
+            rows.append(g.movedim(d, 0).reshape(n, -1))  # row r: rank r's slice of this leaf
+        flat = torch.cat(rows, 1).contiguous()  # (n, L)
+        if reduce == "all_reduce":
+            mine = _autodiff.all_reduce(flat, group)[index]
+        else:
+            funcol = _autodiff._funcol()
+            scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+            mine = _autodiff._done(scatter(flat.view(-1), "sum", 0, group))
+        out, offset = [], 0
+        for (shape, dtype, _), d in zip(ctx.shapes, dims):
+            moved = (shape[d], *shape[:d], *shape[d + 1 :])
+            numel = math.prod(shape)
+            out.append(mine[offset : offset + numel].view(moved).movedim(0, d).to(dtype))
+            offset += numel
+        return (None, *out, *([None] * k))
+
+
 # ----------------------------------------------------------------------------- the blocks
 
 
@@ -166,11 +242,12 @@ class GatheredBlock(Mapping):
     ``dims``: ``{path in the block: dim}``; ``pending`` (shared by the views of sub-dicts)
     and ``prefix`` (this view's path in the block) are internal."""
 
-    __slots__ = ("_tree", "_dims", "_pending", "_prefix")
+    __slots__ = ("_tree", "_dims", "_pending", "_prefix", "_flat")
 
     def __init__(self, tree: Mapping, dims: Mapping[str, int], pending: dict | None = None, prefix: str = ""):
         self._tree, self._dims, self._prefix = tree, dims, prefix
         self._pending = {} if pending is None else pending
+        self._flat = None  # the block's one coalesced all-gather, once issued (`prefetch`)
 
     def __getitem__(self, key):
         x, path = self._tree[key], f"{self._prefix}{key}"
@@ -188,11 +265,32 @@ class GatheredBlock(Mapping):
     def __len__(self):
         return len(self._tree)
 
+    def _leaves(self) -> tuple[list, list, list]:
+        paths = list(self._dims)
+        return paths, [_get(self._tree, p) for p in paths], [self._dims[p] for p in paths]
+
     def prefetch(self) -> None:
-        """Issue the all-gathers of every fully sharded leaf of the block (async)."""
-        for path, dim in self._dims.items():
-            if path not in self._pending and path.startswith(self._prefix):
-                self._pending[path] = _start(_get(self._tree, path[len(self._prefix) :]), dim)
+        """Issue the block's all-gather (one for all its fully sharded leaves, async)."""
+        if self._flat is None and self._dims:
+            _, xs, dims = self._leaves()
+            self._flat = _start_block(xs, dims)
+
+    def gathered(self) -> dict:
+        """The block as plain nested dicts of its gathered leaves: the one coalesced gather
+        (`prefetch`'s, or issued now), waited here. What a block loop computes with."""
+        if not self._dims:
+            return self._tree
+        paths, xs, dims = self._leaves()
+        pending, self._flat = self._flat if self._flat is not None else _start_block(xs, dims), None
+        full = dict(zip(paths, _finish_block(xs, dims, pending)))
+        return _replaced(self._tree, full, "")
+
+
+def _replaced(tree: Mapping, full: dict, prefix: str) -> dict:
+    return {
+        k: _replaced(x, full, f"{prefix}{k}.") if isinstance(x, Mapping) else full.get(f"{prefix}{k}", x)
+        for k, x in tree.items()
+    }
 
 
 def _get(tree: Mapping, path: str):
@@ -264,11 +362,19 @@ def wrap_tree(tree: Mapping, config, mesh) -> dict:
 
 
 def gathered_blocks(blocks: list):
-    """Iterate ``blocks`` (a segment's blocks, in order) for a block loop: block i+1's
-    gathers are issued before block i is handed out (with ``fsdp_options(prefetch=False)``,
-    none ahead). Blocks that are not `GatheredBlock` come as they are."""
+    """Iterate ``blocks`` (a segment's blocks, in order) for a block loop, each as plain
+    dicts of its gathered leaves (`GatheredBlock.gathered`): block i+1's all-gather is
+    issued before block i is handed out (with ``fsdp_options(prefetch=False)``, none
+    ahead). Blocks that are not `GatheredBlock` come as they are."""
     ahead = _OPTIONS[-1]["prefetch"] and current_mesh() is not None
     for i, block in enumerate(blocks):
-        if ahead and i + 1 < len(blocks) and isinstance(blocks[i + 1], GatheredBlock):
+        if not isinstance(block, GatheredBlock):
+            yield block
+            continue
+        if not ahead:
+            yield block.gathered()
+            continue
+        block.prefetch()  # (a no-op when the previous step issued it)
+        if i + 1 < len(blocks) and isinstance(blocks[i + 1], GatheredBlock):
             blocks[i + 1].prefetch()
-        yield block
+        yield block.gathered()

@@ -210,3 +210,68 @@ def test_fsdp2_then_fsdp2_tp2(cases, tmp_path):
         plan = results[0]["plan"]
         assert all(isinstance(v, sharding.FullyShard) for k, v in plan.items() if k.endswith(".weight"))
         _check(world, results, cases, root)
+
+
+# ----------------------------------------------------------------------------- plans (no processes)
+
+
+def test_plan_places_every_leaf_after_tp_and_refuses_what_does_not_divide():
+    config = fd.PRESETS["flux2-tiny"]
+    plan = sharding.tree.flatten(sharding.plan(config, {"fsdp": 2, "tp": 2}))
+    specs = sharding.tree.flatten(fd.param_specs(config))
+    for path, placement in plan.items():
+        assert isinstance(placement, sharding.FullyShard), (path, placement)
+        inner = placement.inner
+        assert not (isinstance(inner, sharding.Shard) and inner.dim == placement.dim), path
+        assert specs[path].axes[placement.dim] != "packed", path  # fused dims split per block by tp only
+    fused = plan["single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"]
+    assert fused.inner.blocks is not None and fused.dim == 1
+    # a 2-D leaf with no dim dividing by fsdp is refused before any data moves, naming it
+    with pytest.raises(ValueError, match=r"linear_1.weight: no dim of its local shape \(64, 32\) .* divides by fsdp=7"):
+        sharding.plan(config, {"fsdp": 7})
+    # a hand-made plan must split an unfused dim other than tp's
+    bad = dict(plan)
+    bad["transformer_blocks.0.attn.to_q.weight"] = sharding.FullyShard(sharding.Shard(0, "tp"), 0)
+    with pytest.raises(ValueError, match=r"to_q.weight: .*must differ from the inner split's dim 0"):
+        sharding.check_placement(
+            "transformer_blocks.0.attn.to_q.weight",
+            bad["transformer_blocks.0.attn.to_q.weight"],
+            specs["transformer_blocks.0.attn.to_q.weight"],
+            {"fsdp": 2, "tp": 2},
+        )
+
+
+def test_bytes_per_rank_counts_each_leaf_over_its_axes():
+    """By hand: a leaf's bytes / tp when tp splits it, / fsdp when fsdp does; within 1 % of
+    all parameters / ranks on 8 ranks (what stays whole: tp-split biases, 1-D)."""
+    config = fd.PRESETS["flux1-dev"]
+    specs = sharding.tree.flatten(fd.param_specs(config))
+    for mesh in ({"fsdp": 8}, {"fsdp": 4, "tp": 2}):
+        want = 0
+        for k, v in sharding.tree.flatten(sharding.plan(config, mesh)).items():
+            inner = v.inner if isinstance(v, sharding.FullyShard) else v
+            n = specs[k].numel * 2 // (mesh.get("tp", 1) if isinstance(inner, sharding.Shard) else 1)
+            want += n // (mesh["fsdp"] if isinstance(v, sharding.FullyShard) else 1)
+        got = sharding.bytes_per_rank(config, None, mesh, torch.bfloat16)
+        assert got == want
+        assert got <= 1.01 * fd.num_params(config) * 2 / 8
+
+
+def test_memory_table_fsdp_rows(capsys):
+    import runpy
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    import sys
+
+    argv, sys.argv = sys.argv, ["memory_table.py", "--fsdp"]
+    try:
+        runpy.run_path(os.path.join(root, "examples", "memory_table.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+    lines = capsys.readouterr().out.strip().splitlines()[1:]
+    released = [k for k in fd.PRESETS if not k.endswith("-tiny")]
+    assert len(lines) == 3 * len(released)
+    for ln in lines:
+        ideal = float(ln.split("ideal")[1].split("|")[0])
+        fsdp = float(ln.split("fsdp=")[1].split(":")[1].split("|")[0]) if " fsdp=" in ln else None
+        assert fsdp is None or fsdp == pytest.approx(ideal, abs=0.011), ln  # fsdp alone: at the ideal (bf16 GB)
