@@ -149,10 +149,10 @@ def _reduce(g: torch.Tensor, dim: int, n: int, index: int, group, reduce: str) -
     funcol = _autodiff._funcol()
     if reduce == "all_reduce":
         chunk = g.shape[dim] // n
-        return _autodiff.all_reduce(g.contiguous(), group).narrow(dim, index * chunk, chunk)
+        return _autodiff.all_reduce(g.contiguous(), group).narrow(dim, index * chunk, chunk).contiguous()
     scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
     out = _autodiff._done(scatter(g.movedim(dim, 0).contiguous(), "sum", 0, group))
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # see BlockGathered.backward
 
 
 # ----------------------------------------------------------------------------- one block at once
@@ -225,7 +225,9 @@ class BlockGathered(torch.autograd.Function):
         for (shape, dtype, _), d in zip(ctx.shapes, dims):
             moved = (shape[d], *shape[:d], *shape[d + 1 :])
             numel = math.prod(shape)
-            out.append(mine[offset : offset + numel].view(moved).movedim(0, d).to(dtype))
+            # contiguous like the leaf: a strided grad makes DTensor run an op (sharding propagation
+            # over the 5-dim mesh: seconds) to accumulate it
+            out.append(mine[offset : offset + numel].view(moved).movedim(0, d).to(dtype).contiguous())
             offset += numel
         return (None, *out, *([None] * k))
 
