@@ -115,7 +115,8 @@ def _rank(rank, world, cases, root):
             sharding.local_bytes(s),
             sharding.bytes_per_rank(config, sharding.plan(config, mesh), mesh, torch.float32),
         )
-        out["leaves"][name] = {k: v.full_tensor() for k, v in s.flat().items()}
+        # a copy: a replicated leaf's full_tensor() is its local tensor, which AdamW below updates in place
+        out["leaves"][name] = {k: v.full_tensor().clone() for k, v in s.flat().items()}
         if name in GRADS[world]:
             w = _weights(config, kw)
             grads = {"reduce_scatter": _grads(s, kw, w)}

@@ -294,7 +294,7 @@ def test_memory_table_example(capsys):
 
 def test_make_mesh_rejects_a_wrong_world_size():
     # No process group here (and WORLD_SIZE unset): tp*sp*dp must be 1.
-    with pytest.raises(ValueError, match=r"tp\*sp\*dp: expected .*got 4"):
+    with pytest.raises(ValueError, match=r"tp\*sp\*dp\*ring\*fsdp: expected .*got 4"):
         sharding.make_mesh(tp=2, sp=2, device_type="cpu")
     with pytest.raises(ValueError, match=r"tp: expected a positive int, got 0"):
         sharding.make_mesh(tp=0)
