@@ -300,7 +300,7 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
     if adapters:
         params = _lora.attach(params, adapters)
     if torch.is_grad_enabled() and any(sharding.axis_size(a) > 1 for a in (*_SHARE_AXES, "fsdp")):  # backward sums
-        params = _share_params(params)
+        params = _share_params(params) if fsdp else pytree.tree_map(_share, params)  # (LoRA-attached leaves too)
         x, t, txt, kwargs = pytree.tree_map(_share, (x, t, txt, kwargs))
     if fsdp:  # non-block leaves gathered now, blocks when read (sharding._fsdp)
         params = Params(params.config, _fsdp.wrap_tree(params.tree, params.config, sharding.current_mesh()))
