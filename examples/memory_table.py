@@ -8,7 +8,11 @@ with the ideal (all parameters / tp) beside each figure. No weights, no processe
 meta device from their published configs (docs/pipelines-across-ranks.md cites them) and
 counted with the plan `functional_dit.pipelines.placement.shard` applies.
 
-    python examples/memory_table.py [--pipelines]
+``--fsdp``: the transformer per rank on 2, 4 and 8 ranks spent as tp, as fsdp (fully
+sharded parameters, gathered per block) and as tp x fsdp, from the same plans
+(`sharding.plan` on a mesh with an "fsdp" axis), with the ideal (all parameters / ranks).
+
+    python examples/memory_table.py [--pipelines | --fsdp]
 """
 
 from __future__ import annotations
@@ -202,9 +206,45 @@ def pipelines_main() -> None:
     print(f"worst pipeline ratio at tp=8: {ratios[worst]:.3f}")
 
 
+FSDP_MESHES = {  # ranks -> the ways to spend them
+    2: [{"tp": 2}, {"fsdp": 2}],
+    4: [{"tp": 4}, {"fsdp": 4}, {"tp": 2, "fsdp": 2}],
+    8: [{"tp": 8}, {"fsdp": 8}, {"tp": 2, "fsdp": 4}, {"tp": 4, "fsdp": 2}],
+}
+
+
+def _label(mesh: dict) -> str:
+    return " x ".join(f"{k}={v}" for k, v in mesh.items())
+
+
+def fsdp_rows(name: str, config) -> list[str]:
+    """One line per world size: GB per rank for each mesh of `FSDP_MESHES`, and the ideal."""
+    total = fd.num_params(config) * torch.bfloat16.itemsize / 1e9
+    lines = []
+    for n, meshes in FSDP_MESHES.items():
+        cells = []
+        for mesh in meshes:
+            try:
+                gb = f"{sharding.bytes_per_rank(config, None, mesh, torch.bfloat16) / 1e9:7.2f}"
+            except ValueError:  # e.g. heads not divisible by tp
+                gb = f"{'n/a':>7}"
+            cells.append(f"{_label(mesh)}: {gb}")
+        lines.append(f"{name:<22}{n} ranks, ideal {total / n:6.2f} | " + " | ".join(cells))
+    return lines
+
+
+def fsdp_main() -> None:
+    print("transformer parameter GB per rank (bf16), tp vs fsdp vs tp x fsdp, from the plans")
+    for name, config in fd.PRESETS.items():
+        if not name.endswith("-tiny"):
+            print("\n".join(fsdp_rows(name, config)))
+
+
 def main() -> None:
     if "--pipelines" in sys.argv[1:]:
         return pipelines_main()
+    if "--fsdp" in sys.argv[1:]:
+        return fsdp_main()
     released = {k: v for k, v in fd.PRESETS.items() if not k.endswith("-tiny")}
     head = " ".join(f"{f'tp={tp} (ideal)':>15}" for tp in DEGREES)
     print(f"{'preset':<22}{'params':>9} {head}   (GB per rank, bf16)")

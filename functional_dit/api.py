@@ -14,6 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import sharding
+from sharding import internal as _fsdp
 from sharding.tree import flatten, nest
 
 from . import configs as _config
@@ -23,6 +24,7 @@ from .lora import internal as _lora
 from .nn import compile as _compile
 from .nn import fused as _fuse
 from .nn import kernels as _kernels
+from .nn import layerwise as _layerwise
 from .nn import values as _values
 from .params import Params, ParamSpec, check_leaves, register_pytree
 
@@ -257,6 +259,8 @@ def apply(params: Params, x, t, txt, *, lora=None, checkpoint: bool = False, **k
     kwargs = _family_args(fam, kwargs)
     _values.check_values(t, x=x, txt=txt, pooled=kwargs.get("pooled"), guidance=kwargs.get("guidance"))
     local, mesh = sharding.local_view(params)
+    if mesh is not None and _fsdp.mesh_fsdp(mesh) > 1:
+        _check_fsdp(local, lora)
     adapters = _lora_adapters(params, lora, mesh, x.shape[0] if isinstance(x, torch.Tensor) and x.ndim else None)
     if not checkpoint:  # no context manager on the default path: nothing extra for torch.compile to trace
         return _apply_bound(fam, local, mesh, x, t, txt, kwargs, adapters)
@@ -291,7 +295,7 @@ def _family_args(fam, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in fam.ARGS}
 
 
-_SHARE_AXES = ("ring", "sp", "dp")  # the sequence (sp x ring) and batch splits
+_SHARE_AXES = ("ring", "sp", "dp", "fsdp")  # the sequence (sp x ring) and batch (dp x fsdp) splits
 
 
 def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
@@ -302,10 +306,14 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
     computes with its own tokens and batch items, so the gradient of any of them (each is
     whole on every rank) comes as per-rank shares, summed over those axes here, once.
     (Over tp the model pairs its collectives Megatron-style instead.)"""
+    fsdp = sharding.axis_size("fsdp") > 1
     if adapters:
         params = _lora.attach(params, adapters, x.shape[0])
-    if torch.is_grad_enabled() and any(sharding.axis_size(a) > 1 for a in _SHARE_AXES):  # only backward sums
-        params, x, t, txt, kwargs = pytree.tree_map(_share, (params, x, t, txt, kwargs))
+    if torch.is_grad_enabled() and any(sharding.axis_size(a) > 1 for a in (*_SHARE_AXES, "fsdp")):  # backward sums
+        params = _share_params(params) if fsdp else pytree.tree_map(_share, params)  # (LoRA-attached leaves too)
+        x, t, txt, kwargs = pytree.tree_map(_share, (x, t, txt, kwargs))
+    if fsdp:  # non-block leaves gathered now, blocks when read (sharding._fsdp)
+        params = Params(params.config, _fsdp.wrap_tree(params.tree, params.config, sharding.current_mesh()))
     inputs = fam.check_inputs(params, x, t, txt, **kwargs)
     B = x.shape[0]
     x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
@@ -323,7 +331,38 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
     return out if extra is None else (out, extra)
 
 
-def _share(x):
+def _share(x, axes=_SHARE_AXES):
     if isinstance(x, torch.Tensor) and x.is_floating_point():
-        return sharding.pvary(x, _SHARE_AXES)
+        return sharding.pvary(x, axes)
     return x
+
+
+def _share_params(params: Params) -> Params:
+    """`_share` of every leaf; a fully sharded leaf not over "fsdp": its gather's backward
+    reduce-scatters (sums) over fsdp already."""
+    mesh = sharding.current_mesh()
+    dims = _fsdp.gather_dims(params.config, mesh) if sharding.axis_size("fsdp") > 1 else {}
+    inner = tuple(a for a in _SHARE_AXES if a != "fsdp")
+    flat = {k: _share(x, inner if k in dims else _SHARE_AXES) for k, x in flatten(params.tree).items()}
+    return Params(params.config, nest(flat))
+
+
+def _check_fsdp(params: Params, lora) -> None:
+    """What fully sharded params do not run with yet: a ValueError naming it."""
+    if lora:
+        raise ValueError(
+            "lora: LoRA on the fly is not supported with fully sharded params (an fsdp mesh axis) yet; merge the "
+            "adapter before sharding (lora.merge), or use a mesh without fsdp"
+        )
+    if torch.compiler.is_compiling():
+        raise ValueError("fsdp: torch.compile of fd.apply over fully sharded params is not supported yet")
+    if any(_layerwise.is_cast(x) for x in flatten(params.tree).values()):
+        raise ValueError(
+            "params: layerwise-cast storage is not supported with fully sharded params (an fsdp mesh axis) yet; "
+            "cast before sharding, or use a mesh without fsdp"
+        )
+    if _fuse.active(params, family(params).FUSED, ()):
+        raise ValueError(
+            "params: fd.prepare'd params are not supported with fully sharded params (an fsdp mesh axis); "
+            "pass the params unprepared"
+        )

@@ -24,6 +24,7 @@ import math
 import torch
 
 import sharding
+from sharding.internal import gathered_blocks
 
 from . import flux2_kv as kv
 from .configs import (
@@ -501,13 +502,13 @@ def _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache, bl
         img, txt = _scan.layers(params, "transformer_blocks", _double, (img, txt), (), consts, static)
         x = _scan.layers(params, "single_transformer_blocks", _single, torch.cat([txt, img], 1), (), consts, static)
         return x[:, T:], refs
-    for i, p in enumerate(ordered_blocks(params, "transformer_blocks")):
+    for i, p in enumerate(gathered_blocks(ordered_blocks(params, "transformer_blocks"))):
         ref = ref if cache is None else kv.local_cache(cache, "transformer_blocks", i, img.device)
         img, txt, ref = double(p, img, txt, mod_img, mod_txt, pe, D, eps, key_bias, ref)
         refs[f"transformer_blocks.{i}"] = ref
     x = torch.cat([txt, img], 1)
     ref = ref._replace(mod=ref_mod_single) if ref is not None and ref.x is not None else None
-    for i, p in enumerate(ordered_blocks(params, "single_transformer_blocks")):
+    for i, p in enumerate(gathered_blocks(ordered_blocks(params, "single_transformer_blocks"))):
         ref = ref if cache is None else kv.local_cache(cache, "single_transformer_blocks", i, x.device)
         x, ref = single(p, x, mod_single, pe, D, eps, key_bias, T, ref)
         refs[f"single_transformer_blocks.{i}"] = ref

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 import sharding
+from sharding.internal import gathered_blocks
 
 from . import flux2
 from .configs import (
@@ -402,7 +403,7 @@ def _mode_blocks(params, mode: str) -> list:
 def _mode_stack(layers, s: Stream, c, block) -> Stream:
     """A mode through its per-mode blocks (self-attention within the mode)."""
     mod, x = tuple(m.clone() for m in s.early), s.x  # compile regions: inputs must not alias
-    for p in layers:
+    for p in gathered_blocks(layers):
         x = block(p, x, mod, s.pe, c.attention_head_dim, c.eps, s.bias)
     return s._replace(x=x)
 
@@ -428,6 +429,6 @@ def forward(params, x, t, txt, *, cond, target, pes, blocks=None):
     pe = tuple(torch.cat([s.pe[i] for s in streams]) for i in range(2))
     xs, key_bias = [s.x for s in streams], _joint_bias(streams)
     smods = [tuple(m.clone() for m in s.single) for s in streams]
-    for p in ordered_blocks(params, "single_transformer_blocks"):
+    for p in gathered_blocks(ordered_blocks(params, "single_transformer_blocks")):
         xs = single(p, xs, smods, pe, c.attention_head_dim, c.eps, key_bias)
     return final_layer(params, xs[1], mods["out"], c.eps), S, None

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import sharding
+from sharding.internal import gathered_blocks
 from sharding.tree import flatten, mismatch_report, nest
 
 from . import qwenimage
@@ -678,7 +679,7 @@ def forward(params, x, t, txt, *, lay, pe, bias, mode, cache, batch):
         * len(blocks)
     )
     kvs = {}
-    for i, (p, how) in enumerate(zip(blocks, hows)):
+    for i, (p, how) in enumerate(zip(gathered_blocks(blocks), hows)):
         joint, k, v = block(p, joint, mod, pe, c.attention_head_dim, c.eps, key_bias, how)
         if mode == "extract":
             H = c.num_attention_heads

@@ -20,11 +20,13 @@ from ._axes import (
     ulysses,
 )
 from ._checkpoint import checkpoint_state
+from ._fsdp import fsdp_options
 from ._map import P, shard_map
 from ._mesh import AXES as AXES
 from ._mesh import backend_for, default_device_type, make_mesh
 from ._plan import (
     DEFAULT_RULES,
+    FullyShard,
     Replicate,
     Shard,
     bytes_per_rank,
@@ -54,6 +56,7 @@ from ._shard import (
 
 __all__ = [
     "DEFAULT_RULES",
+    "FullyShard",
     "P",
     "SEQUENCE",
     "Replicate",
@@ -74,6 +77,7 @@ __all__ = [
     "dtensor_from_local",
     "dtensor_placements",
     "forward_ad_active",
+    "fsdp_options",
     "gather",
     "local_bytes",
     "local_len",

@@ -1,10 +1,11 @@
-"""Named device meshes: ``make_mesh(tp, sp, dp, ring)`` -> a ``DeviceMesh`` with dims
-("dp", "ring", "sp", "tp").
+"""Named device meshes: ``make_mesh(tp, sp, dp, ring, fsdp)`` -> a ``DeviceMesh`` with dims
+("dp", "fsdp", "ring", "sp", "tp").
 
 "tp" is innermost, so a tensor-parallel group is made of neighbouring ranks (the same
 node, the fastest links), then "sp" (Ulysses' all-to-all, the next heaviest traffic),
 then "ring" (ring attention's neighbour-to-neighbour key/value passes, which tolerate
-slower links), then "dp" — the usual torchtitan / USP order. The
+slower links), then "fsdp" (fully sharded parameters: one all-gather per block, the batch
+split like dp), then "dp" — the usual torchtitan / USP / HSDP order. The
 process group is initialised when none exists, with the backend that matches the
 device and a finite timeout, so a collective whose peer died fails instead of hanging.
 """
@@ -16,7 +17,7 @@ import os
 
 import torch
 
-AXES = ("dp", "ring", "sp", "tp")
+AXES = ("dp", "fsdp", "ring", "sp", "tp")
 DEFAULT_TIMEOUT_S = 600.0  # long enough for a first XLA/Neuron compile between collectives
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl", "neuron": "neuron"}
 
@@ -84,52 +85,61 @@ def init_process_group(device_type: str, world: int, timeout) -> None:
     if "WORLD_SIZE" not in os.environ:
         if world != 1:
             raise ValueError(
-                f"tp*sp*dp*ring: expected 1 in a single process (WORLD_SIZE is unset), got {world}; "
+                f"tp*sp*dp*ring*fsdp: expected 1 in a single process (WORLD_SIZE is unset), got {world}; "
                 f"launch with torchrun --nproc-per-node {world}"
             )
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world:
-        raise ValueError(f"tp*sp*dp*ring: expected the world size WORLD_SIZE={env_world}, got {world}")
+        raise ValueError(f"tp*sp*dp*ring*fsdp: expected the world size WORLD_SIZE={env_world}, got {world}")
     _set_device(device_type)
     dist.init_process_group(backend, timeout=timeout)
 
 
 def make_mesh(
-    tp: int = 1, sp: int = 1, dp: int = 1, device_type: str | None = None, timeout=DEFAULT_TIMEOUT_S, *, ring: int = 1
+    tp: int = 1,
+    sp: int = 1,
+    dp: int = 1,
+    device_type: str | None = None,
+    timeout=DEFAULT_TIMEOUT_S,
+    *,
+    ring: int = 1,
+    fsdp: int = 1,
 ):
-    """A ``DeviceMesh`` of shape (dp, ring, sp, tp) named ("dp", "ring", "sp", "tp"), tp
-    innermost. ``sp`` splits the sequence with Ulysses' all-to-all (its degree, times tp,
-    must divide the heads); ``ring`` splits it further with ring attention (any degree);
-    docs/sharding.md says when to choose which.
+    """A ``DeviceMesh`` of shape (dp, fsdp, ring, sp, tp) named ("dp", "fsdp", "ring", "sp",
+    "tp"), tp innermost. ``fsdp`` holds 1/fsdp of every parameter per rank (after tp's
+    split), gathered per block in ``fd.apply``, and splits the batch like ``dp``
+    (docs/sharding.md, "Fully sharded parameters"). ``sp`` splits the sequence with
+    Ulysses' all-to-all (its degree, times tp, must divide the heads); ``ring`` splits it
+    further with ring attention (any degree); docs/sharding.md says when to choose which.
 
     ``device_type`` defaults to the available accelerator, else "cpu". When no process
     group exists one is initialised (gloo, nccl, neuron, ... to match the device) with
     ``timeout`` seconds per collective. Every mesh sub-group gets ``timeout`` too (torch's
     ``init_device_mesh`` would give them its 30-minute default, so a dead peer on a
     tp x sp mesh hung its neighbours for half an hour); a mesh dim that spans the whole
-    world reuses the default group and keeps its timeout. ValueError when tp*sp*dp*ring != the
+    world reuses the default group and keeps its timeout. ValueError when tp*sp*dp*ring*fsdp != the
     world size.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    for name, n in (("tp", tp), ("sp", sp), ("dp", dp), ("ring", ring)):
+    for name, n in (("tp", tp), ("sp", sp), ("dp", dp), ("ring", ring), ("fsdp", fsdp)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{name}: expected a positive int, got {n!r}")
-    world = tp * sp * dp * ring
+    world = tp * sp * dp * ring * fsdp
     device_type = device_type or default_device_type()
     if not dist.is_initialized():
         init_process_group(device_type, world, timeout)
     elif dist.get_world_size() != world:
         raise ValueError(
-            f"tp*sp*dp*ring: expected the world size {dist.get_world_size()}, got {tp}*{sp}*{dp}*{ring} = "
-            f"{world} (tp={tp}, sp={sp}, dp={dp}, ring={ring})"
+            f"tp*sp*dp*ring*fsdp: expected the world size {dist.get_world_size()}, got {tp}*{sp}*{dp}*{ring}*{fsdp} = "
+            f"{world} (tp={tp}, sp={sp}, dp={dp}, ring={ring}, fsdp={fsdp})"
         )
     else:  # a group the caller made: pick the device if nobody has yet
         _set_device(device_type, only_if_unset=True)
-    ranks = torch.arange(world).reshape(dp, ring, sp, tp)
+    ranks = torch.arange(world).reshape(dp, fsdp, ring, sp, tp)
     groups = [_dim_group(ranks, d, _timeout(timeout)) for d in range(ranks.ndim)]
     return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=AXES)
 

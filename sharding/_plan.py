@@ -43,7 +43,21 @@ class Shard:
     blocks: tuple[int, ...] | None = None
 
 
-Placement = Replicate | Shard
+@dataclasses.dataclass(frozen=True)
+class FullyShard:
+    """Fully sharded: the leaf is first placed as ``inner`` (``Replicate()`` or the tp
+    `Shard`), then dim ``dim`` of every rank's ``inner`` slice is split evenly over mesh
+    axis ``axis`` ("fsdp"), as FSDP/ZeRO-3 hold 1/N of every weight. ``dim`` is never
+    ``inner``'s dim nor a fused dim, so the DTensor placements (``Shard(dim)`` on "fsdp")
+    describe the local data exactly. ``fd.apply`` gathers it per block."""
+
+    inner: Replicate | Shard
+    dim: int
+    axis: str = "fsdp"
+
+
+FSDP = "fsdp"  # the mesh axis of fully sharded parameters
+Placement = Replicate | Shard | FullyShard
 
 
 # ----------------------------------------------------------------------------- trees
@@ -54,7 +68,7 @@ def is_spec(x) -> bool:
 
 
 def is_placement(x) -> bool:
-    return isinstance(x, (Replicate, Shard))
+    return isinstance(x, (Replicate, Shard, FullyShard))
 
 
 # ----------------------------------------------------------------------------- sources
@@ -124,6 +138,12 @@ def plan(params_or_config, mesh, rules: Mapping | None = None) -> dict:
     storage layout (``weights.load`` / ``weights.save``, `unshard`), and ``fd.apply`` on
     params sharded by it raises a ValueError naming the first leaf placed otherwise.
 
+    On a mesh with an "fsdp" axis of size n > 1 every leaf is then fully sharded
+    (`FullyShard`): its tp slice split over fsdp on the largest dim that is neither tp's nor
+    fused and divides by n; a 1-D leaf with no such dim (a tp-split bias, a fused bias) stays
+    whole over fsdp (as ZeRO-3 keeps small parameters whole) and the plan shows it; a leaf of
+    two or more dims with none is a ValueError naming it.
+
     Raises ValueError, before any data moves, when a rule names a logical axis the
     parameters do not have or a mesh axis the mesh does not have, when a sharded dim or a
     fused block does not divide by its axis size (naming the parameter, dim, size and
@@ -133,7 +153,25 @@ def plan(params_or_config, mesh, rules: Mapping | None = None) -> dict:
     rules = DEFAULT_RULES if rules is None else _check_rules(rules, specs, mesh, sizes)
     _check_heads(config_of(params_or_config), rules, sizes)
     _check_head_units(config_of(params_or_config), specs, rules, sizes)
-    return map_tree(lambda path, spec: _placement(path, spec, rules, sizes), specs)
+    return map_tree(lambda path, spec: _fully(path, spec, _placement(path, spec, rules, sizes), sizes), specs)
+
+
+def _fully(path, spec, inner, sizes) -> Placement:
+    """``inner`` split further over "fsdp" (see `plan`), or ``inner`` when fsdp is 1."""
+    n = sizes.get(FSDP, 1)
+    if n == 1:
+        return inner
+    shape = local_shape(spec, inner, sizes)
+    taken = inner.dim if isinstance(inner, Shard) else None
+    free = [d for d in range(len(shape)) if d != taken and spec.axes[d] != PACKED and shape[d] % n == 0]
+    if free:
+        return FullyShard(inner, max(free, key=lambda d: (shape[d], -d)))
+    if len(shape) >= 2:
+        raise ValueError(
+            f"{path}: no dim of its local shape {shape} (after {inner}) divides by fsdp={n} (tp's dim and fused dims "
+            f"excluded); choose an fsdp degree that divides one of them"
+        )
+    return inner
 
 
 def _logical_axes(specs) -> set:
@@ -231,7 +269,10 @@ def check_placement(path: str, placement, spec, sizes: Mapping[str, int]) -> Non
     ``spec``: its ``ParamSpec``, or a shape tuple when no specs are known (then the
     fused-dim check is skipped)."""
     if not is_placement(placement):
-        raise ValueError(f"plan: {path}: expected Replicate() or Shard(...), got {placement!r}")
+        raise ValueError(f"plan: {path}: expected Replicate(), Shard(...) or FullyShard(...), got {placement!r}")
+    if isinstance(placement, FullyShard):
+        _check_fully(path, placement, spec, sizes)
+        placement = placement.inner
     if isinstance(placement, Replicate):
         return
     shape = _shape(spec)
@@ -254,6 +295,23 @@ def check_placement(path: str, placement, spec, sizes: Mapping[str, int]) -> Non
             raise ValueError(f"plan: {path}: dim {d} of size {size} does not divide by {placement.axis}={n}")
     if given is not None and sum(given) != shape[d]:
         raise ValueError(f"plan: {path}: blocks {given} do not add up to dim {d} of size {shape[d]}")
+
+
+def _check_fully(path: str, placement: FullyShard, spec, sizes: Mapping[str, int]) -> None:
+    inner, d, shape = placement.inner, placement.dim, _shape(spec)
+    if not isinstance(inner, (Replicate, Shard)):
+        raise ValueError(f"plan: {path}: FullyShard.inner must be Replicate() or Shard(...), got {inner!r}")
+    if placement.axis not in sizes:
+        raise ValueError(f"plan: {path}: axis {placement.axis!r} is not a mesh dim; the mesh has {tuple(sizes)}")
+    if not (isinstance(d, int) and not isinstance(d, bool) and 0 <= d < len(shape)):
+        raise ValueError(f"plan: {path}: dim {d!r} is outside the parameter's shape {shape}")
+    if isinstance(inner, Shard) and inner.dim == d:
+        raise ValueError(f"plan: {path}: {placement}: the fsdp dim must differ from the inner split's dim {d}")
+    if is_spec(spec) and spec.axes[d] == PACKED:
+        raise ValueError(f"plan: {path}: {placement}: dim {d} is fused; fsdp splits an unfused dim")
+    n = sizes[placement.axis]
+    if shape[d] % n:
+        raise ValueError(f"plan: {path}: dim {d} of size {shape[d]} does not divide by {placement.axis}={n}")
 
 
 # ----------------------------------------------------------------------------- slices
@@ -286,12 +344,20 @@ def local_slices(spec, placement: Placement, mesh) -> list[tuple[int, int, int]]
     (this rank's coordinates) or a mapping ``{axis: (index, size)}``.
 
     The local tensor is ``torch.cat([full.narrow(d, a, b - a) for d, a, b in ranges], d)``
-    (`take` does it); for a safetensors slice, ``sl[a:b]`` along dim ``d``.
+    (`take` does it); for a safetensors slice, ``sl[a:b]`` along dim ``d``. A `FullyShard`
+    adds one range on its fsdp dim (another dim) after the inner placement's ranges: the
+    ranges of each dim are concatenated, the dims applied one after the other.
     ``Replicate()`` gives ``[(0, 0, shape[0])]`` (``[]`` for a 0-d tensor: the whole).
     A fused-block `Shard` gives one range per block: rank r of n holds rows
     ``[off_i + r*b_i/n, off_i + (r+1)*b_i/n)`` of every block i (offset off_i, size b_i).
     """
     shape = _shape(spec)
+    if isinstance(placement, FullyShard):
+        index, n = _coord(mesh, placement.axis)
+        d, inner = placement.dim, placement.inner
+        chunk = shape[d] // n
+        own = [(d, index * chunk, (index + 1) * chunk)]
+        return own if isinstance(inner, Replicate) else local_slices(spec, inner, mesh) + own
     if isinstance(placement, Replicate):
         return [(0, 0, shape[0])] if shape else []
     if not isinstance(placement, Shard):
@@ -315,17 +381,19 @@ def local_slices(spec, placement: Placement, mesh) -> list[tuple[int, int, int]]
 
 def take(full: torch.Tensor, ranges: list[tuple[int, int, int]]) -> torch.Tensor:
     """The local tensor: the ``ranges`` of `local_slices` cut from ``full`` and concatenated
-    (a view when there is a single range)."""
-    if not ranges:
-        return full
-    parts = [full.narrow(d, a, b - a) for d, a, b in ranges]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, ranges[0][0])
+    per dim, dim after dim (a view when there is a single range per dim)."""
+    for dim in dict.fromkeys(d for d, _, _ in ranges):
+        parts = [full.narrow(d, a, b - a) for d, a, b in ranges if d == dim]
+        full = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+    return full
 
 
 def local_shape(spec, placement: Placement, sizes: Mapping[str, int]) -> tuple[int, ...]:
     """The shape of a rank's local tensor, from the axis sizes ``{axis: size}``."""
     shape = list(_shape(spec))
-    if isinstance(placement, Shard):
+    if isinstance(placement, FullyShard):
+        shape = list(local_shape(shape, placement.inner, sizes))
+    if isinstance(placement, (Shard, FullyShard)):
         shape[placement.dim] //= sizes.get(placement.axis, 1)
     return tuple(shape)
 

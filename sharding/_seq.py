@@ -7,7 +7,9 @@ The sequence axis: here ``"sp"`` names the whole sequence split, `SEQUENCE` = Ul
 ``sp`` and ring attention's ``ring`` together, ring-major (chunk ``ring_index * sp +
 sp_index``), so the model code that splits "the sequence over sp" splits it over both
 and needs no change for the ring; with no ring axis (or ring = 1) it is ``sp`` alone,
-exactly as before. Any other name, or a tuple of names (outer first), is taken as is.
+exactly as before. Likewise ``"dp"`` names the batch split, `BATCH` = ``dp`` and ``fsdp``
+(fully sharded parameters split the batch like data parallelism), dp-major. Any other
+name, or a tuple of names (outer first), is taken as is.
 """
 
 from __future__ import annotations
@@ -20,10 +22,15 @@ import torch.nn.functional as F
 from ._axes import all_gather, axis_index, axis_size
 
 SEQUENCE = ("ring", "sp")  # the axes "sp" stands for in this module, outer first
+BATCH = ("dp", "fsdp")  # the axes "dp" stands for: fully sharded ranks split the batch too
 
 
 def _axes(axis) -> tuple[str, ...]:
-    return SEQUENCE if axis == "sp" else (axis,) if isinstance(axis, str) else tuple(axis)
+    if axis == "sp":
+        return SEQUENCE
+    if axis == "dp":
+        return BATCH
+    return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
 def split_size(axis) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from ._plan import (
     PACKED,
+    FullyShard,
     Replicate,
     Shard,
     _shape,
@@ -73,9 +74,14 @@ def dtensor_placements(placement, names, path: str = "placement") -> tuple:
     """The DTensor placements, one per mesh dim ``names``, that `shard_params` gives a leaf
     of plan placement ``placement``: on its axis's dim ``Shard(d)``, or for a dim fused from
     k > 1 equal blocks ``_StridedShard(d, split_factor=k)`` (what a per-block split is);
-    ``Replicate()`` elsewhere. Unequal blocks have no DTensor placement: a ValueError."""
+    ``Replicate()`` elsewhere; a `FullyShard` adds ``Shard(dim)`` on its axis ("fsdp").
+    Unequal blocks have no DTensor placement: a ValueError."""
     from torch.distributed.tensor import Replicate as DReplicate
+    from torch.distributed.tensor import Shard as DShard
 
+    if isinstance(placement, FullyShard):
+        inner = dtensor_placements(placement.inner, names, path)
+        return tuple(DShard(placement.dim) if n == placement.axis else p for n, p in zip(names, inner))
     split = isinstance(placement, Shard)
     return tuple(_dtensor_shard(placement, path) if split and n == placement.axis else DReplicate() for n in names)
 
@@ -138,8 +144,11 @@ def shard_params(params, mesh, plan=None):
     def leaf(path, full, placement):
         ranges = local_slices(full.shape, placement, mesh)
         local = take(full, ranges)
-        if isinstance(placement, Shard) and len(ranges) == 1:
-            local = local.clone()  # a narrow() view would keep the full tensor alive
+        if (
+            not isinstance(placement, Replicate)
+            and local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+        ):
+            local = local.clone(memory_format=torch.contiguous_format)  # a narrow() view would keep the full alive
         return dtensor_from_local(local.to(device), full.shape, placement, mesh)
 
     return _rebuild(params, map_tree(leaf, tree, placements))
@@ -315,11 +324,20 @@ def placement_of(x, spec=None):
 
     names = x.device_mesh.mesh_dim_names
     split = [(names[i], p) for i, p in enumerate(x.placements) if isinstance(p, DShard) or is_strided(p)]
+    fully = [(a, p) for a, p in split if a == "fsdp" and not is_strided(p)]
+    if fully and len(split) <= 2:
+        rest = [(a, p) for a, p in split if a != "fsdp"]
+        inner = _placement_from(x, spec, *rest[0]) if rest else Replicate()
+        return FullyShard(inner, fully[0][1].dim, "fsdp")
     if not split:
         return Replicate()
     if len(split) > 1:
         raise ValueError(f"placement_of: a leaf is split over several mesh dims {split}")
-    axis, p = split[0]
+    return _placement_from(x, spec, *split[0])
+
+
+def _placement_from(x, spec, axis: str, p):
+    """The `Shard` of DTensor placement ``p`` on mesh axis ``axis`` (see `placement_of`)."""
     if spec is not None and spec.axes[p.dim] == PACKED:
         return Shard(p.dim, axis, tuple(b.size for b in spec.blocks))
     if is_strided(p):

@@ -293,8 +293,8 @@ def test_memory_table_example(capsys):
 
 
 def test_make_mesh_rejects_a_wrong_world_size():
-    # No process group here (and WORLD_SIZE unset): tp*sp*dp*ring must be 1.
-    with pytest.raises(ValueError, match=r"tp\*sp\*dp\*ring: expected .*got 4"):
+    # No process group here (and WORLD_SIZE unset): tp*sp*dp*ring*fsdp must be 1.
+    with pytest.raises(ValueError, match=r"tp\*sp\*dp\*ring\*fsdp: expected .*got 4"):
         sharding.make_mesh(tp=2, sp=2, device_type="cpu")
     with pytest.raises(ValueError, match=r"tp: expected a positive int, got 0"):
         sharding.make_mesh(tp=0)
@@ -516,7 +516,7 @@ def _compiled_apply(tp_mesh):
 def test_two_ranks_collectives_shard_map_and_shard_params():
     results = spawn(_core_work, 2, init=False, timeout=300)
     for rank, r in enumerate(results):
-        assert r["mesh"] == (("dp", "ring", "sp", "tp"), (1, 1, 1, 2), "cpu")
+        assert r["mesh"] == (("dp", "fsdp", "ring", "sp", "tp"), (1, 1, 1, 1, 2), "cpu")
         assert "expected the world size 2, got 4*1*1*1 = 4" in r["bad_mesh"]
         assert r["sizes"] == (2, 1, 1) and r["index"] == rank
         x0, x1 = torch.arange(12.0).reshape(2, 6), torch.arange(12.0).reshape(2, 6) + 100

@@ -254,8 +254,8 @@ def _region(shape, mesh, placement) -> tuple[list[tuple[int, int]], ...]:
     region = [[(0, n)] for n in shape]
     if placement is not None:
         ranges = sharding.local_slices(shape, placement, mesh)
-        if ranges:
-            region[ranges[0][0]] = [(a, b) for _, a, b in ranges]
+        for d in {d for d, _, _ in ranges}:  # a fully sharded leaf has ranges on two dims
+            region[d] = [(a, b) for e, a, b in ranges if e == d]
     return tuple(region)
 
 

@@ -30,7 +30,7 @@ import numbers
 import torch
 
 import sharding
-from sharding.internal import like
+from sharding.internal import like, refuse_fsdp
 from sharding.tree import copy_path, flatten, map_tree
 
 from ..params import Params
@@ -188,6 +188,7 @@ def merge(params: Params, adapter: Adapter, scale: float = 1.0) -> Params:
     Plain or sharded alike (sharded params need the adapter placed on the same mesh).
     DoRA's norm is taken of the weight given: merging onto params that already hold
     another merged adapter norms that sum (PEFT norms the unmerged weight)."""
+    refuse_fsdp(params, "lora.merge", "merge before sharding")
     ((adapter, scale),) = check(params, [(adapter, scale)], "adapter")
     local, mesh = sharding.local_view(params)
     ((ad, _),) = local_adapters([(adapter, scale)], mesh)

@@ -17,6 +17,8 @@ import dataclasses
 import torch
 from torch.utils import _pytree as pytree
 
+from sharding.internal import gathered_blocks
+
 from ..params import ordered_blocks
 
 _ACTIVE: list = []  # the `stacked` in force, innermost last (a plain list: torch.compile traces it without a break)
@@ -62,8 +64,10 @@ def layers(params, name: str, step, carry, per_layer: tuple = (), consts: tuple 
     the scan's carry, so the scanned body captures no tensor; ``static`` (hashable: functions, ints) is passed as is."""
     state = _ACTIVE[-1] if _ACTIVE else None
     if state is None or state.tree is not params.tree or name not in state.segments:
-        for block, *layer in zip(ordered_blocks(params, name), *per_layer):
+        blocks = ordered_blocks(params, name)  # fully sharded: each gathered when read, the next one prefetched
+        for block, *layer in zip(gathered_blocks(blocks), *per_layer):
             carry = step(carry, block, tuple(layer), consts, static)
+            del block  # the gathered weights of this block go now (unless autograd keeps them)
         return carry
     xs = (state.segments[name], tuple(torch.stack(list(v)) for v in per_layer))
     leaves, spec = pytree.tree_flatten(consts)

@@ -48,6 +48,7 @@ from typing import NamedTuple
 import torch
 
 import sharding
+from sharding.internal import refuse_fsdp
 
 from .. import api as _api
 from ..lora import internal as _lora
@@ -379,6 +380,7 @@ def step(params, cache, state, x, t, txt, *, branches: int = 1, lora=None, **kwa
         raise ValueError(f"state: expected a {_STATES[type(cache)].__name__} for {type(cache).__name__}, got {state!r}")
     fam = _api.family(params)
     check_family(fam)
+    refuse_fsdp(params, "step caching (cache=...)", "use cache=None")
     kwargs = _api._family_args(fam, kwargs)
     if kwargs.get("kv_cache") is not None:
         raise ValueError("kv_cache: step caching does not combine with FLUX.2's reference KV cache; expected None")

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 import sharding
-from sharding.internal import is_dtensor
+from sharding.internal import is_dtensor, refuse_fsdp
 
 from .. import families as _families
 from ..params import Params
@@ -397,6 +397,7 @@ def sample(
     req = _requests.requests(fam, prompt, num_images_per_prompt, seed, latents, negative_prompt, cfg is not None, given)
     adapters = _lora_items.per_image(params, lora, req.n // req.per_prompt, req.per_prompt)
     device, dtype = _param_device_dtype(params)
+    refuse_fsdp(params, "fd.sample", "run fd.apply in your own loop, or use a mesh without fsdp")
     local_params, mesh = sharding.local_view(params)
     lay = _ranks.layout(mesh, req.n)
     img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop, layers=layers)

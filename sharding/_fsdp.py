@@ -1,0 +1,382 @@
+"""Fully sharded parameters in the local view: just-in-time all-gathers over "fsdp".
+
+A `FullyShard` leaf holds 1/N of its tp slice per rank. ``fd.apply`` gathers the
+non-block leaves (embedders, final layer) once per call and wraps every block of the
+tree in a `GatheredBlock`: a read-only mapping over the block's local shards that
+all-gathers a leaf when the model reads it, keeps nothing, and lets the block loop
+(`functional_dit.nn.scan.layers`) *prefetch* the next block — issue its all-gathers
+(async functional collectives) before the current block computes, and wait only when a
+leaf is read. Peak parameter memory per rank is then about params / N + the block
+computing + the one prefetched (docs/sharding.md, "Fully sharded parameters"), as
+torch's FSDP2 and ZeRO-3 do.
+
+Autograd: a gathered leaf's backward reduce-scatters its gradient over "fsdp" (the sum
+of every fsdp rank's share, this rank's slice), so each rank keeps only its gradient
+shard; with ``fsdp_options(reduce="all_reduce")`` it all-reduces and slices instead
+(runtimes where consecutive reduce-scatters are unsafe, the Neuron runtime). The
+gathered weights a block's backward needs are kept by autograd; with
+``fd.apply(checkpoint=True)`` a block's recomputation gathers them again instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import _autodiff
+from ._axes import _axis, _group, _layout, current_mesh
+from ._plan import FSDP, FullyShard, plan
+from .tree import leaves
+
+_OPTIONS: list = [{"prefetch": True, "reduce": "reduce_scatter"}]  # innermost last
+_REDUCES = ("reduce_scatter", "all_reduce")
+
+
+@contextlib.contextmanager
+def fsdp_options(prefetch: bool | None = None, reduce: str | None = None):
+    """Within: how fully sharded params are gathered and reduced.
+
+    ``prefetch``: issue the next block's all-gathers before the current block computes
+    (default True); False gathers each block when it starts (for comparison).
+    ``reduce``: the gradient reduction of a gathered leaf, "reduce_scatter" (default) or
+    "all_reduce" (an all-reduce and this rank's slice: no reduce-scatter anywhere, for the
+    Neuron runtime, where consecutive reduce-scatters are unsafe). Read when the forward
+    runs; the backward uses what the forward recorded."""
+    if prefetch is not None and not isinstance(prefetch, bool):
+        raise ValueError(f"prefetch: expected True, False or None, got {prefetch!r}")
+    if reduce is not None and reduce not in _REDUCES:
+        raise ValueError(f"reduce: expected one of {_REDUCES} or None, got {reduce!r}")
+    now = dict(_OPTIONS[-1])
+    now.update({k: v for k, v in (("prefetch", prefetch), ("reduce", reduce)) if v is not None})
+    _OPTIONS.append(now)
+    try:
+        yield
+    finally:
+        _OPTIONS.pop()
+
+
+def fsdp_size() -> int:
+    """The size of the bound mesh's "fsdp" axis (1 when none)."""
+    return _axis(FSDP)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _dims(config, names: tuple, shape: tuple) -> dict:
+    """``{dotted path: dim}`` of the leaves the default plan fully shards on the mesh."""
+    return {p: pl.dim for p, pl in leaves(plan(config, dict(zip(names, shape)))) if isinstance(pl, FullyShard)}
+
+
+def fsdp_degree(params) -> int:
+    """The "fsdp" size of the mesh of ``params``' DTensor leaves (``Params`` or a tree); 1 when
+    plain or when the mesh has no fsdp axis."""
+    from .internal import is_dtensor
+
+    tree = params.tree if hasattr(params, "tree") and hasattr(params, "config") else params
+    for _, x in leaves(tree):
+        if is_dtensor(x):
+            return mesh_fsdp(x.device_mesh)
+    return 1
+
+
+def mesh_fsdp(mesh) -> int:
+    """The size of ``mesh``'s "fsdp" axis (1 when it has none); traceable by dynamo."""
+    names, sizes, _ = _layout(mesh)
+    return sizes[names.index(FSDP)] if FSDP in names else 1
+
+
+def refuse_fsdp(params, feature: str, instead: str = "") -> None:
+    """A ValueError when ``params`` are fully sharded (an fsdp axis > 1) and ``feature``
+    does not support that yet, naming both."""
+    n = fsdp_degree(params)
+    if n > 1:
+        raise ValueError(
+            f"fsdp: {feature} is not supported with fully sharded params (a mesh with fsdp={n}) yet"
+            + (f"; {instead}" if instead else "")
+        )
+
+
+def gather_dims(config, mesh) -> dict[str, int]:
+    """``{dotted path: dim}`` of the leaves the default plan fully shards on ``mesh``."""
+    return _dims(config, tuple(mesh.mesh_dim_names), tuple(mesh.shape))
+
+
+# ----------------------------------------------------------------------------- the collective
+
+
+def _start(x: torch.Tensor, dim: int):
+    """Issue the all-gather of ``x`` over fsdp along ``dim`` (async; nothing waits)."""
+    return _autodiff._all_gather_dim0()(x.detach().movedim(dim, 0).contiguous(), 0, _group(FSDP))
+
+
+def _finish(x: torch.Tensor, dim: int, pending) -> torch.Tensor:
+    """The gathered leaf from the `_start` handle ``pending``, differentiable w.r.t. ``x``."""
+    full = _autodiff._done(pending).movedim(0, dim)
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return full
+    n, index = _axis(FSDP)
+    return Gathered.apply(x, full, dim, n, index, _group(FSDP), _OPTIONS[-1]["reduce"])
+
+
+def gather_leaf(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` (a local shard) all-gathered over fsdp along ``dim``, now."""
+    return _finish(x, dim, _start(x, dim))
+
+
+class Gathered(torch.autograd.Function):
+    """Forward: the gathered ``full`` (computed outside, possibly prefetched). Backward:
+    the gradient summed over fsdp, this rank's slice (reduce-scatter, or all-reduce and
+    slice)."""
+
+    @staticmethod
+    def forward(x, full, dim, n, index, group, reduce):
+        return full.view_as(full)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, ctx.dim, ctx.n, ctx.index, ctx.group, ctx.reduce = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce(g, ctx.dim, ctx.n, ctx.index, ctx.group, ctx.reduce), None, None, None, None, None, None
+
+
+def _reduce(g: torch.Tensor, dim: int, n: int, index: int, group, reduce: str) -> torch.Tensor:
+    funcol = _autodiff._funcol()
+    if reduce == "all_reduce":
+        chunk = g.shape[dim] // n
+        return _autodiff.all_reduce(g.contiguous(), group).narrow(dim, index * chunk, chunk).contiguous()
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    out = _autodiff._done(scatter(g.movedim(dim, 0).contiguous(), "sum", 0, group))
+    return out.movedim(0, dim).contiguous()  # see BlockGathered.backward
+
+
+# ----------------------------------------------------------------------------- one block at once
+
+
+def _pack(xs, dims) -> torch.Tensor:
+    """Every leaf with its fsdp dim moved first, flattened and concatenated: (sum of numels,)."""
+    return torch.cat([x.detach().movedim(d, 0).reshape(-1) for x, d in zip(xs, dims)])
+
+
+def _start_block(xs, dims):
+    """Issue one all-gather for all of a block's fully sharded leaves (async)."""
+    return _autodiff._all_gather_dim0()(_pack(xs, dims), 0, _group(FSDP))
+
+
+def _unpack(rows: torch.Tensor, xs, dims) -> list:
+    """The leaves from (n, L) rows (row r: rank r's packed shards), each gathered on its dim."""
+    out, offset, n = [], 0, rows.shape[0]
+    for x, d in zip(xs, dims):
+        moved = x.movedim(d, 0).shape
+        piece = rows[:, offset : offset + x.numel()].reshape(n * moved[0], *moved[1:])
+        out.append(piece.movedim(0, d).to(x.dtype))  # (a no-op unless the block mixes dtypes)
+        offset += x.numel()
+    return out
+
+
+def _finish_block(xs, dims, pending) -> list:
+    """The gathered leaves of `_start_block`'s ``pending``, differentiable w.r.t. ``xs``
+    through one `BlockGathered` (one reduce-scatter for the whole block in backward)."""
+    n, index = _axis(FSDP)
+    fulls = _unpack(_autodiff._done(pending).view(n, -1), xs, dims)
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in xs)):
+        return fulls
+    meta = (tuple(dims), n, index, _group(FSDP), _OPTIONS[-1]["reduce"], len(xs))
+    return list(BlockGathered.apply(meta, *xs, *fulls))
+
+
+class BlockGathered(torch.autograd.Function):
+    """Forward: a block's gathered leaves (computed outside, possibly prefetched). Backward:
+    every leaf's gradient packed into one buffer, summed over fsdp with one reduce-scatter
+    (or one all-reduce and this rank's rows), and unpacked into this rank's shards."""
+
+    @staticmethod
+    def forward(meta, *args):
+        k = meta[-1]
+        return tuple(f.view_as(f) for f in args[k:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.meta = inputs[0]
+        ctx.shapes = [(tuple(x.shape), x.dtype, x.device) for x in inputs[1 : 1 + inputs[0][-1]]]
+
+    @staticmethod
+    def backward(ctx, *gs):
+        dims, n, index, group, reduce, k = ctx.meta
+        rows = []
+        for g, (shape, dtype, device), d in zip(gs, ctx.shapes, dims):
+            full = list(shape)
+            full[d] *= n
+            g = torch.zeros(full, dtype=dtype, device=device) if g is None else g
+            rows.append(g.movedim(d, 0).reshape(n, -1))  # row r: rank r's slice of this leaf
+        flat = torch.cat(rows, 1).contiguous()  # (n, L)
+        if reduce == "all_reduce":
+            mine = _autodiff.all_reduce(flat, group)[index]
+        else:
+            funcol = _autodiff._funcol()
+            scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+            mine = _autodiff._done(scatter(flat.view(-1), "sum", 0, group))
+        out, offset = [], 0
+        for (shape, dtype, _), d in zip(ctx.shapes, dims):
+            moved = (shape[d], *shape[:d], *shape[d + 1 :])
+            numel = math.prod(shape)
+            # contiguous like the leaf: a strided grad makes DTensor run an op (sharding propagation
+            # over the 5-dim mesh: seconds) to accumulate it
+            out.append(mine[offset : offset + numel].view(moved).movedim(0, d).to(dtype).contiguous())
+            offset += numel
+        return (None, *out, *([None] * k))
+
+
+# ----------------------------------------------------------------------------- the blocks
+
+
+class GatheredBlock(Mapping):
+    """One block's local shards, read as the block's full (tp-local) leaves: reading a
+    fully sharded leaf all-gathers it (a prefetched one waits for its gather). Nothing is
+    kept: a leaf read twice is gathered twice. A pytree node whose leaves are the local
+    shards (so autograd checks and ``torch.utils.checkpoint`` see them).
+
+    ``dims``: ``{path in the block: dim}``; ``pending`` (shared by the views of sub-dicts)
+    and ``prefix`` (this view's path in the block) are internal."""
+
+    __slots__ = ("_tree", "_dims", "_pending", "_prefix", "_flat")
+
+    def __init__(self, tree: Mapping, dims: Mapping[str, int], pending: dict | None = None, prefix: str = ""):
+        self._tree, self._dims, self._prefix = tree, dims, prefix
+        self._pending = {} if pending is None else pending
+        self._flat = None  # the block's one coalesced all-gather, once issued (`prefetch`)
+
+    def __getitem__(self, key):
+        x, path = self._tree[key], f"{self._prefix}{key}"
+        if isinstance(x, Mapping):
+            return GatheredBlock(x, self._dims, self._pending, f"{path}.")
+        dim = self._dims.get(path)
+        if dim is None:
+            return x
+        pending = self._pending.pop(path, None)
+        return _finish(x, dim, pending if pending is not None else _start(x, dim))
+
+    def __iter__(self):
+        return iter(self._tree)
+
+    def __len__(self):
+        return len(self._tree)
+
+    def _leaves(self) -> tuple[list, list, list]:
+        paths = list(self._dims)
+        return paths, [_get(self._tree, p) for p in paths], [self._dims[p] for p in paths]
+
+    def prefetch(self) -> None:
+        """Issue the block's all-gather (one for all its fully sharded leaves, async)."""
+        if self._flat is None and self._dims:
+            _, xs, dims = self._leaves()
+            self._flat = _start_block(xs, dims)
+
+    def gathered(self) -> dict:
+        """The block as plain nested dicts of its gathered leaves: the one coalesced gather
+        (`prefetch`'s, or issued now), waited here. What a block loop computes with."""
+        if not self._dims:
+            return self._tree
+        paths, xs, dims = self._leaves()
+        pending, self._flat = self._flat if self._flat is not None else _start_block(xs, dims), None
+        full = dict(zip(paths, _finish_block(xs, dims, pending)))
+        return _replaced(self._tree, full, "")
+
+
+def _replaced(tree: Mapping, full: dict, prefix: str) -> dict:
+    return {
+        k: _replaced(x, full, f"{prefix}{k}.") if isinstance(x, Mapping) else full.get(f"{prefix}{k}", x)
+        for k, x in tree.items()
+    }
+
+
+def _get(tree: Mapping, path: str):
+    for part in path.split("."):
+        tree = tree[part]
+    return tree
+
+
+def _flatten_block(b: GatheredBlock):
+    return [b._tree], (b._dims, b._prefix)
+
+
+def _unflatten_block(children, context):
+    dims, prefix = context
+    return GatheredBlock(children[0], dims, None, prefix)
+
+
+pytree.register_pytree_node(GatheredBlock, _flatten_block, _unflatten_block)
+
+
+@functools.lru_cache(maxsize=64)
+def _grouped(config, names: tuple, shape: tuple) -> tuple[dict, dict]:
+    """(``{block path: {path in block: dim}}``, ``{other path: dim}``) of `gather_dims`: a
+    block is ``name.i`` or ``name.sub.i`` (the first all-digit part among the second and third)."""
+    blocks, other = {}, {}
+    for path, dim in _dims(config, names, shape).items():
+        parts = path.split(".")
+        j = next((j for j in (1, 2) if j < len(parts) - 1 and parts[j].isdigit()), None)
+        if j is None:
+            other[path] = dim
+        else:
+            blocks.setdefault(".".join(parts[: j + 1]), {})[".".join(parts[j + 1 :])] = dim
+    return blocks, other
+
+
+def wrap_tree(tree: Mapping, config, mesh) -> dict:
+    """``tree`` (local shards on ``mesh``) for the forward: every block (``name.i``, see
+    `_grouped`) a `GatheredBlock`; every other fully sharded leaf gathered now (all issued,
+    then waited)."""
+    blocks, other = _grouped(config, tuple(mesh.mesh_dim_names), tuple(mesh.shape))
+    pending = {}
+
+    def walk(node, prefix):
+        out = {}
+        for k, x in node.items():
+            path = f"{prefix}{k}"
+            if path in blocks:
+                out[k] = GatheredBlock(x, blocks[path])
+            elif isinstance(x, Mapping):
+                out[k] = walk(x, f"{path}.")
+            elif path in other:
+                pending[path] = _start(x, other[path])
+                out[k] = x
+            else:
+                out[k] = x
+        return out
+
+    def done(node, prefix):
+        return {
+            k: done(x, f"{prefix}{k}.")
+            if isinstance(x, dict)
+            else _finish(x, other[f"{prefix}{k}"], pending[f"{prefix}{k}"])
+            if f"{prefix}{k}" in pending
+            else x
+            for k, x in node.items()
+        }
+
+    return done(walk(tree, ""), "")
+
+
+def gathered_blocks(blocks: list):
+    """Iterate ``blocks`` (a segment's blocks, in order) for a block loop, each as plain
+    dicts of its gathered leaves (`GatheredBlock.gathered`): block i+1's all-gather is
+    issued before block i is handed out (with ``fsdp_options(prefetch=False)``, none
+    ahead). Blocks that are not `GatheredBlock` come as they are."""
+    ahead = _OPTIONS[-1]["prefetch"] and current_mesh() is not None
+    for i, block in enumerate(blocks):
+        if not isinstance(block, GatheredBlock):
+            yield block
+            continue
+        if not ahead:
+            yield block.gathered()
+            continue
+        block.prefetch()  # (a no-op when the previous step issued it)
+        if i + 1 < len(blocks) and isinstance(blocks[i + 1], GatheredBlock):
+            blocks[i + 1].prefetch()
+        yield block.gathered()
