@@ -158,7 +158,8 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
     job = _sampler._Job(ctx.fam, hw, req.steps, None, req.guidance, cfg, "pil", req.max_sequence_length, None, None)
     chunk = _sampler._chunk(model, reqs, (0,), job, ctx.dtype, ctx.device)
     sched = _sampler._scheduler(pipe, ctx.fam, chunk.x.shape[1], req.steps, ctx.device)
-    return Item(req, chunk.x, chunk.cond, sched.timesteps, sched.sigmas, _tables(model, chunk.cond, hw, req), cfg, hw)
+    tables = _tables(model, chunk.cond, hw, req)
+    return Item(req, chunk.x, chunk.cond, sched.timesteps, sched.sigmas, tables, cfg, hw, tag=tag)
 
 
 def _tables(model, cond: Prompt, hw, req: Request) -> dict:
@@ -273,4 +274,3 @@ def sample(params, ctx: Context, requests, output_type: str = "pil"):
     while not all(it.done for it in state.items):
         state = step(params, state)
     return decode(state, output_type)
-

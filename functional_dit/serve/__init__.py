@@ -1,0 +1,92 @@
+"""``python -m functional_dit serve``: an OpenAI-compatible image server with step-level
+continuous batching and a LoRA per request (docs/serving.md).
+
+- `_engine`: the worker thread that batches `functional_dit.sampling` items step by step;
+- `_app`: the HTTP routes (Starlette on uvicorn), checks, errors and metrics;
+- `_journal`: the journal of accepted requests and ``--resume-journal``;
+- here: loading the model (`load_model`) and running the server with its drain on
+  SIGTERM / SIGINT (`serve`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+
+def load_model(spec: str, base: str | None = None, dtype=None):
+    """(params, pipe) for ``--model``: a name of `functional_dit.tiny`'s pipelines (the
+    tiny offline model at its default seed), or a checkpoint / preset as ``generate``
+    resolves it (`functional_dit.cli.generate.resolve`)."""
+    import torch
+
+    import functional_dit as fd
+    from functional_dit import tiny
+
+    if spec in tiny.KINDS and not os.path.exists(spec):
+        pipe = tiny.pipeline(spec)
+        return fd.from_diffusers(pipe.transformer), pipe
+    import argparse
+
+    import diffusers
+
+    import weights
+
+    from ..cli import generate
+
+    model, folder, config = generate.resolve(argparse.Namespace(model=spec, base=base, config=None))
+    dtype = dtype or torch.float32
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, transformer=None, dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return weights.load(model, config=config, dtype=dtype), pipe
+
+
+def load_adapters(specs, params) -> dict:
+    """``--lora NAME=PATH`` (repeatable) -> {name: adapter}."""
+    import functional_dit.lora as lora
+
+    from ..cli._args import CLIError
+
+    out = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise CLIError(f"--lora: expected NAME=PATH, got {spec!r}")
+        if name in out:
+            raise CLIError(f"--lora: the name {name!r} is given twice")
+        if not os.path.isfile(path):
+            raise CLIError(f"--lora: {path} is not a file")
+        out[name] = lora.load(path, params)
+    return out
+
+
+def serve(service, host: str, port: int, request_timeout: float, drain_timeout: float = 600.0) -> int:
+    """Run the server until SIGTERM / SIGINT, then drain: new requests get 503, queued and
+    running ones finish (up to ``drain_timeout`` s), and the process returns 0."""
+    import uvicorn
+
+    from ._app import app
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # drain first, then let uvicorn close
+            if service.draining:
+                self.should_exit = True  # a second signal: stop now
+                return
+            service.draining = True
+            threading.Thread(target=self._drain, daemon=True).start()
+
+        def _drain(self):
+            end = time.monotonic() + drain_timeout
+            while not service.engine.idle() and time.monotonic() < end and service.engine.error is None:
+                time.sleep(0.05)
+            time.sleep(0.3)  # the last answers leave the event loop
+            self.should_exit = True
+
+    config = uvicorn.Config(app(service, request_timeout), host=host, port=port, log_level="warning", lifespan="off")
+    server = Server(config)
+    server.run()
+    service.engine.stop()
+    if service.journal is not None:
+        service.journal.close()
+    return 0 if service.engine.error is None else 1
