@@ -21,7 +21,10 @@ import time
 class Journal:
     def __init__(self, path: str):
         self.path, self._lock = path, threading.Lock()
+        torn = os.path.exists(path) and os.path.getsize(path) and not _ends_with_newline(path)
         self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the server's life
+        if torn:  # a crash mid-line: the next record starts on a line of its own
+            self._f.write("\n")
 
     def _write(self, record: dict) -> None:
         with self._lock:
@@ -37,6 +40,12 @@ class Journal:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def unfinished(path: str) -> list[tuple[str, dict]]:
