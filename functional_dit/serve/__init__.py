@@ -83,8 +83,16 @@ def serve(service, host: str, port: int, request_timeout: float, drain_timeout: 
             time.sleep(0.3)  # the last answers leave the event loop
             self.should_exit = True
 
+    def watch():  # a failed engine (a dead rank) ends the server: clients already got 503
+        while not server.should_exit:
+            if service.engine.error is not None:
+                time.sleep(0.5)  # the waiting clients' 503s leave first
+                server.should_exit = True
+            time.sleep(0.1)
+
     config = uvicorn.Config(app(service, request_timeout), host=host, port=port, log_level="warning", lifespan="off")
     server = Server(config)
+    threading.Thread(target=watch, daemon=True).start()
     server.run()
     service.engine.stop()
     if service.journal is not None:

@@ -174,7 +174,7 @@ def app(service: Service, request_timeout: float) -> Starlette:
         def deliver(images, err):
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result((images, err)))
 
-        job = _engine.Job(uuid.uuid4().hex, reqs, deliver)
+        job = _engine.Job(uuid.uuid4().hex, reqs, deliver, body=body)
         if service.journal is not None:  # before it can run
             service.journal.accepted(job.id, body)
         try:

@@ -36,9 +36,11 @@ class Job:
     id: str
     requests: list
     deliver: object  # deliver(images or None, error or None), called once from the worker thread
+    body: dict | None = None  # the HTTP body (other ranks rebuild the job from it)
     images: list = dataclasses.field(default_factory=list)
     left: int = 0
-    cancelled: bool = False
+    cancelled: bool = False  # asked for by the HTTP side (client gone, timeout), at any time
+    dropped: bool = False  # applied by the engine at the start of a turn (the same turn on every rank)
     finished: bool = False
 
     def __post_init__(self):
@@ -68,13 +70,19 @@ class Metrics:
 class Engine:
     """Continuous batching of ``params`` over ``pipe``; ``adapters`` by name."""
 
-    def __init__(self, params, pipe, adapters=None, *, max_batch: int = 8, max_queue: int = 64):
+    def __init__(self, params, pipe, adapters=None, *, max_batch: int = 8, max_queue: int = 64, sync=None):
         self.params, self.adapters = params, dict(adapters or {})
         self.ctx = sampling.context(params, pipe)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = Metrics()
         self._lock = threading.Condition()
+        self._inbox: list = []  # jobs submitted since the last turn began
+        self._live: dict = {}  # id -> job, from its turn of arrival until it is answered
         self._waiting: collections.deque = collections.deque()  # (job, index) not yet encoded
+        # sync(new jobs, ids to cancel, stop) -> the same, as every rank applies them this turn
+        # (`functional_dit.serve._ranks`); on one process, as they are
+        self.sync = sync or (lambda new, cancel, stop: (new, cancel, stop))
+        self.heartbeat = None if sync is None else 1.0  # idle turns keep the other ranks' collectives alive
         self._ready: dict = collections.defaultdict(collections.deque)  # key -> encoded items
         self._running: dict = {}  # key -> sampling.State
         self._last = None  # the key stepped last (round robin)
@@ -93,11 +101,12 @@ class Engine:
         with self._lock:
             if not force and self.queued() + len(job.requests) > self.max_queue:
                 raise QueueFull(f"{self.queued()} images queued, max_queue {self.max_queue}")
-            self._waiting.extend((job, j) for j in range(len(job.requests)))
+            self._inbox.append(job)
             self._lock.notify()
 
     def queued(self) -> int:
-        return len(self._waiting) + sum(len(q) for q in self._ready.values())
+        inbox = sum(len(job.requests) for job in self._inbox)
+        return inbox + len(self._waiting) + sum(len(q) for q in self._ready.values())
 
     def running(self) -> int:
         return sum(len(s) for s in self._running.values())
@@ -117,23 +126,40 @@ class Engine:
         try:
             while True:
                 with self._lock:
-                    while not self._stop and self.idle():
-                        self._lock.wait()
-                    if self._stop:
-                        return
-                self.turn()
+                    if not self._stop and self.idle():
+                        self._lock.wait(self.heartbeat)
+                    stop = self._stop
+                if stop:
+                    self.sync([], [], True)  # the other ranks stop too
+                    return
+                if not self.idle() or self.heartbeat is not None:
+                    self.turn()
         except BaseException as e:  # noqa: BLE001 - every waiting job learns of it
             self.error = e
             self._fail_all(e)
 
-    def turn(self) -> None:
-        """One turn of the loop (module docstring), on the calling thread."""
+    def turn(self) -> bool:
+        """One turn of the loop (module docstring), on the calling thread. Returns whether
+        the ranks were told to stop (other ranks' `follow`)."""
+        with self._lock:
+            new, self._inbox = self._inbox, []
+        cancel = [job.id for job in self._live.values() if job.cancelled and not job.dropped]
+        new, cancel, stop = self.sync(new, cancel, False)
+        if stop:
+            return True
+        for job in new:
+            self._live[job.id] = job
+            self._waiting.extend((job, j) for j in range(len(job.requests)))
+        for job_id in cancel:
+            job = self._live.pop(job_id, None)
+            if job is not None:
+                job.dropped = True
         self._drop_cancelled()
         self._encode()
         self._admit()
         key = self._next_key()
         if key is None:
-            return
+            return False
         t0 = time.perf_counter()
         state = sampling.step(self.params, self._running[key])
         dt = time.perf_counter() - t0
@@ -148,15 +174,16 @@ class Engine:
             del self._running[key]
         if done.items:
             self._finish(done)
+        return False
 
     def _drop_cancelled(self) -> None:
         with self._lock:
-            self._waiting = collections.deque(e for e in self._waiting if not e[0].cancelled)
+            self._waiting = collections.deque(e for e in self._waiting if not e[0].dropped)
         for q in self._ready.values():
-            kept = [it for it in q if not it.tag[0].cancelled]
+            kept = [it for it in q if not it.tag[0].dropped]
             q.clear(), q.extend(kept)
         for key, state in list(self._running.items()):
-            _, kept = sampling.split(state, keep=lambda it: not it.tag[0].cancelled)
+            _, kept = sampling.split(state, keep=lambda it: not it.tag[0].dropped)
             self._running[key] = kept
             if not kept.items:
                 del self._running[key]
@@ -212,12 +239,13 @@ class Engine:
         if job.finished:
             return
         job.finished = True
-        job.cancelled = error is not None or job.cancelled  # its other images leave too
+        job.dropped = True  # an error: its other images leave too
+        self._live.pop(job.id, None)
         job.deliver(images, error)
 
     def _fail_all(self, error) -> None:
         with self._lock:
-            jobs = {e[0] for e in self._waiting}
+            jobs = {e[0] for e in self._waiting} | set(self._inbox)
         jobs |= {it.tag[0] for q in self._ready.values() for it in q}
         jobs |= {it.tag[0] for s in self._running.values() for it in s.items}
         for job in jobs:

@@ -91,6 +91,6 @@ def resume(path: str, service, submit) -> int:
                 img.save(os.path.join(out, f"{job_id}-{j}.png"))
             service.journal.done(job_id, "resumed")
 
-        submit(Job(job_id, reqs, deliver))
+        submit(Job(job_id, reqs, deliver, body=body))
         queued += 1
     return queued
