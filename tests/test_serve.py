@@ -39,7 +39,7 @@ import functional_dit.lora as lora
 from functional_dit import tiny
 
 MSL = 32
-BOOT_S = 300  # a cold start (imports, the tiny pipeline) on a loaded 2-core machine
+BOOT_S = 600  # a cold start (imports, the tiny pipeline) on a loaded 2-core machine
 
 
 def _port() -> int:
