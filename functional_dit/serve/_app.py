@@ -224,6 +224,9 @@ async def _wait(request, job, fut, timeout: float, service, answer):
             _journal_done(service, job, 504)
             return answer(504, error(504, f"request_timeout: the images took over {timeout:g} s"))
     images, err = fut.result()
+    if err is not None and service.engine.error is not None:  # the model (a rank) failed, not this request
+        _journal_done(service, job, 503)
+        return answer(503, error(503, f"the model failed: {type(err).__name__}: {err}"))
     if err is not None:
         _journal_done(service, job, 500)
         return answer(500, error(500, f"{type(err).__name__}: {err}"))
