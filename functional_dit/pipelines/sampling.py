@@ -33,6 +33,7 @@ from ._sample_families import _Flux1, _Flux2, _Qwen, combine
 from ._steps import Prompt
 
 SUPPORTED = ("flux1", "flux2", "qwenimage")  # the families whose text-to-image steps `init` takes
+_T2I = ("FluxPipeline", "Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline", "QwenImagePipeline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,13 +118,10 @@ def context(params, encoders) -> Context:
         raise ValueError(f"params: functional_dit.sampling runs {', '.join(SUPPORTED)} text to image; got {fam}")
     pipe = _sampler.as_pipeline(encoders, params)
     model = _sampler._family_model(fam, params, pipe, None, None, {}, None)
-    if type(model) not in (_Flux1, _Flux2, _Qwen) or type(pipe).__name__ not in ("FluxPipeline", *_T2I):
+    if type(model) not in (_Flux1, _Flux2, _Qwen) or type(pipe).__name__ not in _T2I:
         raise ValueError(f"encoders: functional_dit.sampling runs text to image only; got {type(pipe).__name__}")
     device, dtype = _sampler._param_device_dtype(params)
     return Context(fam, model, pipe, device, dtype)
-
-
-_T2I = ("Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline", "QwenImagePipeline")
 
 
 def check(ctx: Context, params, req: Request) -> None:
