@@ -22,6 +22,7 @@ def pytest_terminal_summary(terminalreporter):
 # The slowest tests (multi-rank spawns, compiles; from `pytest --durations`), started
 # first so that under ``-n 2`` no worker is left running one of them alone at the end.
 SLOW_FIRST = (
+    "test_serve_tp.py::test_tp2_server_answers_and_a_killed_rank_is_a_503_and_a_nonzero_exit",
     "test_grad_sharded.py::test_compiled_backward_equals_eager",
     "test_dcp.py::test_dcp_save_tp2_load_on_1_rank_tp2_and_tp2_sp2",
     "test_compile.py::test_sharded_compile_has_zero_graph_breaks",
