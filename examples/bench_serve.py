@@ -5,8 +5,9 @@ and at 16 with half the requests using a LoRA.
 
     python examples/bench_serve.py [--model flux] [--size 64x64] [--steps 4] [--requests 16]
 
-Each server is started as users start it (a subprocess on 127.0.0.1) and driven by N
-client threads, each sending its requests one after another (distinct seeds). Prints a
+Both servers are started as users start them (subprocesses on 127.0.0.1) and stay up
+together; each row drives one then the other, so they share the machine's load. N client
+threads send max(--requests, N) requests, each thread one after another (distinct seeds). Prints a
 Markdown table (BENCHMARKS.md, "serve").
 """
 
@@ -93,15 +94,17 @@ def main(argv=None) -> int:
     path = os.path.join(tmp, "style.safetensors")
     lora.save(lora.init(params.config, rank=8, alpha=8.0, seed=1, zero_b=False), path)
     rows = [(1, False), (4, False), (16, False), (16, True)]
-    results = {}
-    for mode, max_batch in (("batching", 16), ("off", 1)):
-        proc, url = start(args, max_batch, path)
-        try:
-            drive(url, 1, 1, False)  # warm-up
-            for c, lo in rows:
-                results[(mode, c, lo)] = drive(url, c, args.requests, lo)
+    results, servers = {}, {}
+    try:
+        for mode, max_batch in (("batching", 16), ("off", 1)):  # both up at once: each row runs both in turn
+            servers[mode] = start(args, max_batch, path)
+        for c, lo in rows:
+            for mode, (_, url) in servers.items():
+                drive(url, 1, 1, False)  # warm-up
+                results[(mode, c, lo)] = drive(url, c, max(args.requests, c), lo)
                 print(mode, c, lo, results[(mode, c, lo)], flush=True)
-        finally:
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
             proc.wait(120)
     print(f"\n{args.model}, {args.size}, {args.steps} steps, {args.requests} requests per row, {os.cpu_count()} CPUs\n")
