@@ -2,7 +2,7 @@
 
 Two servers of the tiny FLUX.1 pipeline start once for the module (32x32 images, a
 32-token text limit, two LoRA files): A (``--max-batch 4 --max-queue 16``) and B
-(``--request-timeout 10 --journal``). The oracle is ``fd.sample`` of the same request
+(``--request-timeout 30 --journal``). The oracle is ``fd.sample`` of the same request
 alone in this process: every image within 1 uint8 level per pixel.
 
 - the ``openai`` client's ``images.generate`` (extension fields in ``extra_body``);
@@ -100,7 +100,7 @@ def env(tmp_path_factory):
     loras = [f"--lora={n}={p}" for n, p in paths.items()]
     journal = os.path.join(tmp, "journal.jsonl")
     a = Server(tmp, *loras, "--max-batch", "4", "--max-queue", "16")
-    b = Server(tmp, "--request-timeout", "10", "--journal", journal)
+    b = Server(tmp, "--request-timeout", "30", "--journal", journal)
     try:
         a.wait_up(), b.wait_up()
         adapters = {n: lora.load(p, params) for n, p in paths.items()}
