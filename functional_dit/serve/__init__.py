@@ -46,7 +46,7 @@ def load_adapters(specs, params) -> dict:
     """``--lora NAME=PATH`` (repeatable) -> {name: adapter}."""
     import functional_dit.lora as lora
 
-    from ..cli._args import CLIError
+    from ..cli import CLIError
 
     out = {}
     for spec in specs or []:
@@ -98,3 +98,56 @@ def serve(service, host: str, port: int, request_timeout: float, drain_timeout: 
     if service.journal is not None:
         service.journal.close()
     return 0 if service.engine.error is None else 1
+
+
+def run(args) -> int:
+    """``python -m functional_dit serve`` (`functional_dit.cli.serve` parses the flags)."""
+    import torch
+
+    from ..cli import CLIError
+    from . import _app, _engine, _journal, _ranks
+
+    if args.resume_journal and not args.journal:
+        raise CLIError("--resume-journal: expected with --journal PATH")
+    if args.request_timeout <= 0:
+        raise CLIError(f"--request-timeout: expected a positive number of seconds, got {args.request_timeout}")
+    mesh = _mesh(args)
+    params, pipe = load_model(args.model, args.base)
+    if mesh is not None:
+        import sharding
+
+        params = sharding.shard_params(params, mesh)
+    engine = _engine.Engine(params, pipe, load_adapters(args.lora, params), max_batch=args.max_batch,
+                            max_queue=args.max_queue)  # fmt: skip
+    limits = dict(n=args.max_images, multiple=pipe.vae_scale_factor * 2, max_size=args.max_size,
+                  max_sequence_length=args.max_sequence_length)  # fmt: skip
+    service = _app.Service(engine, args.model, defaults=dict(steps=args.steps, size=args.size), limits=limits)
+    try:
+        service.requests({"prompt": "x"})  # the defaults themselves must pass
+    except _app.BadRequest as e:
+        raise CLIError(f"--size/--steps: {e}") from None
+    rank = 0 if mesh is None else torch.distributed.get_rank()
+    if mesh is not None:  # every rank runs rank 0's turns (`functional_dit.serve._ranks`)
+        engine.sync, engine.heartbeat = _ranks.sync(service, rank), 1.0
+    if rank != 0:
+        return _ranks.follow(engine)
+    service.journal = _journal.Journal(args.journal) if args.journal else None
+    engine.start()
+    if args.resume_journal:
+        _journal.resume(args.journal, service, lambda job: engine.submit(job, force=True))
+    print(f"serving {args.model} on http://{args.host}:{args.port}", flush=True)
+    return serve(service, args.host, args.port, args.request_timeout)
+
+
+def _mesh(args):
+    """A tp mesh under torchrun (``--tp`` = WORLD_SIZE), else None."""
+    from ..cli import CLIError
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp != world:
+        raise CLIError(f"--tp: expected torchrun's WORLD_SIZE ({world}), got {args.tp}")
+    if world == 1:
+        return None
+    import sharding
+
+    return sharding.make_mesh(tp=args.tp, timeout=args.rank_timeout)
