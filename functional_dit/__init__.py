@@ -45,6 +45,7 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "TaylorSeer": (".pipelines.cache", "TaylorSeer"),
     "FasterCache": (".pipelines.cache", "FasterCache"),
     "tiny": (".tiny", None),
+    "sampling": (".sampling", None),
     "lora": (".lora", None),
 }
 

@@ -23,7 +23,7 @@ LAYERS = {
 
 def _layer(module: str) -> str:
     parts = module.split(".")
-    if module == "functional_dit.tiny":  # the public alias of functional_dit.pipelines.tiny
+    if module in ("functional_dit.tiny", "functional_dit.sampling"):  # public aliases of functional_dit.pipelines.*
         return "pipelines"
     if module in ("functional_dit.lora._io", "functional_dit.lora._layouts"):  # LoRA file IO, through weights;
         return "weights"  # resolved on first use (docs/architecture.md)
@@ -31,6 +31,8 @@ def _layer(module: str) -> str:
         return parts[0]
     if len(parts) > 1 and parts[1] in ("pipelines", "cli"):
         return parts[1]
+    if parts[1:2] == ["serve"]:  # the server: a command's machinery, beside cli
+        return "cli"
     if parts[1:2] == ["__main__"]:
         return "cli"
     return "core"

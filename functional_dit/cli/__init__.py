@@ -30,6 +30,10 @@ COMMANDS = {  # name -> (module with add_arguments / run, one-line help)
         "an image from a checkpoint (diffusers pipeline folder, or a transformer file + --base)",
     ),
     "bench": ("functional_dit.cli.bench", "speed and memory side by side with diffusers; --out FILE writes a report"),
+    "serve": (
+        "functional_dit.cli.serve",
+        "an OpenAI-compatible image server: continuous batching, a LoRA per request",
+    ),
     "check": ("functional_dit.cli.check", "hardware check: fd.apply on a device vs CPU eager at a tiny config"),
 }
 

@@ -1,0 +1,41 @@
+"""``python -m functional_dit serve``: the OpenAI-compatible image server
+(`functional_dit.serve`; docs/serving.md)."""
+
+from __future__ import annotations
+
+from ._args import positive
+
+DESCRIPTION = (
+    "An OpenAI-compatible image server (POST /v1/images/generations) with step-level continuous batching "
+    "and a LoRA per request. --model flux serves the tiny offline FLUX.1 pipeline."
+)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="a tiny pipeline name (flux, ...), checkpoint or preset")
+    p.add_argument("--base", default=None, help="the pipeline folder for a transformer-only --model (as generate)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="a LoRA file served as NAME")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=positive, default=8, help="images per running batch (1: batching off)")
+    p.add_argument("--max-queue", type=positive, default=64, help="images waiting; more is a 429")
+    p.add_argument("--max-images", type=positive, default=4, help="the largest n of one request")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gets 504")
+    p.add_argument("--steps", type=positive, default=28, help="the default steps of a request")
+    p.add_argument("--size", default="1024x1024", help="the default size of a request, WxH")
+    p.add_argument("--max-size", type=positive, default=2048, help="the largest width or height served")
+    p.add_argument("--max-sequence-length", type=positive, default=None, help="text tokens (default: the model's)")
+    p.add_argument("--tp", type=positive, default=1, help="tensor parallel degree (under torchrun)")
+    p.add_argument("--rank-timeout", type=float, default=60.0, help="seconds before a silent rank fails the server")
+    p.add_argument("--journal", default=None, help="a JSONL file: every accepted request is written before it runs")
+    p.add_argument(
+        "--resume-journal",
+        action="store_true",
+        help="re-run the journal's unfinished requests",
+    )
+
+
+def run(args) -> int:
+    from .. import serve
+
+    return serve.run(args)

@@ -1,0 +1,153 @@
+"""``python -m functional_dit serve``: an OpenAI-compatible image server with step-level
+continuous batching and a LoRA per request (docs/serving.md).
+
+- `_engine`: the worker thread that batches `functional_dit.sampling` items step by step;
+- `_app`: the HTTP routes (Starlette on uvicorn), checks, errors and metrics;
+- `_journal`: the journal of accepted requests and ``--resume-journal``;
+- here: loading the model (`load_model`) and running the server with its drain on
+  SIGTERM / SIGINT (`serve`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+
+def load_model(spec: str, base: str | None = None, dtype=None):
+    """(params, pipe) for ``--model``: a name of `functional_dit.tiny`'s pipelines (the
+    tiny offline model at its default seed), or a checkpoint / preset as ``generate``
+    resolves it (`functional_dit.cli.generate.resolve`)."""
+    import torch
+
+    import functional_dit as fd
+    from functional_dit import tiny
+
+    if spec in tiny.KINDS and not os.path.exists(spec):
+        pipe = tiny.pipeline(spec)
+        return fd.from_diffusers(pipe.transformer), pipe
+    import argparse
+
+    import diffusers
+
+    import weights
+
+    from ..cli import generate
+
+    model, folder, config = generate.resolve(argparse.Namespace(model=spec, base=base, config=None))
+    dtype = dtype or torch.float32
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, transformer=None, dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return weights.load(model, config=config, dtype=dtype), pipe
+
+
+def load_adapters(specs, params) -> dict:
+    """``--lora NAME=PATH`` (repeatable) -> {name: adapter}."""
+    import functional_dit.lora as lora
+
+    from ..cli import CLIError
+
+    out = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise CLIError(f"--lora: expected NAME=PATH, got {spec!r}")
+        if name in out:
+            raise CLIError(f"--lora: the name {name!r} is given twice")
+        if not os.path.isfile(path):
+            raise CLIError(f"--lora: {path} is not a file")
+        out[name] = lora.load(path, params)
+    return out
+
+
+def serve(service, host: str, port: int, request_timeout: float, drain_timeout: float = 600.0) -> int:
+    """Run the server until SIGTERM / SIGINT, then drain: new requests get 503, queued and
+    running ones finish (up to ``drain_timeout`` s), and the process returns 0."""
+    import uvicorn
+
+    from ._app import app
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # drain first, then let uvicorn close
+            if service.draining:
+                self.should_exit = True  # a second signal: stop now
+                return
+            service.draining = True
+            threading.Thread(target=self._drain, daemon=True).start()
+
+        def _drain(self):
+            end = time.monotonic() + drain_timeout
+            while not service.engine.idle() and time.monotonic() < end and service.engine.error is None:
+                time.sleep(0.05)
+            time.sleep(0.3)  # the last answers leave the event loop
+            self.should_exit = True
+
+    def watch():  # a failed engine (a dead rank) ends the server: clients already got 503
+        while not server.should_exit:
+            if service.engine.error is not None:
+                time.sleep(0.5)  # the waiting clients' 503s leave first
+                server.should_exit = True
+            time.sleep(0.1)
+
+    config = uvicorn.Config(app(service, request_timeout), host=host, port=port, log_level="warning", lifespan="off")
+    server = Server(config)
+    threading.Thread(target=watch, daemon=True).start()
+    server.run()
+    service.engine.stop()
+    if service.journal is not None:
+        service.journal.close()
+    return 0 if service.engine.error is None else 1
+
+
+def run(args) -> int:
+    """``python -m functional_dit serve`` (`functional_dit.cli.serve` parses the flags)."""
+    import torch
+
+    from ..cli import CLIError
+    from . import _app, _engine, _journal, _ranks
+
+    if args.resume_journal and not args.journal:
+        raise CLIError("--resume-journal: expected with --journal PATH")
+    if args.request_timeout <= 0:
+        raise CLIError(f"--request-timeout: expected a positive number of seconds, got {args.request_timeout}")
+    mesh = _mesh(args)
+    params, pipe = load_model(args.model, args.base)
+    if mesh is not None:
+        import sharding
+
+        params = sharding.shard_params(params, mesh)
+    engine = _engine.Engine(params, pipe, load_adapters(args.lora, params), max_batch=args.max_batch,
+                            max_queue=args.max_queue)  # fmt: skip
+    limits = dict(n=args.max_images, multiple=pipe.vae_scale_factor * 2, max_size=args.max_size,
+                  max_sequence_length=args.max_sequence_length)  # fmt: skip
+    service = _app.Service(engine, args.model, defaults=dict(steps=args.steps, size=args.size), limits=limits)
+    try:
+        service.requests({"prompt": "x"})  # the defaults themselves must pass
+    except _app.BadRequest as e:
+        raise CLIError(f"--size/--steps: {e}") from None
+    rank = 0 if mesh is None else torch.distributed.get_rank()
+    if mesh is not None:  # every rank runs rank 0's turns (`functional_dit.serve._ranks`)
+        engine.sync, engine.heartbeat = _ranks.sync(service, rank), 1.0
+    if rank != 0:
+        return _ranks.follow(engine)
+    service.journal = _journal.Journal(args.journal) if args.journal else None
+    engine.start()
+    if args.resume_journal:
+        _journal.resume(args.journal, service, lambda job: engine.submit(job, force=True))
+    print(f"serving {args.model} on http://{args.host}:{args.port}", flush=True)
+    return serve(service, args.host, args.port, args.request_timeout)
+
+
+def _mesh(args):
+    """A tp mesh under torchrun (``--tp`` = WORLD_SIZE), else None."""
+    from ..cli import CLIError
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp != world:
+        raise CLIError(f"--tp: expected torchrun's WORLD_SIZE ({world}), got {args.tp}")
+    if world == 1:
+        return None
+    import sharding
+
+    return sharding.make_mesh(tp=args.tp, timeout=args.rank_timeout)

@@ -1,0 +1,270 @@
+"""The HTTP side of ``serve``: the OpenAI images API on Starlette (ASGI), run by uvicorn.
+
+``POST /v1/images/generations`` takes the OpenAI body (``model``, ``prompt``, ``n``,
+``size`` "WxH", ``response_format`` "b64_json") and this server's extension fields in the
+same body (``seed``, ``steps``, ``guidance``, ``true_cfg``, ``negative_prompt``, ``lora``:
+``[{"name", "scale"}]``, ``cache``), answers ``{"created", "data": [{"b64_json"}]}`` (PNG),
+and errors as OpenAI does: ``{"error": {"message", "type", "param", "code"}}``. Bad input
+is a 400 whose message names the field, the expected and the actual value, checked
+before the request is queued; a full queue is a 429 with ``Retry-After``; a request past
+``request_timeout`` is a 504 and leaves its batch; a client that disconnects leaves its
+batch at the next step; while draining (SIGTERM, SIGINT) new requests get 503.
+``GET /v1/models``, ``/health`` and ``/metrics`` (Prometheus text) report the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import re
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.routing import Route
+
+from ..pipelines import sampling
+from . import _engine
+
+FIELDS = {"model", "prompt", "n", "size", "response_format", "user", "quality", "style"}
+FIELDS |= {"seed", "steps", "guidance", "true_cfg", "negative_prompt", "lora", "cache"}
+
+
+class BadRequest(ValueError):
+    """A 400: ``field``, and a message naming the expected and the actual value."""
+
+    def __init__(self, field: str, expected: str, actual):
+        super().__init__(f"{field}: expected {expected}, got {actual!r}")
+        self.field = field
+
+
+def error(status: int, message: str, param=None, headers=None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 429: "rate_limit_exceeded"}.get(status, "server_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _number(body, field, kind, lo, default):
+    v = body.get(field, default)
+    if v is None:
+        return None
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
+    if not ok or v < lo:
+        raise BadRequest(field, f"{'an int' if kind is int else 'a number'} ≥ {lo}", v)
+    return kind(v)
+
+
+class Service:
+    """The checks and the state the routes share: engine, model name, limits, journal."""
+
+    def __init__(self, engine: _engine.Engine, model: str, *, defaults: dict, limits: dict, journal=None):
+        self.engine, self.model, self.defaults, self.limits = engine, model, defaults, limits
+        self.journal, self.draining = journal, False
+
+    def requests(self, body) -> list:
+        """The body as one `sampling.Request` per image (BadRequest on the first bad field)."""
+        if not isinstance(body, dict):
+            raise BadRequest("body", "a JSON object", type(body).__name__)
+        unknown = sorted(set(body) - FIELDS)
+        if unknown:
+            raise BadRequest(unknown[0], f"one of the fields {sorted(FIELDS)}", body[unknown[0]])
+        if body.get("model") not in (None, self.model):
+            raise BadRequest("model", f"{self.model!r} (GET /v1/models)", body.get("model"))
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise BadRequest("prompt", "a non-empty string", prompt)
+        n = _number(body, "n", int, 1, 1)
+        if n > self.limits["n"]:
+            raise BadRequest("n", f"an int from 1 to {self.limits['n']} (--max-images)", n)
+        if body.get("response_format", "b64_json") != "b64_json":
+            raise BadRequest(
+                "response_format", "'b64_json' (this server stores no files to link)", body["response_format"]
+            )
+        width, height = self._size(body.get("size", self.defaults["size"]))
+        steps = _number(body, "steps", int, 1, self.defaults["steps"])
+        seed = _number(body, "seed", int, 0, 0)
+        neg = body.get("negative_prompt")
+        if neg is not None and not isinstance(neg, str):
+            raise BadRequest("negative_prompt", "a string or null", neg)
+        if body.get("cache") not in (None, "", "none"):
+            raise BadRequest("cache", "null or 'none' (per-item step caches are not served yet)", body["cache"])
+        self._prompt_length("prompt", prompt)
+        if neg:
+            self._prompt_length("negative_prompt", neg)
+        kw = dict(
+            height=height, width=width, steps=steps, guidance=_number(body, "guidance", float, 0, None),
+            true_cfg=_number(body, "true_cfg", float, 0, None), negative_prompt=neg, lora=self._lora(body.get("lora")),
+            max_sequence_length=self.limits["max_sequence_length"],
+        )  # fmt: skip
+        return [sampling.Request(prompt, seed=seed + j, **kw) for j in range(n)]
+
+    def _size(self, size):
+        m = re.fullmatch(r"(\d+)x(\d+)", size) if isinstance(size, str) else None
+        multiple, top = self.limits["multiple"], self.limits["max_size"]
+        want = f"'WxH' with W and H positive multiples of {multiple} up to {top}"
+        if m is None:
+            raise BadRequest("size", want, size)
+        w, h = int(m[1]), int(m[2])
+        if not (0 < w <= top and 0 < h <= top) or w % multiple or h % multiple:
+            raise BadRequest("size", want, size)
+        return w, h
+
+    def _lora(self, value) -> tuple:
+        if value is None:
+            return ()
+        names = sorted(self.engine.adapters)
+        if not isinstance(value, list):
+            raise BadRequest("lora", "a list of {name, scale}", value)
+        out = []
+        for k, e in enumerate(value):
+            if not isinstance(e, dict) or set(e) - {"name", "scale"} or "name" not in e:
+                raise BadRequest(f"lora[{k}]", "an object {name, scale}", e)
+            if e["name"] not in self.engine.adapters:
+                raise BadRequest(f"lora[{k}].name", f"one of the loaded adapters {names}", e["name"])
+            scale = e.get("scale", 1.0)
+            if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+                raise BadRequest(f"lora[{k}].scale", "a number", scale)
+            out.append((self.engine.adapters[e["name"]], float(scale)))
+        return tuple(out)
+
+    def _prompt_length(self, field: str, text: str) -> None:
+        """The prompt's tokens in the main text encoder's tokenizer, against the limit."""
+        pipe, limit = self.engine.ctx.pipe, self.limits["max_sequence_length"] or 512
+        tok = getattr(pipe, "tokenizer_2", None) or pipe.tokenizer
+        n = len(tok(text, add_special_tokens=True).input_ids)
+        if n > limit:
+            raise BadRequest(field, f"at most {limit} tokens (the model's max_sequence_length)", f"{n} tokens")
+
+
+def _png(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def app(service: Service, request_timeout: float) -> Starlette:
+    """The ASGI app over ``service``."""
+    engine, metrics = service.engine, service.engine.metrics
+
+    def answer(status: int, response):
+        metrics.requests[status] += 1
+        return response
+
+    async def generations(request: HTTPRequest):
+        if service.draining:
+            return answer(503, error(503, "the server is shutting down (draining); retry on another"))
+        if engine.error is not None:
+            return answer(503, error(503, f"the model failed: {engine.error}"))
+        try:
+            try:
+                body = await request.json()
+            except ValueError:
+                raise BadRequest(
+                    "body", "a JSON object", (await request.body())[:80].decode(errors="replace")
+                ) from None
+            reqs = service.requests(body)
+        except BadRequest as e:
+            return answer(400, error(400, str(e), e.field))
+        loop, fut = asyncio.get_running_loop(), None
+        fut = loop.create_future()
+
+        def deliver(images, err):
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result((images, err)))
+
+        job = _engine.Job(uuid.uuid4().hex, reqs, deliver, body=body)
+        if service.journal is not None:  # before it can run
+            service.journal.accepted(job.id, body)
+        try:
+            engine.submit(job)
+        except _engine.QueueFull as e:
+            _journal_done(service, job, 429)
+            return answer(429, error(429, f"queue full: {e}", headers={"Retry-After": str(_retry_after(engine))}))
+        return await _wait(request, job, fut, request_timeout, service, answer)
+
+    async def models(_):
+        data = [{"id": service.model, "object": "model", "created": 0, "owned_by": "functional_dit"}]
+        return JSONResponse({"object": "list", "data": data, "lora": sorted(engine.adapters)})
+
+    async def health(_):
+        status = "draining" if service.draining else ("failed" if engine.error else "ok")
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+    async def prometheus(_):
+        return PlainTextResponse(_prometheus(engine), media_type="text/plain; version=0.0.4")
+
+    routes = [
+        Route("/v1/images/generations", generations, methods=["POST"]),
+        Route("/v1/models", models),
+        Route("/health", health),
+        Route("/metrics", prometheus),
+    ]
+    return Starlette(routes=routes)
+
+
+async def _wait(request, job, fut, timeout: float, service, answer):
+    """The job's images, or: the client left (its images leave at the next step), or
+    504 past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not fut.done():
+        await asyncio.wait([fut], timeout=0.05)
+        if fut.done():
+            break
+        if await request.is_disconnected():
+            job.cancelled = True
+            _journal_done(service, job, 499)
+            return answer(499, PlainTextResponse("client closed request", status_code=499))
+        if service.engine.error is not None:
+            _journal_done(service, job, 503)
+            return answer(503, error(503, f"the model failed: {service.engine.error}"))
+        if time.monotonic() > deadline:
+            job.cancelled = True
+            _journal_done(service, job, 504)
+            return answer(504, error(504, f"request_timeout: the images took over {timeout:g} s"))
+    images, err = fut.result()
+    if err is not None and service.engine.error is not None:  # the model (a rank) failed, not this request
+        _journal_done(service, job, 503)
+        return answer(503, error(503, f"the model failed: {type(err).__name__}: {err}"))
+    if err is not None:
+        _journal_done(service, job, 500)
+        return answer(500, error(500, f"{type(err).__name__}: {err}"))
+    _journal_done(service, job, 200)
+    data = [{"b64_json": _png(img)} for img in images]
+    return answer(200, JSONResponse({"created": int(time.time()), "data": data}))
+
+
+def _journal_done(service, job, status: int) -> None:
+    if service.journal is not None:
+        service.journal.done(job.id, status)
+
+
+def _retry_after(engine) -> int:
+    """Seconds until the queue likely has room: the queued images' steps at the mean step time."""
+    mean = engine.metrics.step_seconds / max(engine.metrics.steps, 1)
+    return max(1, int(mean * max(engine.queued(), 1)) + 1)
+
+
+def _prometheus(engine) -> str:
+    m = engine.metrics
+    lines = [
+        "# TYPE fd_serve_queue_depth gauge",
+        f"fd_serve_queue_depth {engine.queued()}",
+        "# TYPE fd_serve_running_batch_size gauge",
+        f"fd_serve_running_batch_size {engine.running()}",
+        "# TYPE fd_serve_images_per_second gauge",
+        f"fd_serve_images_per_second {m.images_per_second():.6g}",
+        "# TYPE fd_serve_images_total counter",
+        f"fd_serve_images_total {m.images}",
+        "# TYPE fd_serve_joined_running_batch_total counter",
+        f"fd_serve_joined_running_batch_total {m.joined}",
+        "# TYPE fd_serve_step_seconds summary",
+        f"fd_serve_step_seconds_sum {m.step_seconds:.6g}",
+        f"fd_serve_step_seconds_count {m.steps}",
+        "# TYPE fd_serve_last_step_seconds gauge",
+        f"fd_serve_last_step_seconds {m.last_step_seconds:.6g}",
+        "# TYPE fd_serve_requests_total counter",
+    ]
+    lines += [f'fd_serve_requests_total{{status="{s}"}} {n}' for s, n in sorted(m.requests.items())]
+    return "\n".join(lines) + "\n"

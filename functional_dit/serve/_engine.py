@@ -1,0 +1,252 @@
+"""The serving engine: step-level continuous batching over `functional_dit.sampling`.
+
+One worker thread owns the model. Its loop, each turn:
+
+1. drops the images of cancelled jobs (client gone, timed out) from every stage;
+2. encodes waiting images (prompt, noise, schedule: `sampling.init`) in arrival order,
+   at most ``max_batch`` per turn so running batches keep stepping;
+3. moves ready images into the running batch of their key (latent size and text length)
+   while it holds fewer than ``max_batch`` images: a newcomer joins between two steps;
+4. runs ONE step of ONE batch, the next key after the last one stepped (round robin over
+   the keys that have running images), so every resolution gets a step in every round
+   of k turns (k = the number of keys) and none starves;
+5. decodes the images that finished and hands each job its images once all are done.
+
+The HTTP side (`functional_dit.serve._app`) only submits jobs and awaits their futures.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+
+from ..pipelines import sampling
+
+
+class QueueFull(Exception):
+    """The waiting images would exceed ``max_queue``."""
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One HTTP request: its images' `sampling.Request`\\ s, and where the results go."""
+
+    id: str
+    requests: list
+    deliver: object  # deliver(images or None, error or None), called once from the worker thread
+    body: dict | None = None  # the HTTP body (other ranks rebuild the job from it)
+    images: list = dataclasses.field(default_factory=list)
+    left: int = 0
+    cancelled: bool = False  # asked for by the HTTP side (client gone, timeout), at any time
+    dropped: bool = False  # applied by the engine at the start of a turn (the same turn on every rank)
+    finished: bool = False
+
+    def __post_init__(self):
+        self.images, self.left = [None] * len(self.requests), len(self.requests)
+
+
+class Metrics:
+    """Counters for /metrics (Prometheus text): read from the event loop, written by the worker."""
+
+    def __init__(self):
+        self.requests = collections.Counter()  # HTTP status -> count
+        self.images = 0
+        self.steps = 0
+        self.step_seconds = 0.0
+        self.last_step_seconds = 0.0
+        self.joined = 0  # images that joined a batch already running (mid-batch arrivals)
+        self.recent = collections.deque()  # finish times of recent images, for images/s
+        self.started = time.monotonic()
+
+    def images_per_second(self, window: float = 60.0) -> float:
+        now = time.monotonic()
+        while self.recent and self.recent[0] < now - window:
+            self.recent.popleft()
+        return len(self.recent) / min(window, max(now - self.started, 1e-9))
+
+
+class Engine:
+    """Continuous batching of ``params`` over ``pipe``; ``adapters`` by name."""
+
+    def __init__(self, params, pipe, adapters=None, *, max_batch: int = 8, max_queue: int = 64, sync=None):
+        self.params, self.adapters = params, dict(adapters or {})
+        self.ctx = sampling.context(params, pipe)
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.metrics = Metrics()
+        self._lock = threading.Condition()
+        self._inbox: list = []  # jobs submitted since the last turn began
+        self._live: dict = {}  # id -> job, from its turn of arrival until it is answered
+        self._waiting: collections.deque = collections.deque()  # (job, index) not yet encoded
+        # sync(new jobs, ids to cancel, stop) -> the same, as every rank applies them this turn
+        # (`functional_dit.serve._ranks`); on one process, as they are
+        self.sync = sync or (lambda new, cancel, stop: (new, cancel, stop))
+        self.heartbeat = None if sync is None else 1.0  # idle turns keep the other ranks' collectives alive
+        self._ready: dict = collections.defaultdict(collections.deque)  # key -> encoded items
+        self._running: dict = {}  # key -> sampling.State
+        self._last = None  # the key stepped last (round robin)
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="fd-serve-engine", daemon=True)
+
+    # ------------------------------------------------------------------ the HTTP side
+
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def submit(self, job: Job, force: bool = False) -> None:
+        """Queue ``job`` (its requests already checked) or raise `QueueFull` (``force``: never)."""
+        with self._lock:
+            if not force and self.queued() + len(job.requests) > self.max_queue:
+                raise QueueFull(f"{self.queued()} images queued, max_queue {self.max_queue}")
+            self._inbox.append(job)
+            self._lock.notify()
+
+    def queued(self) -> int:
+        inbox = sum(len(job.requests) for job in self._inbox)
+        return inbox + len(self._waiting) + sum(len(q) for q in self._ready.values())
+
+    def running(self) -> int:
+        return sum(len(s) for s in self._running.values())
+
+    def idle(self) -> bool:
+        return not self.queued() and not self.running()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        self._thread.join(timeout=60)
+
+    # ------------------------------------------------------------------ the worker
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if not self._stop and self.idle():
+                        self._lock.wait(self.heartbeat)
+                    stop = self._stop
+                if stop:
+                    self.sync([], [], True)  # the other ranks stop too
+                    return
+                if not self.idle() or self.heartbeat is not None:
+                    self.turn()
+        except BaseException as e:  # noqa: BLE001 - every waiting job learns of it
+            self.error = e
+            self._fail_all(e)
+
+    def turn(self) -> bool:
+        """One turn of the loop (module docstring), on the calling thread. Returns whether
+        the ranks were told to stop (other ranks' `follow`)."""
+        with self._lock:
+            new, self._inbox = self._inbox, []
+        cancel = [job.id for job in self._live.values() if job.cancelled and not job.dropped]
+        new, cancel, stop = self.sync(new, cancel, False)
+        if stop:
+            return True
+        for job in new:
+            self._live[job.id] = job
+            self._waiting.extend((job, j) for j in range(len(job.requests)))
+        for job_id in cancel:
+            job = self._live.pop(job_id, None)
+            if job is not None:
+                job.dropped = True
+        self._drop_cancelled()
+        self._encode()
+        self._admit()
+        key = self._next_key()
+        if key is None:
+            return False
+        t0 = time.perf_counter()
+        state = sampling.step(self.params, self._running[key])
+        dt = time.perf_counter() - t0
+        self.metrics.steps, self.metrics.step_seconds, self.metrics.last_step_seconds = (
+            self.metrics.steps + 1,
+            self.metrics.step_seconds + dt,
+            dt,
+        )
+        done, rest = sampling.split(state)
+        self._running[key] = rest
+        if not rest.items:
+            del self._running[key]
+        if done.items:
+            self._finish(done)
+        return False
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            self._waiting = collections.deque(e for e in self._waiting if not e[0].dropped)
+        for q in self._ready.values():
+            kept = [it for it in q if not it.tag[0].dropped]
+            q.clear(), q.extend(kept)
+        for key, state in list(self._running.items()):
+            _, kept = sampling.split(state, keep=lambda it: not it.tag[0].dropped)
+            self._running[key] = kept
+            if not kept.items:
+                del self._running[key]
+
+    def _encode(self) -> None:
+        for _ in range(self.max_batch):
+            with self._lock:
+                if not self._waiting:
+                    return
+                job, j = self._waiting.popleft()
+            try:
+                state = sampling.init(self.params, self.ctx, [job.requests[j]], tags=[(job, j)])
+            except Exception as e:  # noqa: BLE001 - the job fails, the server goes on
+                self._deliver(job, None, e)
+                continue
+            item = state.items[0]
+            self._ready[item.key].append(item)
+
+    def _admit(self) -> None:
+        for key, q in self._ready.items():
+            state = self._running.get(key)
+            have = 0 if state is None else len(state)
+            new = []
+            while q and have + len(new) < self.max_batch:
+                new.append(q.popleft())
+            if not new:
+                continue
+            if state is not None and any(it.i > 0 for it in state.items):
+                self.metrics.joined += len(new)
+            joined = sampling.State(self.ctx, tuple(new))
+            self._running[key] = joined if state is None else sampling.merge(state, joined)
+
+    def _next_key(self):
+        keys = sorted(self._running)
+        if not keys:
+            return None
+        later = [k for k in keys if self._last is None or k > self._last]
+        self._last = later[0] if later else keys[0]
+        return self._last
+
+    def _finish(self, done: sampling.State) -> None:
+        images = sampling.decode(done, "pil")
+        now = time.monotonic()
+        for it, img in zip(done.items, images):
+            job, j = it.tag
+            self.metrics.images += 1
+            self.metrics.recent.append(now)
+            job.images[j], job.left = img, job.left - 1
+            if job.left == 0:
+                self._deliver(job, job.images, None)
+
+    def _deliver(self, job: Job, images, error) -> None:
+        if job.finished:
+            return
+        job.finished = True
+        job.dropped = True  # an error: its other images leave too
+        self._live.pop(job.id, None)
+        job.deliver(images, error)
+
+    def _fail_all(self, error) -> None:
+        with self._lock:
+            jobs = {e[0] for e in self._waiting} | set(self._inbox)
+        jobs |= {it.tag[0] for q in self._ready.values() for it in q}
+        jobs |= {it.tag[0] for s in self._running.values() for it in s.items}
+        for job in jobs:
+            self._deliver(job, None, error)

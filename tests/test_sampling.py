@@ -1,0 +1,81 @@
+"""``functional_dit.sampling``: items at different steps, with different adapters, true CFG
+and guidance, in one batch; each image equals ``fd.sample`` of that request alone.
+
+The oracle is ``fd.sample`` (itself tested against the stock pipelines). The tiny FLUX.1
+pipeline, 32x32 images, a 32-token text limit: a few seconds of model time in all.
+Also: ``step`` changes nothing it is given; ``merge`` refuses items of another size;
+a bad request raises naming its field before any encoder runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import functional_dit as fd
+import functional_dit.lora as lora
+from functional_dit import sampling, tiny
+
+LEVEL = 1 / 255  # the promise: within 1 uint8 level per pixel (measured ≤ 4e-4 levels: batch vs alone GEMMs)
+MSL = 32
+
+
+@pytest.fixture(scope="module")
+def flux():
+    pipe = tiny.pipeline("flux")
+    params = fd.from_diffusers(pipe.transformer)
+    a = lora.init(params.config, rank=4, alpha=8.0, seed=1, zero_b=False)
+    b = lora.init(params.config, rank=2, seed=2, zero_b=False)
+    return params, pipe, a, b
+
+
+def alone(params, pipe, r: sampling.Request):
+    return fd.sample(
+        params, pipe, r.prompt, height=r.height, width=r.width, steps=r.steps, seed=r.seed, guidance=r.guidance,
+        true_cfg=r.true_cfg, negative_prompt=r.negative_prompt, lora=list(r.lora) or None, output_type="np",
+        max_sequence_length=r.max_sequence_length,
+    )[0]  # fmt: skip
+
+
+def test_items_at_different_steps_with_different_adapters_equal_each_alone(flux):
+    params, pipe, a, b = flux
+    R = lambda *args, **kw: sampling.Request(*args, max_sequence_length=MSL, **kw)  # noqa: E731
+    first = [R("a red cat", 32, 32, 3, seed=1, lora=((a, 0.7),))]
+    later = [
+        R("a blue dog", 32, 32, 2, seed=2, lora=((b, 1.0), (a, 0.3))),
+        R("the sun", 32, 32, 3, seed=3, true_cfg=2.0, negative_prompt="dark", guidance=5.0),
+    ]
+    ctx = sampling.context(params, pipe)
+    state = sampling.step(params, sampling.init(params, ctx, first))  # the first item is one step ahead
+    state = sampling.merge(state, sampling.init(params, ctx, later))
+    assert [it.i for it in state.items] == [1, 0, 0]
+    finished = []
+    while state.items:
+        before = [(it.i, it.x.clone()) for it in state.items]
+        new = sampling.step(params, state)
+        assert all(it.i == i and torch.equal(it.x, x) for it, (i, x) in zip(state.items, before))  # pure
+        done, state = sampling.split(new)
+        finished += done.items
+    assert [it.request.prompt for it in finished] == ["a red cat", "a blue dog", "the sun"]  # by steps left
+    images = sampling.decode(sampling.State(ctx, tuple(finished)), "np")
+    for it, img in zip(finished, images):
+        ref = alone(params, pipe, it.request)
+        assert np.abs(img - ref).max() <= LEVEL, it.request.prompt
+
+
+def test_merge_refuses_another_size_and_bad_requests_name_the_field(flux):
+    params, pipe, a, _ = flux
+    ctx = sampling.context(params, pipe)
+    s32 = sampling.init(params, ctx, [sampling.Request("x", 32, 32, 1, max_sequence_length=MSL)])
+    s48 = sampling.init(params, ctx, [sampling.Request("x", 48, 32, 1, max_sequence_length=MSL)])
+    with pytest.raises(ValueError, match="one key"):
+        sampling.merge(s32, s48)
+    for bad, field in [
+        (sampling.Request("x", 30, 32, 1), "height"),
+        (sampling.Request("x", 32, 32, 0), "steps"),
+        (sampling.Request("x", 32, 32, 1, max_sequence_length=4096), "max_sequence_length"),
+        (sampling.Request("x", 32, 32, 1, lora=(("not an adapter", 1.0),)), "lora"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            sampling.check(ctx, params, bad)

@@ -1,0 +1,299 @@
+"""``python -m functional_dit serve``: a live server on 127.0.0.1, driven as users drive it.
+
+Two servers of the tiny FLUX.1 pipeline start once for the module (32x32 images, a
+32-token text limit, two LoRA files): A (``--max-batch 4 --max-queue 16``) and B
+(``--request-timeout 30 --journal``). The oracle is ``fd.sample`` of the same request
+alone in this process: every image within 1 uint8 level per pixel.
+
+- the ``openai`` client's ``images.generate`` (extension fields in ``extra_body``);
+- 16 concurrent requests with mixed prompts, seeds, step counts and two LoRAs;
+- a request arriving while another runs joins its batch (``/metrics``' joined counter);
+- each bad input is a 400 naming its field; a full queue a 429 with Retry-After; clients
+  that disconnect leave the batch (running and queued back to 0); a slow request a 504;
+- SIGTERM drains: 503 to new requests, the running one answered, exit status 0, the
+  journal holding it accepted and done; ``--resume-journal`` (in process) re-runs an
+  unfinished journal entry to the same image and fails one it cannot run, by name.
+Every wait is bounded; the servers are stopped by the fixture.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+import functional_dit as fd
+import functional_dit.lora as lora
+from functional_dit import tiny
+
+MSL = 32
+BOOT_S = 600  # a cold start (imports, the tiny pipeline) on a loaded 2-core machine
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp, *extra):
+        self.port = _port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = ["--model", "flux", "--port", str(self.port), "--steps", "2", "--size", "32x32"]
+        args += ["--max-sequence-length", str(MSL), *extra]
+        env = {**os.environ, "PYTHONPATH": os.getcwd()}
+        self.log = open(os.path.join(tmp, f"server-{self.port}.log"), "w")  # noqa: SIM115
+        self.proc = subprocess.Popen([sys.executable, "-m", "functional_dit", "serve", *args], env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def wait_up(self) -> None:
+        end = time.monotonic() + BOOT_S
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, open(self.log.name).read()[-3000:]
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise AssertionError(f"server did not start in {BOOT_S} s")
+
+    def metrics(self) -> dict:
+        out = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                k, v = line.rsplit(" ", 1)
+                out[k] = float(v)
+        return out
+
+    def post(self, body, timeout=120.0):
+        return httpx.post(self.url + "/v1/images/generations", json=body, timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("serve"))
+    pipe = tiny.pipeline("flux")
+    params = fd.from_diffusers(pipe.transformer)
+    paths = {}
+    for name, rank, seed in (("a", 4, 1), ("b", 2, 2)):
+        paths[name] = os.path.join(tmp, f"{name}.safetensors")
+        lora.save(lora.init(params.config, rank=rank, alpha=8.0, seed=seed, zero_b=False), paths[name])
+    loras = [f"--lora={n}={p}" for n, p in paths.items()]
+    journal = os.path.join(tmp, "journal.jsonl")
+    a = Server(tmp, *loras, "--max-batch", "4", "--max-queue", "16")
+    b = Server(tmp, "--request-timeout", "30", "--journal", journal)
+    try:
+        a.wait_up(), b.wait_up()
+        adapters = {n: lora.load(p, params) for n, p in paths.items()}
+        yield dict(a=a, b=b, params=params, pipe=pipe, adapters=adapters, journal=journal, tmp=tmp)
+    finally:
+        a.stop(), b.stop()
+
+
+def _pixels(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB")).astype(int)
+
+
+def _reference(env, prompts, seeds, steps, lora_lists=None, **kw) -> list[np.ndarray]:
+    """fd.sample's uint8 images (its "np" output rounded as PIL images are)."""
+    lists = None
+    if lora_lists is not None and any(lora_lists):
+        lists = [[(env["adapters"][n], s) for n, s in ls] for ls in lora_lists]
+    out = fd.sample(env["params"], env["pipe"], prompts, height=32, width=32, steps=steps, seed=seeds, lora=lists,
+                    output_type="np", max_sequence_length=MSL, **kw)  # fmt: skip
+    return [(img * 255).round().astype(int) for img in out]
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> None:
+    assert np.abs(got - want).max() <= 1  # 1 uint8 level: batch vs alone GEMMs (measured 0 levels)
+
+
+def test_openai_client_images_equal_fd_sample(env):
+    import openai
+
+    client = openai.OpenAI(base_url=env["a"].url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    extra = {"seed": 7, "steps": 2, "lora": [{"name": "a", "scale": 0.8}], "true_cfg": 2.0, "negative_prompt": "dim"}
+    res = client.images.generate(model="flux", prompt="a lighthouse", n=2, size="32x32", extra_body=extra)
+    want = _reference(env, ["a lighthouse"] * 2, [7, 8], 2, [[("a", 0.8)]] * 2, true_cfg=2.0, negative_prompt="dim")
+    assert len(res.data) == 2
+    for d, w in zip(res.data, want):
+        _close(_pixels(d.b64_json), w)
+    assert [m.id for m in client.models.list().data] == ["flux"]
+
+
+def test_16_concurrent_mixed_requests_all_correct(env):
+    server, names = env["a"], [[], [("a", 1.0)], [("b", 0.5)], [("a", 0.5), ("b", 1.0)]]
+    bodies = [
+        dict(prompt=f"scene {i % 5}", seed=100 + i, steps=2 + i % 2, size="32x32",
+             lora=[{"name": n, "scale": s} for n, s in names[i % 4]])
+        for i in range(16)
+    ]  # fmt: skip
+    got = [None] * 16
+
+    def send(i):
+        got[i] = server.post(bodies[i], timeout=300)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(16)]
+    [t.start() for t in threads]
+    [t.join(320) for t in threads]
+    assert [r.status_code for r in got] == [200] * 16, [r.text[:200] for r in got if r.status_code != 200]
+    for steps in (2, 3):
+        idx = [i for i in range(16) if bodies[i]["steps"] == steps]
+        want = _reference(env, [bodies[i]["prompt"] for i in idx], [bodies[i]["seed"] for i in idx], steps,
+                          [names[i % 4] for i in idx])  # fmt: skip
+        for i, w in zip(idx, want):
+            _close(_pixels(got[i].json()["data"][0]["b64_json"]), w)
+
+
+def test_a_request_arriving_mid_batch_joins_it(env):
+    server = env["a"]
+    before = server.metrics()
+    first = {}
+    t = threading.Thread(target=lambda: first.update(r=server.post(dict(prompt="long", steps=12), timeout=300)))
+    t.start()
+    end = time.monotonic() + 120
+    while server.metrics()["fd_serve_step_seconds_count"] < before["fd_serve_step_seconds_count"] + 2:
+        assert time.monotonic() < end and t.is_alive(), "the first request never ran two steps"
+        time.sleep(0.05)
+    second = server.post(dict(prompt="short", steps=2, seed=3), timeout=300)
+    t.join(300)
+    after = server.metrics()
+    assert first["r"].status_code == 200 and second.status_code == 200
+    assert after["fd_serve_joined_running_batch_total"] >= before["fd_serve_joined_running_batch_total"] + 1
+    _close(_pixels(second.json()["data"][0]["b64_json"]), _reference(env, ["short"], [3], 2)[0])
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ("{not json", "body"),
+        ([1, 2], "body"),
+        (dict(prompt="x", model="other"), "model"),
+        (dict(prompt="x", lora=[{"name": "zzz"}]), "lora[0].name"),
+        (dict(prompt="x", size="30x32"), "size"),
+        (dict(prompt="x", size="big"), "size"),
+        (dict(prompt="x", steps=0), "steps"),
+        (dict(prompt="x", n=5), "n"),
+        (dict(prompt="word " * 100), "prompt"),
+        (dict(prompt=""), "prompt"),
+        (dict(prompt="x", response_format="url"), "response_format"),
+        (dict(prompt="x", cache="fbcache:0.1"), "cache"),
+        (dict(prompt="x", colour="red"), "colour"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(env, body, field):
+    server = env["a"]
+    if isinstance(body, str):
+        r = httpx.post(server.url + "/v1/images/generations", content=body, timeout=30)
+    else:
+        r = server.post(body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["message"].startswith(f"{field}: expected "), err
+
+
+def test_full_queue_is_429_with_retry_after_and_disconnected_clients_leave(env):
+    server, codes, retry = env["a"], [], []
+    before = server.metrics()
+
+    def send():
+        try:  # the client gives up after 4 s: its connection closes, its images must leave
+            r = server.post(dict(prompt="busy", n=4, steps=200), timeout=4)
+            codes.append(r.status_code)
+            retry.append(r.headers.get("retry-after"))
+        except httpx.TimeoutException:
+            codes.append("gone")
+
+    threads = [threading.Thread(target=send) for _ in range(6)]  # 24 images: 4 run at most, 16 queue, the rest 429
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert codes.count(429) >= 1 and "gone" in codes, codes
+    assert all(r is not None and r.isdigit() and int(r) >= 1 for r in retry), retry
+    end = time.monotonic() + 60
+    while (m := server.metrics())["fd_serve_running_batch_size"] or m["fd_serve_queue_depth"]:
+        assert time.monotonic() < end, f"disconnected clients still hold the batch: {m}"
+        time.sleep(0.2)
+    key = 'fd_serve_requests_total{status="499"}'
+    assert m[key] >= before.get(key, 0) + 1
+
+
+def test_request_timeout_is_a_504(env):
+    r = env["b"].post(dict(prompt="slow", steps=1000), timeout=120)
+    assert r.status_code == 504 and "request_timeout" in r.json()["error"]["message"]
+
+
+def test_sigterm_drains_and_exits_0(env):
+    server = env["b"]
+    running = {}
+    t = threading.Thread(target=lambda: running.update(r=server.post(dict(prompt="last", steps=3, seed=9))))
+    t.start()
+    end = time.monotonic() + 60
+    while not server.metrics()["fd_serve_running_batch_size"]:
+        assert time.monotonic() < end and t.is_alive(), "the request never ran"
+        time.sleep(0.02)
+    server.proc.send_signal(signal.SIGTERM)
+    while httpx.get(server.url + "/health", timeout=10).status_code != 503:
+        assert time.monotonic() < end, "no drain"
+        time.sleep(0.02)
+    assert server.post(dict(prompt="late"), timeout=30).status_code == 503
+    t.join(120)
+    assert running["r"].status_code == 200
+    assert server.proc.wait(60) == 0
+    _close(_pixels(running["r"].json()["data"][0]["b64_json"]), _reference(env, ["last"], [9], 3)[0])
+    events = [json.loads(line) for line in open(env["journal"])]
+    last = [e for e in events if e.get("body", {}).get("prompt") == "last"]
+    assert len(last) == 1 and {"event": "done", "id": last[0]["id"], "status": 200} in events
+
+
+def test_resume_journal_reruns_unfinished_requests(env, tmp_path):
+    from functional_dit.serve import _app, _engine, _journal
+
+    path = str(tmp_path / "j.jsonl")
+    lines = [
+        {"event": "accepted", "id": "r1", "body": {"prompt": "again", "seed": 4, "lora": [{"name": "a"}]}},
+        {"event": "accepted", "id": "r2", "body": {"prompt": "finished"}},
+        {"event": "done", "id": "r2", "status": 200},
+        {"event": "accepted", "id": "r3", "body": {"prompt": "x", "lora": [{"name": "gone"}]}},
+    ]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in lines)
+        f.write('{"event": "accepted", "id": "torn", "bo')  # a crash mid-write
+    engine = _engine.Engine(env["params"], env["pipe"], {"a": env["adapters"]["a"]}, max_batch=4)
+    limits = dict(n=4, multiple=16, max_size=2048, max_sequence_length=MSL)
+    service = _app.Service(engine, "flux", defaults=dict(steps=2, size="32x32"), limits=limits)
+    service.journal = _journal.Journal(path)
+    assert _journal.resume(path, service, engine.submit) == 1
+    for _ in range(20):  # 1 encode + 2 steps in a few turns; bounded
+        engine.turn()
+        if engine.idle():
+            break
+    service.journal.close()
+    got = np.asarray(Image.open(tmp_path / "j.jsonl.results" / "r1-0.png").convert("RGB")).astype(int)
+    _close(got, _reference(env, ["again"], [4], 2, [[("a", 1.0)]])[0])
+    records = [
+        json.loads(line)
+        for line in open(path).read().splitlines()
+        if not line.startswith('{"event": "accepted", "id": "torn"')
+    ]
+    done = {e["id"]: e["status"] for e in records if e["event"] == "done"}
+    assert done["r1"] == "resumed" and done["r3"].startswith("failed: lora[0].name: expected")
+    assert _journal.unfinished(path) == []
