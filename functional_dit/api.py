@@ -4,10 +4,8 @@ family module (`flux1`, `flux2`, `qwenimage`) that owns a config class."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
-import warnings
 from collections.abc import Mapping
 
 import torch
@@ -26,7 +24,7 @@ from .nn import fused as _fuse
 from .nn import kernels as _kernels
 from .nn import layerwise as _layerwise
 from .nn import values as _values
-from .params import Params, ParamSpec, check_leaves, register_pytree
+from .params import Params, check_leaves, init_leaf, register_pytree
 
 # The families: config class -> the module that owns it (specs, check_inputs, forward, presets,
 # DIFFUSERS_CLASS), read off the one family registry (`functional_dit.families`).
@@ -81,7 +79,7 @@ def config_from_diffusers(cfg):
         name = _class_from_keys(cfg)
     if name not in DIFFUSERS_CLASSES:
         raise ValueError(f"cfg: _class_name {name!r} is not one of {list(DIFFUSERS_CLASSES)}")
-    return _config.from_mapping(DIFFUSERS_CLASSES[name], _drop_keys_diffusers_ignores(name, cfg))
+    return _config.from_mapping(DIFFUSERS_CLASSES[name], _config.drop_keys_diffusers_ignores(name, cfg))
 
 
 def _read_config_json(path: str) -> dict:
@@ -112,19 +110,6 @@ def _class_from_keys(cfg: Mapping) -> str:
     return fits[0]
 
 
-def _drop_keys_diffusers_ignores(class_name: str, cfg: Mapping) -> dict:
-    """Released configs carry keys the diffusers class does not take (Qwen-Image's
-    ``pooled_projection_dim``); diffusers ignores them with a warning, and so do we.
-    Every key the class does take must be a config field (checked by from_mapping)."""
-    import diffusers
-
-    accepted = set(inspect.signature(getattr(diffusers, class_name).__init__).parameters)
-    ignored = sorted(k for k in cfg if not k.startswith("_") and k not in accepted)
-    if ignored:
-        warnings.warn(f"config keys {ignored} are not arguments of diffusers.{class_name}; ignored", stacklevel=3)
-    return {k: v for k, v in cfg.items() if k not in ignored}
-
-
 def config_to_diffusers(config) -> dict:
     config = as_config(config)
     if type(config) in _controlnet.BY_CONFIG:
@@ -142,16 +127,6 @@ def num_params(config) -> int:
     return sum(s.numel for s in flatten(param_specs(config)).values())
 
 
-def _init_leaf(key: str, spec: ParamSpec, gen: torch.Generator) -> torch.Tensor:
-    """One leaf of `init`, drawn (fp32) on ``gen``'s device."""
-    draw = torch.randn(spec.shape, generator=gen, device=gen.device)
-    if key.endswith("bias"):
-        return draw * 0.02
-    if len(spec.shape) == 1:  # norm scales
-        return 1.0 + draw * 0.02
-    return draw / spec.shape[-1] ** 0.5
-
-
 def init(config, seed: int = 0, dtype=torch.float32, device="cpu") -> Params:
     """Random params, deterministic per ``seed``: fan-in scaled normal weights, small
     random biases, norm scales near 1 (no zero-init, so every path is exercised).
@@ -165,7 +140,7 @@ def init(config, seed: int = 0, dtype=torch.float32, device="cpu") -> Params:
     if torch.device(device).type == "meta":
         return Params(config, nest({k: torch.empty(s.shape, dtype=dtype, device="meta") for k, s in specs.items()}))
     gen = torch.Generator().manual_seed(seed)
-    return Params(config, nest({k: _init_leaf(k, s, gen).to(device=device, dtype=dtype) for k, s in specs.items()}))
+    return Params(config, nest({k: init_leaf(k, s, gen).to(device=device, dtype=dtype) for k, s in specs.items()}))
 
 
 def from_state_dict(config, state: Mapping[str, torch.Tensor]) -> Params:

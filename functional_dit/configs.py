@@ -113,3 +113,19 @@ class Pipeline(NamedTuple):
     name: str
     tiny: str | None = None
     sample: bool = False
+
+
+def drop_keys_diffusers_ignores(class_name: str, cfg: Mapping) -> dict:
+    """Released configs carry keys the diffusers class does not take (Qwen-Image's
+    ``pooled_projection_dim``); diffusers ignores them with a warning, and so do we.
+    Every key the class does take must be a config field (checked by from_mapping)."""
+    import inspect
+    import warnings
+
+    import diffusers
+
+    accepted = set(inspect.signature(getattr(diffusers, class_name).__init__).parameters)
+    ignored = sorted(k for k in cfg if not k.startswith("_") and k not in accepted)
+    if ignored:
+        warnings.warn(f"config keys {ignored} are not arguments of diffusers.{class_name}; ignored", stacklevel=3)
+    return {k: v for k, v in cfg.items() if k not in ignored}

@@ -90,10 +90,10 @@ def config_from_diffusers(cfg):
     if not isinstance(cfg, Mapping) or cfg.get("_class_name") not in BY_DIFFUSERS_CLASS:
         got = cfg.get("_class_name") if isinstance(cfg, Mapping) else type(cfg).__name__
         raise ValueError(f"cfg: expected a config with _class_name in {list(BY_DIFFUSERS_CLASS)}, got {got!r}")
-    from .api import _drop_keys_diffusers_ignores  # keys the stock class ignores (with a warning), as diffusers
 
     name = cfg["_class_name"]
-    return _configs.from_mapping(BY_DIFFUSERS_CLASS[name].CONFIG, _drop_keys_diffusers_ignores(name, cfg))
+    kept = _configs.drop_keys_diffusers_ignores(name, cfg)  # keys the stock class ignores, warned as diffusers
+    return _configs.from_mapping(BY_DIFFUSERS_CLASS[name].CONFIG, kept)
 
 
 def config_to_diffusers(config) -> dict:
@@ -108,14 +108,14 @@ def param_specs(config) -> dict:
 def init(config, seed: int = 0, dtype=torch.float32, device="cpu") -> Params:
     """Random ControlNet params, as `fd.init` draws them (no zero-init, so every residual
     is non-zero and every path is exercised)."""
-    from .api import _init_leaf
+    from .params import init_leaf
 
     config = as_config(config)
     gen = torch.Generator().manual_seed(seed)
     specs = flatten(param_specs(config))
 
     def leaf(key, spec):  # convolutions (the XLabs hint block): fan-in over the kernel too
-        w = _init_leaf(key, spec, gen)
+        w = init_leaf(key, spec, gen)
         return w / (math.prod(spec.shape[2:]) ** 0.5) if len(spec.shape) == 4 else w
 
     return Params(config, nest({k: leaf(k, s).to(device=device, dtype=dtype) for k, s in specs.items()}))

@@ -263,3 +263,13 @@ def ordered_blocks(params, name: str) -> list:
 # `Params` pickled before the package layout changed names its class
 # ``functional_dit._pytree.Params``: that module name stays importable (docs/architecture.md).
 sys.modules.setdefault("functional_dit._pytree", sys.modules[__name__])
+
+
+def init_leaf(key: str, spec: ParamSpec, gen: torch.Generator) -> torch.Tensor:
+    """One leaf of `init`, drawn (fp32) on ``gen``'s device."""
+    draw = torch.randn(spec.shape, generator=gen, device=gen.device)
+    if key.endswith("bias"):
+        return draw * 0.02
+    if len(spec.shape) == 1:  # norm scales
+        return 1.0 + draw * 0.02
+    return draw / spec.shape[-1] ** 0.5

@@ -71,14 +71,23 @@ def _dims(config, names: tuple, shape: tuple) -> dict:
     return {p: pl.dim for p, pl in leaves(plan(config, dict(zip(names, shape)))) if isinstance(pl, FullyShard)}
 
 
+def _is_dtensor(x) -> bool:
+    """Whether ``x`` is a DTensor (`sharding.internal.is_dtensor`, which imports this module)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
 def fsdp_degree(params) -> int:
     """The "fsdp" size of the mesh of ``params``' DTensor leaves (``Params`` or a tree); 1 when
     plain or when the mesh has no fsdp axis."""
-    from .internal import is_dtensor
-
     tree = params.tree if hasattr(params, "tree") and hasattr(params, "config") else params
     for _, x in leaves(tree):
-        if is_dtensor(x):
+        if _is_dtensor(x):
             return mesh_fsdp(x.device_mesh)
     return 1
 

@@ -119,6 +119,17 @@ def _flat_specs(params) -> dict | None:
     return dict(leaves(specs))
 
 
+def _unaliased(local: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``local`` (cut from ``full`` by `take`) as a tensor of its own: a narrow() view would
+    keep the whole of ``full`` alive. A wrapper subclass (`fd.CastTensor`, `fd.QuantTensor`)
+    has no storage to compare, so it is always copied (its own ``clone``)."""
+    if type(local) is not torch.Tensor or type(full) is not torch.Tensor:
+        return local.clone()
+    if local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+        return local.clone(memory_format=torch.contiguous_format)
+    return local
+
+
 def shard_params(params, mesh, plan=None):
     """The same params type whose leaves are DTensors holding only this rank's shard.
 
@@ -144,11 +155,8 @@ def shard_params(params, mesh, plan=None):
     def leaf(path, full, placement):
         ranges = local_slices(full.shape, placement, mesh)
         local = take(full, ranges)
-        if (
-            not isinstance(placement, Replicate)
-            and local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
-        ):
-            local = local.clone(memory_format=torch.contiguous_format)  # a narrow() view would keep the full alive
+        if not isinstance(placement, Replicate):
+            local = _unaliased(local, full)
         return dtensor_from_local(local.to(device), full.shape, placement, mesh)
 
     return _rebuild(params, map_tree(leaf, tree, placements))

@@ -84,7 +84,7 @@ def random_params(config, device, dtype, seed: int = 0):
         return _api.init(config, seed=seed, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     specs = sharding.tree.flatten(_api.param_specs(config))
-    return _api.Params(config, sharding.tree.nest({k: _api._init_leaf(k, s, gen).to(dtype) for k, s in specs.items()}))
+    return _api.Params(config, sharding.tree.nest({k: _api.init_leaf(k, s, gen).to(dtype) for k, s in specs.items()}))
 
 
 RELEASED_DEPTH = {

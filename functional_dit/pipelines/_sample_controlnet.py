@@ -106,7 +106,9 @@ class WithControlNet:
                 f"FluxControlNetPipeline, QwenImagePipeline, QwenImageControlNetPipeline), got {type(pipe).__name__}"
             )
         self.__dict__.update(inner=inner, controls=controls, pipe=pipe, conds={}, cur=None, res={})
-        inner.apply = self._apply  # the family's model call, with this step's residuals
+        # the family's model call, with this step's residuals: what the sampler wraps (with
+        # per-image LoRA) and installs as ``apply`` (`sampler._chunk_apply`)
+        self.__dict__["base_apply"] = inner.apply = self._apply
         self.settings = {"controlnet": [(c.scale, c.mode) for c in controls]}
 
     def __getattr__(self, name):

@@ -505,7 +505,7 @@ def _run(model, pipe, chunk: _Chunk, job: _Job):
 def _chunk_apply(model, job: _Job, steps: int, images):
     """The chunk's ``fd.apply``: the step cache's (a fresh state per chunk) or the plain
     one, with the chunk's per-image LoRA adapters (`_sample_lora.calls`)."""
-    plain = type(model).apply
+    plain = getattr(model, "base_apply", None) or type(model).apply  # ControlNet: with its residuals
     apply = plain if job.cache is None else job.cache.start(branches=1 if job.cfg is None else 2, steps=steps)
     return _lora_items.calls(apply, job.lora, images)
 
