@@ -243,10 +243,13 @@ def test_request_timeout_is_a_504(env):
 
 def test_sigterm_drains_and_exits_0(env):
     server = env["b"]
+    end = time.monotonic() + 60
+    while any(server.metrics()[k] for k in ("fd_serve_running_batch_size", "fd_serve_queue_depth")):
+        assert time.monotonic() < end, "the server never went idle"  # an earlier test's request leaves first
+        time.sleep(0.02)
     running = {}
     t = threading.Thread(target=lambda: running.update(r=server.post(dict(prompt="last", steps=3, seed=9))))
     t.start()
-    end = time.monotonic() + 60
     while not server.metrics()["fd_serve_running_batch_size"]:
         assert time.monotonic() < end and t.is_alive(), "the request never ran"
         time.sleep(0.02)
