@@ -1,5 +1,5 @@
 """Named device meshes: ``make_mesh(tp, sp, dp, ring, fsdp)`` -> a ``DeviceMesh`` with dims
-("dp", "fsdp", "ring", "sp", "tp").
+("dp", "fsdp", "ring", "sp", "tp"), "fsdp" and "ring" only when above 1.
 
 "tp" is innermost, so a tensor-parallel group is made of neighbouring ranks (the same
 node, the fastest links), then "sp" (Ulysses' all-to-all, the next heaviest traffic),
@@ -107,9 +107,9 @@ def make_mesh(
     ring: int = 1,
     fsdp: int = 1,
 ):
-    """A ``DeviceMesh`` of shape (dp, fsdp, ring, sp, tp) named ("dp", "fsdp", "ring", "sp",
-    "tp"), tp innermost. ``fsdp`` holds 1/fsdp of every parameter per rank (after tp's
-    split), gathered per block in ``fd.apply``, and splits the batch like ``dp``
+    """A ``DeviceMesh`` named ("dp", "fsdp", "ring", "sp", "tp") in that order, tp innermost;
+    "fsdp" and "ring" only when their degree is above 1 (`mesh_axes`). ``fsdp`` holds
+    1/fsdp of every parameter per rank (after tp's split), gathered per block in ``fd.apply``, and splits the batch like ``dp``
     (docs/sharding.md, "Fully sharded parameters"). ``sp`` splits the sequence with
     Ulysses' all-to-all (its degree, times tp, must divide the heads); ``ring`` splits it
     further with ring attention (any degree); docs/sharding.md says when to choose which.
@@ -139,9 +139,20 @@ def make_mesh(
         )
     else:  # a group the caller made: pick the device if nobody has yet
         _set_device(device_type, only_if_unset=True)
-    ranks = torch.arange(world).reshape(dp, fsdp, ring, sp, tp)
+    sizes = {"dp": dp, "fsdp": fsdp, "ring": ring, "sp": sp, "tp": tp}
+    names = mesh_axes(fsdp=fsdp, ring=ring)
+    ranks = torch.arange(world).reshape([sizes[n] for n in names])
     groups = [_dim_group(ranks, d, _timeout(timeout)) for d in range(ranks.ndim)]
-    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=AXES)
+    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)
+
+
+def mesh_axes(fsdp: int = 1, ring: int = 1) -> tuple[str, ...]:
+    """The dims `make_mesh` gives its mesh: "dp", "sp", "tp" always, "fsdp" and "ring" only
+    when larger than 1 (an absent axis is size 1 to every named-axis helper). DTensor's
+    sharding propagation grows exponentially with the mesh's dims (an optimizer step over
+    tp-sharded leaves took 8x as long on a 5-dim mesh as on the 3-dim one), so unused
+    axes are left out."""
+    return tuple(a for a in AXES if a in ("dp", "sp", "tp") or {"fsdp": fsdp, "ring": ring}[a] > 1)
 
 
 def _dim_group(ranks: torch.Tensor, dim: int, timeout: datetime.timedelta):
