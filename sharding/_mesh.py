@@ -109,7 +109,8 @@ def make_mesh(
 ):
     """A ``DeviceMesh`` named ("dp", "fsdp", "ring", "sp", "tp") in that order, tp innermost;
     "fsdp" and "ring" only when their degree is above 1 (`mesh_axes`). ``fsdp`` holds
-    1/fsdp of every parameter per rank (after tp's split), gathered per block in ``fd.apply``, and splits the batch like ``dp``
+    1/fsdp of every parameter per rank (after tp's split), gathered per block in
+    ``fd.apply``, and splits the batch like ``dp``
     (docs/sharding.md, "Fully sharded parameters"). ``sp`` splits the sequence with
     Ulysses' all-to-all (its degree, times tp, must divide the heads); ``ring`` splits it
     further with ring attention (any degree); docs/sharding.md says when to choose which.
