@@ -35,7 +35,7 @@ FILES = (
 )
 
 # Loaded by pytest from the checkout's tests/pipelines/ (written there by this script).
-CONFTEST = '''\
+CONFTEST = """\
 import os
 
 import transformers
@@ -82,7 +82,7 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if hasattr(getattr(item, "cls", None), "get_dummy_components"):
                 _swap(item.cls)
-'''
+"""
 
 
 def local_hub(root: str) -> None:
