@@ -172,9 +172,15 @@ def _pack(xs, dims) -> torch.Tensor:
     return torch.cat([x.detach().movedim(d, 0).reshape(-1) for x, d in zip(xs, dims)])
 
 
-def _start_block(xs, dims):
-    """Issue one all-gather for all of a block's fully sharded leaves (async)."""
-    return _autodiff._all_gather_dim0()(_pack(xs, dims), 0, _group(FSDP))
+def _start_block(xs, dims) -> list:
+    """Issue the all-gathers of a block's fully sharded leaves (async): one per dtype among
+    them (bf16 weights and fp32 LoRA factors are not promoted to one buffer), as a list of
+    ``(indices into xs, handle)``."""
+    groups: dict = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(x.dtype, []).append(i)
+    gather = _autodiff._all_gather_dim0()
+    return [(ix, gather(_pack([xs[i] for i in ix], [dims[i] for i in ix]), 0, _group(FSDP))) for ix in groups.values()]
 
 
 def _unpack(rows: torch.Tensor, xs, dims) -> list:
@@ -183,20 +189,29 @@ def _unpack(rows: torch.Tensor, xs, dims) -> list:
     for x, d in zip(xs, dims):
         moved = x.movedim(d, 0).shape
         piece = rows[:, offset : offset + x.numel()].reshape(n * moved[0], *moved[1:])
-        out.append(piece.movedim(0, d).to(x.dtype))  # (a no-op unless the block mixes dtypes)
+        out.append(piece.movedim(0, d))
         offset += x.numel()
     return out
 
 
 def _finish_block(xs, dims, pending) -> list:
-    """The gathered leaves of `_start_block`'s ``pending``, differentiable w.r.t. ``xs``
-    through one `BlockGathered` (one reduce-scatter for the whole block in backward)."""
+    """The gathered leaves of `_start_block`'s ``pending``; those that require grad are
+    differentiable w.r.t. their shards through one `BlockGathered` (one reduce-scatter for
+    all of them in backward; frozen leaves, such as base weights under LoRA training, send
+    no gradient)."""
     n, index = _axis(FSDP)
-    fulls = _unpack(_autodiff._done(pending).view(n, -1), xs, dims)
-    if not (torch.is_grad_enabled() and any(x.requires_grad for x in xs)):
+    fulls = [None] * len(xs)
+    for ix, handle in pending:
+        rows = _autodiff._done(handle).view(n, -1)
+        for i, full in zip(ix, _unpack(rows, [xs[i] for i in ix], [dims[i] for i in ix])):
+            fulls[i] = full
+    req = [i for i, x in enumerate(xs) if x.requires_grad] if torch.is_grad_enabled() else []
+    if not req:
         return fulls
-    meta = (tuple(dims), n, index, _group(FSDP), _OPTIONS[-1]["reduce"], len(xs))
-    return list(BlockGathered.apply(meta, *xs, *fulls))
+    meta = (tuple(dims[i] for i in req), n, index, _group(FSDP), _OPTIONS[-1]["reduce"], len(req))
+    for i, full in zip(req, BlockGathered.apply(meta, *(xs[i] for i in req), *(fulls[i] for i in req))):
+        fulls[i] = full
+    return fulls
 
 
 class BlockGathered(torch.autograd.Function):
@@ -264,6 +279,9 @@ class GatheredBlock(Mapping):
         x, path = self._tree[key], f"{self._prefix}{key}"
         if isinstance(x, Mapping):
             return GatheredBlock(x, self._dims, self._pending, f"{path}.")
+        if isinstance(x, tuple):  # a tuple of leaves (LoRA factors attached to a layer): each gathered now
+            inner = {p[len(path) + 1 :]: d for p, d in self._dims.items() if p.startswith(f"{path}.")}
+            return _replaced(x, {p: gather_leaf(_get(x, p), d) for p, d in inner.items()}, "") if inner else x
         dim = self._dims.get(path)
         if dim is None:
             return x
@@ -297,16 +315,24 @@ class GatheredBlock(Mapping):
         return _replaced(self._tree, full, "")
 
 
-def _replaced(tree: Mapping, full: dict, prefix: str) -> dict:
-    return {
-        k: _replaced(x, full, f"{prefix}{k}.") if isinstance(x, Mapping) else full.get(f"{prefix}{k}", x)
-        for k, x in tree.items()
+def _items(node):
+    """A container's ``(key, child)`` pairs: a mapping's items, a tuple's ``("0", x0), ...``
+    (LoRA attaches ``(A, B, ...)`` tuples to layer dicts; their factors are leaves too)."""
+    return node.items() if isinstance(node, Mapping) else ((str(i), x) for i, x in enumerate(node))
+
+
+def _replaced(tree, full: dict, prefix: str):
+    """``tree`` (nested dicts and tuples) with the leaves at the paths of ``full`` replaced."""
+    out = {
+        k: _replaced(x, full, f"{prefix}{k}.") if isinstance(x, (Mapping, tuple)) else full.get(f"{prefix}{k}", x)
+        for k, x in _items(tree)
     }
+    return out if isinstance(tree, Mapping) else tuple(out.values())
 
 
-def _get(tree: Mapping, path: str):
+def _get(tree, path: str):
     for part in path.split("."):
-        tree = tree[part]
+        tree = tree[part] if isinstance(tree, Mapping) else tree[int(part)]
     return tree
 
 
@@ -337,37 +363,55 @@ def _grouped(config, names: tuple, shape: tuple) -> tuple[dict, dict]:
     return blocks, other
 
 
-def wrap_tree(tree: Mapping, config, mesh) -> dict:
+def _with_extra(blocks: dict, other: dict, extra: Mapping[str, int]) -> tuple[dict, dict]:
+    """`_grouped`'s pair with the ``extra`` ``{path: dim}`` (leaves attached to the tree, such
+    as LoRA factors) added: to the block whose path prefixes theirs, else to the others."""
+    if not extra:
+        return blocks, other
+    blocks, other = {b: dict(d) for b, d in blocks.items()}, dict(other)
+    for path, dim in extra.items():
+        block = next((b for b in blocks if path.startswith(f"{b}.")), None)
+        if block is None:
+            other[path] = dim
+        else:
+            blocks[block][path[len(block) + 1 :]] = dim
+    return blocks, other
+
+
+def wrap_tree(tree: Mapping, config, mesh, extra: Mapping[str, int] | None = None) -> dict:
     """``tree`` (local shards on ``mesh``) for the forward: every block (``name.i``, see
     `_grouped`) a `GatheredBlock`; every other fully sharded leaf gathered now (all issued,
-    then waited)."""
-    blocks, other = _grouped(config, tuple(mesh.mesh_dim_names), tuple(mesh.shape))
+    then waited). ``extra``: ``{path: fsdp dim}`` of further fully sharded leaves in the
+    tree, paths through tuples numbered (``"...to_q.lora.0.1"``: the first LoRA entry's ``B``),
+    gathered with their block (in its one all-gather) or, outside blocks, now."""
+    blocks, other = _with_extra(*_grouped(config, tuple(mesh.mesh_dim_names), tuple(mesh.shape)), extra or {})
     pending = {}
 
     def walk(node, prefix):
         out = {}
-        for k, x in node.items():
+        for k, x in _items(node):
             path = f"{prefix}{k}"
             if path in blocks:
                 out[k] = GatheredBlock(x, blocks[path])
-            elif isinstance(x, Mapping):
+            elif isinstance(x, (Mapping, tuple)):
                 out[k] = walk(x, f"{path}.")
             elif path in other:
                 pending[path] = _start(x, other[path])
                 out[k] = x
             else:
                 out[k] = x
-        return out
+        return out if isinstance(node, Mapping) else tuple(out.values())
 
     def done(node, prefix):
-        return {
+        out = {
             k: done(x, f"{prefix}{k}.")
-            if isinstance(x, dict)
+            if isinstance(x, (dict, tuple))
             else _finish(x, other[f"{prefix}{k}"], pending[f"{prefix}{k}"])
             if f"{prefix}{k}" in pending
             else x
-            for k, x in node.items()
+            for k, x in _items(node)
         }
+        return out if isinstance(node, Mapping) else tuple(out.values())
 
     return done(walk(tree, ""), "")
 
