@@ -116,7 +116,7 @@ def test_torchrun_fsdp2_learns_resumes_bitwise_and_writes_a_file_diffusers_loads
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     ev = json.load(open(os.path.join(straight, "eval.json")))
-    assert ev["eval_loss_after"] < 0.95 * ev["eval_loss_before"], ev  # seen: 2.84 -> 2.50 in 4 steps
+    assert ev["eval_loss_after"] < 0.95 * ev["eval_loss_before"], ev  # seen: 2.844 -> 2.506 in 4 steps
     assert sorted(os.listdir(os.path.join(straight, "checkpoints"))) == ["step_00000002", "step_00000004"]
 
     resumed = str(tmp_path / "resumed")
