@@ -76,6 +76,7 @@ def test_fsdp2_fully_shard_on_the_stock_module_gives_our_gradients():
         assert errs[worst] < REL, (worst, errs[worst])
         theirs, ours = r["bytes"]
         print(
-            f"worst gradient error {errs[worst]:.2e} ({worst}); per-rank parameter bytes: FSDP2 {theirs:,}, ours {ours:,}"
+            f"worst gradient error {errs[worst]:.2e} ({worst}); "
+            f"per-rank parameter bytes: FSDP2 {theirs:,}, ours {ours:,}"
         )
         assert ours <= 1.02 * n_bytes / 2 and theirs <= 1.02 * n_bytes / 2  # both hold about half
