@@ -33,26 +33,35 @@ from ._axes import _axis, _group, _layout, current_mesh
 from ._plan import FSDP, FullyShard, plan
 from .tree import leaves
 
-_OPTIONS: list = [{"prefetch": True, "reduce": "reduce_scatter"}]  # innermost last
+_OPTIONS: list = [{"prefetch": True, "reduce": "reduce_scatter", "reshard": False}]  # innermost last
 _REDUCES = ("reduce_scatter", "all_reduce")
 
 
 @contextlib.contextmanager
-def fsdp_options(prefetch: bool | None = None, reduce: str | None = None):
+def fsdp_options(prefetch: bool | None = None, reduce: str | None = None, reshard_after_forward: bool | None = None):
     """Within: how fully sharded params are gathered and reduced.
 
     ``prefetch``: issue the next block's all-gathers before the current block computes
     (default True); False gathers each block when it starts (for comparison).
     ``reduce``: the gradient reduction of a gathered leaf, "reduce_scatter" (default) or
     "all_reduce" (an all-reduce and this rank's slice: no reduce-scatter anywhere, for the
-    Neuron runtime, where consecutive reduce-scatters are unsafe). Read when the forward
-    runs; the backward uses what the forward recorded."""
+    Neuron runtime, where consecutive reduce-scatters are unsafe).
+    ``reshard_after_forward``: False (default) keeps the gathered block weights that
+    autograd saves for backward; True saves the local shard instead and all-gathers the
+    weight again when backward needs it (FSDP2's ``reshard_after_forward=True``): parameter
+    memory between forward and backward stays at params / N, for one more all-gather per
+    saved weight in backward. Blocks under ``fd.apply(checkpoint=True)`` keep their gathered
+    inputs either way (the checkpoint holds them for the recomputation).
+    Read when the forward runs; the backward uses what the forward recorded."""
     if prefetch is not None and not isinstance(prefetch, bool):
         raise ValueError(f"prefetch: expected True, False or None, got {prefetch!r}")
     if reduce is not None and reduce not in _REDUCES:
         raise ValueError(f"reduce: expected one of {_REDUCES} or None, got {reduce!r}")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward: expected True, False or None, got {reshard_after_forward!r}")
     now = dict(_OPTIONS[-1])
-    now.update({k: v for k, v in (("prefetch", prefetch), ("reduce", reduce)) if v is not None})
+    given = (("prefetch", prefetch), ("reduce", reduce), ("reshard", reshard_after_forward))
+    now.update({k: v for k, v in given if v is not None})
     _OPTIONS.append(now)
     try:
         yield
@@ -304,15 +313,19 @@ class GatheredBlock(Mapping):
             _, xs, dims = self._leaves()
             self._flat = _start_block(xs, dims)
 
-    def gathered(self) -> dict:
+    def gathered(self, saved: dict | None = None) -> dict:
         """The block as plain nested dicts of its gathered leaves: the one coalesced gather
-        (`prefetch`'s, or issued now), waited here. What a block loop computes with."""
+        (`prefetch`'s, or issued now), waited here. What a block loop computes with.
+        ``saved`` (a dict) receives ``{storage pointer of a gathered leaf: (its shard, dim)}``
+        (`resharded`)."""
         if not self._dims:
             return self._tree
         paths, xs, dims = self._leaves()
         pending, self._flat = self._flat if self._flat is not None else _start_block(xs, dims), None
-        full = dict(zip(paths, _finish_block(xs, dims, pending)))
-        return _replaced(self._tree, full, "")
+        fulls = _finish_block(xs, dims, pending)
+        if saved is not None:
+            saved.update({f.untyped_storage().data_ptr(): (x, d) for f, x, d in zip(fulls, xs, dims)})
+        return _replaced(self._tree, dict(zip(paths, fulls)), "")
 
 
 def _items(node):
@@ -420,16 +433,58 @@ def gathered_blocks(blocks: list):
     """Iterate ``blocks`` (a segment's blocks, in order) for a block loop, each as plain
     dicts of its gathered leaves (`GatheredBlock.gathered`): block i+1's all-gather is
     issued before block i is handed out (with ``fsdp_options(prefetch=False)``, none
-    ahead). Blocks that are not `GatheredBlock` come as they are."""
+    ahead). Blocks that are not `GatheredBlock` come as they are. With
+    ``fsdp_options(reshard_after_forward=True)`` under autograd, each block computes
+    (between this generator's yield and its next step) under `resharded`."""
     ahead = _OPTIONS[-1]["prefetch"] and current_mesh() is not None
+    reshard = _OPTIONS[-1]["reshard"] and torch.is_grad_enabled() and current_mesh() is not None
     for i, block in enumerate(blocks):
         if not isinstance(block, GatheredBlock):
             yield block
             continue
-        if not ahead:
+        if ahead:
+            block.prefetch()  # (a no-op when the previous step issued it)
+            if i + 1 < len(blocks) and isinstance(blocks[i + 1], GatheredBlock):
+                blocks[i + 1].prefetch()
+        if not reshard:
             yield block.gathered()
             continue
-        block.prefetch()  # (a no-op when the previous step issued it)
-        if i + 1 < len(blocks) and isinstance(blocks[i + 1], GatheredBlock):
-            blocks[i + 1].prefetch()
-        yield block.gathered()
+        saved: dict = {}
+        gathered = block.gathered(saved)
+        with resharded(saved, _group(FSDP)):
+            yield gathered
+
+
+class _Resharded:
+    """A gathered weight autograd saved, as what gathers it again: its shard, fsdp dim, the
+    fsdp group and the saved tensor's view of the gathered storage."""
+
+    __slots__ = ("shard", "dim", "group", "view")
+
+    def __init__(self, shard, dim, group, view):
+        self.shard, self.dim, self.group, self.view = shard, dim, group, view
+
+
+def resharded(saved: dict, group):
+    """Within: a tensor autograd saves for backward that is a view of a gathered leaf's
+    storage (``saved``: ``{storage pointer: (shard, dim)}``, `GatheredBlock.gathered`) is kept
+    as its local shard, and all-gathered over ``group`` again when backward unpacks it
+    (``torch.autograd.graph.saved_tensors_hooks``). Every rank runs the same backward graph
+    in the same order, so the re-gathers match across ranks."""
+
+    def pack(t):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+            return t
+        hit = saved.get(t.untyped_storage().data_ptr())
+        if hit is None or hit[0].dtype != t.dtype:
+            return t
+        return _Resharded(hit[0], hit[1], group, (tuple(t.size()), tuple(t.stride()), t.storage_offset()))
+
+    def unpack(p):
+        if not isinstance(p, _Resharded):
+            return p
+        x = p.shard.detach().movedim(p.dim, 0).contiguous()
+        full = _autodiff._done(_autodiff._all_gather_dim0()(x, 0, p.group))  # laid out as `_unpack`'s copy
+        return full.as_strided(*p.view)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
