@@ -14,8 +14,13 @@ Autograd: a gathered leaf's backward reduce-scatters its gradient over "fsdp" (t
 of every fsdp rank's share, this rank's slice), so each rank keeps only its gradient
 shard; with ``fsdp_options(reduce="all_reduce")`` it all-reduces and slices instead
 (runtimes where consecutive reduce-scatters are unsafe, the Neuron runtime). The
-gathered weights a block's backward needs are kept by autograd; with
-``fd.apply(checkpoint=True)`` a block's recomputation gathers them again instead.
+gathered weights a block's backward needs are kept by autograd (also under
+``fd.apply(checkpoint=True)``, whose recomputation takes the gathered block as input);
+with ``fsdp_options(reshard_after_forward=True)`` autograd keeps the local shard instead
+and backward all-gathers the weight again when it needs it (`resharded`).
+
+Leaves attached to the tree in tuples (LoRA factors, ``layer["lora"] = ((A, B, ...), ...)``)
+are gathered with their block when ``wrap_tree`` is told their dims (``extra``).
 """
 
 from __future__ import annotations
