@@ -106,6 +106,7 @@ def _check(results):
         assert r["grads"].keys() == want.keys()
         errs = {k: ((r["grads"][k] - v).abs().max() / v.abs().max().clamp_min(1e-30)).item() for k, v in want.items()}
         worst = max(errs, key=errs.get)
+        print(f"LoRA factor grads: worst {errs[worst]:.2e} of the largest entry ({worst})")
         assert errs[worst] < REL, (worst, errs[worst])
         assert "DoRA" in r["dora_error"] and "fsdp" in r["dora_error"]
 
