@@ -51,6 +51,7 @@ FLUX.1 only (FluxPipeline); FLUX.2-klein and Qwen-Image need their own encode st
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -63,7 +64,6 @@ import torch
 IMAGES = (".png", ".jpg", ".jpeg", ".webp")
 CACHE = "cache.pt"
 LORA_FILE = "pytorch_lora_weights.safetensors"
-MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state, laid out like the parameter
 EVAL_SEED = 12345  # the fixed (noise, t) of the eval loss
 
 
@@ -288,24 +288,15 @@ def eval_loss(params, adapter, data, a, device) -> float:
 
 
 def checkpoint_state(adapter, opt, extra: dict) -> dict:
-    """What DCP saves and loads in place: the LoRA factors and AdamW's moments (as
-    ``sharding.checkpoint_state`` lays them out), AdamW's step counts and ``extra`` (the
-    step, RNG state, data order: plain tensors, the same on every rank). Before the first
-    step the optimizer's state is created as AdamW creates it (zeros), to load into."""
-    import sharding
-
-    paths, leaves = zip(*adapter.flat().items())
-    for leaf in leaves:
-        if leaf not in opt.state:
-            zeros = torch.zeros_like(leaf.detach())  # a DTensor stays one, same placements
-            opt.state[leaf] = {"step": torch.tensor(0.0), **{m: zeros.clone() for m in MOMENTS}}
-    state = {"lora": sharding.checkpoint_state(adapter)}
-    for m in MOMENTS:
-        state[m] = sharding.checkpoint_state(
-            adapter, sharding.tree.nest({p: opt.state[x][m] for p, x in zip(paths, leaves)})
-        )
-    state["adam_step"] = {p: opt.state[x]["step"] for p, x in zip(paths, leaves)}
-    return {**state, **extra}
+    """What DCP saves and loads in place: examples/finetune_tp.py's layout of the LoRA
+    factors, AdamW's moments (as ``sharding.checkpoint_state`` lays them out, sharded) and
+    step counts, and ``extra`` (the next step, RNG state, data order: plain tensors, the
+    same on every rank)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "finetune_tp.py")
+    spec = importlib.util.spec_from_file_location("finetune_tp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {**module.checkpoint_state(adapter, opt), **extra}
 
 
 _STEP_DIR = re.compile(r"step_(\d+)$")
@@ -372,14 +363,14 @@ def train(a) -> dict:
     opt = torch.optim.AdamW(leaves, lr=a.lr, weight_decay=a.weight_decay)
     gen = torch.Generator().manual_seed(a.seed)
     n = data["latents"].shape[0]
-    extra = {"step": torch.tensor(0), "rng": gen.get_state(), "order": torch.zeros(n, dtype=torch.long)}
+    extra = {"next": torch.tensor(0), "rng": gen.get_state(), "order": torch.zeros(n, dtype=torch.long)}
     start = 0
     if a.resume:
         import torch.distributed.checkpoint as dcp
 
         state = checkpoint_state(adapter, opt, extra)
         dcp.load(state, checkpoint_id=latest_checkpoint(a.output_dir))  # in place: factors, moments, extra
-        start = int(state["step"])
+        start = int(state["next"])
         gen.set_state(state["rng"])
         if start and not torch.equal(state["order"], batch_indices(start - 1, a.batch_size, n, a.seed)[1]):
             raise ValueError("--resume: the checkpoint's data order differs from this run's (--data, --seed)")
@@ -418,7 +409,7 @@ def train(a) -> dict:
             bar.set_postfix(loss=f"{value:.4f}")
             bar.update(1)
         if (step + 1) % a.checkpoint_every == 0 or step + 1 == a.steps:
-            extra = {"step": torch.tensor(step + 1), "rng": gen.get_state(), "order": order}
+            extra = {"next": torch.tensor(step + 1), "rng": gen.get_state(), "order": order}
             save_checkpoint(checkpoint_state(adapter, opt, extra), a.output_dir, step + 1, rank, barrier)
     if bar is not None:
         bar.close()
