@@ -6,7 +6,8 @@ every gradient (all params and the LoRA factors of an adapter on the fly), read 
 ``.grad.full_tensor()``, is bitwise the same; between forward and backward no gathered
 block weight's storage is alive (weak references to the storage of every gathered tensor a
 block loop got), where
-the default keeps them; backward runs all-gathers with the option and none without.
+the default keeps them; backward runs all-gathers with the option and none without. With
+``fd.apply(checkpoint=True)`` too, the gradients are the same.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import sharding
 SEED = 7
 
 
-def _run(params, ad, kw, w, reshard: bool) -> dict:
+def _run(params, ad, kw, w, reshard: bool, checkpoint: bool = False) -> dict:
     from sharding import _autodiff, _fsdp
 
     for leaf in (*params.leaves(), *ad.leaves()):
@@ -57,7 +58,7 @@ def _run(params, ad, kw, w, reshard: bool) -> dict:
     _fsdp.GatheredBlock.gathered = recording
     try:
         with sharding.fsdp_options(reshard_after_forward=reshard):
-            loss = (fd.apply(params, **kw, lora=[(ad, 0.7)]) * w).sum()
+            loss = (fd.apply(params, **kw, lora=[(ad, 0.7)], checkpoint=checkpoint) * w).sum()
         gc.collect()
         kept = sum(not r.expired() for r in alive)
         _autodiff._all_gather_dim0 = counting
@@ -79,7 +80,11 @@ def _rank(rank, world):
     mesh = sharding.make_mesh(fsdp=world)
     params = sharding.shard_params(fd.init(config, seed=SEED), mesh)
     ad = sharding.shard_params(lora.init(config, rank=2, seed=1, zero_b=False), mesh)
-    return {"keep": _run(params, ad, kw, w, False), "reshard": _run(params, ad, kw, w, True)}
+    return {
+        "keep": _run(params, ad, kw, w, False),
+        "reshard": _run(params, ad, kw, w, True),
+        "reshard+checkpoint": _run(params, ad, kw, w, True, checkpoint=True),
+    }
 
 
 @pytest.mark.slow
@@ -90,3 +95,5 @@ def test_reshard_after_forward_regathers_in_backward_with_the_same_gradients():
         assert all(torch.equal(keep["grads"][k], v) for k, v in reshard["grads"].items())
         assert keep["gathered"] > 0 and keep["kept"] > 0 and keep["backward_gathers"] == 0, keep
         assert reshard["kept"] == 0 and reshard["backward_gathers"] > 0, reshard
+        both = r["reshard+checkpoint"]  # the checkpoint holds its gathered inputs; the gradients are the same
+        assert all(torch.equal(keep["grads"][k], v) for k, v in both["grads"].items())
