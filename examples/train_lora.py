@@ -74,7 +74,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data", required=True, help="folder of images with same-name .txt captions")
     p.add_argument("--output-dir", required=True, help="cache, checkpoints, logs and the LoRA file")
-    p.add_argument("--pipeline", default="tiny", help="a diffusers FluxPipeline folder, or 'tiny' (default)")
+    p.add_argument(
+        "--pipeline", default="tiny", help="a FLUX.1 / FLUX.2 / FLUX.2-klein pipeline folder, or 'tiny[:kind]'"
+    )
     p.add_argument("--resolution", type=int, default=512, help="square training size, a multiple of 16")
     p.add_argument("--max-sequence-length", type=int, default=512, help="T5 tokens per caption")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
@@ -109,8 +111,9 @@ def check_args(argv=None) -> argparse.Namespace:
     items = find_items(a.data)
     if not items:
         _bad(p, "--data", f"images ({', '.join(IMAGES)}) each with a same-name .txt caption", a.data)
-    if a.pipeline != "tiny" and not os.path.isfile(os.path.join(a.pipeline, "model_index.json")):
-        _bad(p, "--pipeline", "'tiny' or a diffusers pipeline folder (with model_index.json)", a.pipeline)
+    tiny = ("tiny", *(f"tiny:{k}" for k in TINY_KINDS))
+    if a.pipeline not in tiny and not os.path.isfile(os.path.join(a.pipeline, "model_index.json")):
+        _bad(p, "--pipeline", f"one of {tiny} or a diffusers pipeline folder (with model_index.json)", a.pipeline)
     for name, low in (("resolution", 16), ("max_sequence_length", 1), ("rank", 1), ("batch_size", 1)):
         if getattr(a, name) < low:
             _bad(p, "--" + name.replace("_", "-"), f"an int >= {low}", getattr(a, name))
@@ -146,17 +149,22 @@ def find_items(folder: str) -> list[tuple[str, str]]:
 # ----------------------------------------------------------------------------- data
 
 
+TINY_KINDS = ("flux", "flux2-klein")  # --pipeline tiny[:kind]
+PIPELINES = ("FluxPipeline", "Flux2Pipeline", "Flux2KleinPipeline")  # the encode steps written here
+
+
 def load_pipeline(path: str):
-    """The FluxPipeline at ``path`` (offline, fp32), or the tiny one."""
-    if path == "tiny":
+    """The pipeline at ``path`` (offline, fp32), or a tiny one (``tiny``: FLUX.1,
+    ``tiny:flux2-klein``)."""
+    if path.startswith("tiny"):
         from functional_dit import tiny
 
-        return tiny.pipeline("flux", seed=0)
+        return tiny.pipeline(path.partition(":")[2] or "flux", seed=0)
     import diffusers
 
     pipe = diffusers.DiffusionPipeline.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True)
-    if not isinstance(pipe, diffusers.FluxPipeline):
-        raise ValueError(f"--pipeline: expected a FluxPipeline folder, got a {type(pipe).__name__}")
+    if type(pipe).__name__ not in PIPELINES:
+        raise ValueError(f"--pipeline: expected one of {PIPELINES}, got a {type(pipe).__name__}")
     return pipe
 
 
@@ -176,25 +184,31 @@ def image_tensor(path: str, size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def encode(pipe, items, resolution: int, max_len: int) -> dict:
-    """The training tensors of ``items``: packed latents (N, S, 64), T5 embeddings
-    (N, L, D), CLIP pooled (N, P), and the image / text position ids."""
-    from diffusers import FluxPipeline
-
-    vae = pipe.vae
+    """The training tensors of ``items`` as the pipeline prepares them: packed latents
+    (N, S, C), text embeddings (N, L, D), CLIP pooled (N, P; FLUX.1), and the image / text
+    position ids (one set: every item has the same size)."""
+    flux1 = type(pipe).__name__ == "FluxPipeline"
     latents, txt, pooled = [], [], []
     for path, caption in items:
-        z = vae.encode(image_tensor(path, resolution)[None]).latent_dist.mode()
-        z = (z - vae.config.shift_factor) * vae.config.scaling_factor
-        _, c, h, w = z.shape
-        latents.append(FluxPipeline._pack_latents(z, 1, c, h, w)[0])
-        e, p, txt_ids = pipe.encode_prompt(caption, prompt_2=None, max_sequence_length=max_len)
+        image = image_tensor(path, resolution)[None]
+        if flux1:
+            z = pipe.vae.encode(image).latent_dist.mode()
+            z = (z - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+            _, c, h, w = z.shape
+            latents.append(pipe._pack_latents(z, 1, c, h, w)[0])
+            e, p, txt_ids = pipe.encode_prompt(caption, prompt_2=None, max_sequence_length=max_len)
+            pooled.append(p[0])
+            img_ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, "cpu", torch.float32)
+        else:  # FLUX.2: the VAE mean patchified 2x2 and batch-normed (_encode_vae_image), packed
+            z = pipe._encode_vae_image(image, generator=None)
+            latents.append(pipe._pack_latents(z)[0])
+            e, txt_ids = pipe.encode_prompt(caption, max_sequence_length=max_len)
+            img_ids, txt_ids = pipe._prepare_latent_ids(z)[0], txt_ids[0]
         txt.append(e[0])
-        pooled.append(p[0])
-    img_ids = FluxPipeline._prepare_latent_image_ids(1, h // 2, w // 2, "cpu", torch.float32)
     return {
         "latents": torch.stack(latents),
         "txt": torch.stack(txt),
-        "pooled": torch.stack(pooled),
+        "pooled": torch.stack(pooled) if pooled else None,
         "img_ids": img_ids,
         "txt_ids": txt_ids,
         "key": cache_key_of(items, resolution, max_len),
@@ -255,10 +269,12 @@ def inputs(data: dict, idx: list[int], noise: torch.Tensor, t: torch.Tensor, gui
         x=((1 - tt) * x0 + tt * noise).to(device, dtype),  # (in the weights' dtype, as fd.apply asks)
         t=t.to(device),
         txt=data["txt"][idx].to(device, dtype),
-        pooled=data["pooled"][idx].to(device, dtype),
+        pooled=None if data["pooled"] is None else data["pooled"][idx].to(device, dtype),
         img_ids=data["img_ids"].to(device),
         txt_ids=data["txt_ids"].to(device),
-        guidance=torch.full((len(idx),), guidance, device=device) if params.config.guidance_embeds else None,
+        guidance=torch.full((len(idx),), guidance, device=device)
+        if getattr(params.config, "guidance_embeds", 0)
+        else None,
     )
     return kw, (noise - x0).to(device)
 
