@@ -9,6 +9,8 @@
   the uninterrupted run's (2 gloo ranks, fsdp=2); the saved file is loaded by a stock
   FluxPipeline through ``pipe.load_lora_weights(folder)`` and gives what our merged LoRA
   gives (fp32 1e-5), which differs from the pipeline without it.
+- FLUX.2-klein (``--pipeline tiny:flux2-klein``) in one process: the eval loss decreases
+  and a stock Flux2KleinPipeline loads the file, as above.
 """
 
 from __future__ import annotations
@@ -51,6 +53,16 @@ def data(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: the tiny models' small ops run ~15x slower with 2 threads on a
+    loaded 2-core machine (OpenMP contention; torchrun's ranks get OMP_NUM_THREADS=1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [
@@ -58,7 +70,7 @@ def data(tmp_path_factory) -> str:
         (["--fsdp", "2"], "--fsdp x --tp: expected the world size 1 (WORLD_SIZE), got '2 x 1 = 2'"),
         (["--lr", "0"], "--lr: expected a positive float, got 0.0"),
         (["--resume"], "--resume: expected a complete checkpoint in"),
-        (["--pipeline", "/nowhere"], "--pipeline: expected 'tiny' or a diffusers pipeline folder"),
+        (["--pipeline", "/nowhere"], "--pipeline: expected one of ('tiny', 'tiny:flux', 'tiny:flux2-klein') or"),
     ],
 )
 def test_bad_arguments_fail_before_loading(data, tmp_path, capsys, monkeypatch, bad, message):
@@ -106,7 +118,7 @@ def _killed_then_resumed(rank, world, data, out):
 
 
 @pytest.mark.slow
-def test_torchrun_fsdp2_learns_resumes_bitwise_and_writes_a_file_diffusers_loads(data, tmp_path):
+def test_torchrun_fsdp2_learns_resumes_bitwise_and_writes_a_file_diffusers_loads(data, tmp_path, one_thread):
     from safetensors.torch import load_file
 
     straight = str(tmp_path / "straight")
@@ -130,25 +142,34 @@ def test_torchrun_fsdp2_learns_resumes_bitwise_and_writes_a_file_diffusers_loads
     _check_diffusers_loads(straight)
 
 
+@pytest.mark.slow
+def test_flux2_klein_one_process_learns_and_writes_a_file_diffusers_loads(data, tmp_path, one_thread):
+    """FLUX.2-klein (``--pipeline tiny:flux2-klein``), one process, in-process ``main``."""
+    out = str(tmp_path / "klein")
+    got = _script()["main"](["--pipeline", "tiny:flux2-klein", "--data", data, "--output-dir", out, *ARGS])
+    assert got["eval_loss_after"] < 0.98 * got["eval_loss_before"], got  # seen: 1.893 -> 1.806 in 4 steps
+    _check_diffusers_loads(out, "flux2-klein")
+
+
 def _latents(pipe) -> torch.Tensor:
     gen = torch.Generator().manual_seed(3)
     kw = dict(height=32, width=32, num_inference_steps=2, max_sequence_length=64, output_type="latent")
     return pipe(prompt="a red square", generator=gen, **kw).images
 
 
-def _check_diffusers_loads(folder: str) -> None:
+def _check_diffusers_loads(folder: str, kind: str = "flux") -> None:
     import functional_dit as fd
     import functional_dit.lora as lora
     from functional_dit import tiny
 
-    stock = tiny.pipeline("flux", seed=0)
+    stock = tiny.pipeline(kind, seed=0)
     plain = _latents(stock)
     stock.load_lora_weights(folder)  # the user's call: diffusers + PEFT read our file
     theirs = _latents(stock)
-    params = fd.from_diffusers(tiny.stock_transformer("flux", seed=0))
+    params = fd.from_diffusers(tiny.stock_transformer(kind, seed=0))
     merged = lora.merge(params, lora.load(folder, params))
-    module = tiny.stock_transformer("flux", seed=0)
+    module = tiny.stock_transformer(kind, seed=0)
     module.load_state_dict(fd.to_state_dict(merged))
-    ours = _latents(tiny.pipeline("flux", seed=0, transformer=module))
+    ours = _latents(tiny.pipeline(kind, seed=0, transformer=module))
     torch.testing.assert_close(theirs, ours, **FP32)
     assert (theirs - plain).abs().max() > 1e-3  # the trained LoRA changes the output
