@@ -1,13 +1,15 @@
-"""LoRA fine-tuning of a FLUX.1 transformer on an image-caption folder, fully sharded.
+"""LoRA fine-tuning of a FLUX.1 / FLUX.2 / FLUX.2-klein transformer on an image-caption
+folder, fully sharded.
 
     torchrun --nproc-per-node 2 examples/train_lora.py --data my_images --output-dir run \\
         --fsdp 2 --steps 500 --checkpoint-every 100            # add --resume to continue
     python examples/train_lora.py --data my_images --output-dir run --pipeline /path/to/FLUX.1-dev
 
 The data folder holds images (``.png``, ``.jpg``, ``.jpeg``, ``.webp``) and, next to each,
-a caption with the same name and ``.txt``. ``--pipeline`` is a diffusers FluxPipeline folder
-(read offline) or ``tiny`` (default: `functional_dit.tiny.pipeline("flux")`, random tiny
-weights, for trying the script and for the tests).
+a caption with the same name and ``.txt``. ``--pipeline`` is a diffusers FluxPipeline,
+Flux2Pipeline or Flux2KleinPipeline folder (read offline) or ``tiny`` (default:
+`functional_dit.tiny.pipeline("flux")`, random tiny weights, for trying the script and for
+the tests; ``tiny:flux2-klein`` the tiny FLUX.2-klein).
 
 What it does, in order:
 
@@ -15,9 +17,11 @@ What it does, in order:
    before anything is loaded.
 2. Rank 0 encodes the data once with the pipeline's VAE and text encoders and writes
    ``<output-dir>/cache.pt``: each image resized (shorter side) and centre-cropped to
-   ``--resolution``, its VAE latent mean (``latent_dist.mode()``) shifted and scaled as
-   FluxPipeline does and packed 2x2, and the caption's T5 + CLIP embeddings. The other
-   ranks wait and read it; the VAE and text encoders are then dropped.
+   ``--resolution``, its VAE latent mean (``latent_dist.mode()``) normalised and packed as
+   the pipeline does (FLUX.1: shifted and scaled, packed 2x2; FLUX.2: patchified 2x2 and
+   batch-normed, ``_encode_vae_image``), and the caption's embeddings (FLUX.1: T5 + CLIP
+   pooled; FLUX.2: the Mistral / Qwen3 hidden-state stack). The other ranks wait and read
+   it; the VAE and text encoders are then dropped.
 3. The transformer (``fd.from_diffusers(pipe.transformer)``, frozen, stored in ``--dtype``)
    and a fresh LoRA (``lora.init``: PEFT's init, ``B`` = 0, the attention projections by
    default) are sharded over ``sharding.make_mesh(fsdp=--fsdp, tp=--tp)``; the LoRA
@@ -42,10 +46,11 @@ What it does, in order:
    resumed run rewrites the lines after its checkpoint), a tqdm bar shows loss and it/s,
    and ``<output-dir>/eval.json`` the loss on a fixed set of (item, noise, t) before and
    after the run. The LoRA is saved as ``<output-dir>/pytorch_lora_weights.safetensors``
-   (`functional_dit.lora.save`: the diffusers/PEFT layout that
-   ``FluxPipeline.load_lora_weights(<output-dir>)`` reads).
+   (`functional_dit.lora.save`: the diffusers/PEFT layout that the pipeline's
+   ``load_lora_weights(<output-dir>)`` reads).
 
-FLUX.1 only (FluxPipeline); FLUX.2-klein and Qwen-Image need their own encode step.
+Qwen-Image is not supported yet (its captions embed to different lengths, which need a
+mask per item).
 """
 
 from __future__ import annotations
