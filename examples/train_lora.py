@@ -154,8 +154,13 @@ def find_items(folder: str) -> list[tuple[str, str]]:
 # ----------------------------------------------------------------------------- data
 
 
-TINY_KINDS = ("flux", "flux2-klein")  # --pipeline tiny[:kind]
-PIPELINES = ("FluxPipeline", "Flux2Pipeline", "Flux2KleinPipeline")  # the encode steps written here
+TINY_KINDS = ("flux", "flux2-klein", "qwen-image")  # --pipeline tiny[:kind]
+PIPELINES = (
+    "FluxPipeline",
+    "Flux2Pipeline",
+    "Flux2KleinPipeline",
+    "QwenImagePipeline",
+)  # the encode steps written here
 
 
 def load_pipeline(path: str):
@@ -189,35 +194,47 @@ def image_tensor(path: str, size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def encode(pipe, items, resolution: int, max_len: int) -> dict:
-    """The training tensors of ``items`` as the pipeline prepares them: packed latents
-    (N, S, C), text embeddings (N, L, D), CLIP pooled (N, P; FLUX.1), and the image / text
-    position ids (one set: every item has the same size)."""
-    flux1 = type(pipe).__name__ == "FluxPipeline"
-    latents, txt, pooled = [], [], []
+    """The training tensors of ``items`` as the pipeline prepares them: ``latents`` (N, S, C)
+    packed, ``txt`` (N, L, D) text embeddings, and what the family's transformer takes
+    besides: FLUX.1 ``pooled`` (N, P) and position ids, FLUX.2 position ids, Qwen-Image
+    ``txt_mask`` (N, L) (captions padded to the longest) and ``img_shapes``."""
+    kind = type(pipe).__name__
+    out: dict = {"latents": [], "txt": [], "key": cache_key_of(items, resolution, max_len)}
+    pooled, masks = [], []
     for path, caption in items:
         image = image_tensor(path, resolution)[None]
-        if flux1:
+        if kind == "FluxPipeline":  # shifted and scaled, packed 2x2; T5 + CLIP pooled
             z = pipe.vae.encode(image).latent_dist.mode()
             z = (z - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
             _, c, h, w = z.shape
-            latents.append(pipe._pack_latents(z, 1, c, h, w)[0])
-            e, p, txt_ids = pipe.encode_prompt(caption, prompt_2=None, max_sequence_length=max_len)
+            out["latents"].append(pipe._pack_latents(z, 1, c, h, w)[0])
+            e, p, out["txt_ids"] = pipe.encode_prompt(caption, prompt_2=None, max_sequence_length=max_len)
             pooled.append(p[0])
-            img_ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, "cpu", torch.float32)
-        else:  # FLUX.2: the VAE mean patchified 2x2 and batch-normed (_encode_vae_image), packed
+            out["img_ids"] = pipe._prepare_latent_image_ids(1, h // 2, w // 2, "cpu", torch.float32)
+        elif kind == "QwenImagePipeline":  # a one-frame video latent, normalised, packed 2x2
+            z = pipe.vae.encode(image[:, :, None]).latent_dist.mode()
+            shape = (1, -1, 1, 1, 1)
+            z = (z - torch.tensor(pipe.vae.config.latents_mean).view(shape)) / torch.tensor(
+                pipe.vae.config.latents_std
+            ).view(shape)
+            _, c, _, h, w = z.shape
+            out["latents"].append(pipe._pack_latents(z, 1, c, h, w)[0])
+            e, m = pipe.encode_prompt(caption, max_sequence_length=max_len)
+            masks.append(torch.ones(e.shape[1], dtype=torch.long) if m is None else m[0].long())
+            out["img_shapes"] = [(1, h // 2, w // 2)]
+        else:  # FLUX.2: patchified 2x2 and batch-normed (_encode_vae_image), packed
             z = pipe._encode_vae_image(image, generator=None)
-            latents.append(pipe._pack_latents(z)[0])
+            out["latents"].append(pipe._pack_latents(z)[0])
             e, txt_ids = pipe.encode_prompt(caption, max_sequence_length=max_len)
-            img_ids, txt_ids = pipe._prepare_latent_ids(z)[0], txt_ids[0]
-        txt.append(e[0])
-    return {
-        "latents": torch.stack(latents),
-        "txt": torch.stack(txt),
-        "pooled": torch.stack(pooled) if pooled else None,
-        "img_ids": img_ids,
-        "txt_ids": txt_ids,
-        "key": cache_key_of(items, resolution, max_len),
-    }
+            out["img_ids"], out["txt_ids"] = pipe._prepare_latent_ids(z)[0], txt_ids[0]
+        out["txt"].append(e[0])
+    if masks:  # captions of different lengths: padded with zeros, masked out
+        L = max(len(m) for m in masks)
+        out["txt"] = [torch.nn.functional.pad(e, (0, 0, 0, L - len(e))) for e in out["txt"]]
+        out["txt_mask"] = torch.stack([torch.nn.functional.pad(m, (0, L - len(m))) for m in masks])
+    if pooled:
+        out["pooled"] = torch.stack(pooled)
+    return {**out, "latents": torch.stack(out["latents"]), "txt": torch.stack(out["txt"])}
 
 
 def cache_key_of(items, resolution: int, max_len: int) -> str:
@@ -274,13 +291,16 @@ def inputs(data: dict, idx: list[int], noise: torch.Tensor, t: torch.Tensor, gui
         x=((1 - tt) * x0 + tt * noise).to(device, dtype),  # (in the weights' dtype, as fd.apply asks)
         t=t.to(device),
         txt=data["txt"][idx].to(device, dtype),
-        pooled=None if data["pooled"] is None else data["pooled"][idx].to(device, dtype),
-        img_ids=data["img_ids"].to(device),
-        txt_ids=data["txt_ids"].to(device),
-        guidance=torch.full((len(idx),), guidance, device=device)
-        if getattr(params.config, "guidance_embeds", 0)
-        else None,
     )
+    if "pooled" in data:
+        kw["pooled"] = data["pooled"][idx].to(device, dtype)
+    if "txt_mask" in data:
+        kw["txt_mask"] = data["txt_mask"][idx].to(device)
+    kw.update({k: data[k].to(device) for k in ("img_ids", "txt_ids") if k in data})
+    if "img_shapes" in data:
+        kw["img_shapes"] = [data["img_shapes"]] * len(idx)
+    if getattr(params.config, "guidance_embeds", False):
+        kw["guidance"] = torch.full((len(idx),), guidance, device=device)
     return kw, (noise - x0).to(device)
 
 
