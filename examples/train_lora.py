@@ -1,5 +1,5 @@
-"""LoRA fine-tuning of a FLUX.1 / FLUX.2 / FLUX.2-klein transformer on an image-caption
-folder, fully sharded.
+"""LoRA fine-tuning of a FLUX.1 / FLUX.2 / FLUX.2-klein / Qwen-Image transformer on an
+image-caption folder, fully sharded.
 
     torchrun --nproc-per-node 2 examples/train_lora.py --data my_images --output-dir run \\
         --fsdp 2 --steps 500 --checkpoint-every 100            # add --resume to continue
@@ -7,9 +7,9 @@ folder, fully sharded.
 
 The data folder holds images (``.png``, ``.jpg``, ``.jpeg``, ``.webp``) and, next to each,
 a caption with the same name and ``.txt``. ``--pipeline`` is a diffusers FluxPipeline,
-Flux2Pipeline or Flux2KleinPipeline folder (read offline) or ``tiny`` (default:
-`functional_dit.tiny.pipeline("flux")`, random tiny weights, for trying the script and for
-the tests; ``tiny:flux2-klein`` the tiny FLUX.2-klein).
+Flux2Pipeline, Flux2KleinPipeline or QwenImagePipeline folder (read offline) or ``tiny``
+(default: `functional_dit.tiny.pipeline("flux")`, random tiny weights, for trying the
+script and for the tests; ``tiny:flux2-klein``, ``tiny:qwen-image`` the other tiny ones).
 
 What it does, in order:
 
@@ -19,9 +19,11 @@ What it does, in order:
    ``<output-dir>/cache.pt``: each image resized (shorter side) and centre-cropped to
    ``--resolution``, its VAE latent mean (``latent_dist.mode()``) normalised and packed as
    the pipeline does (FLUX.1: shifted and scaled, packed 2x2; FLUX.2: patchified 2x2 and
-   batch-normed, ``_encode_vae_image``), and the caption's embeddings (FLUX.1: T5 + CLIP
-   pooled; FLUX.2: the Mistral / Qwen3 hidden-state stack). The other ranks wait and read
-   it; the VAE and text encoders are then dropped.
+   batch-normed, ``_encode_vae_image``; Qwen-Image: a one-frame latent normalised by the
+   VAE's ``latents_mean`` / ``latents_std``, packed 2x2), and the caption's embeddings
+   (FLUX.1: T5 + CLIP pooled; FLUX.2: the Mistral / Qwen3 hidden-state stack; Qwen-Image:
+   Qwen2.5-VL's, padded to the longest caption with a ``txt_mask``). The other ranks wait
+   and read it; the VAE and text encoders are then dropped.
 3. The transformer (``fd.from_diffusers(pipe.transformer)``, frozen, stored in ``--dtype``)
    and a fresh LoRA (``lora.init``: PEFT's init, ``B`` = 0, the attention projections by
    default) are sharded over ``sharding.make_mesh(fsdp=--fsdp, tp=--tp)``; the LoRA
@@ -49,8 +51,7 @@ What it does, in order:
    (`functional_dit.lora.save`: the diffusers/PEFT layout that the pipeline's
    ``load_lora_weights(<output-dir>)`` reads).
 
-Qwen-Image is not supported yet (its captions embed to different lengths, which need a
-mask per item).
+FLUX.3 and Qwen-Image 2.1 are not supported yet (their encode steps are not written).
 """
 
 from __future__ import annotations

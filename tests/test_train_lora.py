@@ -9,8 +9,8 @@
   the uninterrupted run's (2 gloo ranks, fsdp=2); the saved file is loaded by a stock
   FluxPipeline through ``pipe.load_lora_weights(folder)`` and gives what our merged LoRA
   gives (fp32 1e-5), which differs from the pipeline without it.
-- FLUX.2-klein (``--pipeline tiny:flux2-klein``) in one process: the eval loss decreases
-  and a stock Flux2KleinPipeline loads the file, as above.
+- FLUX.2-klein and Qwen-Image (``--pipeline tiny:<kind>``) in one process: the eval loss
+  decreases and the stock Flux2KleinPipeline / QwenImagePipeline loads the file, as above.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def one_thread():
         (["--fsdp", "2"], "--fsdp x --tp: expected the world size 1 (WORLD_SIZE), got '2 x 1 = 2'"),
         (["--lr", "0"], "--lr: expected a positive float, got 0.0"),
         (["--resume"], "--resume: expected a complete checkpoint in"),
-        (["--pipeline", "/nowhere"], "--pipeline: expected one of ('tiny', 'tiny:flux', 'tiny:flux2-klein') or"),
+        (["--pipeline", "/nowhere"], "--pipeline: expected one of ('tiny', 'tiny:flux', 'tiny:flux2-klein', "),
     ],
 )
 def test_bad_arguments_fail_before_loading(data, tmp_path, capsys, monkeypatch, bad, message):
@@ -143,33 +143,37 @@ def test_torchrun_fsdp2_learns_resumes_bitwise_and_writes_a_file_diffusers_loads
 
 
 @pytest.mark.slow
-def test_flux2_klein_one_process_learns_and_writes_a_file_diffusers_loads(data, tmp_path, one_thread):
-    """FLUX.2-klein (``--pipeline tiny:flux2-klein``), one process, in-process ``main``."""
-    out = str(tmp_path / "klein")
-    got = _script()["main"](["--pipeline", "tiny:flux2-klein", "--data", data, "--output-dir", out, *ARGS])
-    assert got["eval_loss_after"] < 0.98 * got["eval_loss_before"], got  # seen: 1.893 -> 1.806 in 4 steps
-    _check_diffusers_loads(out, "flux2-klein")
+@pytest.mark.parametrize("kind, max_len", [("flux2-klein", "64"), ("qwen-image", "256")])
+def test_other_families_one_process_learn_and_write_a_file_diffusers_loads(data, tmp_path, one_thread, kind, max_len):
+    """FLUX.2-klein and Qwen-Image (``--pipeline tiny:<kind>``), one process, in-process
+    ``main`` (Qwen-Image's template needs >= 256 tokens to reach the caption)."""
+    out = str(tmp_path / kind)
+    args = ["--pipeline", f"tiny:{kind}", "--data", data, "--output-dir", out, *ARGS, "--max-sequence-length", max_len]
+    got = _script()["main"](args)
+    # seen: klein 1.893 -> 1.806, Qwen-Image 2.475 -> 2.160 in 4 steps
+    assert got["eval_loss_after"] < 0.98 * got["eval_loss_before"], got
+    _check_diffusers_loads(out, kind, int(max_len))
 
 
-def _latents(pipe) -> torch.Tensor:
+def _latents(pipe, max_len: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(3)
-    kw = dict(height=32, width=32, num_inference_steps=2, max_sequence_length=64, output_type="latent")
+    kw = dict(height=32, width=32, num_inference_steps=2, max_sequence_length=max_len, output_type="latent")
     return pipe(prompt="a red square", generator=gen, **kw).images
 
 
-def _check_diffusers_loads(folder: str, kind: str = "flux") -> None:
+def _check_diffusers_loads(folder: str, kind: str = "flux", max_len: int = 64) -> None:
     import functional_dit as fd
     import functional_dit.lora as lora
     from functional_dit import tiny
 
     stock = tiny.pipeline(kind, seed=0)
-    plain = _latents(stock)
+    plain = _latents(stock, max_len)
     stock.load_lora_weights(folder)  # the user's call: diffusers + PEFT read our file
-    theirs = _latents(stock)
+    theirs = _latents(stock, max_len)
     params = fd.from_diffusers(tiny.stock_transformer(kind, seed=0))
     merged = lora.merge(params, lora.load(folder, params))
     module = tiny.stock_transformer(kind, seed=0)
     module.load_state_dict(fd.to_state_dict(merged))
-    ours = _latents(tiny.pipeline(kind, seed=0, transformer=module))
+    ours = _latents(tiny.pipeline(kind, seed=0, transformer=module), max_len)
     torch.testing.assert_close(theirs, ours, **FP32)
     assert (theirs - plain).abs().max() > 1e-3  # the trained LoRA changes the output
