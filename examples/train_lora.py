@@ -37,6 +37,8 @@ What it does, in order:
    rank. ``--dtype bfloat16`` (the default, the field's convention) stores the frozen
    weights in bf16 and runs the forward under bf16 autocast, with fp32 LoRA weights,
    gradients and AdamW state; ``--dtype float32`` runs everything in fp32.
+   ``--reshard-after-forward``: the gathered block weights are not kept for backward but
+   gathered again there (``sharding.fsdp_options(reshard_after_forward=True)``).
 5. Every ``--checkpoint-every`` steps and after the last, a DCP checkpoint
    ``<output-dir>/checkpoints/step_<n>``: the LoRA factors and AdamW moments (sharded as
    they are), AdamW's step counts, the step, the noise RNG state and the epoch's data
@@ -99,6 +101,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", type=int, default=1, help="fully sharded degree")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--reshard-after-forward", action="store_true", help="re-gather weights in backward (fsdp)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -305,13 +308,15 @@ def inputs(data: dict, idx: list[int], noise: torch.Tensor, t: torch.Tensor, gui
     return kw, (noise - x0).to(device)
 
 
-def loss_of(params, adapter, kw, target, autocast: bool):
+def loss_of(params, adapter, kw, target, autocast: bool, reshard: bool = False):
     import torch.nn.functional as F
 
     import functional_dit as fd
+    import sharding
 
     with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=autocast):
-        out = fd.apply(params, **kw, lora=[(adapter, 1.0)])
+        with sharding.fsdp_options(reshard_after_forward=reshard):
+            out = fd.apply(params, **kw, lora=[(adapter, 1.0)])
     return F.mse_loss(out.float(), target.float())
 
 
@@ -438,7 +443,7 @@ def train(a) -> dict:
         noise = torch.randn((len(idx), *data["latents"].shape[1:]), generator=gen)
         t = sample_t(len(idx), a.timesteps, gen)
         kw, target = inputs(data, idx, noise, t, a.guidance, params, device)
-        loss = loss_of(params, adapter, kw, target, autocast)
+        loss = loss_of(params, adapter, kw, target, autocast, a.reshard_after_forward)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()  # on the DTensor leaves: each rank updates its own shards
