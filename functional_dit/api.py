@@ -235,7 +235,7 @@ def apply(params: Params, x, t, txt, *, lora=None, checkpoint: bool = False, **k
     _values.check_values(t, x=x, txt=txt, pooled=kwargs.get("pooled"), guidance=kwargs.get("guidance"))
     local, mesh = sharding.local_view(params)
     if mesh is not None and _fsdp.mesh_fsdp(mesh) > 1:
-        _check_fsdp(local, lora)
+        _check_fsdp(local)
     adapters = _lora_adapters(params, lora, mesh, x.shape[0] if isinstance(x, torch.Tensor) and x.ndim else None)
     if not checkpoint:  # no context manager on the default path: nothing extra for torch.compile to trace
         return _apply_bound(fam, local, mesh, x, t, txt, kwargs, adapters)
@@ -282,13 +282,15 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
     whole on every rank) comes as per-rank shares, summed over those axes here, once.
     (Over tp the model pairs its collectives Megatron-style instead.)"""
     fsdp = sharding.axis_size("fsdp") > 1
+    lora_dims: dict = {}  # fully sharded LoRA factors: {path through the attached tuples: fsdp dim}
     if adapters:
-        params = _lora.attach(params, adapters, x.shape[0])
+        params = _lora.attach(params, adapters, x.shape[0], lora_dims)
     if torch.is_grad_enabled() and any(sharding.axis_size(a) > 1 for a in (*_SHARE_AXES, "fsdp")):  # backward sums
-        params = _share_params(params) if fsdp else pytree.tree_map(_share, params)  # (LoRA-attached leaves too)
+        params = _share_params(params, lora_dims) if fsdp else pytree.tree_map(_share, params)  # (LoRA leaves too)
         x, t, txt, kwargs = pytree.tree_map(_share, (x, t, txt, kwargs))
-    if fsdp:  # non-block leaves gathered now, blocks when read (sharding._fsdp)
-        params = Params(params.config, _fsdp.wrap_tree(params.tree, params.config, sharding.current_mesh()))
+    if fsdp:  # non-block leaves gathered now, blocks (with their LoRA factors) when read (sharding._fsdp)
+        mesh = sharding.current_mesh()
+        params = Params(params.config, _fsdp.wrap_tree(params.tree, params.config, mesh, lora_dims))
     inputs = fam.check_inputs(params, x, t, txt, **kwargs)
     B = x.shape[0]
     x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
@@ -312,23 +314,24 @@ def _share(x, axes=_SHARE_AXES):
     return x
 
 
-def _share_params(params: Params) -> Params:
-    """`_share` of every leaf; a fully sharded leaf not over "fsdp": its gather's backward
-    reduce-scatters (sums) over fsdp already."""
+def _share_params(params: Params, lora_dims: dict) -> Params:
+    """`_share` of every leaf, the attached LoRA tuples' too; a fully sharded leaf (of the
+    params, or in ``lora_dims``) not over "fsdp": its gather's backward reduce-scatters (sums)
+    over fsdp already."""
     mesh = sharding.current_mesh()
-    dims = _fsdp.gather_dims(params.config, mesh) if sharding.axis_size("fsdp") > 1 else {}
+    dims = {**_fsdp.gather_dims(params.config, mesh), **lora_dims} if sharding.axis_size("fsdp") > 1 else {}
     inner = tuple(a for a in _SHARE_AXES if a != "fsdp")
-    flat = {k: _share(x, inner if k in dims else _SHARE_AXES) for k, x in flatten(params.tree).items()}
-    return Params(params.config, nest(flat))
+
+    def share(path, x):
+        if isinstance(x, tuple):
+            return tuple(share(f"{path}.{i}", v) for i, v in enumerate(x))
+        return _share(x, inner if path in dims else _SHARE_AXES)
+
+    return Params(params.config, nest({k: share(k, x) for k, x in flatten(params.tree).items()}))
 
 
-def _check_fsdp(params: Params, lora) -> None:
+def _check_fsdp(params: Params) -> None:
     """What fully sharded params do not run with yet: a ValueError naming it."""
-    if lora:
-        raise ValueError(
-            "lora: LoRA on the fly is not supported with fully sharded params (an fsdp mesh axis) yet; merge the "
-            "adapter before sharding (lora.merge), or use a mesh without fsdp"
-        )
     if torch.compiler.is_compiling():
         raise ValueError("fsdp: torch.compile of fd.apply over fully sharded params is not supported yet")
     if any(_layerwise.is_cast(x) for x in flatten(params.tree).values()):

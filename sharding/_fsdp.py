@@ -14,8 +14,13 @@ Autograd: a gathered leaf's backward reduce-scatters its gradient over "fsdp" (t
 of every fsdp rank's share, this rank's slice), so each rank keeps only its gradient
 shard; with ``fsdp_options(reduce="all_reduce")`` it all-reduces and slices instead
 (runtimes where consecutive reduce-scatters are unsafe, the Neuron runtime). The
-gathered weights a block's backward needs are kept by autograd; with
-``fd.apply(checkpoint=True)`` a block's recomputation gathers them again instead.
+gathered weights a block's backward needs are kept by autograd (also under
+``fd.apply(checkpoint=True)``, whose recomputation takes the gathered block as input);
+with ``fsdp_options(reshard_after_forward=True)`` autograd keeps the local shard instead
+and backward all-gathers the weight again when it needs it (`resharded`).
+
+Leaves attached to the tree in tuples (LoRA factors, ``layer["lora"] = ((A, B, ...), ...)``)
+are gathered with their block when ``wrap_tree`` is told their dims (``extra``).
 """
 
 from __future__ import annotations
@@ -33,26 +38,35 @@ from ._axes import _axis, _group, _layout, current_mesh
 from ._plan import FSDP, FullyShard, plan
 from .tree import leaves
 
-_OPTIONS: list = [{"prefetch": True, "reduce": "reduce_scatter"}]  # innermost last
+_OPTIONS: list = [{"prefetch": True, "reduce": "reduce_scatter", "reshard": False}]  # innermost last
 _REDUCES = ("reduce_scatter", "all_reduce")
 
 
 @contextlib.contextmanager
-def fsdp_options(prefetch: bool | None = None, reduce: str | None = None):
+def fsdp_options(prefetch: bool | None = None, reduce: str | None = None, reshard_after_forward: bool | None = None):
     """Within: how fully sharded params are gathered and reduced.
 
     ``prefetch``: issue the next block's all-gathers before the current block computes
     (default True); False gathers each block when it starts (for comparison).
     ``reduce``: the gradient reduction of a gathered leaf, "reduce_scatter" (default) or
     "all_reduce" (an all-reduce and this rank's slice: no reduce-scatter anywhere, for the
-    Neuron runtime, where consecutive reduce-scatters are unsafe). Read when the forward
-    runs; the backward uses what the forward recorded."""
+    Neuron runtime, where consecutive reduce-scatters are unsafe).
+    ``reshard_after_forward``: False (default) keeps the gathered block weights that
+    autograd saves for backward; True saves the local shard instead and all-gathers the
+    weight again when backward needs it (FSDP2's ``reshard_after_forward=True``): parameter
+    memory between forward and backward stays at params / N, for one more all-gather per
+    saved weight in backward. Blocks under ``fd.apply(checkpoint=True)`` keep their gathered
+    inputs either way (the checkpoint holds them for the recomputation).
+    Read when the forward runs; the backward uses what the forward recorded."""
     if prefetch is not None and not isinstance(prefetch, bool):
         raise ValueError(f"prefetch: expected True, False or None, got {prefetch!r}")
     if reduce is not None and reduce not in _REDUCES:
         raise ValueError(f"reduce: expected one of {_REDUCES} or None, got {reduce!r}")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward: expected True, False or None, got {reshard_after_forward!r}")
     now = dict(_OPTIONS[-1])
-    now.update({k: v for k, v in (("prefetch", prefetch), ("reduce", reduce)) if v is not None})
+    given = (("prefetch", prefetch), ("reduce", reduce), ("reshard", reshard_after_forward))
+    now.update({k: v for k, v in given if v is not None})
     _OPTIONS.append(now)
     try:
         yield
@@ -172,9 +186,15 @@ def _pack(xs, dims) -> torch.Tensor:
     return torch.cat([x.detach().movedim(d, 0).reshape(-1) for x, d in zip(xs, dims)])
 
 
-def _start_block(xs, dims):
-    """Issue one all-gather for all of a block's fully sharded leaves (async)."""
-    return _autodiff._all_gather_dim0()(_pack(xs, dims), 0, _group(FSDP))
+def _start_block(xs, dims) -> list:
+    """Issue the all-gathers of a block's fully sharded leaves (async): one per dtype among
+    them (bf16 weights and fp32 LoRA factors are not promoted to one buffer), as a list of
+    ``(indices into xs, handle)``."""
+    groups: dict = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(x.dtype, []).append(i)
+    gather = _autodiff._all_gather_dim0()
+    return [(ix, gather(_pack([xs[i] for i in ix], [dims[i] for i in ix]), 0, _group(FSDP))) for ix in groups.values()]
 
 
 def _unpack(rows: torch.Tensor, xs, dims) -> list:
@@ -183,20 +203,29 @@ def _unpack(rows: torch.Tensor, xs, dims) -> list:
     for x, d in zip(xs, dims):
         moved = x.movedim(d, 0).shape
         piece = rows[:, offset : offset + x.numel()].reshape(n * moved[0], *moved[1:])
-        out.append(piece.movedim(0, d).to(x.dtype))  # (a no-op unless the block mixes dtypes)
+        out.append(piece.movedim(0, d))
         offset += x.numel()
     return out
 
 
 def _finish_block(xs, dims, pending) -> list:
-    """The gathered leaves of `_start_block`'s ``pending``, differentiable w.r.t. ``xs``
-    through one `BlockGathered` (one reduce-scatter for the whole block in backward)."""
+    """The gathered leaves of `_start_block`'s ``pending``; those that require grad are
+    differentiable w.r.t. their shards through one `BlockGathered` (one reduce-scatter for
+    all of them in backward; frozen leaves, such as base weights under LoRA training, send
+    no gradient)."""
     n, index = _axis(FSDP)
-    fulls = _unpack(_autodiff._done(pending).view(n, -1), xs, dims)
-    if not (torch.is_grad_enabled() and any(x.requires_grad for x in xs)):
+    fulls = [None] * len(xs)
+    for ix, handle in pending:
+        rows = _autodiff._done(handle).view(n, -1)
+        for i, full in zip(ix, _unpack(rows, [xs[i] for i in ix], [dims[i] for i in ix])):
+            fulls[i] = full
+    req = [i for i, x in enumerate(xs) if x.requires_grad] if torch.is_grad_enabled() else []
+    if not req:
         return fulls
-    meta = (tuple(dims), n, index, _group(FSDP), _OPTIONS[-1]["reduce"], len(xs))
-    return list(BlockGathered.apply(meta, *xs, *fulls))
+    meta = (tuple(dims[i] for i in req), n, index, _group(FSDP), _OPTIONS[-1]["reduce"], len(req))
+    for i, full in zip(req, BlockGathered.apply(meta, *(xs[i] for i in req), *(fulls[i] for i in req))):
+        fulls[i] = full
+    return fulls
 
 
 class BlockGathered(torch.autograd.Function):
@@ -264,6 +293,9 @@ class GatheredBlock(Mapping):
         x, path = self._tree[key], f"{self._prefix}{key}"
         if isinstance(x, Mapping):
             return GatheredBlock(x, self._dims, self._pending, f"{path}.")
+        if isinstance(x, tuple):  # a tuple of leaves (LoRA factors attached to a layer): each gathered now
+            inner = {p[len(path) + 1 :]: d for p, d in self._dims.items() if p.startswith(f"{path}.")}
+            return _replaced(x, {p: gather_leaf(_get(x, p), d) for p, d in inner.items()}, "") if inner else x
         dim = self._dims.get(path)
         if dim is None:
             return x
@@ -286,27 +318,39 @@ class GatheredBlock(Mapping):
             _, xs, dims = self._leaves()
             self._flat = _start_block(xs, dims)
 
-    def gathered(self) -> dict:
+    def gathered(self, saved: dict | None = None) -> dict:
         """The block as plain nested dicts of its gathered leaves: the one coalesced gather
-        (`prefetch`'s, or issued now), waited here. What a block loop computes with."""
+        (`prefetch`'s, or issued now), waited here. What a block loop computes with.
+        ``saved`` (a dict) receives ``{storage pointer of a gathered leaf: (its shard, dim)}``
+        (`resharded`)."""
         if not self._dims:
             return self._tree
         paths, xs, dims = self._leaves()
         pending, self._flat = self._flat if self._flat is not None else _start_block(xs, dims), None
-        full = dict(zip(paths, _finish_block(xs, dims, pending)))
-        return _replaced(self._tree, full, "")
+        fulls = _finish_block(xs, dims, pending)
+        if saved is not None:
+            saved.update({f.untyped_storage().data_ptr(): (x, d) for f, x, d in zip(fulls, xs, dims)})
+        return _replaced(self._tree, dict(zip(paths, fulls)), "")
 
 
-def _replaced(tree: Mapping, full: dict, prefix: str) -> dict:
-    return {
-        k: _replaced(x, full, f"{prefix}{k}.") if isinstance(x, Mapping) else full.get(f"{prefix}{k}", x)
-        for k, x in tree.items()
+def _items(node):
+    """A container's ``(key, child)`` pairs: a mapping's items, a tuple's ``("0", x0), ...``
+    (LoRA attaches ``(A, B, ...)`` tuples to layer dicts; their factors are leaves too)."""
+    return node.items() if isinstance(node, Mapping) else ((str(i), x) for i, x in enumerate(node))
+
+
+def _replaced(tree, full: dict, prefix: str):
+    """``tree`` (nested dicts and tuples) with the leaves at the paths of ``full`` replaced."""
+    out = {
+        k: _replaced(x, full, f"{prefix}{k}.") if isinstance(x, (Mapping, tuple)) else full.get(f"{prefix}{k}", x)
+        for k, x in _items(tree)
     }
+    return out if isinstance(tree, Mapping) else tuple(out.values())
 
 
-def _get(tree: Mapping, path: str):
+def _get(tree, path: str):
     for part in path.split("."):
-        tree = tree[part]
+        tree = tree[part] if isinstance(tree, Mapping) else tree[int(part)]
     return tree
 
 
@@ -337,37 +381,55 @@ def _grouped(config, names: tuple, shape: tuple) -> tuple[dict, dict]:
     return blocks, other
 
 
-def wrap_tree(tree: Mapping, config, mesh) -> dict:
+def _with_extra(blocks: dict, other: dict, extra: Mapping[str, int]) -> tuple[dict, dict]:
+    """`_grouped`'s pair with the ``extra`` ``{path: dim}`` (leaves attached to the tree, such
+    as LoRA factors) added: to the block whose path prefixes theirs, else to the others."""
+    if not extra:
+        return blocks, other
+    blocks, other = {b: dict(d) for b, d in blocks.items()}, dict(other)
+    for path, dim in extra.items():
+        block = next((b for b in blocks if path.startswith(f"{b}.")), None)
+        if block is None:
+            other[path] = dim
+        else:
+            blocks[block][path[len(block) + 1 :]] = dim
+    return blocks, other
+
+
+def wrap_tree(tree: Mapping, config, mesh, extra: Mapping[str, int] | None = None) -> dict:
     """``tree`` (local shards on ``mesh``) for the forward: every block (``name.i``, see
     `_grouped`) a `GatheredBlock`; every other fully sharded leaf gathered now (all issued,
-    then waited)."""
-    blocks, other = _grouped(config, tuple(mesh.mesh_dim_names), tuple(mesh.shape))
+    then waited). ``extra``: ``{path: fsdp dim}`` of further fully sharded leaves in the
+    tree, paths through tuples numbered (``"...to_q.lora.0.1"``: the first LoRA entry's ``B``),
+    gathered with their block (in its one all-gather) or, outside blocks, now."""
+    blocks, other = _with_extra(*_grouped(config, tuple(mesh.mesh_dim_names), tuple(mesh.shape)), extra or {})
     pending = {}
 
     def walk(node, prefix):
         out = {}
-        for k, x in node.items():
+        for k, x in _items(node):
             path = f"{prefix}{k}"
             if path in blocks:
                 out[k] = GatheredBlock(x, blocks[path])
-            elif isinstance(x, Mapping):
+            elif isinstance(x, (Mapping, tuple)):
                 out[k] = walk(x, f"{path}.")
             elif path in other:
                 pending[path] = _start(x, other[path])
                 out[k] = x
             else:
                 out[k] = x
-        return out
+        return out if isinstance(node, Mapping) else tuple(out.values())
 
     def done(node, prefix):
-        return {
+        out = {
             k: done(x, f"{prefix}{k}.")
-            if isinstance(x, dict)
+            if isinstance(x, (dict, tuple))
             else _finish(x, other[f"{prefix}{k}"], pending[f"{prefix}{k}"])
             if f"{prefix}{k}" in pending
             else x
-            for k, x in node.items()
+            for k, x in _items(node)
         }
+        return out if isinstance(node, Mapping) else tuple(out.values())
 
     return done(walk(tree, ""), "")
 
@@ -376,16 +438,58 @@ def gathered_blocks(blocks: list):
     """Iterate ``blocks`` (a segment's blocks, in order) for a block loop, each as plain
     dicts of its gathered leaves (`GatheredBlock.gathered`): block i+1's all-gather is
     issued before block i is handed out (with ``fsdp_options(prefetch=False)``, none
-    ahead). Blocks that are not `GatheredBlock` come as they are."""
+    ahead). Blocks that are not `GatheredBlock` come as they are. With
+    ``fsdp_options(reshard_after_forward=True)`` under autograd, each block computes
+    (between this generator's yield and its next step) under `resharded`."""
     ahead = _OPTIONS[-1]["prefetch"] and current_mesh() is not None
+    reshard = _OPTIONS[-1]["reshard"] and torch.is_grad_enabled() and current_mesh() is not None
     for i, block in enumerate(blocks):
         if not isinstance(block, GatheredBlock):
             yield block
             continue
-        if not ahead:
+        if ahead:
+            block.prefetch()  # (a no-op when the previous step issued it)
+            if i + 1 < len(blocks) and isinstance(blocks[i + 1], GatheredBlock):
+                blocks[i + 1].prefetch()
+        if not reshard:
             yield block.gathered()
             continue
-        block.prefetch()  # (a no-op when the previous step issued it)
-        if i + 1 < len(blocks) and isinstance(blocks[i + 1], GatheredBlock):
-            blocks[i + 1].prefetch()
-        yield block.gathered()
+        saved: dict = {}
+        gathered = block.gathered(saved)
+        with resharded(saved, _group(FSDP)):
+            yield gathered
+
+
+class _Resharded:
+    """A gathered weight autograd saved, as what gathers it again: its shard, fsdp dim, the
+    fsdp group and the saved tensor's view of the gathered storage."""
+
+    __slots__ = ("shard", "dim", "group", "view")
+
+    def __init__(self, shard, dim, group, view):
+        self.shard, self.dim, self.group, self.view = shard, dim, group, view
+
+
+def resharded(saved: dict, group):
+    """Within: a tensor autograd saves for backward that is a view of a gathered leaf's
+    storage (``saved``: ``{storage pointer: (shard, dim)}``, `GatheredBlock.gathered`) is kept
+    as its local shard, and all-gathered over ``group`` again when backward unpacks it
+    (``torch.autograd.graph.saved_tensors_hooks``). Every rank runs the same backward graph
+    in the same order, so the re-gathers match across ranks."""
+
+    def pack(t):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+            return t
+        hit = saved.get(t.untyped_storage().data_ptr())
+        if hit is None or hit[0].dtype != t.dtype:
+            return t
+        return _Resharded(hit[0], hit[1], group, (tuple(t.size()), tuple(t.stride()), t.storage_offset()))
+
+    def unpack(p):
+        if not isinstance(p, _Resharded):
+            return p
+        x = p.shard.detach().movedim(p.dim, 0).contiguous()
+        full = _autodiff._done(_autodiff._all_gather_dim0()(x, 0, p.group))  # laid out as `_unpack`'s copy
+        return full.as_strided(*p.view)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -30,7 +30,7 @@ import numbers
 import torch
 
 import sharding
-from sharding.internal import like, refuse_fsdp
+from sharding.internal import gather_dims, like, refuse_fsdp
 from sharding.tree import copy_path, flatten, map_tree
 
 from ..params import Params
@@ -103,12 +103,17 @@ def _parallel_axes(config, sizes: tuple) -> tuple[dict[str, str], dict[str, str]
     plan = flatten(sharding.plan(config, dict(sizes)))
     column, row = {}, {}
     for m, _, _ in config.modules:
-        a, b = plan[f"{m}.lora_A.weight"], plan[f"{m}.lora_B.weight"]
+        a, b = (_tp_part(plan[f"{m}.lora_{f}.weight"]) for f in "AB")
         if isinstance(b, sharding.Shard):
             column[m] = b.axis
         if isinstance(a, sharding.Shard) and a.dim == 1:
             row[m] = a.axis
     return column, row
+
+
+def _tp_part(placement):
+    """A placement's split before fsdp's (`sharding.FullyShard.inner`), or the placement."""
+    return placement.inner if isinstance(placement, sharding.FullyShard) else placement
 
 
 def _mesh_axes(config) -> tuple[dict[str, str], dict[str, str]]:
@@ -132,15 +137,28 @@ def _dora_factor(ad: Adapter, m: str, weight: torch.Tensor, s, axis) -> torch.Te
     return ad.magnitude(m) / weight_norm(weight, A, B, s, axis)
 
 
-def attach(params: Params, pairs, batch: int | None = None) -> Params:
+def attach(params: Params, pairs, batch: int | None = None, fsdp_dims: dict | None = None) -> Params:
     """``params`` (local view) whose adapted layer dicts carry ``"lora": ((A, B, s, bias,
     g[, rows]), ...)``, ``s`` = the caller's scale x the module's ``alpha / rank``, ``bias`` the
     ``lora_B`` bias or None, ``g`` the DoRA factor or None; nothing is copied but the
     dicts on the way to each adapted layer. An ``(adapter, scale, rows)`` triple (rows of
     a batch of ``batch``) adds ``rows = (index, n)``: this rank's rows (`local_rows`) as an
-    index tensor into its ``n`` batch rows; an adapter with none of them is not attached."""
+    index tensor into its ``n`` batch rows; an adapter with none of them is not attached.
+
+    Fully sharded adapters (an "fsdp" axis on the bound mesh): the factors attached are this
+    rank's shards, and ``fsdp_dims`` (a dict) receives ``{path: fsdp dim}`` of each, its path
+    through the tuple (``"<module>.lora.<entry>.<0: A, 1: B, 3: bias>"``), for ``fd.apply`` to
+    gather them with their block's weights (`sharding.internal.wrap_tree`'s ``extra``)."""
     tree = dict(params.tree)
+    mesh = sharding.current_mesh()
+    fsdp = mesh is not None and sharding.axis_size("fsdp") > 1
     for ad, scale, *rows in pairs:
+        if fsdp and ad.config.use_dora:
+            raise ValueError(
+                "lora: a DoRA adapter (use_dora=True) is not supported with fully sharded params (an fsdp mesh "
+                "axis) yet (its row norm needs whole weight rows); use a mesh without fsdp"
+            )
+        dims = gather_dims(ad.config, mesh) if fsdp else {}
         rows = local_rows(rows[0], batch) if rows else None
         if rows == ():
             continue
@@ -154,6 +172,10 @@ def attach(params: Params, pairs, batch: int | None = None) -> Params:
             g = _dora_factor(ad, m, node["weight"], s, row.get(m))
             if m in column:
                 A = _replicated_input(A, column[m])
+            entry = len(node.get(LORA, ()))
+            for j, leaf in ((0, "lora_A.weight"), (1, "lora_B.weight"), (3, "lora_B.bias")):
+                if f"{m}.{leaf}" in dims and fsdp_dims is not None:
+                    fsdp_dims[f"{m}.{LORA}.{entry}.{j}"] = dims[f"{m}.{leaf}"]
             node[LORA] = node.get(LORA, ()) + ((A, B, s, ad.bias(m), g, *index),)
     return Params(params.config, tree)  # not .replace: the tree now holds (A, B, s, bias, g) tuples, not only tensors
 

@@ -21,7 +21,6 @@ from collections.abc import Mapping
 import torch
 
 import sharding
-from sharding.internal import refuse_fsdp
 from sharding.tree import flatten, nest
 from weights.internal import read_tensors
 
@@ -302,9 +301,6 @@ def load(path, params, mesh=None, dtype=None, device=None) -> Adapter:
     if dtype is not None or device is not None:
         ad = ad.replace(nest({k: v.to(device=device, dtype=dtype) for k, v in ad.flat().items()}))
     if mesh is None and isinstance(params, Params):
-        refuse_fsdp(
-            params, "LoRA adapters (lora.load onto sharded params)", "load it unsharded and merge before sharding"
-        )
         _, mesh = sharding.local_view(params)
     return ad if mesh is None else sharding.shard_params(ad, mesh)
 
