@@ -114,6 +114,8 @@ def _pixels(b64: str) -> np.ndarray:
 
 
 def _reference(env, prompts, seeds, steps, lora_lists=None, **kw) -> list[np.ndarray]:
+    # fd.sample of several prompts in one call: only for requests without a step cache (a
+    # cache decides per call; a served image decides alone: `_cache_items`)
     """fd.sample's uint8 images (its "np" output rounded as PIL images are)."""
     lists = None
     if lora_lists is not None and any(lora_lists):
@@ -183,6 +185,52 @@ def test_a_request_arriving_mid_batch_joins_it(env):
     _close(_pixels(second.json()["data"][0]["b64_json"]), _reference(env, ["short"], [3], 2)[0])
 
 
+CACHES = ["fbcache:0.8", "magcache:0.3", "taylorseer:interval=2,warmup=1,order=1", "fbcache:1.2"]
+
+
+def test_per_request_caches_join_a_no_cache_batch_and_equal_fd_sample_alone(env):
+    """A no-cache request runs (a raw socket, closed at the end: it leaves at the next
+    step); four requests with step caches, sent by the openai client, join its batch
+    (the joined counter) and each equals fd.sample of it alone with that cache."""
+    import openai
+
+    server = env["a"]
+    before = server.metrics()
+    anchor = socket.create_connection(("127.0.0.1", server.port))
+    body = json.dumps(dict(prompt="anchor", steps=10**6)).encode()
+    head = "POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    anchor.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    try:
+        end = time.monotonic() + 120
+        while server.metrics()["fd_serve_step_seconds_count"] < before["fd_serve_step_seconds_count"] + 1:
+            assert time.monotonic() < end, "the anchor request never ran"
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        got = [None] * len(CACHES)
+
+        def send(i):
+            extra = {"seed": 20 + i, "steps": 5, "cache": CACHES[i]}
+            if i == 3:  # two branches, each deciding alone
+                extra |= {"true_cfg": 2.0, "negative_prompt": "dim"}
+            got[i] = client.images.generate(model="flux", prompt=f"cached {i}", size="32x32", extra_body=extra)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(CACHES))]
+        [t.start() for t in threads]
+        [t.join(300) for t in threads]
+    finally:
+        anchor.close()
+    skipped = 0
+    for i, spec in enumerate(CACHES):
+        run = fd.CacheRun(spec)
+        kw = dict(true_cfg=2.0, negative_prompt="dim") if i == 3 else {}
+        want = _reference(env, [f"cached {i}"], [20 + i], 5, cache=run, **kw)[0]
+        _close(_pixels(got[i].data[0].b64_json), want)
+        skipped += run.skipped()
+    after = server.metrics()
+    assert skipped >= 4 and after["fd_serve_cache_skipped_total"] - before["fd_serve_cache_skipped_total"] == skipped
+    assert after["fd_serve_joined_running_batch_total"] >= before["fd_serve_joined_running_batch_total"] + 4
+
+
 @pytest.mark.parametrize(
     "body, field",
     [
@@ -197,7 +245,10 @@ def test_a_request_arriving_mid_batch_joins_it(env):
         (dict(prompt="word " * 100), "prompt"),
         (dict(prompt=""), "prompt"),
         (dict(prompt="x", response_format="url"), "response_format"),
-        (dict(prompt="x", cache="fbcache:0.1"), "cache"),
+        (dict(prompt="x", cache="fbcache:x"), "cache"),
+        (dict(prompt="x", cache="bogus"), "cache"),
+        (dict(prompt="x", cache=5), "cache"),
+        (dict(prompt="x", cache="fastercache:skip=2"), "cache"),
         (dict(prompt="x", colour="red"), "colour"),
     ],
 )

@@ -22,7 +22,7 @@ import dataclasses
 import threading
 import time
 
-from ..pipelines import sampling
+from ..pipelines import _cache_items, sampling
 
 
 class QueueFull(Exception):
@@ -57,6 +57,7 @@ class Metrics:
         self.step_seconds = 0.0
         self.last_step_seconds = 0.0
         self.joined = 0  # images that joined a batch already running (mid-batch arrivals)
+        self.cache_skipped = 0  # branch-steps of finished images whose step cache skipped blocks
         self.recent = collections.deque()  # finish times of recent images, for images/s
         self.started = time.monotonic()
 
@@ -230,6 +231,7 @@ class Engine:
         for it, img in zip(done.items, images):
             job, j = it.tag
             self.metrics.images += 1
+            self.metrics.cache_skipped += _cache_items.skipped(it.cache_state)
             self.metrics.recent.append(now)
             job.images[j], job.left = img, job.left - 1
             if job.left == 0:
