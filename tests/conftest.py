@@ -31,6 +31,8 @@ SLOW_FIRST = (
     "test_layerwise_casting.py::test_shard_params_keeps_fp8_storage",
     "test_fsdp.py::test_fsdp_equals_one_process",
     "test_serve_tp.py::test_tp2_server_answers_and_a_killed_rank_is_a_503_and_a_nonzero_exit",
+    "test_serve_tp.py::test_dp2_groups_run_concurrent_requests_and_a_killed_rank_is_a_503",
+    "test_serve_tp.py::test_sp2_server_with_a_step_cache_answers_and_a_killed_rank_is_a_503",
     "test_grad_sharded.py::test_compiled_backward_equals_eager",
     "test_dcp.py::test_dcp_save_tp2_load_on_1_rank_tp2_and_tp2_sp2",
     "test_compile.py::test_sharded_compile_has_zero_graph_breaks",

@@ -113,10 +113,14 @@ def run(args) -> int:
         raise CLIError(f"--request-timeout: expected a positive number of seconds, got {args.request_timeout}")
     mesh = _mesh(args)
     params, pipe = load_model(args.model, args.base)
+    group, leader = 0, True
     if mesh is not None:
         import sharding
 
-        params = sharding.shard_params(params, mesh)
+        group, leader = mesh.get_local_rank("dp"), mesh.get_local_rank("sp") == mesh.get_local_rank("tp") == 0
+        inner = mesh[("sp", "tp")]  # this dp group's ranks: its batches never meet another group's
+        if inner.size() > 1:
+            params = sharding.shard_params(params, inner)
     engine = _engine.Engine(params, pipe, load_adapters(args.lora, params), max_batch=args.max_batch,
                             max_queue=args.max_queue)  # fmt: skip
     limits = dict(n=args.max_images, multiple=pipe.vae_scale_factor * 2, max_size=args.max_size,
@@ -127,8 +131,10 @@ def run(args) -> int:
     except _app.BadRequest as e:
         raise CLIError(f"--size/--steps: {e}") from None
     rank = 0 if mesh is None else torch.distributed.get_rank()
-    if mesh is not None:  # every rank runs rank 0's turns (`functional_dit.serve._ranks`)
-        engine.sync, engine.heartbeat = _ranks.sync(service, rank), 1.0
+    if mesh is not None:  # every rank runs its group's share of rank 0's turns (`functional_dit.serve._ranks`)
+        ranks = _ranks.Ranks(service, rank, group, args.dp, leader)
+        engine.sync, engine.heartbeat, engine.group = ranks.sync, 1.0, group
+        engine.others = ranks if rank == 0 and args.dp > 1 else None
     if rank != 0:
         return _ranks.follow(engine)
     service.journal = _journal.Journal(args.journal) if args.journal else None
@@ -140,14 +146,17 @@ def run(args) -> int:
 
 
 def _mesh(args):
-    """A tp mesh under torchrun (``--tp`` = WORLD_SIZE), else None."""
+    """The dp x sp x tp mesh under torchrun (``--dp * --sp * --tp`` = WORLD_SIZE), else None."""
     from ..cli import CLIError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.tp != world:
-        raise CLIError(f"--tp: expected torchrun's WORLD_SIZE ({world}), got {args.tp}")
+    if args.dp * args.sp * args.tp != world:
+        raise CLIError(
+            f"--dp/--sp/--tp: expected dp*sp*tp = torchrun's WORLD_SIZE ({world}), "
+            f"got {args.dp}*{args.sp}*{args.tp} = {args.dp * args.sp * args.tp}"
+        )
     if world == 1:
         return None
     import sharding
 
-    return sharding.make_mesh(tp=args.tp, timeout=args.rank_timeout)
+    return sharding.make_mesh(tp=args.tp, sp=args.sp, dp=args.dp, timeout=args.rank_timeout)

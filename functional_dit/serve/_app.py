@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from ..pipelines import _cache_items, sampling
-from . import _engine
+from . import _engine, _ranks
 
 FIELDS = {"model", "prompt", "n", "size", "response_format", "user", "quality", "style"}
 FIELDS |= {"seed", "steps", "guidance", "true_cfg", "negative_prompt", "lora", "cache"}
@@ -279,8 +279,9 @@ def _prometheus(engine) -> str:
         "# TYPE fd_serve_last_step_seconds gauge",
         f"fd_serve_last_step_seconds {m.last_step_seconds:.6g}",
         "# TYPE fd_serve_cache_skipped_total counter",
-        f"fd_serve_cache_skipped_total {m.cache_skipped}",
+        f"fd_serve_cache_skipped_total {m.cache_skipped + (engine.others.cache_skipped() if engine.others else 0)}",
         "# TYPE fd_serve_requests_total counter",
     ]
     lines += [f'fd_serve_requests_total{{status="{s}"}} {n}' for s, n in sorted(m.requests.items())]
+    lines += _ranks.groups_metric(m.groups)
     return "\n".join(lines) + "\n"
