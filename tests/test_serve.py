@@ -32,6 +32,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import functional_dit as fd
@@ -323,6 +324,30 @@ def test_sigterm_drains_and_exits_0(env):
     events = [json.loads(line) for line in open(env["journal"])]
     last = [e for e in events if e.get("body", {}).get("prompt") == "last"]
     assert len(last) == 1 and {"event": "done", "id": last[0]["id"], "status": 200} in events
+
+
+def test_model_names_resolve_as_generate_does(env, capsys):
+    """``--model`` takes generate's names: ``tiny:KIND`` is the tiny pipeline at seed 0
+    (the same weights as ``flux``), a bare preset name the released model; an unknown tiny
+    kind, a missing preset and a pipeline the per-item sampler does not run are one-line
+    errors naming ``--model``."""
+    import torch.utils._pytree as pytree
+    from _cli import one_line_error
+
+    from functional_dit import serve
+
+    params, pipe = serve.load_model("tiny:flux")
+    assert type(pipe).__name__ == "FluxPipeline"
+    assert all(
+        torch.equal(a, b) for a, b in zip(pytree.tree_leaves(params.tree), pytree.tree_leaves(env["params"].tree))
+    )
+    for name, says in (
+        ("tiny:nope", "tiny:KIND"),
+        ("qwen-image", "preset 'qwen-image'"),
+        ("flux-kontext", "text to image"),
+    ):
+        err = one_line_error(["serve", "--model", name, "--port", "1"], capsys)
+        assert "--model" in err and says in err, err
 
 
 def test_resume_journal_reruns_unfinished_requests(env, tmp_path):

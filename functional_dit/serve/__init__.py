@@ -16,27 +16,27 @@ import time
 
 
 def load_model(spec: str, base: str | None = None, dtype=None):
-    """(params, pipe) for ``--model``: a name of `functional_dit.tiny`'s pipelines (the
-    tiny offline model at its default seed), or a checkpoint / preset as ``generate``
-    resolves it (`functional_dit.cli.generate.resolve`)."""
-    import torch
-
-    import functional_dit as fd
-    from functional_dit import tiny
-
-    if spec in tiny.KINDS and not os.path.exists(spec):
-        pipe = tiny.pipeline(spec)
-        return fd.from_diffusers(pipe.transformer), pipe
+    """(params, pipe) for ``--model``: every name ``generate`` takes, resolved by its own
+    functions — a tiny pipeline name (``flux``, ``tiny:qwen-image``, ...: the offline model
+    at seed 0, `functional_dit.cli._models`), or a checkpoint / preset
+    (`functional_dit.cli.generate.resolve`, ``base`` for a transformer-only file)."""
     import argparse
 
+    import torch
+
+    from ..cli import generate
+
+    dtype = dtype or torch.float32
+    args = argparse.Namespace(model=spec, base=base, config=None)
+    tiny = generate._tiny_name(args)
+    if tiny is not None:
+        pipe, params = generate._load_tiny(tiny, None, "cpu", dtype)
+        return params, pipe
     import diffusers
 
     import weights
 
-    from ..cli import generate
-
-    model, folder, config = generate.resolve(argparse.Namespace(model=spec, base=base, config=None))
-    dtype = dtype or torch.float32
+    model, folder, config = generate.resolve(args)
     pipe = diffusers.DiffusionPipeline.from_pretrained(folder, transformer=None, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     return weights.load(model, config=config, dtype=dtype), pipe
@@ -121,8 +121,11 @@ def run(args) -> int:
         inner = mesh[("sp", "tp")]  # this dp group's ranks: its batches never meet another group's
         if inner.size() > 1:
             params = sharding.shard_params(params, inner)
-    engine = _engine.Engine(params, pipe, load_adapters(args.lora, params), max_batch=args.max_batch,
-                            max_queue=args.max_queue)  # fmt: skip
+    adapters = load_adapters(args.lora, params)
+    try:
+        engine = _engine.Engine(params, pipe, adapters, max_batch=args.max_batch, max_queue=args.max_queue)
+    except ValueError as e:  # a model the per-item sampler does not run (image inputs, FLUX.3, ...)
+        raise CLIError(f"--model {args.model}: {e}") from None
     limits = dict(n=args.max_images, multiple=pipe.vae_scale_factor * 2, max_size=args.max_size,
                   max_sequence_length=args.max_sequence_length)  # fmt: skip
     service = _app.Service(engine, args.model, defaults=dict(steps=args.steps, size=args.size), limits=limits)
