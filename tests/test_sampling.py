@@ -66,7 +66,8 @@ def test_items_at_different_steps_with_different_adapters_equal_each_alone(flux)
 
 def test_items_with_their_own_step_caches_equal_each_alone_with_that_cache(flux):
     """Per-item caches in one batch (FBC, MagCache with CFG and LoRA, TaylorSeer with
-    LoRA, none), the first two items one step ahead: each image and each step's decisions
+    LoRA, none; attention-level: TaylorSeer on the attention modules, FasterCache with CFG
+    and LoRA), the first two items one step ahead: each image and each step's decisions
     equal ``fd.sample`` of that request alone with its cache (a `CacheRun` keeps them)."""
     params, pipe, a, _ = flux
     R = lambda *args, **kw: sampling.Request(*args, max_sequence_length=MSL, **kw)  # noqa: E731
@@ -75,6 +76,18 @@ def test_items_with_their_own_step_caches_equal_each_alone_with_that_cache(flux)
         R("a blue dog", 32, 32, 5, seed=2),
         R("the sun", 32, 32, 5, seed=3, cache="magcache:0.3", true_cfg=2.0, negative_prompt="dark", lora=((a, 0.5),)),
         R("a tree", 32, 32, 6, seed=4, cache="taylorseer:interval=2,warmup=1,order=1", lora=((a, 1.0),)),
+        R("a boat", 32, 32, 5, seed=5, cache="taylorseer:interval=2,warmup=1,order=1,attention=1"),
+        R(
+            "a cloud",
+            32,
+            32,
+            5,
+            seed=6,
+            cache="fastercache:skip=2",
+            true_cfg=2.0,
+            negative_prompt="x",
+            lora=((a, 0.5),),
+        ),
     ]
     ctx = sampling.context(params, pipe)
     state = sampling.step(params, sampling.init(params, ctx, reqs[:2]))
@@ -92,7 +105,7 @@ def test_items_with_their_own_step_caches_equal_each_alone_with_that_cache(flux)
         if run is not None:
             assert it.cache_state.log == run.decisions, it.request.prompt
             skipped += run.skipped()
-    assert skipped >= 3 * 2, "every cache must have skipped some steps, or the test shows nothing"
+    assert skipped >= 5 * 2, "every cache must have skipped some steps, or the test shows nothing"
 
 
 def test_merge_refuses_another_size_and_bad_requests_name_the_field(flux):
@@ -109,7 +122,7 @@ def test_merge_refuses_another_size_and_bad_requests_name_the_field(flux):
         (sampling.Request("x", 32, 32, 1, lora=(("not an adapter", 1.0),)), "lora"),
         (sampling.Request("x", 32, 32, 1, cache="bogus:1"), "cache"),
         (sampling.Request("x", 32, 32, 1, cache="fbcache:-1"), "threshold"),
-        (sampling.Request("x", 32, 32, 1, cache="fastercache:skip=2"), "cache"),
+        (sampling.Request("x", 32, 32, 1, cache="taylorseer:interval=0"), "cache_interval"),
     ]:
         with pytest.raises(ValueError, match=field):
             sampling.check(ctx, params, bad)

@@ -26,15 +26,18 @@ What is saved: every block of a MagCache / TaylorSeer row that skips, and every 
 after the first of an FBC row that skips. What is not: the embedders, modulations and
 final layer of skipping rows (cheap, all rows), and, with per-row LoRA and some rows
 skipping, the embedders once more for the computing subset. The attention-level caches
-(TaylorSeer on attention modules, FasterCache) hook inside every block and are not served
-per item: `config` refuses them. Meshes: sp, ring, tp; not dp (a dp mesh splits the batch
-across ranks, whose items then decide apart: `step` refuses it).
+(TaylorSeer on attention modules, FasterCache) run every block for their rows and decide
+per item at each attention module (`_Attention`): the module runs for the call's rows
+when any of them computes (reusing rows then take their own values: compute not saved),
+and not at all when every row reuses. Meshes: sp, ring, tp; not dp (a dp mesh splits the
+batch across ranks, whose items then decide apart: `step` refuses it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import types
 
 import torch
@@ -49,8 +52,6 @@ from ..nn import kernels as _kernels
 from . import _stages
 from . import cache as _cache
 
-SUPPORTED = (_cache.FirstBlockCache, _cache.MagCache, _cache.TaylorSeer)
-
 
 def config(cache, steps: int):
     """The item's cache config, or None for none (None, "" or "none"): a spec string or a
@@ -59,11 +60,8 @@ def config(cache, steps: int):
     if cache is None or (isinstance(cache, str) and cache in ("", "none")):
         return None
     c = _cache.check(cache)
-    if _cache.attention_level(c):
-        raise ValueError(
-            f"cache: expected fbcache, magcache or taylorseer on the model output per item; the attention-level "
-            f"{_cache.label(c)!r} is fd.sample's only"
-        )
+    if isinstance(c, _cache.FasterCache) and c.timestep is not None:
+        raise ValueError("cache: a FasterCache with its own timestep() is fd.sample's only; expected timestep=None")
     if isinstance(c, _cache.MagCache) and c.num_inference_steps is None:
         c = dataclasses.replace(c, num_inference_steps=steps)
     return c
@@ -121,15 +119,19 @@ class _Batch:
         ins = {k: pick(v) if k in self.fam.BATCHED and v is not None else v for k, v in self.inputs.items()}
         return _stages.STAGES[self.fam](p, pick(self.x), pick(self.t), pick(self.txt), **ins)
 
-    def run(self, streams: tuple, idx: tuple, blocks: slice) -> tuple:
-        """``blocks`` of the stack on rows ``idx`` whose streams are ``streams``."""
+    def run(self, streams: tuple, idx: tuple, blocks: slice, hooks=None) -> tuple:
+        """``blocks`` of the stack on rows ``idx`` whose streams are ``streams``;
+        ``hooks(idx)``: the attention hooks for those rows (`_Attention`), or None."""
         if len(idx) == self.B:
-            return self.all.run(streams, self.all.blocks[blocks])
-        if not any(len(e) > 2 for e in self.lora):  # no per-row LoRA: the rows' ctx suffices
+            s, ctx = self.all, self.all.ctx
+        elif not any(len(e) > 2 for e in self.lora):  # no per-row LoRA: the rows' ctx suffices
             s = self.all
-            return s.run(streams, s.blocks[blocks], s.take(torch.tensor(idx, device=self.x.device)))
-        s = self.stages(idx)
-        return s.run(streams, s.blocks[blocks], s.ctx)
+            ctx = s.take(torch.tensor(idx, device=self.x.device))
+        else:
+            s = self.stages(idx)
+            ctx = s.ctx
+        attn = None if hooks is None else hooks(idx)
+        return s.run(streams, s.blocks[blocks], ctx if not attn else dict(ctx, attn=attn))
 
 
 def _sub_lora(lora, idx: tuple) -> list:
@@ -161,14 +163,16 @@ def _step(b: _Batch, configs: list, states: list, rows: list):
     for k, c in enumerate(configs):
         if isinstance(c, _cache.MagCache):
             pre[k], new[k] = _cache._mag_decide(c, states[k])
-        elif isinstance(c, _cache.TaylorSeer):
+        elif isinstance(c, _cache.TaylorSeer) and c.modules is None:
             i, pre[k] = _cache._taylor_schedule(c, states[k])
             if not pre[k] and states[k].last is None:
                 raise ValueError(f"cache: {c} would predict step {i} before any computed step")
     active = tuple(r for r in range(b.B) if pre.get(owner[r], True))
+    attention = _Attention(b, configs, states, rows, first, owner)
+    hooks = attention.hooks if attention.items else None
     img1 = r0 = head = None
     if active:
-        head = b.run(_take(s.streams, list(active), b.B), active, slice(0, 1))
+        head = b.run(_take(s.streams, list(active), b.B), active, slice(0, 1), hooks)
         img1 = s.image(head)
         r0 = img1 - img0.index_select(0, torch.tensor(active, device=img0.device))
     decide = _fbc_decisions(configs, states, rows, first, active, r0, s.seq)
@@ -176,10 +180,11 @@ def _step(b: _Batch, configs: list, states: list, rows: list):
     rest = None
     if computes:
         pos = [active.index(r) for r in computes]
-        rest = s.image(b.run(_take(head, pos, len(active)), computes, slice(1, None)))
+        rest = s.image(b.run(_take(head, pos, len(active)), computes, slice(1, None), hooks))
     img = _assemble(configs, states, owner, first, img0, img1, rest, active, computes)
     out = s.final(img, s.ctx)
     out = _finish(configs, states, new, rows, first, pre, decide, out, img, img0, img1, r0, rest, active, computes)
+    attention.finish(out[1], out[0])
     return sharding.gather(out[0], "sp", 1, b.x.shape[1]), out[1]
 
 
@@ -243,7 +248,7 @@ def _finish(configs, states, new, rows, first, pre, decide, out, img, img0, img1
                 st = st._replace(residual=img[sl] - img0[sl])
             st = st._replace(step=st.step + 1, log=st.log + ((pre[k],) * rows[k],))
             new[k] = _cache.MagState(log=st.log) if st.step >= c.num_inference_steps else st
-        elif isinstance(c, _cache.TaylorSeer):
+        elif isinstance(c, _cache.TaylorSeer) and c.modules is None:
             i, log = states[k].step + 1, st.log + ((pre[k],) * rows[k],)
             if pre[k]:
                 factors = _cache._taylor_update(c, st.factors, st.last, outs[k], i)
@@ -252,3 +257,114 @@ def _finish(configs, states, new, rows, first, pre, decide, out, img, img0, img1
                 outs[k] = _cache._taylor_predict(st.factors, i - st.last, st.dtype)
                 new[k] = st._replace(step=i, log=log)
     return torch.cat(outs), new
+
+
+class _Attention:
+    """The attention-level caches of the batch (TaylorSeer with ``modules``, FasterCache):
+    every block runs for their rows, and at each hooked attention module each item
+    computes or reuses by its own decision. The module runs once for the rows of the call
+    whenever any of them computes (its skipping rows' outputs are then replaced by their
+    own extrapolation: compute is not saved there); when every row reuses, it does not
+    run. `finish` writes each item's new state."""
+
+    def __init__(self, b: _Batch, configs, states, rows, first, owner):
+        self.owner, self.rows, self.first, self.configs, self.states = owner, rows, first, configs, states
+        self.items, s = {}, b.all
+        for k, c in enumerate(configs):
+            if isinstance(c, _cache.TaylorSeer) and c.modules is not None:
+                self.items[k] = self._taylor(c, states[k], s)
+            elif isinstance(c, _cache.FasterCache):
+                self.items[k] = self._faster(c, states[k], s, float(b.t[first[k]]) * 1000)
+
+    @staticmethod
+    def _taylor(c, st, s) -> dict:
+        i, compute = _cache._taylor_schedule(c, st)
+        skip = {n: any(re.fullmatch(p, n) for p in c.skip_modules) for n in s.attention}
+        names = [n for n in s.attention if skip[n] or any(re.fullmatch(p, n) for p in c.modules)]
+        _cache._require_modules(c, s, names)
+        if not compute and st.last is None:
+            raise ValueError(f"cache: {c} would predict step {i} before any computed step")
+        return dict(i=i, compute=compute, skip=skip, names=set(names), old=st.factors or {}, new=dict(st.factors or {}))
+
+    @staticmethod
+    def _faster(c, st, s, ts: float) -> dict:
+        hooked = c.block_skip_range is not None
+        names = [n for n in s.attention if hooked and any(re.search(p, n) for p in c.modules)]
+        if hooked:
+            _cache._require_modules(c, s, names)
+        low, high = c.timestep_skip_range
+        n = st.iteration
+        reuse = hooked and low < ts < high and not (n > 0 and n % c.block_skip_range == 0)
+        weight = c.weight if callable(c.weight) else (lambda _: c.weight)
+        old = st.outputs or {}
+        return dict(reuse=reuse, weight=weight, names=set(names), old=old, new=dict(old), computed=0)
+
+    def _reused(self, k: int, name: str):
+        """Item ``k``'s own output of module ``name`` this step, or None when it computes."""
+        e, c = self.items[k], self.configs[k]
+        if isinstance(c, _cache.FasterCache):
+            prev = e["old"].get(name)
+            if not e["reuse"] or prev is None:
+                return None
+            return tuple(t1 + (t1 - t2) * e["weight"](name) for t2, t1 in zip(*prev))
+        if e["compute"]:
+            return None
+        return _cache._module_predict(e["old"][name], e["i"] - self.states[k].last, e["skip"][name])
+
+    def _record(self, k: int, name: str, outs: tuple, computed: bool) -> None:
+        e, c = self.items[k], self.configs[k]
+        if isinstance(c, _cache.FasterCache):
+            prev = e["old"].get(name)
+            e["new"][name] = (outs, outs) if prev is None else (prev[1], outs)
+            e["computed"] += computed
+        elif computed:
+            st = self.states[k]
+            e["new"][name] = _cache._module_update(c, e["old"].get(name), st.last, outs, e["i"], e["skip"][name])
+
+    def hooks(self, idx: tuple) -> dict:
+        """{module name: hook} for a call over the rows ``idx``."""
+        names = set().union(*(e["names"] for e in self.items.values()))
+        return {n: self._hook(n, idx) for n in names}
+
+    def _hook(self, name: str, idx: tuple):
+        def run(module):
+            mine = {}  # item -> its positions in idx
+            for p, r in enumerate(idx):
+                mine.setdefault(self.owner[r], []).append(p)
+            users = [k for k in mine if k in self.items and name in self.items[k]["names"]]
+            reused = {k: self._reused(k, name) for k in users}
+            everyone = len(users) == len(mine) and all(v is not None for v in reused.values())
+            outs = None if everyone else _cache._wrap(module())
+            parts = []
+            for k, pos in mine.items():
+                if k not in users:
+                    continue
+                if reused[k] is None:
+                    own = tuple(o.index_select(0, torch.tensor(pos, device=o.device)) for o in outs)
+                    self._record(k, name, own, True)
+                else:
+                    self._record(k, name, reused[k], False)
+                    parts.append((pos, reused[k]))
+            if outs is None:  # every row reuses: its items' rows, in order
+                order = [k for k in mine]
+                return _cache._unwrap(
+                    tuple(torch.cat([reused[k][j] for k in order]) for j in range(len(reused[order[0]])))
+                )
+            for pos, vals in parts:
+                i = torch.tensor(pos, device=outs[0].device)
+                outs = tuple(o.index_copy(0, i, v.to(o.dtype)) for o, v in zip(outs, vals))
+            return _cache._unwrap(outs)
+
+        return run
+
+    def finish(self, new: list, out: torch.Tensor) -> None:
+        """Each attention-level item's new state (in ``new``)."""
+        for k, e in self.items.items():
+            c, st, n = self.configs[k], self.states[k], self.rows[k]
+            if isinstance(c, _cache.FasterCache):
+                log = st.log + ((e["computed"] == len(e["names"]),) * n,)
+                new[k] = _cache.FasterState(st.iteration + 1, e["new"], log)
+            else:
+                log = st.log + ((e["compute"],) * n,)
+                last = e["i"] if e["compute"] else st.last
+                new[k] = _cache.TaylorState(e["i"], last, e["new"], log, out.dtype)
