@@ -19,6 +19,7 @@ Every wait is bounded; the servers are stopped by the fixture.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -167,21 +168,34 @@ def test_16_concurrent_mixed_requests_all_correct(env):
             _close(_pixels(got[i].json()["data"][0]["b64_json"]), w)
 
 
+@contextlib.contextmanager
+def _anchor(server, before: dict):
+    """A request of 10**6 steps (never done, on any machine) sent on a raw socket, running
+    (two steps taken) on entry; the socket is closed on exit, so it leaves at the next
+    step. Whatever is sent meanwhile joins a running batch, however fast or loaded the
+    machine (a 2,000-step first request finished too early unloaded and took over 300 s
+    at load 9 on 2 cores)."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    body = json.dumps(dict(prompt="anchor", steps=10**6)).encode()
+    head = "POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    try:
+        end = time.monotonic() + 120
+        while server.metrics()["fd_serve_step_seconds_count"] < before["fd_serve_step_seconds_count"] + 2:
+            assert time.monotonic() < end, "the anchor request never ran two steps"
+            time.sleep(0.05)
+        yield
+    finally:
+        sock.close()
+
+
 def test_a_request_arriving_mid_batch_joins_it(env):
     server = env["a"]
     before = server.metrics()
-    first = {}
-    # long enough to be still running when the second arrives, however fast the machine (12 was not, unloaded)
-    t = threading.Thread(target=lambda: first.update(r=server.post(dict(prompt="long", steps=2000), timeout=300)))
-    t.start()
-    end = time.monotonic() + 120
-    while server.metrics()["fd_serve_step_seconds_count"] < before["fd_serve_step_seconds_count"] + 2:
-        assert time.monotonic() < end and t.is_alive(), "the first request never ran two steps"
-        time.sleep(0.05)
-    second = server.post(dict(prompt="short", steps=2, seed=3), timeout=300)
-    t.join(300)
+    with _anchor(server, before):
+        second = server.post(dict(prompt="short", steps=2, seed=3), timeout=300)
     after = server.metrics()
-    assert first["r"].status_code == 200 and second.status_code == 200
+    assert second.status_code == 200
     assert after["fd_serve_joined_running_batch_total"] >= before["fd_serve_joined_running_batch_total"] + 1
     _close(_pixels(second.json()["data"][0]["b64_json"]), _reference(env, ["short"], [3], 2)[0])
 
@@ -190,22 +204,13 @@ CACHES = ["fbcache:0.8", "magcache:0.3", "taylorseer:interval=2,warmup=1,order=1
 
 
 def test_per_request_caches_join_a_no_cache_batch_and_equal_fd_sample_alone(env):
-    """A no-cache request runs (a raw socket, closed at the end: it leaves at the next
-    step); four requests with step caches, sent by the openai client, join its batch
+    """A no-cache request runs (`_anchor`); four requests with step caches, sent by the openai client, join its batch
     (the joined counter) and each equals fd.sample of it alone with that cache."""
     import openai
 
     server = env["a"]
     before = server.metrics()
-    anchor = socket.create_connection(("127.0.0.1", server.port))
-    body = json.dumps(dict(prompt="anchor", steps=10**6)).encode()
-    head = "POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    anchor.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    try:
-        end = time.monotonic() + 120
-        while server.metrics()["fd_serve_step_seconds_count"] < before["fd_serve_step_seconds_count"] + 1:
-            assert time.monotonic() < end, "the anchor request never ran"
-            time.sleep(0.05)
+    with _anchor(server, before):
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         got = [None] * len(CACHES)
 
@@ -218,8 +223,6 @@ def test_per_request_caches_join_a_no_cache_batch_and_equal_fd_sample_alone(env)
         threads = [threading.Thread(target=send, args=(i,)) for i in range(len(CACHES))]
         [t.start() for t in threads]
         [t.join(300) for t in threads]
-    finally:
-        anchor.close()
     skipped = 0
     for i, spec in enumerate(CACHES):
         run = fd.CacheRun(spec)
