@@ -3,6 +3,8 @@ and guidance, in one batch; each image equals ``fd.sample`` of that request alon
 
 The oracle is ``fd.sample`` (itself tested against the stock pipelines). The tiny FLUX.1
 pipeline, 32x32 images, a 32-token text limit: a few seconds of model time in all.
+Items with their own step caches (every method, with and without CFG and LoRA, and
+none) in one batch: each image and its decisions equal ``fd.sample`` alone with that cache.
 Also: ``step`` changes nothing it is given; ``merge`` refuses items of another size;
 a bad request raises naming its field before any encoder runs.
 """

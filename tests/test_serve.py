@@ -8,6 +8,9 @@ alone in this process: every image within 1 uint8 level per pixel.
 - the ``openai`` client's ``images.generate`` (extension fields in ``extra_body``);
 - 16 concurrent requests with mixed prompts, seeds, step counts and two LoRAs;
 - a request arriving while another runs joins its batch (``/metrics``' joined counter);
+- four requests with step caches (FBC, MagCache, TaylorSeer, FasterCache) join a no-cache
+  request's batch, each equal to ``fd.sample`` of it alone with that cache;
+- ``--model`` resolves names as ``generate`` does (``tiny:flux``; errors name ``--model``);
 - each bad input is a 400 naming its field; a full queue a 429 with Retry-After; clients
   that disconnect leave the batch (running and queued back to 0); a slow request a 504;
 - SIGTERM drains: 503 to new requests, the running one answered, exit status 0, the
