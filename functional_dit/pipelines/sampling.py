@@ -15,8 +15,9 @@ a running batch and take finished ones out between steps (`functional_dit.serve`
 
 Each item's image equals ``fd.sample`` of that request alone (tests/test_sampling.py;
 docs/serving.md gives the measured difference). Supported: the text-to-image pipelines of
-FLUX.1, FLUX.2 (dev, klein) and Qwen-Image; step caches and image inputs are ``fd.sample``'s
-alone for now (issue 35 moves ``fd.sample`` onto this module).
+FLUX.1, FLUX.2 (dev, klein) and Qwen-Image, each item with its own step cache
+(``Request.cache``: `_cache_items`, every item deciding alone); image inputs are
+``fd.sample``'s alone for now (issue 35 moves ``fd.sample`` onto this module).
 """
 
 from __future__ import annotations
