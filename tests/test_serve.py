@@ -1,8 +1,8 @@
 """``python -m functional_dit serve``: a live server on 127.0.0.1, driven as users drive it.
 
 Two servers of the tiny FLUX.1 pipeline start once for the module (32x32 images, a
-32-token text limit, two LoRA files): A (``--max-batch 4 --max-queue 16``) and B
-(``--request-timeout 30 --journal``). The oracle is ``fd.sample`` of the same request
+32-token text limit, two LoRA files): A (``--max-batch 4 --max-queue 16 --journal``) and
+B (``--request-timeout 30``). The oracle is ``fd.sample`` of the same request
 alone in this process: every image within 1 uint8 level per pixel.
 
 - the ``openai`` client's ``images.generate`` (extension fields in ``extra_body``);
@@ -13,8 +13,10 @@ alone in this process: every image within 1 uint8 level per pixel.
 - ``--model`` resolves names as ``generate`` does (``tiny:flux``; errors name ``--model``);
 - each bad input is a 400 naming its field; a full queue a 429 with Retry-After; clients
   that disconnect leave the batch (running and queued back to 0); a slow request a 504;
-- SIGTERM drains: 503 to new requests, the running one answered, exit status 0, the
-  journal holding it accepted and done; ``--resume-journal`` (in process) re-runs an
+- SIGTERM drains (server A, the last test to use it: its request timeout is the default
+  600 s, so a loaded machine's slow steps cannot turn the drained request into a 504):
+  503 to new requests, the running one answered, exit status 0, the journal holding it
+  accepted and done; ``--resume-journal`` (in process) re-runs an
   unfinished journal entry to the same image and fails one it cannot run, by name.
 Every wait is bounded; the servers are stopped by the fixture.
 """
@@ -104,8 +106,8 @@ def env(tmp_path_factory):
         lora.save(lora.init(params.config, rank=rank, alpha=8.0, seed=seed, zero_b=False), paths[name])
     loras = [f"--lora={n}={p}" for n, p in paths.items()]
     journal = os.path.join(tmp, "journal.jsonl")
-    a = Server(tmp, *loras, "--max-batch", "4", "--max-queue", "16")
-    b = Server(tmp, "--request-timeout", "30", "--journal", journal)
+    a = Server(tmp, *loras, "--max-batch", "4", "--max-queue", "16", "--journal", journal)
+    b = Server(tmp, "--request-timeout", "30")
     try:
         a.wait_up(), b.wait_up()
         adapters = {n: lora.load(p, params) for n, p in paths.items()}
@@ -306,14 +308,16 @@ STEPS_DRAIN = 150
 
 
 def test_sigterm_drains_and_exits_0(env):
-    server = env["b"]
+    server = env["a"]  # not b: 150 steps took over b's 30 s request timeout at load 8 on 2 cores
     end = time.monotonic() + 60
     while any(server.metrics()[k] for k in ("fd_serve_running_batch_size", "fd_serve_queue_depth")):
         assert time.monotonic() < end, "the server never went idle"  # an earlier test's request leaves first
         time.sleep(0.02)
     running = {}
     # enough steps to be still running when SIGTERM comes (3 finished between two polls, unloaded)
-    t = threading.Thread(target=lambda: running.update(r=server.post(dict(prompt="last", steps=STEPS_DRAIN, seed=9))))
+    t = threading.Thread(
+        target=lambda: running.update(r=server.post(dict(prompt="last", steps=STEPS_DRAIN, seed=9), timeout=600))
+    )
     t.start()
     while not server.metrics()["fd_serve_running_batch_size"]:
         assert time.monotonic() < end and t.is_alive(), "the request never ran"
@@ -323,7 +327,7 @@ def test_sigterm_drains_and_exits_0(env):
         assert time.monotonic() < end, "no drain"
         time.sleep(0.02)
     assert server.post(dict(prompt="late"), timeout=30).status_code == 503
-    t.join(120)
+    t.join(600)
     assert running["r"].status_code == 200
     assert server.proc.wait(60) == 0
     _close(_pixels(running["r"].json()["data"][0]["b64_json"]), _reference(env, ["last"], [9], STEPS_DRAIN)[0])
