@@ -47,7 +47,17 @@ def _torchrun(tmp_path, *flags):
     """A 2-rank server with ``flags`` (up and healthy), as (url, process)."""
     port = _port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "functional_dit", "serve"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "functional_dit",
+    ]
+    cmd += ["serve"]  # --standalone: a free rendezvous port (29500 is shared with any other torchrun)
     cmd += ["--model", "flux", *flags, "--port", str(port), "--steps", "2", "--size", "32x32"]
     cmd += ["--max-sequence-length", str(MSL), "--rank-timeout", "20"]
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
