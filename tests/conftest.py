@@ -33,6 +33,8 @@ SLOW_FIRST = (
     "test_train_lora.py::test_torchrun_fsdp2_learns_resumes_bitwise_and_writes_a_file_diffusers_loads",
     "test_fsdp_lora.py::test_lora_on_the_fly_fsdp2_tp2",
     "test_serve_tp.py::test_tp2_server_answers_and_a_killed_rank_is_a_503_and_a_nonzero_exit",
+    "test_serve_tp.py::test_dp2_groups_run_concurrent_requests_and_a_killed_rank_is_a_503",
+    "test_serve_tp.py::test_sp2_server_with_a_step_cache_answers_and_a_killed_rank_is_a_503",
     "test_grad_sharded.py::test_compiled_backward_equals_eager",
     "test_dcp.py::test_dcp_save_tp2_load_on_1_rank_tp2_and_tp2_sp2",
     "test_compile.py::test_sharded_compile_has_zero_graph_breaks",

@@ -3,6 +3,8 @@ and guidance, in one batch; each image equals ``fd.sample`` of that request alon
 
 The oracle is ``fd.sample`` (itself tested against the stock pipelines). The tiny FLUX.1
 pipeline, 32x32 images, a 32-token text limit: a few seconds of model time in all.
+Items with their own step caches (every method, with and without CFG and LoRA, and
+none) in one batch: each image and its decisions equal ``fd.sample`` alone with that cache.
 Also: ``step`` changes nothing it is given; ``merge`` refuses items of another size;
 a bad request raises naming its field before any encoder runs.
 """
@@ -30,11 +32,11 @@ def flux():
     return params, pipe, a, b
 
 
-def alone(params, pipe, r: sampling.Request):
+def alone(params, pipe, r: sampling.Request, run=None):
     return fd.sample(
         params, pipe, r.prompt, height=r.height, width=r.width, steps=r.steps, seed=r.seed, guidance=r.guidance,
         true_cfg=r.true_cfg, negative_prompt=r.negative_prompt, lora=list(r.lora) or None, output_type="np",
-        max_sequence_length=r.max_sequence_length,
+        max_sequence_length=r.max_sequence_length, cache=run,
     )[0]  # fmt: skip
 
 
@@ -64,6 +66,50 @@ def test_items_at_different_steps_with_different_adapters_equal_each_alone(flux)
         assert np.abs(img - ref).max() <= LEVEL, it.request.prompt
 
 
+def test_items_with_their_own_step_caches_equal_each_alone_with_that_cache(flux):
+    """Per-item caches in one batch (FBC, MagCache with CFG and LoRA, TaylorSeer with
+    LoRA, none; attention-level: TaylorSeer on the attention modules, FasterCache with CFG
+    and LoRA), the first two items one step ahead: each image and each step's decisions
+    equal ``fd.sample`` of that request alone with its cache (a `CacheRun` keeps them)."""
+    params, pipe, a, _ = flux
+    R = lambda *args, **kw: sampling.Request(*args, max_sequence_length=MSL, **kw)  # noqa: E731
+    reqs = [
+        R("a red cat", 32, 32, 5, seed=1, cache="fbcache:0.8"),  # 0.8: skips from step 2 on the tiny model
+        R("a blue dog", 32, 32, 5, seed=2),
+        R("the sun", 32, 32, 5, seed=3, cache="magcache:0.3", true_cfg=2.0, negative_prompt="dark", lora=((a, 0.5),)),
+        R("a tree", 32, 32, 6, seed=4, cache="taylorseer:interval=2,warmup=1,order=1", lora=((a, 1.0),)),
+        R("a boat", 32, 32, 5, seed=5, cache="taylorseer:interval=2,warmup=1,order=1,attention=1"),
+        R(
+            "a cloud",
+            32,
+            32,
+            5,
+            seed=6,
+            cache="fastercache:skip=2",
+            true_cfg=2.0,
+            negative_prompt="x",
+            lora=((a, 0.5),),
+        ),
+    ]
+    ctx = sampling.context(params, pipe)
+    state = sampling.step(params, sampling.init(params, ctx, reqs[:2]))
+    state = sampling.merge(state, sampling.init(params, ctx, reqs[2:]))
+    finished = []
+    while state.items:
+        done, state = sampling.split(sampling.step(params, state))
+        finished += done.items
+    images = sampling.decode(sampling.State(ctx, tuple(finished)), "np")
+    skipped = 0
+    for it, img in zip(finished, images):
+        run = None if it.request.cache is None else fd.CacheRun(it.request.cache)
+        ref = alone(params, pipe, it.request, run)
+        assert np.abs(img - ref).max() <= LEVEL, it.request.prompt
+        if run is not None:
+            assert it.cache_state.log == run.decisions, it.request.prompt
+            skipped += run.skipped()
+    assert skipped >= 5 * 2, "every cache must have skipped some steps, or the test shows nothing"
+
+
 def test_merge_refuses_another_size_and_bad_requests_name_the_field(flux):
     params, pipe, a, _ = flux
     ctx = sampling.context(params, pipe)
@@ -76,6 +122,9 @@ def test_merge_refuses_another_size_and_bad_requests_name_the_field(flux):
         (sampling.Request("x", 32, 32, 0), "steps"),
         (sampling.Request("x", 32, 32, 1, max_sequence_length=4096), "max_sequence_length"),
         (sampling.Request("x", 32, 32, 1, lora=(("not an adapter", 1.0),)), "lora"),
+        (sampling.Request("x", 32, 32, 1, cache="bogus:1"), "cache"),
+        (sampling.Request("x", 32, 32, 1, cache="fbcache:-1"), "threshold"),
+        (sampling.Request("x", 32, 32, 1, cache="taylorseer:interval=0"), "cache_interval"),
     ]:
         with pytest.raises(ValueError, match=field):
             sampling.check(ctx, params, bad)

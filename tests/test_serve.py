@@ -1,17 +1,22 @@
 """``python -m functional_dit serve``: a live server on 127.0.0.1, driven as users drive it.
 
 Two servers of the tiny FLUX.1 pipeline start once for the module (32x32 images, a
-32-token text limit, two LoRA files): A (``--max-batch 4 --max-queue 16``) and B
-(``--request-timeout 30 --journal``). The oracle is ``fd.sample`` of the same request
+32-token text limit, two LoRA files): A (``--max-batch 4 --max-queue 16 --journal``) and
+B (``--request-timeout 30``). The oracle is ``fd.sample`` of the same request
 alone in this process: every image within 1 uint8 level per pixel.
 
 - the ``openai`` client's ``images.generate`` (extension fields in ``extra_body``);
 - 16 concurrent requests with mixed prompts, seeds, step counts and two LoRAs;
 - a request arriving while another runs joins its batch (``/metrics``' joined counter);
+- four requests with step caches (FBC, MagCache, TaylorSeer, FasterCache) join a no-cache
+  request's batch, each equal to ``fd.sample`` of it alone with that cache;
+- ``--model`` resolves names as ``generate`` does (``tiny:flux``; errors name ``--model``);
 - each bad input is a 400 naming its field; a full queue a 429 with Retry-After; clients
   that disconnect leave the batch (running and queued back to 0); a slow request a 504;
-- SIGTERM drains: 503 to new requests, the running one answered, exit status 0, the
-  journal holding it accepted and done; ``--resume-journal`` (in process) re-runs an
+- SIGTERM drains (server A, the last test to use it: its request timeout is the default
+  600 s, so a loaded machine's slow steps cannot turn the drained request into a 504):
+  503 to new requests, the running one answered, exit status 0, the journal holding it
+  accepted and done; ``--resume-journal`` (in process) re-runs an
   unfinished journal entry to the same image and fails one it cannot run, by name.
 Every wait is bounded; the servers are stopped by the fixture.
 """
@@ -19,6 +24,7 @@ Every wait is bounded; the servers are stopped by the fixture.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -32,6 +38,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import functional_dit as fd
@@ -99,8 +106,8 @@ def env(tmp_path_factory):
         lora.save(lora.init(params.config, rank=rank, alpha=8.0, seed=seed, zero_b=False), paths[name])
     loras = [f"--lora={n}={p}" for n, p in paths.items()]
     journal = os.path.join(tmp, "journal.jsonl")
-    a = Server(tmp, *loras, "--max-batch", "4", "--max-queue", "16")
-    b = Server(tmp, "--request-timeout", "30", "--journal", journal)
+    a = Server(tmp, *loras, "--max-batch", "4", "--max-queue", "16", "--journal", journal)
+    b = Server(tmp, "--request-timeout", "30")
     try:
         a.wait_up(), b.wait_up()
         adapters = {n: lora.load(p, params) for n, p in paths.items()}
@@ -114,6 +121,8 @@ def _pixels(b64: str) -> np.ndarray:
 
 
 def _reference(env, prompts, seeds, steps, lora_lists=None, **kw) -> list[np.ndarray]:
+    # fd.sample of several prompts in one call: only for requests without a step cache (a
+    # cache decides per call; a served image decides alone: `_cache_items`)
     """fd.sample's uint8 images (its "np" output rounded as PIL images are)."""
     lists = None
     if lora_lists is not None and any(lora_lists):
@@ -164,23 +173,71 @@ def test_16_concurrent_mixed_requests_all_correct(env):
             _close(_pixels(got[i].json()["data"][0]["b64_json"]), w)
 
 
+@contextlib.contextmanager
+def _anchor(server, before: dict):
+    """A request of 10**6 steps (never done, on any machine) sent on a raw socket, running
+    (two steps taken) on entry; the socket is closed on exit, so it leaves at the next
+    step. Whatever is sent meanwhile joins a running batch, however fast or loaded the
+    machine (a 2,000-step first request finished too early unloaded and took over 300 s
+    at load 9 on 2 cores)."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    body = json.dumps(dict(prompt="anchor", steps=10**6)).encode()
+    head = "POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    try:
+        end = time.monotonic() + 120
+        while server.metrics()["fd_serve_step_seconds_count"] < before["fd_serve_step_seconds_count"] + 2:
+            assert time.monotonic() < end, "the anchor request never ran two steps"
+            time.sleep(0.05)
+        yield
+    finally:
+        sock.close()
+
+
 def test_a_request_arriving_mid_batch_joins_it(env):
     server = env["a"]
     before = server.metrics()
-    first = {}
-    # long enough to be still running when the second arrives, however fast the machine (12 was not, unloaded)
-    t = threading.Thread(target=lambda: first.update(r=server.post(dict(prompt="long", steps=2000), timeout=300)))
-    t.start()
-    end = time.monotonic() + 120
-    while server.metrics()["fd_serve_step_seconds_count"] < before["fd_serve_step_seconds_count"] + 2:
-        assert time.monotonic() < end and t.is_alive(), "the first request never ran two steps"
-        time.sleep(0.05)
-    second = server.post(dict(prompt="short", steps=2, seed=3), timeout=300)
-    t.join(300)
+    with _anchor(server, before):
+        second = server.post(dict(prompt="short", steps=2, seed=3), timeout=300)
     after = server.metrics()
-    assert first["r"].status_code == 200 and second.status_code == 200
+    assert second.status_code == 200
     assert after["fd_serve_joined_running_batch_total"] >= before["fd_serve_joined_running_batch_total"] + 1
     _close(_pixels(second.json()["data"][0]["b64_json"]), _reference(env, ["short"], [3], 2)[0])
+
+
+CACHES = ["fbcache:0.8", "magcache:0.3", "taylorseer:interval=2,warmup=1,order=1", "fastercache:skip=2"]
+
+
+def test_per_request_caches_join_a_no_cache_batch_and_equal_fd_sample_alone(env):
+    """A no-cache request runs (`_anchor`); four requests with step caches, sent by the openai client, join its batch
+    (the joined counter) and each equals fd.sample of it alone with that cache."""
+    import openai
+
+    server = env["a"]
+    before = server.metrics()
+    with _anchor(server, before):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        got = [None] * len(CACHES)
+
+        def send(i):
+            extra = {"seed": 20 + i, "steps": 5, "cache": CACHES[i]}
+            if i == 3:  # two branches, each deciding alone
+                extra |= {"true_cfg": 2.0, "negative_prompt": "dim"}
+            got[i] = client.images.generate(model="flux", prompt=f"cached {i}", size="32x32", extra_body=extra)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(CACHES))]
+        [t.start() for t in threads]
+        [t.join(300) for t in threads]
+    skipped = 0
+    for i, spec in enumerate(CACHES):
+        run = fd.CacheRun(spec)
+        kw = dict(true_cfg=2.0, negative_prompt="dim") if i == 3 else {}
+        want = _reference(env, [f"cached {i}"], [20 + i], 5, cache=run, **kw)[0]
+        _close(_pixels(got[i].data[0].b64_json), want)
+        skipped += run.skipped()
+    after = server.metrics()
+    assert skipped >= 4 and after["fd_serve_cache_skipped_total"] - before["fd_serve_cache_skipped_total"] == skipped
+    assert after["fd_serve_joined_running_batch_total"] >= before["fd_serve_joined_running_batch_total"] + 4
 
 
 @pytest.mark.parametrize(
@@ -197,7 +254,10 @@ def test_a_request_arriving_mid_batch_joins_it(env):
         (dict(prompt="word " * 100), "prompt"),
         (dict(prompt=""), "prompt"),
         (dict(prompt="x", response_format="url"), "response_format"),
-        (dict(prompt="x", cache="fbcache:0.1"), "cache"),
+        (dict(prompt="x", cache="fbcache:x"), "cache"),
+        (dict(prompt="x", cache="bogus"), "cache"),
+        (dict(prompt="x", cache=5), "cache"),
+        (dict(prompt="x", cache="taylorseer:interval=0"), "cache"),
         (dict(prompt="x", colour="red"), "colour"),
     ],
 )
@@ -248,14 +308,16 @@ STEPS_DRAIN = 150
 
 
 def test_sigterm_drains_and_exits_0(env):
-    server = env["b"]
+    server = env["a"]  # not b: 150 steps took over b's 30 s request timeout at load 8 on 2 cores
     end = time.monotonic() + 60
     while any(server.metrics()[k] for k in ("fd_serve_running_batch_size", "fd_serve_queue_depth")):
         assert time.monotonic() < end, "the server never went idle"  # an earlier test's request leaves first
         time.sleep(0.02)
     running = {}
     # enough steps to be still running when SIGTERM comes (3 finished between two polls, unloaded)
-    t = threading.Thread(target=lambda: running.update(r=server.post(dict(prompt="last", steps=STEPS_DRAIN, seed=9))))
+    t = threading.Thread(
+        target=lambda: running.update(r=server.post(dict(prompt="last", steps=STEPS_DRAIN, seed=9), timeout=600))
+    )
     t.start()
     while not server.metrics()["fd_serve_running_batch_size"]:
         assert time.monotonic() < end and t.is_alive(), "the request never ran"
@@ -265,13 +327,37 @@ def test_sigterm_drains_and_exits_0(env):
         assert time.monotonic() < end, "no drain"
         time.sleep(0.02)
     assert server.post(dict(prompt="late"), timeout=30).status_code == 503
-    t.join(120)
+    t.join(600)
     assert running["r"].status_code == 200
     assert server.proc.wait(60) == 0
     _close(_pixels(running["r"].json()["data"][0]["b64_json"]), _reference(env, ["last"], [9], STEPS_DRAIN)[0])
     events = [json.loads(line) for line in open(env["journal"])]
     last = [e for e in events if e.get("body", {}).get("prompt") == "last"]
     assert len(last) == 1 and {"event": "done", "id": last[0]["id"], "status": 200} in events
+
+
+def test_model_names_resolve_as_generate_does(env, capsys):
+    """``--model`` takes generate's names: ``tiny:KIND`` is the tiny pipeline at seed 0
+    (the same weights as ``flux``), a bare preset name the released model; an unknown tiny
+    kind, a missing preset and a pipeline the per-item sampler does not run are one-line
+    errors naming ``--model``."""
+    import torch.utils._pytree as pytree
+    from _cli import one_line_error
+
+    from functional_dit import serve
+
+    params, pipe = serve.load_model("tiny:flux")
+    assert type(pipe).__name__ == "FluxPipeline"
+    assert all(
+        torch.equal(a, b) for a, b in zip(pytree.tree_leaves(params.tree), pytree.tree_leaves(env["params"].tree))
+    )
+    for name, says in (
+        ("tiny:nope", "tiny:KIND"),
+        ("qwen-image", "preset 'qwen-image'"),
+        ("flux-kontext", "text to image"),
+    ):
+        err = one_line_error(["serve", "--model", name, "--port", "1"], capsys)
+        assert "--model" in err and says in err, err
 
 
 def test_resume_journal_reruns_unfinished_requests(env, tmp_path):

@@ -26,6 +26,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-size", type=positive, default=2048, help="the largest width or height served")
     p.add_argument("--max-sequence-length", type=positive, default=None, help="text tokens (default: the model's)")
     p.add_argument("--tp", type=positive, default=1, help="tensor parallel degree (under torchrun)")
+    p.add_argument("--sp", type=positive, default=1, help="sequence parallel degree, Ulysses (under torchrun)")
+    p.add_argument("--dp", type=positive, default=1, help="dp groups, each running its own batches (under torchrun)")
     p.add_argument("--rank-timeout", type=float, default=60.0, help="seconds before a silent rank fails the server")
     p.add_argument("--journal", default=None, help="a JSONL file: every accepted request is written before it runs")
     p.add_argument(

@@ -15,8 +15,9 @@ a running batch and take finished ones out between steps (`functional_dit.serve`
 
 Each item's image equals ``fd.sample`` of that request alone (tests/test_sampling.py;
 docs/serving.md gives the measured difference). Supported: the text-to-image pipelines of
-FLUX.1, FLUX.2 (dev, klein) and Qwen-Image; step caches and image inputs are ``fd.sample``'s
-alone for now (issue 35 moves ``fd.sample`` onto this module).
+FLUX.1, FLUX.2 (dev, klein) and Qwen-Image, each item with its own step cache
+(``Request.cache``: `_cache_items`, every item deciding alone); image inputs are
+``fd.sample``'s alone for now (issue 35 moves ``fd.sample`` onto this module).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import dataclasses
 import torch
 
 from ..lora import internal as _lora
-from . import _requests
+from . import _cache_items, _requests
 from . import sampler as _sampler
 from ._sample_families import _Flux1, _Flux2, _Qwen, combine
 from ._steps import Prompt
@@ -52,6 +53,7 @@ class Request:
     negative_prompt: str | None = None
     lora: tuple = ()  # ((adapter, scale), ...)
     max_sequence_length: int | None = None
+    cache: object = None  # a step cache: a spec such as "fbcache:0.08" or a config (`_cache_items`)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -71,6 +73,8 @@ class Item:
     hw: tuple[int, int]
     i: int = 0
     tag: object = None  # the caller's (a server's request id); never read here
+    cache: object = None  # its step cache's config (`_cache_items.config`), or None
+    cache_state: object = None  # that cache's state after the item's last step
 
     @property
     def done(self) -> bool:
@@ -134,6 +138,8 @@ def check(ctx: Context, params, req: Request) -> None:
     if not isinstance(req.seed, int) or isinstance(req.seed, bool):
         raise ValueError(f"seed: expected an int, got {req.seed!r}")
     _lora.check(params, list(req.lora))
+    if _cache_items.config(req.cache, req.steps) is not None and not ctx.model.step_cache:
+        raise ValueError(f"cache: step caching is not supported for {ctx.fam} yet; expected None")
 
 
 def init(params, ctx: Context, requests, tags=None) -> State:
@@ -157,7 +163,9 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
     chunk = _sampler._chunk(model, reqs, (0,), job, ctx.dtype, ctx.device)
     sched = _sampler._scheduler(pipe, ctx.fam, chunk.x.shape[1], req.steps, ctx.device)
     tables = _tables(model, chunk.cond, hw, req)
-    return Item(req, chunk.x, chunk.cond, sched.timesteps, sched.sigmas, tables, cfg, hw, tag=tag)
+    cache = _cache_items.config(req.cache, len(sched.timesteps))
+    item = Item(req, chunk.x, chunk.cond, sched.timesteps, sched.sigmas, tables, cfg, hw, tag=tag)
+    return dataclasses.replace(item, cache=cache, cache_state=_cache_items.init(cache))
 
 
 def _tables(model, cond: Prompt, hw, req: Request) -> dict:
@@ -197,15 +205,19 @@ def step(params, state: State) -> State:
     with torch.no_grad():
         x = torch.cat([it.x.expand(it.rows, -1, -1) for it in items])
         t = torch.cat([it.timesteps[it.i].expand(it.rows).to(x.dtype) / 1000 for it in items])
-        pred = _model(params, state.ctx, items)(x, t, _text(items))
+        caches = [it.cache_state for it in items]  # `_model` puts the new cache states here
+        pred = _model(params, state.ctx, items, caches)(x, t, _text(items))
         norm = state.ctx.model.normalise_cfg
-        moved = iter(_euler(it, p, norm) for it, p in zip(items, pred.split([it.rows for it in items])))
+        split = pred.split([it.rows for it in items])
+        moved = iter(_euler(it, p, norm, c) for it, p, c in zip(items, split, caches))
     return State(state.ctx, tuple(next(moved) if not it.done else it for it in state.items))
 
 
-def _model(params, ctx: Context, items):
+def _model(params, ctx: Context, items, caches: list):
     """A copy of the family's steps for this batch: its tables, ``params``, and an
-    ``fd.apply`` with each item's adapters on its rows and each row's guidance."""
+    ``fd.apply`` with each item's adapters on its rows and each row's guidance; where an
+    item has a step cache, `_cache_items.step` (each item's own decision), whose new
+    states replace ``caches``' entries."""
     m = copy.copy(ctx.model)
     vars(m).update(items[0].tables, params=params)
     guid = [it.tables.get("guidance") for it in items for _ in range(it.rows)]
@@ -215,7 +227,11 @@ def _model(params, ctx: Context, items):
     def apply(p, x, t, txt, **kw):
         if kw.get("guidance") is not None:  # the family's guidance, per row
             kw["guidance"] = torch.tensor([float(g) for g in guid], device=x.device)
-        return plain(p, x, t, txt, **({"lora": lora} if lora else {}), **kw)
+        if all(it.cache is None for it in items):
+            return plain(p, x, t, txt, **({"lora": lora} if lora else {}), **kw)
+        configs, rows = [it.cache for it in items], [it.rows for it in items]
+        out, caches[:] = _cache_items.step(p, configs, caches, rows, x, t, txt, lora=lora or None, **kw)
+        return out
 
     m.apply = apply
     return m
@@ -243,14 +259,15 @@ def _text(items) -> Prompt:
     return Prompt(cat("txt"), cat("pooled"), mask, conds[0].txt_ids)
 
 
-def _euler(it: Item, pred: torch.Tensor, normalise: bool) -> Item:
+def _euler(it: Item, pred: torch.Tensor, normalise: bool, cache_state=None) -> Item:
     """The scheduler's Euler step (FlowMatchEulerDiscreteScheduler.step: fp32 update,
-    cast back to the prediction's dtype) after the item's CFG combination."""
+    cast back to the prediction's dtype) after the item's CFG combination; the item's new
+    step-cache state with it."""
     if it.cfg is not None:
         pred = combine(pred, it.cfg, normalise)
     dt = it.sigmas[it.i + 1] - it.sigmas[it.i]
     x = (it.x.to(torch.float32) + dt * pred).to(pred.dtype)
-    return dataclasses.replace(it, x=x, i=it.i + 1)
+    return dataclasses.replace(it, x=x, i=it.i + 1, cache_state=cache_state)
 
 
 def decode(state: State, output_type: str = "pil"):

@@ -16,27 +16,27 @@ import time
 
 
 def load_model(spec: str, base: str | None = None, dtype=None):
-    """(params, pipe) for ``--model``: a name of `functional_dit.tiny`'s pipelines (the
-    tiny offline model at its default seed), or a checkpoint / preset as ``generate``
-    resolves it (`functional_dit.cli.generate.resolve`)."""
-    import torch
-
-    import functional_dit as fd
-    from functional_dit import tiny
-
-    if spec in tiny.KINDS and not os.path.exists(spec):
-        pipe = tiny.pipeline(spec)
-        return fd.from_diffusers(pipe.transformer), pipe
+    """(params, pipe) for ``--model``: every name ``generate`` takes, resolved by its own
+    functions — a tiny pipeline name (``flux``, ``tiny:qwen-image``, ...: the offline model
+    at seed 0, `functional_dit.cli._models`), or a checkpoint / preset
+    (`functional_dit.cli.generate.resolve`, ``base`` for a transformer-only file)."""
     import argparse
 
+    import torch
+
+    from ..cli import generate
+
+    dtype = dtype or torch.float32
+    args = argparse.Namespace(model=spec, base=base, config=None)
+    tiny = generate._tiny_name(args)
+    if tiny is not None:
+        pipe, params = generate._load_tiny(tiny, None, "cpu", dtype)
+        return params, pipe
     import diffusers
 
     import weights
 
-    from ..cli import generate
-
-    model, folder, config = generate.resolve(argparse.Namespace(model=spec, base=base, config=None))
-    dtype = dtype or torch.float32
+    model, folder, config = generate.resolve(args)
     pipe = diffusers.DiffusionPipeline.from_pretrained(folder, transformer=None, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     return weights.load(model, config=config, dtype=dtype), pipe
@@ -113,12 +113,19 @@ def run(args) -> int:
         raise CLIError(f"--request-timeout: expected a positive number of seconds, got {args.request_timeout}")
     mesh = _mesh(args)
     params, pipe = load_model(args.model, args.base)
+    group, leader = 0, True
     if mesh is not None:
         import sharding
 
-        params = sharding.shard_params(params, mesh)
-    engine = _engine.Engine(params, pipe, load_adapters(args.lora, params), max_batch=args.max_batch,
-                            max_queue=args.max_queue)  # fmt: skip
+        group, leader = mesh.get_local_rank("dp"), mesh.get_local_rank("sp") == mesh.get_local_rank("tp") == 0
+        inner = mesh[("sp", "tp")]  # this dp group's ranks: its batches never meet another group's
+        if inner.size() > 1:
+            params = sharding.shard_params(params, inner)
+    adapters = load_adapters(args.lora, params)
+    try:
+        engine = _engine.Engine(params, pipe, adapters, max_batch=args.max_batch, max_queue=args.max_queue)
+    except ValueError as e:  # a model the per-item sampler does not run (image inputs, FLUX.3, ...)
+        raise CLIError(f"--model {args.model}: {e}") from None
     limits = dict(n=args.max_images, multiple=pipe.vae_scale_factor * 2, max_size=args.max_size,
                   max_sequence_length=args.max_sequence_length)  # fmt: skip
     service = _app.Service(engine, args.model, defaults=dict(steps=args.steps, size=args.size), limits=limits)
@@ -127,8 +134,10 @@ def run(args) -> int:
     except _app.BadRequest as e:
         raise CLIError(f"--size/--steps: {e}") from None
     rank = 0 if mesh is None else torch.distributed.get_rank()
-    if mesh is not None:  # every rank runs rank 0's turns (`functional_dit.serve._ranks`)
-        engine.sync, engine.heartbeat = _ranks.sync(service, rank), 1.0
+    if mesh is not None:  # every rank runs its group's share of rank 0's turns (`functional_dit.serve._ranks`)
+        ranks = _ranks.Ranks(service, rank, group, args.dp, leader)
+        engine.sync, engine.heartbeat, engine.group = ranks.sync, 1.0, group
+        engine.others = ranks if rank == 0 and args.dp > 1 else None
     if rank != 0:
         return _ranks.follow(engine)
     service.journal = _journal.Journal(args.journal) if args.journal else None
@@ -140,14 +149,17 @@ def run(args) -> int:
 
 
 def _mesh(args):
-    """A tp mesh under torchrun (``--tp`` = WORLD_SIZE), else None."""
+    """The dp x sp x tp mesh under torchrun (``--dp * --sp * --tp`` = WORLD_SIZE), else None."""
     from ..cli import CLIError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.tp != world:
-        raise CLIError(f"--tp: expected torchrun's WORLD_SIZE ({world}), got {args.tp}")
+    if args.dp * args.sp * args.tp != world:
+        raise CLIError(
+            f"--dp/--sp/--tp: expected dp*sp*tp = torchrun's WORLD_SIZE ({world}), "
+            f"got {args.dp}*{args.sp}*{args.tp} = {args.dp * args.sp * args.tp}"
+        )
     if world == 1:
         return None
     import sharding
 
-    return sharding.make_mesh(tp=args.tp, timeout=args.rank_timeout)
+    return sharding.make_mesh(tp=args.tp, sp=args.sp, dp=args.dp, timeout=args.rank_timeout)

@@ -26,8 +26,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from ..pipelines import sampling
-from . import _engine
+from ..pipelines import _cache_items, sampling
+from . import _engine, _ranks
 
 FIELDS = {"model", "prompt", "n", "size", "response_format", "user", "quality", "style"}
 FIELDS |= {"seed", "steps", "guidance", "true_cfg", "negative_prompt", "lora", "cache"}
@@ -89,17 +89,31 @@ class Service:
         neg = body.get("negative_prompt")
         if neg is not None and not isinstance(neg, str):
             raise BadRequest("negative_prompt", "a string or null", neg)
-        if body.get("cache") not in (None, "", "none"):
-            raise BadRequest("cache", "null or 'none' (per-item step caches are not served yet)", body["cache"])
+        cache = self._cache(body.get("cache"), steps)
         self._prompt_length("prompt", prompt)
         if neg:
             self._prompt_length("negative_prompt", neg)
         kw = dict(
             height=height, width=width, steps=steps, guidance=_number(body, "guidance", float, 0, None),
             true_cfg=_number(body, "true_cfg", float, 0, None), negative_prompt=neg, lora=self._lora(body.get("lora")),
-            max_sequence_length=self.limits["max_sequence_length"],
+            max_sequence_length=self.limits["max_sequence_length"], cache=cache,
         )  # fmt: skip
         return [sampling.Request(prompt, seed=seed + j, **kw) for j in range(n)]
+
+    def _cache(self, value, steps: int):
+        """The ``cache`` spec (None for none), parsed as ``fd.sample(cache=...)`` parses it."""
+        if value is None:
+            return None
+        want = "null, 'none' or a step-cache spec such as 'fbcache:0.08', 'magcache:0.06' or 'taylorseer:interval=4'"
+        if not isinstance(value, str):
+            raise BadRequest("cache", want, value)
+        try:
+            config = _cache_items.config(value, steps)
+        except ValueError as e:
+            raise BadRequest("cache", f"{want} ({e})", value) from None
+        if config is not None and not self.engine.ctx.model.step_cache:
+            raise BadRequest("cache", f"null or 'none' (no step caching for {self.engine.ctx.fam} yet)", value)
+        return value
 
     def _size(self, size):
         m = re.fullmatch(r"(\d+)x(\d+)", size) if isinstance(size, str) else None
@@ -264,7 +278,10 @@ def _prometheus(engine) -> str:
         f"fd_serve_step_seconds_count {m.steps}",
         "# TYPE fd_serve_last_step_seconds gauge",
         f"fd_serve_last_step_seconds {m.last_step_seconds:.6g}",
+        "# TYPE fd_serve_cache_skipped_total counter",
+        f"fd_serve_cache_skipped_total {m.cache_skipped + (engine.others.cache_skipped() if engine.others else 0)}",
         "# TYPE fd_serve_requests_total counter",
     ]
     lines += [f'fd_serve_requests_total{{status="{s}"}} {n}' for s, n in sorted(m.requests.items())]
+    lines += _ranks.groups_metric(m.groups)
     return "\n".join(lines) + "\n"

@@ -22,7 +22,7 @@ import dataclasses
 import threading
 import time
 
-from ..pipelines import sampling
+from ..pipelines import _cache_items, sampling
 
 
 class QueueFull(Exception):
@@ -42,6 +42,7 @@ class Job:
     cancelled: bool = False  # asked for by the HTTP side (client gone, timeout), at any time
     dropped: bool = False  # applied by the engine at the start of a turn (the same turn on every rank)
     finished: bool = False
+    group: int = 0  # the dp group that runs it (`functional_dit.serve._ranks`)
 
     def __post_init__(self):
         self.images, self.left = [None] * len(self.requests), len(self.requests)
@@ -57,6 +58,8 @@ class Metrics:
         self.step_seconds = 0.0
         self.last_step_seconds = 0.0
         self.joined = 0  # images that joined a batch already running (mid-batch arrivals)
+        self.cache_skipped = 0  # branch-steps of finished images whose step cache skipped blocks
+        self.groups = collections.Counter()  # dp group -> images it made
         self.recent = collections.deque()  # finish times of recent images, for images/s
         self.started = time.monotonic()
 
@@ -87,6 +90,8 @@ class Engine:
         self._running: dict = {}  # key -> sampling.State
         self._last = None  # the key stepped last (round robin)
         self._stop = False
+        self.group = 0  # this rank's dp group
+        self.others = None  # rank 0 under --dp: the jobs other groups run (`_ranks.Ranks`)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="fd-serve-engine", daemon=True)
 
@@ -106,13 +111,19 @@ class Engine:
 
     def queued(self) -> int:
         inbox = sum(len(job.requests) for job in self._inbox)
-        return inbox + len(self._waiting) + sum(len(q) for q in self._ready.values())
+        here = inbox + len(self._waiting) + sum(len(q) for q in self._ready.values())
+        return here + (0 if self.others is None else self.others.queued())
 
     def running(self) -> int:
-        return sum(len(s) for s in self._running.values())
+        here = sum(len(s) for s in self._running.values())
+        return here + (0 if self.others is None else self.others.running())
 
     def idle(self) -> bool:
-        return not self.queued() and not self.running()
+        return not self.queued() and not self.running() and (self.others is None or self.others.idle())
+
+    def outstanding(self) -> int:
+        """Images of this engine's jobs not yet answered (those that arrived at a turn)."""
+        return sum(job.left for job in self._live.values() if not job.dropped)
 
     def stop(self) -> None:
         with self._lock:
@@ -230,7 +241,9 @@ class Engine:
         for it, img in zip(done.items, images):
             job, j = it.tag
             self.metrics.images += 1
+            self.metrics.cache_skipped += _cache_items.skipped(it.cache_state)
             self.metrics.recent.append(now)
+            self.metrics.groups[self.group] += 1
             job.images[j], job.left = img, job.left - 1
             if job.left == 0:
                 self._deliver(job, job.images, None)
@@ -248,5 +261,6 @@ class Engine:
             jobs = {e[0] for e in self._waiting} | set(self._inbox)
         jobs |= {it.tag[0] for q in self._ready.values() for it in q}
         jobs |= {it.tag[0] for s in self._running.values() for it in s.items}
+        jobs |= set(self.others.jobs()) if self.others is not None else set()
         for job in jobs:
             self._deliver(job, None, error)
