@@ -1,0 +1,206 @@
+"""The stock pipelines' keyword arguments `fd.sample` takes besides its own, each checked
+before anything heavy runs and taken with the stock meaning, or refused by name where it
+cannot apply (docs/sampling.md, "Stock arguments"). The reference is each pipeline's
+``__call__`` in diffusers 0.42 (``pipeline_flux.py``, ``pipeline_flux2.py``,
+``pipeline_qwenimage*.py``, ``pipeline_qwenimage21.py``):
+
+- ``prompt_2`` / ``negative_prompt_2`` (FLUX.1): the T5 prompt, the CLIP encoder keeping
+  ``prompt`` (``encode_prompt(prompt, prompt_2)``; None: ``prompt``);
+- ``joint_attention_kwargs`` (FLUX.1) / ``attention_kwargs`` (the others): only their LoRA
+  ``scale`` has a meaning here, multiplying every ``lora=`` scale (the stock
+  ``scale_lora_layers`` on the transformer) and passed to FLUX.1's ``encode_prompt`` as
+  ``lora_scale`` (its text encoders' LoRA); any other key is refused;
+- ``callback_on_step_end_tensor_inputs``: which tensors ``callback_on_step_end`` gets
+  (names from the pipeline's ``_callback_tensor_inputs``; "latents" by default); the
+  callback may replace the latents, not the prompt embeddings;
+- ``masked_image_latents`` (FLUX.1 and Qwen-Image inpainting): checked and not used, as the
+  stock loop never reads them (given, they only spare the stock pipeline a VAE encode);
+- ``text_encoder_out_layers`` (FLUX.2): the text encoder's hidden layers stacked;
+- ``use_kv_cache`` (Qwen-Image 2.1's name for ``kv_cache``): either, or both equal;
+- ``_auto_resize`` (Kontext): the reference resized to a preferred Kontext resolution
+  (True, the default) or only floored to the VAE multiple;
+- ``cfg_normalize`` (Qwen-Image-Layered): true CFG rescaled to the conditional norm;
+- ``resolution`` (Qwen-Image-Layered) / ``output_resolution`` (Qwen-Image 2.1): the output
+  size from the bucket, as stock, when ``height`` and ``width`` are not given;
+- refused: ``use_en_prompt`` (Layered: the caption language; `fd.sample` never captions),
+  the FLUX.1 IP-Adapter's images (``ip_adapter_image``, ``negative_ip_adapter_image``:
+  they need the stock CLIP image encoder, which `fd.sample` does not run), and every
+  argument the pipeline class itself does not take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import numbers
+
+import torch
+
+# Arguments taken by no pipeline fd.sample drives with a meaning here, and why.
+REFUSED = {
+    "use_en_prompt": (
+        "it picks the language of the caption QwenImageLayeredPipeline writes when the prompt is empty; "
+        "fd.sample encodes the prompt as given and never captions the image"
+    ),
+    "ip_adapter_image": (
+        "fd.sample does not run the IP-Adapter's CLIP image encoder; pass the image embeddings the pipeline's "
+        "prepare_ip_adapter_image_embeds gives as ip_adapter_image_embeds"
+    ),
+    "negative_ip_adapter_image": (
+        "fd.sample does not run the IP-Adapter's CLIP image encoder; pass negative_ip_adapter_image_embeds"
+    ),
+}
+# The stock names of `fd.sample`'s own arguments where a pipeline spells them otherwise.
+ALIASES = {"use_kv_cache": "kv_cache"}
+
+
+@dataclasses.dataclass(frozen=True)
+class StockArgs:
+    """The checked stock arguments of one `fd.sample` call: the per-prompt second prompts
+    (FLUX.1), the LoRA scale, the callback's tensor names and the text encoders' options."""
+
+    prompts_2: list | None = None
+    negatives_2: list | None = None
+    lora_scale: float | None = None
+    tensor_inputs: tuple = ("latents",)
+    encode: dict = dataclasses.field(default_factory=dict)  # extra encode_prompt keywords
+    cfg_normalize: bool | None = None
+
+    def encode_options(self, prompts_2: list | None) -> dict:
+        """The family's ``encode`` keywords: ``encode``, and ``prompt_2`` (one per prompt) if given."""
+        return self.encode if prompts_2 is None else {**self.encode, "prompt_2": prompts_2}
+
+
+def takes(pipe, name: str) -> bool:
+    """Whether ``pipe``'s class takes ``name`` in ``__call__`` (the stock signature)."""
+    return name in inspect.signature(type(pipe).__call__).parameters
+
+
+def refuse_untaken(pipe, given: dict) -> None:
+    """A ValueError for the first argument given (not None) that is refused outright or that
+    ``pipe``'s class does not take."""
+    for name, value in given.items():
+        if value is None:
+            continue
+        if name in REFUSED:
+            raise ValueError(f"{name}: not taken by fd.sample: {REFUSED[name]}; expected None")
+        if not takes(pipe, name):
+            raise ValueError(
+                f"{name}: a {type(pipe).__name__} takes no {name} (the stock pipeline's arguments); expected None, "
+                f"got {value!r:.80}"
+            )
+
+
+def kv_cache(kv_cache, use_kv_cache):
+    """``kv_cache`` or its stock spelling ``use_kv_cache`` (Qwen-Image 2.1): one of them, or
+    both with the same value."""
+    if use_kv_cache is None:
+        return kv_cache
+    if not isinstance(use_kv_cache, bool):
+        raise ValueError(f"use_kv_cache: expected None or a bool, got {use_kv_cache!r}")
+    if kv_cache is not None and kv_cache != use_kv_cache:
+        raise ValueError(
+            f"use_kv_cache: the stock name of kv_cache; expected the same value or None, got use_kv_cache="
+            f"{use_kv_cache!r} with kv_cache={kv_cache!r}"
+        )
+    return use_kv_cache
+
+
+def lora_scale(pipe, joint_attention_kwargs, attention_kwargs) -> float | None:
+    """The LoRA ``scale`` of the attention-kwargs argument ``pipe`` takes (None: absent);
+    a ValueError for any other key or a scale that is not a finite real number."""
+    for name, kwargs in (("joint_attention_kwargs", joint_attention_kwargs), ("attention_kwargs", attention_kwargs)):
+        if kwargs is None:
+            continue
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"{name}: expected None or a dict such as {{'scale': 0.5}}, got {kwargs!r:.80}")
+        extra = sorted(set(kwargs) - {"scale"})
+        if extra:
+            raise ValueError(
+                f"{name}: only the LoRA 'scale' has a meaning in fd.sample (it scales the lora= adapters); "
+                f"expected None, {{}} or {{'scale': float}}, got keys {extra}"
+            )
+        scale = kwargs.get("scale")
+        if scale is None:
+            return None
+        if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
+            raise ValueError(f"{name}: 'scale' must be a finite real number, got {scale!r}")
+        return float(scale)
+    return None
+
+
+def scaled(items: tuple | None, scale: float | None) -> tuple | None:
+    """Per image, its ``(adapter, scale)`` pairs (`_sample_lora.per_image`) with every scale
+    times ``scale``: the stock ``scale_lora_layers(transformer, scale)``."""
+    if scale is None or items is None:
+        return items
+    return tuple(tuple((ad, s * scale) for ad, s in pairs) for pairs in items)
+
+
+def tensor_inputs(pipe, names, callback_on_step_end) -> tuple:
+    """The checked ``callback_on_step_end_tensor_inputs`` (stock default ``["latents"]``):
+    names from the pipeline's ``_callback_tensor_inputs`` that `fd.sample` has."""
+    if names is None:
+        return ("latents",)
+    allowed = [n for n in getattr(pipe, "_callback_tensor_inputs", ["latents"]) if n in HANDED]
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"callback_on_step_end_tensor_inputs: expected a list of names, got {names!r:.80}")
+    bad = [n for n in names if n not in allowed]
+    if bad:
+        raise ValueError(
+            f"callback_on_step_end_tensor_inputs: expected names from {allowed} (a {type(pipe).__name__}'s "
+            f"_callback_tensor_inputs that fd.sample hands over), got {bad}"
+        )
+    if names and callback_on_step_end is None:
+        raise ValueError("callback_on_step_end_tensor_inputs: expected it with a callback_on_step_end, got none")
+    return tuple(names)
+
+
+HANDED = ("latents", "prompt_embeds")  # the callback tensors fd.sample has (not ControlNet's control_image)
+
+
+def second_prompts(value, name: str, P: int, embeds_given: bool) -> list | None:
+    """FLUX.1's ``prompt_2`` / ``negative_prompt_2``: None, a string (every prompt) or one
+    string per prompt; refused with prompt embeddings, as the stock pipeline refuses it."""
+    if value is None:
+        return None
+    if embeds_given:
+        raise ValueError(f"{name}: expected None with prompt embeddings (the T5 prompt is already encoded)")
+    vals = [value] * P if isinstance(value, str) else value
+    if not isinstance(vals, (list, tuple)) or len(vals) != P or not all(isinstance(v, str) for v in vals):
+        raise ValueError(f"{name}: expected a string or {P} strings (one per prompt), got {value!r:.80}")
+    return list(vals)
+
+
+def encoder_layers(value) -> dict:
+    """FLUX.2's ``text_encoder_out_layers`` as an ``encode_prompt`` keyword ({} when None)."""
+    if value is None:
+        return {}
+    ok = isinstance(value, (list, tuple)) and value
+    if not ok or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ValueError(f"text_encoder_out_layers: expected a tuple of layer indices, got {value!r:.80}")
+    return {"text_encoder_out_layers": tuple(value)}
+
+
+def check_masked_latents(value, model, n: int, h: int, w: int) -> None:
+    """``masked_image_latents`` of an inpainting job: a tensor of the stock shape (b, C, h, w)
+    (Qwen-Image also (b, C, 1, h, w)) at the latent grid, b dividing the image count. The
+    stock loop never reads them, so they are only checked."""
+    if value is None:
+        return
+    if not getattr(model, "inpaints", False):
+        raise ValueError(
+            "masked_image_latents: taken for FLUX.1 and Qwen-Image inpainting (with mask_image); expected None"
+        )
+    C = model.latent_channels
+    ok = isinstance(value, torch.Tensor) and value.ndim in (4, 5) and value.shape[0] >= 1 and n % value.shape[0] == 0
+    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+    if ok:
+        z = value if value.ndim == 4 else value[:, :, 0]
+        ok = (value.ndim == 4 or value.shape[2] == 1) and tuple(z.shape[1:]) == (C, h, w)
+    if not ok:
+        raise ValueError(
+            f"masked_image_latents: expected a tensor (b, {C}, {h}, {w}) with b dividing {n} (the stock latent "
+            f"layout), got {shape}"
+        )

@@ -1,0 +1,194 @@
+"""The stock pipelines' further arguments in `fd.sample` (`functional_dit.pipelines._sample_stock_args`),
+each against the stock diffusers pipeline with the stock transformer at the same seed on the
+tiny offline pipelines (`functional_dit.tiny`), and each refusal by name (docs/sampling.md,
+"Stock arguments"). Two steps at 32x32 unless a case says otherwise; latents compared.
+"""
+
+from __future__ import annotations
+
+import diffusers
+import peft  # noqa: F401  (a dev dependency: the stock pipeline's load_lora_weights needs it)
+import pytest
+import torch
+from test_sample import FP32, RAGGED, SIZE, ref_image, stock_latents
+from test_sample_flux_image import init_image, mask_image
+
+import functional_dit as fd
+import functional_dit.lora as lora
+from functional_dit import tiny
+
+KW = dict(steps=2, output_type="latent", **SIZE)
+MSL = dict(max_sequence_length=64)  # enough for the tiny byte-level FLUX.1 / klein prompts (functional_dit.tiny)
+
+
+def _params(pipe):
+    return fd.from_diffusers(pipe.transformer)
+
+
+def _differ(a, b) -> None:
+    """The argument changed the result (so the equality above it is not vacuous)."""
+    assert (a - b).abs().max() > 1e-4
+
+
+def test_prompt_2_and_negative_prompt_2_equal_stock():
+    """FLUX.1: CLIP reads ``prompt``, T5 ``prompt_2``; likewise for the true-CFG negatives."""
+    pipe = tiny.pipeline("flux")
+    cfg = dict(negative_prompt="blurry", negative_prompt_2=["dark", "flat"])
+    stock = dict(prompt=RAGGED, prompt_2=["a blue cone", "two dogs"], num_inference_steps=2, **SIZE, **MSL)
+    expected = stock_latents(pipe, 4, 2, **stock, true_cfg_scale=2.0, **cfg)
+    ours = dict(seed=4, true_cfg=2.0, **KW, **MSL)
+    got = fd.sample(_params(pipe), pipe, RAGGED, prompt_2=["a blue cone", "two dogs"], **cfg, **ours)
+    torch.testing.assert_close(got, expected, **FP32)
+    _differ(got, fd.sample(_params(pipe), pipe, RAGGED, **cfg | dict(negative_prompt_2=None), **ours))
+    with pytest.raises(ValueError, match="prompt_2: expected a string or 2 strings \\(one per prompt\\)"):
+        fd.sample(_params(pipe), pipe, RAGGED, prompt_2=["one"], seed=4, **KW)
+
+
+@pytest.mark.parametrize("kind", ["flux", "flux2-klein"])
+def test_attention_kwargs_scale_scales_the_lora_as_stock(kind, tmp_path):
+    """``joint_attention_kwargs`` (FLUX.1) / ``attention_kwargs`` (FLUX.2): their ``scale``
+    multiplies the LoRA scales, as the stock pipeline's ``scale_lora_layers`` on a PEFT LoRA."""
+    pipe = tiny.pipeline(kind)
+    params = _params(pipe)
+    ad = lora.init(params, rank=4, targets=lora.linear_modules(params.config), alpha=8.0, seed=1, zero_b=False)
+    lora.save(ad, tmp_path / "pytorch_lora_weights.safetensors")
+    pipe.load_lora_weights(str(tmp_path))
+    name = "joint_attention_kwargs" if kind == "flux" else "attention_kwargs"
+    no_cfg = {} if kind == "flux" else dict(guidance_scale=1.0)  # klein's stock CFG off, as fd.sample's default
+    stock = dict(prompt="a red cube", num_inference_steps=2, **SIZE, **MSL, **no_cfg)
+    expected = stock_latents(pipe, 2, **stock, **{name: {"scale": 0.4}})
+    pairs = [(lora.load(tmp_path, params), 1.5)]
+    got = fd.sample(params, pipe, "a red cube", seed=2, lora=pairs, **{name: {"scale": 0.4 / 1.5}}, **KW, **MSL)
+    torch.testing.assert_close(got, expected, **FP32)
+    _differ(got, fd.sample(params, pipe, "a red cube", seed=2, lora=pairs, **KW, **MSL))
+    other = "attention_kwargs" if kind == "flux" else "joint_attention_kwargs"
+    with pytest.raises(ValueError, match=f"{other}: a {type(pipe).__name__} takes no {other}"):
+        fd.sample(params, pipe, "a red cube", seed=2, **{other: {"scale": 0.5}}, **KW)
+    with pytest.raises(ValueError, match=f"{name}: only the LoRA 'scale' has a meaning in fd.sample.*\\['foo'\\]"):
+        fd.sample(params, pipe, "a red cube", seed=2, **{name: {"scale": 0.5, "foo": 1}}, **KW)
+
+
+@pytest.mark.parametrize("kind", ["flux", "qwen-image"])
+def test_callback_tensor_inputs_equal_stock(kind):
+    """``callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"]`` with true CFG: the
+    callback sees the stock conditional prompt embeddings and the latents, and the latents
+    it returns replace them."""
+    pipe = tiny.pipeline(kind)
+    seen = {"stock": [], "ours": []}
+
+    def hook(side):
+        def cb(_pipe, i, _t, tensors):
+            assert sorted(tensors) == ["latents", "prompt_embeds"]
+            seen[side].append({k: v.clone() for k, v in tensors.items()})
+            return {"latents": tensors["latents"] * 0.9} if i == 0 else {}
+
+        return cb
+
+    names = ["latents", "prompt_embeds"]
+    cfg = dict(negative_prompt="blurry")
+    stock = dict(prompt=RAGGED, num_inference_steps=2, true_cfg_scale=2.0, callback_on_step_end_tensor_inputs=names)
+    expected = stock_latents(pipe, 1, 2, **stock, **cfg, **SIZE, callback_on_step_end=hook("stock"))
+    got = fd.sample(_params(pipe), pipe, RAGGED, seed=1, true_cfg=2.0, callback_on_step_end=hook("ours"),
+                    callback_on_step_end_tensor_inputs=names, **cfg, **KW)  # fmt: skip
+    torch.testing.assert_close(got, expected, **FP32)
+    assert len(seen["ours"]) == len(seen["stock"]) == 2
+    for a, b in zip(seen["ours"], seen["stock"], strict=True):
+        for k in names:
+            torch.testing.assert_close(a[k], b[k], **FP32)
+
+
+def test_callback_tensor_inputs_refused():
+    pipe = tiny.pipeline("flux")
+    params = _params(pipe)
+    new = lambda _p, i, t, d: {"prompt_embeds": d["prompt_embeds"] * 2}  # noqa: E731
+    with pytest.raises(ValueError, match="callback_on_step_end: returned new prompt_embeds"):
+        fd.sample(params, pipe, "a", seed=0, callback_on_step_end=new,
+                  callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"], **KW)  # fmt: skip
+    with pytest.raises(ValueError, match="callback_on_step_end_tensor_inputs: expected names from"):
+        fd.sample(params, pipe, "a", seed=0, callback_on_step_end=new, callback_on_step_end_tensor_inputs=["x"], **KW)
+    with pytest.raises(ValueError, match="callback_on_step_end_tensor_inputs: expected it with a callback_on_step_end"):
+        fd.sample(params, pipe, "a", seed=0, callback_on_step_end_tensor_inputs=["latents"], **KW)
+
+
+def test_masked_image_latents_equal_stock_inpainting():
+    """``masked_image_latents`` spare the stock inpainting pipelines a VAE encode; their loop
+    never reads them. QwenImageInpaintPipeline given them equals fd.sample given them; FLUX.1
+    inpainting given them is bitwise the same as without (FluxInpaintPipeline hard-codes 16
+    latent channels, so the tiny 4-channel FLUX.1 cannot take them on the stock side). A
+    wrong shape, or a job that is not inpainting, is refused."""
+    from test_sample_qwen_image import mask, start_image
+
+    pipe = diffusers.QwenImageInpaintPipeline(
+        **tiny.components("qwen-image"), transformer=tiny.stock_transformer("qwen-image")
+    )
+    z = torch.randn(1, 4, 1, 4, 4, generator=torch.Generator().manual_seed(9))  # the 32 x 32 output's latent grid
+    job = dict(image=start_image(), mask_image=mask())
+    stock = dict(prompt="a red cube", num_inference_steps=2, true_cfg_scale=1.0, masked_image_latents=z)
+    expected = stock_latents(pipe, 3, **stock, **job, **SIZE)
+    got = fd.sample(_params(pipe), pipe, "a red cube", masked_image_latents=z, seed=3, **job, **KW)
+    torch.testing.assert_close(got, expected, **FP32)
+    with pytest.raises(ValueError, match=r"masked_image_latents: expected a tensor \(b, 4, 4, 4\)"):
+        fd.sample(_params(pipe), pipe, "a red cube", masked_image_latents=z[:, :2], seed=3, **job, **KW)
+
+    base = tiny.pipeline("flux")
+    flux = diffusers.FluxInpaintPipeline.from_pipe(base)
+    job = dict(image=init_image(), mask_image=mask_image(), seed=3, **KW, **MSL)
+    zf = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(9))  # the 32 x 32 output's latent grid
+    plain = fd.sample(_params(flux), flux, "a red cube", **job)
+    assert torch.equal(fd.sample(_params(flux), flux, "a red cube", masked_image_latents=zf, **job), plain)
+    with pytest.raises(ValueError, match="masked_image_latents: taken for FLUX.1 and Qwen-Image inpainting"):
+        fd.sample(_params(base), base, "a red cube", masked_image_latents=zf, seed=3, **KW)
+
+
+def test_text_encoder_out_layers_equal_stock():
+    """FLUX.2 (klein): the hidden layers of the text encoder stacked as the prompt."""
+    pipe = tiny.pipeline("flux2-klein")
+    layers = (2, 5, 8)  # the tiny encoder has 27 layers (klein reads 9, 18, 27 by default)
+    stock = dict(prompt="a red cube", num_inference_steps=2, guidance_scale=1.0, text_encoder_out_layers=layers)
+    expected = stock_latents(pipe, 0, **stock, **SIZE)
+    got = fd.sample(_params(pipe), pipe, "a red cube", seed=0, text_encoder_out_layers=layers, **KW)
+    torch.testing.assert_close(got, expected, **FP32)
+    _differ(got, fd.sample(_params(pipe), pipe, "a red cube", seed=0, **KW))
+    flux = tiny.pipeline("flux")
+    with pytest.raises(ValueError, match="text_encoder_out_layers: a FluxPipeline takes no text_encoder_out_layers"):
+        fd.sample(_params(flux), flux, "a", seed=0, text_encoder_out_layers=layers, **KW)
+
+
+def test_use_kv_cache_is_kv_cache():
+    """Qwen-Image 2.1's ``use_kv_cache`` is ``kv_cache``: the same latents (bitwise), the
+    stock pipeline's with it off; both given must agree; other pipelines take neither name."""
+    pipe = tiny.pipeline("qwen-image-2.1")
+    params, size = _params(pipe), dict(height=64, width=64)
+    kw = dict(steps=2, seed=0, output_type="latent", **size)
+    expected = pipe(prompt="a red cube", num_inference_steps=2, use_kv_cache=False, output_type="latent",
+                    generator=torch.Generator().manual_seed(0), **size).images  # fmt: skip
+    got = fd.sample(params, pipe, "a red cube", use_kv_cache=False, **kw)
+    torch.testing.assert_close(got, expected, **FP32)
+    assert torch.equal(got, fd.sample(params, pipe, "a red cube", kv_cache=False, use_kv_cache=False, **kw))
+    with pytest.raises(ValueError, match="use_kv_cache: the stock name of kv_cache; expected the same value"):
+        fd.sample(params, pipe, "a red cube", kv_cache=True, use_kv_cache=False, **kw)
+    flux = tiny.pipeline("flux")
+    with pytest.raises(ValueError, match="use_kv_cache: a FluxPipeline takes no use_kv_cache"):
+        fd.sample(_params(flux), flux, "a", seed=0, use_kv_cache=True, **KW)
+
+
+def test_refused_by_name():
+    """Arguments with no meaning in fd.sample, each refused by name before any encoding."""
+    pipe = tiny.pipeline("flux")
+    params = _params(pipe)
+    cases = [
+        (dict(ip_adapter_image=ref_image()), "ip_adapter_image: not taken by fd.sample: .*CLIP image encoder"),
+        (dict(negative_ip_adapter_image=ref_image()), "negative_ip_adapter_image: not taken by fd.sample"),
+        (dict(use_en_prompt=True), "use_en_prompt: not taken by fd.sample: .*never captions"),
+        (dict(cfg_normalize=True), "cfg_normalize: a FluxPipeline takes no cfg_normalize"),
+        (dict(_auto_resize=False), "_auto_resize: a FluxPipeline takes no _auto_resize"),
+        (dict(prompt_embeds=torch.zeros(1, 4, 32), pooled_prompt_embeds=torch.zeros(1, 32), prompt_2="b"),
+         "prompt_2: expected None with prompt embeddings"),
+    ]  # fmt: skip
+    for kw, match in cases:
+        prompt = None if "prompt_embeds" in kw else "a"
+        with pytest.raises(ValueError, match=match):
+            fd.sample(params, pipe, prompt, seed=0, **kw, **KW)
+    qwen = tiny.pipeline("qwen-image")
+    with pytest.raises(ValueError, match="prompt_2: a QwenImagePipeline takes no prompt_2"):
+        fd.sample(_params(qwen), qwen, "a", seed=0, prompt_2="b", **KW)
