@@ -192,3 +192,48 @@ def test_refused_by_name():
     qwen = tiny.pipeline("qwen-image")
     with pytest.raises(ValueError, match="prompt_2: a QwenImagePipeline takes no prompt_2"):
         fd.sample(_params(qwen), qwen, "a", seed=0, prompt_2="b", **KW)
+
+
+def test_kontext_auto_resize_off_equals_stock():
+    """``_auto_resize=False``: the reference keeps its size (floored to multiples of 16)
+    instead of the preferred Kontext resolution (which would make it 1024²)."""
+    pipe = tiny.pipeline("flux-kontext")
+    kw = dict(height=32, width=48, max_area=40 * 40)  # 40² at 3:2 -> 48 x 32
+    got = {}
+
+    def grab(_pipe, i, t, tensors):
+        got["latents"] = tensors["latents"]
+        return {}
+
+    stock = dict(prompt="a red cube", num_inference_steps=2, guidance_scale=2.5, image=init_image(), **kw, **MSL)
+    expected = stock_latents(pipe, 3, **stock, _auto_resize=False, callback_on_step_end=grab)  # packed latents
+    ours = fd.sample(_params(pipe), pipe, "a red cube", image=init_image(), _auto_resize=False, seed=3, guidance=2.5,
+                     steps=2, output_type="latent", **kw, **MSL)  # fmt: skip
+    torch.testing.assert_close(ours, expected, **FP32)
+
+
+def test_layered_cfg_normalize_equals_stock(monkeypatch):
+    """Qwen-Image-Layered's ``cfg_normalize=True``: true CFG rescaled to the conditional
+    prediction's norm (stock default False). The output area made small on the stock side
+    and ``height``/``width`` set to the same on ours, as in test_sample_qwen_image."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_layered as stock_module
+    from test_sample_qwen_image import layered_pipeline, start_image
+
+    size = stock_module.calculate_dimensions
+    monkeypatch.setattr(stock_module, "calculate_dimensions", lambda area, ratio: size(32 * 32, ratio))
+    pipe, img = layered_pipeline(), start_image()
+    w, h = stock_module.calculate_dimensions(640 * 640, img.size[0] / img.size[1])
+    got = {}
+
+    def grab(_pipe, i, t, tensors):
+        got["stock"] = tensors["latents"]
+        return {}
+
+    kw = dict(image=img, layers=1, negative_prompt="dark")
+    pipe(prompt="a cube", generator=torch.Generator().manual_seed(3), callback_on_step_end=grab, output_type="np",
+         true_cfg_scale=2.0, num_inference_steps=2, cfg_normalize=True, **kw)  # fmt: skip
+    ours = dict(true_cfg=2.0, steps=2, seed=3, height=h, width=w, output_type="latent", **kw)
+    params = fd.from_diffusers(pipe.transformer)
+    got_norm = fd.sample(params, pipe, "a cube", cfg_normalize=True, **ours)
+    torch.testing.assert_close(got_norm, got["stock"], **FP32)
+    _differ(got_norm, fd.sample(params, pipe, "a cube", **ours))
