@@ -154,9 +154,10 @@ def test_text_encoder_out_layers_equal_stock():
         fd.sample(_params(flux), flux, "a", seed=0, text_encoder_out_layers=layers, **KW)
 
 
-def test_use_kv_cache_is_kv_cache():
+def test_qwen21_use_kv_cache_and_output_resolution_equal_stock():
     """Qwen-Image 2.1's ``use_kv_cache`` is ``kv_cache``: the same latents (bitwise), the
-    stock pipeline's with it off; both given must agree; other pipelines take neither name."""
+    stock pipeline's with it off; both given must agree; other pipelines take neither name.
+    ``output_resolution`` sizes a missing ``height`` / ``width`` as stock."""
     pipe = tiny.pipeline("qwen-image-2.1")
     params, size = _params(pipe), dict(height=64, width=64)
     kw = dict(steps=2, seed=0, output_type="latent", **size)
@@ -165,6 +166,11 @@ def test_use_kv_cache_is_kv_cache():
     got = fd.sample(params, pipe, "a red cube", use_kv_cache=False, **kw)
     torch.testing.assert_close(got, expected, **FP32)
     assert torch.equal(got, fd.sample(params, pipe, "a red cube", kv_cache=False, use_kv_cache=False, **kw))
+    # output_resolution: the missing height / width, as stock
+    by_res = pipe(prompt="a red cube", num_inference_steps=2, use_kv_cache=False, output_type="latent",
+                  generator=torch.Generator().manual_seed(0), output_resolution=64, width=48).images  # fmt: skip
+    ours = dict(steps=2, seed=0, output_type="latent", output_resolution=64, width=48, kv_cache=False)
+    torch.testing.assert_close(fd.sample(params, pipe, "a red cube", **ours), by_res, **FP32)
     with pytest.raises(ValueError, match="use_kv_cache: the stock name of kv_cache; expected the same value"):
         fd.sample(params, pipe, "a red cube", kv_cache=True, use_kv_cache=False, **kw)
     flux = tiny.pipeline("flux")
@@ -179,9 +185,13 @@ def test_refused_by_name():
     cases = [
         (dict(ip_adapter_image=ref_image()), "ip_adapter_image: not taken by fd.sample: .*CLIP image encoder"),
         (dict(negative_ip_adapter_image=ref_image()), "negative_ip_adapter_image: not taken by fd.sample"),
+        (dict(ip_adapter_image_embeds=[torch.zeros(1, 1, 32)]), "ip_adapter_image_embeds: .*no IP-Adapter weights"),
+        (dict(negative_ip_adapter_image_embeds=[torch.zeros(1, 1, 32)]), "negative_ip_adapter_image_embeds: not taken"),
         (dict(use_en_prompt=True), "use_en_prompt: not taken by fd.sample: .*never captions"),
         (dict(cfg_normalize=True), "cfg_normalize: a FluxPipeline takes no cfg_normalize"),
         (dict(_auto_resize=False), "_auto_resize: a FluxPipeline takes no _auto_resize"),
+        (dict(resolution=640), "resolution: a FluxPipeline takes no resolution"),
+        (dict(output_resolution=64), "output_resolution: a FluxPipeline takes no output_resolution"),
         (dict(prompt_embeds=torch.zeros(1, 4, 32), pooled_prompt_embeds=torch.zeros(1, 32), prompt_2="b"),
          "prompt_2: expected None with prompt embeddings"),
     ]  # fmt: skip
@@ -212,10 +222,11 @@ def test_kontext_auto_resize_off_equals_stock():
     torch.testing.assert_close(ours, expected, **FP32)
 
 
-def test_layered_cfg_normalize_equals_stock(monkeypatch):
-    """Qwen-Image-Layered's ``cfg_normalize=True``: true CFG rescaled to the conditional
-    prediction's norm (stock default False). The output area made small on the stock side
-    and ``height``/``width`` set to the same on ours, as in test_sample_qwen_image."""
+def test_layered_cfg_normalize_and_resolution_equal_stock(monkeypatch):
+    """Qwen-Image-Layered's ``cfg_normalize=True`` (true CFG rescaled to the conditional
+    prediction's norm; stock default False) and ``resolution`` (the output sized from the
+    image's aspect ratio by the stock ``calculate_dimensions``, here patched to a small
+    area on both sides, as in test_sample_qwen_image)."""
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_layered as stock_module
     from test_sample_qwen_image import layered_pipeline, start_image
 
@@ -232,8 +243,12 @@ def test_layered_cfg_normalize_equals_stock(monkeypatch):
     kw = dict(image=img, layers=1, negative_prompt="dark")
     pipe(prompt="a cube", generator=torch.Generator().manual_seed(3), callback_on_step_end=grab, output_type="np",
          true_cfg_scale=2.0, num_inference_steps=2, cfg_normalize=True, **kw)  # fmt: skip
-    ours = dict(true_cfg=2.0, steps=2, seed=3, height=h, width=w, output_type="latent", **kw)
+    ours = dict(true_cfg=2.0, steps=2, seed=3, output_type="latent", **kw)
     params = fd.from_diffusers(pipe.transformer)
-    got_norm = fd.sample(params, pipe, "a cube", cfg_normalize=True, **ours)
+    got_norm = fd.sample(params, pipe, "a cube", cfg_normalize=True, resolution=640, **ours)  # sized as stock
     torch.testing.assert_close(got_norm, got["stock"], **FP32)
-    _differ(got_norm, fd.sample(params, pipe, "a cube", **ours))
+    _differ(got_norm, fd.sample(params, pipe, "a cube", height=h, width=w, **ours))
+    with pytest.raises(ValueError, match="height, width: expected None with resolution"):
+        fd.sample(params, pipe, "a cube", resolution=640, height=h, width=w, **ours)
+    with pytest.raises(ValueError, match=r"resolution: expected one of \[640, 1024\] \(as stock\), got 512"):
+        fd.sample(params, pipe, "a cube", resolution=512, **ours)

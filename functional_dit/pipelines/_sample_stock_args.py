@@ -20,12 +20,17 @@ cannot apply (docs/sampling.md, "Stock arguments"). The reference is each pipeli
 - ``_auto_resize`` (Kontext): the reference resized to a preferred Kontext resolution
   (True, the default) or only floored to the VAE multiple;
 - ``cfg_normalize`` (Qwen-Image-Layered): true CFG rescaled to the conditional norm;
-- ``resolution`` (Qwen-Image-Layered) / ``output_resolution`` (Qwen-Image 2.1): the output
-  size from the bucket, as stock, when ``height`` and ``width`` are not given;
+- ``resolution`` (Qwen-Image-Layered: 640 or 1024, 640 by default) / ``output_resolution``
+  (Qwen-Image 2.1: 1024 by default): the output size, as stock, when ``height`` and
+  ``width`` are not given (Layered: its image's aspect ratio at about resolution² pixels,
+  the stock ``calculate_dimensions``; Qwen-Image 2.1: a missing side is output_resolution),
+  floored to the VAE multiple as stock;
 - refused: ``use_en_prompt`` (Layered: the caption language; `fd.sample` never captions),
   the FLUX.1 IP-Adapter's images (``ip_adapter_image``, ``negative_ip_adapter_image``:
-  they need the stock CLIP image encoder, which `fd.sample` does not run), and every
-  argument the pipeline class itself does not take.
+  they need the stock CLIP image encoder, which `fd.sample` does not run) and image
+  embeddings (``ip_adapter_image_embeds`` and its negative: the IP-Adapter weights live on
+  the stock pipeline's transformer, which `fd.sample` does not call), and every argument
+  the pipeline class itself does not take.
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ import numbers
 
 import torch
 
+_IP = (
+    "fd.sample has no IP-Adapter weights to apply them with (they live on a pipeline's transformer after "
+    "load_ip_adapter); run the stock pipeline with fd.DiffusersTransformer, which takes them, or fd.apply(..., "
+    "ip_adapter=...) in your own loop"
+)
 # Arguments taken by no pipeline fd.sample drives with a meaning here, and why.
 REFUSED = {
     "use_en_prompt": (
@@ -50,6 +60,8 @@ REFUSED = {
     "negative_ip_adapter_image": (
         "fd.sample does not run the IP-Adapter's CLIP image encoder; pass negative_ip_adapter_image_embeds"
     ),
+    "ip_adapter_image_embeds": _IP,
+    "negative_ip_adapter_image_embeds": _IP,
 }
 # The stock names of `fd.sample`'s own arguments where a pipeline spells them otherwise.
 ALIASES = {"use_kv_cache": "kv_cache"}
@@ -204,3 +216,40 @@ def check_masked_latents(value, model, n: int, h: int, w: int) -> None:
             f"masked_image_latents: expected a tensor (b, {C}, {h}, {w}) with b dividing {n} (the stock latent "
             f"layout), got {shape}"
         )
+
+
+LAYERED_RESOLUTIONS = (640, 1024)  # QwenImageLayeredPipeline's buckets
+
+
+def size(pipe, height, width, resolution, output_resolution, image) -> tuple:
+    """(height, width): as given, or as the stock pipeline sizes its output from
+    ``resolution`` (Layered) / ``output_resolution`` (Qwen-Image 2.1) when they are None."""
+    name, multiple = type(pipe).__name__, pipe.vae_scale_factor * 2
+    given = {"resolution": resolution, "output_resolution": output_resolution}
+    refuse_untaken(pipe, given)
+    if name == "QwenImageLayeredPipeline" and (resolution is not None or (height is None and width is None)):
+        if height is not None or width is not None:
+            raise ValueError(
+                f"height, width: expected None with resolution (the stock pipeline sizes its output from resolution "
+                f"alone), got {height!r}, {width!r}"
+            )
+        from diffusers.pipelines.qwenimage import pipeline_qwenimage_layered as stock
+        from PIL import Image
+
+        res = LAYERED_RESOLUTIONS[0] if resolution is None else resolution
+        if res not in LAYERED_RESOLUTIONS:
+            raise ValueError(f"resolution: expected one of {list(LAYERED_RESOLUTIONS)} (as stock), got {res!r}")
+        img = image[0] if isinstance(image, (list, tuple)) and image else image
+        if not isinstance(img, Image.Image):
+            raise ValueError(
+                f"image: the output is sized from the image's aspect ratio; expected a PIL image, got {image!r:.80}"
+            )
+        w, h = stock.calculate_dimensions(res * res, img.size[0] / img.size[1])
+        return h // multiple * multiple, w // multiple * multiple
+    if name == "QwenImage21Pipeline" and (height is None or width is None):
+        res = 1024 if output_resolution is None else output_resolution
+        if not isinstance(res, int) or isinstance(res, bool) or res < multiple:
+            raise ValueError(f"output_resolution: expected an int >= {multiple}, got {res!r}")
+        height, width = height or res, width or res
+        return height // multiple * multiple, width // multiple * multiple
+    return height, width

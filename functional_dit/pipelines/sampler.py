@@ -282,8 +282,8 @@ def sample(
     encoders,
     prompt=None,
     *,
-    height: int,
-    width: int,
+    height: int | None = None,
+    width: int | None = None,
     steps: int | None = None,
     seed=None,
     guidance: float | None = None,
@@ -330,6 +330,10 @@ def sample(
     use_en_prompt: bool | None = None,
     ip_adapter_image=None,
     negative_ip_adapter_image=None,
+    ip_adapter_image_embeds=None,
+    negative_ip_adapter_image_embeds=None,
+    resolution: int | None = None,
+    output_resolution: int | None = None,
 ):
     """Generate images with ``params`` (plain or sharded) and our own denoising loop.
 
@@ -344,7 +348,8 @@ def sample(
     prompt ``i // num_images_per_prompt``'s); or None with ``prompt_embeds`` (and
     ``pooled_prompt_embeds`` for FLUX.1, ``prompt_embeds_mask`` for Qwen-Image, their
     ``negative_`` twins for CFG: the stock pipelines' arguments; the text encoders may then
-    be None). ``height``/``width``: pixels, multiples of the VAE scale x 2.
+    be None). ``height``/``width``: pixels, multiples of the VAE scale x 2 (required but
+    for Qwen-Image-Layered and Qwen-Image 2.1, sized from ``resolution`` / ``output_resolution``).
 
     ``seed``: an int (image ``i`` draws its noise from ``torch.Generator().manual_seed(seed + i)``),
     a list of ints or of ``torch.Generator`` (one per image, as diffusers'
@@ -406,14 +411,17 @@ def sample(
     ("latents", "prompt_embeds": the chunk's conditional text); ``masked_image_latents``
     (inpainting; checked, unused as stock); FLUX.2's ``text_encoder_out_layers``;
     ``use_kv_cache`` (Qwen-Image 2.1's spelling of ``kv_cache``); Kontext's ``_auto_resize``;
-    Layered's ``cfg_normalize``. Refused by name: ``use_en_prompt`` (no captioning here)
-    and the IP-Adapter's ``ip_adapter_image`` / ``negative_ip_adapter_image``.
+    Layered's ``cfg_normalize`` and ``resolution`` (then ``height``/``width`` None: sized as
+    stock; 640 when all three are None); Qwen-Image 2.1's ``output_resolution`` (a missing
+    ``height``/``width``, 1024 by default). Refused by name: ``use_en_prompt`` (no captioning here)
+    and the IP-Adapter's ``ip_adapter_image(_embeds)`` / ``negative_ip_adapter_image(_embeds)``.
     """
 
     fam = _family_name(params)
     pipe = as_pipeline(encoders, params)
     kv_cache = _stock.kv_cache(kv_cache, use_kv_cache)
 
+    height, width = _stock.size(pipe, height, width, resolution, output_resolution, image)  # Layered, Qwen-Image 2.1
     height, width = _kontext.size(pipe, height, width, max_area)  # Kontext rescales to max_area
     height, width = _flux2_image.size(pipe, height, width, image)  # klein inpainting: the image's size
     _check_args(pipe, height, width, output_type, batch_size)
@@ -428,7 +436,8 @@ def sample(
     untaken.update(joint_attention_kwargs=joint_attention_kwargs, attention_kwargs=attention_kwargs)
     untaken.update(text_encoder_out_layers=text_encoder_out_layers, _auto_resize=_auto_resize)
     untaken.update(cfg_normalize=cfg_normalize, use_en_prompt=use_en_prompt, ip_adapter_image=ip_adapter_image)
-    _stock.refuse_untaken(pipe, dict(untaken, negative_ip_adapter_image=negative_ip_adapter_image))
+    untaken.update(negative_ip_adapter_image=negative_ip_adapter_image, ip_adapter_image_embeds=ip_adapter_image_embeds)
+    _stock.refuse_untaken(pipe, dict(untaken, negative_ip_adapter_image_embeds=negative_ip_adapter_image_embeds))
     _requests.check_max_sequence_length(fam, max_sequence_length)
     cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
     cfg = _qi.true_cfg(fam, cfg, negative_prompt, negative_prompt_embeds)
