@@ -185,8 +185,8 @@ def test_refused_by_name():
     cases = [
         (dict(ip_adapter_image=ref_image()), "ip_adapter_image: not taken by fd.sample: .*CLIP image encoder"),
         (dict(negative_ip_adapter_image=ref_image()), "negative_ip_adapter_image: not taken by fd.sample"),
-        (dict(ip_adapter_image_embeds=[torch.zeros(1, 1, 32)]), "ip_adapter_image_embeds: .*no IP-Adapter weights"),
-        (dict(negative_ip_adapter_image_embeds=[torch.zeros(1, 1, 32)]), "negative_ip_adapter_image_embeds: not taken"),
+        (dict(ip_adapter_image_embeds=[torch.zeros(1, 1, 32)]),
+         "negative_ip_adapter_image_embeds: expected it with the negative ones too; .*black image"),
         (dict(use_en_prompt=True), "use_en_prompt: not taken by fd.sample: .*never captions"),
         (dict(cfg_normalize=True), "cfg_normalize: a FluxPipeline takes no cfg_normalize"),
         (dict(_auto_resize=False), "_auto_resize: a FluxPipeline takes no _auto_resize"),
@@ -252,3 +252,25 @@ def test_layered_cfg_normalize_and_resolution_equal_stock(monkeypatch):
         fd.sample(params, pipe, "a cube", resolution=640, height=h, width=w, **ours)
     with pytest.raises(ValueError, match=r"resolution: expected one of \[640, 1024\] \(as stock\), got 512"):
         fd.sample(params, pipe, "a cube", resolution=512, **ours)
+
+
+@torch.no_grad()
+def test_ip_adapter_image_embeds_equal_stock():
+    """FLUX.1's IP-Adapter loaded on the pipeline (``load_ip_adapter``, a random checkpoint
+    in the stock layout), its scale set, true CFG: ``ip_adapter_image_embeds`` and the
+    negative ones give the stock latents (the negative in the uncond branch)."""
+    from test_adapter_ip import embeds, ip_state_dict
+
+    pipe = tiny.pipeline("flux")
+    cfg, params = dict(pipe.transformer.config), _params(pipe)  # the base params, before the IP weights join
+    pipe.load_ip_adapter(ip_state_dict(cfg, 7), weight_name="ip.bin", image_encoder_pretrained_model_name_or_path=None)
+    pipe.set_ip_adapter_scale(0.7)
+    emb = dict(ip_adapter_image_embeds=[embeds(cfg, 1, 8)], negative_ip_adapter_image_embeds=[embeds(cfg, 1, 9)])
+    cfg_kw = dict(negative_prompt="blurry")
+    stock = dict(prompt=RAGGED, num_inference_steps=2, true_cfg_scale=2.0, **SIZE, **MSL, **cfg_kw, **emb)
+    expected = stock_latents(pipe, 5, 2, **stock)
+    got = fd.sample(params, pipe, RAGGED, seed=5, true_cfg=2.0, **cfg_kw, **emb, **KW, **MSL)
+    torch.testing.assert_close(got, expected, **FP32)
+    _differ(got, fd.sample(params, pipe, RAGGED, seed=5, true_cfg=2.0, **cfg_kw, **KW, **MSL))
+    with pytest.raises(ValueError, match=r"ip_adapter_image_embeds: expected a list of \(1, I, E\) tensors"):
+        fd.sample(params, pipe, RAGGED, seed=5, **emb | dict(ip_adapter_image_embeds=[embeds(cfg, 2, 8)]), **KW)

@@ -27,10 +27,14 @@ cannot apply (docs/sampling.md, "Stock arguments"). The reference is each pipeli
   floored to the VAE multiple as stock;
 - refused: ``use_en_prompt`` (Layered: the caption language; `fd.sample` never captions),
   the FLUX.1 IP-Adapter's images (``ip_adapter_image``, ``negative_ip_adapter_image``:
-  they need the stock CLIP image encoder, which `fd.sample` does not run) and image
-  embeddings (``ip_adapter_image_embeds`` and its negative: the IP-Adapter weights live on
-  the stock pipeline's transformer, which `fd.sample` does not call), and every argument
-  the pipeline class itself does not take.
+  they need the stock CLIP image encoder, which `fd.sample` does not run; the embeddings
+  are taken), and every argument the pipeline class itself does not take;
+- ``ip_adapter_image_embeds`` with ``negative_ip_adapter_image_embeds`` (FLUX.1): the
+  image prompt through the IP-Adapter loaded on the pipeline's transformer
+  (``pipe.load_ip_adapter``; its weights and ``set_ip_adapter_scale`` scales), one (1, I, E)
+  embedding per adapter shared by every image as stock repeats it, the negative in the
+  uncond CFG branch. Both are required: for a missing one the stock pipeline encodes a
+  black image with the CLIP image encoder.
 """
 
 from __future__ import annotations
@@ -42,11 +46,6 @@ import numbers
 
 import torch
 
-_IP = (
-    "fd.sample has no IP-Adapter weights to apply them with (they live on a pipeline's transformer after "
-    "load_ip_adapter); run the stock pipeline with fd.DiffusersTransformer, which takes them, or fd.apply(..., "
-    "ip_adapter=...) in your own loop"
-)
 # Arguments taken by no pipeline fd.sample drives with a meaning here, and why.
 REFUSED = {
     "use_en_prompt": (
@@ -54,14 +53,12 @@ REFUSED = {
         "fd.sample encodes the prompt as given and never captions the image"
     ),
     "ip_adapter_image": (
-        "fd.sample does not run the IP-Adapter's CLIP image encoder; pass the image embeddings the pipeline's "
-        "prepare_ip_adapter_image_embeds gives as ip_adapter_image_embeds"
+        "fd.sample does not run the IP-Adapter's CLIP image encoder; pass the image embeddings (the pipeline's "
+        "prepare_ip_adapter_image_embeds gives them) as ip_adapter_image_embeds"
     ),
     "negative_ip_adapter_image": (
         "fd.sample does not run the IP-Adapter's CLIP image encoder; pass negative_ip_adapter_image_embeds"
     ),
-    "ip_adapter_image_embeds": _IP,
-    "negative_ip_adapter_image_embeds": _IP,
 }
 # The stock names of `fd.sample`'s own arguments where a pipeline spells them otherwise.
 ALIASES = {"use_kv_cache": "kv_cache"}
@@ -78,6 +75,7 @@ class StockArgs:
     tensor_inputs: tuple = ("latents",)
     encode: dict = dataclasses.field(default_factory=dict)  # extra encode_prompt keywords
     cfg_normalize: bool | None = None
+    ip: tuple | None = None  # FLUX.1 IP-Adapter: (the conditional, the negative) `fd.apply` ip_adapter dicts
 
     def encode_options(self, prompts_2: list | None) -> dict:
         """The family's ``encode`` keywords: ``encode``, and ``prompt_2`` (one per prompt) if given."""
@@ -253,3 +251,52 @@ def size(pipe, height, width, resolution, output_resolution, image) -> tuple:
         height, width = height or res, width or res
         return height // multiple * multiple, width // multiple * multiple
     return height, width
+
+
+def ip_adapter(pipe, pos, neg, sharded: bool, cache) -> tuple | None:
+    """FLUX.1's IP-Adapter inputs for `fd.apply` (``ip_adapter=``) from the embeddings and the
+    IP-Adapter loaded on ``pipe.transformer``: (conditional, negative) dicts, or None."""
+    if pos is None and neg is None:
+        return None
+    for name, v, other in (("ip_adapter_image_embeds", pos, neg), ("negative_ip_adapter_image_embeds", neg, pos)):
+        if v is None:
+            raise ValueError(
+                f"{name}: expected it with the {'negative ' if other is pos else ''}ones too; for a missing one the "
+                "stock pipeline encodes a black image with the IP-Adapter's CLIP image encoder, which fd.sample "
+                "does not run"
+            )
+        tensors = v if isinstance(v, list) else [v]
+        if not all(isinstance(e, torch.Tensor) and e.ndim == 3 and e.shape[0] == 1 for e in tensors):
+            raise ValueError(
+                f"{name}: expected a list of (1, I, E) tensors, one per loaded IP-Adapter (the stock pipeline repeats "
+                f"it for every image), got {[tuple(e.shape) if isinstance(e, torch.Tensor) else e for e in tensors]}"
+            )
+    if sharded:
+        raise ValueError("ip_adapter_image_embeds: the IP-Adapter runs on plain params only (not on a mesh) yet")
+    if cache is not None:
+        raise ValueError("cache: a step cache does not run with the IP-Adapter yet; expected None")
+    from ._adapter_ip import ip_adapter_input
+
+    module = getattr(pipe, "transformer", None)
+    return ip_adapter_input(module, list(pos) if isinstance(pos, list) else [pos]), ip_adapter_input(
+        module, list(neg) if isinstance(neg, list) else [neg]
+    )
+
+
+def ip_calls(apply, ip: tuple | None, cfg: bool):
+    """``apply`` (`fd.apply`'s signature) with the IP-Adapter's inputs for each call's rows:
+    each image's embedding in the conditional rows, the negative in the CFG rows."""
+    if ip is None:
+        return apply
+
+    def with_ip(params, x, t, txt, **kwargs):
+        n = x.shape[0] // 2 if cfg else x.shape[0]
+        rows = lambda e, k: e.to(x.device).expand(k, *e.shape[1:])  # noqa: E731
+        pos, neg = ip
+        embeds = [
+            torch.cat([rows(p, n), rows(q, n)]) if cfg else rows(p, n)
+            for p, q in zip(pos["image_embeds"], neg["image_embeds"], strict=True)
+        ]
+        return apply(params, x, t, txt, ip_adapter={**pos, "image_embeds": embeds}, **kwargs)
+
+    return with_ip

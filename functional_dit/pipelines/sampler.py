@@ -154,6 +154,10 @@ def _check_steps(steps, sigmas) -> tuple[int, list | None]:
     return steps, sigmas
 
 
+def _sharded(params: Params) -> bool:
+    return is_dtensor(next(iter(params.flat().values())))
+
+
 def _param_device_dtype(params: Params):
     leaf = next(iter(params.flat().values()))
     if is_dtensor(leaf):  # the local shard's device
@@ -411,10 +415,12 @@ def sample(
     ("latents", "prompt_embeds": the chunk's conditional text); ``masked_image_latents``
     (inpainting; checked, unused as stock); FLUX.2's ``text_encoder_out_layers``;
     ``use_kv_cache`` (Qwen-Image 2.1's spelling of ``kv_cache``); Kontext's ``_auto_resize``;
+    FLUX.1's IP-Adapter ``ip_adapter_image_embeds`` with ``negative_ip_adapter_image_embeds``
+    (through the IP-Adapter loaded on the pipeline's transformer, ``pipe.load_ip_adapter``);
     Layered's ``cfg_normalize`` and ``resolution`` (then ``height``/``width`` None: sized as
     stock; 640 when all three are None); Qwen-Image 2.1's ``output_resolution`` (a missing
     ``height``/``width``, 1024 by default). Refused by name: ``use_en_prompt`` (no captioning here)
-    and the IP-Adapter's ``ip_adapter_image(_embeds)`` / ``negative_ip_adapter_image(_embeds)``.
+    and the IP-Adapter's images ``ip_adapter_image`` / ``negative_ip_adapter_image``.
     """
 
     fam = _family_name(params)
@@ -457,6 +463,7 @@ def sample(
             **({} if fam != "flux1" or lora_scale is None else {"lora_scale": lora_scale}),
         },
         cfg_normalize=cfg_normalize,
+        ip=_stock.ip_adapter(pipe, ip_adapter_image_embeds, negative_ip_adapter_image_embeds, _sharded(params), cache),
     )
     device, dtype = _param_device_dtype(params)
     refuse_fsdp(params, "fd.sample", "run fd.apply in your own loop, or use a mesh without fsdp")
@@ -590,7 +597,7 @@ def _chunk_apply(model, job: _Job, steps: int, images):
     one, with the chunk's per-image LoRA adapters (`_sample_lora.calls`)."""
     plain = getattr(model, "base_apply", None) or type(model).apply  # ControlNet: with its residuals
     apply = plain if job.cache is None else job.cache.start(branches=1 if job.cfg is None else 2, steps=steps)
-    return _lora_items.calls(apply, job.lora, images)
+    return _lora_items.calls(_stock.ip_calls(apply, job.stock.ip, job.cfg is not None), job.lora, images)
 
 
 def _callback_tensors(names: tuple, chunk: _Chunk) -> dict:
