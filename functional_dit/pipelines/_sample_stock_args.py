@@ -60,6 +60,13 @@ REFUSED = {
         "fd.sample does not run the IP-Adapter's CLIP image encoder; pass negative_ip_adapter_image_embeds"
     ),
 }
+# `fd.sample`'s keyword arguments that `take` checks and maps (besides masked_image_latents,
+# resolution and output_resolution, checked where the job and the size are known).
+NAMES = (
+    "prompt_2", "negative_prompt_2", "joint_attention_kwargs", "attention_kwargs", "callback_on_step_end_tensor_inputs",
+    "text_encoder_out_layers", "use_kv_cache", "_auto_resize", "cfg_normalize", "use_en_prompt", "ip_adapter_image",
+    "negative_ip_adapter_image", "ip_adapter_image_embeds", "negative_ip_adapter_image_embeds",
+)  # fmt: skip
 # The stock names of `fd.sample`'s own arguments where a pipeline spells them otherwise.
 ALIASES = {"use_kv_cache": "kv_cache"}
 
@@ -80,6 +87,27 @@ class StockArgs:
     def encode_options(self, prompts_2: list | None) -> dict:
         """The family's ``encode`` keywords: ``encode``, and ``prompt_2`` (one per prompt) if given."""
         return self.encode if prompts_2 is None else {**self.encode, "prompt_2": prompts_2}
+
+
+def take(pipe, fam: str, prompts: int, req, adapters, given: dict, cache, sharded: bool, callback):
+    """The checked `StockArgs` of ``given`` (`NAMES`) for ``prompts`` prompts of ``req``, and
+    the per-image LoRA ``adapters`` scaled by the attention kwargs' ``scale``; raises on the
+    first argument refused."""
+    refuse_untaken(pipe, given)
+    scale = lora_scale(pipe, given["joint_attention_kwargs"], given["attention_kwargs"])
+    encode = encoder_layers(given["text_encoder_out_layers"])
+    if fam == "flux1" and scale is not None:
+        encode["lora_scale"] = scale  # FluxPipeline scales its text encoders' LoRA by it
+    pos, neg = given["ip_adapter_image_embeds"], given["negative_ip_adapter_image_embeds"]
+    stock = StockArgs(
+        prompts_2=second_prompts(given["prompt_2"], "prompt_2", prompts, bool(req.embeds)),
+        negatives_2=second_prompts(given["negative_prompt_2"], "negative_prompt_2", prompts, bool(req.negative_embeds)),
+        tensor_inputs=tensor_inputs(pipe, given["callback_on_step_end_tensor_inputs"], callback),
+        encode=encode,
+        cfg_normalize=given["cfg_normalize"],
+        ip=ip_adapter(pipe, pos, neg, sharded, cache),
+    )
+    return stock, scaled(adapters, scale)
 
 
 def takes(pipe, name: str) -> bool:

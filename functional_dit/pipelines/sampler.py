@@ -423,6 +423,7 @@ def sample(
     and the IP-Adapter's images ``ip_adapter_image`` / ``negative_ip_adapter_image``.
     """
 
+    stock_kw = {k: v for k, v in locals().items() if k in _stock.NAMES}  # the stock pipelines' further arguments
     fam = _family_name(params)
     pipe = as_pipeline(encoders, params)
     kv_cache = _stock.kv_cache(kv_cache, use_kv_cache)
@@ -438,33 +439,14 @@ def sample(
     controls = _controlnet.check(controlnet, fam, latents, pipe)
     jobs = (image, mask_image, strength, padding_mask_crop, layers)
     pipe, edit = _image_job(pipe, fam, steps, output_type, jobs, latents, (height, width), (image_reference, kv_cache))
-    untaken = dict(prompt_2=prompt_2, negative_prompt_2=negative_prompt_2, use_kv_cache=use_kv_cache)
-    untaken.update(joint_attention_kwargs=joint_attention_kwargs, attention_kwargs=attention_kwargs)
-    untaken.update(text_encoder_out_layers=text_encoder_out_layers, _auto_resize=_auto_resize)
-    untaken.update(cfg_normalize=cfg_normalize, use_en_prompt=use_en_prompt, ip_adapter_image=ip_adapter_image)
-    untaken.update(negative_ip_adapter_image=negative_ip_adapter_image, ip_adapter_image_embeds=ip_adapter_image_embeds)
-    _stock.refuse_untaken(pipe, dict(untaken, negative_ip_adapter_image_embeds=negative_ip_adapter_image_embeds))
     _requests.check_max_sequence_length(fam, max_sequence_length)
     cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
     cfg = _qi.true_cfg(fam, cfg, negative_prompt, negative_prompt_embeds)
     given = {k: v for k, v in locals().items() if "prompt_embeds" in k}  # the six stock embedding arguments
     req = _requests.requests(fam, prompt, num_images_per_prompt, seed, latents, negative_prompt, cfg is not None, given)
     adapters = _lora_items.per_image(params, lora, req.n // req.per_prompt, req.per_prompt)
-    lora_scale = _stock.lora_scale(pipe, joint_attention_kwargs, attention_kwargs)
-    adapters = _stock.scaled(adapters, lora_scale)
-    stock = _stock.StockArgs(
-        prompts_2=_stock.second_prompts(prompt_2, "prompt_2", req.n // req.per_prompt, bool(req.embeds)),
-        negatives_2=_stock.second_prompts(
-            negative_prompt_2, "negative_prompt_2", req.n // req.per_prompt, bool(req.negative_embeds)
-        ),
-        tensor_inputs=_stock.tensor_inputs(pipe, callback_on_step_end_tensor_inputs, callback_on_step_end),
-        encode={
-            **_stock.encoder_layers(text_encoder_out_layers),
-            **({} if fam != "flux1" or lora_scale is None else {"lora_scale": lora_scale}),
-        },
-        cfg_normalize=cfg_normalize,
-        ip=_stock.ip_adapter(pipe, ip_adapter_image_embeds, negative_ip_adapter_image_embeds, _sharded(params), cache),
-    )
+    prompts, sharded = req.n // req.per_prompt, _sharded(params)
+    stock, adapters = _stock.take(pipe, fam, prompts, req, adapters, stock_kw, cache, sharded, callback_on_step_end)
     device, dtype = _param_device_dtype(params)
     refuse_fsdp(params, "fd.sample", "run fd.apply in your own loop, or use a mesh without fsdp")
     local_params, mesh = sharding.local_view(params)
