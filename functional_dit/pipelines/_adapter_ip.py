@@ -57,39 +57,50 @@ class IPAdapterMixin:
 
     def _ip_processors(self) -> list:
         """The double blocks' IP-Adapter processors, in block order (empty without IP-Adapter)."""
-        procs = [b.attn.get_processor() for b in getattr(self, "transformer_blocks", [])]
-        return procs if procs and all(isinstance(p, FluxIPAdapterAttnProcessor) for p in procs) else []
+        return ip_processors(self)
 
     def ip_adapter_input(self, embeds) -> dict | None:
-        """`flux1.check_ip_adapter`'s dict for ``ip_adapter_image_embeds`` (a list of one
-        (B, I, E) tensor per adapter, or one (B, E) tensor, as the stock projection takes)."""
-        procs, proj = self._ip_processors(), getattr(self, "encoder_hid_proj", None)
-        if embeds is None:
-            if procs:
-                raise ValueError(
-                    "ip_adapter_image_embeds: IP-Adapter is loaded, so joint_attention_kwargs needs "
-                    "{'ip_adapter_image_embeds': [...]} (the stock module fails without it); unload_ip_adapter() first"
-                )
-            return None
-        if not procs or proj is None:
+        """`flux1.check_ip_adapter`'s dict for ``ip_adapter_image_embeds`` (`ip_adapter_input`)."""
+        return ip_adapter_input(self, embeds)
+
+
+def ip_processors(module) -> list:
+    """A FLUX.1 transformer's (stock or adapter) double-block IP-Adapter processors, in block
+    order (empty without IP-Adapter)."""
+    procs = [b.attn.get_processor() for b in getattr(module, "transformer_blocks", [])]
+    return procs if procs and all(isinstance(p, FluxIPAdapterAttnProcessor) for p in procs) else []
+
+
+def ip_adapter_input(module, embeds) -> dict | None:
+    """`flux1.check_ip_adapter`'s dict for ``ip_adapter_image_embeds`` (a list of one
+    (B, I, E) tensor per adapter, or one (B, E) tensor, as the stock projection takes),
+    from the IP-Adapter loaded on ``module`` (a stock ``FluxTransformer2DModel`` or the
+    adapter)."""
+    procs, proj = ip_processors(module), getattr(module, "encoder_hid_proj", None)
+    if embeds is None:
+        if procs:
             raise ValueError(
-                f"ip_adapter_image_embeds: no IP-Adapter is loaded on this {type(self).__name__} "
-                "(pipe.load_ip_adapter(...) first)"
+                "ip_adapter_image_embeds: IP-Adapter is loaded, so joint_attention_kwargs needs "
+                "{'ip_adapter_image_embeds': [...]} (the stock module fails without it); unload_ip_adapter() first"
             )
-        if not isinstance(embeds, list):
-            embeds = [embeds.unsqueeze(1)]  # the stock projection's (deprecated) single-tensor form
-        layers = list(proj.image_projection_layers)
-        if len(embeds) != len(layers) or not all(type(p) is ImageProjection for p in layers):
-            raise ValueError(
-                f"ip_adapter_image_embeds: expected {len(layers)} tensors (one per loaded IP-Adapter, each with an "
-                f"ImageProjection), got {len(embeds)}"
-            )
-        return dict(
-            image_proj=[{"image_embeds": _linear(p.image_embeds), "norm": _linear(p.norm)} for p in layers],
-            tokens=[p.num_image_text_embeds for p in layers],
-            image_embeds=list(embeds),
-            layers=[
-                [{"to_k_ip": _linear(k), "to_v_ip": _linear(v)} for k, v in zip(p.to_k_ip, p.to_v_ip)] for p in procs
-            ],
-            scale=[list(p.scale) for p in procs],
+        return None
+    if not procs or proj is None:
+        raise ValueError(
+            f"ip_adapter_image_embeds: no IP-Adapter is loaded on this {type(module).__name__} "
+            "(pipe.load_ip_adapter(...) first)"
         )
+    if not isinstance(embeds, list):
+        embeds = [embeds.unsqueeze(1)]  # the stock projection's (deprecated) single-tensor form
+    layers = list(proj.image_projection_layers)
+    if len(embeds) != len(layers) or not all(type(p) is ImageProjection for p in layers):
+        raise ValueError(
+            f"ip_adapter_image_embeds: expected {len(layers)} tensors (one per loaded IP-Adapter, each with an "
+            f"ImageProjection), got {len(embeds)}"
+        )
+    return dict(
+        image_proj=[{"image_embeds": _linear(p.image_embeds), "norm": _linear(p.norm)} for p in layers],
+        tokens=[p.num_image_text_embeds for p in layers],
+        image_embeds=list(embeds),
+        layers=[[{"to_k_ip": _linear(k), "to_v_ip": _linear(v)} for k, v in zip(p.to_k_ip, p.to_v_ip)] for p in procs],
+        scale=[list(p.scale) for p in procs],
+    )

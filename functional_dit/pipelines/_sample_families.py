@@ -42,8 +42,11 @@ class _Flux1(Steps):
     def __init__(self, params, pipe):
         self.params, self.pipe, self.c = params, pipe, params.config
 
-    def encode(self, prompts, msl):
-        txt, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, max_sequence_length=msl or 512)
+    def encode(self, prompts, msl, prompt_2=None, lora_scale=None):
+        """CLIP's pooled vector of ``prompts``, T5's text of ``prompt_2`` (None: ``prompts``),
+        with the text encoders' LoRA at ``lora_scale``: the pipeline's ``encode_prompt``."""
+        kw = dict(prompt_2=prompt_2, max_sequence_length=msl or 512, lora_scale=lora_scale)
+        txt, pooled, _ = self.pipe.encode_prompt(prompt=prompts, **kw)
         return Prompt(txt, pooled)
 
     def encode_embeds(self, msl, prompt_embeds, pooled_prompt_embeds):
@@ -78,8 +81,9 @@ class _Flux2(Steps):
         self.params, self.pipe, self.c, self.kv = params, pipe, params.config, kv_cache
         self.ref = self.ref_ids = self.cache = None
 
-    def encode(self, prompts, msl):
-        txt, txt_ids = self.pipe.encode_prompt(prompt=prompts, max_sequence_length=msl or 512)
+    def encode(self, prompts, msl, **layers):
+        """The pipeline's ``encode_prompt`` (``text_encoder_out_layers`` in ``layers`` if given)."""
+        txt, txt_ids = self.pipe.encode_prompt(prompt=prompts, max_sequence_length=msl or 512, **layers)
         return Prompt(txt, txt_ids=txt_ids[0])
 
     def encode_embeds(self, msl, prompt_embeds):

@@ -150,6 +150,8 @@ class Flux1Image(_Flux1):
         self.proc, self.mask_proc = _processors(pipe)
         self.settings = {"strength": edit.strength, "inpaint": edit.mask is not None, "padding_mask_crop": edit.pad}
         self.ref, self.stash = None, {}
+        self.inpaints = edit.mask is not None  # takes masked_image_latents (`_sample_stock_args`)
+        self.latent_channels = self.c.in_channels // 4  # 16: FluxInpaintPipeline hard-codes it (FLUX.1's latents)
 
     def images(self, images, B, device):
         """Preprocess and encode the init image once (its posterior), and the mask."""

@@ -49,12 +49,14 @@ def size(pipe, height, width, max_area) -> tuple:
     return h, w
 
 
-def _preferred(img, pipe) -> tuple[int, int]:
-    """(height, width) of the reference: the Kontext resolution nearest its aspect ratio."""
+def _preferred(img, pipe, auto_resize: bool = True) -> tuple[int, int]:
+    """(height, width) of the reference: the Kontext resolution nearest its aspect ratio
+    (the stock ``_auto_resize=True``), or its own size (False); floored to the VAE multiple."""
     from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
     h, w = pipe.image_processor.get_default_height_width(img)
-    _, w, h = min((abs(w / h - rw / rh), rw, rh) for rw, rh in PREFERRED_KONTEXT_RESOLUTIONS)
+    if auto_resize:
+        _, w, h = min((abs(w / h - rw / rh), rw, rh) for rw, rh in PREFERRED_KONTEXT_RESOLUTIONS)
     multiple = pipe.vae_scale_factor * 2
     return h // multiple * multiple, w // multiple * multiple
 
@@ -62,9 +64,10 @@ def _preferred(img, pipe) -> tuple[int, int]:
 class Flux1Kontext(_Flux1):
     """`_Flux1` with the Kontext reference tokens after the latents."""
 
-    def __init__(self, params, pipe):
+    def __init__(self, params, pipe, auto_resize: bool = True):
         super().__init__(params, pipe)
         self.ref = self.ref_ids = None
+        self.auto_resize = auto_resize
 
     def images(self, images, B, device):
         """Encode the one reference image (distribution mode) and its ids ``(1, row, col)``."""
@@ -73,7 +76,7 @@ class Flux1Kontext(_Flux1):
         if len(images) != 1 or not isinstance(images[0], Image.Image):
             raise ValueError(f"image: a FluxKontextPipeline takes one PIL reference image, got {images!r:.80}")
         pipe, vae = self.pipe, self.pipe.vae
-        h, w = _preferred(images[0], pipe)
+        h, w = _preferred(images[0], pipe, self.auto_resize)
         pixels = pipe.image_processor.preprocess(pipe.image_processor.resize(images[0], h, w), h, w)
         z = vae.encode(pixels.to(device=device, dtype=vae.dtype)).latent_dist.mode()
         z = (z - vae.config.shift_factor) * vae.config.scaling_factor

@@ -169,6 +169,8 @@ class Img2Img(_Qwen):
         super().__init__(params, pipe)
         self.strength, self.mask_image, self.crop = strength, mask_image, crop
         self.start = self.mask = self.raw = self.crops = self.cur = None
+        self.inpaints = mask_image is not None  # takes masked_image_latents (`_sample_stock_args`)
+        self.latent_channels = pipe.vae.config.z_dim  # QwenImageInpaintPipeline.latent_channels
 
     def images(self, images, B, device):
         """Kept as given: they are preprocessed at the output size (`init_latents`)."""

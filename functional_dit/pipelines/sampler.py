@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 import numbers
 import warnings
@@ -53,6 +54,7 @@ from . import _sample_flux_image as _flux_image
 from . import _sample_flux_kontext as _kontext
 from . import _sample_lora as _lora_items
 from . import _sample_qwen_image as _qi
+from . import _sample_stock_args as _stock
 from . import cache as _cache
 from . import placement as _placement
 from . import sampler_xla as _sample_xla
@@ -152,6 +154,10 @@ def _check_steps(steps, sigmas) -> tuple[int, list | None]:
     return steps, sigmas
 
 
+def _sharded(params: Params) -> bool:
+    return is_dtensor(next(iter(params.flat().values())))
+
+
 def _param_device_dtype(params: Params):
     leaf = next(iter(params.flat().values()))
     if is_dtensor(leaf):  # the local shard's device
@@ -202,6 +208,7 @@ class _Chunk:
     images: tuple[int, ...]
     x: torch.Tensor
     cond: Prompt
+    prompt_embeds: torch.Tensor | None = None  # the conditional text alone (``callback_on_step_end`` inputs)
 
 
 def _batch_size(fam: str, batch_size: int | None) -> int | None:
@@ -231,19 +238,25 @@ def _chunks(share, batch_size: int | None) -> list[tuple[int, ...]]:
     return [tuple(share[i : i + size]) for i in range(0, len(share), size)]
 
 
-def _encode(model, strings, embeds: dict, rows, msl, prefix: str = "") -> Prompt:
-    """The text of prompt ``rows``: encoded strings, or rows of the given embeddings."""
+def _encode(model, strings, embeds: dict, rows, msl, prefix: str = "", opts: dict | None = None) -> Prompt:
+    """The text of prompt ``rows``: encoded strings (with the stock ``encode_prompt`` options
+    ``opts``; a list there holds one value per prompt, e.g. FLUX.1's ``prompt_2``), or rows of
+    the given embeddings."""
     if embeds:
         return model.encode_embeds(msl, **{k[len(prefix) :]: v[rows] for k, v in embeds.items()})
-    return model.encode([strings[r] for r in rows], msl)
+    opts = {k: [v[r] for r in rows] if isinstance(v, list) else v for k, v in (opts or {}).items()}
+    return model.encode([strings[r] for r in rows], msl, **opts)
 
 
 def _chunk(model, req, images, job, dtype, device) -> _Chunk:
     """Encode the chunk's prompts (and negatives with CFG) and draw its noise."""
-    rows, msl = req.rows(images), job.max_sequence_length
-    cond = _encode(model, req.prompts, req.embeds, rows, msl)
+    rows, msl, stock = req.rows(images), job.max_sequence_length, job.stock
+    cond = _encode(model, req.prompts, req.embeds, rows, msl, opts=stock.encode_options(stock.prompts_2))
+    prompt_embeds = cond.txt.to(device=device, dtype=dtype) if "prompt_embeds" in stock.tensor_inputs else None
     if job.cfg is not None:
-        neg = _encode(model, req.negatives, req.negative_embeds, rows, msl, "negative_")
+        neg = _encode(
+            model, req.negatives, req.negative_embeds, rows, msl, "negative_", stock.encode_options(stock.negatives_2)
+        )
         if model.cfg_on_device:  # Qwen-Image 2.1 keeps its branches, on the device
             cond = model.cfg_batch(_to(cond, dtype, device), _to(neg, dtype, device))
         else:  # batched before the move: the default's mask check reads no accelerator
@@ -251,7 +264,7 @@ def _chunk(model, req, images, job, dtype, device) -> _Chunk:
     cond = _to(cond, dtype, device)
     shape = lambda B: model.noise_shape(B, *job.hw)  # noqa: E731
     draw = getattr(model, "draw", _requests.draw)  # img2img: the posterior draw comes first
-    return _Chunk(images, draw(req.noise, images, shape, model.pack, model.take, dtype, device), cond)
+    return _Chunk(images, draw(req.noise, images, shape, model.pack, model.take, dtype, device), cond, prompt_embeds)
 
 
 def _check_ranks(lay, chunks, model, settings: dict) -> None:
@@ -273,8 +286,8 @@ def sample(
     encoders,
     prompt=None,
     *,
-    height: int,
-    width: int,
+    height: int | None = None,
+    width: int | None = None,
     steps: int | None = None,
     seed=None,
     guidance: float | None = None,
@@ -308,6 +321,23 @@ def sample(
     vae_tiling: bool = False,
     controlnet=None,
     lora=None,
+    prompt_2=None,
+    negative_prompt_2=None,
+    masked_image_latents: torch.Tensor | None = None,
+    joint_attention_kwargs: dict | None = None,
+    attention_kwargs: dict | None = None,
+    callback_on_step_end_tensor_inputs: list[str] | None = None,
+    text_encoder_out_layers: tuple[int, ...] | None = None,
+    use_kv_cache: bool | None = None,
+    _auto_resize: bool | None = None,
+    cfg_normalize: bool | None = None,
+    use_en_prompt: bool | None = None,
+    ip_adapter_image=None,
+    negative_ip_adapter_image=None,
+    ip_adapter_image_embeds=None,
+    negative_ip_adapter_image_embeds=None,
+    resolution: int | None = None,
+    output_resolution: int | None = None,
 ):
     """Generate images with ``params`` (plain or sharded) and our own denoising loop.
 
@@ -322,7 +352,8 @@ def sample(
     prompt ``i // num_images_per_prompt``'s); or None with ``prompt_embeds`` (and
     ``pooled_prompt_embeds`` for FLUX.1, ``prompt_embeds_mask`` for Qwen-Image, their
     ``negative_`` twins for CFG: the stock pipelines' arguments; the text encoders may then
-    be None). ``height``/``width``: pixels, multiples of the VAE scale x 2.
+    be None). ``height``/``width``: pixels, multiples of the VAE scale x 2 (required but
+    for Qwen-Image-Layered and Qwen-Image 2.1, sized from ``resolution`` / ``output_resolution``).
 
     ``seed``: an int (image ``i`` draws its noise from ``torch.Generator().manual_seed(seed + i)``),
     a list of ints or of ``torch.Generator`` (one per image, as diffusers'
@@ -375,11 +406,29 @@ def sample(
     image computing only its own adapters' updates in the shared batch, both CFG branches
     alike (`functional_dit.pipelines._sample_lora`); sharded params need the adapters on
     their mesh (``lora.load(path, params)``).
+
+    The stock pipelines' other arguments, with their stock meaning where the pipeline class
+    takes them (`functional_dit.pipelines._sample_stock_args`, docs/sampling.md "Stock
+    arguments"): FLUX.1's ``prompt_2`` / ``negative_prompt_2`` (the T5 prompts);
+    ``joint_attention_kwargs`` (FLUX.1) / ``attention_kwargs`` (the others), whose LoRA
+    ``scale`` multiplies the ``lora`` scales; ``callback_on_step_end_tensor_inputs``
+    ("latents", "prompt_embeds": the chunk's conditional text); ``masked_image_latents``
+    (inpainting; checked, unused as stock); FLUX.2's ``text_encoder_out_layers``;
+    ``use_kv_cache`` (Qwen-Image 2.1's spelling of ``kv_cache``); Kontext's ``_auto_resize``;
+    FLUX.1's IP-Adapter ``ip_adapter_image_embeds`` with ``negative_ip_adapter_image_embeds``
+    (through the IP-Adapter loaded on the pipeline's transformer, ``pipe.load_ip_adapter``);
+    Layered's ``cfg_normalize`` and ``resolution`` (then ``height``/``width`` None: sized as
+    stock; 640 when all three are None); Qwen-Image 2.1's ``output_resolution`` (a missing
+    ``height``/``width``, 1024 by default). Refused by name: ``use_en_prompt`` (no captioning here)
+    and the IP-Adapter's images ``ip_adapter_image`` / ``negative_ip_adapter_image``.
     """
 
+    stock_kw = {k: v for k, v in locals().items() if k in _stock.NAMES}  # the stock pipelines' further arguments
     fam = _family_name(params)
     pipe = as_pipeline(encoders, params)
+    kv_cache = _stock.kv_cache(kv_cache, use_kv_cache)
 
+    height, width = _stock.size(pipe, height, width, resolution, output_resolution, image)  # Layered, Qwen-Image 2.1
     height, width = _kontext.size(pipe, height, width, max_area)  # Kontext rescales to max_area
     height, width = _flux2_image.size(pipe, height, width, image)  # klein inpainting: the image's size
     _check_args(pipe, height, width, output_type, batch_size)
@@ -396,22 +445,39 @@ def sample(
     given = {k: v for k, v in locals().items() if "prompt_embeds" in k}  # the six stock embedding arguments
     req = _requests.requests(fam, prompt, num_images_per_prompt, seed, latents, negative_prompt, cfg is not None, given)
     adapters = _lora_items.per_image(params, lora, req.n // req.per_prompt, req.per_prompt)
+    prompts, sharded = req.n // req.per_prompt, _sharded(params)
+    stock, adapters = _stock.take(pipe, fam, prompts, req, adapters, stock_kw, cache, sharded, callback_on_step_end)
     device, dtype = _param_device_dtype(params)
     refuse_fsdp(params, "fd.sample", "run fd.apply in your own loop, or use a mesh without fsdp")
     local_params, mesh = sharding.local_view(params)
     lay = _ranks.layout(mesh, req.n)
     img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop, layers=layers)
-    model = _family_model(fam, local_params if lay.split else params, pipe, image, kv_cache, img2img, edit)
+    model = _family_model(
+        fam, local_params if lay.split else params, pipe, image, kv_cache, img2img, edit, _auto_resize
+    )
     model = model if controls is None else _controlnet.WithControlNet(model, controls, pipe)
     hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
     _check_latents(model, pipe, req, *hw)
+    _stock.check_masked_latents(masked_image_latents, model, req.n, *hw)
     on_step = _on_step(pipe, callback, callback_on_step_end)
     run = _cache.CacheRun.of(cache, image is not None and bool(model.kv))
     if run is not None and not model.step_cache:
         raise ValueError(f"cache: step caching is not supported for {fam} yet; expected None")
     adapters = _lora_items.local(adapters, mesh) if lay.split else adapters  # the model runs on local params
     job = _Job(
-        fam, hw, steps, sigmas, guidance, cfg, output_type, max_sequence_length, batch_size, on_step, run, adapters
+        fam,
+        hw,
+        steps,
+        sigmas,
+        guidance,
+        cfg,
+        output_type,
+        max_sequence_length,
+        batch_size,
+        on_step,
+        run,
+        adapters,
+        stock,
     )
     with torch.no_grad():
         if image is not None:
@@ -458,6 +524,7 @@ class _Job:
     on_step: Callable | None
     cache: object | None = None  # a _cache.CacheRun, or None
     lora: tuple | None = None  # per image, its (adapter, scale) pairs (`_sample_lora.per_image`), or None
+    stock: _stock.StockArgs = _stock.StockArgs()  # the stock pipelines' further arguments, checked
 
 
 def _settings(job: _Job, pipe, req, lay, model, dtype, size) -> dict:
@@ -468,6 +535,7 @@ def _settings(job: _Job, pipe, req, lay, model, dtype, size) -> dict:
         dtype=dtype, output_type=job.output_type, images=req.n, share=lay.share, batch_size=job.batch_size,
         kv_cache=model.kv, max_sequence_length=job.max_sequence_length, noise=req.noise[0],
         cache=None if job.cache is None else repr(job.cache.config), lora=_lora_items.fingerprint(job.lora),
+        cfg_normalize=job.stock.cfg_normalize,
         **{"strength": getattr(model, "strength", None), **getattr(model, "settings", {})},
     )  # fmt: skip
 
@@ -493,10 +561,14 @@ def _run(model, pipe, chunk: _Chunk, job: _Job):
     fixed = _sample_xla.wanted(model, job, pipe, device)  # lazy devices: one fixed graph per step
     sched = _scheduler(pipe, job.fam, chunk.x.shape[1], job.steps, "cpu" if fixed else device, job.sigmas)
     model.schedule(sched)
-    x, on_step = model.begin(sched, chunk, job.on_step)
+    hook = job.on_step
+    if hook is not None:  # the chunk's tensors for callback_on_step_end
+        hook = functools.partial(hook, tensors=_callback_tensors(job.stock.tensor_inputs, chunk))
+    x, on_step = model.begin(sched, chunk, hook)
     loop = _sample_xla.denoise if fixed else _denoise
     model.apply = _chunk_apply(model, job, len(sched.timesteps), chunk.images)
-    x = loop(model, sched, x, chunk.cond, job.cfg, model.normalise_cfg, on_step)
+    normalise = model.normalise_cfg if job.stock.cfg_normalize is None else job.stock.cfg_normalize
+    x = loop(model, sched, x, chunk.cond, job.cfg, normalise, on_step)
     if job.output_type == "latent":
         return model.latent_output(x, *job.hw)
     return _decode(model, pipe, x, *job.hw, job.output_type)
@@ -507,26 +579,39 @@ def _chunk_apply(model, job: _Job, steps: int, images):
     one, with the chunk's per-image LoRA adapters (`_sample_lora.calls`)."""
     plain = getattr(model, "base_apply", None) or type(model).apply  # ControlNet: with its residuals
     apply = plain if job.cache is None else job.cache.start(branches=1 if job.cfg is None else 2, steps=steps)
-    return _lora_items.calls(apply, job.lora, images)
+    return _lora_items.calls(_stock.ip_calls(apply, job.stock.ip, job.cfg is not None), job.lora, images)
+
+
+def _callback_tensors(names: tuple, chunk: _Chunk) -> dict:
+    """The tensors ``callback_on_step_end`` gets besides the latents (by name)."""
+    return {"prompt_embeds": chunk.prompt_embeds} if "prompt_embeds" in names else {}
 
 
 def _on_step(pipe, callback, callback_on_step_end):
-    """The step hook: ``callback(i, x)``, then the stock ``callback_on_step_end``, whose
-    returned "latents" (if any) replace x."""
+    """The step hook: ``callback(i, x)``, then the stock ``callback_on_step_end`` with the
+    chunk's asked-for ``tensors`` ("latents" always first), whose returned "latents" (if
+    any) replace x; new prompt embeddings are refused."""
     if callback is None and callback_on_step_end is None:
         return None
 
-    def hook(i, t, x):
+    def hook(i, t, x, tensors=None):
         if callback is not None:
             callback(i, x)
         if callback_on_step_end is not None:
-            x = (callback_on_step_end(pipe, i, t, {"latents": x}) or {}).get("latents", x)
+            given = {"latents": x, **(tensors or {})}
+            out = callback_on_step_end(pipe, i, t, dict(given)) or {}
+            if "prompt_embeds" in out and out["prompt_embeds"] is not given.get("prompt_embeds"):
+                raise ValueError(
+                    "callback_on_step_end: returned new prompt_embeds; fd.sample takes new latents from the callback, "
+                    "not new prompt embeddings (its text is encoded once per run)"
+                )
+            x = out.get("latents", x)
         return x
 
     return hook
 
 
-def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=None):
+def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=None, auto_resize=None):
     """The per-family sampling steps (`_Flux1`, `_Flux2`, `_Qwen`; FLUX.1 img2img and
     inpainting: `_sample_flux_image.Flux1Image` for an ``edit``; Kontext; Qwen-Image's image
     jobs in `_sample_qwen_image`) after the argument checks."""
@@ -537,7 +622,7 @@ def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=N
     if edit is not None:
         return _flux_image.Flux1Image(params, pipe, edit)
     if type(pipe).__name__ == "FluxKontextPipeline":
-        return _kontext.Flux1Kontext(params, pipe)
+        return _kontext.Flux1Kontext(params, pipe, auto_resize is not False)
     if type(pipe).__name__ in _qi.PIPELINES:
         return _qi.model(params, pipe, image, **img2img)
     if image is not None and (fam == "flux1" or isinstance(pipe, diffusers.QwenImagePipeline)):
