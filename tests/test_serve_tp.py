@@ -2,8 +2,8 @@
 serves HTTP; tp and sp ranks run every step on their shard (tiny FLUX.1, gloo on the
 CPU), dp groups run separate batches.
 
-- tp=2: the ``openai`` client's image equals ``fd.sample`` of the request alone (1 uint8
-  level);
+- tp=2: the ``openai`` client's images, one with a LoRA, equal ``fd.sample`` of the request
+  alone (1 uint8 level);
 - sp=2: the same with a step cache and true CFG (each branch's First-Block decision is
   summed over the sp ranks);
 - dp=2: four concurrent requests (two with step caches) each equal ``fd.sample`` alone, and
@@ -24,10 +24,12 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from test_serve import MSL, _close, _pixels, _port
 
 import functional_dit as fd
+import functional_dit.lora as lora
 from functional_dit import tiny
 
 
@@ -119,10 +121,19 @@ def _kill_rank_1_while_running(url: str, proc, requests: int) -> None:
 def test_tp2_server_answers_and_a_killed_rank_is_a_503_and_a_nonzero_exit(tmp_path):
     import openai
 
-    with _torchrun(tmp_path, "--tp", "2") as (url, proc):
+    params = fd.from_diffusers(tiny.pipeline("flux").transformer)
+    adapter = lora.init(params.config, rank=4, alpha=8.0, seed=1, zero_b=False)
+    lora.save(adapter, str(tmp_path / "a.safetensors"))
+    with _torchrun(tmp_path, "--tp", "2", f"--lora=a={tmp_path / 'a.safetensors'}") as (url, proc):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         res = client.images.generate(model="flux", prompt="a red cat", size="32x32", extra_body={"seed": 3})
         _close(_pixels(res.data[0].b64_json), _reference("a red cat", 3))
+        # a LoRA per request on tp-sharded params (its factors split with their columns / rows)
+        extra = {"seed": 4, "lora": [{"name": "a", "scale": 0.8}]}
+        res = client.images.generate(model="flux", prompt="a dog", size="32x32", extra_body=extra)
+        loaded = lora.load(str(tmp_path / "a.safetensors"), params)
+        _close(_pixels(res.data[0].b64_json), _reference("a dog", 4, lora=[[(loaded, 0.8)]]))
+        assert not np.array_equal(_pixels(res.data[0].b64_json), _reference("a dog", 4))  # the adapter acted
         _kill_rank_1_while_running(url, proc, 1)
 
 

@@ -33,6 +33,12 @@ from . import sampler as _sampler
 from ._sample_families import _Flux1, _Flux2, _Qwen, combine
 from ._steps import Prompt
 
+# A request's step cache, for callers outside this package (the server): its config from a
+# spec string or config (``cache_config(spec, steps)``, a ValueError naming ``cache`` when
+# malformed) and the branch-steps it skipped so far (``cache_skipped(item.cache_state)``).
+cache_config = _cache_items.config
+cache_skipped = _cache_items.skipped
+
 SUPPORTED = ("flux1", "flux2", "qwenimage")  # the families whose text-to-image steps `init` takes
 _T2I = ("FluxPipeline", "Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline", "QwenImagePipeline")
 

@@ -26,7 +26,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from ..pipelines import _cache_items, sampling
+from ..pipelines import sampling
 from . import _engine, _ranks
 
 FIELDS = {"model", "prompt", "n", "size", "response_format", "user", "quality", "style"}
@@ -108,7 +108,7 @@ class Service:
         if not isinstance(value, str):
             raise BadRequest("cache", want, value)
         try:
-            config = _cache_items.config(value, steps)
+            config = sampling.cache_config(value, steps)
         except ValueError as e:
             raise BadRequest("cache", f"{want} ({e})", value) from None
         if config is not None and not self.engine.ctx.model.step_cache:

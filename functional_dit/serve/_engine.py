@@ -22,7 +22,7 @@ import dataclasses
 import threading
 import time
 
-from ..pipelines import _cache_items, sampling
+from ..pipelines import sampling
 
 
 class QueueFull(Exception):
@@ -241,7 +241,7 @@ class Engine:
         for it, img in zip(done.items, images):
             job, j = it.tag
             self.metrics.images += 1
-            self.metrics.cache_skipped += _cache_items.skipped(it.cache_state)
+            self.metrics.cache_skipped += sampling.cache_skipped(it.cache_state)
             self.metrics.recent.append(now)
             self.metrics.groups[self.group] += 1
             job.images[j], job.left = img, job.left - 1
