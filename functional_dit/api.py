@@ -288,9 +288,7 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
     if torch.is_grad_enabled() and any(sharding.axis_size(a) > 1 for a in (*_SHARE_AXES, "fsdp")):  # backward sums
         params = _share_params(params, lora_dims) if fsdp else pytree.tree_map(_share, params)  # (LoRA leaves too)
         x, t, txt, kwargs = pytree.tree_map(_share, (x, t, txt, kwargs))
-    if fsdp:  # non-block leaves gathered now, blocks (with their LoRA factors) when read (sharding._fsdp)
-        mesh = sharding.current_mesh()
-        params = Params(params.config, _fsdp.wrap_tree(params.tree, params.config, mesh, lora_dims))
+    params = _gathering(params, lora_dims)
     inputs = fam.check_inputs(params, x, t, txt, **kwargs)
     B = x.shape[0]
     x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
@@ -306,6 +304,17 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
         out, seq, extra = fam.forward(params, x, t, txt, **inputs)
     out = sharding.gather(sharding.gather(out, "sp", 1, seq), "dp", 0, B)
     return out if extra is None else (out, extra)
+
+
+def _gathering(params: Params, lora_dims: dict | None = None) -> Params:
+    """``params`` (the local view, under the bound mesh) for a forward: on an "fsdp" axis
+    the non-block leaves gathered now and every block (with the attached LoRA factors of
+    ``lora_dims``, ``{path: fsdp dim}``) gathered when its loop reaches it (sharding._fsdp);
+    as they are otherwise."""
+    if sharding.axis_size("fsdp") == 1:
+        return params
+    mesh = sharding.current_mesh()
+    return Params(params.config, _fsdp.wrap_tree(params.tree, params.config, mesh, lora_dims or {}))
 
 
 def _share(x, axes=_SHARE_AXES):

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 import sharding
-from sharding.internal import is_dtensor, refuse_fsdp
+from sharding.internal import is_dtensor
 
 from .. import families as _families
 from ..params import Params
@@ -448,7 +448,6 @@ def sample(
     prompts, sharded = req.n // req.per_prompt, _sharded(params)
     stock, adapters = _stock.take(pipe, fam, prompts, req, adapters, stock_kw, cache, sharded, callback_on_step_end)
     device, dtype = _param_device_dtype(params)
-    refuse_fsdp(params, "fd.sample", "run fd.apply in your own loop, or use a mesh without fsdp")
     local_params, mesh = sharding.local_view(params)
     lay = _ranks.layout(mesh, req.n)
     img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop, layers=layers)
