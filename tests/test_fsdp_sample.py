@@ -1,0 +1,107 @@
+"""The sampler and step caches over fully sharded params (an "fsdp" mesh axis), against
+one process.
+
+On ``make_mesh(fsdp=2)`` every rank runs ``fd.sample``'s loop and ``fd.apply`` splits each
+call's batch over fsdp (each rank computes its rows, block weights gathered per block);
+the step caches run the family's stages with the same per-block gathers. One spawn of 2
+gloo ranks on the tiny FLUX.1 pipeline (fp32) checks, against the same calls on one
+process: three prompts without CFG, per-prompt LoRA (an odd batch: one padded row);
+First-Block Cache
+with true CFG (one CFG half per rank, the halves deciding differently, so one rank's
+items skip while the other's compute and it joins their gathers); TaylorSeer on the
+attention modules; per-item caches with LoRA through ``functional_dit.sampling``.
+What stays refused under fsdp raises with its message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import spawn
+
+import functional_dit as fd
+import functional_dit.lora as lora
+import sharding
+from functional_dit import sampling, tiny
+from functional_dit.pipelines import cache as fd_cache
+
+# fp32: the batch split changes each GEMM's row count, hence its blocking (measured ≤ 1.7e-6)
+FP32 = dict(rtol=1e-5, atol=1e-5)
+KW = dict(height=32, width=32, steps=5, output_type="latent", max_sequence_length=16)
+CFG = dict(seed=5, true_cfg=2.0, negative_prompt="blurry", height=48, width=48, steps=6)  # the halves decide apart
+THREE = ["a red cube", "a blue sphere", "a green cone on a table"]
+
+
+def _caches() -> dict:
+    # fp32 Taylor factors: bf16 ones round outputs that differ in fp32 rounding a bf16 step apart
+    attention = fd.TaylorSeer(2, 2, taylor_factors_dtype=torch.float32, modules=fd_cache.ATTENTION)
+    return {"fbc": fd.FirstBlockCache(0.9), "tsa": attention}  # 0.9: the halves decide differently here
+
+
+def _requests(adapter) -> list:
+    R = lambda *a, **kw: sampling.Request(*a, max_sequence_length=16, **kw)  # noqa: E731
+    return [
+        R("a red cat", 32, 32, 5, seed=1, cache="fbcache:0.8", lora=((adapter, 0.7),)),
+        R("a boat", 32, 32, 5, seed=2, cache="taylorseer:interval=2,warmup=1,order=1,attention=1"),
+        R("the sun", 32, 32, 5, seed=3, cache="magcache:0.3", true_cfg=2.0, negative_prompt="dark"),
+    ]
+
+
+def _run(params, pipe, adapter) -> dict:
+    per_prompt = [[(adapter, 1.0)], [], [(adapter, 0.5)]]  # rows 0 and 2: on the two ranks of the split
+    out = {"three": fd.sample(params, pipe, THREE, seed=30, lora=per_prompt, **KW)}
+    for name, cache in _caches().items():
+        run = fd.CacheRun(cache)
+        out[name] = (fd.sample(params, pipe, "a red cube", cache=run, **(KW | CFG)), run.decisions)
+    items = sampling.sample(params, sampling.context(params, pipe), _requests(adapter), "pt")
+    out["items"] = items
+    return out
+
+
+def _setup():
+    pipe = tiny.pipeline("flux")
+    params = fd.from_diffusers(pipe.transformer)
+    adapter = lora.init(params.config, rank=2, seed=1, zero_b=False)
+    return pipe, params, adapter
+
+
+def _rank(rank, world):
+    pipe, params, adapter = _setup()
+    mesh = sharding.make_mesh(fsdp=2, device_type="cpu")
+    sharded = sharding.shard_params(params, mesh)
+    out = _run(sharded, pipe, sharding.shard_params(adapter, mesh))
+    errors = {}
+    for name, call in {
+        "adapter": lambda: fd.DiffusersTransformer(sharded),
+        "layerwise": lambda: fd.sample(
+            sharding.shard_params(fd.layerwise_cast(params, torch.float8_e4m3fn), mesh), pipe, "a", seed=0, **KW
+        ),
+    }.items():
+        try:
+            call()
+            errors[name] = "no error"
+        except ValueError as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+    return out
+
+
+@pytest.mark.slow
+def test_sample_and_step_caches_on_fsdp2_equal_one_process():
+    """Every rank's images and every step's cache decisions equal one process's (fp32
+    1e-5: the batch split changes GEMM row counts); the ranks agree bitwise."""
+    pipe, params, adapter = _setup()
+    want = _run(params, pipe, adapter)
+    assert any(c != u for c, u in want["fbc"][1]), "the CFG halves must decide apart, or no rank waits alone"
+    results = spawn(_rank, 2, timeout=300)
+    for r in results:
+        torch.testing.assert_close(r["three"], want["three"], **FP32)
+        for name in _caches():
+            assert r[name][1] == want[name][1], name
+            torch.testing.assert_close(r[name][0], want[name][0], **FP32)
+        torch.testing.assert_close(r["items"], want["items"], **FP32)
+        assert r["errors"]["adapter"].startswith("fsdp: the diffusers adapter (fd.DiffusersTransformer) is not"), r
+        assert "layerwise-cast storage is not supported with fully sharded params" in r["errors"]["layerwise"], r["errors"]
+    for key in ("three", "fbc", "tsa", "items"):
+        a, b = (r[key][0] if isinstance(r[key], tuple) else r[key] for r in results)
+        assert torch.equal(a, b), f"{key}: the ranks differ"
