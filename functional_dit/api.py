@@ -22,7 +22,6 @@ from .lora import internal as _lora
 from .nn import compile as _compile
 from .nn import fused as _fuse
 from .nn import kernels as _kernels
-from .nn import layerwise as _layerwise
 from .nn import values as _values
 from .params import Params, check_leaves, init_leaf, register_pytree
 
@@ -343,11 +342,6 @@ def _check_fsdp(params: Params) -> None:
     """What fully sharded params do not run with yet: a ValueError naming it."""
     if torch.compiler.is_compiling():
         raise ValueError("fsdp: torch.compile of fd.apply over fully sharded params is not supported yet")
-    if any(_layerwise.is_cast(x) for x in flatten(params.tree).values()):
-        raise ValueError(
-            "params: layerwise-cast storage is not supported with fully sharded params (an fsdp mesh axis) yet; "
-            "cast before sharding, or use a mesh without fsdp"
-        )
     if _fuse.active(params, family(params).FUSED, ()):
         raise ValueError(
             "params: fd.prepare'd params are not supported with fully sharded params (an fsdp mesh axis); "

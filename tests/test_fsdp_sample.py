@@ -47,7 +47,12 @@ def _requests(adapter) -> list:
     ]
 
 
-def _run(params, pipe, adapter) -> dict:
+def _fp8(params):
+    return fd.layerwise_cast(params, torch.float8_e4m3fn)  # every leaf stored fp8, read as fp32
+
+
+def _run(params, pipe, adapter, fp8=None) -> dict:
+    """``fp8``: ``params`` layerwise cast (then sharded, on the ranks)."""
     per_prompt = [[(adapter, 1.0)], [], [(adapter, 0.5)]]  # rows 0 and 2: on the two ranks of the split
     out = {"three": fd.sample(params, pipe, THREE, seed=30, lora=per_prompt, **KW)}
     for name, cache in _caches().items():
@@ -55,6 +60,7 @@ def _run(params, pipe, adapter) -> dict:
         out[name] = (fd.sample(params, pipe, "a red cube", cache=run, **(KW | CFG)), run.decisions)
     items = sampling.sample(params, sampling.context(params, pipe), _requests(adapter), "pt")
     out["items"] = items
+    out["fp8"] = fd.sample(fp8, pipe, "a red cube", seed=3, **KW)
     return out
 
 
@@ -69,20 +75,24 @@ def _rank(rank, world):
     pipe, params, adapter = _setup()
     mesh = sharding.make_mesh(fsdp=2, device_type="cpu")
     sharded = sharding.shard_params(params, mesh)
-    out = _run(sharded, pipe, sharding.shard_params(adapter, mesh))
-    errors = {}
-    for name, call in {
-        "adapter": lambda: fd.DiffusersTransformer(sharded),
-        "layerwise": lambda: fd.sample(
-            sharding.shard_params(fd.layerwise_cast(params, torch.float8_e4m3fn), mesh), pipe, "a", seed=0, **KW
-        ),
-    }.items():
-        try:
-            call()
-            errors[name] = "no error"
-        except ValueError as e:
-            errors[name] = str(e)
-    out["errors"] = errors
+    sent, start = [], sharding._fsdp._start_block  # what each block's all-gathers send: dtype, elements
+
+    def spy(xs, dims):
+        pending = start(xs, dims)
+        sent.extend((h.dtype, h.numel()) for _, h in pending)
+        return pending
+
+    sharding._fsdp._start_block = spy
+    try:
+        out = _run(sharded, pipe, sharding.shard_params(adapter, mesh), sharding.shard_params(_fp8(params), mesh))
+    finally:
+        sharding._fsdp._start_block = start
+    out["sent"] = sent
+    try:
+        fd.DiffusersTransformer(sharded)
+        out["adapter error"] = "no error"
+    except ValueError as e:
+        out["adapter error"] = str(e)
     return out
 
 
@@ -91,7 +101,7 @@ def test_sample_and_step_caches_on_fsdp2_equal_one_process():
     """Every rank's images and every step's cache decisions equal one process's (fp32
     1e-5: the batch split changes GEMM row counts); the ranks agree bitwise."""
     pipe, params, adapter = _setup()
-    want = _run(params, pipe, adapter)
+    want = _run(params, pipe, adapter, _fp8(params))
     assert any(c != u for c, u in want["fbc"][1]), "the CFG halves must decide apart, or no rank waits alone"
     results = spawn(_rank, 2, timeout=300)
     for r in results:
@@ -100,8 +110,14 @@ def test_sample_and_step_caches_on_fsdp2_equal_one_process():
             assert r[name][1] == want[name][1], name
             torch.testing.assert_close(r[name][0], want[name][0], **FP32)
         torch.testing.assert_close(r["items"], want["items"], **FP32)
-        assert r["errors"]["adapter"].startswith("fsdp: the diffusers adapter (fd.DiffusersTransformer) is not"), r
-        assert "layerwise-cast storage is not supported with fully sharded params" in r["errors"]["layerwise"], r["errors"]
-    for key in ("three", "fbc", "tsa", "items"):
+        torch.testing.assert_close(r["fp8"], want["fp8"], **FP32)
+        # fp8 storage travels as its bytes: the last run's blocks sent uint8 buffers only,
+        # the others fp32 (float32: 4 bytes an element; fp8: 1)
+        dtypes = [d for d, _ in r["sent"]]
+        assert set(dtypes[: dtypes.index(torch.uint8)]) == {torch.float32} and set(
+            dtypes[dtypes.index(torch.uint8) :]
+        ) == {torch.uint8}, dtypes
+        assert r["adapter error"].startswith("fsdp: the diffusers adapter (fd.DiffusersTransformer) is not"), r
+    for key in ("three", "fbc", "tsa", "items", "fp8"):
         a, b = (r[key][0] if isinstance(r[key], tuple) else r[key] for r in results)
         assert torch.equal(a, b), f"{key}: the ranks differ"
