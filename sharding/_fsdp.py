@@ -20,7 +20,9 @@ with ``fsdp_options(reshard_after_forward=True)`` autograd keeps the local shard
 and backward all-gathers the weight again when it needs it (`resharded`).
 
 Leaves attached to the tree in tuples (LoRA factors, ``layer["lora"] = ((A, B, ...), ...)``)
-are gathered with their block when ``wrap_tree`` is told their dims (``extra``).
+are gathered with their block when ``wrap_tree`` is told their dims (``extra``). A leaf
+stored in another dtype than it reads as (layerwise fp8 storage: a wrapper tensor subclass
+over one inner tensor) is gathered as its stored bytes and wrapped again (`_stored`).
 """
 
 from __future__ import annotations

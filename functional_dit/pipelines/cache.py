@@ -30,10 +30,12 @@ The attention-level caches hook the family's block functions at their attention 
 blocks.
 
 Under a mesh every rank holds its local part of the state (sequence rows over sp and
-ring, dp items); the First-Block metric is summed over sp, ring and dp (one small
-all-reduce per axis) so that
-every rank takes the same decision; TaylorSeer and MagCache decide from the step count
-alone, FasterCache from the step count and the timestep.
+ring, dp and fsdp items); the First-Block metric is summed over sp, ring, dp and fsdp (one
+small all-reduce per axis) so that every rank takes the same decision; TaylorSeer and
+MagCache decide from the step count alone, FasterCache from the step count and the
+timestep. Fully sharded params: the stages gather each block as ``fd.apply`` does, and a
+rank whose items all reuse while others compute joins the blocks' all-gathers
+(`_stages.Stages.gather_only`).
 """
 
 from __future__ import annotations

@@ -21,9 +21,11 @@ same image in any batch, chunk or rank. Sharded params work as they are: on a me
 ``dp`` groups and at least as many images each group makes its own share of the images
 with the mesh's tp and sp axes; with fewer images every rank runs the same loop and
 ``fd.apply`` splits the [cond; uncond] batch over dp (CFG parallelism)
-(`functional_dit.pipelines._ranks`). Before the first step one check compares the settings and
-inputs of the ranks that must agree and raises on every rank if they differ (nothing is
-broadcast).
+(`functional_dit.pipelines._ranks`). Fully sharded params (an fsdp axis): the fsdp ranks of a
+dp group run the same loop and ``fd.apply`` splits each call's batch over them, so every
+rank meets every block's all-gather (docs/sampling.md, "Over fsdp"). Before the first step
+one check compares the settings and inputs of the ranks that must agree and raises on
+every rank if they differ (nothing is broadcast).
 
 docs/sampling.md lists what is reproduced per pipeline class.
 """
