@@ -5,12 +5,13 @@ On ``make_mesh(fsdp=2)`` every rank runs ``fd.sample``'s loop and ``fd.apply`` s
 call's batch over fsdp (each rank computes its rows, block weights gathered per block);
 the step caches run the family's stages with the same per-block gathers. One spawn of 2
 gloo ranks on the tiny FLUX.1 pipeline (fp32) checks, against the same calls on one
-process: three prompts without CFG, per-prompt LoRA (an odd batch: one padded row);
-First-Block Cache
-with true CFG (one CFG half per rank, the halves deciding differently, so one rank's
-items skip while the other's compute and it joins their gathers); TaylorSeer on the
-attention modules; per-item caches with LoRA through ``functional_dit.sampling``.
-What stays refused under fsdp raises with its message.
+process: three prompts without CFG with per-prompt LoRA (an odd batch: one padded row);
+First-Block Cache with true CFG (one CFG half per rank, the halves deciding apart, so one
+rank's items skip while the other's compute and it joins their gathers); First-Block
+Cache on one image without CFG (rank 1 holds only the padding row: before, a TypeError
+on its first step, on dp=2 too); TaylorSeer on the attention modules; per-item caches
+with LoRA through ``functional_dit.sampling``; fp8 layerwise storage, gathered as bytes.
+The diffusers adapter stays refused under fsdp, with its message.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from functional_dit.pipelines import cache as fd_cache
 FP32 = dict(rtol=1e-5, atol=1e-5)
 KW = dict(height=32, width=32, steps=5, output_type="latent", max_sequence_length=16)
 CFG = dict(seed=5, true_cfg=2.0, negative_prompt="blurry", height=48, width=48, steps=6)  # the halves decide apart
+NO_CFG = dict(true_cfg=None, negative_prompt=None)
 THREE = ["a red cube", "a blue sphere", "a green cone on a table"]
 
 
@@ -58,6 +60,9 @@ def _run(params, pipe, adapter, fp8=None) -> dict:
     for name, cache in _caches().items():
         run = fd.CacheRun(cache)
         out[name] = (fd.sample(params, pipe, "a red cube", cache=run, **(KW | CFG)), run.decisions)
+    # one image without CFG: rank 1 holds only the padding row of the batch split
+    run = fd.CacheRun(fd.FirstBlockCache(0.9))
+    out["fbc1"] = (fd.sample(params, pipe, "a red cube", cache=run, **(KW | CFG | NO_CFG)), run.decisions)
     items = sampling.sample(params, sampling.context(params, pipe), _requests(adapter), "pt")
     out["items"] = items
     out["fp8"] = fd.sample(fp8, pipe, "a red cube", seed=3, **KW)
@@ -106,7 +111,7 @@ def test_sample_and_step_caches_on_fsdp2_equal_one_process():
     results = spawn(_rank, 2, timeout=300)
     for r in results:
         torch.testing.assert_close(r["three"], want["three"], **FP32)
-        for name in _caches():
+        for name in (*_caches(), "fbc1"):
             assert r[name][1] == want[name][1], name
             torch.testing.assert_close(r[name][0], want[name][0], **FP32)
         torch.testing.assert_close(r["items"], want["items"], **FP32)
@@ -118,6 +123,7 @@ def test_sample_and_step_caches_on_fsdp2_equal_one_process():
             dtypes[dtypes.index(torch.uint8) :]
         ) == {torch.uint8}, dtypes
         assert r["adapter error"].startswith("fsdp: the diffusers adapter (fd.DiffusersTransformer) is not"), r
-    for key in ("three", "fbc", "tsa", "items", "fp8"):
+    assert any(not c for d in want["fbc1"][1] for c in d), "fbc1 must skip some steps"
+    for key in ("three", "fbc", "tsa", "fbc1", "items", "fp8"):
         a, b = (r[key][0] if isinstance(r[key], tuple) else r[key] for r in results)
         assert torch.equal(a, b), f"{key}: the ranks differ"

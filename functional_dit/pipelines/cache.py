@@ -434,9 +434,11 @@ class _Items:
         return float(self.t.flatten()[0]) * 1000
 
     def computes(self, per_branch) -> list[bool]:
-        """Per local item: does it compute? dp padding follows the real items when they agree."""
+        """Per local item: does it compute? dp padding follows the real items when they agree;
+        on a rank holding padding only (one image without CFG on dp=2 or fsdp=2), it computes
+        when every branch does (on the first step, which has no cached residual to reuse)."""
         real = [per_branch[b] for b in self.branch if b >= 0]
-        pad = bool(real) and all(real)
+        pad = all(real) if real else all(per_branch)
         return [per_branch[b] if b >= 0 else pad for b in self.branch]
 
 
