@@ -22,7 +22,6 @@ from .lora import internal as _lora
 from .nn import compile as _compile
 from .nn import fused as _fuse
 from .nn import kernels as _kernels
-from .nn import layerwise as _layerwise
 from .nn import values as _values
 from .params import Params, check_leaves, init_leaf, register_pytree
 
@@ -288,9 +287,7 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
     if torch.is_grad_enabled() and any(sharding.axis_size(a) > 1 for a in (*_SHARE_AXES, "fsdp")):  # backward sums
         params = _share_params(params, lora_dims) if fsdp else pytree.tree_map(_share, params)  # (LoRA leaves too)
         x, t, txt, kwargs = pytree.tree_map(_share, (x, t, txt, kwargs))
-    if fsdp:  # non-block leaves gathered now, blocks (with their LoRA factors) when read (sharding._fsdp)
-        mesh = sharding.current_mesh()
-        params = Params(params.config, _fsdp.wrap_tree(params.tree, params.config, mesh, lora_dims))
+    params = _gathering(params, lora_dims)
     inputs = fam.check_inputs(params, x, t, txt, **kwargs)
     B = x.shape[0]
     x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
@@ -306,6 +303,17 @@ def _apply_local(fam, params: Params, x, t, txt, kwargs: dict, adapters=()):
         out, seq, extra = fam.forward(params, x, t, txt, **inputs)
     out = sharding.gather(sharding.gather(out, "sp", 1, seq), "dp", 0, B)
     return out if extra is None else (out, extra)
+
+
+def _gathering(params: Params, lora_dims: dict | None = None) -> Params:
+    """``params`` (the local view, under the bound mesh) for a forward: on an "fsdp" axis
+    the non-block leaves gathered now and every block (with the attached LoRA factors of
+    ``lora_dims``, ``{path: fsdp dim}``) gathered when its loop reaches it (sharding._fsdp);
+    as they are otherwise."""
+    if sharding.axis_size("fsdp") == 1:
+        return params
+    mesh = sharding.current_mesh()
+    return Params(params.config, _fsdp.wrap_tree(params.tree, params.config, mesh, lora_dims or {}))
 
 
 def _share(x, axes=_SHARE_AXES):
@@ -334,11 +342,6 @@ def _check_fsdp(params: Params) -> None:
     """What fully sharded params do not run with yet: a ValueError naming it."""
     if torch.compiler.is_compiling():
         raise ValueError("fsdp: torch.compile of fd.apply over fully sharded params is not supported yet")
-    if any(_layerwise.is_cast(x) for x in flatten(params.tree).values()):
-        raise ValueError(
-            "params: layerwise-cast storage is not supported with fully sharded params (an fsdp mesh axis) yet; "
-            "cast before sharding, or use a mesh without fsdp"
-        )
     if _fuse.active(params, family(params).FUSED, ()):
         raise ValueError(
             "params: fd.prepare'd params are not supported with fully sharded params (an fsdp mesh axis); "

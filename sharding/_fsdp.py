@@ -20,7 +20,9 @@ with ``fsdp_options(reshard_after_forward=True)`` autograd keeps the local shard
 and backward all-gathers the weight again when it needs it (`resharded`).
 
 Leaves attached to the tree in tuples (LoRA factors, ``layer["lora"] = ((A, B, ...), ...)``)
-are gathered with their block when ``wrap_tree`` is told their dims (``extra``).
+are gathered with their block when ``wrap_tree`` is told their dims (``extra``). A leaf
+stored in another dtype than it reads as (layerwise fp8 storage: a wrapper tensor subclass
+over one inner tensor) is gathered as its stored bytes and wrapped again (`_stored`).
 """
 
 from __future__ import annotations
@@ -128,17 +130,52 @@ def gather_dims(config, mesh) -> dict[str, int]:
     return _dims(config, tuple(mesh.mesh_dim_names), tuple(mesh.shape))
 
 
+# ----------------------------------------------------------------------------- stored leaves
+
+
+def _stored(x: torch.Tensor) -> torch.Tensor | None:
+    """The inner tensor of ``x`` when ``x`` is a wrapper tensor subclass over one inner
+    tensor (torch's ``__tensor_flatten__`` protocol) that reads as another dtype than it
+    holds: layerwise storage (``functional_dit.nn.layerwise.CastTensor``, fp8 held, read as
+    bf16), whose gather moves the stored bytes, not the computed dtype. None otherwise."""
+    if type(x) is torch.Tensor or not hasattr(x, "__tensor_flatten__"):
+        return None
+    names, _ = x.__tensor_flatten__()
+    inner = getattr(x, names[0]) if len(names) == 1 else None
+    return inner if isinstance(inner, torch.Tensor) and inner.dtype != x.dtype else None
+
+
+def _rewrap(x: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` (a gathered inner tensor of the wrapper ``x``) wrapped as ``x`` is."""
+    names, ctx = x.__tensor_flatten__()
+    return type(x).__tensor_unflatten__({names[0]: full}, ctx, full.shape, full.stride())
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``t`` as raw bytes (its last dim times the item size): what an
+    all-gather moves for any storage dtype (gloo has no float8)."""
+    return t.contiguous().view(torch.uint8)
+
+
 # ----------------------------------------------------------------------------- the collective
 
 
 def _start(x: torch.Tensor, dim: int):
-    """Issue the all-gather of ``x`` over fsdp along ``dim`` (async; nothing waits)."""
+    """Issue the all-gather of ``x`` over fsdp along ``dim`` (async; nothing waits); a
+    stored leaf (`_stored`) sends its stored bytes."""
+    inner = _stored(x)
+    if inner is not None:
+        return _autodiff._all_gather_dim0()(_bytes(inner.detach().movedim(dim, 0)), 0, _group(FSDP))
     return _autodiff._all_gather_dim0()(x.detach().movedim(dim, 0).contiguous(), 0, _group(FSDP))
 
 
 def _finish(x: torch.Tensor, dim: int, pending) -> torch.Tensor:
     """The gathered leaf from the `_start` handle ``pending``, differentiable w.r.t. ``x``."""
-    full = _autodiff._done(pending).movedim(0, dim)
+    inner = _stored(x)
+    if inner is None:
+        full = _autodiff._done(pending).movedim(0, dim)
+    else:
+        full = _rewrap(x, _autodiff._done(pending).view(inner.dtype).movedim(0, dim))
     if not (torch.is_grad_enabled() and x.requires_grad):
         return full
     n, index = _axis(FSDP)
@@ -188,13 +225,19 @@ def _pack(xs, dims) -> torch.Tensor:
 
 def _start_block(xs, dims) -> list:
     """Issue the all-gathers of a block's fully sharded leaves (async): one per dtype among
-    them (bf16 weights and fp32 LoRA factors are not promoted to one buffer), as a list of
-    ``(indices into xs, handle)``."""
+    them (bf16 weights and fp32 LoRA factors are not promoted to one buffer; stored leaves,
+    `_stored`, by their storage dtype, sent as bytes), as a list of ``(indices into xs,
+    handle)``."""
     groups: dict = {}
     for i, x in enumerate(xs):
-        groups.setdefault(x.dtype, []).append(i)
-    gather = _autodiff._all_gather_dim0()
-    return [(ix, gather(_pack([xs[i] for i in ix], [dims[i] for i in ix]), 0, _group(FSDP))) for ix in groups.values()]
+        inner = _stored(x)
+        groups.setdefault((x.dtype, None if inner is None else inner.dtype), []).append(i)
+    gather, out = _autodiff._all_gather_dim0(), []
+    for (_, stored), ix in groups.items():
+        leaves = [xs[i] if stored is None else _stored(xs[i]) for i in ix]
+        buf = _pack(leaves, [dims[i] for i in ix])
+        out.append((ix, gather(buf if stored is None else _bytes(buf), 0, _group(FSDP))))
+    return out
 
 
 def _unpack(rows: torch.Tensor, xs, dims) -> list:
@@ -217,6 +260,12 @@ def _finish_block(xs, dims, pending) -> list:
     fulls = [None] * len(xs)
     for ix, handle in pending:
         rows = _autodiff._done(handle).view(n, -1)
+        inner = [_stored(xs[i]) for i in ix]
+        if inner[0] is not None:  # stored leaves: the bytes back in their storage dtype, each rewrapped
+            rows = rows.view(inner[0].dtype)
+            for i, full in zip(ix, _unpack(rows, inner, [dims[i] for i in ix])):
+                fulls[i] = _rewrap(xs[i], full)
+            continue
         for i, full in zip(ix, _unpack(rows, [xs[i] for i in ix], [dims[i] for i in ix])):
             fulls[i] = full
     req = [i for i, x in enumerate(xs) if x.requires_grad] if torch.is_grad_enabled() else []

@@ -69,12 +69,13 @@ def _check_rows(rows, batch: int | None, name: str) -> tuple[int, ...]:
     raise ValueError(f"{name}: rows must be distinct ints{where} (batch rows), got {rows!r:.80}")
 
 
-def local_rows(rows: tuple, batch: int) -> tuple[int, ...] | None:
-    """This rank's rows among ``rows`` of a batch of ``batch``, split over "dp" as
-    ``fd.apply`` splits it (contiguous chunks): their local indices, or None when they are
-    all of this rank's real rows (the plain path, no gather)."""
-    chunk = sharding.local_len(batch, "dp")
-    start = sharding.axis_index("dp") * chunk
+def local_rows(rows: tuple, batch: int, split: bool = True) -> tuple[int, ...] | None:
+    """This rank's rows among ``rows`` of a batch of ``batch``, split over "dp" (dp x fsdp)
+    as ``fd.apply`` splits it (contiguous chunks): their local indices, or None when they
+    are all of this rank's real rows (the plain path, no gather). ``split=False``: the
+    batch is whole on this rank (`functional_dit.pipelines._cache_items` under fsdp)."""
+    chunk = sharding.local_len(batch, "dp") if split else batch
+    start = sharding.chunk_index("dp") * chunk if split else 0
     real = max(0, min(chunk, batch - start))
     local = tuple(r - start for r in rows if start <= r < start + real)
     return None if local and local == tuple(range(real)) else local
@@ -137,13 +138,16 @@ def _dora_factor(ad: Adapter, m: str, weight: torch.Tensor, s, axis) -> torch.Te
     return ad.magnitude(m) / weight_norm(weight, A, B, s, axis)
 
 
-def attach(params: Params, pairs, batch: int | None = None, fsdp_dims: dict | None = None) -> Params:
+def attach(
+    params: Params, pairs, batch: int | None = None, fsdp_dims: dict | None = None, split: bool = True
+) -> Params:
     """``params`` (local view) whose adapted layer dicts carry ``"lora": ((A, B, s, bias,
     g[, rows]), ...)``, ``s`` = the caller's scale x the module's ``alpha / rank``, ``bias`` the
     ``lora_B`` bias or None, ``g`` the DoRA factor or None; nothing is copied but the
     dicts on the way to each adapted layer. An ``(adapter, scale, rows)`` triple (rows of
     a batch of ``batch``) adds ``rows = (index, n)``: this rank's rows (`local_rows`) as an
     index tensor into its ``n`` batch rows; an adapter with none of them is not attached.
+    ``split=False``: the batch is whole on every rank, not split over dp x fsdp.
 
     Fully sharded adapters (an "fsdp" axis on the bound mesh): the factors attached are this
     rank's shards, and ``fsdp_dims`` (a dict) receives ``{path: fsdp dim}`` of each, its path
@@ -159,10 +163,10 @@ def attach(params: Params, pairs, batch: int | None = None, fsdp_dims: dict | No
                 "axis) yet (its row norm needs whole weight rows); use a mesh without fsdp"
             )
         dims = gather_dims(ad.config, mesh) if fsdp else {}
-        rows = local_rows(rows[0], batch) if rows else None
+        rows = local_rows(rows[0], batch, split) if rows else None
         if rows == ():
             continue
-        n = None if rows is None else sharding.local_len(batch, "dp")  # this rank's rows of the batch
+        n = None if rows is None else sharding.local_len(batch, "dp") if split else batch  # this rank's rows
         index = () if rows is None else ((torch.tensor(rows, dtype=torch.long, device=_device(ad)), n),)
         column, row = _mesh_axes(ad.config)
         for m, _, _ in ad.config.modules:

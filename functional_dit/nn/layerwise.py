@@ -26,7 +26,9 @@ backward reads it again). `fd.apply` computes in one dtype, so the leaves left a
 must already be in the compute dtype. ``cat`` / ``stack`` of leaves stored alike join the
 storages (the values are the same), so `sharding.shard_params` of cast params keeps every
 leaf stored, the per-block-split fused projections included. `layerwise_cast` of sharded
-(DTensor) params is refused (cast first, then shard).
+(DTensor) params is refused (cast first, then shard). On an fsdp mesh a stored leaf's
+just-in-time all-gather moves its stored bytes and wraps the gathered storage again
+(`sharding._fsdp`, which knows the wrapper only by torch's ``__tensor_flatten__`` protocol).
 """
 
 from __future__ import annotations

@@ -30,7 +30,9 @@ skipping, the embedders once more for the computing subset. The attention-level 
 per item at each attention module (`_Attention`): the module runs for the call's rows
 when any of them computes (reusing rows then take their own values: compute not saved),
 and not at all when every row reuses. Meshes: sp, ring, tp; not dp (a dp mesh splits the
-batch across ranks, whose items then decide apart: `step` refuses it).
+batch across ranks, whose items then decide apart: `step` refuses it); fsdp: every fsdp
+rank runs every row (the batch is not split here), so all take the same decisions and
+gather each block's weights together (`_stages.Stages.run`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import types
 import torch
 
 import sharding
-from sharding.internal import refuse_fsdp
+from sharding.internal import fsdp_degree
 
 from .. import api as _api
 from ..lora import internal as _lora
@@ -82,11 +84,12 @@ def step(params, configs, states, rows, x, t, txt, *, lora=None, **kwargs):
     output and each item's new state."""
     fam = _api.family(params)
     _cache.check_family(fam)
-    refuse_fsdp(params, "step caching (cache=...)", "use cache=None")
     kwargs = _api._family_args(fam, kwargs)
     if sum(rows) != x.shape[0]:
         raise ValueError(f"rows: expected item rows summing to the batch {x.shape[0]}, got {list(rows)}")
     local, mesh = sharding.local_view(params)
+    if mesh is not None and fsdp_degree(params) > 1:
+        _api._check_fsdp(local)
     with sharding.bind(mesh) if mesh is not None else contextlib.nullcontext():
         if sharding.axis_size("dp") > 1:
             raise ValueError("cache: per-item step caches run on a mesh without dp (each dp group its own batch)")
@@ -109,9 +112,11 @@ class _Batch:
         """The stages of rows ``idx`` (their LoRA re-indexed to the subset)."""
         whole = len(idx) == self.B
         lora = self.lora if whole else _sub_lora(self.lora, idx)
-        p = self.local
+        p, lora_dims = self.local, {}
         if lora:
-            p = _lora.attach(p, _api._lora_adapters(self.params, lora, self.mesh, len(idx)), len(idx))
+            ads = _api._lora_adapters(self.params, lora, self.mesh, len(idx))
+            p = _lora.attach(p, ads, len(idx), lora_dims, split=False)  # every row on every rank here
+        p = _api._gathering(p, lora_dims)  # fsdp: blocks gathered as `_stages` runs them
         if whole:
             return _stages.STAGES[self.fam](p, self.x, self.t, self.txt, **self.inputs)
         i = torch.tensor(idx, device=self.x.device)

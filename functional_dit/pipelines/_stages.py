@@ -18,6 +18,9 @@ from collections.abc import Callable
 
 import torch
 
+import sharding
+from sharding.internal import gathered_blocks
+
 from .. import flux1, flux2
 from .. import qwenimage as qwen
 from ..nn import compile as _compile
@@ -34,7 +37,7 @@ class Stages:
     ctx entry ``"attn"``, {name: hook}, passes each block its hook."""
 
     streams: tuple
-    blocks: list[Callable]
+    blocks: list[Block]
     ctx: dict
     final: Callable
     txt_len: int
@@ -47,10 +50,22 @@ class Stages:
         return streams[0] if len(streams) == 2 else streams[0][:, self.txt_len :]
 
     def run(self, streams: tuple, blocks, ctx: dict | None = None) -> tuple:
+        """``blocks`` (`Block`s, in order) on ``streams``. Fully sharded params: each
+        block's weights all-gathered at once before it computes, the next block's gather
+        issued first (`sharding.internal.gathered_blocks`, as ``fd.apply``'s block loop)."""
         ctx = self.ctx if ctx is None else ctx
-        for block in blocks:
-            streams = block(streams, ctx)
+        blocks = list(blocks)
+        for block, p in zip(blocks, gathered_blocks([b.p for b in blocks])):
+            streams = block.fn(p, block.i, streams, ctx)
         return streams
+
+    def gather_only(self, blocks) -> None:
+        """Take part in ``blocks``' all-gathers over "fsdp" without computing: a fully
+        sharded rank whose batch items all reuse a cached value while its peers' compute
+        (their gathers need every fsdp rank). Nothing without an fsdp axis."""
+        if sharding.axis_size("fsdp") > 1:
+            for _ in gathered_blocks([b.p for b in blocks]):
+                pass
 
     def take(self, idx: torch.Tensor) -> dict:
         """ctx for the batch items ``idx`` (a long tensor of local indices)."""
@@ -211,8 +226,22 @@ def _qwen_block_mods(p, i, streams, ctx):
     return _qwen_block(p, i, streams, ctx)
 
 
-def _bind(fn, *head):
-    return lambda streams, ctx: fn(*head, streams, ctx)
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """Block ``i`` of the stack: ``fn(p, i, streams, ctx) -> streams`` over its params ``p``
+    (under fsdp a `sharding` ``GatheredBlock`` of its local shards, gathered by `Stages.run`)."""
+
+    fn: Callable
+    p: object
+    i: int
+
+    def __call__(self, streams: tuple, ctx: dict) -> tuple:
+        (p,) = gathered_blocks([self.p])
+        return self.fn(p, self.i, streams, ctx)
+
+
+def _bind(fn, p, i) -> Block:
+    return Block(fn, p, i)
 
 
 STAGES = {flux1: flux1_stages, flux2: flux2_stages, qwen: qwen_stages}

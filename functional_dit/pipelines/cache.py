@@ -30,10 +30,12 @@ The attention-level caches hook the family's block functions at their attention 
 blocks.
 
 Under a mesh every rank holds its local part of the state (sequence rows over sp and
-ring, dp items); the First-Block metric is summed over sp, ring and dp (one small
-all-reduce per axis) so that
-every rank takes the same decision; TaylorSeer and MagCache decide from the step count
-alone, FasterCache from the step count and the timestep.
+ring, dp and fsdp items); the First-Block metric is summed over sp, ring, dp and fsdp (one
+small all-reduce per axis) so that every rank takes the same decision; TaylorSeer and
+MagCache decide from the step count alone, FasterCache from the step count and the
+timestep. Fully sharded params: the stages gather each block as ``fd.apply`` does, and a
+rank whose items all reuse while others compute joins the blocks' all-gathers
+(`_stages.Stages.gather_only`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from typing import NamedTuple
 import torch
 
 import sharding
-from sharding.internal import refuse_fsdp
+from sharding.internal import fsdp_degree
 
 from .. import api as _api
 from ..lora import internal as _lora
@@ -380,16 +382,19 @@ def step(params, cache, state, x, t, txt, *, branches: int = 1, lora=None, **kwa
         raise ValueError(f"state: expected a {_STATES[type(cache)].__name__} for {type(cache).__name__}, got {state!r}")
     fam = _api.family(params)
     check_family(fam)
-    refuse_fsdp(params, "step caching (cache=...)", "use cache=None")
     kwargs = _api._family_args(fam, kwargs)
     if kwargs.get("kv_cache") is not None:
         raise ValueError("kv_cache: step caching does not combine with FLUX.2's reference KV cache; expected None")
     if not isinstance(branches, int) or branches < 1 or x.shape[0] % branches:
         raise ValueError(f"branches: expected a positive divisor of the batch {x.shape[0]}, got {branches!r}")
     local, mesh = sharding.local_view(params)
+    if mesh is not None and fsdp_degree(params) > 1:
+        _api._check_fsdp(local)
     adapters = _api._lora_adapters(params, lora, mesh, x.shape[0])
     with sharding.bind(mesh) if mesh is not None else contextlib.nullcontext():
-        local = _lora.attach(local, adapters, x.shape[0]) if adapters else local
+        lora_dims: dict = {}  # fully sharded LoRA factors (`fd.apply`'s)
+        local = _lora.attach(local, adapters, x.shape[0], lora_dims) if adapters else local
+        local = _api._gathering(local, lora_dims)  # fsdp: blocks gathered as `_stages` runs them
         return _step_local(fam, local, cache, state, x, t, txt, kwargs, branches)
 
 
@@ -418,7 +423,8 @@ class _Items:
     times of the whole batch."""
 
     def __init__(self, B: int, branches: int, t: torch.Tensor):
-        chunk, start = sharding.local_len(B, "dp"), sharding.axis_index("dp") * sharding.local_len(B, "dp")
+        chunk = sharding.local_len(B, "dp")  # the batch split: dp x fsdp
+        start = sharding.chunk_index("dp") * chunk
         per = B // branches
         self.n, self.t = branches, t
         self.branch = [g // per if g < B else -1 for g in range(start, start + chunk)]
@@ -428,9 +434,11 @@ class _Items:
         return float(self.t.flatten()[0]) * 1000
 
     def computes(self, per_branch) -> list[bool]:
-        """Per local item: does it compute? dp padding follows the real items when they agree."""
+        """Per local item: does it compute? dp padding follows the real items when they agree;
+        on a rank holding padding only (one image without CFG on dp=2 or fsdp=2), it computes
+        when every branch does (on the first step, which has no cached residual to reuse)."""
         real = [per_branch[b] for b in self.branch if b >= 0]
-        pad = bool(real) and all(real)
+        pad = all(real) if real else all(per_branch)
         return [per_branch[b] if b >= 0 else pad for b in self.branch]
 
 
@@ -451,7 +459,7 @@ def _fbc_step(cache: FirstBlockCache, state: FBCState, stages, info: _Items):
         num, den = branch_sums(r, state.head, info, s.seq)
         per_branch = [bool(n / d > cache.threshold) for n, d in zip(num.tolist(), den.tolist())]
     computes = info.computes(per_branch)
-    rest = _rest_image(s, head, img1, computes)
+    rest = _rest_image(s, head, img1, computes, any(per_branch))
     log = state.log + (tuple(per_branch),)
     if all(computes):
         return s.final(rest, s.ctx), FBCState(r, rest - img1, log)
@@ -461,12 +469,15 @@ def _fbc_step(cache: FirstBlockCache, state: FBCState, stages, info: _Items):
     return s.final(final, s.ctx), new
 
 
-def _rest_image(s, head: tuple, img1: torch.Tensor, computes: list[bool]) -> torch.Tensor:
+def _rest_image(s, head: tuple, img1: torch.Tensor, computes: list[bool], anywhere: bool) -> torch.Tensor:
     """The image rows after the last block for the items that compute (block 0's output
-    elsewhere): the rest of the network on all items, a subset or none."""
+    elsewhere): the rest of the network on all items, a subset or none. ``anywhere``: some
+    rank's items compute (its fully sharded blocks' gathers need this rank too)."""
     if all(computes):
         return s.image(s.run(head, s.blocks[1:]))
     if not any(computes):
+        if anywhere:
+            s.gather_only(s.blocks[1:])
         return img1
     idx = torch.tensor([i for i, c in enumerate(computes) if c], device=img1.device)
     sub = s.run(_stages.take_streams(head, idx), s.blocks[1:], s.take(idx))
@@ -486,7 +497,8 @@ def branch_sums(r, prev, info: _Items, seq: int, reduce: bool = True):
             sums[0, b] += num[i]
             sums[1, b] += den[i]
     if reduce:
-        sums = sharding.psum(sharding.psum(sharding.psum(sums, "sp"), "ring"), "dp")
+        for axis in ("sp", "ring", "dp", "fsdp"):
+            sums = sharding.psum(sums, axis)
     return sums[0], sums[1]
 
 

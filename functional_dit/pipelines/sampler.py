@@ -21,9 +21,11 @@ same image in any batch, chunk or rank. Sharded params work as they are: on a me
 ``dp`` groups and at least as many images each group makes its own share of the images
 with the mesh's tp and sp axes; with fewer images every rank runs the same loop and
 ``fd.apply`` splits the [cond; uncond] batch over dp (CFG parallelism)
-(`functional_dit.pipelines._ranks`). Before the first step one check compares the settings and
-inputs of the ranks that must agree and raises on every rank if they differ (nothing is
-broadcast).
+(`functional_dit.pipelines._ranks`). Fully sharded params (an fsdp axis): the fsdp ranks of a
+dp group run the same loop and ``fd.apply`` splits each call's batch over them, so every
+rank meets every block's all-gather (docs/sampling.md, "Over fsdp"). Before the first step
+one check compares the settings and inputs of the ranks that must agree and raises on
+every rank if they differ (nothing is broadcast).
 
 docs/sampling.md lists what is reproduced per pipeline class.
 """
@@ -43,7 +45,7 @@ import numpy as np
 import torch
 
 import sharding
-from sharding.internal import is_dtensor, refuse_fsdp
+from sharding.internal import is_dtensor
 
 from .. import families as _families
 from ..params import Params
@@ -448,7 +450,6 @@ def sample(
     prompts, sharded = req.n // req.per_prompt, _sharded(params)
     stock, adapters = _stock.take(pipe, fam, prompts, req, adapters, stock_kw, cache, sharded, callback_on_step_end)
     device, dtype = _param_device_dtype(params)
-    refuse_fsdp(params, "fd.sample", "run fd.apply in your own loop, or use a mesh without fsdp")
     local_params, mesh = sharding.local_view(params)
     lay = _ranks.layout(mesh, req.n)
     img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop, layers=layers)
