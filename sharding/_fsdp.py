@@ -186,15 +186,16 @@ def _pack(xs, dims) -> torch.Tensor:
     return torch.cat([x.detach().movedim(d, 0).reshape(-1) for x, d in zip(xs, dims)])
 
 
-def _start_block(xs, dims) -> list:
-    """Issue the all-gathers of a block's fully sharded leaves (async): one per dtype among
-    them (bf16 weights and fp32 LoRA factors are not promoted to one buffer), as a list of
-    ``(indices into xs, handle)``."""
+def _start_block(xs, dims, axis: str = FSDP) -> list:
+    """Issue the all-gathers of a block's fully sharded leaves (async) over the bound mesh's
+    ``axis``: one per dtype among them (bf16 weights and fp32 LoRA factors are not promoted
+    to one buffer), as a list of ``(indices into xs, handle)``. (The text encoders' layers
+    gather over "tp" where the mesh has no fsdp axis: `functional_dit.pipelines.placement`.)"""
     groups: dict = {}
     for i, x in enumerate(xs):
         groups.setdefault(x.dtype, []).append(i)
     gather = _autodiff._all_gather_dim0()
-    return [(ix, gather(_pack([xs[i] for i in ix], [dims[i] for i in ix]), 0, _group(FSDP))) for ix in groups.values()]
+    return [(ix, gather(_pack([xs[i] for i in ix], [dims[i] for i in ix]), 0, _group(axis))) for ix in groups.values()]
 
 
 def _unpack(rows: torch.Tensor, xs, dims) -> list:
@@ -208,12 +209,12 @@ def _unpack(rows: torch.Tensor, xs, dims) -> list:
     return out
 
 
-def _finish_block(xs, dims, pending) -> list:
-    """The gathered leaves of `_start_block`'s ``pending``; those that require grad are
-    differentiable w.r.t. their shards through one `BlockGathered` (one reduce-scatter for
-    all of them in backward; frozen leaves, such as base weights under LoRA training, send
-    no gradient)."""
-    n, index = _axis(FSDP)
+def _finish_block(xs, dims, pending, axis: str = FSDP) -> list:
+    """The gathered leaves of `_start_block`'s ``pending`` (over ``axis``); those that
+    require grad are differentiable w.r.t. their shards through one `BlockGathered` (one
+    reduce-scatter for all of them in backward; frozen leaves, such as base weights under
+    LoRA training, send no gradient)."""
+    n, index = _axis(axis)
     fulls = [None] * len(xs)
     for ix, handle in pending:
         rows = _autodiff._done(handle).view(n, -1)
@@ -222,7 +223,7 @@ def _finish_block(xs, dims, pending) -> list:
     req = [i for i, x in enumerate(xs) if x.requires_grad] if torch.is_grad_enabled() else []
     if not req:
         return fulls
-    meta = (tuple(dims[i] for i in req), n, index, _group(FSDP), _OPTIONS[-1]["reduce"], len(req))
+    meta = (tuple(dims[i] for i in req), n, index, _group(axis), _OPTIONS[-1]["reduce"], len(req))
     for i, full in zip(req, BlockGathered.apply(meta, *(xs[i] for i in req), *(fulls[i] for i in req))):
         fulls[i] = full
     return fulls

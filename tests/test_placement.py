@@ -217,3 +217,68 @@ def test_decoder_plans_are_transformers_base_model_tp_plan():
         want = {f"model.{k.replace('*', str(i))}": v for k, v in split.items() for i in range(2)}
         got = _placement.plan(model, 2)
         assert got == want | {"model.embed_tokens": "vocab", "lm_head": "colwise"}, cfg.__name__
+
+
+# ----------------------------------------------------------------------------- fully sharded encoders
+
+FSDP_KINDS = {"qwen-image": 256, "flux": 64}
+
+
+def _embeds(pipe, kind) -> list[torch.Tensor]:
+    """The prompt embeddings ``encode_prompt`` returns (T5 and pooled CLIP; Qwen2.5-VL's and its mask)."""
+    with torch.no_grad():
+        out = pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=FSDP_KINDS[kind])
+    return [t for t in out if t is not None][:2]
+
+
+def _whole(module) -> dict:
+    """Every parameter of ``module`` whole (``full_tensor()`` of the DTensor ones: a collective each)."""
+    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in module.named_parameters()}
+
+
+def _fsdp_ranks(rank, world):
+    out = {}
+    for mesh_kw, sizes in (({"tp": world}, (world, 1)), ({"fsdp": world}, (1, world))):
+        mesh = sharding.make_mesh(**mesh_kw, device_type="cpu")
+        for kind in FSDP_KINDS:
+            pipe = tiny.pipeline(kind)
+            with _placement.placed(pipe, "fsdp", mesh, "cpu"):
+                first = _embeds(pipe, kind)
+            mods = _placement.encoders(pipe)
+            fresh = tiny.components(kind)
+            out[(kind, sizes)] = dict(
+                embeds=first,
+                again=_embeds(pipe, kind),  # the shards stay, gathered afresh per call
+                bytes={n: _param_bytes(m) for n, m in mods.items()},
+                predicted={n: _placement.bytes_per_rank(fresh[n], *sizes, "fsdp") for n in mods},
+                whole=[_whole(m) for m in mods.values()],
+            )
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp_encoders_on_two_ranks_equal_one_process():
+    """``encoder_placement="fsdp"`` on 2 gloo ranks, the tiny Qwen-Image (Qwen2.5-VL: its
+    single KV head and odd vocabulary stay whole under tp, its vision tower too) and FLUX.1
+    (CLIP + T5) encoders: on a tp=2 mesh what tp leaves whole is fully sharded over the tp
+    group, on an fsdp=2 mesh everything over fsdp; each layer gathered just before it runs.
+    The prompt embeddings equal one process (fp32 1e-5: tp's row-parallel layers sum in
+    another order; fsdp alone gathers the same weights), on both ranks alike and on a second
+    call; the live bytes per rank (the shards' storages, every layer released after it ran)
+    equal the count the memory table uses; every parameter's ``full_tensor()`` is the
+    original weight."""
+    ranks = spawn(_fsdp_ranks, 2, timeout=300)
+    for (kind, sizes), a in ranks[0].items():
+        b = ranks[1][(kind, sizes)]
+        single = tiny.pipeline(kind)
+        want = _embeds(single, kind)
+        for got in (a["embeds"], a["again"], b["embeds"]):
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, **FP32)
+        assert a["bytes"] == a["predicted"] == b["bytes"], (kind, sizes)
+        whole = {n: _placement.bytes_per_rank(m, 1) for n, m in _placement.encoders(single).items()}
+        for n, got in a["bytes"].items():  # near 1/2 of the whole: only 1-D leaves with no even dim stay
+            assert got < 0.55 * whole[n], (kind, sizes, n, got, whole[n])
+        for got, m in zip(a["whole"], _placement.encoders(single).values()):
+            for n, p in m.named_parameters():
+                assert torch.equal(got[n], p.detach()), (kind, sizes, n)
