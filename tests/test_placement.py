@@ -62,6 +62,10 @@ def _kind_on_ranks(kind, mesh) -> dict:
     out["bytes"] = {n: _param_bytes(m) for n, m in _placement.encoders(pipe).items()}
     out["predicted"] = {n: _placement.bytes_per_rank(fresh[n], 2) for n in out["bytes"]}
     out["full"] = {n: _placement.bytes_per_rank(fresh[n], 1) for n in out["bytes"]}
+    # "fsdp" on top: what tp left whole fully sharded over the tp group, gathered per layer
+    out["fsdp"] = fd.sample(sharded, pipe, PROMPTS, encoder_placement="fsdp", **kw)
+    out["fsdp bytes"] = {n: _param_bytes(m) for n, m in _placement.encoders(pipe).items()}
+    out["fsdp predicted"] = {n: _placement.bytes_per_rank(fresh[n], 2, 1, "fsdp") for n in out["bytes"]}
     return out
 
 
@@ -97,12 +101,15 @@ def test_placements_on_two_ranks_equal_one_process():
     """tp=2: every placement gives the single-process latents (1e-5: sharded encoders
     and transformer reduce in another order), bitwise the same on both ranks; replicate,
     cpu and offload are bitwise one another (the same kernels on the CPU); the sharded
-    encoders hold the predicted bytes (the memory table's count) and stay sharded."""
+    encoders hold the predicted bytes (the memory table's count) and stay sharded; "fsdp"
+    after them (the rest fully sharded over tp) holds its predicted bytes, fewer again."""
     ranks = spawn(_ranks, 2, timeout=500)
     for kind in KINDS:
         single = _single(kind)
         a, b = ranks[0][kind], ranks[1][kind]
-        for p in (*ORDER, "again"):
+        assert a["fsdp bytes"] == a["fsdp predicted"] == b["fsdp bytes"], kind
+        assert sum(a["fsdp bytes"].values()) < sum(a["bytes"].values()), kind
+        for p in (*ORDER, "again", "fsdp"):
             assert torch.equal(a[p], b[p]), (kind, p)  # every rank returns the same latents
             torch.testing.assert_close(a[p], single, **FP32)
         assert torch.equal(a["cpu"], a["replicate"]) and torch.equal(a["offload"], a["replicate"])
