@@ -176,14 +176,15 @@ GEN = ["--prompt", "a cube", "--height", "32", "--width", "48", "--steps", "2", 
 
 
 def test_generate_encoders_cpu_and_shard_under_torchrun_write_the_stock_image(flux_folder, tmp_path):
-    """``generate --encoders cpu`` writes the stock image bitwise (the same CPU kernels);
+    """``generate --encoders cpu`` and ``fsdp`` (one process) write the stock image bitwise (the same CPU kernels);
     ``--encoders shard --tp 2`` under torchrun within one level of 255 (the sharded encoders
     and transformer reduce in another order, which may round a pixel the other way)."""
     from functional_dit.__main__ import main
 
     folder, stock = flux_folder
-    assert main(["generate", "--model", folder, *GEN, "--encoders", "cpu", "--out", str(tmp_path / "cpu.png")]) == 0
-    assert np.array_equal(np.asarray(Image.open(tmp_path / "cpu.png")), stock)
+    for p in ("cpu", "fsdp"):  # fsdp on one process: nothing to split over, whole beside the transformer
+        assert main(["generate", "--model", folder, *GEN, "--encoders", p, "--out", str(tmp_path / f"{p}.png")]) == 0
+        assert np.array_equal(np.asarray(Image.open(tmp_path / f"{p}.png")), stock), p
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
     cmd += ["functional_dit", "generate", "--model", folder, *GEN, "--tp", "2", "--encoders", "shard"]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
