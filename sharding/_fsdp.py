@@ -74,6 +74,11 @@ def fsdp_options(prefetch: bool | None = None, reduce: str | None = None, reshar
         _OPTIONS.pop()
 
 
+def prefetching() -> bool:
+    """Whether block gathers are issued one block ahead now (`fsdp_options`' ``prefetch``)."""
+    return _OPTIONS[-1]["prefetch"]
+
+
 def fsdp_size() -> int:
     """The size of the bound mesh's "fsdp" axis (1 when none)."""
     return _axis(FSDP)[0]

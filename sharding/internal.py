@@ -17,6 +17,7 @@ from ._fsdp import fsdp_degree as fsdp_degree
 from ._fsdp import gather_dims as gather_dims
 from ._fsdp import gathered_blocks as gathered_blocks
 from ._fsdp import mesh_fsdp as mesh_fsdp
+from ._fsdp import prefetching as prefetching
 from ._fsdp import refuse_fsdp as refuse_fsdp
 from ._fsdp import wrap_tree as wrap_tree
 from ._plan import fsdp_dim as fsdp_dim

@@ -33,7 +33,7 @@ import math
 import torch
 
 import sharding
-from sharding.internal import finish_block, fsdp_dim, is_dtensor, local_tensor, start_block
+from sharding.internal import finish_block, fsdp_dim, is_dtensor, local_tensor, prefetching, start_block
 
 PLACEMENTS = ("replicate", "shard", "fsdp", "cpu", "offload")
 _ENCODERS = ("text_encoder", "text_encoder_2")
@@ -277,8 +277,8 @@ class _Unit:
     def gather(self, module, args) -> None:
         with sharding.bind(self.mesh), torch.no_grad():
             self.start()
-            if self.next is not None:
-                self.next.start()  # prefetch: in flight while this layer computes
+            if self.next is not None and prefetching():  # sharding.fsdp_options(prefetch=False): none ahead
+                self.next.start()  # in flight while this layer computes
             pending, self.pending = self.pending, None
             fulls = finish_block(*self._shards(), pending, self.axis)
         for p, full in zip(self.params, fulls):
@@ -331,7 +331,9 @@ def fully_shard(module, mesh) -> None:
     once, over ``mesh``'s "fsdp" axis, or its "tp" group when it has no fsdp (then only the
     parameters tp left whole): each parameter's tp-local data split on `_fsdp_dim`, the rest
     kept as tp left it; every layer (a ``ModuleList`` item) and every other module owning
-    such parameters gathers them in one all-gather just before it runs (`_Unit`)."""
+    such parameters gathers them in one all-gather just before it runs (`_Unit`). The
+    gathers are collectives: every rank of the group must run the same layers, in the same
+    order, the same number of times (as every rank of a tp group encodes the same prompts)."""
     over = _over(_size(mesh, "tp"), _size(mesh, "fsdp"))
     if over is None or getattr(module, "_fd_fsdp", None) is not None:
         return
