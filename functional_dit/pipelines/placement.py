@@ -149,6 +149,8 @@ def bytes_per_rank(module, tp: int, fsdp: int = 1, placement: str = "shard") -> 
     weights counted once per placement, as `shard` re-ties them) and, for ``placement=
     "fsdp"``, fully sharded by `fully_shard` on a mesh with those ``tp`` and ``fsdp`` sizes;
     works on the meta device."""
+    if placement not in ("shard", "fsdp"):
+        raise ValueError(f"placement: expected 'shard' or 'fsdp', got {placement!r}")
     styles = plan(module, tp) if tp > 1 else {}
     over = _over(tp, fsdp) if placement == "fsdp" else None
     seen, total = set(), 0
