@@ -138,6 +138,8 @@ def test_single_process_placements_and_bad_arguments():
         fd.sample(params, pipe, PROMPTS, encoder_placement="gpu", **kw)
     with pytest.raises(ValueError, match="vae_tiling: expected True or False, got 'yes'"):
         fd.sample(params, pipe, PROMPTS, vae_tiling="yes", **kw)
+    with pytest.raises(ValueError, match="placement: expected 'shard' or 'fsdp', got 'cpu'"):
+        _placement.bytes_per_rank(pipe.text_encoder, 2, 1, "cpu")
 
 
 def test_vae_tiling_equals_stock_tiled_vae():
