@@ -242,13 +242,17 @@ def test_decoder_plans_are_transformers_base_model_tp_plan():
 
 # ----------------------------------------------------------------------------- fully sharded encoders
 
-FSDP_KINDS = {"qwen-image": 256, "flux": 64}
+FSDP_KINDS = {"qwen-image-edit": 256, "flux": 64}  # the edit pipeline's prompts carry an image: the vision tower runs
 
 
 def _embeds(pipe, kind) -> list[torch.Tensor]:
-    """The prompt embeddings ``encode_prompt`` returns (T5 and pooled CLIP; Qwen2.5-VL's and its mask)."""
+    """The prompt embeddings ``encode_prompt`` returns (T5 and pooled CLIP; Qwen2.5-VL's of
+    the prompts with an image each, and their mask)."""
+    image = dict(image=[Image.fromarray(np.full((32, 32, 3), 40 * i, np.uint8)) for i in (1, 2)])
     with torch.no_grad():
-        out = pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=FSDP_KINDS[kind])
+        out = pipe.encode_prompt(
+            PROMPTS, device="cpu", max_sequence_length=FSDP_KINDS[kind], **(image if "edit" in kind else {})
+        )
     return [t for t in out if t is not None][:2]
 
 
@@ -285,10 +289,11 @@ def _fsdp_ranks(rank, world):
 
 @pytest.mark.slow
 def test_fsdp_encoders_on_two_ranks_equal_one_process():
-    """``encoder_placement="fsdp"`` on 2 gloo ranks, the tiny Qwen-Image (Qwen2.5-VL: its
-    single KV head and odd vocabulary stay whole under tp, its vision tower too) and FLUX.1
-    (CLIP + T5) encoders: on a tp=2 mesh what tp leaves whole is fully sharded over the tp
-    group, on an fsdp=2 mesh everything over fsdp; each layer gathered just before it runs.
+    """``encoder_placement="fsdp"`` on 2 gloo ranks, the tiny Qwen-Image-Edit (Qwen2.5-VL:
+    its single KV head and odd vocabulary stay whole under tp, its vision tower too, which
+    the prompts' images run) and FLUX.1 (CLIP + T5) encoders: on a tp=2 mesh what tp leaves
+    whole is fully sharded over the tp group, on an fsdp=2 mesh everything over fsdp; each
+    layer gathered just before it runs.
     The prompt embeddings equal one process (fp32 1e-5: tp's row-parallel layers sum in
     another order; fsdp alone gathers the same weights), on both ranks alike and on a
     second call without prefetch; the live bytes per rank (the shards' storages, every
