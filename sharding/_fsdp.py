@@ -194,8 +194,9 @@ def _pack(xs, dims) -> torch.Tensor:
 def _start_block(xs, dims, axis: str = FSDP) -> list:
     """Issue the all-gathers of a block's fully sharded leaves (async) over the bound mesh's
     ``axis``: one per dtype among them (bf16 weights and fp32 LoRA factors are not promoted
-    to one buffer), as a list of ``(indices into xs, handle)``. (The text encoders' layers
-    gather over "tp" where the mesh has no fsdp axis: `functional_dit.pipelines.placement`.)"""
+    to one buffer), as a list of ``(indices into xs, handle)``. ``axis`` is "fsdp" for
+    ``fd.apply``; callers gathering torch modules' layers may name another axis (the pipeline
+    text encoders gather over "tp" on a mesh without fsdp)."""
     groups: dict = {}
     for i, x in enumerate(xs):
         groups.setdefault(x.dtype, []).append(i)

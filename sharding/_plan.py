@@ -177,8 +177,8 @@ def _fully(path, spec, inner, sizes) -> Placement:
 def fsdp_dim(shape: tuple, excluded, n: int) -> int | None:
     """The dim fsdp splits a leaf of (tp-local) ``shape`` on, ``n`` ways: the largest dim not
     in ``excluded`` (tp's dim, fused dims) that ``n`` divides (the first of equals); None
-    when there is none. The transformer's plan and the text encoders'
-    (`functional_dit.pipelines.placement`) both use it."""
+    when there is none. `plan` uses it; so does anything fully sharding leaves that are not
+    in a specs tree (the pipeline text encoders' parameters)."""
     free = [d for d in range(len(shape)) if d not in excluded and shape[d] % n == 0]
     return max(free, key=lambda d: (shape[d], -d)) if free else None
 

@@ -1,8 +1,8 @@
 """Names `sharding` shares with the other packages of this repository but not with its
 users (the ``equinox.internal`` idea): the one way to ask "is this a DTensor", to build
 one placed like another, the checksum `check_replicated` compares ranks by, and the
-fully sharded layout's dim rule and coalesced block gathers (which the text encoders'
-placement in `functional_dit.pipelines.placement` reuses).
+fully sharded layout's dim rule and coalesced block gathers (which the pipelines' text
+encoder placement reuses on torch modules).
 
 DTensor is imported once, with this module, and only where ``torch.distributed`` exists
 (some builds ship without it): a plain tensor is never a DTensor there.
