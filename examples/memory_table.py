@@ -4,9 +4,12 @@ the default sharding plan (attention heads, MLPs and the AdaLN modulation split 
 with the ideal (all parameters / tp) beside each figure. No weights, no processes.
 
 ``--pipelines``: the whole pipeline per rank (transformer + text encoders + VAE) for each
-``fd.sample(..., encoder_placement=...)`` choice; the encoders and VAEs are built on the
-meta device from their published configs (docs/pipelines-across-ranks.md cites them) and
-counted with the plan `functional_dit.pipelines.placement.shard` applies.
+``fd.sample(..., encoder_placement=...)`` choice at tp = 1, 2, 4, 8, then on 2, 4 and 8
+ranks spent as tp, fsdp and tp x fsdp (the transformer fully sharded by its plan, the
+encoders placed ``"fsdp"``); the encoders and VAEs are built on the meta device from their
+published configs (docs/pipelines-across-ranks.md cites them) and counted with the plans
+`functional_dit.pipelines.placement.shard` and ``fully_shard`` apply
+(``placement.bytes_per_rank``).
 
 ``--fsdp``: the transformer per rank on 2, 4 and 8 ranks spent as tp, as fsdp (fully
 sharded parameters, gathered per block) and as tp x fsdp, from the same plans
@@ -163,58 +166,106 @@ def _vae(name: str):
 PIPELINES = ("flux1-dev", "flux2-dev", "flux2-klein-4b", "flux2-klein-9b", "qwen-image")
 
 
+FSDP_MESHES = {  # ranks -> the ways to spend them
+    2: [{"tp": 2}, {"fsdp": 2}],
+    4: [{"tp": 4}, {"fsdp": 4}, {"tp": 2, "fsdp": 2}],
+    8: [{"tp": 8}, {"fsdp": 8}, {"tp": 2, "fsdp": 4}, {"tp": 4, "fsdp": 2}],
+}
+_MESHES = [tuple(m.items()) for meshes in FSDP_MESHES.values() for m in meshes]
+
+
+def _label(mesh: dict) -> str:
+    return " x ".join(f"{k}={v}" for k, v in mesh.items())
+
+
+def _transformer_bytes(config, mesh: dict) -> int | None:
+    try:
+        return sharding.bytes_per_rank(config, None, mesh, torch.bfloat16)
+    except ValueError:  # e.g. heads not divisible by tp
+        return None
+
+
 def pipeline_bytes(name: str) -> dict:
-    """{"transformer": {tp: bytes}, "encoders": {tp: bytes sharded}, "vae": bytes} per rank, bf16."""
+    """Bytes per rank, bf16: {"transformer": {mesh: bytes}, "shard": {tp: encoder bytes
+    sharded}, "fsdp": {mesh: encoder bytes fully sharded}, "full": encoder bytes whole,
+    "vae": bytes}; a mesh is a tuple of (axis, size) pairs (`_MESHES`, and tp alone)."""
     from functional_dit.pipelines import placement as _placement
 
     with torch.device("meta"):
         encoders, vae = [m.to(torch.bfloat16) for m in _encoders(name)], _vae(name)
     config = fd.PRESETS[name]
+    meshes = [(("tp", tp),) for tp in DEGREES] + [m for m in _MESHES if dict(m).get("fsdp", 1) > 1]
+
+    def fsdp(mesh):
+        tp, n = dict(mesh).get("tp", 1), dict(mesh).get("fsdp", 1)
+        return sum(_placement.bytes_per_rank(m, tp, n, "fsdp") for m in encoders)
+
     return {
-        "transformer": {tp: sharding.bytes_per_rank(config, None, {"tp": tp}, torch.bfloat16) for tp in DEGREES},
-        "encoders": {tp: sum(_placement.bytes_per_rank(m, tp) for m in encoders) for tp in DEGREES},
+        "transformer": {m: _transformer_bytes(config, dict(m)) for m in meshes},
+        "shard": {tp: sum(_placement.bytes_per_rank(m, tp) for m in encoders) for tp in DEGREES},
+        "fsdp": {m: fsdp(m) for m in meshes},
+        "full": sum(_placement.bytes_per_rank(m, 1) for m in encoders),
         "vae": sum(p.numel() for p in vae.parameters()) * torch.bfloat16.itemsize,
     }
 
 
-def pipeline_rows(name: str) -> tuple[list[str], float]:
-    """The table rows of one pipeline and its ratio at tp=8 (sharded / the ideal)."""
-    b = pipeline_bytes(name)
-    T, E, V = b["transformer"], b["encoders"], b["vae"]
-    ideal = {tp: (T[1] + E[1]) / tp + V for tp in DEGREES}
+def pipeline_rows(name: str, b: dict) -> tuple[list[str], dict]:
+    """The tp table's rows of one pipeline (``b``: its `pipeline_bytes`) and its ratios at
+    tp=8 (per rank / the ideal) with the encoders placed "shard" and "fsdp"."""
+    T, E, V = {tp: b["transformer"][(("tp", tp),)] for tp in DEGREES}, b["full"], b["vae"]
+    ideal = {tp: (T[1] + E) / tp + V for tp in DEGREES}
     per = {
-        "shard": {tp: T[tp] + E[tp] + V for tp in DEGREES},
-        "replicate": {tp: T[tp] + E[1] + V for tp in DEGREES},
+        "shard": {tp: T[tp] + b["shard"][tp] + V for tp in DEGREES},
+        "fsdp": {tp: T[tp] + b["fsdp"][(("tp", tp),)] + V for tp in DEGREES},
+        "replicate": {tp: T[tp] + E + V for tp in DEGREES},
         "cpu / offload": {tp: T[tp] + V for tp in DEGREES},
     }
     rows = []
     for placement, got in per.items():
         cells = " ".join(f"{got[tp] / 1e9:7.2f} ({ideal[tp] / 1e9:5.2f})" for tp in DEGREES)
         rows.append(f"{name:<16}{placement:<15}{cells}")
-    return rows, per["shard"][8] / ideal[8]
+    return rows, {p: per[p][8] / ideal[8] for p in ("shard", "fsdp")}
+
+
+def pipeline_fsdp_rows(name: str, b: dict) -> tuple[list[str], dict]:
+    """One line per world size of `FSDP_MESHES`: GB per rank of the whole pipeline with the
+    transformer on each mesh and the encoders placed "fsdp", and the ideal; and the ratios
+    to the ideal on 8 ranks, by mesh label."""
+    lines, ratios = [], {}
+    for n, meshes in FSDP_MESHES.items():
+        ideal = (b["transformer"][(("tp", 1),)] + b["full"]) / n + b["vae"]
+        cells = []
+        for mesh in meshes:
+            key = tuple(mesh.items())
+            t = b["transformer"][key]
+            got = None if t is None else t + b["fsdp"][key] + b["vae"]
+            cells.append(f"{_label(mesh)}: " + (f"{'n/a':>6}" if got is None else f"{got / 1e9:6.2f}"))
+            if n == 8 and got is not None:
+                ratios[_label(mesh)] = got / ideal
+        lines.append(f"{name:<16}{n} ranks, ideal {ideal / 1e9:6.2f} | " + " | ".join(cells))
+    return lines, ratios
 
 
 def pipelines_main() -> None:
     head = " ".join(f"{f'tp={tp} (ideal)':>15}" for tp in DEGREES)
     print(f"{'pipeline':<16}{'encoders':<15}{head}   (GB per rank, bf16: transformer + text encoders + VAE)")
-    ratios = {}
-    for name in PIPELINES:
-        rows, ratios[name] = pipeline_rows(name)
+    found = {name: pipeline_bytes(name) for name in PIPELINES}
+    ratios, more, lines = {}, {}, []
+    for name, b in found.items():
+        rows, ratios[name] = pipeline_rows(name, b)
         print("\n".join(rows))
-    worst = max(ratios, key=ratios.get)
-    print("ratios at tp=8: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
-    print(f"worst pipeline ratio at tp=8: {ratios[worst]:.3f}")
-
-
-FSDP_MESHES = {  # ranks -> the ways to spend them
-    2: [{"tp": 2}, {"fsdp": 2}],
-    4: [{"tp": 4}, {"fsdp": 4}, {"tp": 2, "fsdp": 2}],
-    8: [{"tp": 8}, {"fsdp": 8}, {"tp": 2, "fsdp": 4}, {"tp": 4, "fsdp": 2}],
-}
-
-
-def _label(mesh: dict) -> str:
-    return " x ".join(f"{k}={v}" for k, v in mesh.items())
+        rows, more[name] = pipeline_fsdp_rows(name, b)
+        lines += rows
+    for p in ("shard", "fsdp"):
+        print(f"ratios at tp=8, encoders {p}: " + ", ".join(f"{k} {v[p]:.3f}" for k, v in ratios.items()))
+    print("pipeline per rank (GB, bf16) on N ranks spent as tp, fsdp and tp x fsdp; encoders placed 'fsdp'")
+    print("\n".join(lines))
+    worst = {label: max(r[label] for r in more.values()) for label in more[PIPELINES[0]]}
+    print("worst ratio on 8 ranks, encoders fsdp: " + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()))
+    print(
+        "worst pipeline ratio at tp=8: "
+        + ", ".join(f"{p} {max(r[p] for r in ratios.values()):.3f}" for p in ratios[PIPELINES[0]])
+    )
 
 
 def fsdp_rows(name: str, config) -> list[str]:
@@ -224,10 +275,8 @@ def fsdp_rows(name: str, config) -> list[str]:
     for n, meshes in FSDP_MESHES.items():
         cells = []
         for mesh in meshes:
-            try:
-                gb = f"{sharding.bytes_per_rank(config, None, mesh, torch.bfloat16) / 1e9:7.2f}"
-            except ValueError:  # e.g. heads not divisible by tp
-                gb = f"{'n/a':>7}"
+            got = _transformer_bytes(config, mesh)
+            gb = f"{'n/a':>7}" if got is None else f"{got / 1e9:7.2f}"
             cells.append(f"{_label(mesh)}: {gb}")
         lines.append(f"{name:<22}{n} ranks, ideal {total / n:6.2f} | " + " | ".join(cells))
     return lines

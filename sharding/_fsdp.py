@@ -76,6 +76,11 @@ def fsdp_options(prefetch: bool | None = None, reduce: str | None = None, reshar
         _OPTIONS.pop()
 
 
+def prefetching() -> bool:
+    """Whether block gathers are issued one block ahead now (`fsdp_options`' ``prefetch``)."""
+    return _OPTIONS[-1]["prefetch"]
+
+
 def fsdp_size() -> int:
     """The size of the bound mesh's "fsdp" axis (1 when none)."""
     return _axis(FSDP)[0]
@@ -223,11 +228,13 @@ def _pack(xs, dims) -> torch.Tensor:
     return torch.cat([x.detach().movedim(d, 0).reshape(-1) for x, d in zip(xs, dims)])
 
 
-def _start_block(xs, dims) -> list:
-    """Issue the all-gathers of a block's fully sharded leaves (async): one per dtype among
-    them (bf16 weights and fp32 LoRA factors are not promoted to one buffer; stored leaves,
-    `_stored`, by their storage dtype, sent as bytes), as a list of ``(indices into xs,
-    handle)``."""
+def _start_block(xs, dims, axis: str = FSDP) -> list:
+    """Issue the all-gathers of a block's fully sharded leaves (async) over the bound mesh's
+    ``axis``: one per dtype among them (bf16 weights and fp32 LoRA factors are not promoted
+    to one buffer; stored leaves, `_stored`, by their storage dtype, sent as bytes), as a
+    list of ``(indices into xs, handle)``. ``axis`` is "fsdp" for ``fd.apply``; callers
+    gathering torch modules' layers may name another axis (the pipeline text encoders gather
+    over "tp" on a mesh without fsdp)."""
     groups: dict = {}
     for i, x in enumerate(xs):
         inner = _stored(x)
@@ -236,7 +243,7 @@ def _start_block(xs, dims) -> list:
     for (_, stored), ix in groups.items():
         leaves = [xs[i] if stored is None else _stored(xs[i]) for i in ix]
         buf = _pack(leaves, [dims[i] for i in ix])
-        out.append((ix, gather(buf if stored is None else _bytes(buf), 0, _group(FSDP))))
+        out.append((ix, gather(buf if stored is None else _bytes(buf), 0, _group(axis))))
     return out
 
 
@@ -251,12 +258,12 @@ def _unpack(rows: torch.Tensor, xs, dims) -> list:
     return out
 
 
-def _finish_block(xs, dims, pending) -> list:
-    """The gathered leaves of `_start_block`'s ``pending``; those that require grad are
-    differentiable w.r.t. their shards through one `BlockGathered` (one reduce-scatter for
-    all of them in backward; frozen leaves, such as base weights under LoRA training, send
-    no gradient)."""
-    n, index = _axis(FSDP)
+def _finish_block(xs, dims, pending, axis: str = FSDP) -> list:
+    """The gathered leaves of `_start_block`'s ``pending`` (over ``axis``); those that
+    require grad are differentiable w.r.t. their shards through one `BlockGathered` (one
+    reduce-scatter for all of them in backward; frozen leaves, such as base weights under
+    LoRA training, send no gradient)."""
+    n, index = _axis(axis)
     fulls = [None] * len(xs)
     for ix, handle in pending:
         rows = _autodiff._done(handle).view(n, -1)
@@ -271,7 +278,7 @@ def _finish_block(xs, dims, pending) -> list:
     req = [i for i, x in enumerate(xs) if x.requires_grad] if torch.is_grad_enabled() else []
     if not req:
         return fulls
-    meta = (tuple(dims[i] for i in req), n, index, _group(FSDP), _OPTIONS[-1]["reduce"], len(req))
+    meta = (tuple(dims[i] for i in req), n, index, _group(axis), _OPTIONS[-1]["reduce"], len(req))
     for i, full in zip(req, BlockGathered.apply(meta, *(xs[i] for i in req), *(fulls[i] for i in req))):
         fulls[i] = full
     return fulls

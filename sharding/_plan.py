@@ -162,16 +162,25 @@ def _fully(path, spec, inner, sizes) -> Placement:
     if n == 1:
         return inner
     shape = local_shape(spec, inner, sizes)
-    taken = inner.dim if isinstance(inner, Shard) else None
-    free = [d for d in range(len(shape)) if d != taken and spec.axes[d] != PACKED and shape[d] % n == 0]
-    if free:
-        return FullyShard(inner, max(free, key=lambda d: (shape[d], -d)))
+    taken = {inner.dim} if isinstance(inner, Shard) else set()
+    dim = fsdp_dim(shape, taken | {d for d, a in enumerate(spec.axes) if a == PACKED}, n)
+    if dim is not None:
+        return FullyShard(inner, dim)
     if len(shape) >= 2:
         raise ValueError(
             f"{path}: no dim of its local shape {shape} (after {inner}) divides by fsdp={n} (tp's dim and fused dims "
             f"excluded); choose an fsdp degree that divides one of them"
         )
     return inner
+
+
+def fsdp_dim(shape: tuple, excluded, n: int) -> int | None:
+    """The dim fsdp splits a leaf of (tp-local) ``shape`` on, ``n`` ways: the largest dim not
+    in ``excluded`` (tp's dim, fused dims) that ``n`` divides (the first of equals); None
+    when there is none. `plan` uses it; so does anything fully sharding leaves that are not
+    in a specs tree (the pipeline text encoders' parameters)."""
+    free = [d for d in range(len(shape)) if d not in excluded and shape[d] % n == 0]
+    return max(free, key=lambda d: (shape[d], -d)) if free else None
 
 
 def _logical_axes(specs) -> set:

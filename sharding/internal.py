@@ -1,6 +1,8 @@
 """Names `sharding` shares with the other packages of this repository but not with its
 users (the ``equinox.internal`` idea): the one way to ask "is this a DTensor", to build
-one placed like another, and the checksum `check_replicated` compares ranks by.
+one placed like another, the checksum `check_replicated` compares ranks by, and the
+fully sharded layout's dim rule and coalesced block gathers (which the pipelines' text
+encoder placement reuses on torch modules).
 
 DTensor is imported once, with this module, and only where ``torch.distributed`` exists
 (some builds ship without it): a plain tensor is never a DTensor there.
@@ -10,13 +12,19 @@ from __future__ import annotations
 
 import torch
 
+from . import _fsdp
 from ._fsdp import fsdp_degree as fsdp_degree
 from ._fsdp import gather_dims as gather_dims
 from ._fsdp import gathered_blocks as gathered_blocks
 from ._fsdp import mesh_fsdp as mesh_fsdp
+from ._fsdp import prefetching as prefetching
 from ._fsdp import refuse_fsdp as refuse_fsdp
 from ._fsdp import wrap_tree as wrap_tree
+from ._plan import fsdp_dim as fsdp_dim
 from ._replicated import describe
+
+# a block's coalesced all-gather, issued (async) and finished: fd.apply's, and the text encoders' layers'
+start_block, finish_block = _fsdp._start_block, _fsdp._finish_block
 
 
 def _find_dtensor():

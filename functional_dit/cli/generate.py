@@ -99,8 +99,9 @@ def _run_arguments(p) -> None:
     p.add_argument(
         "--encoders",
         default="replicate",
-        choices=["replicate", "shard", "cpu", "offload"],
-        help="text encoders: whole on every rank, sharded over --tp, on the CPU, or offloaded to it between uses",
+        choices=list(_placement.PLACEMENTS),
+        help="text encoders: whole on every rank, sharded over --tp, sharded over --tp and fully sharded (the layers "
+        "tp cannot split; gathered per layer), on the CPU, or offloaded to it between uses",
     )
     p.add_argument("--vae-tiling", action="store_true", help="decode in tiles (less memory for large images)")
     p.add_argument(

@@ -10,6 +10,12 @@ Placements (`PLACEMENTS`):
   are transformers' own ``base_model_tp_plan``. Every rank gets the same embeddings, so
   sampling continues unchanged. Sharding is done once, in place (the full weights are
   freed), and kept for later calls.
+- ``"fsdp"``: ``"shard"``'s split, then every parameter fully sharded (`fully_shard`)
+  over the params' mesh ``fsdp`` axis or, on a mesh without one, every parameter tp left
+  whole (attention whose heads tp does not divide, vision towers, norms) over the ``tp``
+  group; each layer's shards are all-gathered just before it runs and freed after, the
+  next layer's gather issued first (`sharding`'s coalesced block gathers, as ``fd.apply``
+  gathers the transformer's blocks).
 - ``"cpu"``: the encoders move to the CPU and encode there; only the embeddings move to
   the transformer's device.
 - ``"offload"``: the encoders live on the CPU between calls and move to the transformer's
@@ -22,10 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import math
 
 import torch
 
-PLACEMENTS = ("replicate", "shard", "cpu", "offload")
+import sharding
+from sharding.internal import finish_block, fsdp_dim, is_dtensor, local_tensor, prefetching, start_block
+
+PLACEMENTS = ("replicate", "shard", "fsdp", "cpu", "offload")
 _ENCODERS = ("text_encoder", "text_encoder_2")
 _SHARD_DIM = {"colwise": 0, "rowwise": 1, "vocab": 0, "embed_cols": 1}  # of the weight
 
@@ -119,10 +129,30 @@ def plan(module, tp: int) -> dict[str, str]:
     return out
 
 
-def bytes_per_rank(module, tp: int) -> int:
+def _over(tp: int, fsdp: int) -> tuple[str, int] | None:
+    """(mesh axis, size) the ``"fsdp"`` placement fully shards over: "fsdp" when above 1,
+    else "tp" when above 1 (then only what tp leaves whole), else None."""
+    return ("fsdp", fsdp) if fsdp > 1 else ("tp", tp) if tp > 1 else None
+
+
+def _fsdp_dim(shape, tp_dim, tp_split: bool, over) -> int | None:
+    """The dim the ``"fsdp"`` placement splits a parameter of tp-local ``shape`` on (None:
+    kept as tp left it). ``tp_dim``: tp's dim (None: whole over tp); ``tp_split``: its module
+    is in `plan` (a DTensor after `shard`, a row-parallel bias too)."""
+    if over is None or (over[0] == "tp" and tp_split):
+        return None
+    return fsdp_dim(tuple(shape), {tp_dim} - {None}, over[1])
+
+
+def bytes_per_rank(module, tp: int, fsdp: int = 1, placement: str = "shard") -> int:
     """Parameter bytes one rank holds with ``module`` sharded over ``tp`` by `plan` (tied
-    weights counted once per placement, as `shard` re-ties them); works on the meta device."""
+    weights counted once per placement, as `shard` re-ties them) and, for ``placement=
+    "fsdp"``, fully sharded by `fully_shard` on a mesh with those ``tp`` and ``fsdp`` sizes;
+    works on the meta device."""
+    if placement not in ("shard", "fsdp"):
+        raise ValueError(f"placement: expected 'shard' or 'fsdp', got {placement!r}")
     styles = plan(module, tp) if tp > 1 else {}
+    over = _over(tp, fsdp) if placement == "fsdp" else None
     seen, total = set(), 0
     for path, sub in module.named_modules(remove_duplicate=False):
         for pname, p in sub.named_parameters(recurse=False):
@@ -131,7 +161,13 @@ def bytes_per_rank(module, tp: int) -> int:
             if (id(p), dim) in seen:
                 continue
             seen.add((id(p), dim))
-            total += p.numel() * p.element_size() // (tp if dim is not None else 1)
+            shape = list(p.shape)
+            if dim is not None:
+                shape[dim] //= tp
+            split = _fsdp_dim(shape, dim, style is not None, over)
+            if split is not None:
+                shape[split] //= over[1]
+            total += math.prod(shape) * p.element_size()
     return total
 
 
@@ -191,11 +227,142 @@ def shard(module, tp_mesh, device=None) -> None:
         module.to(device)
 
 
-def _tp_mesh(mesh):
+def _size(mesh, axis: str) -> int:
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if mesh is None or "tp" not in names or mesh.size(names.index("tp")) == 1:
-        return None
-    return mesh["tp"]
+    return mesh.size(names.index(axis)) if mesh is not None and axis in names else 1
+
+
+def _tp_mesh(mesh):
+    return mesh["tp"] if _size(mesh, "tp") > 1 else None
+
+
+# ----------------------------------------------------------------------------- fully shard
+
+
+class _Param:
+    """One fully sharded parameter of a layer: where it sits (``sub._parameters[name]``),
+    its resting DTensor (``rest``: this rank's shard), the dim it is split on and how to
+    rebuild the tp-local whole as tp placed it (``tp``: (mesh, placements, shape, stride)
+    of the DTensor `shard` made, or None for a plain tensor)."""
+
+    __slots__ = ("sub", "name", "rest", "dim", "tp")
+
+    def __init__(self, sub, name, rest, dim, tp):
+        self.sub, self.name, self.rest, self.dim, self.tp = sub, name, rest, dim, tp
+
+    def whole(self, full: torch.Tensor):
+        """The gathered tp-local ``full`` as the module computes with it."""
+        if self.tp is None:
+            return full
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = self.tp
+        return DTensor.from_local(full, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+class _Unit:
+    """A layer's fully sharded parameters (`_Param`), gathered in one coalesced all-gather
+    (``sharding``'s block gather) by a forward pre-hook and put back to their shards by a
+    forward hook; ``next``: the layer after it in its ``ModuleList``, whose gather the
+    pre-hook issues before this layer computes."""
+
+    def __init__(self, mesh, axis: str):
+        self.mesh, self.axis, self.params, self.pending, self.next = mesh, axis, [], None, None
+
+    def _shards(self) -> tuple[list, list]:
+        return [local_tensor(p.rest) for p in self.params], [p.dim for p in self.params]
+
+    def start(self) -> None:
+        if self.pending is None:
+            self.pending = start_block(*self._shards(), self.axis)
+
+    def gather(self, module, args) -> None:
+        with sharding.bind(self.mesh), torch.no_grad():
+            self.start()
+            if self.next is not None and prefetching():  # sharding.fsdp_options(prefetch=False): none ahead
+                self.next.start()  # in flight while this layer computes
+            pending, self.pending = self.pending, None
+            fulls = finish_block(*self._shards(), pending, self.axis)
+        for p, full in zip(self.params, fulls):
+            p.sub._parameters[p.name] = p.whole(full)
+
+    def release(self, module, args, output) -> None:
+        for p in self.params:
+            p.sub._parameters[p.name] = p.rest
+
+
+def _unit_paths(module) -> set:
+    """Paths of the modules that are items of a ``ModuleList`` (the repeated layers)."""
+    return {
+        f"{p}.{k}" if p else k
+        for p, m in module.named_modules()
+        if isinstance(m, torch.nn.ModuleList)
+        for k in m._modules
+    }
+
+
+def _unit_of(path: str, items: set) -> str:
+    """The unit a parameter of the module at ``path`` gathers with: its outermost ancestor
+    that is a ``ModuleList`` item (a layer), else the module itself."""
+    parts = path.split(".")
+    return next((".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in items), path)
+
+
+def _rest(local: torch.Tensor, p, dim: int, over, mesh):
+    """This rank's shard of ``local`` (``p``'s tp-local data) on ``dim`` as a frozen
+    Parameter holding a DTensor placed honestly: on ``mesh``'s (fsdp, tp) dims, or its tp
+    dim when fsdp runs over tp (``full_tensor()`` is the whole weight)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    axis, n = over
+    chunk = local.shape[dim] // n
+    mine = local.narrow(dim, mesh.get_local_rank(axis) * chunk, chunk).clone()
+    mine = mine.to(mesh.device_type) if local.device.type != mesh.device_type else mine
+    if axis == "tp":
+        where, placements = mesh["tp"], [Shard(dim)]
+    elif "tp" in mesh.mesh_dim_names:
+        where, placements = mesh["fsdp", "tp"], [Shard(dim), p.placements[0] if is_dtensor(p) else Replicate()]
+    else:
+        where, placements = mesh["fsdp"], [Shard(dim)]
+    rest = DTensor.from_local(mine, where, placements, run_check=False, shape=p.shape, stride=p.stride())
+    return torch.nn.Parameter(rest, requires_grad=False)
+
+
+def fully_shard(module, mesh) -> None:
+    """Fully shard ``module`` (tp-split by `shard` first, where the mesh has tp) in place,
+    once, over ``mesh``'s "fsdp" axis, or its "tp" group when it has no fsdp (then only the
+    parameters tp left whole): each parameter's tp-local data split on `_fsdp_dim`, the rest
+    kept as tp left it; every layer (a ``ModuleList`` item) and every other module owning
+    such parameters gathers them in one all-gather just before it runs (`_Unit`). The
+    gathers are collectives: every rank of the group must run the same layers, in the same
+    order, the same number of times (as every rank of a tp group encodes the same prompts)."""
+    over = _over(_size(mesh, "tp"), _size(mesh, "fsdp"))
+    if over is None or getattr(module, "_fd_fsdp", None) is not None:
+        return
+    items, units, made = _unit_paths(module), {}, {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for name, p in list(sub._parameters.items()):
+            if p is None:
+                continue
+            tp_dim = next((q.dim for q in p.placements if hasattr(q, "dim")), None) if is_dtensor(p) else None
+            dim = _fsdp_dim(local_tensor(p).shape, tp_dim, is_dtensor(p), over)
+            if dim is None:
+                continue
+            if id(p) not in made:  # tied weights: one shard, gathered by each module that reads it
+                tp = (p.device_mesh, p.placements, p.shape, p.stride()) if is_dtensor(p) else None
+                made[id(p)] = (_rest(local_tensor(p).detach(), p, dim, over, mesh), tp)
+            rest, tp = made[id(p)]
+            sub._parameters[name] = rest
+            units.setdefault(_unit_of(path, items), _Unit(mesh, over[0])).params.append(
+                _Param(sub, name, rest, dim, tp)
+            )
+    for path, unit in units.items():
+        head, _, index = path.rpartition(".")
+        unit.next = units.get(f"{head}.{int(index) + 1}" if head else str(int(index) + 1)) if index.isdigit() else None
+        target = module.get_submodule(path)
+        target.register_forward_pre_hook(unit.gather)
+        target.register_forward_hook(unit.release, always_call=True)
+    module._fd_fsdp = over
 
 
 # ----------------------------------------------------------------------------- placement
@@ -225,14 +392,18 @@ def placed(pipe, placement: str, mesh, device):
     """Inside: ``pipe``'s text encoders placed as ``placement`` says (`PLACEMENTS`), for a
     transformer on ``device`` whose params live on ``mesh`` (or None)."""
     mods = encoders(pipe)
-    sharded = [n for n, m in mods.items() if getattr(m, "_fd_tp_mesh", None) is not None]
+    sharded = [n for n, m in mods.items() if any(getattr(m, a, None) is not None for a in ("_fd_tp_mesh", "_fd_fsdp"))]
     if placement in ("cpu", "offload") and sharded:
-        raise ValueError(f"encoder_placement: {sharded} are sharded already (an earlier 'shard'); expected 'shard'")
-    for m in mods.values() if placement == "shard" else ():
-        if _tp_mesh(mesh) is None:
-            m.to(device)  # nothing to split over: whole, where the transformer is
-        else:
-            shard(m, _tp_mesh(mesh), device)
+        raise ValueError(
+            f"encoder_placement: {sharded} are sharded already (an earlier 'shard' or 'fsdp'); expected 'shard' or "
+            "'fsdp'"
+        )
+    for m in mods.values() if placement in ("shard", "fsdp") else ():
+        if _tp_mesh(mesh) is not None:
+            shard(m, _tp_mesh(mesh))
+        if placement == "fsdp":
+            fully_shard(m, mesh)
+        m.to(device)  # (whole, where the transformer is, when there is nothing to split over)
     if placement not in ("cpu", "offload"):
         yield
         return
