@@ -10,7 +10,8 @@ First-Block Cache with true CFG (one CFG half per rank, the halves deciding apar
 rank's items skip while the other's compute and it joins their gathers); First-Block
 Cache on one image without CFG (rank 1 holds only the padding row: before, a TypeError
 on its first step, on dp=2 too); TaylorSeer on the attention modules; per-item caches
-with LoRA through ``functional_dit.sampling``; fp8 layerwise storage, gathered as bytes.
+with LoRA through ``functional_dit.sampling``; fp8 layerwise storage, gathered as bytes;
+the text encoders fully sharded over the same ranks (``encoder_placement="fsdp"``).
 The diffusers adapter stays refused under fsdp, with its message.
 """
 
@@ -65,7 +66,8 @@ def _run(params, pipe, adapter, fp8=None) -> dict:
     out["fbc1"] = (fd.sample(params, pipe, "a red cube", cache=run, **(KW | CFG | NO_CFG)), run.decisions)
     items = sampling.sample(params, sampling.context(params, pipe), _requests(adapter), "pt")
     out["items"] = items
-    out["fp8"] = fd.sample(fp8, pipe, "a red cube", seed=3, **KW)
+    out["plain"] = fd.sample(params, pipe, "a red cube", seed=3, **KW)
+    out["fp8"] = fd.sample(fp8, pipe, "a red cube", seed=3, **KW)  # last: the gathers it sends are checked
     return out
 
 
@@ -93,6 +95,8 @@ def _rank(rank, world):
     finally:
         sharding._fsdp._start_block = start
     out["sent"] = sent
+    # the pair: the text encoders fully sharded over the same fsdp ranks (gathered per layer)
+    out["encoders"] = fd.sample(sharded, pipe, "a red cube", seed=3, encoder_placement="fsdp", **KW)
     try:
         fd.DiffusersTransformer(sharded)
         out["adapter error"] = "no error"
@@ -116,6 +120,7 @@ def test_sample_and_step_caches_on_fsdp2_equal_one_process():
             torch.testing.assert_close(r[name][0], want[name][0], **FP32)
         torch.testing.assert_close(r["items"], want["items"], **FP32)
         torch.testing.assert_close(r["fp8"], want["fp8"], **FP32)
+        torch.testing.assert_close(r["encoders"], want["plain"], **FP32)
         # fp8 storage travels as its bytes: the last run's blocks sent uint8 buffers only,
         # the others fp32, and a block's uint8 buffer holds as many bytes (one per element)
         # as the same block's fp32 buffer (without LoRA) held elements
@@ -125,6 +130,6 @@ def test_sample_and_step_caches_on_fsdp2_equal_one_process():
         assert sizes[torch.uint8] <= sizes[torch.float32], sizes
         assert r["adapter error"].startswith("fsdp: the diffusers adapter (fd.DiffusersTransformer) is not"), r
     assert any(not c for d in want["fbc1"][1] for c in d), "fbc1 must skip some steps"
-    for key in ("three", "fbc", "tsa", "fbc1", "items", "fp8"):
+    for key in ("three", "fbc", "tsa", "fbc1", "items", "fp8", "encoders"):
         a, b = (r[key][0] if isinstance(r[key], tuple) else r[key] for r in results)
         assert torch.equal(a, b), f"{key}: the ranks differ"
