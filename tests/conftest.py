@@ -48,7 +48,7 @@ SLOW_FIRST = (
     "test_cli.py::test_demo_shortened_writes_pngs_a_table_and_nothing_else_on_stderr",
     "test_dcp.py::test_finetune_example_resumes_from_dcp",
     "test_grad_sharded.py::test_finetune_example_tp2",
-    "test_cli.py::test_check_on_cpu_passes_for_every_family",
+    "test_cli.py::test_check_on_cpu_compiles_without_recompiling",
     "test_sharding_models.py::test_sharded_equals_unsharded",
     "test_sharding.py::test_a_rank_that_raises_mid_forward",
     "test_func_transforms.py::test_sharded_jvp_and_vmap",

@@ -101,7 +101,7 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--backend", default=None, help="torch.compile backend (default: inductor; openxla on xla)")
     p.add_argument("--sample", action="store_true", help="fd.sample end to end instead (docs/xla.md)")
-    p.add_argument("--only", default=None, help="with --sample: the cases whose name contains this")
+    p.add_argument("--only", default=None, help="the tiny families (--sample: cases) whose name contains this")
     p.add_argument("--scan-blocks", action="store_true", help="with --sample: block segments as one scan each")
 
 
@@ -130,6 +130,8 @@ def run(args) -> int:
     ok = True
     for fam in families.FAMILIES:
         name, config = fam.TINY, families.tiny_config(fam)
+        if args.only is not None and args.only not in name:
+            continue
         if fam.KEY == "qwenimage21" and mode != "eager":
             print(f"{name:<18} skip  {mode}: Qwen-Image 2.1 reads img_mask on the host (not traceable yet); eager only")
             continue
