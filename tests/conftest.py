@@ -8,6 +8,17 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Intra-op threads: the cores divided among the xdist workers (one each for `-n 2` on two
+# cores), unless OMP_NUM_THREADS is set. Each worker's default, a thread per core, puts
+# twice as many spinning OpenMP threads as cores on the machine, and on these tiny ops
+# that oversubscription measured 121 s against 67 s of wall time for test_sample,
+# test_lora_per_item and test_notebooks under `-n 2` on 2 cores. Set in the environment
+# before torch starts its pool, so the subprocesses a test starts (CLI runs, servers,
+# notebook kernels, torchrun ranks) inherit it.
+if "PYTEST_XDIST_WORKER" in os.environ:  # a worker (one process without xdist keeps torch's default)
+    _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
 
 def pytest_terminal_summary(terminalreporter):
     """The versions this run resolved (a fresh environment takes the newest releases),

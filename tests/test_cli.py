@@ -3,6 +3,7 @@ folder saved to disk, its errors (one line, status 2, nothing written)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -199,7 +200,9 @@ def test_check_compiles_bf16_with_eager_rounding():
     moves: ~0.9 off at |y| ~ 3, diffusers' module alike)."""
     from functional_dit.cli import check
 
-    config = fd.PRESETS["flux1-tiny"]
+    # one block of each kind: the timestep embedding is before the blocks, and inductor's C++
+    # build grows with the graph (80 s for the 2 + 2 blocks of flux1-tiny on 2 idle cores)
+    config = dataclasses.replace(fd.PRESETS["flux1-tiny"], num_layers=1, num_single_layers=1)
     report = check.check_family("flux1-tiny", config, "cpu", torch.bfloat16, "compile", "inductor", 5e-2)
     assert report["ok"] and report["max_abs_err"] <= 2e-2, report
 
