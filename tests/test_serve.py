@@ -173,6 +173,27 @@ def test_16_concurrent_mixed_requests_all_correct(env):
             _close(_pixels(got[i].json()["data"][0]["b64_json"]), w)
 
 
+def test_the_prompt_check_leaves_the_engines_tokenizer_as_the_engine_set_it():
+    """The HTTP side checks a prompt's length with its own tokenizer copy. A fast tokenizer
+    holds padding and truncation as settings on the object; with one shared object, the
+    check (no padding) between the engine thread's setting max_length padding and its
+    encoding left that prompt unpadded: 7 tokens where 32 were asked, another image (seen
+    in test_16_concurrent_mixed_requests_all_correct, 1 run in 10)."""
+    from functional_dit.serve import _app, _engine
+
+    pipe = tiny.pipeline("flux")
+    service = _app.Service(_engine.Engine(fd.from_diffusers(pipe.transformer), pipe), "flux", defaults={},
+                           limits={"max_sequence_length": MSL})  # fmt: skip
+    tok = pipe.tokenizer_2
+    padded = dict(padding="max_length", max_length=MSL, truncation=True)
+    tok("scene 0", **padded)  # the engine's encode_prompt sets these on the backend, then encodes
+    settings = (tok.backend_tokenizer.padding, tok.backend_tokenizer.truncation)
+    assert settings[0] is not None  # the check below would clear them on a shared object
+    service._prompt_length("prompt", "a prompt of several words")
+    assert (tok.backend_tokenizer.padding, tok.backend_tokenizer.truncation) == settings
+    assert service.tokenizer is not tok
+
+
 @contextlib.contextmanager
 def _anchor(server, before: dict):
     """A request of 10**6 steps (never done, on any machine) sent on a raw socket, running

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import io
 import re
 import time
@@ -63,6 +64,14 @@ class Service:
     def __init__(self, engine: _engine.Engine, model: str, *, defaults: dict, limits: dict, journal=None):
         self.engine, self.model, self.defaults, self.limits = engine, model, defaults, limits
         self.journal, self.draining = journal, False
+        # The prompt-length check runs on the event loop's thread, so it gets its own copy of
+        # the tokenizer: a fast tokenizer keeps padding and truncation as settings on the
+        # object, and a check (no padding) between the engine thread's setting them and its
+        # encoding left an engine prompt unpadded (7 tokens where max_length 32 was asked:
+        # a batch of its own and another image; test_16_concurrent_mixed_requests_all_correct
+        # failed 1 run in 10 so).
+        pipe = engine.ctx.pipe
+        self.tokenizer = copy.deepcopy(getattr(pipe, "tokenizer_2", None) or pipe.tokenizer)
 
     def requests(self, body) -> list:
         """The body as one `sampling.Request` per image (BadRequest on the first bad field)."""
@@ -146,9 +155,8 @@ class Service:
 
     def _prompt_length(self, field: str, text: str) -> None:
         """The prompt's tokens in the main text encoder's tokenizer, against the limit."""
-        pipe, limit = self.engine.ctx.pipe, self.limits["max_sequence_length"] or 512
-        tok = getattr(pipe, "tokenizer_2", None) or pipe.tokenizer
-        n = len(tok(text, add_special_tokens=True).input_ids)
+        limit = self.limits["max_sequence_length"] or 512
+        n = len(self.tokenizer(text, add_special_tokens=True).input_ids)
         if n > limit:
             raise BadRequest(field, f"at most {limit} tokens (the model's max_sequence_length)", f"{n} tokens")
 
