@@ -15,6 +15,7 @@ import torch
 from . import _fsdp
 from ._fsdp import fsdp_degree as fsdp_degree
 from ._fsdp import gather_dims as gather_dims
+from ._fsdp import gather_leaf as gather_leaf
 from ._fsdp import gathered_blocks as gathered_blocks
 from ._fsdp import mesh_fsdp as mesh_fsdp
 from ._fsdp import prefetching as prefetching

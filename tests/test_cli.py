@@ -79,6 +79,8 @@ def test_generate_transformer_file_with_base(flux_folder, tmp_path):
             ["--sp", "2", "--ring", "2"],
             "--tp*--sp*--dp*--ring: expected 1 for a single process (no torchrun), got 1*2*1*2 = 4",
         ),
+        ("{folder}", ["--fsdp", "2"], "--tp*--sp*--dp*--fsdp: expected 1 for a single process (no torchrun), got "),
+        ("{folder}", ["--fsdp", "2", "--quantize", "fp8-row"], "--quantize: fp8 compute (fp8-row) is not supported"),
         ("{folder}", ["--image", "{tmp}/nope.png"], "--image: {tmp}/nope.png does not exist"),
     ],
 )
@@ -113,6 +115,22 @@ def test_generate_under_torchrun_tp2_writes_the_stock_image(flux_folder, tmp_pat
     cmd += ["-m", "functional_dit", "generate", "--model", "flux", *GEN, "--tp", "2", "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("wrote ") == 1  # rank 0 only
+    assert np.array_equal(np.asarray(Image.open(out)), stock)
+
+
+def test_generate_under_torchrun_fsdp2_with_fsdp_encoders_writes_the_stock_image(flux_folder, tmp_path):
+    """``--fsdp 2``: the transformer fully sharded over both ranks (each block gathered just in
+    time) and ``--encoders fsdp``: the text encoders too; the image equals the stock one."""
+    _, stock, _ = flux_folder
+    out = tmp_path / "cube.png"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "functional_dit", "generate", "--model", "flux", *GEN, "--fsdp", "2", "--encoders", "fsdp"]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [*cmd, "--out", str(out)], capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("wrote ") == 1  # rank 0 only
     assert np.array_equal(np.asarray(Image.open(out)), stock)

@@ -34,8 +34,8 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
 DESCRIPTION = (
-    "Generate an image with fd.sample. Under torchrun, --tp/--sp/--dp/--ring shard the model "
-    "over the ranks (tp*sp*dp*ring = the number of ranks); rank 0 shows progress and writes the image."
+    "Generate an image with fd.sample. Under torchrun, --tp/--sp/--dp/--ring/--fsdp shard the model "
+    "over the ranks (tp*sp*dp*ring*fsdp = the number of ranks); rank 0 shows progress and writes the image."
 )
 
 
@@ -115,6 +115,13 @@ def _run_arguments(p) -> None:
     p.add_argument("--dp", type=positive, default=1)
     p.add_argument(
         "--ring", type=positive, default=1, help="ring attention degree: splits the sequence further, any head count"
+    )
+    p.add_argument(
+        "--fsdp",
+        type=positive,
+        default=1,
+        help="fully sharded weights: each rank holds 1/N of every weight (after --tp's split), gathered per block; "
+        "the batch is split like --dp",
     )
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator, else cpu)")
     p.add_argument(
@@ -247,8 +254,14 @@ def _check_size(scale: int, height: int, width: int) -> None:
 
 
 def _mesh(args):
+    if getattr(args, "fsdp", 1) > 1 and getattr(args, "quantize", None):
+        raise CLIError(
+            f"--quantize: fp8 compute ({args.quantize}) is not supported with fully sharded weights (--fsdp "
+            f"{args.fsdp}) yet; drop one of them"
+        )
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
-    sizes = {"tp": args.tp, "sp": args.sp, "dp": args.dp, **({"ring": args.ring} if args.ring > 1 else {})}
+    sizes = {"tp": args.tp, "sp": args.sp, "dp": args.dp}
+    sizes |= {k: getattr(args, k) for k in ("ring", "fsdp") if getattr(args, k, 1) > 1}
     want = math.prod(sizes.values())
     if want != world_env:
         where = "torchrun's WORLD_SIZE" if "WORLD_SIZE" in os.environ else "a single process (no torchrun)"

@@ -57,15 +57,41 @@ def factor_specs(weight: ParamSpec, rank: int, bias: bool = False, dora: bool = 
     return specs | ({"lora_magnitude_vector": out} if dora else {})
 
 
-def weight_norm(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s, axis: str | None = None) -> torch.Tensor:
+def weight_norm(
+    W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s, axis: str | None = None, fsdp: int | None = None
+) -> torch.Tensor:
     """DoRA's ``||W + s * B @ A||`` per output row (out,), in the adapter's dtype and
     detached, as PEFT's ``DoraLinearLayer.get_weight_norm``. ``axis``: the mesh axis a
-    row-parallel ``W`` and ``A`` hold their columns on; the squares are summed over it."""
+    row-parallel ``W`` and ``A`` hold their columns on; the squares are summed over it.
+    ``fsdp``: the dim ``W`` is this rank's "fsdp" slice on (fully sharded params; ``A`` and
+    ``B`` whole, tp-local): each rank squares only its slice of ``W + s B A`` (the matching
+    slice of ``B``'s rows or ``A``'s columns) and the squares are summed over "fsdp" (a
+    column slice) or all-gathered (a row slice), so no rank holds the whole weight."""
     with torch.no_grad():
-        w = W.detach().to(A.dtype) + s * (B.detach() @ A.detach())
-        if axis is None or sharding.axis_size(axis) == 1:
+        A, B = A.detach(), B.detach()
+        if fsdp == 0:
+            B = fsdp_slice(B, 0)
+        elif fsdp == 1:
+            A = fsdp_slice(A, 1)
+        w = W.detach().to(A.dtype) + s * (B @ A)
+        whole = axis is None or sharding.axis_size(axis) == 1
+        if fsdp is None and whole:
             return torch.linalg.norm(w, dim=1).to(w.dtype)
-        return sharding.psum(w.square().sum(1), axis).sqrt()
+        sq = w.square().sum(1)
+        if fsdp == 0:
+            sq = sharding.all_gather(sq, "fsdp", 0)
+        elif fsdp == 1:
+            sq = sharding.psum(sq, "fsdp")
+        return (sq if whole else sharding.psum(sq, axis)).sqrt()
+
+
+def fsdp_slice(full: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """This rank's "fsdp" slice of the (tp-local) ``full`` on ``dim`` (the bound mesh's
+    even split, as `sharding.plan`'s `FullyShard` places it); ``full`` when ``dim`` is None."""
+    if dim is None:
+        return full
+    chunk = full.shape[dim] // sharding.axis_size("fsdp")
+    return full.narrow(dim, sharding.axis_index("fsdp") * chunk, chunk)
 
 
 @dataclasses.dataclass(frozen=True)

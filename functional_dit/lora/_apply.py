@@ -30,11 +30,11 @@ import numbers
 import torch
 
 import sharding
-from sharding.internal import gather_dims, like, refuse_fsdp
+from sharding.internal import gather_dims, gather_leaf, like
 from sharding.tree import copy_path, flatten, map_tree
 
 from ..params import Params
-from ._adapter import Adapter, weight_norm
+from ._adapter import Adapter, fsdp_slice, weight_norm
 
 LORA = "lora"  # the key under which a layer dict carries its ((A, B, s, bias, g[, (rows, n)]), ...) in attach
 
@@ -129,13 +129,40 @@ def _replicated_input(a: torch.Tensor, axis: str) -> torch.Tensor:
     return sharding.pvary(a, axis)
 
 
-def _dora_factor(ad: Adapter, m: str, weight: torch.Tensor, s, axis) -> torch.Tensor | None:
+def _dora_factor(ad: Adapter, m: str, weight: torch.Tensor, s, axis, dims: dict | None = None):
     """DoRA's ``mag / ||W + s B A||_row`` of module ``m`` (None for plain LoRA); the
-    gradient reaches ``mag`` only, as in PEFT."""
+    gradient reaches ``mag`` only, as in PEFT. ``dims``: on fully sharded params, ``{path:
+    fsdp dim}`` of the base's and the adapter's fully sharded leaves (`_fsdp_dims`); ``weight``
+    is then this rank's slice, the factors are gathered for the norm (detached) and the
+    norm's squares reduced over fsdp (`weight_norm`), and ``mag`` is all-gathered (backward:
+    this rank's slice; ``fd.apply`` sums the factor's gradient over the batch's ranks)."""
     if not ad.config.use_dora:
         return None
-    A, B = ad.factors(m)
-    return ad.magnitude(m) / weight_norm(weight, A, B, s, axis)
+    dims = dims or {}
+    A, B, mag = (_whole(ad, m, k, dims, sharding.all_gather) for k in ("lora_A.weight", "lora_B.weight", _MAG))
+    return mag / weight_norm(weight, A.detach(), B.detach(), s, axis, dims.get(f"{m}.weight"))
+
+
+_MAG = "lora_magnitude_vector"
+
+
+def _whole(ad: Adapter, m: str, leaf: str, dims: dict, gather) -> torch.Tensor | None:
+    """Module ``m``'s adapter ``leaf`` (``"lora_A.weight"``, ...; None when the adapter has
+    none) whole (tp-local): all-gathered over "fsdp" by ``gather(x, axis, dim)`` when
+    ``dims`` says it is fully sharded."""
+    x = {"lora_A.weight": lambda: ad.factors(m)[0], "lora_B.weight": lambda: ad.factors(m)[1]}.get(leaf)
+    x = x() if x is not None else ad.bias(m) if leaf == "lora_B.bias" else ad.magnitude(m)
+    dim = dims.get(f"{m}.{leaf}")
+    return x if x is None or dim is None else gather(x, "fsdp", dim)
+
+
+def _fsdp_dims(params: Params, ad: Adapter, mesh) -> dict:
+    """``{path: fsdp dim}`` of the base's and the adapter's fully sharded leaves on ``mesh``
+    (empty without an "fsdp" axis); the two configs' paths differ (``m.weight`` and
+    ``m.lora_A.weight``), so one dict holds both."""
+    if mesh is None or sharding.mesh_sizes(mesh).get("fsdp", 1) == 1:
+        return {}
+    return {**gather_dims(params.config, mesh), **gather_dims(ad.config, mesh)}
 
 
 def attach(
@@ -157,12 +184,7 @@ def attach(
     mesh = sharding.current_mesh()
     fsdp = mesh is not None and sharding.axis_size("fsdp") > 1
     for ad, scale, *rows in pairs:
-        if fsdp and ad.config.use_dora:
-            raise ValueError(
-                "lora: a DoRA adapter (use_dora=True) is not supported with fully sharded params (an fsdp mesh "
-                "axis) yet (its row norm needs whole weight rows); use a mesh without fsdp"
-            )
-        dims = gather_dims(ad.config, mesh) if fsdp else {}
+        dims = _fsdp_dims(params, ad, mesh) if fsdp else {}
         rows = local_rows(rows[0], batch, split) if rows else None
         if rows == ():
             continue
@@ -173,7 +195,7 @@ def attach(
             A, B = ad.factors(m)
             s = scale * ad.config.scale(m)
             node = copy_path(tree, m)
-            g = _dora_factor(ad, m, node["weight"], s, row.get(m))
+            g = _dora_factor(ad, m, node["weight"], s, row.get(m), dims)
             if m in column:
                 A = _replicated_input(A, column[m])
             entry = len(node.get(LORA, ()))
@@ -189,20 +211,30 @@ def _device(ad: Adapter) -> torch.device:
     return ad.factors(ad.config.modules[0][0])[0].device
 
 
-def _merged(ad: Adapter, m: str, W: torch.Tensor, bias, s, axis) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _merged(
+    ad: Adapter, m: str, W: torch.Tensor, bias, s, axis, dims: dict
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Module ``m``'s weight and bias with the update folded in (fp32, in their dtypes):
-    ``W + s B A`` (DoRA: ``g * (W + s B A)``, PEFT's merge) and ``bias + s * b``."""
-    A, B = (f.float() for f in ad.factors(m))
-    merged = W.float() + (B @ A) * s
-    g = _dora_factor(ad, m, W.float(), s, axis)
-    merged = merged if g is None else g.float()[:, None] * merged
-    b = ad.bias(m)
+    ``W + s B A`` (DoRA: ``g * (W + s B A)``, PEFT's merge) and ``bias + s * b``.
+
+    Fully sharded (``dims``, `_fsdp_dims`): ``W`` and ``bias`` are this rank's slices; the
+    factors (small) are gathered whole (backward: reduce-scatter, each rank's use is a share)
+    and each rank merges its slice of ``W`` with the matching slice of ``B @ A`` (``B``'s rows
+    or ``A``'s columns), DoRA's norm reduced over fsdp: no rank holds the whole weight."""
+    gather = lambda x, _, dim: gather_leaf(x, dim)  # noqa: E731  (under the bound mesh: over "fsdp")
+    A, B, b, mag = (_whole(ad, m, k, dims, gather) for k in ("lora_A.weight", "lora_B.weight", "lora_B.bias", _MAG))
+    A, B, wd = A.float(), B.float(), dims.get(f"{m}.weight")
+    merged = W.float() + (fsdp_slice(B, 0 if wd == 0 else None) @ fsdp_slice(A, 1 if wd == 1 else None)) * s
+    if mag is not None:
+        g = mag / weight_norm(W.float(), A, B, s, axis, wd)
+        merged = fsdp_slice(g.float(), 0 if wd == 0 else None)[:, None] * merged
     if b is not None:
         if bias is None:
             raise ValueError(
                 f"adapter: {m} has a lora_B bias (lora_bias=True) but the base layer has none, so it cannot be "
                 "merged (PEFT refuses it too); apply it on the fly with fd.apply(..., lora=[(adapter, scale)])"
             )
+        b = fsdp_slice(b, dims.get(f"{m}.bias"))
         bias = (bias.float() + b.float() * s).to(bias.dtype)
     return merged.to(W.dtype), bias
 
@@ -211,19 +243,21 @@ def merge(params: Params, adapter: Adapter, scale: float = 1.0) -> Params:
     """New params with ``W + scale * (alpha / rank) * B @ A`` in every adapted layer
     (computed in fp32, stored in W's dtype), ``lora_B``'s bias added to the base bias and
     DoRA's magnitude applied (see the module docstring); ``params`` is left as it is.
-    Plain or sharded alike (sharded params need the adapter placed on the same mesh).
-    DoRA's norm is taken of the weight given: merging onto params that already hold
-    another merged adapter norms that sum (PEFT norms the unmerged weight)."""
-    refuse_fsdp(params, "lora.merge", "merge before sharding")
+    Plain or sharded alike (sharded params need the adapter placed on the same mesh); on
+    fully sharded params (an "fsdp" axis) each rank merges its own slices (`_merged`), and the
+    result is placed like ``params``. DoRA's norm is taken of the weight given: merging onto
+    params that already hold another merged adapter norms that sum (PEFT norms the unmerged
+    weight)."""
     ((adapter, scale),) = check(params, [(adapter, scale)], "adapter")
     local, mesh = sharding.local_view(params)
     ((ad, _),) = local_adapters([(adapter, scale)], mesh)
     flat, new = params.flat(), local.flat()
+    dims = _fsdp_dims(params, ad, mesh)
     with sharding.bind(mesh):
         _, row = _mesh_axes(ad.config)
         for m, _, _ in ad.config.modules:
             s = scale * ad.config.scale(m)
-            W, b = _merged(ad, m, new[f"{m}.weight"], new.get(f"{m}.bias"), s, row.get(m))
+            W, b = _merged(ad, m, new[f"{m}.weight"], new.get(f"{m}.bias"), s, row.get(m), dims)
             flat[f"{m}.weight"] = like(W, flat[f"{m}.weight"])  # DTensor if W was
             if b is not None:
                 flat[f"{m}.bias"] = like(b, flat[f"{m}.bias"])
