@@ -13,6 +13,7 @@ device and a finite timeout, so a collective whose peer died fails instead of ha
 from __future__ import annotations
 
 import datetime
+import math
 import os
 
 import torch
@@ -166,3 +167,32 @@ def _dim_group(ranks: torch.Tensor, dim: int, timeout: datetime.timedelta):
     rows = ranks.movedim(dim, -1).reshape(-1, size).tolist()
     mine, _ = dist.new_subgroups_by_enumeration(rows, timeout=timeout)
     return mine
+
+
+_FLAT: dict = {}  # (id(mesh), axes) -> (mesh, its flattened 1-D mesh): made once (group creation is collective)
+
+
+def flat_mesh(mesh, axes: tuple[str, ...], name: str):
+    """A 1-D mesh named ``name`` over this rank's ranks of ``mesh`` that differ only in
+    ``axes`` (several mesh dims as one group, the first axis major: rank index
+    ``i0 * size1 + i1`` for two), e.g. the fsdp x tp plane, so one collective spans them; on
+    it ``[Shard(d), Shard(d)]`` on ``mesh[axes]`` is ``Shard(d)``. Creating its process groups
+    is collective: every rank of ``mesh`` must call it, in the same order; cached per mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (id(mesh), tuple(axes))
+    if key in _FLAT:
+        return _FLAT[key][1]
+    names = tuple(mesh.mesh_dim_names)
+    keep = [names.index(a) for a in axes]
+    ranks = mesh.mesh.permute(*[d for d in range(len(names)) if d not in keep], *keep)
+    rows = ranks.reshape(-1, math.prod(ranks.shape[len(names) - len(keep) :])).tolist()
+    if len(rows) == 1 and len(rows[0]) == dist.get_world_size():
+        group = dist.group.WORLD
+    else:
+        group, _ = dist.new_subgroups_by_enumeration(rows, timeout=_timeout(DEFAULT_TIMEOUT_S))
+    mine = next(r for r in rows if dist.get_rank() in r)
+    flat = DeviceMesh.from_group(group, mesh.device_type, mesh=torch.tensor(mine), mesh_dim_names=(name,))
+    _FLAT[key] = (mesh, flat)
+    return flat

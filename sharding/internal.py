@@ -1,8 +1,8 @@
 """Names `sharding` shares with the other packages of this repository but not with its
 users (the ``equinox.internal`` idea): the one way to ask "is this a DTensor", to build
 one placed like another, the checksum `check_replicated` compares ranks by, and the
-fully sharded layout's dim rule and coalesced block gathers (which the pipelines' text
-encoder placement reuses on torch modules).
+fully sharded layout's dim rule, its gathers (a leaf's, a block's coalesced one) and a 1-D
+mesh over several axes (which the pipelines' text encoder placement reuses on torch modules).
 
 DTensor is imported once, with this module, and only where ``torch.distributed`` exists
 (some builds ship without it): a plain tensor is never a DTensor there.
@@ -21,6 +21,7 @@ from ._fsdp import mesh_fsdp as mesh_fsdp
 from ._fsdp import prefetching as prefetching
 from ._fsdp import refuse_fsdp as refuse_fsdp
 from ._fsdp import wrap_tree as wrap_tree
+from ._mesh import flat_mesh as flat_mesh
 from ._plan import fsdp_dim as fsdp_dim
 from ._replicated import describe
 

@@ -10,12 +10,12 @@ Placements (`PLACEMENTS`):
   are transformers' own ``base_model_tp_plan``. Every rank gets the same embeddings, so
   sampling continues unchanged. Sharding is done once, in place (the full weights are
   freed), and kept for later calls.
-- ``"fsdp"``: ``"shard"``'s split, then every parameter fully sharded (`fully_shard`)
-  over the params' mesh ``fsdp`` axis or, on a mesh without one, every parameter tp left
-  whole (attention whose heads tp does not divide, vision towers, norms) over the ``tp``
-  group; each layer's shards are all-gathered just before it runs and freed after, the
-  next layer's gather issued first (`sharding`'s coalesced block gathers, as ``fd.apply``
-  gathers the transformer's blocks).
+- ``"fsdp"``: ``"shard"``'s split, then every parameter fully sharded (`fully_shard`):
+  what tp split over the params' mesh ``fsdp`` axis, what tp left whole (attention whose
+  heads tp does not divide, vision towers, norms) over every rank of the fsdp x tp group
+  (the ``tp`` group alone on a mesh without fsdp); each layer's shards are all-gathered
+  just before it runs and freed after, the next layer's gather issued first (`sharding`'s
+  coalesced block gathers, as ``fd.apply`` gathers the transformer's blocks).
 - ``"cpu"``: the encoders move to the CPU and encode there; only the embeddings move to
   the transformer's device.
 - ``"offload"``: the encoders live on the CPU between calls and move to the transformer's
@@ -33,7 +33,7 @@ import math
 import torch
 
 import sharding
-from sharding.internal import finish_block, fsdp_dim, is_dtensor, local_tensor, prefetching, start_block
+from sharding.internal import finish_block, flat_mesh, fsdp_dim, is_dtensor, local_tensor, prefetching, start_block
 
 PLACEMENTS = ("replicate", "shard", "fsdp", "cpu", "offload")
 _ENCODERS = ("text_encoder", "text_encoder_2")
@@ -129,30 +129,37 @@ def plan(module, tp: int) -> dict[str, str]:
     return out
 
 
-def _over(tp: int, fsdp: int) -> tuple[str, int] | None:
-    """(mesh axis, size) the ``"fsdp"`` placement fully shards over: "fsdp" when above 1,
-    else "tp" when above 1 (then only what tp leaves whole), else None."""
-    return ("fsdp", fsdp) if fsdp > 1 else ("tp", tp) if tp > 1 else None
+PLANE = "fsdp_tp"  # the fsdp x tp ranks of a dp group as one axis (`sharding.internal.flat_mesh`, fsdp-major)
 
 
-def _fsdp_dim(shape, tp_dim, tp_split: bool, over) -> int | None:
-    """The dim the ``"fsdp"`` placement splits a parameter of tp-local ``shape`` on (None:
-    kept as tp left it). ``tp_dim``: tp's dim (None: whole over tp); ``tp_split``: its module
-    is in `plan` (a DTensor after `shard`, a row-parallel bias too)."""
-    if over is None or (over[0] == "tp" and tp_split):
-        return None
-    return fsdp_dim(tuple(shape), {tp_dim} - {None}, over[1])
+def _split(shape, tp_dim, tp_split: bool, tp: int, fsdp: int) -> tuple[str, int, int] | None:
+    """(axis, size, dim) the ``"fsdp"`` placement splits a parameter of tp-local ``shape``
+    over (None: kept as tp left it). ``tp_dim``: tp's dim (None: whole over tp);
+    ``tp_split``: its module is in `plan` (a DTensor after `shard`, a row-parallel bias too).
+    What tp splits is split further over "fsdp"; what tp leaves whole over every rank of the
+    fsdp x tp group (`PLANE`) when a dim divides by fsdp x tp, else over "fsdp" (or "tp"
+    alone on a mesh without fsdp). The dim is `sharding`'s `fsdp_dim` rule."""
+    if tp_split:
+        over = [("fsdp", fsdp)]
+    elif tp > 1 and fsdp > 1:
+        over = [(PLANE, tp * fsdp), ("fsdp", fsdp)]
+    else:
+        over = [("tp", tp), ("fsdp", fsdp)]
+    for axis, n in over:
+        dim = fsdp_dim(tuple(shape), {tp_dim} - {None}, n) if n > 1 else None
+        if dim is not None:
+            return axis, n, dim
+    return None
 
 
 def bytes_per_rank(module, tp: int, fsdp: int = 1, placement: str = "shard") -> int:
     """Parameter bytes one rank holds with ``module`` sharded over ``tp`` by `plan` (tied
     weights counted once per placement, as `shard` re-ties them) and, for ``placement=
-    "fsdp"``, fully sharded by `fully_shard` on a mesh with those ``tp`` and ``fsdp`` sizes;
-    works on the meta device."""
+    "fsdp"``, fully sharded by `fully_shard` on a mesh with those ``tp`` and ``fsdp`` sizes
+    (`_split`); works on the meta device."""
     if placement not in ("shard", "fsdp"):
         raise ValueError(f"placement: expected 'shard' or 'fsdp', got {placement!r}")
     styles = plan(module, tp) if tp > 1 else {}
-    over = _over(tp, fsdp) if placement == "fsdp" else None
     seen, total = set(), 0
     for path, sub in module.named_modules(remove_duplicate=False):
         for pname, p in sub.named_parameters(recurse=False):
@@ -164,9 +171,9 @@ def bytes_per_rank(module, tp: int, fsdp: int = 1, placement: str = "shard") -> 
             shape = list(p.shape)
             if dim is not None:
                 shape[dim] //= tp
-            split = _fsdp_dim(shape, dim, style is not None, over)
+            split = _split(shape, dim, style is not None, tp, fsdp) if placement == "fsdp" else None
             if split is not None:
-                shape[split] //= over[1]
+                shape[split[2]] //= split[1]
             total += math.prod(shape) * p.element_size()
     return total
 
@@ -241,14 +248,14 @@ def _tp_mesh(mesh):
 
 class _Param:
     """One fully sharded parameter of a layer: where it sits (``sub._parameters[name]``),
-    its resting DTensor (``rest``: this rank's shard), the dim it is split on and how to
-    rebuild the tp-local whole as tp placed it (``tp``: (mesh, placements, shape, stride)
-    of the DTensor `shard` made, or None for a plain tensor)."""
+    its resting DTensor (``rest``: this rank's shard), the axis and dim it is split on and
+    how to rebuild the tp-local whole as tp placed it (``tp``: (mesh, placements, shape,
+    stride) of the DTensor `shard` made, or None for a plain tensor)."""
 
-    __slots__ = ("sub", "name", "rest", "dim", "tp")
+    __slots__ = ("sub", "name", "rest", "axis", "dim", "tp")
 
-    def __init__(self, sub, name, rest, dim, tp):
-        self.sub, self.name, self.rest, self.dim, self.tp = sub, name, rest, dim, tp
+    def __init__(self, sub, name, rest, axis, dim, tp):
+        self.sub, self.name, self.rest, self.axis, self.dim, self.tp = sub, name, rest, axis, dim, tp
 
     def whole(self, full: torch.Tensor):
         """The gathered tp-local ``full`` as the module computes with it."""
@@ -261,30 +268,44 @@ class _Param:
 
 
 class _Unit:
-    """A layer's fully sharded parameters (`_Param`), gathered in one coalesced all-gather
-    (``sharding``'s block gather) by a forward pre-hook and put back to their shards by a
-    forward hook; ``next``: the layer after it in its ``ModuleList``, whose gather the
-    pre-hook issues before this layer computes."""
+    """A layer's fully sharded parameters (`_Param`), gathered by a forward pre-hook in one
+    coalesced all-gather per axis they are split over (``sharding``'s block gather; ``meshes``:
+    the mesh to bind for each axis) and put back to their shards by a forward hook; ``next``:
+    the layer after it in its ``ModuleList``, whose gathers the pre-hook issues before this
+    layer computes."""
 
-    def __init__(self, mesh, axis: str):
-        self.mesh, self.axis, self.params, self.pending, self.next = mesh, axis, [], None, None
+    def __init__(self, meshes: dict):
+        self.meshes, self.params, self.pending, self.next = meshes, [], None, None
 
-    def _shards(self) -> tuple[list, list]:
-        return [local_tensor(p.rest) for p in self.params], [p.dim for p in self.params]
+    def _groups(self) -> dict:
+        """``{axis: (indices into params, shards, dims)}``."""
+        out: dict = {}
+        for i, p in enumerate(self.params):
+            ix, xs, dims = out.setdefault(p.axis, ([], [], []))
+            ix.append(i)
+            xs.append(local_tensor(p.rest))
+            dims.append(p.dim)
+        return out
 
     def start(self) -> None:
         if self.pending is None:
-            self.pending = start_block(*self._shards(), self.axis)
+            self.pending = {}
+            for axis, (_, xs, dims) in self._groups().items():
+                with sharding.bind(self.meshes[axis]):
+                    self.pending[axis] = start_block(xs, dims, axis)
 
     def gather(self, module, args) -> None:
-        with sharding.bind(self.mesh), torch.no_grad():
+        with torch.no_grad():
             self.start()
             if self.next is not None and prefetching():  # sharding.fsdp_options(prefetch=False): none ahead
                 self.next.start()  # in flight while this layer computes
             pending, self.pending = self.pending, None
-            fulls = finish_block(*self._shards(), pending, self.axis)
-        for p, full in zip(self.params, fulls):
-            p.sub._parameters[p.name] = p.whole(full)
+            for axis, (ix, xs, dims) in self._groups().items():
+                with sharding.bind(self.meshes[axis]):
+                    fulls = finish_block(xs, dims, pending[axis], axis)
+                for i, full in zip(ix, fulls):
+                    p = self.params[i]
+                    p.sub._parameters[p.name] = p.whole(full)
 
     def release(self, module, args, output) -> None:
         for p in self.params:
@@ -308,17 +329,21 @@ def _unit_of(path: str, items: set) -> str:
     return next((".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in items), path)
 
 
-def _rest(local: torch.Tensor, p, dim: int, over, mesh):
-    """This rank's shard of ``local`` (``p``'s tp-local data) on ``dim`` as a frozen
-    Parameter holding a DTensor placed honestly: on ``mesh``'s (fsdp, tp) dims, or its tp
-    dim when fsdp runs over tp (``full_tensor()`` is the whole weight)."""
+def _rest(local: torch.Tensor, p, split: tuple[str, int, int], mesh):
+    """This rank's shard of ``local`` (``p``'s tp-local data) on ``split``'s dim as a frozen
+    Parameter holding a DTensor placed honestly: on ``mesh``'s (fsdp, tp) dims (``Shard(dim)``
+    on both for the fsdp x tp plane, fsdp-major), or its fsdp or tp dim alone
+    (``full_tensor()`` is the whole weight)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    axis, n = over
+    axis, n, dim = split
+    index = _plane_index(mesh) if axis == PLANE else mesh.get_local_rank(axis)
     chunk = local.shape[dim] // n
-    mine = local.narrow(dim, mesh.get_local_rank(axis) * chunk, chunk).clone()
+    mine = local.narrow(dim, index * chunk, chunk).clone()
     mine = mine.to(mesh.device_type) if local.device.type != mesh.device_type else mine
-    if axis == "tp":
+    if axis == PLANE:
+        where, placements = mesh["fsdp", "tp"], [Shard(dim), Shard(dim)]
+    elif axis == "tp":
         where, placements = mesh["tp"], [Shard(dim)]
     elif "tp" in mesh.mesh_dim_names:
         where, placements = mesh["fsdp", "tp"], [Shard(dim), p.placements[0] if is_dtensor(p) else Replicate()]
@@ -328,41 +353,60 @@ def _rest(local: torch.Tensor, p, dim: int, over, mesh):
     return torch.nn.Parameter(rest, requires_grad=False)
 
 
+def _plane_index(mesh) -> int:
+    """This rank's index in the fsdp x tp plane, fsdp-major (`flat_mesh`'s order, DTensor's
+    for ``[Shard(d), Shard(d)]``)."""
+    return mesh.get_local_rank("fsdp") * _size(mesh, "tp") + mesh.get_local_rank("tp")
+
+
+def _meshes(mesh, splits) -> dict:
+    """The mesh to bind for each axis among ``splits``: ``mesh`` itself for "fsdp" and "tp",
+    the flattened fsdp x tp plane for `PLANE` (made here: collective, every rank calls it)."""
+    out = {axis: mesh for axis in ("fsdp", "tp")}
+    if any(s[0] == PLANE for s in splits):
+        out[PLANE] = flat_mesh(mesh, ("fsdp", "tp"), PLANE)
+    return out
+
+
 def fully_shard(module, mesh) -> None:
     """Fully shard ``module`` (tp-split by `shard` first, where the mesh has tp) in place,
-    once, over ``mesh``'s "fsdp" axis, or its "tp" group when it has no fsdp (then only the
-    parameters tp left whole): each parameter's tp-local data split on `_fsdp_dim`, the rest
-    kept as tp left it; every layer (a ``ModuleList`` item) and every other module owning
-    such parameters gathers them in one all-gather just before it runs (`_Unit`). The
-    gathers are collectives: every rank of the group must run the same layers, in the same
-    order, the same number of times (as every rank of a tp group encodes the same prompts)."""
-    over = _over(_size(mesh, "tp"), _size(mesh, "fsdp"))
-    if over is None or getattr(module, "_fd_fsdp", None) is not None:
+    once, on a mesh with "fsdp" or "tp" above 1: each parameter's tp-local data split as
+    `_split` says (what tp split over "fsdp"; what tp left whole over the fsdp x tp plane,
+    or over "tp" alone on a mesh without fsdp), the rest kept as tp left it; every layer (a
+    ``ModuleList`` item) and every other module owning such parameters gathers them in one
+    all-gather per axis just before it runs (`_Unit`). The gathers are collectives: every
+    rank of the group must run the same layers, in the same order, the same number of times
+    (as every rank of a tp group encodes the same prompts)."""
+    tp, fsdp = _size(mesh, "tp"), _size(mesh, "fsdp")
+    if max(tp, fsdp) == 1 or getattr(module, "_fd_fsdp", None) is not None:
         return
-    items, units, made = _unit_paths(module), {}, {}
+    found = []
     for path, sub in module.named_modules(remove_duplicate=False):
         for name, p in list(sub._parameters.items()):
             if p is None:
                 continue
             tp_dim = next((q.dim for q in p.placements if hasattr(q, "dim")), None) if is_dtensor(p) else None
-            dim = _fsdp_dim(local_tensor(p).shape, tp_dim, is_dtensor(p), over)
-            if dim is None:
-                continue
-            if id(p) not in made:  # tied weights: one shard, gathered by each module that reads it
-                tp = (p.device_mesh, p.placements, p.shape, p.stride()) if is_dtensor(p) else None
-                made[id(p)] = (_rest(local_tensor(p).detach(), p, dim, over, mesh), tp)
-            rest, tp = made[id(p)]
-            sub._parameters[name] = rest
-            units.setdefault(_unit_of(path, items), _Unit(mesh, over[0])).params.append(
-                _Param(sub, name, rest, dim, tp)
-            )
+            split = _split(local_tensor(p).shape, tp_dim, is_dtensor(p), tp, fsdp)
+            if split is not None:
+                found.append((path, sub, name, p, split))
+    meshes = _meshes(mesh, [f[4] for f in found])
+    items, units, made = _unit_paths(module), {}, {}
+    for path, sub, name, p, split in found:
+        if id(p) not in made:  # tied weights: one shard, gathered by each module that reads it
+            tp_as = (p.device_mesh, p.placements, p.shape, p.stride()) if is_dtensor(p) else None
+            made[id(p)] = (_rest(local_tensor(p).detach(), p, split, mesh), tp_as)
+        rest, tp_as = made[id(p)]
+        sub._parameters[name] = rest
+        units.setdefault(_unit_of(path, items), _Unit(meshes)).params.append(
+            _Param(sub, name, rest, split[0], split[2], tp_as)
+        )
     for path, unit in units.items():
         head, _, index = path.rpartition(".")
         unit.next = units.get(f"{head}.{int(index) + 1}" if head else str(int(index) + 1)) if index.isdigit() else None
         target = module.get_submodule(path)
         target.register_forward_pre_hook(unit.gather)
         target.register_forward_hook(unit.release, always_call=True)
-    module._fd_fsdp = over
+    module._fd_fsdp = (tp, fsdp)
 
 
 # ----------------------------------------------------------------------------- placement
