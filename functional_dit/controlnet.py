@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import torch
 
 import sharding
+from sharding.internal import mesh_fsdp, wrap_tree
 from sharding.tree import flatten, nest
 
 from . import configs as _configs
@@ -160,8 +161,18 @@ def apply(params: Params, x, t, txt, cond, *, scale: float = 1.0, **kwargs) -> d
         raise ValueError(f"{unknown[0]}: not an argument of the {k.NAME}; expected one of {list(k.ARGS)}")
     local, mesh = sharding.local_view(params)
     with sharding.bind(mesh) if mesh is not None else contextlib.nullcontext():
-        samples = _apply_local(k, local, x, t, txt, cond, float(scale), kwargs)
+        samples = _apply_local(k, _gathering(local, mesh), x, t, txt, cond, float(scale), kwargs)
     return k.fd_apply_args(samples, params)
+
+
+def _gathering(params: Params, mesh) -> Params:
+    """Fully sharded params (an "fsdp" mesh axis) as `fd.apply` reads them: the non-block
+    leaves gathered now, each block gathered leaf by leaf as the forward reads it (the batch
+    is split over dp x fsdp, `_apply_local`); as they are otherwise. Inference: the gathers'
+    backward reduce-scatters, but the residuals' other gradients are not summed over fsdp."""
+    if mesh is None or mesh_fsdp(mesh) == 1:
+        return params
+    return Params(params.config, wrap_tree(params.tree, params.config, mesh))
 
 
 def _apply_local(k, params, x, t, txt, cond, scale, kwargs) -> tuple:
