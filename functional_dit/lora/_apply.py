@@ -20,6 +20,11 @@ and every factor's gradient equal the unsharded ones. A bias and a magnitude sit
 ``B``'s rows (sharded on a column-parallel layer, whole on a row-parallel one, where the
 bias is added once, after the all-reduce). DoRA's row norm of a row-parallel layer sums
 the squares of this rank's columns over the axis (one all-reduce of width out).
+
+Fully sharded (an "fsdp" axis, docs/sharding.md "LoRA on the fly"): attach hands the layers
+this rank's factor shards, gathered with their block; DoRA's norm is reduced over fsdp from
+each rank's slice of ``W + s B A`` (`weight_norm`'s ``fsdp``) and merge folds each rank's
+slice of ``W`` with the matching slice of ``s B A`` (`_merged`): no rank gathers a weight.
 """
 
 from __future__ import annotations
