@@ -11,7 +11,9 @@ rank's items skip while the other's compute and it joins their gathers); First-B
 Cache on one image without CFG (rank 1 holds only the padding row: before, a TypeError
 on its first step, on dp=2 too); TaylorSeer on the attention modules; per-item caches
 with LoRA through ``functional_dit.sampling``; fp8 layerwise storage, gathered as bytes;
-the text encoders fully sharded over the same ranks (``encoder_placement="fsdp"``).
+the text encoders fully sharded over the same ranks (``encoder_placement="fsdp"``); and
+the feature pairs (`_pairs`): gradients through fp8-stored leaves with a LoRA, a ControlNet
+inside ``fd.sample`` and FLUX.2-klein's reference KV cache inside ``fd.sample``.
 The diffusers adapter stays refused under fsdp, with its message.
 """
 
@@ -98,6 +100,7 @@ def _rank(rank, world):
     out["sent"] = sent
     # the pair: the text encoders fully sharded over the same fsdp ranks (gathered per layer)
     out["encoders"] = fd.sample(sharded, pipe, "a red cube", seed=3, encoder_placement="fsdp", **KW)
+    out["pairs"] = _pairs(lambda tree: sharding.shard_params(tree, mesh))
     try:
         fd.DiffusersTransformer(sharded)
         out["adapter error"] = "no error"
@@ -109,9 +112,13 @@ def _rank(rank, world):
 @pytest.mark.slow
 def test_sample_and_step_caches_on_fsdp2_equal_one_process():
     """Every rank's images and every step's cache decisions equal one process's (fp32
-    1e-5: the batch split changes GEMM row counts); the ranks agree bitwise."""
+    1e-5: the batch split changes GEMM row counts); the ranks agree bitwise. In the same
+    spawn, the feature pairs (`_pairs`): ``.grad`` of the LoRA factors and of every
+    fp8-stored base leaf (1e-5 of each gradient's largest entry), and ``fd.sample`` with a
+    ControlNet and with klein's reference KV cache (fp32 1e-5)."""
     pipe, params, adapter = _setup()
     want = _run(params, pipe, adapter, _fp8(params))
+    want_pairs = _pairs(lambda tree: tree)
     assert any(c != u for c, u in want["fbc"][1]), "the CFG halves must decide apart, or no rank waits alone"
     results = spawn(_rank, 2, timeout=300)
     for r in results:
@@ -130,10 +137,13 @@ def test_sample_and_step_caches_on_fsdp2_equal_one_process():
         sizes = {d: {n for e, n in r["sent"] if e == d} for d in (torch.float32, torch.uint8)}
         assert sizes[torch.uint8] <= sizes[torch.float32], sizes
         assert r["adapter error"].startswith("fsdp: the diffusers adapter (fd.DiffusersTransformer) is not"), r
+        _check_pairs(r["pairs"], want_pairs)
     assert any(not c for d in want["fbc1"][1] for c in d), "fbc1 must skip some steps"
     for key in ("three", "fbc", "tsa", "fbc1", "items", "fp8", "encoders"):
         a, b = (r[key][0] if isinstance(r[key], tuple) else r[key] for r in results)
         assert torch.equal(a, b), f"{key}: the ranks differ"
+    for key in ("controlnet", "klein_kv"):
+        assert torch.equal(results[0]["pairs"][key], results[1]["pairs"][key]), f"{key}: the ranks differ"
 
 
 # ----------------------------------------------------------------------------- feature pairs (one spawn)
@@ -192,32 +202,18 @@ def _pairs(place) -> dict:
     return out
 
 
-def _pairs_rank(rank, world):
-    mesh = sharding.make_mesh(fsdp=2, device_type="cpu")
-    return _pairs(lambda tree: sharding.shard_params(tree, mesh))
-
-
-@pytest.mark.slow
-def test_fp8_grads_controlnet_and_klein_kv_on_fsdp2_equal_one_process():
-    """The pairs issue 38 asked for, on fsdp=2 (2 gloo ranks) against one process:
-    ``.grad`` of the LoRA factors and of every fp8-stored base leaf (1e-5 of each gradient's
-    largest entry), and ``fd.sample`` latents with a ControlNet and with klein's reference
-    KV cache (fp32 1e-5); the ranks agree bitwise."""
-    want = _pairs(lambda tree: tree)
-    results = spawn(_pairs_rank, 2, timeout=300)
-    for r in results:
-        assert r["grads"].keys() == want["grads"].keys()
-        missing = [k for k, v in r["grads"].items() if (v is None) != (want["grads"][k] is None)]
-        assert not missing, missing[:5]
-        errs = {
-            k: ((r["grads"][k] - v).abs().max() / v.abs().max().clamp_min(1e-30)).item()
-            for k, v in want["grads"].items()
-            if v is not None
-        }
-        worst = max(errs, key=errs.get)
-        print(f"fp8-stored leaves and LoRA factors on fsdp=2: worst grad error {errs[worst]:.2e} ({worst})")
-        assert errs[worst] < REL, (worst, errs[worst])
-        for key in ("controlnet", "klein_kv"):
-            torch.testing.assert_close(r[key], want[key], **FP32)
+def _check_pairs(got: dict, want: dict) -> None:
+    """One rank's `_pairs` against one process's."""
+    assert got["grads"].keys() == want["grads"].keys()
+    missing = [k for k, v in got["grads"].items() if (v is None) != (want["grads"][k] is None)]
+    assert not missing, missing[:5]
+    errs = {
+        k: ((got["grads"][k] - v).abs().max() / v.abs().max().clamp_min(1e-30)).item()
+        for k, v in want["grads"].items()
+        if v is not None
+    }
+    worst = max(errs, key=errs.get)
+    print(f"fp8-stored leaves and LoRA factors on fsdp=2: worst grad error {errs[worst]:.2e} ({worst})")
+    assert errs[worst] < REL, (worst, errs[worst])
     for key in ("controlnet", "klein_kv"):
-        assert torch.equal(results[0][key], results[1][key]), f"{key}: the ranks differ"
+        torch.testing.assert_close(got[key], want[key], **FP32)
