@@ -204,7 +204,7 @@ def test_memory_table_pipelines_last_line_is_the_worst_ratio():
     as tp, fsdp and tp x fsdp, and, last, the worst ratios. With "shard" Qwen-Image misses
     the 1.15 target (Qwen2.5-VL-7B's 28 heads do not split 8 ways, so its attention stays
     whole, `_placement.plan`); with "fsdp" (what tp leaves whole fully sharded) every
-    pipeline meets it at tp=8 and on every mesh of 8 ranks."""
+    pipeline meets it at tp=8 and on every mesh of 8 ranks, tp x fsdp within 2 %."""
     script = os.path.join(ROOT, "examples", "memory_table.py")
     out = subprocess.run([sys.executable, script, "--pipelines"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -223,6 +223,8 @@ def test_memory_table_pipelines_last_line_is_the_worst_ratio():
     assert float(ratios["shard"]["qwen-image"]) > 1.15 >= float(worst[2])
     on8 = dict(re.findall(r"((?:tp|fsdp)=\d(?: x fsdp=\d)?) ([\d.]+)", lines[-2]))
     assert sorted(on8) == ["fsdp=8", "tp=2 x fsdp=4", "tp=4 x fsdp=2", "tp=8"] and max(map(float, on8.values())) <= 1.15
+    # what tp leaves whole is split over all tp x fsdp ranks (1.012 measured; over fsdp alone it was 1.071)
+    assert float(on8["tp=4 x fsdp=2"]) < 1.02 and float(on8["tp=2 x fsdp=4"]) < 1.02, on8
     assert all(re.search(r"\| fsdp=\d:\s+\d", line) for line in lines[24:39])  # an fsdp cell on every row
 
 
