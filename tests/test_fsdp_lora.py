@@ -11,7 +11,9 @@ each gradient's largest entry), with the factors' placements. DoRA on the fly (e
 linear layer, magnitudes moved off their initial norms) likewise, forward and the
 gradients of its magnitudes and factors. ``lora.merge`` onto the fully sharded params
 (plain LoRA with a bias, and DoRA) gives params placed like them whose ``full_tensor()``
-equals merging unsharded. fsdp=2 (2 ranks) and fsdp=2 x tp=2 (4 ranks, slow).
+equals merging unsharded. Per-item adapters whose rows all sit on one rank's share (the
+other used to skip them and hang in the next block's all-gather). fsdp=2 (2 ranks) and
+fsdp=2 x tp=2 (4 ranks, slow).
 """
 
 from __future__ import annotations
@@ -69,6 +71,12 @@ def _full(params) -> dict:
     return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in params.flat().items()}
 
 
+def _one_rank_rows(d, b):
+    """Per-item adapters whose rows all sit on fsdp rank 0's share (rows 0, 1 of 3): rank 1
+    attaches them with no rows (it gathers their factors and joins DoRA's norm all the same)."""
+    return [(d, 0.7, [0]), (b, 0.5, [1])]
+
+
 def _lora(a, b):
     return [(a, 0.8), (b, 0.5, [0, 2])]  # a on every row, b on rows 0 and 2 (per-item)
 
@@ -110,6 +118,7 @@ def _rank(rank, world):
     d = sharding.shard_params(_dora(config), mesh)
     with torch.no_grad():
         out["dora_fwd"] = fd.apply(params, **kw, lora=[(d, 0.7)])
+        out["one_rank_rows"] = fd.apply(params, **kw, lora=_one_rank_rows(d, b))
     out["dora"] = _grads(params, {"d": d}, [(d, 0.7)], kw, _weights(kw))
     for tag, ad in (("a", a), ("d", d)):
         merged = lora.merge(params, ad, 0.8)
@@ -136,6 +145,7 @@ def _check(results):
     with torch.no_grad():
         ref = fd.apply(p, **kw, lora=_lora(a, b))
         ref_dora = fd.apply(p, **kw, lora=[(d, 0.7)])
+        ref_rows = fd.apply(p, **kw, lora=_one_rank_rows(d, b))
     want = _grads(p, {"a": a, "b": b}, _lora(a, b), kw, _weights(kw))["grads"]
     want_dora = _grads(p, {"d": d}, [(d, 0.7)], kw, _weights(kw))["grads"]
     merged = {tag: _full(lora.merge(p, ad.replace(ad.tree), 0.8)) for tag, ad in (("a", a), ("d", d))}
@@ -147,6 +157,7 @@ def _check(results):
         assert r["not_fully"] == [], f"factors not sharded over fsdp: {r['not_fully'][:5]}"
         _close_grads(r["grads"], want, "LoRA factor grads")
         torch.testing.assert_close(r["dora_fwd"], ref_dora, **FP32)
+        torch.testing.assert_close(r["one_rank_rows"], ref_rows, **FP32)
         assert r["dora"]["misplaced"] == [], r["dora"]["misplaced"][:5]
         _close_grads(r["dora"]["grads"], want_dora, "DoRA magnitude and factor grads", REL_DORA)
         for tag, want_merged in merged.items():

@@ -178,7 +178,8 @@ def attach(
     ``lora_B`` bias or None, ``g`` the DoRA factor or None; nothing is copied but the
     dicts on the way to each adapted layer. An ``(adapter, scale, rows)`` triple (rows of
     a batch of ``batch``) adds ``rows = (index, n)``: this rank's rows (`local_rows`) as an
-    index tensor into its ``n`` batch rows; an adapter with none of them is not attached.
+    index tensor into its ``n`` batch rows; an adapter with none of them is not attached
+    (on an fsdp mesh it is, with an empty index: every rank must gather the same factors).
     ``split=False``: the batch is whole on every rank, not split over dp x fsdp.
 
     Fully sharded adapters (an "fsdp" axis on the bound mesh): the factors attached are this
@@ -191,8 +192,9 @@ def attach(
     for ad, scale, *rows in pairs:
         dims = _fsdp_dims(params, ad, mesh) if fsdp else {}
         rows = local_rows(rows[0], batch, split) if rows else None
-        if rows == ():
-            continue
+        if rows == () and not fsdp:
+            continue  # (on fsdp every rank attaches it, none of its rows here or not: its factors ride in
+            # each block's all-gather and DoRA's norm is a collective, so the ranks must agree on them)
         n = None if rows is None else sharding.local_len(batch, "dp") if split else batch  # this rank's rows
         index = () if rows is None else ((torch.tensor(rows, dtype=torch.long, device=_device(ad)), n),)
         column, row = _mesh_axes(ad.config)
