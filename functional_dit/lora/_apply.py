@@ -35,8 +35,8 @@ import numbers
 import torch
 
 import sharding
-from sharding.internal import gather_dims, gather_leaf, like
-from sharding.tree import copy_path, flatten, map_tree
+from sharding.internal import finish_block, gather_dims, gather_leaf, like, start_block
+from sharding.tree import copy_path, flatten, get, map_tree
 
 from ..params import Params
 from ._adapter import Adapter, fsdp_slice, weight_norm
@@ -134,31 +134,69 @@ def _replicated_input(a: torch.Tensor, axis: str) -> torch.Tensor:
     return sharding.pvary(a, axis)
 
 
-def _dora_factor(ad: Adapter, m: str, weight: torch.Tensor, s, axis, dims: dict | None = None):
+def _dora_factor(ad: Adapter, m: str, weight: torch.Tensor, s, axis) -> torch.Tensor | None:
     """DoRA's ``mag / ||W + s B A||_row`` of module ``m`` (None for plain LoRA); the
-    gradient reaches ``mag`` only, as in PEFT. ``dims``: on fully sharded params, ``{path:
-    fsdp dim}`` of the base's and the adapter's fully sharded leaves (`_fsdp_dims`); ``weight``
-    is then this rank's slice, the factors are gathered for the norm (detached) and the
-    norm's squares reduced over fsdp (`weight_norm`), and ``mag`` is all-gathered (backward:
-    this rank's slice; ``fd.apply`` sums the factor's gradient over the batch's ranks)."""
+    gradient reaches ``mag`` only, as in PEFT."""
     if not ad.config.use_dora:
         return None
-    dims = dims or {}
-    A, B, mag = (_whole(ad, m, k, dims, sharding.all_gather) for k in ("lora_A.weight", "lora_B.weight", _MAG))
-    return mag / weight_norm(weight, A.detach(), B.detach(), s, axis, dims.get(f"{m}.weight"))
+    A, B = ad.factors(m)
+    return ad.magnitude(m) / weight_norm(weight, A, B, s, axis)
+
+
+def _fsdp_dora(ad: Adapter, tree, scale, row: dict, dims: dict) -> dict[str, torch.Tensor]:
+    """``{module: DoRA factor}`` of every module of ``ad`` on fully sharded params (``tree``:
+    the local view; ``dims``: `_fsdp_dims`), no rank gathering a weight, in four collectives
+    for the whole adapter rather than per module: the factors gathered whole (detached, one
+    coalesced all-gather), each rank's squares of its slice of ``W + s B A`` (the matching
+    slice of ``B``'s rows or ``A``'s columns) summed over fsdp in one all-reduce (a row slice
+    placed at its rows, zeros elsewhere), over tp in one more for the row-parallel layers,
+    and the magnitudes in one all-gather (backward: this rank's slice; ``fd.apply`` then sums
+    the factor's gradient over the batch's ranks)."""
+    mods = [m for m, _, _ in ad.config.modules]
+    n, me = sharding.axis_size("fsdp"), sharding.axis_index("fsdp")
+    keys = [f"{m}.{k}" for m in mods for k in ("lora_A.weight", "lora_B.weight") if f"{m}.{k}" in dims]
+    with torch.no_grad():
+        xs, ds = [get(ad.tree, k).detach() for k in keys], [dims[k] for k in keys]
+        whole = dict(zip(keys, finish_block(xs, ds, start_block(xs, ds)))) if keys else {}
+        sq = {}
+        for m in mods:
+            A, B = (
+                whole.get(f"{m}.{k}", f.detach()) for k, f in zip(("lora_A.weight", "lora_B.weight"), ad.factors(m))
+            )
+            wd, W = dims.get(f"{m}.weight"), get(tree, f"{m}.weight").detach()
+            B, A = fsdp_slice(B, 0 if wd == 0 else None), fsdp_slice(A, 1 if wd == 1 else None)
+            v = (W.to(A.dtype) + scale * ad.config.scale(m) * (B @ A)).square().sum(1)
+            sq[m] = torch.nn.functional.pad(v, (me * len(v), (n - 1 - me) * len(v))) if wd == 0 else v
+        _sum_over(sq, [m for m in mods if dims.get(f"{m}.weight") is not None], "fsdp")
+        for axis in sorted({row[m] for m in mods if m in row}):
+            _sum_over(sq, [m for m in mods if row.get(m) == axis], axis)
+    sharded = [m for m in mods if f"{m}.{_MAG}" in dims]
+    mags = {m: ad.magnitude(m) for m in mods}
+    if sharded:
+        rows = sharding.all_gather(torch.cat([mags[m] for m in sharded]), "fsdp", 0).view(n, -1)
+        parts = rows.split([len(mags[m]) for m in sharded], 1)
+        mags.update({m: part.reshape(-1) for m, part in zip(sharded, parts)})
+    return {m: mags[m] / sq[m].sqrt() for m in mods}
+
+
+def _sum_over(sq: dict, mods: list, axis: str) -> None:
+    """``sq[m]`` for ``m`` in ``mods`` summed over ``axis`` in one all-reduce, in place."""
+    if mods and sharding.axis_size(axis) > 1:
+        summed = sharding.psum(torch.cat([sq[m] for m in mods]), axis).split([len(sq[m]) for m in mods])
+        sq.update(zip(mods, summed))
 
 
 _MAG = "lora_magnitude_vector"
 
 
-def _whole(ad: Adapter, m: str, leaf: str, dims: dict, gather) -> torch.Tensor | None:
+def _whole(ad: Adapter, m: str, leaf: str, dims: dict) -> torch.Tensor | None:
     """Module ``m``'s adapter ``leaf`` (``"lora_A.weight"``, ...; None when the adapter has
-    none) whole (tp-local): all-gathered over "fsdp" by ``gather(x, axis, dim)`` when
-    ``dims`` says it is fully sharded."""
+    none) whole (tp-local): all-gathered over "fsdp" when ``dims`` says it is fully sharded
+    (backward: reduce-scatter, each rank's use is a share)."""
     x = {"lora_A.weight": lambda: ad.factors(m)[0], "lora_B.weight": lambda: ad.factors(m)[1]}.get(leaf)
     x = x() if x is not None else ad.bias(m) if leaf == "lora_B.bias" else ad.magnitude(m)
     dim = dims.get(f"{m}.{leaf}")
-    return x if x is None or dim is None else gather(x, "fsdp", dim)
+    return x if x is None or dim is None else gather_leaf(x, dim)
 
 
 def _fsdp_dims(params: Params, ad: Adapter, mesh) -> dict:
@@ -198,11 +236,12 @@ def attach(
         n = None if rows is None else sharding.local_len(batch, "dp") if split else batch  # this rank's rows
         index = () if rows is None else ((torch.tensor(rows, dtype=torch.long, device=_device(ad)), n),)
         column, row = _mesh_axes(ad.config)
+        dora = _fsdp_dora(ad, tree, scale, row, dims) if fsdp and ad.config.use_dora else None
         for m, _, _ in ad.config.modules:
             A, B = ad.factors(m)
             s = scale * ad.config.scale(m)
             node = copy_path(tree, m)
-            g = _dora_factor(ad, m, node["weight"], s, row.get(m), dims)
+            g = dora[m] if dora is not None else _dora_factor(ad, m, node["weight"], s, row.get(m))
             if m in column:
                 A = _replicated_input(A, column[m])
             entry = len(node.get(LORA, ()))
@@ -228,8 +267,7 @@ def _merged(
     factors (small) are gathered whole (backward: reduce-scatter, each rank's use is a share)
     and each rank merges its slice of ``W`` with the matching slice of ``B @ A`` (``B``'s rows
     or ``A``'s columns), DoRA's norm reduced over fsdp: no rank holds the whole weight."""
-    gather = lambda x, _, dim: gather_leaf(x, dim)  # noqa: E731  (under the bound mesh: over "fsdp")
-    A, B, b, mag = (_whole(ad, m, k, dims, gather) for k in ("lora_A.weight", "lora_B.weight", "lora_B.bias", _MAG))
+    A, B, b, mag = (_whole(ad, m, k, dims) for k in ("lora_A.weight", "lora_B.weight", "lora_B.bias", _MAG))
     A, B, wd = A.float(), B.float(), dims.get(f"{m}.weight")
     merged = W.float() + (fsdp_slice(B, 0 if wd == 0 else None) @ fsdp_slice(A, 1 if wd == 1 else None)) * s
     if mag is not None:
