@@ -340,8 +340,6 @@ def _share_params(params: Params, lora_dims: dict) -> Params:
 
 def _check_fsdp(params: Params) -> None:
     """What fully sharded params do not run with yet: a ValueError naming it."""
-    if torch.compiler.is_compiling():
-        raise ValueError("fsdp: torch.compile of fd.apply over fully sharded params is not supported yet")
     if _fuse.active(params, family(params).FUSED, ()):
         raise ValueError(
             "params: fd.prepare'd params are not supported with fully sharded params (an fsdp mesh axis); "
