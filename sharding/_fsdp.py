@@ -36,7 +36,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _autodiff
-from ._axes import _axis, _group, _layout, current_mesh
+from ._axes import _axis, _group, _layout, _name, current_mesh
 from ._plan import FSDP, FullyShard, plan
 from .tree import leaves
 
@@ -198,18 +198,17 @@ def _start(x: torch.Tensor, dim: int):
     """Issue the all-gather of ``x`` over fsdp along ``dim`` (async; nothing waits); a
     stored leaf (`_stored`) sends its stored bytes."""
     inner = _stored(x)
-    if inner is not None:
-        return _autodiff._all_gather_dim0()(_bytes(inner.detach().movedim(dim, 0)), 0, _group(FSDP))
-    return _autodiff._all_gather_dim0()(x.detach().movedim(dim, 0).contiguous(), 0, _group(FSDP))
+    sent = _bytes(inner.detach().movedim(dim, 0)) if inner is not None else x.detach().movedim(dim, 0).contiguous()
+    return _autodiff.issue_all_gather(sent, _axis(FSDP)[0], _name(FSDP))
 
 
 def _finish(x: torch.Tensor, dim: int, pending) -> torch.Tensor:
     """The gathered leaf from the `_start` handle ``pending``, differentiable w.r.t. ``x``."""
     inner = _stored(x)
     if inner is None:
-        full = _autodiff._done(pending).movedim(0, dim)
+        full = _autodiff.waited(pending).movedim(0, dim)
     else:
-        full = _rewrap(x, _autodiff._done(pending).view(inner.dtype).movedim(0, dim))
+        full = _rewrap(x, _autodiff.waited(pending).view(inner.dtype).movedim(0, dim))
     if not (torch.is_grad_enabled() and x.requires_grad):
         return full
     n, index = _axis(FSDP)
@@ -268,11 +267,11 @@ def _start_block(xs, dims, axis: str = FSDP) -> list:
     for i, x in enumerate(xs):
         inner = _stored(x)
         groups.setdefault((x.dtype, None if inner is None else inner.dtype), []).append(i)
-    gather, out = _autodiff._all_gather_dim0(), []
+    out, n, name = [], _axis(axis)[0], _name(axis)
     for (_, stored), ix in groups.items():
         leaves = [xs[i] if stored is None else _stored(xs[i]) for i in ix]
         buf = _pack(leaves, [dims[i] for i in ix])
-        out.append((ix, gather(buf if stored is None else _bytes(buf), 0, _group(axis))))
+        out.append((ix, _autodiff.issue_all_gather(buf if stored is None else _bytes(buf), n, name)))
     return out
 
 
@@ -295,7 +294,7 @@ def _finish_block(xs, dims, pending, axis: str = FSDP) -> list:
     n, index = _axis(axis)
     fulls = [None] * len(xs)
     for ix, handle in pending:
-        rows = _autodiff._done(handle).view(n, -1)
+        rows = _autodiff.waited(handle).view(n, -1)
         inner = [_stored(xs[i]) for i in ix]
         if inner[0] is not None:  # stored leaves: the bytes back in their storage dtype, each rewrapped
             rows = rows.view(inner[0].dtype)

@@ -1,0 +1,123 @@
+"""Fully sharded params (an "fsdp" mesh axis) under torch.compile and the diffusers adapter,
+on 2 CPU gloo ranks.
+
+Compile: ``torch.compile(fd.apply, fullgraph=True, dynamic=False)`` over fsdp=2 params has
+no graph break, equals eager fsdp (forward, and ``.grad.full_tensor()`` of every leaf), keeps
+the prefetch in the traced graph (block i+1's all-gather issued before block i computes,
+waited after it) and does not recompile for later sampling steps. Adapter: a stock
+diffusers pipeline with ``fd.DiffusersTransformer`` over fsdp=2 params equals one process.
+aot_eager (dynamo + AOTAutograd) as tests/test_compile.py: what dynamo captures does not
+depend on the backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from _dist import spawn
+from test_adapter import PROMPT, SEED, SHORT, adapter, max_err, run
+
+import functional_dit as fd
+import sharding
+from functional_dit import tiny
+
+FP32 = 1e-5  # fsdp vs one process: the batch split changes the GEMMs' row counts (fp32 rounding)
+KINDS = {  # the pipelines the adapter runs on fsdp=2, with their call arguments
+    "flux": dict(prompt=PROMPT, **SHORT),
+    "qwen-image": dict(prompt=["a cat", PROMPT], negative_prompt=["blurry", "dark"], true_cfg_scale=2.0),
+}
+
+
+class _Capture:
+    """A dynamo backend that keeps the graphs it is given, then runs them as is."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+
+def _overlapped(gm) -> int:
+    """How many block calls (compile regions) of the traced graph run while an all-gather
+    is issued and not yet waited: the prefetch, as the compiled code will run it."""
+    in_flight, count = set(), 0
+    for node in gm.graph.nodes:
+        name = str(node.target)
+        if "all_gather_into_tensor" in name:
+            in_flight.add(node)
+        elif "wait_tensor" in name:
+            in_flight.discard(node.args[0])
+        elif "invoke_subgraph" in name:
+            count += bool(in_flight)
+    return count
+
+
+def _grads(params) -> dict:
+    return {k: v.grad.full_tensor() for k, v in params.flat().items()}
+
+
+def _compile_rank(rank, world):
+    import cases_flux1 as C
+    from torch._dynamo.utils import counters
+
+    mesh = sharding.make_mesh(fsdp=world, device_type="cpu")
+    s = sharding.shard_params(fd.init(C.TINY, seed=0), mesh)
+    kw = C.inputs(C.TINY, batch=2, seed=0)
+    report = {}
+    torch._dynamo.reset()
+    counters.clear()
+    backend = _Capture()
+    f = torch.compile(fd.apply, backend=backend, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        report["forward"] = (f(s, **kw), fd.apply(s, **kw))
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            steps = [dict(kw, t=kw["t"] * a, guidance=kw["guidance"] + a) for a in (0.75, 0.25)]  # later steps
+            report["steps"] = [(f(s, **k), fd.apply(s, **k)) for k in steps]
+    report["breaks"], report["graphs"] = sum(counters["graph_break"].values()), len(backend.graphs)
+    report["overlapped"] = _overlapped(backend.graphs[0]) if hasattr(torch.compiler, "nested_compile_region") else None
+    for leaf in s.leaves():
+        leaf.requires_grad_()
+    w = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(5))
+    g = torch.compile(fd.apply, backend="aot_eager", fullgraph=True, dynamic=False)
+    (g(s, **kw) * w).sum().backward()
+    compiled = _grads(s)
+    for leaf in s.leaves():
+        leaf.grad = None
+    (fd.apply(s, **kw) * w).sum().backward()
+    report["grads"] = (compiled, _grads(s))
+    return report
+
+
+def test_compiled_fsdp_equals_eager_with_the_prefetch_in_the_graph_and_no_recompile():
+    for report in spawn(_compile_rank, 2, timeout=600):
+        assert report["breaks"] == 0 and report["graphs"] == 1, (report["breaks"], report["graphs"])
+        for got, want in [report["forward"], *report["steps"]]:
+            torch.testing.assert_close(got, want, rtol=FP32, atol=FP32)  # the same ops, traced
+        if report["overlapped"] is not None:
+            # tiny FLUX.1: 2 double + 2 single blocks; the first block of each segment computes
+            # with the next one's gather in flight (the prefetch does not cross segments)
+            assert report["overlapped"] == 2, report["overlapped"]
+        compiled, eager = report["grads"]
+        for k, want in eager.items():
+            err = (compiled[k] - want).abs().max() / want.abs().max().clamp_min(1e-30)
+            assert err <= FP32, (k, err.item())  # same collectives, traced: fp32 sums in the same order
+
+
+def _adapter_rank(rank, world):
+    mesh = sharding.make_mesh(fsdp=world)
+    out = {}
+    for kind, kwargs in KINDS.items():
+        params = sharding.shard_params(fd.init(tiny.transformer_config(kind), seed=SEED), mesh)
+        out[kind] = run(tiny.pipeline(kind, seed=SEED, transformer=fd.DiffusersTransformer(params)), **kwargs)
+    return out
+
+
+def test_adapter_on_fsdp2_pipelines_equal_one_process():
+    ranks = spawn(_adapter_rank, 2, timeout=600)
+    for kind, kwargs in KINDS.items():
+        want = run(tiny.pipeline(kind, seed=SEED, transformer=adapter(kind)), **kwargs)
+        assert want.abs().max() > 0.1  # a real result
+        for r, got in enumerate(ranks):
+            assert max_err(got[kind], want) <= FP32, (kind, r)
+        assert torch.equal(ranks[0][kind], ranks[1][kind])  # the same latents on every rank
