@@ -233,8 +233,6 @@ def apply(params: Params, x, t, txt, *, lora=None, checkpoint: bool = False, **k
     kwargs = _family_args(fam, kwargs)
     _values.check_values(t, x=x, txt=txt, pooled=kwargs.get("pooled"), guidance=kwargs.get("guidance"))
     local, mesh = sharding.local_view(params)
-    if mesh is not None and _fsdp.mesh_fsdp(mesh) > 1:
-        _check_fsdp(local)
     adapters = _lora_adapters(params, lora, mesh, x.shape[0] if isinstance(x, torch.Tensor) and x.ndim else None)
     if not checkpoint:  # no context manager on the default path: nothing extra for torch.compile to trace
         return _apply_bound(fam, local, mesh, x, t, txt, kwargs, adapters)
@@ -336,12 +334,3 @@ def _share_params(params: Params, lora_dims: dict) -> Params:
         return _share(x, inner if path in dims else _SHARE_AXES)
 
     return Params(params.config, nest({k: share(k, x) for k, x in flatten(params.tree).items()}))
-
-
-def _check_fsdp(params: Params) -> None:
-    """What fully sharded params do not run with yet: a ValueError naming it."""
-    if _fuse.active(params, family(params).FUSED, ()):
-        raise ValueError(
-            "params: fd.prepare'd params are not supported with fully sharded params (an fsdp mesh axis); "
-            "pass the params unprepared"
-        )

@@ -57,7 +57,6 @@ def waited(t: torch.Tensor) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(t)
 
 
-
 def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     return _done(_funcol().all_reduce(x, op, group))
 

@@ -411,10 +411,56 @@ class GatheredBlock(Mapping):
             return self._tree
         paths, xs, dims = self._leaves()
         pending, self._flat = self._flat if self._flat is not None else _start_block(xs, dims), None
-        fulls = _finish_block(xs, dims, pending)
+        fulls = _keep_row_groups(xs, _finish_block(xs, dims, pending))
         if saved is not None:
             saved.update({f.untyped_storage().data_ptr(): (x, d) for f, x, d in zip(fulls, xs, dims)})
         return _replaced(self._tree, dict(zip(paths, fulls)), "")
+
+
+def stored_block(block):
+    """A block's stored leaves (this rank's shards) as they are, gathering nothing: a
+    `GatheredBlock`'s tree; anything else itself. For code that inspects the stored layout
+    (`fd.prepare`'s fused buffers) rather than computing with the block."""
+    return block._tree if isinstance(block, GatheredBlock) else block
+
+
+def _keep_row_groups(xs: list, fulls: list) -> list:
+    """``fulls`` (the gathered ``xs``) with each run of ``xs`` that are consecutive row
+    blocks of one local buffer (a fused layout: `fd.prepare` lays q, k, v out as row views
+    of one buffer) gathered into consecutive row blocks of one buffer too, so the layout
+    survives the gather (one more copy of those leaves). Eager inference only: traced code
+    and autograd never read the fused layout."""
+    if torch.compiler.is_compiling() or any(f.requires_grad for f in fulls):
+        return fulls
+    runs: dict = {}
+    for i, x in enumerate(xs):
+        if type(x) is torch.Tensor and x.ndim and x.is_contiguous() and fulls[i].is_contiguous():
+            runs.setdefault(x.untyped_storage().data_ptr(), []).append(i)
+    out = list(fulls)
+    for ix in runs.values():
+        ix.sort(key=lambda i: xs[i].storage_offset())
+        run = ix[:1]
+        for i in [*ix[1:], None]:
+            last = run[-1]
+            if i is not None and _follows(xs[last], xs[i], fulls[last], fulls[i]):
+                run.append(i)
+                continue
+            if len(run) > 1:
+                buffer = torch.cat([fulls[j] for j in run])
+                for j, view in zip(run, buffer.split([fulls[j].shape[0] for j in run])):
+                    out[j] = view
+            run = [i]
+    return out
+
+
+def _follows(a, b, full_a, full_b) -> bool:
+    """Whether local ``b`` starts where local ``a`` ends in their storage and their gathered
+    ``full_a``, ``full_b`` can be stacked as rows (same dtype and trailing shape)."""
+    return (
+        b.storage_offset() == a.storage_offset() + a.numel()
+        and full_a.dtype == full_b.dtype
+        and full_a.shape[1:] == full_b.shape[1:]
+    )
 
 
 def _items(node):

@@ -19,6 +19,7 @@ from ._fsdp import gathered_blocks as gathered_blocks
 from ._fsdp import mesh_fsdp as mesh_fsdp
 from ._fsdp import prefetching as prefetching
 from ._fsdp import refuse_fsdp as refuse_fsdp
+from ._fsdp import stored_block as stored_block
 from ._fsdp import wrap_tree as wrap_tree
 from ._plan import fsdp_dim as fsdp_dim
 from ._replicated import describe

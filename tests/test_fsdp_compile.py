@@ -121,3 +121,58 @@ def test_adapter_on_fsdp2_pipelines_equal_one_process():
         for r, got in enumerate(ranks):
             assert max_err(got[kind], want) <= FP32, (kind, r)
         assert torch.equal(ranks[0][kind], ranks[1][kind])  # the same latents on every rank
+
+
+def _prepared_rank(rank, world):
+    import cases_flux1 as C
+
+    from functional_dit.nn import fused as _fuse
+    from sharding.internal import wrap_tree
+
+    mesh = sharding.make_mesh(fsdp=world, device_type="cpu")
+    kw = C.inputs(C.TINY, batch=2, seed=0)
+    prepared = fd.prepare(sharding.shard_params(fd.init(C.TINY, seed=0), mesh))
+    local, _ = sharding.local_view(prepared)
+    hits, fused = [], _fuse.fused
+
+    def spy(ps):  # what the fast path's projections find
+        wb = fused(ps)
+        hits.append(wb is not None)
+        return wb
+
+    _fuse.fused = spy
+    try:
+        with torch.no_grad(), sharding.bind(mesh):
+            out = fd.apply(prepared, **kw)
+            tree = wrap_tree(local.tree, local.config, mesh)  # blocks as the block loop gathers them
+            double = tree["transformer_blocks"]["0"].gathered()["attn"]
+            single = tree["single_transformer_blocks"]["0"].gathered()
+    finally:
+        _fuse.fused = fused
+    groups = {
+        "q/k/v": [double[n] for n in ("to_q", "to_k", "to_v")],
+        "added q/k/v": [double[n] for n in ("add_q_proj", "add_k_proj", "add_v_proj")],
+        "single q/k/v/mlp": [
+            single["attn"]["to_q"],
+            single["attn"]["to_k"],
+            single["attn"]["to_v"],
+            single["proj_mlp"],
+        ],
+    }
+    return out, any(hits), {name: fused(ps) is not None for name, ps in groups.items()}
+
+
+def test_prepared_params_on_fsdp2_run_the_fused_path_and_equal_one_process():
+    import cases_flux1 as C
+
+    kw = C.inputs(C.TINY, batch=2, seed=0)
+    with torch.no_grad():
+        want = fd.apply(fd.init(C.TINY, seed=0), **kw)
+    for out, hit, groups in spawn(_prepared_rank, 2, timeout=300):
+        # fused GEMMs and fast kernels vs the plain projections, and the batch split: fp32 rounding
+        torch.testing.assert_close(out, want, rtol=FP32, atol=FP32)
+        assert hit  # the forward ran one GEMM over a gathered buffer
+        # each double block's q/k/v gathered as one buffer; FLUX.1's single-block [q, k, v, MLP]
+        # group not: fsdp splits q/k/v (square) on the input dim and the MLP on its rows, so their
+        # local shards cannot be rows of one buffer (docs/sharding.md)
+        assert groups == {"q/k/v": True, "added q/k/v": True, "single q/k/v/mlp": False}, groups

@@ -12,7 +12,6 @@ Cache on one image without CFG (rank 1 holds only the padding row: before, a Typ
 on its first step, on dp=2 too); TaylorSeer on the attention modules; per-item caches
 with LoRA through ``functional_dit.sampling``; fp8 layerwise storage, gathered as bytes;
 the text encoders fully sharded over the same ranks (``encoder_placement="fsdp"``).
-The diffusers adapter stays refused under fsdp, with its message.
 """
 
 from __future__ import annotations
@@ -97,11 +96,6 @@ def _rank(rank, world):
     out["sent"] = sent
     # the pair: the text encoders fully sharded over the same fsdp ranks (gathered per layer)
     out["encoders"] = fd.sample(sharded, pipe, "a red cube", seed=3, encoder_placement="fsdp", **KW)
-    try:
-        fd.DiffusersTransformer(sharded)
-        out["adapter error"] = "no error"
-    except ValueError as e:
-        out["adapter error"] = str(e)
     return out
 
 
@@ -128,7 +122,6 @@ def test_sample_and_step_caches_on_fsdp2_equal_one_process():
         assert set(dtypes[:last]) == {torch.float32} and set(dtypes[last:]) == {torch.uint8}, dtypes
         sizes = {d: {n for e, n in r["sent"] if e == d} for d in (torch.float32, torch.uint8)}
         assert sizes[torch.uint8] <= sizes[torch.float32], sizes
-        assert r["adapter error"].startswith("fsdp: the diffusers adapter (fd.DiffusersTransformer) is not"), r
     assert any(not c for d in want["fbc1"][1] for c in d), "fbc1 must skip some steps"
     for key in ("three", "fbc", "tsa", "fbc1", "items", "fp8", "encoders"):
         a, b = (r[key][0] if isinstance(r[key], tuple) else r[key] for r in results)

@@ -29,7 +29,7 @@ import weakref
 import torch
 import torch.utils._pytree
 
-from sharding.internal import is_dtensor, like, local_tensor
+from sharding.internal import is_dtensor, like, local_tensor, stored_block
 from sharding.tree import get, map_tree, put
 
 from ..params import Params
@@ -96,7 +96,7 @@ def active(params, groups, inputs) -> bool:
     for blocks_key, block_groups in groups.items():
         for block in (params.tree.get(blocks_key) or {}).values():
             try:
-                ps = [get(block, path) for path in block_groups[0]]
+                ps = [get(stored_block(block), path) for path in block_groups[0]]
             except KeyError:
                 return False
             if fused(ps) is None:
@@ -113,7 +113,7 @@ def kernels(params, groups) -> str:
     for blocks_key, block_groups in groups.items():
         for block in (params.tree.get(blocks_key) or {}).values():
             try:
-                w = get(block, f"{block_groups[0][0]}.weight")
+                w = get(stored_block(block), f"{block_groups[0][0]}.weight")
             except KeyError:
                 return "auto"
             if is_cast(w) or is_quant(w):
