@@ -424,6 +424,33 @@ def stored_block(block):
     return block._tree if isinstance(block, GatheredBlock) else block
 
 
+class BlockGather:
+    """Gathers a block's local shards as `GatheredBlock.gathered` does (one coalesced
+    all-gather, waited at once), for a block loop that holds the shards itself: a scan over
+    stacked blocks gathers each block in its body. Hashable by its dims (a scan caches its
+    body by identity)."""
+
+    __slots__ = ("dims", "_key")
+
+    def __init__(self, dims: Mapping[str, int]):
+        self.dims, self._key = dict(dims), tuple(sorted(dims.items()))
+
+    def __call__(self, tree: Mapping) -> dict:
+        return GatheredBlock(tree, self.dims).gathered()
+
+    def __eq__(self, other):
+        return isinstance(other, BlockGather) and other._key == self._key
+
+    def __hash__(self):
+        return hash(self._key)
+
+
+def block_gather(block) -> BlockGather | None:
+    """How to gather blocks shaped like ``block`` (a `GatheredBlock`) from their shards;
+    None for a block that is not fully sharded."""
+    return BlockGather(block._dims) if isinstance(block, GatheredBlock) and block._dims else None
+
+
 def _keep_row_groups(xs: list, fulls: list) -> list:
     """``fulls`` (the gathered ``xs``) with each run of ``xs`` that are consecutive row
     blocks of one local buffer (a fused layout: `fd.prepare` lays q, k, v out as row views

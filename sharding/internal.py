@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import _fsdp
+from ._fsdp import block_gather as block_gather
 from ._fsdp import fsdp_degree as fsdp_degree
 from ._fsdp import gather_dims as gather_dims
 from ._fsdp import gathered_blocks as gathered_blocks

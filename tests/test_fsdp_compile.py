@@ -13,6 +13,7 @@ depend on the backend.
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 from _dist import spawn
 from test_adapter import PROMPT, SEED, SHORT, adapter, max_err, run
 
@@ -21,6 +22,7 @@ import sharding
 from functional_dit import tiny
 
 FP32 = 1e-5  # fsdp vs one process: the batch split changes the GEMMs' row counts (fp32 rounding)
+SCAN_ARGS = dict(height=32, width=32, output_type="latent", steps=2, seed=0, guidance=4.0)
 KINDS = {  # the pipelines the adapter runs on fsdp=2, with their call arguments
     "flux": dict(prompt=PROMPT, **SHORT),
     "qwen-image": dict(prompt=["a cat", PROMPT], negative_prompt=["blurry", "dark"], true_cfg_scale=2.0),
@@ -176,3 +178,37 @@ def test_prepared_params_on_fsdp2_run_the_fused_path_and_equal_one_process():
         # group not: fsdp splits q/k/v (square) on the input dim and the MLP on its rows, so their
         # local shards cannot be rows of one buffer (docs/sharding.md)
         assert groups == {"q/k/v": True, "added q/k/v": True, "single q/k/v/mlp": False}, groups
+
+
+def _scan_rank(rank, world):
+    from functional_dit.nn import scan as _scan
+    from functional_dit.pipelines import sampler_xla
+
+    pipe, params = tiny.pipeline("flux"), fd.init(tiny.transformer_config("flux"), seed=0)
+    sharded = sharding.shard_params(params, sharding.make_mesh(fsdp=world, device_type="cpu"))
+    calls, scan = [], _scan.eager_scan
+
+    def spy(fn, carry, xs):  # the scan the fixed-graph loop runs on the CPU: what it scans over
+        calls.append(pytree.tree_leaves(xs)[0].shape)
+        return scan(fn, carry, xs)
+
+    record, _scan.eager_scan = [], spy
+    try:
+        with sampler_xla.static(strict=True, record=record, scan=True):
+            got = fd.sample(sharded, pipe, "a red cube", **SCAN_ARGS)
+    finally:
+        _scan.eager_scan = scan
+    return got, record, calls
+
+
+def test_scanned_fixed_graph_loop_on_fsdp2_gathers_in_the_body_and_equals_one_process():
+    params = fd.init(tiny.transformer_config("flux"), seed=0)
+    want = fd.sample(params, tiny.pipeline("flux"), "a red cube", **SCAN_ARGS)
+    full = params["transformer_blocks"]["0"]["norm1"]["linear"]["weight"].shape
+    for got, record, calls in spawn(_scan_rank, 2, timeout=300):
+        assert record == [{"steps": 2, "scanned": ["single_transformer_blocks", "transformer_blocks"]}], record
+        assert len(calls) == 4  # 2 segments x 2 steps, each one scan
+        # the scan runs over this rank's stacked shards: the first leaf (a double block's AdaLN
+        # weight) is half of its full size, the block gathered in the scan body
+        assert calls[0][0] == len(params["transformer_blocks"]) and calls[0][1:].numel() * 2 == full.numel()
+        torch.testing.assert_close(got, want, rtol=FP32, atol=FP32)  # the batch split: fp32 rounding
