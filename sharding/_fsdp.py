@@ -603,6 +603,11 @@ def gathered_blocks(blocks: list):
     (between this generator's yield and its next step) under `resharded`."""
     ahead = _OPTIONS[-1]["prefetch"] and current_mesh() is not None
     reshard = _OPTIONS[-1]["reshard"] and torch.is_grad_enabled() and current_mesh() is not None
+    if reshard and torch.compiler.is_compiling():
+        raise ValueError(
+            "fsdp_options: reshard_after_forward=True is for eager training (its saved-tensor hooks read "
+            "storage addresses, which torch.compile does not trace); run the compiled fd.apply without it"
+        )
     for i, block in enumerate(blocks):
         if not isinstance(block, GatheredBlock):
             yield block

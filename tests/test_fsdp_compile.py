@@ -4,7 +4,8 @@ on 2 CPU gloo ranks.
 Compile: ``torch.compile(fd.apply, fullgraph=True, dynamic=False)`` over fsdp=2 params has
 no graph break, equals eager fsdp (forward, and ``.grad.full_tensor()`` of every leaf), keeps
 the prefetch in the traced graph (block i+1's all-gather issued before block i computes,
-waited after it) and does not recompile for later sampling steps. Adapter: a stock
+waited after it), does not recompile for later sampling steps and names
+``fsdp_options(reshard_after_forward=True)`` (eager only) when asked to trace it. Adapter: a stock
 diffusers pipeline with ``fd.DiffusersTransformer`` over fsdp=2 params equals one process.
 aot_eager (dynamo + AOTAutograd) as tests/test_compile.py: what dynamo captures does not
 depend on the backend.
@@ -88,6 +89,12 @@ def _compile_rank(rank, world):
         leaf.grad = None
     (fd.apply(s, **kw) * w).sum().backward()
     report["grads"] = (compiled, _grads(s))
+    try:  # the re-gather in backward is eager only: a clear message under fullgraph
+        with sharding.fsdp_options(reshard_after_forward=True):
+            torch.compile(fd.apply, backend="aot_eager", fullgraph=True, dynamic=False)(s, **kw)
+        report["reshard"] = "no error"
+    except Exception as e:  # noqa: BLE001 - dynamo wraps the ValueError raised while tracing
+        report["reshard"] = str(e)
     return report
 
 
@@ -104,6 +111,7 @@ def test_compiled_fsdp_equals_eager_with_the_prefetch_in_the_graph_and_no_recomp
         for k, want in eager.items():
             err = (compiled[k] - want).abs().max() / want.abs().max().clamp_min(1e-30)
             assert err <= FP32, (k, err.item())  # same collectives, traced: fp32 sums in the same order
+        assert "fsdp_options: reshard_after_forward=True is for eager training" in report["reshard"], report["reshard"]
 
 
 def _adapter_rank(rank, world):
