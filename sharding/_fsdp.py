@@ -411,10 +411,10 @@ class GatheredBlock(Mapping):
             return self._tree
         paths, xs, dims = self._leaves()
         pending, self._flat = self._flat if self._flat is not None else _start_block(xs, dims), None
-        fulls = _keep_row_groups(xs, _finish_block(xs, dims, pending))
+        fulls = _finish_block(xs, dims, pending)
         if saved is not None:
             saved.update({f.untyped_storage().data_ptr(): (x, d) for f, x, d in zip(fulls, xs, dims)})
-        return _replaced(self._tree, dict(zip(paths, fulls)), "")
+        return _replaced(self._tree, _keep_row_groups(self._tree, dict(zip(paths, fulls))), "")
 
 
 def stored_block(block):
@@ -451,38 +451,40 @@ def block_gather(block) -> BlockGather | None:
     return BlockGather(block._dims) if isinstance(block, GatheredBlock) and block._dims else None
 
 
-def _keep_row_groups(xs: list, fulls: list) -> list:
-    """``fulls`` (the gathered ``xs``) with each run of ``xs`` that are consecutive row
-    blocks of one local buffer (a fused layout: `fd.prepare` lays q, k, v out as row views
-    of one buffer) gathered into consecutive row blocks of one buffer too, so the layout
-    survives the gather (one more copy of those leaves). Eager inference only: traced code
-    and autograd never read the fused layout."""
-    if torch.compiler.is_compiling() or any(f.requires_grad for f in fulls):
-        return fulls
+def _keep_row_groups(tree: Mapping, full: dict) -> dict:
+    """``full`` (``{path: gathered leaf}`` of the block ``tree``'s fully sharded leaves) with
+    each run of the block's leaves that are consecutive segments of one local buffer (a
+    fused layout: `fd.prepare` lays q, k, v out as row views of one buffer) made rows of one
+    gathered buffer too, so the layout survives the gather (one more copy of those leaves).
+    A leaf that is not fully sharded joins its run as it is (a bias kept whole over fsdp).
+    Eager inference only: traced code and autograd never read the fused layout."""
+    if torch.compiler.is_compiling() or any(f.requires_grad for f in full.values()):
+        return full
     runs: dict = {}
-    for i, x in enumerate(xs):
-        if type(x) is torch.Tensor and x.ndim and x.is_contiguous() and fulls[i].is_contiguous():
-            runs.setdefault(x.untyped_storage().data_ptr(), []).append(i)
-    out = list(fulls)
-    for ix in runs.values():
-        ix.sort(key=lambda i: xs[i].storage_offset())
-        run = ix[:1]
-        for i in [*ix[1:], None]:
-            last = run[-1]
-            if i is not None and _follows(xs[last], xs[i], fulls[last], fulls[i]):
-                run.append(i)
+    for path, x in leaves(tree):
+        if type(x) is torch.Tensor and x.ndim and x.is_contiguous():
+            runs.setdefault(x.untyped_storage().data_ptr(), []).append((x, full.get(path, x), path))
+    out = dict(full)
+    for run in runs.values():
+        if len(run) < 2:
+            continue
+        run.sort(key=lambda r: r[0].storage_offset())
+        group = run[:1]
+        for item in [*run[1:], None]:
+            if item is not None and _follows(group[-1], item):
+                group.append(item)
                 continue
-            if len(run) > 1:
-                buffer = torch.cat([fulls[j] for j in run])
-                for j, view in zip(run, buffer.split([fulls[j].shape[0] for j in run])):
-                    out[j] = view
-            run = [i]
+            if len(group) > 1:
+                buffer = torch.cat([f for _, f, _ in group])
+                out.update({p: v for (_, f, p), v in zip(group, buffer.split([f.shape[0] for _, f, _ in group]))})
+            group = [item]
     return out
 
 
-def _follows(a, b, full_a, full_b) -> bool:
-    """Whether local ``b`` starts where local ``a`` ends in their storage and their gathered
-    ``full_a``, ``full_b`` can be stacked as rows (same dtype and trailing shape)."""
+def _follows(first: tuple, then: tuple) -> bool:
+    """Whether local leaf ``then[0]`` starts where ``first[0]`` ends in their storage and
+    their gathered leaves (``[1]``) stack as rows (same dtype and trailing shape)."""
+    (a, full_a, _), (b, full_b, _) = first, then
     return (
         b.storage_offset() == a.storage_offset() + a.numel()
         and full_a.dtype == full_b.dtype

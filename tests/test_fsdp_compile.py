@@ -182,10 +182,9 @@ def test_prepared_params_on_fsdp2_run_the_fused_path_and_equal_one_process():
         # fused GEMMs and fast kernels vs the plain projections, and the batch split: fp32 rounding
         torch.testing.assert_close(out, want, rtol=FP32, atol=FP32)
         assert hit  # the forward ran one GEMM over a gathered buffer
-        # each double block's q/k/v gathered as one buffer; FLUX.1's single-block [q, k, v, MLP]
-        # group not: fsdp splits q/k/v (square) on the input dim and the MLP on its rows, so their
-        # local shards cannot be rows of one buffer (docs/sharding.md)
-        assert groups == {"q/k/v": True, "added q/k/v": True, "single q/k/v/mlp": False}, groups
+        # each group gathered as one buffer, FLUX.1's single-block [q, k, v, MLP] too, whose
+        # leaves fsdp splits on different dims (q/k/v, square, on the input dim; the MLP on its rows)
+        assert groups == {"q/k/v": True, "added q/k/v": True, "single q/k/v/mlp": True}, groups
 
 
 def _scan_rank(rank, world):
