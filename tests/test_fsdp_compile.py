@@ -183,7 +183,7 @@ def test_prepared_params_on_fsdp2_run_the_fused_path_and_equal_one_process():
         torch.testing.assert_close(out, want, rtol=FP32, atol=FP32)
         assert hit  # the forward ran one GEMM over a gathered buffer
         # each group gathered as one buffer, FLUX.1's single-block [q, k, v, MLP] too, whose
-        # leaves fsdp splits on different dims (q/k/v, square, on the input dim; the MLP on its rows)
+        # leaves fsdp splits on different dims (q/k/v on their rows, the MLP input on its input dim)
         assert groups == {"q/k/v": True, "added q/k/v": True, "single q/k/v/mlp": True}, groups
 
 

@@ -159,8 +159,8 @@ def _concat_rows(leaves: list, mode: str = "auto") -> list:
 
 def _concat_flat(leaves: list, local: list, mode: str) -> list:
     """DTensor ``leaves`` whose local shards differ in trailing shape (fully sharded leaves
-    split on different dims: FLUX.1's single-block q/k/v, square, on their input dim, its
-    MLP input on its rows) as consecutive flat segments of one local buffer. Not rows of
+    split on different dims: FLUX.1's single-block q/k/v on their rows, its MLP input on its
+    input dim) as consecutive flat segments of one local buffer. Not rows of
     one buffer here, so the group runs unfused on the shards; the block gather turns such
     a run of consecutive leaves into rows of one gathered buffer (docs/sharding.md)."""
     buffer = torch.cat([t.detach().reshape(-1) for t in local])
