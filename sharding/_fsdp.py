@@ -17,7 +17,14 @@ shard; with ``fsdp_options(reduce="all_reduce")`` it all-reduces and slices inst
 gathered weights a block's backward needs are kept by autograd (also under
 ``fd.apply(checkpoint=True)``, whose recomputation takes the gathered block as input);
 with ``fsdp_options(reshard_after_forward=True)`` autograd keeps the local shard instead
-and backward all-gathers the weight again when it needs it (`resharded`).
+and backward all-gathers the weight again when it needs it (`resharded`; eager only).
+
+Under torch.compile the gathers trace as they run: each is the raw functional collective
+op (``_c10d_functional.all_gather_into_tensor``), waited (``wait_tensor``) where the block
+reads its leaves, so the prefetch stays in the compiled graph. A fused layout
+(`fd.prepare`: leaves that are consecutive segments of one local buffer) survives the
+gather (`_keep_row_groups`); a scan over stacked shards gathers its block in the body
+(`BlockGather`).
 
 Leaves attached to the tree in tuples (LoRA factors, ``layer["lora"] = ((A, B, ...), ...)``)
 are gathered with their block when ``wrap_tree`` is told their dims (``extra``). A leaf
@@ -102,7 +109,7 @@ def _constant(fn):
     if mark is None:
         return fn
     frozen = mark(lambda *args: _freeze(fn(*args)))  # a plain function: dynamo looks through lru_cache
-    return lambda *args: _thaw(frozen(*args))
+    return lambda *args: _thaw(frozen(*args)) if torch.compiler.is_compiling() else fn(*args)
 
 
 def _freeze(x):

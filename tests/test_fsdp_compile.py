@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from _dist import spawn
 from test_adapter import PROMPT, SEED, SHORT, adapter, max_err, run
+from test_compile import _Capture
 
 import functional_dit as fd
 import sharding
@@ -28,17 +29,6 @@ KINDS = {  # the pipelines the adapter runs on fsdp=2, with their call arguments
     "flux": dict(prompt=PROMPT, **SHORT),
     "qwen-image": dict(prompt=["a cat", PROMPT], negative_prompt=["blurry", "dark"], true_cfg_scale=2.0),
 }
-
-
-class _Capture:
-    """A dynamo backend that keeps the graphs it is given, then runs them as is."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return gm.forward
 
 
 def _overlapped(gm) -> int:
