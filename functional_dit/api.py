@@ -22,6 +22,7 @@ from .lora import internal as _lora
 from .nn import compile as _compile
 from .nn import fused as _fuse
 from .nn import kernels as _kernels
+from .nn import quant as _quant
 from .nn import values as _values
 from .params import Params, check_leaves, init_leaf, register_pytree
 
@@ -233,8 +234,6 @@ def apply(params: Params, x, t, txt, *, lora=None, checkpoint: bool = False, **k
     kwargs = _family_args(fam, kwargs)
     _values.check_values(t, x=x, txt=txt, pooled=kwargs.get("pooled"), guidance=kwargs.get("guidance"))
     local, mesh = sharding.local_view(params)
-    if mesh is not None and _fsdp.mesh_fsdp(mesh) > 1:
-        _check_fsdp(local)
     adapters = _lora_adapters(params, lora, mesh, x.shape[0] if isinstance(x, torch.Tensor) and x.ndim else None)
     if not checkpoint:  # no context manager on the default path: nothing extra for torch.compile to trace
         return _apply_bound(fam, local, mesh, x, t, txt, kwargs, adapters)
@@ -312,6 +311,13 @@ def _gathering(params: Params, lora_dims: dict | None = None) -> Params:
     as they are otherwise."""
     if sharding.axis_size("fsdp") == 1:
         return params
+    quantized = next((k for k, v in flatten(params.tree).items() if _quant.is_quant(v)), None)
+    if quantized is not None:
+        raise ValueError(
+            f"params: fd.quantize'd (fp8 compute) params do not run on an fsdp axis yet (their scales are not "
+            f"gathered with the values), got the quantized leaf {quantized!r} at fsdp={sharding.axis_size('fsdp')}; "
+            "use tp, or layerwise fp8 storage (fd.layerwise_cast), on fsdp"
+        )
     mesh = sharding.current_mesh()
     return Params(params.config, _fsdp.wrap_tree(params.tree, params.config, mesh, lora_dims or {}))
 
@@ -336,14 +342,3 @@ def _share_params(params: Params, lora_dims: dict) -> Params:
         return _share(x, inner if path in dims else _SHARE_AXES)
 
     return Params(params.config, nest({k: share(k, x) for k, x in flatten(params.tree).items()}))
-
-
-def _check_fsdp(params: Params) -> None:
-    """What fully sharded params do not run with yet: a ValueError naming it."""
-    if torch.compiler.is_compiling():
-        raise ValueError("fsdp: torch.compile of fd.apply over fully sharded params is not supported yet")
-    if _fuse.active(params, family(params).FUSED, ()):
-        raise ValueError(
-            "params: fd.prepare'd params are not supported with fully sharded params (an fsdp mesh axis); "
-            "pass the params unprepared"
-        )

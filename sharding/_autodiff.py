@@ -42,6 +42,21 @@ def _all_gather_dim0():
 # ----------------------------------------------------------------------------- the raw collectives
 
 
+def issue_all_gather(x: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
+    """Issue the all-gather of ``x`` along dim 0 over the ``n`` ranks of the group named
+    ``group_name`` and return its result *not waited*: read it only through `waited`.
+    funcol's own all-gather waits at once when traced (``_maybe_wrap_tensor``), putting
+    every wait right after its collective in a compiled graph; the raw functional op
+    leaves the wait where the caller puts it, eager and traced alike, so a collective
+    issued ahead (fsdp's prefetch) is issued ahead in the compiled graph too."""
+    return torch.ops._c10d_functional.all_gather_into_tensor(x, n, group_name)
+
+
+def waited(t: torch.Tensor) -> torch.Tensor:
+    """The result of `issue_all_gather`, once the collective has finished."""
+    return torch.ops._c10d_functional.wait_tensor(t)
+
+
 def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     return _done(_funcol().all_reduce(x, op, group))
 

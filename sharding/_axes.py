@@ -78,6 +78,21 @@ def _group(axis: str):
     return mesh.get_group(axis)
 
 
+def _group_name(mesh, axis: str) -> str:
+    """The registered name of ``mesh``'s process group over ``axis``: what the raw
+    functional collective ops take. A constant under torch.compile (as `_layout`)."""
+    return mesh.get_group(axis).group_name
+
+
+if hasattr(torch, "compiler") and hasattr(torch.compiler, "assume_constant_result"):
+    _group_name = torch.compiler.assume_constant_result(_group_name)
+
+
+def _name(axis: str) -> str:
+    """The group name of ``axis`` on the bound mesh."""
+    return _group_name(current_mesh(), axis)
+
+
 def psum(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Sum ``x`` over ``axis`` (an all-reduce). Backward: the identity (the sum is
     replicated, so is its gradient), as a row-parallel projection needs."""

@@ -17,7 +17,14 @@ shard; with ``fsdp_options(reduce="all_reduce")`` it all-reduces and slices inst
 gathered weights a block's backward needs are kept by autograd (also under
 ``fd.apply(checkpoint=True)``, whose recomputation takes the gathered block as input);
 with ``fsdp_options(reshard_after_forward=True)`` autograd keeps the local shard instead
-and backward all-gathers the weight again when it needs it (`resharded`).
+and backward all-gathers the weight again when it needs it (`resharded`; eager only).
+
+Under torch.compile the gathers trace as they run: each is the raw functional collective
+op (``_c10d_functional.all_gather_into_tensor``), waited (``wait_tensor``) where the block
+reads its leaves, so the prefetch stays in the compiled graph. A fused layout
+(`fd.prepare`: leaves that are consecutive segments of one local buffer) survives the
+gather (`_keep_row_groups`); a scan over stacked shards gathers its block in the body
+(`BlockGather`).
 
 Leaves attached to the tree in tuples (LoRA factors, ``layer["lora"] = ((A, B, ...), ...)``)
 are gathered with their block when ``wrap_tree`` is told their dims (``extra``). A leaf
@@ -36,7 +43,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _autodiff
-from ._axes import _axis, _group, _layout, current_mesh
+from ._axes import _axis, _group, _layout, _name, current_mesh
 from ._plan import FSDP, FullyShard, plan
 from .tree import leaves
 
@@ -90,6 +97,35 @@ def fsdp_size() -> int:
 def _dims(config, names: tuple, shape: tuple) -> dict:
     """``{dotted path: dim}`` of the leaves the default plan fully shards on the mesh."""
     return {p: pl.dim for p, pl in leaves(plan(config, dict(zip(names, shape)))) if isinstance(pl, FullyShard)}
+
+
+def _constant(fn):
+    """``fn`` (pure, over a config and a mesh layout; its result nested dicts) read eagerly
+    under torch.compile, its result a constant of the traced graph (as `_axes._layout`):
+    dynamo would otherwise trace the whole `plan` at every compile (~60 % of the bytecode
+    it traced for a tiny FLUX.1). The constant crosses as nested tuples of items (dynamo
+    cannot guard a dict constant) and is rebuilt as dicts in the traced code."""
+    mark = getattr(torch.compiler, "assume_constant_result", None)
+    if mark is None:
+        return fn
+    frozen = mark(lambda *args: _freeze(fn(*args)))  # a plain function: dynamo looks through lru_cache
+    return lambda *args: _thaw(frozen(*args)) if torch.compiler.is_compiling() else fn(*args)
+
+
+def _freeze(x):
+    if isinstance(x, dict):
+        return ("dict", tuple((k, _freeze(v)) for k, v in x.items()))
+    return ("tuple", tuple(_freeze(v) for v in x)) if isinstance(x, tuple) else x
+
+
+def _thaw(x):
+    if not isinstance(x, tuple):
+        return x
+    kind, items = x
+    return {k: _thaw(v) for k, v in items} if kind == "dict" else tuple(_thaw(v) for v in items)
+
+
+_dims = _constant(_dims)
 
 
 def _is_dtensor(x) -> bool:
@@ -169,18 +205,17 @@ def _start(x: torch.Tensor, dim: int):
     """Issue the all-gather of ``x`` over fsdp along ``dim`` (async; nothing waits); a
     stored leaf (`_stored`) sends its stored bytes."""
     inner = _stored(x)
-    if inner is not None:
-        return _autodiff._all_gather_dim0()(_bytes(inner.detach().movedim(dim, 0)), 0, _group(FSDP))
-    return _autodiff._all_gather_dim0()(x.detach().movedim(dim, 0).contiguous(), 0, _group(FSDP))
+    sent = _bytes(inner.detach().movedim(dim, 0)) if inner is not None else x.detach().movedim(dim, 0).contiguous()
+    return _autodiff.issue_all_gather(sent, _axis(FSDP)[0], _name(FSDP))
 
 
 def _finish(x: torch.Tensor, dim: int, pending) -> torch.Tensor:
     """The gathered leaf from the `_start` handle ``pending``, differentiable w.r.t. ``x``."""
     inner = _stored(x)
     if inner is None:
-        full = _autodiff._done(pending).movedim(0, dim)
+        full = _autodiff.waited(pending).movedim(0, dim)
     else:
-        full = _rewrap(x, _autodiff._done(pending).view(inner.dtype).movedim(0, dim))
+        full = _rewrap(x, _autodiff.waited(pending).view(inner.dtype).movedim(0, dim))
     if not (torch.is_grad_enabled() and x.requires_grad):
         return full
     n, index = _axis(FSDP)
@@ -239,11 +274,11 @@ def _start_block(xs, dims, axis: str = FSDP) -> list:
     for i, x in enumerate(xs):
         inner = _stored(x)
         groups.setdefault((x.dtype, None if inner is None else inner.dtype), []).append(i)
-    gather, out = _autodiff._all_gather_dim0(), []
+    out, n, name = [], _axis(axis)[0], _name(axis)
     for (_, stored), ix in groups.items():
         leaves = [xs[i] if stored is None else _stored(xs[i]) for i in ix]
         buf = _pack(leaves, [dims[i] for i in ix])
-        out.append((ix, gather(buf if stored is None else _bytes(buf), 0, _group(axis))))
+        out.append((ix, _autodiff.issue_all_gather(buf if stored is None else _bytes(buf), n, name)))
     return out
 
 
@@ -266,7 +301,7 @@ def _finish_block(xs, dims, pending, axis: str = FSDP) -> list:
     n, index = _axis(axis)
     fulls = [None] * len(xs)
     for ix, handle in pending:
-        rows = _autodiff._done(handle).view(n, -1)
+        rows = _autodiff.waited(handle).view(n, -1)
         inner = [_stored(xs[i]) for i in ix]
         if inner[0] is not None:  # stored leaves: the bytes back in their storage dtype, each rewrapped
             rows = rows.view(inner[0].dtype)
@@ -386,7 +421,82 @@ class GatheredBlock(Mapping):
         fulls = _finish_block(xs, dims, pending)
         if saved is not None:
             saved.update({f.untyped_storage().data_ptr(): (x, d) for f, x, d in zip(fulls, xs, dims)})
-        return _replaced(self._tree, dict(zip(paths, fulls)), "")
+        return _replaced(self._tree, _keep_row_groups(self._tree, dict(zip(paths, fulls))), "")
+
+
+def stored_block(block):
+    """A block's stored leaves (this rank's shards) as they are, gathering nothing: a
+    `GatheredBlock`'s tree; anything else itself. For code that inspects the stored layout
+    (`fd.prepare`'s fused buffers) rather than computing with the block."""
+    return block._tree if isinstance(block, GatheredBlock) else block
+
+
+class BlockGather:
+    """Gathers a block's local shards as `GatheredBlock.gathered` does (one coalesced
+    all-gather, waited at once), for a block loop that holds the shards itself: a scan over
+    stacked blocks gathers each block in its body. Hashable by its dims (a scan caches its
+    body by identity)."""
+
+    __slots__ = ("dims", "_key")
+
+    def __init__(self, dims: Mapping[str, int]):
+        self.dims, self._key = dict(dims), tuple(sorted(dims.items()))
+
+    def __call__(self, tree: Mapping) -> dict:
+        return GatheredBlock(tree, self.dims).gathered()
+
+    def __eq__(self, other):
+        return isinstance(other, BlockGather) and other._key == self._key
+
+    def __hash__(self):
+        return hash(self._key)
+
+
+def block_gather(block) -> BlockGather | None:
+    """How to gather blocks shaped like ``block`` (a `GatheredBlock`) from their shards;
+    None for a block that is not fully sharded."""
+    return BlockGather(block._dims) if isinstance(block, GatheredBlock) and block._dims else None
+
+
+def _keep_row_groups(tree: Mapping, full: dict) -> dict:
+    """``full`` (``{path: gathered leaf}`` of the block ``tree``'s fully sharded leaves) with
+    each run of the block's leaves that are consecutive segments of one local buffer (a
+    fused layout: `fd.prepare` lays q, k, v out as row views of one buffer) made rows of one
+    gathered buffer too, so the layout survives the gather (one more copy of those leaves).
+    A leaf that is not fully sharded joins its run as it is (a bias kept whole over fsdp).
+    Eager inference only: traced code and autograd never read the fused layout."""
+    if torch.compiler.is_compiling() or any(f.requires_grad for f in full.values()):
+        return full
+    runs: dict = {}
+    for path, x in leaves(tree):
+        if type(x) is torch.Tensor and x.ndim and x.is_contiguous():
+            runs.setdefault(x.untyped_storage().data_ptr(), []).append((x, full.get(path, x), path))
+    out = dict(full)
+    for run in runs.values():
+        if len(run) < 2:
+            continue
+        run.sort(key=lambda r: r[0].storage_offset())
+        group = run[:1]
+        for item in [*run[1:], None]:
+            if item is not None and _follows(group[-1], item):
+                group.append(item)
+                continue
+            if len(group) > 1:
+                buffer = torch.cat([f for _, f, _ in group])
+                out.update({p: v for (_, f, p), v in zip(group, buffer.split([f.shape[0] for _, f, _ in group]))})
+            group = [item]
+    return out
+
+
+def _follows(first: tuple, then: tuple) -> bool:
+    """Whether local leaf ``then[0]`` starts where ``first[0]`` ends in their storage and
+    their gathered leaves (``[1]``) stack as rows (same dtype and trailing shape)."""
+    (a, full_a, _), (b, full_b, _) = first, then
+    return (
+        b.storage_offset() == a.storage_offset() + a.numel()
+        and full_a.dtype == full_b.dtype
+        and full_a.shape[1:] == full_b.shape[1:]
+    )
 
 
 def _items(node):
@@ -435,6 +545,9 @@ def _grouped(config, names: tuple, shape: tuple) -> tuple[dict, dict]:
         else:
             blocks.setdefault(".".join(parts[: j + 1]), {})[".".join(parts[j + 1 :])] = dim
     return blocks, other
+
+
+_grouped = _constant(_grouped)
 
 
 def _with_extra(blocks: dict, other: dict, extra: Mapping[str, int]) -> tuple[dict, dict]:
@@ -499,6 +612,11 @@ def gathered_blocks(blocks: list):
     (between this generator's yield and its next step) under `resharded`."""
     ahead = _OPTIONS[-1]["prefetch"] and current_mesh() is not None
     reshard = _OPTIONS[-1]["reshard"] and torch.is_grad_enabled() and current_mesh() is not None
+    if reshard and torch.compiler.is_compiling():
+        raise ValueError(
+            "fsdp_options: reshard_after_forward=True is for eager training (its saved-tensor hooks read "
+            "storage addresses, which torch.compile does not trace); run the compiled fd.apply without it"
+        )
     for i, block in enumerate(blocks):
         if not isinstance(block, GatheredBlock):
             yield block

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import _fsdp
+from ._fsdp import block_gather as block_gather
 from ._fsdp import fsdp_degree as fsdp_degree
 from ._fsdp import gather_dims as gather_dims
 from ._fsdp import gather_leaf as gather_leaf
@@ -20,6 +21,7 @@ from ._fsdp import gathered_blocks as gathered_blocks
 from ._fsdp import mesh_fsdp as mesh_fsdp
 from ._fsdp import prefetching as prefetching
 from ._fsdp import refuse_fsdp as refuse_fsdp
+from ._fsdp import stored_block as stored_block
 from ._fsdp import wrap_tree as wrap_tree
 from ._mesh import flat_mesh as flat_mesh
 from ._plan import fsdp_dim as fsdp_dim

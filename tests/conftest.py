@@ -41,6 +41,7 @@ SLOW_FIRST = (
     "test_adapter_dropin.py::test_pyramid_attention_broadcast_equals_stock",
     "test_layerwise_casting.py::test_shard_params_keeps_fp8_storage",
     "test_fsdp.py::test_fsdp_equals_one_process",
+    "test_fsdp_compile.py::test_compiled_fsdp_equals_eager",
     "test_train_lora.py::test_torchrun_fsdp2_learns_resumes_bitwise_and_writes_a_file_diffusers_loads",
     "test_fsdp_lora.py::test_lora_on_the_fly_fsdp2_tp2",
     "test_serve_tp.py::test_tp2_server_answers_and_a_killed_rank_is_a_503_and_a_nonzero_exit",

@@ -14,7 +14,6 @@ with LoRA through ``functional_dit.sampling``; fp8 layerwise storage, gathered a
 the text encoders fully sharded over the same ranks (``encoder_placement="fsdp"``); and
 the feature pairs (`_pairs`): gradients through fp8-stored leaves with a LoRA, a ControlNet
 inside ``fd.sample`` and FLUX.2-klein's reference KV cache inside ``fd.sample``.
-The diffusers adapter stays refused under fsdp, with its message.
 """
 
 from __future__ import annotations
@@ -101,11 +100,15 @@ def _rank(rank, world):
     # the pair: the text encoders fully sharded over the same fsdp ranks (gathered per layer)
     out["encoders"] = fd.sample(sharded, pipe, "a red cube", seed=3, encoder_placement="fsdp", **KW)
     out["pairs"] = _pairs(lambda tree: sharding.shard_params(tree, mesh))
+    # fp8 compute (fd.quantize) is refused on fsdp by name: its scales are not gathered yet
+    import cases_flux1 as F1
+
+    quant = sharding.shard_params(fd.quantize(fd.init(F1.TINY, seed=7), "fp8-row"), mesh)
     try:
-        fd.DiffusersTransformer(sharded)
-        out["adapter error"] = "no error"
+        fd.apply(quant, **F1.inputs(F1.TINY, batch=2, txt_len=5, h=3, w=3, seed=1))
+        out["quantize error"] = "no error"
     except ValueError as e:
-        out["adapter error"] = str(e)
+        out["quantize error"] = str(e)
     return out
 
 
@@ -136,8 +139,8 @@ def test_sample_and_step_caches_on_fsdp2_equal_one_process():
         assert set(dtypes[:last]) == {torch.float32} and set(dtypes[last:]) == {torch.uint8}, dtypes
         sizes = {d: {n for e, n in r["sent"] if e == d} for d in (torch.float32, torch.uint8)}
         assert sizes[torch.uint8] <= sizes[torch.float32], sizes
-        assert r["adapter error"].startswith("fsdp: the diffusers adapter (fd.DiffusersTransformer) is not"), r
         _check_pairs(r["pairs"], want_pairs)
+        assert "fd.quantize'd (fp8 compute) params do not run on an fsdp axis" in r["quantize error"], r
     assert any(not c for d in want["fbc1"][1] for c in d), "fbc1 must skip some steps"
     for key in ("three", "fbc", "tsa", "fbc1", "items", "fp8", "encoders"):
         a, b = (r[key][0] if isinstance(r[key], tuple) else r[key] for r in results)

@@ -29,7 +29,7 @@ import weakref
 import torch
 import torch.utils._pytree
 
-from sharding.internal import is_dtensor, like, local_tensor
+from sharding.internal import is_dtensor, like, local_tensor, stored_block
 from sharding.tree import get, map_tree, put
 
 from ..params import Params
@@ -96,7 +96,7 @@ def active(params, groups, inputs) -> bool:
     for blocks_key, block_groups in groups.items():
         for block in (params.tree.get(blocks_key) or {}).values():
             try:
-                ps = [get(block, path) for path in block_groups[0]]
+                ps = [get(stored_block(block), path) for path in block_groups[0]]
             except KeyError:
                 return False
             if fused(ps) is None:
@@ -113,7 +113,7 @@ def kernels(params, groups) -> str:
     for blocks_key, block_groups in groups.items():
         for block in (params.tree.get(blocks_key) or {}).values():
             try:
-                w = get(block, f"{block_groups[0][0]}.weight")
+                w = get(stored_block(block), f"{block_groups[0][0]}.weight")
             except KeyError:
                 return "auto"
             if is_cast(w) or is_quant(w):
@@ -145,13 +145,27 @@ def _concat_rows(leaves: list, mode: str = "auto") -> list:
     local = [local_tensor(t) for t in leaves]
     if any(is_quant(t) for t in local):  # sharded fp8 leaves
         return leaves
-    if len({(t.dtype, t.device, t.shape[1:]) for t in local}) != 1:
+    if len({(t.dtype, t.device) for t in local}) != 1:
         return leaves
+    if len({t.shape[1:] for t in local}) != 1:
+        return _concat_flat(leaves, local, mode) if all(is_d) else leaves
     buffer = torch.cat([t.detach() for t in local])
     _remember(buffer, mode)
     views = list(buffer.split([t.shape[0] for t in local]))
     if not any(is_d):
         return views
+    return [like(v, t) for v, t in zip(views, leaves)]
+
+
+def _concat_flat(leaves: list, local: list, mode: str) -> list:
+    """DTensor ``leaves`` whose local shards differ in trailing shape (fully sharded leaves
+    split on different dims: FLUX.1's single-block q/k/v on their rows, its MLP input on its
+    input dim) as consecutive flat segments of one local buffer. Not rows of
+    one buffer here, so the group runs unfused on the shards; the block gather turns such
+    a run of consecutive leaves into rows of one gathered buffer (docs/sharding.md)."""
+    buffer = torch.cat([t.detach().reshape(-1) for t in local])
+    _remember(buffer, mode)
+    views = [v.view(t.shape) for v, t in zip(buffer.split([t.numel() for t in local]), local)]
     return [like(v, t) for v, t in zip(views, leaves)]
 
 

@@ -45,7 +45,6 @@ import types
 import torch
 
 import sharding
-from sharding.internal import fsdp_degree
 
 from .. import api as _api
 from ..lora import internal as _lora
@@ -88,8 +87,6 @@ def step(params, configs, states, rows, x, t, txt, *, lora=None, **kwargs):
     if sum(rows) != x.shape[0]:
         raise ValueError(f"rows: expected item rows summing to the batch {x.shape[0]}, got {list(rows)}")
     local, mesh = sharding.local_view(params)
-    if mesh is not None and fsdp_degree(params) > 1:
-        _api._check_fsdp(local)
     with sharding.bind(mesh) if mesh is not None else contextlib.nullcontext():
         if sharding.axis_size("dp") > 1:
             raise ValueError("cache: per-item step caches run on a mesh without dp (each dp group its own batch)")

@@ -47,7 +47,7 @@ import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
 
-from sharding.internal import is_dtensor, refuse_fsdp
+from sharding.internal import is_dtensor
 from sharding.tree import nest
 
 from .. import families as _families
@@ -310,7 +310,6 @@ class DiffusersTransformer(
                 f"params: {type(self).__name__} wraps {_STOCK_CLASS[self._family_name]} params, "
                 f"got {type(params.config).__name__}"
             )
-        refuse_fsdp(params, "the diffusers adapter (fd.DiffusersTransformer)", "use fd.apply")
         super().__init__()
         cfg = config_to_diffusers(params.config)
         cfg.pop("_class_name")

@@ -50,7 +50,6 @@ from typing import NamedTuple
 import torch
 
 import sharding
-from sharding.internal import fsdp_degree
 
 from .. import api as _api
 from ..lora import internal as _lora
@@ -388,8 +387,6 @@ def step(params, cache, state, x, t, txt, *, branches: int = 1, lora=None, **kwa
     if not isinstance(branches, int) or branches < 1 or x.shape[0] % branches:
         raise ValueError(f"branches: expected a positive divisor of the batch {x.shape[0]}, got {branches!r}")
     local, mesh = sharding.local_view(params)
-    if mesh is not None and fsdp_degree(params) > 1:
-        _api._check_fsdp(local)
     adapters = _api._lora_adapters(params, lora, mesh, x.shape[0])
     with sharding.bind(mesh) if mesh is not None else contextlib.nullcontext():
         lora_dims: dict = {}  # fully sharded LoRA factors (`fd.apply`'s)
