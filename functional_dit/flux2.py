@@ -645,7 +645,7 @@ def stages(
     )  # fmt: skip
     final = lambda img, k: final_layer(params, img, k["temb"], c.eps)  # noqa: E731
     extra = (lambda k: kv.from_refs(c, k["ref"].refs, batch, R)) if R else None
-    batched = ("mod_img", "mod_txt", "mod_single", "temb", "bias")
+    batched = ("mod_img", "mod_txt", "mod_single", "temb", "bias", *(k for k in ctx if k.endswith(".refs")))
     image = _stages.image_rows(T)
     return _stages.Stages(params, (img, txt), segments, ctx, final, image, T, x.shape[1], batched, extra=extra)
 

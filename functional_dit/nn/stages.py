@@ -159,6 +159,8 @@ class Stages:
 
 
 def _take(v, idx, halved: bool = False):
+    if isinstance(v, tuple) and hasattr(v, "_fields"):  # a NamedTuple (a block's cached keys and values)
+        return type(v)(*(_take(a, idx, halved) for a in v))
     if isinstance(v, (list, tuple)):
         return type(v)(_take(a, idx, halved) for a in v)
     if not isinstance(v, torch.Tensor):  # None, a scale
