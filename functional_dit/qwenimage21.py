@@ -705,7 +705,8 @@ def stages(params, x, t, txt, *, lay, pe, bias, mode, cache, batch) -> _stages.S
     batched = ("mod", "out_scale", "bias", "hows")
     image = lambda streams: streams[0]  # noqa: E731
     txt_len = len(lay.text_rows)
-    return _stages.Stages(params, (joint,), (seg,), ctx, final, image, txt_len, n, batched, extra=extra)
+    keep = n - lay.prefix if mode == "extract" else None  # the cached steps compute the target's rows only
+    return _stages.Stages(params, (joint,), (seg,), ctx, final, image, txt_len, n, batched, extra=extra, keep=keep)
 
 
 def forward(params, x, t, txt, **inputs):

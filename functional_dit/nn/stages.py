@@ -88,7 +88,9 @@ class Stages:
     local text rows, ``seq`` the full length of the output rows, ``batched`` the ctx keys
     whose tensors (or lists/tuples of them) are batch-first, ``halved`` those stacked as
     [a; b] halves of (2B, ...); ``extra(ctx)``: the forward's second output (an
-    extracted KV cache), or None; ``params`` the (local) params the blocks come from."""
+    extracted KV cache), or None; ``keep``: on such an extract pass whose later steps
+    compute fewer rows (Qwen-Image 2.1's target only), the trailing rows they compute,
+    what a step cache keeps; ``params`` the (local) params the blocks come from."""
 
     params: object
     streams: tuple
@@ -101,6 +103,7 @@ class Stages:
     batched: tuple = ()
     halved: tuple = ()
     extra: Callable | None = None
+    keep: int | None = None
 
     @property
     def blocks(self) -> list[Block]:
@@ -189,9 +192,3 @@ def image_rows(txt_len: int) -> Callable:
         return streams[0] if len(streams) == 2 else streams[0][:, txt_len:]
 
     return image
-
-
-def attention_names(doubles: int, singles: int) -> tuple[str, ...]:
-    """The stock names of the attention modules of ``doubles`` double and ``singles`` single blocks."""
-    names = [f"transformer_blocks.{i}.attn" for i in range(doubles)]
-    return tuple(names + [f"single_transformer_blocks.{i}.attn" for i in range(singles)])
