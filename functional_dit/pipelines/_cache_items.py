@@ -105,6 +105,7 @@ class _Batch:
         self.fam, self.params, self.local, self.mesh = fam, params, local, mesh
         self.x, self.t, self.txt, self.lora, self.B = x, t, txt, lora or [], x.shape[0]
         self.inputs = fam.check_inputs(local, x, t, txt, **kwargs)
+        _cache.check_no_controlnet(self.inputs)
         self.fast = _fuse.active(local, fam.FUSED, (x, t, txt, self.inputs))
         self.all = self.stages(tuple(range(self.B)))
 

@@ -407,9 +407,20 @@ def check_family(fam, name: str = "cache") -> None:
         raise ValueError(f"{name}: step caching is not supported for {fam.NAME}: its module has no stages()")
 
 
+def check_no_controlnet(inputs: dict) -> None:
+    """ControlNet residuals run through the stages, but a skipped block's residual would be
+    taken from the last computed step while diffusers' hooks add the current one after the
+    blocks they skip: refused until the two are made to agree."""
+    if inputs.get("controlnet") is not None:
+        raise ValueError(
+            "controlnet_block_samples: step caching with ControlNet residuals is not supported; disable the cache"
+        )
+
+
 def _step_local(fam, params, cache, state, x, t, txt, kwargs, branches):
     """`_api._apply_local` with the cache between the stages: prepare, dp split, step, gathers."""
     inputs = fam.check_inputs(params, x, t, txt, **kwargs)
+    check_no_controlnet(inputs)
     B, info = x.shape[0], _Items(x.shape[0], branches, t)
     x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
     inputs = {k: sharding.shard(v, "dp", 0) if k in fam.BATCHED and v is not None else v for k, v in inputs.items()}
