@@ -600,9 +600,10 @@ def test_new_families_equal_diffusers_hooks(recorder, faster_recorder):
     MagCache have no QwenImage21 block registered) and FLUX.2-klein with its reference KV
     cache (FasterCache, 4 steps: stock keeps the extract step's attention outputs, with the
     reference rows, and fails where it extrapolates from them; so does its TaylorSeer):
-    latents and decisions of the stock hooks.
+    latents and decisions of the stock hooks; the adapter's ``enable_cache`` in the stock
+    pipeline gives the same latents.
     (diffusers' Flux3Transformer2DModel has no enable_cache.)"""
-    from test_pipelines_flux3_qwen21 import CALLS, _pipe
+    from test_pipelines_flux3_qwen21 import CALLS, _pipe, _transformer
     from test_sample import ref_image
 
     pipe = _pipe("qwen-image-2.1")
@@ -626,6 +627,10 @@ def test_new_families_equal_diffusers_hooks(recorder, faster_recorder):
             half = len(recorder) // 2
             assert {d for _, d in recorder[:half]} == {True} and {d for _, d in recorder[half:]} == {False}
         torch.testing.assert_close(got, expected, **FP32)
+        if isinstance(ours, fd.TaylorSeer) and ours.modules is not None:  # the adapter's enable_cache, the same
+            with _transformer(pipe, fd.DiffusersTransformer(params)):
+                expected_adapter, _, _ = _stock_and_ours(pipe, params, stock, ours, call, lambda **kw: None)
+            torch.testing.assert_close(expected_adapter, expected, **FP32)
 
     pipe = tiny.pipeline("flux2-klein-kv")
     params = fd.from_diffusers(pipe.transformer)
@@ -637,3 +642,6 @@ def test_new_families_equal_diffusers_hooks(recorder, faster_recorder):
     expected, got, run = _stock_and_ours(pipe, params, *_faster_pair(pipe), call, sample)
     assert run.decisions == faster_steps(faster_recorder, n_attention("flux2-klein")) and run.skipped() > 0
     torch.testing.assert_close(got, expected, **FP32)
+    pipe.transformer = fd.DiffusersTransformer(params)  # the adapter's enable_cache in the KV pipeline, the same
+    adapter, _, _ = _stock_and_ours(pipe, params, *_faster_pair(pipe), call, lambda **kw: None)
+    torch.testing.assert_close(adapter, expected, **FP32)
