@@ -583,15 +583,7 @@ TS_KW = dict(cache_interval=2, disable_cache_before_step=1, max_order=1, taylor_
 
 
 def _faster_pair(pipe):
-    stock = FasterCacheConfig(
-        spatial_attention_block_skip_range=2,
-        spatial_attention_timestep_skip_range=(-1, 950),  # the first step (t = 1000) computes, as stock needs
-        current_timestep_callback=lambda: pipe.current_timestep,
-        attention_weight_callback=lambda _: 0.3,
-        is_guidance_distilled=True,
-        tensor_format="BCHW",
-    )
-    return stock, fd.FasterCache(2, (-1, 950), weight=0.3)
+    return faster_config(pipe), fd.FasterCache(2, (-1, 950), weight=0.3)
 
 
 def test_new_families_equal_diffusers_hooks(recorder, faster_recorder):
