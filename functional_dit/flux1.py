@@ -28,6 +28,7 @@ from .configs import (
 from .nn import control as _control
 from .nn import layers as L
 from .nn import scan as _scan
+from .nn import stages as _stages
 from .nn.checks import (
     check_guidance,
     check_ids,
@@ -498,13 +499,14 @@ def check_ip_adapter(params, ip: dict, B: int) -> dict:
 prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
 
 
-def forward(params, x, t, txt, *, pooled, guidance, pe, blocks=None, ip=None, controlnet=None):
-    """The model on this rank's batch: returns (out sharded over "sp", its full length,
-    None). ``blocks``: the block functions to call (the api passes them as compile
-    regions, `nn.compile.regions`); None: this module's. ``ip``: IP-Adapter's inputs.
-    ``controlnet``: the residual after each double and single block (`check_controlnet`)."""
+def stages(params, x, t, txt, *, pooled, guidance, pe, blocks=None, ip=None, controlnet=None) -> _stages.Stages:
+    """The model on this rank's batch as `nn.stages.Stages`: the embedded (img, txt)
+    streams, the double then the single blocks, the final layer. ``blocks``: the block
+    functions to call (the api passes them as compile regions, `nn.compile.regions`);
+    None: this module's. ``ip``: IP-Adapter's inputs. ``controlnet``: the residual after
+    each double and single block (`check_controlnet`)."""
     double, single = (double_block, single_block) if blocks is None else (blocks.double_block, blocks.single_block)
-    D, S = params.config.attention_head_dim, x.shape[1]
+    D = params.config.attention_head_dim
     img = L.linear(params["x_embedder"], x)
     t = t.to(img.dtype) * 1000
     guidance = None if guidance is None else guidance.to(img.dtype) * 1000
@@ -512,36 +514,59 @@ def forward(params, x, t, txt, *, pooled, guidance, pe, blocks=None, ip=None, co
     txt = L.linear(params["context_embedder"], txt)
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
     img_mods, txt_mods, single_mods, out_mod = modulations(params, vec)
-    consts = (pe, key_bias)
-    pair, extras = (img_mods, txt_mods), ()
+    ctx = dict(img_mods=img_mods, txt_mods=txt_mods, single_mods=single_mods, out_mod=out_mod, pe=pe, bias=key_bias)
+    pair, extras = ("img_mods", "txt_mods"), ()
     if ip is not None:
         if _scan.scanned(params, "transformer_blocks"):
             raise ValueError("ip_adapter: IP-Adapter does not run with scanned blocks (FD_XLA_SCAN_BLOCKS); unset it")
-        pair, extras = (*pair, ip_keys_values(ip, D)), ("ip",)
+        ctx["ip"] = ip_keys_values(ip, D)
+        pair, extras = (*pair, "ip"), ("ip",)
     doubles, singles = (None, None) if controlnet is None else map(_control.local, controlnet)
     if doubles is not None:
-        pair, extras = (*pair, doubles), (*extras, "res")
-    img, txt = _scan.layers(params, "transformer_blocks", _double, (img, txt), pair, consts, (double, D, extras))
-    x = torch.cat([txt, img], 1)
-    per_single = (single_mods,) if singles is None else (single_mods, singles)
-    x = _scan.layers(params, "single_transformer_blocks", _single, x, per_single, consts, (single, D, txt.shape[1]))
-    return final_layer(params, x[:, txt.shape[1] :], out_mod), S, None
+        ctx["double_res"] = doubles
+        pair, extras = (*pair, "double_res"), (*extras, "res")
+    per_single = ("single_mods",)
+    if singles is not None:
+        ctx["single_res"], per_single = singles, ("single_mods", "single_res")
+    T = txt.shape[1]
+    segments = (
+        _stages.Segment("transformer_blocks", _double, pair, ("pe", "bias"), (double, D, extras),
+                        attention="transformer_blocks.{}.attn"),
+        _stages.Segment("single_transformer_blocks", _single, per_single, ("pe", "bias"), (single, D, T),
+                        enter=_stages.joint, attention="single_transformer_blocks.{}.attn"),
+    )  # fmt: skip
+    final = lambda img, c: final_layer(params, img, c["out_mod"])  # noqa: E731
+    batched = ("img_mods", "txt_mods", "single_mods", "out_mod", "bias", "ip", "double_res", "single_res")
+    return _stages.Stages(params, (img, txt), segments, ctx, final, _stages.image_rows(T), T, x.shape[1], batched)
 
 
-def _double(carry, p, mods, consts, static):
-    """One double block as a `nn.scan.layers` step: carry (img, txt); ``mods`` its
+def forward(params, x, t, txt, **inputs):
+    """The model on this rank's batch (`stages`, run): returns (out sharded over "sp", its
+    full length, None)."""
+    out, _ = stages(params, x, t, txt, **inputs).forward()
+    return out, x.shape[1], None
+
+
+def _double(carry, p, layer, ctx, static):
+    """One double block as a `nn.scan.layers` step: carry (img, txt); ``layer`` its
     modulations, then its ``extras``: IP-Adapter keys and values ("ip"), a ControlNet
-    residual added to the image stream after the block ("res")."""
-    (fn, D, extras), (pe, key_bias) = static, consts
-    more = dict(zip(extras, mods[2:]))
-    ip = {"ip": more["ip"]} if "ip" in more else {}
-    img, txt = fn(p, *carry, *mods[:2], pe, D, key_bias, **ip)
+    residual added to the image stream after the block ("res"). ``ctx["hook"]``: the
+    attention module's hook (the plain block function then runs, with it)."""
+    fn, D, extras = static
+    more = dict(zip(extras, layer[2:]))
+    kw = {"ip": more["ip"]} if "ip" in more else {}
+    if ctx.get("hook") is not None:
+        fn, kw = double_block, dict(kw, attn=ctx["hook"])
+    img, txt = fn(p, *carry, *layer[:2], ctx["pe"], D, ctx["bias"], **kw)
     return (img + more["res"], txt) if "res" in more else (img, txt)
 
 
-def _single(x, p, mods, consts, static):
-    """One single block as a `nn.scan.layers` step; a second entry of ``mods`` is a
-    ControlNet residual added to the image tokens after the block."""
-    (fn, D, T), (pe, key_bias) = static, consts
-    x = fn(p, x, mods[0], pe, D, key_bias)
-    return x if len(mods) == 1 else _control.add_image(x, mods[1], T)
+def _single(carry, p, layer, ctx, static):
+    """One single block as a `nn.scan.layers` step: carry ((txt; img),); a second entry of
+    ``layer`` is a ControlNet residual added to the image tokens after the block."""
+    fn, D, T = static
+    kw = {}
+    if ctx.get("hook") is not None:
+        fn, kw = single_block, {"attn": ctx["hook"]}
+    x = fn(p, carry[0], layer[0], ctx["pe"], D, ctx["bias"], **kw)
+    return (x if len(layer) == 1 else _control.add_image(x, layer[1], T),)

@@ -24,7 +24,6 @@ import math
 import torch
 
 import sharding
-from sharding.internal import gathered_blocks
 
 from . import flux2_kv as kv
 from .configs import (
@@ -41,7 +40,7 @@ from .configs import (
 )
 from .flux2_kv import Ref
 from .nn import layers as L
-from .nn import scan as _scan
+from .nn import stages as _stages
 from .nn.checks import check_guidance, check_ids, check_rope, check_rope_or_ids, check_streams, reference_leaf
 from .params import MOD3, MOD6, MOD_OUT, PACKED, Segment, linear_spec, mod_spec, norm_spec, ordered_blocks, units
 
@@ -311,9 +310,11 @@ def _ref_rows(ref: Ref | None, eps):
     return None if ref is None or ref.x is None else L.norm_modulate(ref.x, ref.mod[0], ref.mod[1], eps)
 
 
-def _check_hook(attn, ref: Ref | None) -> None:
-    if attn is not None and ref is not None:
-        raise ValueError("attn: an attention hook needs ref=None (no reference KV), got a hook and a Ref")
+def _check_computed(ref_h, ref_out: list) -> None:
+    """Extract mode (``ref_h``, the reference rows) needs the attention module computed:
+    its reference keys and values come from it (an attention hook that reused an output)."""
+    if ref_h is not None and not ref_out:
+        raise ValueError("attn: extracting the reference KV cache needs the attention computed; the hook reused it")
 
 
 def _double_attention(a, img, txt, pe, head_dim, eps, key_bias, ref: Ref | None, ref_h):
@@ -348,20 +349,29 @@ def double_block(
     """MMDiT block with shared modulation: separate weights per stream, one joint attention
     over (txt; img). Reference tokens (extract) go through the img weights with their own
     modulation and attend only to themselves. Returns img, txt and ref (with its k, v).
-    ``attn`` (only without ``ref``): None, or a function given the block's
-    `double_attention` as a function of no arguments, returning its outputs or a stand-in
-    for them (where diffusers' attention-level caches hook, `functional_dit.pipelines.cache`)."""
-    _check_hook(attn, ref)
+    ``attn``: None, or a function given the block's attention module (`double_attention`,
+    with ``ref`` its reference keys and values) as a function of no arguments, returning
+    its (img, txt) outputs or a stand-in for them (where diffusers' attention-level caches
+    hook, `functional_dit.pipelines.cache`); extracting (``ref.x`` given) needs it computed."""
     h_img, h_txt = L.norm_modulate(img, *mod_img[:2], eps), L.norm_modulate(txt, *mod_txt[:2], eps)
+    ref_h = _ref_rows(ref, eps)
     if attn is None:
         (i_attn, t_attn, *r_attn), ref = _double_attention(
-            p["attn"], h_img, h_txt, pe, head_dim, eps, key_bias, ref, _ref_rows(ref, eps)
+            p["attn"], h_img, h_txt, pe, head_dim, eps, key_bias, ref, ref_h
         )
-    else:
-        (i_attn, t_attn), r_attn = (
-            attn(lambda: double_attention(p["attn"], h_img, h_txt, pe, head_dim, eps, key_bias)),
-            [],
-        )
+    else:  # the hook gets the module; the reference rows' output and k, v come out beside it
+        box = {"ref": ref, "rest": []}
+
+        def module():
+            (i_out, t_out, *rest), box["ref"] = _double_attention(
+                p["attn"], h_img, h_txt, pe, head_dim, eps, key_bias, ref, ref_h
+            )
+            box["rest"] = rest
+            return i_out, t_out
+
+        i_attn, t_attn = attn(module)
+        _check_computed(ref_h, box["rest"])
+        ref, r_attn = box["ref"], box["rest"]
     streams = [(img, i_attn, mod_img, p["ff"]), (txt, t_attn, mod_txt, p["ff_context"])]
     if r_attn:
         streams.append((ref.x, r_attn[0], ref.mod, p["ff"]))
@@ -417,13 +427,22 @@ def single_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None, txt_len=0, re
     """Parallel attention + SwiGLU MLP over the joint (txt; img) sequence x (B, S, C).
     ``txt_len`` (the local text rows) places reference keys between txt and img. ``attn``
     as in `double_block`, given the block's `parallel_attention`."""
-    _check_hook(attn, ref)
     a, (shift, scale, gate) = p["attn"], mod
     h = L.norm_modulate(x, shift, scale, eps)
+    ref_h = _ref_rows(ref, eps)
     if attn is None:
-        y, ref_y, ref = _parallel_attention(a, h, pe, head_dim, eps, key_bias, txt_len, ref, _ref_rows(ref, eps))
-    else:
-        y, ref_y = attn(lambda: parallel_attention(a, h, pe, head_dim, eps, key_bias, txt_len)), None
+        y, ref_y, ref = _parallel_attention(a, h, pe, head_dim, eps, key_bias, txt_len, ref, ref_h)
+    else:  # as in `double_block`
+        box = {"ref": ref, "rest": []}
+
+        def module():
+            out, ref_out, box["ref"] = _parallel_attention(a, h, pe, head_dim, eps, key_bias, txt_len, ref, ref_h)
+            box["rest"] = [] if ref_out is None else [ref_out]
+            return out
+
+        y = attn(module)
+        _check_computed(ref_h, box["rest"])
+        ref, ref_y = box["ref"], (box["rest"] or [None])[0]
     out = L.clip_fp16(L.gated(x, gate[:, None], y))
     if ref_y is not None:
         ref = ref._replace(x=L.clip_fp16(L.gated(ref.x, ref.mod[2][:, None], ref_y)))
@@ -489,42 +508,46 @@ def _ref_stream(params, x, pe, t, guidance, ref_fixed_timestep):
     return Ref(x=x, mod=mod_img, pe=pe, bias=None if bias is None else bias.expand(x.shape[0], -1)), mod_single
 
 
-def _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache, blocks):
-    """All blocks in the local view. Returns the img stream and, per block, its `Ref`."""
-    c, (mod_img, mod_txt, mod_single), T, refs = params.config, mods, txt.shape[1], {}
-    D, eps = c.attention_head_dim, c.eps
-    double, single = double_block, single_block
-    if blocks is not None and ref is None and cache is None:  # compile regions; their inputs must not alias
-        double, single = blocks.double_block, blocks.single_block
-        mod_img, mod_txt, mod_single = (tuple(m.clone() for m in mod) for mod in (mod_img, mod_txt, mod_single))
-    if ref is None and cache is None:  # no reference KV: each segment through `nn.scan.layers`
-        consts, static = (mod_img, mod_txt, mod_single, pe, key_bias), (double, single, D, eps, T)
-        img, txt = _scan.layers(params, "transformer_blocks", _double, (img, txt), (), consts, static)
-        x = _scan.layers(params, "single_transformer_blocks", _single, torch.cat([txt, img], 1), (), consts, static)
-        return x[:, T:], refs
-    for i, p in enumerate(gathered_blocks(ordered_blocks(params, "transformer_blocks"))):
-        ref = ref if cache is None else kv.local_cache(cache, "transformer_blocks", i, img.device)
-        img, txt, ref = double(p, img, txt, mod_img, mod_txt, pe, D, eps, key_bias, ref)
-        refs[f"transformer_blocks.{i}"] = ref
-    x = torch.cat([txt, img], 1)
-    ref = ref._replace(mod=ref_mod_single) if ref is not None and ref.x is not None else None
-    for i, p in enumerate(gathered_blocks(ordered_blocks(params, "single_transformer_blocks"))):
-        ref = ref if cache is None else kv.local_cache(cache, "single_transformer_blocks", i, x.device)
-        x, ref = single(p, x, mod_single, pe, D, eps, key_bias, T, ref)
-        refs[f"single_transformer_blocks.{i}"] = ref
-    return x[:, T:], refs
+class _RefRun:
+    """The reference stream through the blocks (reference KV: extract or cached): the
+    running `Ref`, the single blocks' reference modulation, and each block's `Ref`
+    (``refs``, what an extract pass returns as its cache). Mutable, one per call."""
+
+    def __init__(self, ref, mod_single):
+        self.ref, self.mod_single, self.refs = ref, mod_single, {}
 
 
-def _double(carry, p, layer, consts, static):
-    """One double block without reference KV as a `nn.scan.layers` step: carry (img, txt)."""
-    (fn, _, D, eps, _), (mod_img, mod_txt, _, pe, key_bias) = static, consts
-    return fn(p, *carry, mod_img, mod_txt, pe, D, eps, key_bias, None)[:2]
+def _double(carry, p, layer, ctx, static):
+    """One double block as a `nn.scan.layers` step: carry (img, txt); with reference KV
+    (``ctx["ref"]``, not scanned) ``layer`` is its cached `Ref` (or None: extract) and name.
+    ``ctx["hook"]``: the attention module's hook (the plain block function then runs)."""
+    fn, _, D, eps, _ = static
+    run, kw = ctx.get("ref"), {}
+    if ctx.get("hook") is not None:
+        fn, kw = double_block, {"attn": ctx["hook"]}
+    ref = None if run is None else layer[0] if layer[0] is not None else run.ref
+    img, txt, ref = fn(p, *carry, ctx["mod_img"], ctx["mod_txt"], ctx["pe"], D, eps, ctx["bias"], ref, **kw)
+    if run is not None:
+        run.ref, run.refs[layer[1]] = ref, ref
+    return img, txt
 
 
-def _single(x, p, layer, consts, static):
-    """One single block without reference KV as a `nn.scan.layers` step."""
-    (_, fn, D, eps, T), (_, _, mod_single, pe, key_bias) = static, consts
-    return fn(p, x, mod_single, pe, D, eps, key_bias, T, None)[0]
+def _single(carry, p, layer, ctx, static):
+    """One single block as a `nn.scan.layers` step: carry ((txt; img),); with reference KV
+    as `_double` (an extracted reference stream takes the single blocks' modulation)."""
+    _, fn, D, eps, T = static
+    run, kw = ctx.get("ref"), {}
+    if ctx.get("hook") is not None:
+        fn, kw = single_block, {"attn": ctx["hook"]}
+    ref = None
+    if run is not None and layer[0] is not None:
+        ref = layer[0]
+    elif run is not None and run.ref is not None and run.ref.x is not None:
+        ref = run.ref._replace(mod=run.mod_single)
+    x, ref = fn(p, carry[0], ctx["mod_single"], ctx["pe"], D, eps, ctx["bias"], T, ref, **kw)
+    if run is not None:
+        run.ref, run.refs[layer[1]] = ref, ref
+    return (x,)
 
 
 ARGS = ("guidance", "img_ids", "txt_ids", "rope", "kv_cache", "num_ref_tokens", "ref_fixed_timestep")
@@ -579,12 +602,14 @@ def check_inputs(
 prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
 
 
-def forward(
+def stages(
     params, x, t, txt, *, guidance, pe_img, pe_txt, num_ref_tokens, ref_fixed_timestep, cache, batch, blocks=None
-):
-    """The model on this rank's batch: returns (out sharded over "sp", its full length, and
-    the extracted `Flux2KVCache` or None). ``blocks``: the block functions as compile
-    regions (`nn.compile.regions`, passed by the api); None: this module's, uncompiled."""
+) -> _stages.Stages:
+    """The model on this rank's batch as `nn.stages.Stages`: the embedded (img, txt)
+    streams, the double then the single blocks, the final layer; with reference KV (an
+    extract pass, or a cache) the blocks also read and write the reference stream, and
+    ``extra`` gives the extracted `Flux2KVCache`. ``blocks``: the block functions as
+    compile regions (`nn.compile.regions`, passed by the api); None: this module's."""
     c, R = params.config, num_ref_tokens
     t, guidance = t.to(x.dtype) * 1000, None if guidance is None else guidance.to(x.dtype) * 1000
     temb = time_guidance_embed(params["time_guidance_embed"], t, guidance, c.timestep_guidance_channels)
@@ -596,7 +621,38 @@ def forward(
     img, txt = L.linear(params["x_embedder"], x), L.linear(params["context_embedder"], txt)
     pe = tuple(torch.cat([a, b]) for a, b in zip(pe_txt, pe_img))
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
-    mods = modulations(params, temb)
-    img, refs = _blocks(params, img, txt, mods, pe, key_bias, ref, ref_mod_single, cache, blocks)
-    out = final_layer(params, img, temb, c.eps)
-    return out, x.shape[1], kv.from_refs(c, refs, batch, R) if R else None
+    mod_img, mod_txt, mod_single = modulations(params, temb)
+    double, single, kv_mode = double_block, single_block, ref is not None or cache is not None
+    if blocks is not None and not kv_mode:  # compile regions; their inputs must not alias
+        double, single = blocks.double_block, blocks.single_block
+        mod_img, mod_txt, mod_single = (tuple(m.clone() for m in mod) for mod in (mod_img, mod_txt, mod_single))
+    T = txt.shape[1]
+    ctx = dict(mod_img=mod_img, mod_txt=mod_txt, mod_single=mod_single, temb=temb, pe=pe, bias=key_bias)
+    consts, per_layer = ("mod_img", "mod_txt", "mod_single", "pe", "bias"), {}
+    static = (double, single, c.attention_head_dim, c.eps, T)
+    if kv_mode:  # not scanned: each block reads its cached Ref (or the extracted stream) by name
+        ctx["ref"] = _RefRun(ref, ref_mod_single)
+        for kind in ("transformer_blocks", "single_transformer_blocks"):
+            n = len(ordered_blocks(params, kind))
+            cached = [None if cache is None else kv.local_cache(cache, kind, i, img.device) for i in range(n)]
+            ctx[f"{kind}.refs"], ctx[f"{kind}.names"] = cached, [f"{kind}.{i}" for i in range(n)]
+            per_layer[kind] = (f"{kind}.refs", f"{kind}.names")
+    segments = tuple(
+        _stages.Segment(kind, step, per_layer.get(kind, ()), consts, static, enter=enter,
+                        attention=kind + ".{}.attn", scan=not kv_mode)
+        for kind, step, enter in (("transformer_blocks", _double, _stages.same),
+                                  ("single_transformer_blocks", _single, _stages.joint))
+    )  # fmt: skip
+    final = lambda img, k: final_layer(params, img, k["temb"], c.eps)  # noqa: E731
+    extra = (lambda k: kv.from_refs(c, k["ref"].refs, batch, R)) if R else None
+    batched = ("mod_img", "mod_txt", "mod_single", "temb", "bias", *(k for k in ctx if k.endswith(".refs")))
+    image = _stages.image_rows(T)
+    return _stages.Stages(params, (img, txt), segments, ctx, final, image, T, x.shape[1], batched, extra=extra)
+
+
+def forward(params, x, t, txt, **inputs):
+    """The model on this rank's batch (`stages`, run): returns (out sharded over "sp", its
+    full length, and the extracted `Flux2KVCache` or None)."""
+    s = stages(params, x, t, txt, **inputs)
+    out, extra = s.forward()
+    return out, s.seq, extra

@@ -22,7 +22,6 @@ from typing import NamedTuple
 import torch
 
 import sharding
-from sharding.internal import gathered_blocks
 
 from . import flux2
 from .configs import (
@@ -37,6 +36,7 @@ from .configs import (
     require_rope_axes,
 )
 from .nn import layers as L
+from .nn import stages as _stages
 from .nn.checks import (
     check_floating,
     check_ids,
@@ -46,7 +46,7 @@ from .nn.checks import (
     check_tensor,
     reference_leaf,
 )
-from .params import MOD3, MOD_OUT, linear_spec, mod_spec, norm_spec, ordered_blocks
+from .params import MOD3, MOD_OUT, linear_spec, mod_spec, norm_spec
 
 DIFFUSERS_CLASS = "Flux3Transformer2DModel"
 NAME = "FLUX.3"
@@ -246,31 +246,44 @@ def _qkv(a, h, head_dim, eps):
     return q, L.rms_norm(L.per_head(a["norm_k"]), k.float(), eps), v
 
 
-def _attn_ff(p, h, pe, head_dim, eps, key_bias):
+def _attention(a, h, pe, head_dim, eps, key_bias) -> torch.Tensor:
+    """The attention of one modulated input h before ``to_out`` (B, S, H·D)."""
+    q, k, v = _qkv(a, h, head_dim, eps)
+    q, k = (L.apply_rope(t, *pe).to(v.dtype) for t in (q, k))
+    return L.attention(q, k, v, key_bias)
+
+
+def _attn_ff(p, h, pe, head_dim, eps, key_bias, attn=None):
     """Parallel attention + SwiGLU MLP of one modulated input h: the sum of the two
-    outputs (their row-parallel projections in one all-reduce under TP)."""
-    q, k, v = _qkv(p["attn"], h, head_dim, eps)
-    q, k = (L.apply_rope(a, *pe).to(v.dtype) for a in (q, k))
-    a = L.attention(q, k, v, key_bias)
-    y_attn, y_ff = L.row_linears([(p["attn"]["to_out"]["0"], a), (p["ff"]["linear_out"], flux2._ff_hidden(p["ff"], h))])
-    return y_attn + y_ff
+    outputs (their row-parallel projections in one all-reduce under TP). ``attn``: None,
+    or a function given the attention module (diffusers' ``Flux3Attention``, through
+    ``to_out``) as a function of no arguments, returning its output or a stand-in for it
+    (where the attention-level caches hook, `functional_dit.pipelines.cache`)."""
+    if attn is None:
+        a = _attention(p["attn"], h, pe, head_dim, eps, key_bias)
+        y_attn, y_ff = L.row_linears(
+            [(p["attn"]["to_out"]["0"], a), (p["ff"]["linear_out"], flux2._ff_hidden(p["ff"], h))]
+        )
+        return y_attn + y_ff
+    y_attn = attn(lambda: L.row_linear(p["attn"]["to_out"]["0"], _attention(p["attn"], h, pe, head_dim, eps, key_bias)))
+    return y_attn + L.row_linear(p["ff"]["linear_out"], flux2._ff_hidden(p["ff"], h))
 
 
-def mode_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None):
+def mode_block(p, x, mod, pe, head_dim, eps=1e-6, key_bias=None, attn=None):
     """diffusers ``Flux3ModeTransformerBlock``: x + gate * (attn(h) + ff(h)), h = AdaLN(x),
-    attention within this mode only."""
+    attention within this mode only. ``attn``: a hook on the attention module (`_attn_ff`)."""
     shift, scale, gate = mod
     h = L.norm_modulate(x, shift, scale, eps)
-    return L.gated(x, gate, _attn_ff(p, h, pe, head_dim, eps, key_bias))
+    return L.gated(x, gate, _attn_ff(p, h, pe, head_dim, eps, key_bias, attn))
 
 
-def single_block(p, xs: list, mods: list, pe, head_dim, eps=1e-6, key_bias=None) -> list:
+def single_block(p, xs: list, mods: list, pe, head_dim, eps=1e-6, key_bias=None, attn=None) -> list:
     """diffusers ``Flux3SingleTransformerBlock`` over the joint sequence of the modes
     ``xs`` (in sequence order, each (B, S_i, C)) with their modulations ``mods``: each
     mode is normalised with its own (shift, scale), one attention + MLP over them all,
-    each mode's gated residual with its own gate."""
+    each mode's gated residual with its own gate. ``attn`` as in `mode_block`."""
     h = torch.cat([L.norm_modulate(x, m[0], m[1], eps) for x, m in zip(xs, mods)], 1)
-    ys = _attn_ff(p, h, pe, head_dim, eps, key_bias).split([x.shape[1] for x in xs], 1)
+    ys = _attn_ff(p, h, pe, head_dim, eps, key_bias, attn).split([x.shape[1] for x in xs], 1)
     return [L.gated(x, m[2], y) for x, m, y in zip(xs, mods, ys)]
 
 
@@ -400,14 +413,6 @@ def _mode_blocks(params, mode: str) -> list:
     return [tree[k] for k in sorted(tree, key=int)]
 
 
-def _mode_stack(layers, s: Stream, c, block) -> Stream:
-    """A mode through its per-mode blocks (self-attention within the mode)."""
-    mod, x = tuple(m.clone() for m in s.early), s.x  # compile regions: inputs must not alias
-    for p in gathered_blocks(layers):
-        x = block(p, x, mod, s.pe, c.attention_head_dim, c.eps, s.bias)
-    return s._replace(x=x)
-
-
 def _embed_streams(params, x, txt, cond, pes, mods) -> list:
     """The (txt, image[, image_cond]) streams embedded, on this rank's sp chunk."""
     hs = [("txt", L.linear(params["context_embedder"], txt)), ("image", L.linear(params["x_embedders"]["image"], x))]
@@ -416,19 +421,72 @@ def _embed_streams(params, x, txt, cond, pes, mods) -> list:
     return [(m, _local_stream(h, pe, mods[m], x.device)) for (m, h), pe in zip(hs, pes)]
 
 
-def forward(params, x, t, txt, *, cond, target, pes, blocks=None):
-    """The model on this rank's batch: returns (out sharded over "sp", its full length,
-    None). ``blocks``: the block functions as compile regions (`nn.compile.regions`,
-    passed by the api); None: this module's."""
+# The per-mode block lists as stages, the image's first (block 0 of the stages changes the
+# image rows, where First-Block Cache measures): (mode, the stream's index, params key).
+_MODE_SEGMENTS = (
+    ("image", 1, "mode_blocks.image"),
+    ("txt", 0, "txt_mode_blocks"),
+    ("image_cond", 2, "mode_blocks.image_cond"),
+)
+
+
+def stages(params, x, t, txt, *, cond, target, pes, blocks=None) -> _stages.Stages:
+    """The model on this rank's batch as `nn.stages.Stages`: the embedded (txt, image[,
+    image_cond]) streams, each mode through its own blocks, the single blocks over them
+    all, the final layer on the image's. ``blocks``: the block functions as compile
+    regions (`nn.compile.regions`, passed by the api); None: this module's."""
     mode, single = (mode_block, single_block) if blocks is None else (blocks.mode_block, blocks.single_block)
-    c, S = params.config, x.shape[1]
+    c = params.config
     temb_img, temb_zero = time_embeds(params, t, target, x.dtype)
     mods = modulations(params, temb_img, temb_zero, cond is not None)
     embedded = _embed_streams(params, x, txt, cond, pes, mods)
-    streams = [_mode_stack(_mode_blocks(params, m), s, c, mode) for m, s in embedded]
-    pe = tuple(torch.cat([s.pe[i] for s in streams]) for i in range(2))
-    xs, key_bias = [s.x for s in streams], _joint_bias(streams)
-    smods = [tuple(m.clone() for m in s.single) for s in streams]
-    for p in gathered_blocks(ordered_blocks(params, "single_transformer_blocks")):
-        xs = single(p, xs, smods, pe, c.attention_head_dim, c.eps, key_bias)
-    return final_layer(params, xs[1], mods["out"], c.eps), S, None
+    ctx = {"out_mod": mods["out"]}
+    segments = []
+    for m, j, key in _MODE_SEGMENTS:
+        if j >= len(embedded):
+            continue
+        s = embedded[j][1]
+        ctx[f"{m}.mod"], ctx[f"{m}.pe"], ctx[f"{m}.bias"] = tuple(a.clone() for a in s.early), s.pe, s.bias
+        segments.append(
+            _stages.Segment(key, _mode, static=(mode, m, j, c.attention_head_dim, c.eps), attention=key + ".{}.attn",
+                            blocks=_mode_blocks(params, m), scan=False)
+        )  # fmt: skip
+    streams = [s for _, s in embedded]
+    ctx["pe"] = tuple(torch.cat([s.pe[i] for s in streams]) for i in range(2))
+    ctx["bias"], ctx["single_mods"] = _joint_bias(streams), [tuple(a.clone() for a in s.single) for s in streams]
+    segments.append(
+        _stages.Segment("single_transformer_blocks", _single, static=(single, c.attention_head_dim, c.eps),
+                        attention="single_transformer_blocks.{}.attn", scan=False)
+    )  # fmt: skip
+    final = lambda img, k: final_layer(params, img, k["out_mod"], c.eps)  # noqa: E731
+    image = lambda xs: xs[1]  # noqa: E731
+    batched = ("out_mod", "bias", "single_mods", *(f"{m}.{k}" for m, _, _ in _MODE_SEGMENTS for k in ("mod", "bias")))
+    xs = tuple(s.x for s in streams)
+    return _stages.Stages(params, xs, tuple(segments), ctx, final, image, xs[0].shape[1], x.shape[1], batched)
+
+
+def forward(params, x, t, txt, **inputs):
+    """The model on this rank's batch (`stages`, run): returns (out sharded over "sp", its
+    full length, None)."""
+    out, _ = stages(params, x, t, txt, **inputs).forward()
+    return out, x.shape[1], None
+
+
+def _mode(carry, p, layer, ctx, static):
+    """One per-mode block as a stage step: the mode's stream (index j of the carry)
+    through it, self-attention within the mode. ``ctx["hook"]``: its attention's hook."""
+    fn, m, j, D, eps = static
+    kw = {}
+    if ctx.get("hook") is not None:
+        fn, kw = mode_block, {"attn": ctx["hook"]}
+    x = fn(p, carry[j], ctx[f"{m}.mod"], ctx[f"{m}.pe"], D, eps, ctx[f"{m}.bias"], **kw)
+    return (*carry[:j], x, *carry[j + 1 :])
+
+
+def _single(carry, p, layer, ctx, static):
+    """One single block as a stage step over every mode's stream."""
+    fn, D, eps = static
+    kw = {}
+    if ctx.get("hook") is not None:
+        fn, kw = single_block, {"attn": ctx["hook"]}
+    return tuple(fn(p, list(carry), ctx["single_mods"], ctx["pe"], D, eps, ctx["bias"], **kw))

@@ -37,7 +37,7 @@ from .configs import (
 )
 from .nn import control as _control
 from .nn import layers as L
-from .nn import scan as _scan
+from .nn import stages as _stages
 from .nn.checks import check_rope, check_streams, check_tensor, reference_leaf
 from .params import MOD6, MOD_OUT, ParamSpec, linear_spec, mod_spec, norm_spec, ordered_blocks
 
@@ -482,26 +482,49 @@ def check_inputs(
 prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
 
 
-def forward(params, x, t, txt, *, pe, cond_rows, bias, t_cond, blocks=None, controlnet=None):
-    """The model on this rank's batch: returns (out sharded over "sp", its full length,
-    None). ``blocks``: the block function as a compile region (`nn.compile.regions`,
-    passed by the api); None: this module's. ``controlnet``: the residual after each block."""
+def stages(params, x, t, txt, *, pe, cond_rows, bias, t_cond, blocks=None, controlnet=None) -> _stages.Stages:
+    """The model on this rank's batch as `nn.stages.Stages`: the embedded (img, txt)
+    streams, the blocks, the final layer. ``blocks``: the block function as a compile
+    region (`nn.compile.regions`, passed by the api); None: this module's.
+    ``controlnet``: the residual after each block."""
     run_block = block if blocks is None else blocks.block
-    c, S = params.config, x.shape[1]
+    c = params.config
     img = L.linear(params["img_in"], x)
     temb = time_embed(params["time_text_embed"], t.to(img.dtype), t_cond, c.zero_cond_t)
     txt = L.linear(params["txt_in"], L.rms_norm_fp32(params["txt_norm"], txt))
     txt, img, pe, key_bias = L.shard_joint(txt, img, pe, bias)
     img_mods, txt_mods, out_mod = modulations(params, temb, img.shape[0])
-    consts, static = (pe, key_bias, cond_rows), (run_block, c.attention_head_dim)
-    per_layer = (img_mods, txt_mods) if controlnet is None else (img_mods, txt_mods, _control.local(controlnet))
-    img, txt = _scan.layers(params, "transformer_blocks", _block, (img, txt), per_layer, consts, static)
-    return final_layer(params, img, out_mod), S, None
+    ctx = dict(img_mods=img_mods, txt_mods=txt_mods, out_mod=out_mod, pe=pe, bias=key_bias, cond_rows=cond_rows)
+    per_layer = ("img_mods", "txt_mods")
+    if controlnet is not None:
+        ctx["res"], per_layer = _control.local(controlnet), (*per_layer, "res")
+    seg = _stages.Segment(
+        "transformer_blocks", _block, per_layer, ("pe", "bias", "cond_rows"), (run_block, c.attention_head_dim),
+        attention="transformer_blocks.{}.attn",
+    )  # fmt: skip
+    final = lambda img, k: final_layer(params, img, k["out_mod"])  # noqa: E731
+    # with zero_cond_t the image modulations are (2B, 6C) = [mod(t); mod(0)]: two halves
+    batched, halved = ("txt_mods", "out_mod", "bias", "res"), ("img_mods",) if c.zero_cond_t else ()
+    if not c.zero_cond_t:
+        batched = (*batched, "img_mods")
+    image = lambda streams: streams[0]  # noqa: E731
+    return _stages.Stages(params, (img, txt), (seg,), ctx, final, image, txt.shape[1], x.shape[1], batched, halved)
 
 
-def _block(carry, p, mods, consts, static):
+def forward(params, x, t, txt, **inputs):
+    """The model on this rank's batch (`stages`, run): returns (out sharded over "sp", its
+    full length, None)."""
+    out, _ = stages(params, x, t, txt, **inputs).forward()
+    return out, x.shape[1], None
+
+
+def _block(carry, p, mods, ctx, static):
     """One block as a `nn.scan.layers` step: carry (img, txt); a third entry of ``mods`` is
-    a ControlNet residual added to the image stream after the block."""
-    (fn, D), (pe, key_bias, cond_rows) = static, consts
-    img, txt = fn(p, *carry, *mods[:2], pe, D, key_bias, cond_rows)
+    a ControlNet residual added to the image stream after the block. ``ctx["hook"]``: the
+    attention module's hook (the plain block function then runs, with it)."""
+    fn, D = static
+    kw = {}
+    if ctx.get("hook") is not None:
+        fn, kw = block, {"attn": ctx["hook"]}
+    img, txt = fn(p, *carry, *mods[:2], ctx["pe"], D, ctx["bias"], ctx["cond_rows"], **kw)
     return (img if len(mods) == 2 else img + mods[2]), txt

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 import sharding
-from sharding.internal import gathered_blocks
 from sharding.tree import flatten, mismatch_report, nest
 
 from . import qwenimage
@@ -44,6 +43,7 @@ from .configs import (
     require_rope_axes,
 )
 from .nn import layers as L
+from .nn import stages as _stages
 from .nn.checks import check_floating, check_tensor, reference_leaf
 from .params import (
     COMPUTE_DTYPES,
@@ -467,11 +467,25 @@ def swiglu_mlp(p, x: torch.Tensor) -> torch.Tensor:
     return L.row_linear(p["out"], F.silu(gate) * up)
 
 
-def block(p, x, mod, pe, head_dim, eps, key_bias, how: Attn):
+def block(p, x, mod, pe, head_dim, eps, key_bias, how: Attn, attn=None):
     """diffusers ``QwenImage21TransformerBlock``: x + tanh(gate) * attn(LN(x) * (1 + scale)),
-    then the same with the SwiGLU MLP. ``mod`` the 4 shared per-token modulations."""
+    then the same with the SwiGLU MLP. ``mod`` the 4 shared per-token modulations.
+    ``attn``: None, or a function given the attention module (through ``to_out``) as a
+    function of no arguments, returning its output or a stand-in for it (where the
+    attention-level caches hook, `functional_dit.pipelines.cache`); the layer's k, v are
+    then None where it did not compute."""
     scale, gate, scale2, gate2 = mod
-    y, k, v = attention(p["attn"], L.layer_norm(x, eps) * (1 + scale), pe, head_dim, eps, key_bias, how)
+    h = L.layer_norm(x, eps) * (1 + scale)
+    if attn is None:
+        y, k, v = attention(p["attn"], h, pe, head_dim, eps, key_bias, how)
+    else:
+        box = [None, None]
+
+        def module():
+            out, box[0], box[1] = attention(p["attn"], h, pe, head_dim, eps, key_bias, how)
+            return out
+
+        y, (k, v) = attn(module), box
     x = x + gate.tanh() * y
     x = x + gate2.tanh() * swiglu_mlp(p["img_mlp"], L.layer_norm(x, eps) * (1 + scale2))
     return L.clip_fp16(x), k, v
@@ -659,9 +673,11 @@ def _inputs(params, x, txt, lay: Layout, pe, bias, mode):
     return joint, pe, bias, target
 
 
-def forward(params, x, t, txt, *, lay, pe, bias, mode, cache, batch):
-    """The model on this rank's batch: returns (out sharded over "sp", its full length, and
-    the extracted `QwenImage21KVCache` or None)."""
+def stages(params, x, t, txt, *, lay, pe, bias, mode, cache, batch) -> _stages.Stages:
+    """The model on this rank's batch as `nn.stages.Stages`: the joint sequence (``(x,)``,
+    the final layer reads all of its rows), the blocks, each with how it attends (its
+    cached prefix keys and values with ``mode="cached"``); with ``mode="extract"``
+    ``extra`` gives the `QwenImage21KVCache` of the prefix."""
     c = params.config
     joint, pe, joint_bias_, target = _inputs(params, x, txt, lay, pe, bias, mode)
     n = joint.shape[1]
@@ -678,12 +694,39 @@ def forward(params, x, t, txt, *, lay, pe, bias, mode, cache, batch):
         else [Attn(block_causal(lay.segments, lay.prefix), block=ring_block_causal(lay.segments, lay.prefix))]
         * len(blocks)
     )
-    kvs = {}
-    for i, (p, how) in enumerate(zip(gathered_blocks(blocks), hows)):
-        joint, k, v = block(p, joint, mod, pe, c.attention_head_dim, c.eps, key_bias, how)
-        if mode == "extract":
-            H = c.num_attention_heads
-            kvs[f"transformer_blocks.{i}.k"] = _full_kv(k, batch, n, lay.prefix, H)
-            kvs[f"transformer_blocks.{i}.v"] = _full_kv(v, batch, n, lay.prefix, H)
-    out = final_layer(params, joint, out_scale, c.eps)
-    return out, n, QwenImage21KVCache(c, lay.prefix, nest(kvs)) if mode == "extract" else None
+    ctx = dict(mod=mod, out_scale=out_scale, pe=pe, bias=key_bias, hows=hows, names=list(range(len(blocks))))
+    if mode == "extract":
+        ctx["kvs"] = {}  # filled by the blocks: each block's prefix k, v (the cache returned)
+    static = (c.attention_head_dim, c.eps, batch, n, lay.prefix, c.num_attention_heads)
+    seg = _stages.Segment("transformer_blocks", _block, ("hows", "names"), (), static, scan=False,
+                          attention="transformer_blocks.{}.attn")  # fmt: skip
+    final = lambda img, k: final_layer(params, img, k["out_scale"], c.eps)  # noqa: E731
+    extra = (lambda k: QwenImage21KVCache(c, lay.prefix, nest(k["kvs"]))) if mode == "extract" else None
+    batched = ("mod", "out_scale", "bias", "hows")
+    image = lambda streams: streams[0]  # noqa: E731
+    txt_len = len(lay.text_rows)
+    keep = n - lay.prefix if mode == "extract" else None  # the cached steps compute the target's rows only
+    return _stages.Stages(params, (joint,), (seg,), ctx, final, image, txt_len, n, batched, extra=extra, keep=keep)
+
+
+def forward(params, x, t, txt, **inputs):
+    """The model on this rank's batch (`stages`, run): returns (out sharded over "sp", its
+    full length, and the extracted `QwenImage21KVCache` or None)."""
+    s = stages(params, x, t, txt, **inputs)
+    out, extra = s.forward()
+    return out, s.seq, extra
+
+
+def _block(carry, p, layer, ctx, static):
+    """One block as a stage step: carry (joint,), ``layer`` its `Attn` and index; in an
+    extract pass its prefix k, v recorded (full on every rank). ``ctx["hook"]``: the
+    attention module's hook (an extract pass needs it to compute)."""
+    D, eps, B, n, P, H = static
+    how, i = layer
+    x, k, v = block(p, carry[0], ctx["mod"], ctx["pe"], D, eps, ctx["bias"], how, ctx.get("hook"))
+    if "kvs" in ctx:
+        if k is None:
+            raise ValueError("attn: extracting the prefix KV cache needs the attention computed; the hook reused it")
+        ctx["kvs"][f"transformer_blocks.{i}.k"] = _full_kv(k, B, n, P, H)
+        ctx["kvs"][f"transformer_blocks.{i}.v"] = _full_kv(v, B, n, P, H)
+    return (x,)

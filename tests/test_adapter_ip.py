@@ -117,7 +117,7 @@ def test_pipeline_load_scale_unload_equal_stock():
 
 def test_refusals():
     """Embeddings without an IP-Adapter, an IP-Adapter without embeddings, another family,
-    a step cache with IP-Adapter, bad inputs to fd.apply: each a ValueError naming it."""
+    bad inputs to fd.apply: each a ValueError naming it; a step cache takes IP-Adapter inputs."""
     from diffusers.hooks import FirstBlockCacheConfig
 
     _, ad, cfg = pair()
@@ -137,10 +137,17 @@ def test_refusals():
         fd.apply(*args, ip_adapter=dict(inputs, image_embeds=[ip[0][:1]]), **extra)
     with pytest.raises(ValueError, match="ip_adapter: expected a dict with keys"):
         fd.apply(*args, ip_adapter={"image_proj": []}, **extra)
-    ad.enable_cache(FirstBlockCacheConfig(0.1))
-    with pytest.raises(ValueError, match="ip_adapter: step caching with IP-Adapter is not supported"):
-        with ad.cache_context("cond"):
-            ad(**kw, joint_attention_kwargs={"ip_adapter_image_embeds": ip})
+    # a step cache takes IP-Adapter inputs (the stages carry them): the first call computes
+    # (the uncached output, bitwise), the second reuses (block 0 + the last tail residual:
+    # the same output to fp32 rounding, the inputs being the same)
+    plain = ad(**kw, joint_attention_kwargs={"ip_adapter_image_embeds": ip})[0]
+    ad.enable_cache(FirstBlockCacheConfig(1e9))
+    with ad.cache_context("cond"):
+        outs = [ad(**kw, joint_attention_kwargs={"ip_adapter_image_embeds": ip})[0] for _ in range(2)]
+        log = ad.step_cache_hook().state().value.log
+    ad.disable_cache()
+    assert torch.equal(outs[0], plain) and log == ((True,), (False,))
+    torch.testing.assert_close(outs[1], plain, rtol=1e-5, atol=1e-5)
     flux2 = fd.DiffusersTransformer(fd.init(fd.PRESETS["flux2-tiny"], seed=0))
     with pytest.raises(ValueError, match="_load_ip_adapter_weights: .* has no IP-Adapter support"):
         flux2._load_ip_adapter_weights([{}])

@@ -29,7 +29,7 @@ from test_sample import stock_latents
 
 import functional_dit as fd
 import sharding
-from functional_dit import families, tiny
+from functional_dit import tiny
 from functional_dit.pipelines import cache as fd_cache
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # the issue's bound for fp32 latents
@@ -514,46 +514,126 @@ def test_bench_cache_rows():
 ATTENTION_SPECS = ["taylorseer:interval=2,warmup=1,attention=1", "fastercache:skip=2"]
 
 
-@pytest.mark.parametrize("kind", ["flux3", "qwen-image-2.1"])
-def test_attention_caches_refused_without_stages(kind):
-    """FLUX.3 and Qwen-Image 2.1 have no block stages: fd.sample and the adapter's
-    enable_cache refuse the attention-level caches (as every step cache) by name."""
-    pipe = tiny.pipeline(kind)
-    params = fd.from_diffusers(pipe.transformer)
-    fam = families.of(params)
-    for spec in ATTENTION_SPECS:
-        with pytest.raises(ValueError, match=f"cache: step caching is not supported for {fam.KEY} yet"):
-            fd.sample(params, pipe, "a red cube", steps=2, seed=0, output_type="latent", cache=spec, **SIZE)
-    ad = fd.DiffusersTransformer(params)
-    faster = FasterCacheConfig(is_guidance_distilled=True, current_timestep_callback=lambda: 500)
-    for config in (TaylorSeerCacheConfig(2, 1), faster):
-        with pytest.raises(ValueError, match=f"config: step caching is not supported for {fam.NAME} yet"):
-            ad.enable_cache(config)
-        assert not ad.is_cache_enabled
-    with pytest.raises(ValueError, match=f"cache: step caching is not supported for {fam.NAME} yet"):
-        fd_cache.step(params, fd_cache.parse(ATTENTION_SPECS[0]), fd_cache.init(fd_cache.parse(ATTENTION_SPECS[0])),
-                      *(torch.zeros(1) for _ in range(3)))  # fmt: skip
+# Every cache with every block computed: FBC at threshold 0 (the metric is never <= 0 once
+# the latents move), TaylorSeer (on the output and on the attention modules) at interval 1,
+# FasterCache computing every call, MagCache with every step in its retention phase.
+ALL_COMPUTED = [
+    "fbcache:0",
+    "taylorseer:interval=1,warmup=1",
+    "taylorseer:interval=1,warmup=1,attention=1",
+    "fastercache:skip=1",
+    fd_cache.MagCache(fd_cache.FLUX_MAG_RATIOS, retention_ratio=1.0),
+]
+SKIPPING = ["fbcache:10", "taylorseer:interval=2,warmup=1", "taylorseer:interval=2,warmup=1,attention=1",
+            "fastercache:skip=2,high=2000", "magcache:10"]  # fmt: skip
+# (tiny pipeline, fd.sample kwargs): FLUX.3 (its per-mode and single blocks), Qwen-Image 2.1
+# with true CFG (one call per branch) and its prefix KV cache (extract, then cached), and
+# FLUX.2-klein editing with its reference KV cache.
+NEW_FAMILIES = {
+    "flux3": ("flux3", {}),
+    "qwen-image-2.1": ("qwen-image-2.1", dict(true_cfg=3.0, negative_prompt="blur")),
+    "flux2-klein-kv": ("flux2-klein-kv", dict(image="ref", **MSL)),
+}
 
 
-def test_attention_caches_refused_with_reference_kv():
-    """FLUX.2-klein's reference KV cache does not combine with step caching: fd.sample with
-    a reference image refuses, and so does the adapter's cached step under the stock KV
-    pipeline (whose transformer calls carry kv_cache_mode)."""
+def _new_family(name: str):
+    from test_pipelines_flux3_qwen21 import _pipe
     from test_sample import ref_image
+
+    kind, kw = NEW_FAMILIES[name]
+    pipe = _pipe(kind) if kind == "qwen-image-2.1" else tiny.pipeline(kind)  # (one Qwen-Image 2.1 per process)
+    kw = dict(kw, image=ref_image()) if "image" in kw else kw
+    params = fd.from_diffusers(pipe.transformer)
+    sample = lambda **more: fd.sample(  # noqa: E731
+        params, pipe, "a red cube", steps=2, seed=1, output_type="latent", **SIZE, **kw, **more
+    )
+    return pipe, params, sample
+
+
+@pytest.mark.parametrize("name", list(NEW_FAMILIES))
+def test_every_cache_runs_on_the_new_families(name):
+    """FLUX.3, Qwen-Image 2.1 (prefix KV cache) and FLUX.2-klein (reference KV cache): each
+    cache with every block computed gives the uncached latents bitwise (the staged forward
+    is the family's forward), and each skipping config skips and changes them."""
+    _, _, sample = _new_family(name)
+    plain = sample()
+    for cache in ALL_COMPUTED:
+        run = fd.CacheRun(cache)
+        assert torch.equal(sample(cache=run), plain) and run.skipped() == 0, cache
+    branches = 2 if name == "qwen-image-2.1" else 1
+    for cache in SKIPPING:
+        run = fd.CacheRun(cache)
+        got = sample(cache=run)
+        assert len(run.decisions) == 2 and all(len(d) == branches for d in run.decisions), (cache, run.decisions)
+        assert run.skipped() > 0 and not torch.allclose(got, plain, **FP32), cache
+
+
+def _stock_and_ours(pipe, params, stock_config, ours, call, sample, recorder=None):
+    pipe.transformer.enable_cache(stock_config)
+    try:
+        with pipe.transformer.cache_context("cond"):  # these pipelines open none; TaylorSeer needs one
+            expected = call()
+    finally:
+        pipe.transformer.disable_cache()
+    run = fd.CacheRun(ours)
+    return expected, sample(cache=run), run
+
+
+TS_KW = dict(cache_interval=2, disable_cache_before_step=1, max_order=1, taylor_factors_dtype=torch.float32)
+
+
+def _faster_pair(pipe):
+    return faster_config(pipe), fd.FasterCache(2, (-1, 950), weight=0.3)
+
+
+def test_new_families_equal_diffusers_hooks(recorder, faster_recorder):
+    """Where diffusers 0.42 has the hook for the model class: Qwen-Image 2.1 without its
+    prefix KV cache (the stock TaylorSeer fails on the cache's shorter cached steps; FBC and
+    MagCache have no QwenImage21 block registered) and FLUX.2-klein with its reference KV
+    cache (FasterCache, 4 steps: stock keeps the extract step's attention outputs, with the
+    reference rows, and fails where it extrapolates from them; so does its TaylorSeer):
+    latents and decisions of the stock hooks; the adapter's ``enable_cache`` in the stock
+    pipeline gives the same latents.
+    (diffusers' Flux3Transformer2DModel has no enable_cache.)"""
+    from test_pipelines_flux3_qwen21 import CALLS, _pipe, _transformer
+    from test_sample import ref_image
+
+    pipe = _pipe("qwen-image-2.1")
+    params = fd.from_diffusers(pipe.transformer)
+    calls = dict(CALLS["qwen-image-2.1"], num_inference_steps=2)
+    call = lambda: pipe(prompt="a red cube", output_type="latent", generator=torch.Generator().manual_seed(0),  # noqa: E731
+                        use_kv_cache=False, **calls).images  # fmt: skip
+    size = dict(height=64, width=64, steps=2, seed=0, output_type="latent", kv_cache=False)
+    sample = lambda **kw: fd.sample(params, pipe, "a red cube", **size, **kw)  # noqa: E731
+    pairs = [
+        (TaylorSeerCacheConfig(use_lite_mode=True, **TS_KW), fd.TaylorSeer(**TS_KW)),
+        (TaylorSeerCacheConfig(**TS_KW), fd.TaylorSeer(**TS_KW, modules=fd_cache.ATTENTION)),
+        _faster_pair(pipe),
+    ]
+    for stock, ours in pairs:
+        del recorder[:], faster_recorder[:]
+        expected, got, run = _stock_and_ours(pipe, params, stock, ours, call, sample)
+        stock_steps = sorted({(n, d) for n, d in recorder}) if recorder else None
+        assert run.decisions == ((True,), (False,)), (ours, run.decisions, stock_steps)
+        if recorder:  # TaylorSeer: the stock hooks computed on step 0 only
+            half = len(recorder) // 2
+            assert {d for _, d in recorder[:half]} == {True} and {d for _, d in recorder[half:]} == {False}
+        torch.testing.assert_close(got, expected, **FP32)
+        if isinstance(ours, fd.TaylorSeer) and ours.modules is not None:  # the adapter's enable_cache, the same
+            with _transformer(pipe, fd.DiffusersTransformer(params)):
+                expected_adapter, _, _ = _stock_and_ours(pipe, params, stock, ours, call, lambda **kw: None)
+            torch.testing.assert_close(expected_adapter, expected, **FP32)
 
     pipe = tiny.pipeline("flux2-klein-kv")
     params = fd.from_diffusers(pipe.transformer)
-    for spec in ATTENTION_SPECS:
-        with pytest.raises(ValueError, match="cache: step caching does not combine with FLUX.2's reference KV cache"):
-            fd.sample(
-                params, pipe, "a", image=ref_image(), steps=2, seed=0, output_type="latent", cache=spec, **SIZE, **MSL
-            )
-    pipe.transformer = fd.DiffusersTransformer(params)
-    faster = FasterCacheConfig(is_guidance_distilled=True, current_timestep_callback=lambda: 500)
-    for config in (TaylorSeerCacheConfig(2, 1), faster):
-        pipe.transformer.enable_cache(config)
-        # the KV pipeline opens no cache_context (TaylorSeer's states need one, stock and ours)
-        ctx = pipe.transformer.cache_context("cond")
-        with ctx, pytest.raises(ValueError, match="kv_cache: step caching does not combine with FLUX.2's reference KV"):
-            pipe(prompt="a", image=ref_image(), num_inference_steps=2, output_type="latent", **SIZE, **MSL)
-        pipe.transformer.disable_cache()
+    kw = dict(prompt="a red cube", image=ref_image(), num_inference_steps=4, height=32, width=32, **MSL)
+    call = lambda: stock_latents(pipe, 3, **kw)  # noqa: E731
+    mine = dict(steps=4, seed=3, output_type="latent", image=kw["image"], height=32, width=32, **MSL)
+    sample = lambda **more: fd.sample(params, pipe, "a red cube", **mine, **more)  # noqa: E731
+    del faster_recorder[:]
+    expected, got, run = _stock_and_ours(pipe, params, *_faster_pair(pipe), call, sample)
+    assert run.decisions == faster_steps(faster_recorder, n_attention("flux2-klein")) and run.skipped() > 0
+    torch.testing.assert_close(got, expected, **FP32)
+    pipe.transformer = fd.DiffusersTransformer(params)  # the adapter's enable_cache in the KV pipeline, the same
+    adapter, _, _ = _stock_and_ours(pipe, params, *_faster_pair(pipe), call, lambda **kw: None)
+    torch.testing.assert_close(adapter, expected, **FP32)

@@ -140,11 +140,20 @@ def test_attention_hook_is_the_stock_attention_module(case, request):
         stand_in = _scaled(stock_out, 0.5)
         want, _ = _hooked(stock_attn, stock_block, stand_in)
         _close(f"{case} {name} block with a stand-in", ours(lambda fn, y=stand_in: y), want)
-    ref = flux2.Ref(k=torch.zeros(2, 3, c.num_attention_heads, D), v=torch.zeros(2, 3, c.num_attention_heads, D))
-    with pytest.raises(ValueError, match="attn: an attention hook needs ref=None"):
-        flux2.double_block(p_double, img, txt, m_img, m_txt, pe, D, c.eps, None, ref, attn=lambda fn: fn())
-    with pytest.raises(ValueError, match="attn: an attention hook needs ref=None"):
-        flux2.single_block(p_single, x, m_single, pe, D, c.eps, None, txt.shape[1], ref, attn=lambda fn: fn())
+    # with cached reference keys and values a computing hook gives the block's own outputs
+    g = torch.Generator().manual_seed(5)
+    ref = flux2.Ref(*(None,) * 3, *(torch.randn(2, 3, c.num_attention_heads, D, generator=g) for _ in "kv"))
+    for block, args in (
+        (flux2.double_block, (p_double, img, txt, m_img, m_txt)),
+        (flux2.single_block, (p_single, x, m_single)),
+    ):
+        extra = (pe, D, c.eps, None) if block is flux2.double_block else (pe, D, c.eps, None, txt.shape[1])
+        want, got = block(*args, *extra, ref), block(*args, *extra, ref, attn=lambda fn: fn())
+        assert all(torch.equal(a, b) for a, b in zip(want[:-1], got[:-1])), block.__name__
+    # an extract pass (reference rows given) needs the module computed: a reusing hook is refused
+    ref_x = flux2.Ref(x=img[:, :3], mod=m_img, pe=tuple(a[:3] for a in pe))
+    with pytest.raises(ValueError, match="attn: extracting the reference KV cache needs the attention computed"):
+        flux2.double_block(p_double, img, txt, m_img, m_txt, pe, D, c.eps, None, ref_x, attn=lambda fn: (img, txt))
 
 
 def test_rope_matches_diffusers(tiny, klein):

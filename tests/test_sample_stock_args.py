@@ -277,5 +277,9 @@ def test_ip_adapter_image_embeds_equal_stock():
     expected = stock_latents(pipe, 5, 2, **stock)
     got = fd.sample(params, pipe, RAGGED, seed=5, true_cfg=2.0, **cfg_kw, **emb, **KW, **MSL)
     torch.testing.assert_close(got, expected, **FP32)  # the same adapter changes the latents: test_adapter_ip
+    # a step cache carries the IP-Adapter's inputs through the stages: all blocks computed, the same latents
+    run = fd.CacheRun(fd.TaylorSeer(cache_interval=1, disable_cache_before_step=1))
+    cached = fd.sample(params, pipe, RAGGED, seed=5, true_cfg=2.0, cache=run, **cfg_kw, **emb, **KW, **MSL)
+    assert torch.equal(cached, got) and run.skipped() == 0
     with pytest.raises(ValueError, match=r"ip_adapter_image_embeds: expected a list of \(1, I, E\) tensors"):
         fd.sample(params, pipe, RAGGED, seed=5, **emb | dict(ip_adapter_image_embeds=[embeds(cfg, 2, 8)]), **KW)

@@ -9,7 +9,7 @@ projections) — so ``attn_processors``, the pipelines' ``set_ip_adapter_scale``
 a forward given ``joint_attention_kwargs={"ip_adapter_image_embeds": ...}`` reads their
 weights and scales into `flux1.check_ip_adapter`'s dict, and `fd.apply` computes the
 image-prompt attention (`flux1.ip_attention`). Their parameters stay out of
-``adapter.params`` (the base model's tree). FLUX.1 only, not on a mesh, no step cache.
+``adapter.params`` (the base model's tree). FLUX.1 only, not on a mesh; step caches take it.
 """
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ class CacheHooks(diffusers.CacheMixin):
     def enable_cache(self, config) -> None:
         if self.is_cache_enabled:
             raise ValueError(f"Caching has already been enabled with {type(self._cache_config)}; disable it first.")
-        _cache.check_family(_api.family(self.params), "config")  # no stages, no step cache (FLUX.3, Qwen-Image 2.1)
+        _cache.check_family(_api.family(self.params), "config")  # a family without stages has no step cache
         cache = from_diffusers_config(config, self)
         _check_modules(cache, self)
         registry = HookRegistry.check_if_exists_or_initialize(self)

@@ -10,7 +10,7 @@ consecutive batch rows (2 with true CFG: two branches, as ``fd.sample`` decides 
 One call over the batch, in the order of `cache._fbc_step` / `_mag_step` /
 `_taylor_step`:
 
-1. the family's stages (`_stages`) for every row: the embedders and modulations;
+1. the family's stages (``fam.stages``, `functional_dit.nn.stages`) for every row: the embedders and modulations;
 2. MagCache and TaylorSeer (on the model output) decide from their own step counts;
    their skipping rows run no block;
 3. every other row runs block 0; First-Block Cache rows then decide per branch from
@@ -32,7 +32,7 @@ when any of them computes (reusing rows then take their own values: compute not 
 and not at all when every row reuses. Meshes: sp, ring, tp; not dp (a dp mesh splits the
 batch across ranks, whose items then decide apart: `step` refuses it); fsdp: every fsdp
 rank runs every row (the batch is not split here), so all take the same decisions and
-gather each block's weights together (`_stages.Stages.run`).
+gather each block's weights together (`nn.stages.Stages.run`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from .. import api as _api
 from ..lora import internal as _lora
 from ..nn import fused as _fuse
 from ..nn import kernels as _kernels
-from . import _stages
+from ..nn import stages as _stages
 from . import cache as _cache
 
 
@@ -102,6 +102,7 @@ class _Batch:
         self.fam, self.params, self.local, self.mesh = fam, params, local, mesh
         self.x, self.t, self.txt, self.lora, self.B = x, t, txt, lora or [], x.shape[0]
         self.inputs = fam.check_inputs(local, x, t, txt, **kwargs)
+        _cache.check_no_controlnet(self.inputs)
         self.fast = _fuse.active(local, fam.FUSED, (x, t, txt, self.inputs))
         self.all = self.stages(tuple(range(self.B)))
 
@@ -113,13 +114,13 @@ class _Batch:
         if lora:
             ads = _api._lora_adapters(self.params, lora, self.mesh, len(idx))
             p = _lora.attach(p, ads, len(idx), lora_dims, split=False)  # every row on every rank here
-        p = _api._gathering(p, lora_dims)  # fsdp: blocks gathered as `_stages` runs them
+        p = _api._gathering(p, lora_dims)  # fsdp: blocks gathered as the stages run them
         if whole:
-            return _stages.STAGES[self.fam](p, self.x, self.t, self.txt, **self.inputs)
+            return self.fam.stages(p, self.x, self.t, self.txt, **self.inputs)
         i = torch.tensor(idx, device=self.x.device)
         pick = lambda v: v.index_select(0, i)  # noqa: E731
         ins = {k: pick(v) if k in self.fam.BATCHED and v is not None else v for k, v in self.inputs.items()}
-        return _stages.STAGES[self.fam](p, pick(self.x), pick(self.t), pick(self.txt), **ins)
+        return self.fam.stages(p, pick(self.x), pick(self.t), pick(self.txt), **ins)
 
     def run(self, streams: tuple, idx: tuple, blocks: slice, hooks=None) -> tuple:
         """``blocks`` of the stack on rows ``idx`` whose streams are ``streams``;
@@ -187,7 +188,8 @@ def _step(b: _Batch, configs: list, states: list, rows: list):
     out = s.final(img, s.ctx)
     out = _finish(configs, states, new, rows, first, pre, decide, out, img, img0, img1, r0, rest, active, computes)
     attention.finish(out[1], out[0])
-    return sharding.gather(out[0], "sp", 1, b.x.shape[1]), out[1]
+    gathered = sharding.gather(out[0], "sp", 1, s.seq)
+    return (gathered, s.extra(s.ctx)) if s.extra is not None else gathered, out[1]
 
 
 def _fbc_decisions(configs, states, rows, first, active, r0, seq) -> dict:

@@ -13,7 +13,7 @@ from ._steps import Prompt, Steps
 
 class Qwen21(Steps):
     cfg_on_device = True
-    step_cache = False  # not supported yet
+    cfg_calls = 2  # with CFG, one model call per branch per step (a step cache keeps a state per call)
 
     def __init__(self, params, pipe, kv_cache: bool | None):
         self.params, self.pipe, self.c = params, pipe, params.config
@@ -85,7 +85,6 @@ class Flux3(Steps):
     constant-shift schedule, CFG (the base model's guider) as one batch, and for a flow
     map the target timestep (the next scheduler timestep, 0 after the last)."""
 
-    step_cache = False  # not supported yet
     PAD_MULTIPLE, ROPE_SCALE = 80, 0.5  # modular_pipelines/flux3: Flux3TextEncoderStep, Flux3PrepareLatentsStep
 
     def __init__(self, params, pipe):

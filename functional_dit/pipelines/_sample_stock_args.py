@@ -301,8 +301,6 @@ def ip_adapter(pipe, pos, neg, sharded: bool, cache) -> tuple | None:
             )
     if sharded:
         raise ValueError("ip_adapter_image_embeds: the IP-Adapter runs on plain params only (not on a mesh) yet")
-    if cache is not None:
-        raise ValueError("cache: a step cache does not run with the IP-Adapter yet; expected None")
     from ._adapter_ip import ip_adapter_input
 
     module = getattr(pipe, "transformer", None)

@@ -25,9 +25,13 @@ is reproduced and how:
   range, each attention module's output is computed every ``block_skip_range``-th step
   and extrapolated linearly from its last two outputs between.
 
-The attention-level caches hook the family's block functions at their attention module
-(the blocks' ``attn`` argument: FLUX.1, FLUX.2, Qwen-Image); the others run whole
-blocks.
+Every family's forward is its stages (``fam.stages``, `functional_dit.nn.stages`): the
+caches run the blocks of those stages, one by one or some of them; the attention-level
+caches hook the family's block functions at their attention module (the blocks' ``attn``
+argument, every family); the others run whole blocks. A forward with a second output
+(FLUX.2's reference KV cache, Qwen-Image 2.1's prefix KV cache, on their extract pass)
+returns it beside the output, as `fd.apply` does: an extract pass is the first step of a
+run, which every cache computes.
 
 Under a mesh every rank holds its local part of the state (sequence rows over sp and
 ring, dp and fsdp items); the First-Block metric is summed over sp, ring, dp and fsdp (one
@@ -35,7 +39,7 @@ small all-reduce per axis) so that every rank takes the same decision; TaylorSee
 MagCache decide from the step count alone, FasterCache from the step count and the
 timestep. Fully sharded params: the stages gather each block as ``fd.apply`` does, and a
 rank whose items all reuse while others compute joins the blocks' all-gathers
-(`_stages.Stages.gather_only`).
+(`nn.stages.Stages.gather_only`).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from .. import api as _api
 from ..lora import internal as _lora
 from ..nn import fused as _fuse
 from ..nn import kernels as _kernels
-from . import _stages
+from ..nn import stages as _stages
 
 # ----------------------------------------------------------------------------- configs
 
@@ -324,6 +328,7 @@ class TaylorState(NamedTuple):
     factors: tuple = ()
     log: tuple = ()
     dtype: torch.dtype | None = None
+    seq: int | None = None  # the output's full length (the steps that predict gather over sp with it)
 
 
 class MagState(NamedTuple):
@@ -382,8 +387,6 @@ def step(params, cache, state, x, t, txt, *, branches: int = 1, lora=None, **kwa
     fam = _api.family(params)
     check_family(fam)
     kwargs = _api._family_args(fam, kwargs)
-    if kwargs.get("kv_cache") is not None:
-        raise ValueError("kv_cache: step caching does not combine with FLUX.2's reference KV cache; expected None")
     if not isinstance(branches, int) or branches < 1 or x.shape[0] % branches:
         raise ValueError(f"branches: expected a positive divisor of the batch {x.shape[0]}, got {branches!r}")
     local, mesh = sharding.local_view(params)
@@ -391,28 +394,62 @@ def step(params, cache, state, x, t, txt, *, branches: int = 1, lora=None, **kwa
     with sharding.bind(mesh) if mesh is not None else contextlib.nullcontext():
         lora_dims: dict = {}  # fully sharded LoRA factors (`fd.apply`'s)
         local = _lora.attach(local, adapters, x.shape[0], lora_dims) if adapters else local
-        local = _api._gathering(local, lora_dims)  # fsdp: blocks gathered as `_stages` runs them
+        local = _api._gathering(local, lora_dims)  # fsdp: blocks gathered as the stages run them
         return _step_local(fam, local, cache, state, x, t, txt, kwargs, branches)
 
 
 def check_family(fam, name: str = "cache") -> None:
     """A ValueError naming ``name`` for a family whose forward has no stages to cache."""
-    if fam not in _stages.STAGES:
-        known = ", ".join(f.NAME for f in _stages.STAGES)
-        raise ValueError(f"{name}: step caching is not supported for {fam.NAME} yet; expected a {known} model")
+    if not callable(getattr(fam, "stages", None)):
+        raise ValueError(f"{name}: step caching is not supported for {fam.NAME}: its module has no stages()")
+
+
+def check_no_controlnet(inputs: dict) -> None:
+    """ControlNet residuals run through the stages, but a skipped block's residual would be
+    taken from the last computed step while diffusers' hooks add the current one after the
+    blocks they skip: refused until the two are made to agree."""
+    if inputs.get("controlnet") is not None:
+        raise ValueError(
+            "controlnet_block_samples: step caching with ControlNet residuals is not supported; disable the cache"
+        )
 
 
 def _step_local(fam, params, cache, state, x, t, txt, kwargs, branches):
     """`_api._apply_local` with the cache between the stages: prepare, dp split, step, gathers."""
     inputs = fam.check_inputs(params, x, t, txt, **kwargs)
+    check_no_controlnet(inputs)
     B, info = x.shape[0], _Items(x.shape[0], branches, t)
     x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
     inputs = {k: sharding.shard(v, "dp", 0) if k in fam.BATCHED and v is not None else v for k, v in inputs.items()}
     fast = _fuse.active(params, fam.FUSED, (x, t, txt, inputs))
+    made = []
+
+    def stages() -> _stages.Stages:
+        made.append(fam.stages(params, x, t, txt, **inputs))
+        if made[-1].keep is not None and sharding.axis_size("sp") * sharding.axis_size("ring") > 1:
+            raise ValueError(
+                "kv_cache: step caching with an extract pass over a sequence split (sp, ring) is not supported yet"
+            )
+        return made[-1]
+
     with _kernels.fast_kernels(fast):
-        stages = lambda: _stages.STAGES[fam](params, x, t, txt, **inputs)  # noqa: E731
         out, state = _STEP[type(cache)](cache, state, stages, info)
-    return sharding.gather(sharding.gather(out, "sp", 1, x.shape[1]), "dp", 0, B), state
+    seq = made[-1].seq if made else state.seq  # TaylorSeer's predicted steps build no stages
+    if isinstance(state, TaylorState) and made:
+        state = state._replace(seq=seq)
+    out = sharding.gather(sharding.gather(out, "sp", 1, seq), "dp", 0, B)
+    extra = made[-1].extra if made else None
+    return (out, extra(made[-1].ctx)) if extra is not None else out, state
+
+
+def _kept(s: _stages.Stages, value):
+    """What a cache keeps of a tensor (or tuple of them) of this step for later steps: all
+    of it, or on an extract pass (``s.keep``) the trailing rows the later steps compute."""
+    if s.keep is None:
+        return value
+    if isinstance(value, tuple):
+        return tuple(_kept(s, v) for v in value)
+    return value[:, value.shape[1] - s.keep :]
 
 
 class _Items:
@@ -459,7 +496,7 @@ def _fbc_step(cache: FirstBlockCache, state: FBCState, stages, info: _Items):
     rest = _rest_image(s, head, img1, computes, any(per_branch))
     log = state.log + (tuple(per_branch),)
     if all(computes):
-        return s.final(rest, s.ctx), FBCState(r, rest - img1, log)
+        return s.final(rest, s.ctx), FBCState(_kept(s, r), _kept(s, rest - img1), log)
     mask = torch.tensor(computes, device=r.device).view(-1, 1, 1)
     final = torch.where(mask, rest, state.tail + img1)
     new = FBCState(torch.where(mask, r, state.head), torch.where(mask, rest - img1, state.tail), log)
@@ -519,7 +556,8 @@ def _taylor_step(cache: TaylorSeer, state: TaylorState, stages, info: _Items):
     if compute:
         s = stages()
         out = s.final(s.image(s.run(s.streams, s.blocks)), s.ctx)
-        return out, TaylorState(i, i, _taylor_update(cache, state.factors, state.last, out, i), log, out.dtype)
+        factors = _taylor_update(cache, state.factors, state.last, _kept(s, out), i)
+        return out, TaylorState(i, i, factors, log, out.dtype)
     if state.last is None:
         raise ValueError(f"cache: {cache} would predict step {i} before any computed step")
     return _taylor_predict(state.factors, i - state.last, state.dtype), state._replace(step=i, log=log)
@@ -563,7 +601,7 @@ def _taylor_modules_step(cache: TaylorSeer, state: TaylorState, stages, info: _I
             if not compute:
                 return _unwrap(_module_predict(old[name], i - state.last, skip[name]))
             outs = module()
-            new[name] = _module_update(cache, old.get(name), state.last, _wrap(outs), i, skip[name])
+            new[name] = _module_update(cache, old.get(name), state.last, _kept(s, _wrap(outs)), i, skip[name])
             return outs
 
         return run
@@ -634,7 +672,8 @@ def _faster_step(cache: FasterCache, state: FasterState, stages, info: _Items):
             else:
                 outs = _wrap(module())
                 computed.append(name)
-            new[name] = (outs, outs) if prev is None else (prev[1], outs)
+            kept = _kept(s, outs)
+            new[name] = (kept, kept) if prev is None else (prev[1], kept)
             return _unwrap(outs)
 
         return run
@@ -670,7 +709,7 @@ def _mag_step(cache: MagCache, state: MagState, stages, info: _Items):
     img0 = s.image(s.streams)
     if compute:
         img = s.image(s.run(s.streams, s.blocks))
-        state = state._replace(residual=img - img0)
+        state = state._replace(residual=_kept(s, img - img0))
     else:
         img = img0 + state.residual
     state = state._replace(step=state.step + 1, log=state.log + ((compute,) * info.n,))
@@ -691,37 +730,46 @@ class CacheRun:
 
     def __init__(self, cache):
         self.config = self._given = check(cache)
-        self.state, self.branches = init(self.config), 1
+        self.states, self.branches, self.call = [init(self.config)], 1, 0
+
+    @property
+    def state(self):
+        """The state after the last step (with several calls per step: the first call's)."""
+        return self.states[0]
 
     @classmethod
     def of(cls, cache, kv: bool = False):
-        """None for no cache, else a run (``cache`` itself when it is one)."""
+        """None for no cache, else a run (``cache`` itself when it is one). ``kv`` (a
+        reference or prefix KV cache in the run) is accepted: the stages carry it."""
         if cache is None:
             return None
-        if kv:
-            raise ValueError(
-                "cache: step caching does not combine with FLUX.2's reference KV cache; pass kv_cache=False"
-            )
         return cache if isinstance(cache, cls) else cls(cache)
 
-    def start(self, branches: int = 1, steps: int | None = None):
+    def start(self, branches: int = 1, steps: int | None = None, calls: int = 1):
         """A fresh state for a run of ``steps`` steps whose batch is ``branches`` groups
-        (a MagCache without ``num_inference_steps`` takes ``steps``); returns `apply`."""
+        (a MagCache without ``num_inference_steps`` takes ``steps``); returns `apply`.
+        ``calls``: the model calls per step, one per branch (Qwen-Image 2.1's CFG, whose
+        branches have their own token layouts): each call then keeps its own state, as
+        the stock hooks' "cond" / "uncond" contexts do."""
         self.config = self._given
         if isinstance(self.config, MagCache) and self.config.num_inference_steps is None and steps is not None:
             self.config = dataclasses.replace(self.config, num_inference_steps=steps)
-        self.state, self.branches = init(self.config), branches
+        self.branches = 1 if calls > 1 else branches
+        self.states, self.call = [init(self.config) for _ in range(calls)], 0
         return self.apply
 
     def apply(self, params, x, t, txt, **kwargs) -> torch.Tensor:
-        """`fd.apply`'s signature: one cached step, the new state kept."""
-        out, self.state = step(params, self.config, self.state, x, t, txt, branches=self.branches, **kwargs)
+        """`fd.apply`'s signature: one cached step, the new state kept (with several calls
+        per step, in the state of this call's branch)."""
+        k = self.call % len(self.states)
+        out, self.states[k] = step(params, self.config, self.states[k], x, t, txt, branches=self.branches, **kwargs)
+        self.call += 1
         return out
 
     @property
     def decisions(self) -> tuple:
         """Per step, per branch: True where the full network ran."""
-        return self.state.log
+        return tuple(tuple(c for d in ds for c in d) for ds in zip(*(st.log for st in self.states)))
 
     def skipped(self) -> int:
         """Branch-steps that did not run the full network."""

@@ -579,7 +579,8 @@ def _chunk_apply(model, job: _Job, steps: int, images):
     """The chunk's ``fd.apply``: the step cache's (a fresh state per chunk) or the plain
     one, with the chunk's per-image LoRA adapters (`_sample_lora.calls`)."""
     plain = getattr(model, "base_apply", None) or type(model).apply  # ControlNet: with its residuals
-    apply = plain if job.cache is None else job.cache.start(branches=1 if job.cfg is None else 2, steps=steps)
+    calls = getattr(model, "cfg_calls", 1) if job.cfg is not None else 1  # model calls per step
+    apply = plain if job.cache is None else job.cache.start(2 if job.cfg is not None else 1, steps, calls)
     return _lora_items.calls(_stock.ip_calls(apply, job.stock.ip, job.cfg is not None), job.lora, images)
 
 
