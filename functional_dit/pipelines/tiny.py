@@ -66,8 +66,10 @@ FLUX3_LAYERS = (1, 2)  # the hidden states the tiny FLUX.3 encoder stacks (text_
 
 
 def _check_kind(kind) -> str:
-    if kind not in KINDS:
-        raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
+    """``kind``, one of the registry's tiny kinds (`KINDS`, and those of a family registered
+    at run time)."""
+    if kind not in families.TINY_KINDS:
+        raise ValueError(f"kind: expected one of {list(families.TINY_KINDS)}, got {kind!r}")
     return kind
 
 

@@ -107,9 +107,9 @@ def tiny_assemble(kind: str, parts: dict, transformer):
     """The stock pipeline class of ``kind`` over ``parts``."""
     import diffusers
 
-    from .. import tiny
+    from ... import families
 
-    return getattr(diffusers, tiny.PIPELINE_CLASSES[kind])(**parts, transformer=transformer)
+    return getattr(diffusers, families.TINY_KINDS[kind][1].name)(**parts, transformer=transformer)
 
 
 def flux_ids_inputs(config, x, t, txt, h, w, device, n_axes: int):
