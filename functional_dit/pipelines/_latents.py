@@ -27,6 +27,17 @@ def grid_ids(h: int, w: int, n_axes: int, dtype, device, t: int = 0) -> torch.Te
     return ids.to(device=device, dtype=dtype)
 
 
+def flux2_vae_input(vae, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """FLUX.2's (and FLUX.3's) patchified tokens (B, h/2 · w/2, C) -> the VAE's input
+    (B, C/4, h, w): de-normalised by the VAE's batch-norm statistics, then unpatchified."""
+    B, _, C = x.shape
+    z = x.permute(0, 2, 1).reshape(B, C, h // 2, w // 2)
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
+    z = z * std + mean
+    return z.reshape(B, C // 4, 2, 2, h // 2, w // 2).permute(0, 1, 4, 2, 5, 3).reshape(B, C // 4, h, w)
+
+
 def _batch(t: torch.Tensor, B: int) -> torch.Tensor:
     """Repeat a batch of b to B rows (B a multiple of b), as the pipelines repeat references."""
     return t if t.shape[0] == B else t.repeat(B // t.shape[0], *([1] * (t.ndim - 1)))

@@ -8,7 +8,7 @@ import torch
 
 from ... import flux2
 from ...flux2 import Flux2Config
-from .._latents import _batch, grid_ids
+from .._latents import _batch, flux2_vae_input, grid_ids
 from .._steps import Prompt, Steps
 from . import _common
 from ._common import stock_module
@@ -109,13 +109,7 @@ class _Flux2(Steps):
         return x if type(self.pipe).__name__ == "Flux2Pipeline" else self.decode_latents(x, h, w)
 
     def decode_latents(self, x, h, w):
-        vae = self.pipe.vae
-        B, _, C = x.shape
-        z = x.permute(0, 2, 1).reshape(B, C, h // 2, w // 2)
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
-        z = z * std + mean
-        return z.reshape(B, C // 4, 2, 2, h // 2, w // 2).permute(0, 1, 4, 2, 5, 3).reshape(B, C // 4, h, w)
+        return flux2_vae_input(self.pipe.vae, x, h, w)
 
 
 def steps(params, pipe, image, kv_cache) -> Steps:

@@ -10,6 +10,7 @@ import torch
 
 from ... import flux3
 from ...flux3 import Flux3Config
+from .._latents import flux2_vae_input
 from .._steps import Prompt, Steps
 from . import _common
 from ._common import stock_module
@@ -110,13 +111,7 @@ class Flux3(Steps):
         return self.apply(self.params, x, t, cond.txt, rope=self.rope, target_timestep=target)
 
     def decode_latents(self, x, h, w):
-        vae = self.pipe.vae
-        B, _, C = x.shape
-        z = x.transpose(1, 2).reshape(B, C, h // 2, w // 2)
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
-        z = z * std + mean
-        return z.reshape(B, C // 4, 2, 2, h // 2, w // 2).permute(0, 1, 4, 2, 5, 3).reshape(B, C // 4, h, w)
+        return flux2_vae_input(self.pipe.vae, x, h, w)
 
 
 def steps(params, pipe, image, kv_cache) -> Steps:
