@@ -29,10 +29,9 @@ import torch
 
 from .. import families as _families
 from ..lora import internal as _lora
-from . import _cache_items, _requests
+from . import _cache_items
 from . import sampler as _sampler
-from ._latents import combine
-from ._steps import Prompt
+from .families import Prompt, combine
 from .families.flux1 import _Flux1
 from .families.flux2 import _Flux2
 from .families.qwenimage import _Qwen
@@ -144,7 +143,7 @@ def check(ctx: Context, params, req: Request) -> None:
         raise ValueError(f"prompt: expected a string, got {req.prompt!r}")
     _sampler._check_args(ctx.pipe, req.height, req.width, "pil", None)
     _sampler._check_steps(req.steps, None)
-    _requests.check_max_sequence_length(ctx.fam, req.max_sequence_length)
+    _sampler.check_max_sequence_length(ctx.fam, req.max_sequence_length)
     if not isinstance(req.seed, int) or isinstance(req.seed, bool):
         raise ValueError(f"seed: expected an int, got {req.seed!r}")
     _lora.check(params, list(req.lora))
@@ -166,7 +165,7 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
     pipe, model = ctx.pipe, ctx.model
     cfg = float(req.true_cfg) if req.true_cfg is not None and req.true_cfg > 1 else None
     cfg = _sampler._qi.true_cfg(ctx.fam, cfg, req.negative_prompt, None)
-    reqs = _requests.requests(ctx.fam, req.prompt, 1, req.seed, None, req.negative_prompt, cfg is not None, {})
+    reqs = _sampler.requests(ctx.fam, req.prompt, 1, req.seed, None, req.negative_prompt, cfg is not None, {})
     f = pipe.vae_scale_factor * 2
     hw = 2 * (req.height // f), 2 * (req.width // f)
     job = _sampler._Job(ctx.fam, hw, req.steps, None, req.guidance, cfg, "pil", req.max_sequence_length, None, None)

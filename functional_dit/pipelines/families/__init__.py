@@ -9,8 +9,26 @@ one is); the defaults most families share are in `functional_dit.pipelines.famil
 
 from __future__ import annotations
 
+from ._latents import _batch as repeat_batch
+from ._latents import combine, flux2_vae_input, grid_ids, pack_2x2, unpack_2x2
+from ._steps import Prompt, Steps, cfg_batch
+
+# What the image jobs, the sampler and the per-item sampling share with the families' steps.
+__all__ = [
+    "HOOKS",
+    "Prompt",
+    "Steps",
+    "cfg_batch",
+    "combine",
+    "flux2_vae_input",
+    "grid_ids",
+    "pack_2x2",
+    "repeat_batch",
+    "unpack_2x2",
+]
+
 HOOKS = (
-    # fd.sample (functional_dit.pipelines.sampler, _requests, _sample_stock_args, sampling)
+    # fd.sample (functional_dit.pipelines.sampler, _requests, sampler._stock_args, sampling)
     "steps",  # (params, pipe, image, kv_cache) -> the family's text-to-image `Steps`
     "pipeline_class",  # (components) -> the stock pipeline class name built from components
     "shift",  # (seq_len, steps, scheduler config) -> the schedule's mu

@@ -8,10 +8,10 @@ import torch
 
 from ... import flux1
 from ...flux1 import Flux1Config
-from .._latents import grid_ids, pack_2x2, unpack_2x2
-from .._steps import Prompt, Steps
 from . import _common
 from ._common import refuse_kv_cache, stock_module
+from ._latents import grid_ids, pack_2x2, unpack_2x2
+from ._steps import Prompt, Steps
 
 # the shared hooks FLUX.1 takes as they are (`_common`)
 shift, batch_size, adapter_result, output, tiny_assemble = (
@@ -72,8 +72,8 @@ class _Flux1(Steps):
 
 
 def steps(params, pipe, image, kv_cache) -> Steps:
-    """Text to image (img2img, inpainting and Kontext build on it: `_sample_flux_image`,
-    `_sample_flux_kontext`)."""
+    """Text to image (img2img, inpainting and Kontext build on it: `sampler._flux_image`,
+    `sampler._flux_kontext`)."""
     if image is not None:
         raise ValueError(
             f"image: a {type(pipe).__name__} takes no reference image; expected None (img2img: add strength=, "
@@ -87,7 +87,7 @@ def pipeline_class(components) -> str:
     return "FluxPipeline"
 
 
-IMAGE_JOBS = "img2img"  # fd.sample's img2img and inpainting over these steps (`_sample_flux_image`)
+IMAGE_JOBS = "img2img"  # fd.sample's img2img and inpainting over these steps (`sampler._flux_image`)
 
 
 # ----------------------------------------------------------------------------- the adapter

@@ -8,24 +8,20 @@ import torch
 
 from ... import flux2
 from ...flux2 import Flux2Config
-from .._latents import _batch, flux2_vae_input, grid_ids
-from .._steps import Prompt, Steps
 from . import _common
 from ._common import stock_module
+from ._latents import _batch, flux2_vae_input, grid_ids
+from ._steps import Prompt, Steps
 
 # the shared hooks FLUX.2 takes as they are (`_common`)
-batch_size, adapter_result, tiny_assemble = (
-    _common.batch_size,
-    _common.adapter_result,
-    _common.tiny_assemble,
-)
+batch_size, tiny_assemble = _common.batch_size, _common.tiny_assemble
 
 # ----------------------------------------------------------------------------- fd.sample
 
 EMBED_ARGS = ("prompt_embeds",)
 EMBEDS_TOGETHER = ()
 MAX_SEQUENCE_LENGTH = None  # the stock pipelines set no limit
-IMAGE_JOBS = None  # klein inpainting is its pipeline's (`_sample_flux2_image`)
+IMAGE_JOBS = None  # klein inpainting is its pipeline's (`sampler._flux2_image`)
 ENCODER_LORA_SCALE = False
 CFG_NEEDS_NEGATIVE = False
 PER_ITEM_SAMPLING = True
@@ -113,7 +109,7 @@ class _Flux2(Steps):
 
 
 def steps(params, pipe, image, kv_cache) -> Steps:
-    """Text to image with reference images (klein inpainting builds on it: `_sample_flux2_image`)."""
+    """Text to image with reference images (klein inpainting builds on it: `sampler._flux2_image`)."""
     import diffusers
 
     return _Flux2(params, pipe, isinstance(pipe, diffusers.Flux2KleinKVPipeline) if kv_cache is None else kv_cache)
@@ -160,7 +156,7 @@ def adapter_args(
     num_ref_tokens=0,
     ref_fixed_timestep=0.0,
 ):
-    from .. import _adapter_kv as kv
+    from . import _flux2_kv as kv
 
     adapter._lora_scale("joint_attention_kwargs", joint_attention_kwargs)
     args = dict(img_ids=img_ids, txt_ids=txt_ids)
@@ -180,6 +176,13 @@ def adapter_args(
             raise ValueError("kv_cache: expected the cache an extract call returned with kv_cache_mode='cached'")
         return dict(args, kv_cache=kv.to_fd(kv_cache, adapter._fd_config))
     raise ValueError(f"kv_cache_mode: expected None, 'extract' or 'cached', got {kv_cache_mode!r}")
+
+
+def adapter_result(out, kwargs):
+    """An extract call's cache as diffusers' ``Flux2KVCache`` (`_flux2_kv.KVCache`)."""
+    from . import _flux2_kv
+
+    return (out[0], _flux2_kv.KVCache(out[1])) if isinstance(out, tuple) else out
 
 
 def output(sample, cache):

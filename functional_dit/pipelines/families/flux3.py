@@ -10,10 +10,10 @@ import torch
 
 from ... import flux3
 from ...flux3 import Flux3Config
-from .._latents import flux2_vae_input
-from .._steps import Prompt, Steps
 from . import _common
 from ._common import stock_module
+from ._latents import flux2_vae_input
+from ._steps import Prompt, Steps
 
 # the shared hooks FLUX.3 takes as they are (`_common`)
 shift, batch_size, adapter_result, output = (

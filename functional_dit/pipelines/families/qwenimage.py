@@ -11,10 +11,10 @@ import torch
 
 from ... import qwenimage as _qwen
 from ...qwenimage import QwenImageConfig
-from .._latents import _batch, pack_2x2, unpack_2x2
-from .._steps import Prompt, Steps
 from . import _common
 from ._common import refuse_kv_cache, stock_module
+from ._latents import _batch, pack_2x2, unpack_2x2
+from ._steps import Prompt, Steps
 
 # the shared hooks Qwen-Image takes as they are (`_common`)
 shift, batch_size, adapter_result, output, tiny_assemble = (
@@ -31,7 +31,7 @@ EMBED_ARGS = ("prompt_embeds", "prompt_embeds_mask")
 EMBEDS_TOGETHER = ()
 MAX_SEQUENCE_LENGTH = 1024
 ENCODER_LORA_SCALE = False
-CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`_sample_qwen_image.true_cfg`)
+CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._qwen_image.true_cfg`)
 PER_ITEM_SAMPLING = True
 
 
@@ -105,7 +105,7 @@ def _qwen_edit_size(size) -> tuple[int, int]:
 
 
 def steps(params, pipe, image, kv_cache) -> Steps:
-    """Text to image or the Edit pipeline (the other image jobs build on it: `_sample_qwen_image`)."""
+    """Text to image or the Edit pipeline (the other image jobs build on it: `sampler._qwen_image`)."""
     import diffusers
 
     if image is not None and isinstance(pipe, diffusers.QwenImagePipeline):
@@ -124,7 +124,7 @@ def pipeline_class(components) -> str:
     return "QwenImageEditPipeline" if components.get("processor") is not None else "QwenImagePipeline"
 
 
-IMAGE_JOBS = "pipeline"  # its pipelines make the image jobs (`_sample_qwen_image.pipeline`)
+IMAGE_JOBS = "pipeline"  # its pipelines make the image jobs (`sampler._qwen_image.pipeline`)
 
 
 # ----------------------------------------------------------------------------- the adapter

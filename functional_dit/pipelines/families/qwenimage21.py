@@ -16,9 +16,9 @@ import torch
 
 from ... import qwenimage21
 from ...qwenimage21 import QwenImage21Config, QwenImage21KVCache
-from .._steps import Prompt, Steps
 from . import _common
 from ._common import stock_module
+from ._steps import Prompt, Steps
 
 # the shared hooks Qwen-Image 2.1 takes as they are (`_common`)
 shift, output, tiny_assemble = _common.shift, _common.output, _common.tiny_assemble
@@ -30,7 +30,7 @@ EMBEDS_TOGETHER = ()
 MAX_SEQUENCE_LENGTH = None
 IMAGE_JOBS = None
 ENCODER_LORA_SCALE = False
-CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`_sample_qwen_image.true_cfg`)
+CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._qwen_image.true_cfg`)
 PER_ITEM_SAMPLING = False
 
 

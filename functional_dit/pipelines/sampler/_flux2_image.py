@@ -24,10 +24,10 @@ import math
 
 import torch
 
-from ._latents import _batch
-from ._sample_flux_image import _check_crop, _check_strength, _one_image, cut
-from .families.flux2 import _Flux2
-from .schedule import blend, noised_start
+from ..families import repeat_batch as _batch
+from ..families.flux2 import _Flux2
+from ..schedule import blend, noised_start
+from ._flux_image import _check_crop, _check_strength, _one_image, cut
 
 NAME = "Flux2KleinInpaintPipeline"
 STRENGTH = 0.8  # the stock pipeline's default (FLUX.1's and Qwen-Image's is schedule.STRENGTH)

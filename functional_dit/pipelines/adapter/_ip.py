@@ -19,7 +19,7 @@ from diffusers.loaders.transformer_flux import FluxTransformer2DLoadersMixin
 from diffusers.models.embeddings import ImageProjection
 from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
-from .. import families as _families
+from ... import families as _families
 
 IP_KEYS = ("encoder_hid_proj.", ".processor.")  # parameter names of the IP weight holders
 

@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from .. import families as _families
+from ... import families as _families
 
 # Per family, in its product module (`functional_dit.families.product`): ``EMBED_ARGS``, the
 # stock keyword arguments that replace the text encoders' output (``EMBEDS_TOGETHER`` of them

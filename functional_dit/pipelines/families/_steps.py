@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from .. import api as _api
+from ... import api as _api
 
 
 @dataclasses.dataclass

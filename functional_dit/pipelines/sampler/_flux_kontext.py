@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import flux1
-from ._latents import _batch, grid_ids
-from .families.flux1 import _Flux1
+from ... import flux1
+from ..families import grid_ids
+from ..families import repeat_batch as _batch
+from ..families.flux1 import _Flux1
 
 MAX_AREA = 1024**2  # FluxKontextPipeline's default
 

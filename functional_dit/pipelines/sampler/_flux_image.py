@@ -26,9 +26,9 @@ import dataclasses
 
 import torch
 
+from ..families.flux1 import _Flux1
+from ..schedule import STRENGTH, blend, noised_start, t_start
 from . import _requests
-from .families.flux1 import _Flux1
-from .schedule import STRENGTH, blend, noised_start, t_start
 
 GUIDANCE = 7.0  # their guidance_scale default (FluxPipeline's is 3.5)
 
@@ -154,7 +154,7 @@ class Flux1Image(_Flux1):
         self.proc, self.mask_proc = _processors(pipe)
         self.settings = {"strength": edit.strength, "inpaint": edit.mask is not None, "padding_mask_crop": edit.pad}
         self.ref, self.stash = None, {}
-        self.inpaints = edit.mask is not None  # takes masked_image_latents (`_sample_stock_args`)
+        self.inpaints = edit.mask is not None  # takes masked_image_latents (`sampler._stock_args`)
         self.latent_channels = self.c.in_channels // 4  # 16: FluxInpaintPipeline hard-codes it (FLUX.1's latents)
 
     def images(self, images, B, device):

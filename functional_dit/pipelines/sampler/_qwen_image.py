@@ -22,12 +22,12 @@ import math
 import numpy as np
 import torch
 
-from .. import families as _families
-from .. import qwenimage as _qwen
+from ... import families as _families
+from ... import qwenimage as _qwen
+from ..families import pack_2x2 as _pack
+from ..families.qwenimage import _Qwen
+from ..schedule import STRENGTH, blend, noised_start, t_start
 from . import _requests
-from ._latents import pack_2x2 as _pack
-from .families.qwenimage import _Qwen
-from .schedule import STRENGTH, blend, noised_start, t_start
 
 IMG2IMG = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
 PIPELINES = (*IMG2IMG, "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline")  # also in `_sample.PIPELINES`
@@ -170,7 +170,7 @@ class Img2Img(_Qwen):
         super().__init__(params, pipe)
         self.strength, self.mask_image, self.crop = strength, mask_image, crop
         self.start = self.mask = self.raw = self.crops = self.cur = None
-        self.inpaints = mask_image is not None  # takes masked_image_latents (`_sample_stock_args`)
+        self.inpaints = mask_image is not None  # takes masked_image_latents (`sampler._stock_args`)
         self.latent_channels = pipe.vae.config.z_dim  # QwenImageInpaintPipeline.latent_channels
 
     def images(self, images, B, device):

@@ -9,16 +9,16 @@ pipeline touches besides ``forward`` is here: ``config`` with the diffusers keys
 Cache, TaylorSeer lite and MagCache configs, `functional_dit.pipelines._cache_hooks`), the stock
 ``pos_embed`` RoPE module (the family product's ``pos_embed``), the block lists whose attention
 processors the FLUX.2-klein KV pipeline sets, ``save_pretrained`` and
-``from_pretrained`` (the stock keywords: `_adapter_io`). The parameter leaves are
+``from_pretrained`` (the stock keywords: `adapter._io`). The parameter leaves are
 registered as ``nn.Parameter`` s under the diffusers names (``state_dict()`` keys equal
 the stock class's; they require grad, as a stock module's do), so ``to()``, accelerate's
 CPU offload, ``train()`` + ``backward()`` and ``fd.from_diffusers(adapter)`` work as on
 the stock module; each forward reads them back into `Params`. The rest of the stock
 surface (fused projections, gradient checkpointing, the refusals) is in
-`_adapter_surface`, the PEFT methods in `_adapter_peft`, FLUX.2's KV cache (diffusers'
-``Flux2KVCache``) in `_adapter_kv`, ``enable_layerwise_casting`` (fp8 storage over
-`fd.layerwise_cast`) in `_adapter_layerwise`. Arguments it cannot honour (custom attention
-processors) raise a ``ValueError``; FLUX.1's IP-Adapter is in `_adapter_ip`. ControlNet residuals
+`adapter._surface`, the PEFT methods in `adapter._peft`, FLUX.2's KV cache (diffusers'
+``Flux2KVCache``) in `families._flux2_kv`, ``enable_layerwise_casting`` (fp8 storage over
+`fd.layerwise_cast`) in `adapter._layerwise`. Arguments it cannot honour (custom attention
+processors) raise a ``ValueError``; FLUX.1's IP-Adapter is in `adapter._ip`. ControlNet residuals
 (``controlnet_block_samples``, FLUX.1's ``controlnet_single_block_samples`` and
 ``controlnet_blocks_repeat``) go to `fd.apply` as they are (docs/controlnet.md).
 
@@ -49,21 +49,20 @@ import torch
 from sharding.internal import is_dtensor, refuse_fsdp
 from sharding.tree import nest
 
-from .. import families as _families
-from ..api import config_to_diffusers, family
-from ..params import Params
-from . import _adapter_io as io
-from . import _adapter_kv as kv
-from ._adapter_ip import IPAdapterMixin, is_ip_weight
-from ._adapter_layerwise import LayerwiseMixin
-from ._adapter_peft import PeftMixin
-from ._adapter_peft_layers import base_key as layers_base_key
-from ._adapter_surface import SurfaceMixin
-from ._cache_hooks import CacheHooks
+from ... import families as _families
+from ...api import config_to_diffusers, family
+from ...params import Params
+from .. import CacheHooks
+from . import _io as io
+from ._ip import IPAdapterMixin, is_ip_weight
+from ._ip import ip_adapter_input as ip_adapter_input  # the sampler's IP-Adapter inputs
+from ._layerwise import LayerwiseMixin
+from ._peft import PeftMixin
+from ._peft_layers import base_key as layers_base_key
+from ._surface import SurfaceMixin
 
 # The adapter stands in for the stock module, so its PEFT messages go where diffusers' do.
 _PEFT_LOG = diffusers.utils.logging.get_logger("diffusers.loaders.peft")
-KVCache = kv.KVCache  # the cache a FLUX.2 extract call returns: a diffusers Flux2KVCache
 
 # Stock forward arguments of the families that do not take them, with their defaults (accepted).
 _UNSUPPORTED = {
@@ -277,9 +276,9 @@ class DiffusersTransformer(
             checkpoint=bool(self.gradient_checkpointing),
             **args,
         )
-        out = product.adapter_result(out, kwargs)
+        out = product.adapter_result(out, kwargs)  # (sample, cache) for an extract call that returns one
         if isinstance(out, tuple):
-            out, cache = out[0], KVCache(out[1])
+            out, cache = out
         if not return_dict:
             return (out,) if cache is None else (out, cache)
         return product.output(out, cache)
@@ -332,7 +331,7 @@ class DiffusersTransformer(
         """Apply ``lora`` — a list of ``(adapter, scale)`` pairs of `functional_dit.lora`
         adapters made for these params, or None / [] for none — on the fly in every
         forward from now on. Sharded params need the adapters on the same mesh."""
-        from ..lora import internal as lora_apply
+        from ...lora import internal as lora_apply
 
         pairs = [] if not lora else lora_apply.check(self.params, lora)
         self.__dict__["_lora"] = list(pairs)
@@ -350,7 +349,7 @@ class DiffusersTransformer(
         combines several). Its ``peft_config`` is the stock loader's (the file's metadata, or
         inferred); missing or unexpected LoRA keys are warned about as the stock loader warns.
         ``network_alphas`` are honoured; hub downloads, hotswapping and pickles are not supported."""
-        from ._adapter_peft import read_lora
+        from ._peft import read_lora
 
         alphas = kwargs.pop("network_alphas", None) or {}
         name = kwargs.pop("adapter_name", None)
@@ -419,7 +418,7 @@ class DiffusersTransformer(
         (sharded params), ``device`` as in `weights.load`; the stock keywords
         (``torch_dtype`` / ``dtype``, ``variant``, ``subfolder``, ``device_map``,
         ``low_cpu_mem_usage``, ``output_loading_info``, ``use_safetensors``, ...) with the
-        stock meanings (`functional_dit.pipelines._adapter_io`). A folder of pickled
+        stock meanings (`functional_dit.pipelines.adapter._io`). A folder of pickled
         ``.bin`` weights (``save_pretrained(safe_serialization=False)``) is read with
         ``torch.load(weights_only=True)``, never a full unpickling."""
         import weights

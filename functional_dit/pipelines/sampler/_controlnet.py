@@ -26,13 +26,13 @@ import dataclasses
 
 import torch
 
-from .. import api as _api
-from .. import controlnet as _cn
-from .. import families as _families
-from ..params import Params
+from ... import api as _api
+from ... import controlnet as _cn
+from ... import families as _families
+from ...params import Params
+from ..families.flux1 import _Flux1
+from ..families.qwenimage import _Qwen
 from . import _requests
-from .families.flux1 import _Flux1
-from .families.qwenimage import _Qwen
 
 FLUX_GUIDANCE = 7.0  # FluxControlNetPipeline's guidance_scale default (FluxPipeline's is 3.5)
 

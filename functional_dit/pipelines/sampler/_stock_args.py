@@ -46,7 +46,7 @@ import numbers
 
 import torch
 
-from .. import families as _families
+from ... import families as _families
 
 # Arguments taken by no pipeline fd.sample drives with a meaning here, and why.
 REFUSED = {
@@ -171,7 +171,7 @@ def lora_scale(pipe, joint_attention_kwargs, attention_kwargs) -> float | None:
 
 
 def scaled(items: tuple | None, scale: float | None) -> tuple | None:
-    """Per image, its ``(adapter, scale)`` pairs (`_sample_lora.per_image`) with every scale
+    """Per image, its ``(adapter, scale)`` pairs (`sampler._lora.per_image`) with every scale
     times ``scale``: the stock ``scale_lora_layers(transformer, scale)``."""
     if scale is None or items is None:
         return items
@@ -305,7 +305,7 @@ def ip_adapter(pipe, pos, neg, sharded: bool, cache) -> tuple | None:
         raise ValueError("ip_adapter_image_embeds: the IP-Adapter runs on plain params only (not on a mesh) yet")
     if cache is not None:
         raise ValueError("cache: a step cache does not run with the IP-Adapter yet; expected None")
-    from ._adapter_ip import ip_adapter_input
+    from ..adapter import ip_adapter_input
 
     module = getattr(pipe, "transformer", None)
     return ip_adapter_input(module, list(pos) if isinstance(pos, list) else [pos]), ip_adapter_input(

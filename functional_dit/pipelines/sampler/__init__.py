@@ -16,12 +16,12 @@ Per-step-invariant work is done once before the loop: prompt embeddings, positio
 and their RoPE tables (passed to ``fd.apply`` as ``rope=``), reference-image latents;
 the klein reference KV cache is extracted on the first step and reused after.
 
-Image ``i`` draws its noise from its own seed (`functional_dit.pipelines._requests`), so it is the
+Image ``i`` draws its noise from its own seed (`functional_dit.pipelines.sampler._requests`), so it is the
 same image in any batch, chunk or rank. Sharded params work as they are: on a mesh with
 ``dp`` groups and at least as many images each group makes its own share of the images
 with the mesh's tp and sp axes; with fewer images every rank runs the same loop and
 ``fd.apply`` splits the [cond; uncond] batch over dp (CFG parallelism)
-(`functional_dit.pipelines._ranks`). Fully sharded params (an fsdp axis): the fsdp ranks of a
+(`functional_dit.pipelines.sampler._ranks`). Fully sharded params (an fsdp axis): the fsdp ranks of a
 dp group run the same loop and ``fd.apply`` splits each call's batch over them, so every
 rank meets every block's all-gather (docs/sampling.md, "Over fsdp"). Before the first step
 one check compares the settings and inputs of the ranks that must agree and raises on
@@ -46,22 +46,20 @@ import torch
 import sharding
 from sharding.internal import is_dtensor
 
-from .. import families as _families
-from ..params import Params
-from . import _ranks, _requests
-from . import _sample_controlnet as _controlnet
-from . import _sample_flux2_image as _flux2_image
-from . import _sample_flux_image as _flux_image
-from . import _sample_flux_kontext as _kontext
-from . import _sample_lora as _lora_items
-from . import _sample_qwen_image as _qi
-from . import _sample_stock_args as _stock
-from . import cache as _cache
-from . import placement as _placement
-from . import sampler_xla as _sample_xla
-from ._latents import combine
-from ._steps import Prompt
+from ... import families as _families
+from ...params import Params
+from .. import cache as _cache
+from .. import placement as _placement
+from .. import sampler_xla as _sample_xla
+from ..families import Prompt, combine
+from . import _controlnet, _flux2_image, _flux_image, _ranks, _requests
+from . import _flux_kontext as _kontext
+from . import _lora as _lora_items
+from . import _qwen_image as _qi
+from . import _stock_args as _stock
 
+# What the per-item sampling module (`functional_dit.pipelines.sampling`) shares with fd.sample.
+requests, check_max_sequence_length = _requests.requests, _requests.check_max_sequence_length
 _OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
 
@@ -335,7 +333,7 @@ def sample(
     {"latents": latents})`` too, and the "latents" of the dict it returns replace them.
 
     On a mesh with ``dp`` groups and at least as many images, each group makes a contiguous
-    share of the images (`functional_dit.pipelines._ranks`), ``batch_size`` images per model call
+    share of the images (`functional_dit.pipelines.sampler._ranks`), ``batch_size`` images per model call
     (None: its whole share at once; Qwen-Image 2.1: one, see `_batch_size`). Returns every
     image on every rank, or with ``local`` ``(indices, images)`` of this rank's group only.
     docs/sampling.md says what is bitwise.
@@ -352,11 +350,11 @@ def sample(
     ``lora``: LoRA adapters applied on the fly (nothing merged): ``[(adapter, scale), ...]``
     for every prompt, or one such list per prompt (``[[(a, 1.0)], [(b, 0.5)], []]``), each
     image computing only its own adapters' updates in the shared batch, both CFG branches
-    alike (`functional_dit.pipelines._sample_lora`); sharded params need the adapters on
+    alike (`functional_dit.pipelines.sampler._lora`); sharded params need the adapters on
     their mesh (``lora.load(path, params)``).
 
     The stock pipelines' other arguments, with their stock meaning where the pipeline class
-    takes them (`functional_dit.pipelines._sample_stock_args`, docs/sampling.md "Stock
+    takes them (`functional_dit.pipelines.sampler._stock_args`, docs/sampling.md "Stock
     arguments"): FLUX.1's ``prompt_2`` / ``negative_prompt_2`` (the T5 prompts);
     ``joint_attention_kwargs`` (FLUX.1) / ``attention_kwargs`` (the others), whose LoRA
     ``scale`` multiplies the ``lora`` scales; ``callback_on_step_end_tensor_inputs``
@@ -473,7 +471,7 @@ class _Job:
     batch_size: int | None
     on_step: Callable | None
     cache: object | None = None  # a _cache.CacheRun, or None
-    lora: tuple | None = None  # per image, its (adapter, scale) pairs (`_sample_lora.per_image`), or None
+    lora: tuple | None = None  # per image, its (adapter, scale) pairs (`sampler._lora.per_image`), or None
     stock: _stock.StockArgs = _stock.StockArgs()  # the stock pipelines' further arguments, checked
 
 
@@ -526,7 +524,7 @@ def _run(model, pipe, chunk: _Chunk, job: _Job):
 
 def _chunk_apply(model, job: _Job, steps: int, images):
     """The chunk's ``fd.apply``: the step cache's (a fresh state per chunk) or the plain
-    one, with the chunk's per-image LoRA adapters (`_sample_lora.calls`)."""
+    one, with the chunk's per-image LoRA adapters (`sampler._lora.calls`)."""
     plain = getattr(model, "base_apply", None) or type(model).apply  # ControlNet: with its residuals
     apply = plain if job.cache is None else job.cache.start(branches=1 if job.cfg is None else 2, steps=steps)
     return _lora_items.calls(_stock.ip_calls(apply, job.stock.ip, job.cfg is not None), job.lora, images)
@@ -564,7 +562,7 @@ def _on_step(pipe, callback, callback_on_step_end):
 def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=None, auto_resize=None):
     """The sampling steps after the argument checks: an image job's (klein inpainting,
     FLUX.1 img2img / inpainting for an ``edit``, Kontext, Qwen-Image's image pipelines in
-    `_sample_qwen_image`), else the family's text-to-image steps (its product's ``steps``)."""
+    `sampler._qwen_image`), else the family's text-to-image steps (its product's ``steps``)."""
     if isinstance(edit, _flux2_image.Inpaint):
         return _flux2_image.Flux2Inpaint(params, pipe, edit)
     if edit is not None:
