@@ -28,10 +28,27 @@ from .params import Params, check_leaves, init_leaf, register_pytree
 
 # The families: config class -> the module that owns it (specs, check_inputs, forward, presets,
 # DIFFUSERS_CLASS), read off the one family registry (`functional_dit.families`).
-FAMILIES = dict(_families.BY_CONFIG)
-PRESETS = {name: cfg for fam in FAMILIES.values() for name, cfg in fam.PRESETS.items()}
-DIFFUSERS_CLASSES = {fam.DIFFUSERS_CLASS: cls for cls, fam in FAMILIES.items()}
-REGIONS = {cls: _compile.regions(fam) for cls, fam in FAMILIES.items()}  # each family's blocks as compile regions
+FAMILIES: dict = {}
+PRESETS: dict = {}
+DIFFUSERS_CLASSES: dict = {}
+REGIONS: dict = {}  # each family's blocks as compile regions
+
+
+def _add_family(fam) -> None:
+    FAMILIES[fam.CONFIG] = fam
+    PRESETS.update(fam.PRESETS)
+    DIFFUSERS_CLASSES[fam.DIFFUSERS_CLASS] = fam.CONFIG
+    REGIONS[fam.CONFIG] = _compile.regions(fam)
+
+
+def _remove_family(fam) -> None:
+    for table, key in ((FAMILIES, fam.CONFIG), (DIFFUSERS_CLASSES, fam.DIFFUSERS_CLASS), (REGIONS, fam.CONFIG)):
+        table.pop(key, None)
+    for name in fam.PRESETS:
+        PRESETS.pop(name, None)
+
+
+_families.watch(_add_family, _remove_family)  # kept current when a family is registered at run time
 register_pytree(FAMILIES)
 family = _families.of  # the family module that owns a config or `Params`
 

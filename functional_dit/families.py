@@ -5,27 +5,116 @@ in code: ``"flux1"``), ``NAME`` (for messages: ``"FLUX.1"``), ``CONFIG`` (its co
 class), ``DIFFUSERS_CLASS``, ``PRESETS``, ``TINY`` (its tiny preset), ``REPOS`` (presets
 with released weights) and ``PIPELINES`` (the stock pipelines that run it,
 `configs.Pipeline`). ``api``, the sampler, the adapter, the tiny pipelines, the CLI,
-``lora`` and ``weights`` all ask this module "which family is this". Adding a family is
-its file plus one line in `FAMILIES`.
+``lora`` and ``weights`` all ask this module "which family is this".
+
+What the product does with a family (its sampling steps, the diffusers adapter's argument
+maps, the tiny pipelines' recipes, the bench's inputs) is in the family's *product module*,
+`product` (``functional_dit.pipelines.families.<KEY>``, or the module a family names in
+``PRODUCT``), imported on first use: it may import diffusers, the core may not. Adding a
+family is its core file, its product module and one line in `FAMILIES`
+(docs/adding-a-family.md); `register` is that line at run time (a family defined outside
+the package, as the tests' toy family).
 """
 
 from __future__ import annotations
+
+import contextlib
+import importlib
 
 from . import flux1, flux2, flux3, qwenimage, qwenimage21
 from .params import Params
 
 FAMILIES = (flux1, flux2, qwenimage, flux3, qwenimage21)  # one line per family
+PRODUCT_PACKAGE = "functional_dit.pipelines.families"  # where a family's product module is, by KEY
 
 # What every family module declares (tests/test_families.py checks each).
 FIELDS = ("KEY", "NAME", "CONFIG", "DIFFUSERS_CLASS", "PRESETS", "TINY", "REPOS", "PIPELINES")
 
-BY_KEY = {fam.KEY: fam for fam in FAMILIES}
-BY_CONFIG = {fam.CONFIG: fam for fam in FAMILIES}
-BY_DIFFUSERS_CLASS = {fam.DIFFUSERS_CLASS: fam for fam in FAMILIES}
-# Every stock pipeline class name -> (the family module that runs it, its `configs.Pipeline`).
-PIPELINES = {p.name: (fam, p) for fam in FAMILIES for p in fam.PIPELINES}
-SAMPLED = tuple(name for name, (_, p) in PIPELINES.items() if p.sample)  # the ones `fd.sample` drives
-TINY_KINDS = {p.tiny: (fam, p) for fam, p in PIPELINES.values() if p.tiny is not None}
+BY_KEY: dict = {}
+BY_CONFIG: dict = {}
+BY_DIFFUSERS_CLASS: dict = {}
+# Every stock pipeline class name -> (the family module that runs it, its `configs.Pipeline`);
+# a pipeline two families declare (a variant under another key) stays the first one's.
+PIPELINES: dict = {}
+SAMPLED: list = []  # the pipeline names `fd.sample` drives
+TINY_KINDS: dict = {}
+_WATCHERS: list = []  # (add, remove) callbacks of the tables kept elsewhere (`functional_dit.api`)
+
+
+def _add(fam) -> None:
+    missing = [f for f in FIELDS if not hasattr(fam, f)]
+    if missing or fam.KEY in BY_KEY or fam.CONFIG in BY_CONFIG or fam.DIFFUSERS_CLASS in BY_DIFFUSERS_CLASS:
+        why = f"misses {missing}" if missing else "has a KEY, CONFIG or DIFFUSERS_CLASS already registered"
+        raise ValueError(f"fam: {getattr(fam, '__name__', fam)!r} {why}")
+    BY_KEY[fam.KEY], BY_CONFIG[fam.CONFIG], BY_DIFFUSERS_CLASS[fam.DIFFUSERS_CLASS] = fam, fam, fam
+    for p in fam.PIPELINES:
+        if p.name not in PIPELINES:
+            PIPELINES[p.name] = (fam, p)
+            SAMPLED.extend([p.name] if p.sample else [])
+        if p.tiny is not None and p.tiny not in TINY_KINDS:
+            TINY_KINDS[p.tiny] = (fam, p)
+
+
+for _fam in FAMILIES:
+    _add(_fam)
+
+
+def register(fam) -> None:
+    """Add the family module ``fam`` (with every `FIELDS` name) to the registry, as a line
+    in `FAMILIES` does; for a family defined outside the package. `unregister` undoes it."""
+    global FAMILIES
+    _add(fam)
+    FAMILIES = (*FAMILIES, fam)
+    for add, _ in _WATCHERS:
+        add(fam)
+
+
+def unregister(fam) -> None:
+    """Remove a family `register` added (its pipelines and tiny kinds with it)."""
+    global FAMILIES
+    if fam not in FAMILIES[len(_BUILT_IN) :]:
+        raise ValueError(f"fam: {getattr(fam, '__name__', fam)!r} was not added by register")
+    FAMILIES = tuple(f for f in FAMILIES if f is not fam)
+    for table in (BY_KEY, BY_CONFIG, BY_DIFFUSERS_CLASS, PIPELINES, TINY_KINDS):
+        for k in [k for k, v in table.items() if v is fam or (isinstance(v, tuple) and v[0] is fam)]:
+            del table[k]
+    SAMPLED[:] = [name for name in SAMPLED if name in PIPELINES]
+    for _, remove in _WATCHERS:
+        remove(fam)
+
+
+@contextlib.contextmanager
+def registered(fam):
+    """``fam`` registered for the ``with`` block (`register`, then `unregister`)."""
+    register(fam)
+    try:
+        yield fam
+    finally:
+        unregister(fam)
+
+
+def watch(add, remove) -> None:
+    """Keep a table derived from the registry current: ``add(fam)`` now for every family
+    and for each one `register` adds later, ``remove(fam)`` for each one `unregister` removes."""
+    _WATCHERS.append((add, remove))
+    for fam in FAMILIES:
+        add(fam)
+
+
+_BUILT_IN = FAMILIES
+
+
+def product(fam):
+    """The product module of family ``fam`` (a family module, its KEY, a config or `Params`):
+    its sampling steps, adapter argument maps, tiny recipes and bench inputs, imported on
+    first use (``fam.PRODUCT`` if the family names one, else `PRODUCT_PACKAGE`.<KEY>)."""
+    if isinstance(fam, str):
+        if fam not in BY_KEY:
+            raise ValueError(f"fam: expected one of {sorted(BY_KEY)}, got {fam!r}")
+        fam = BY_KEY[fam]
+    elif not hasattr(fam, "KEY"):
+        fam = of(fam)
+    return importlib.import_module(getattr(fam, "PRODUCT", f"{PRODUCT_PACKAGE}.{fam.KEY}"))
 
 
 def of(config):

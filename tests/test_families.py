@@ -62,8 +62,8 @@ def test_core_and_product_lookups_agree_with_the_registry(fam):
     assert fd.config_from_diffusers(fd.config_to_diffusers(config)) == config  # DIFFUSERS_CLASS both ways
     assert sampler._family_name(params) == fam.KEY
     assert adapter._family(params) == fam.KEY
-    assert adapter._STOCK_CLASS[fam.KEY] == fam.DIFFUSERS_CLASS
-    assert adapter._PIPELINES[fam.KEY].split(" / ") == [p.name for p in fam.PIPELINES]
+    assert adapter._stock_class(fam.KEY) == fam.DIFFUSERS_CLASS
+    assert adapter._served(fam.KEY).split(" / ") == [p.name for p in fam.PIPELINES]
     assert lora_io._family(config) == fam.DIFFUSERS_CLASS
     assert weights._layouts.FAMILY_NAMES[fam.DIFFUSERS_CLASS] == fam.NAME
     assert {n: r for n, r in generate.PRESET_REPOS.items() if n in fam.PRESETS} == fam.REPOS
@@ -76,8 +76,8 @@ def test_adapter_classes_are_the_stock_class_names():
 
 
 def test_pipeline_tables_come_from_the_registry():
-    want = {p.name: fam.KEY for fam in FAMILIES for p in fam.PIPELINES if p.sample}
-    assert sampler.PIPELINES == want
+    want = [p.name for fam in FAMILIES for p in fam.PIPELINES if p.sample]
+    assert families.SAMPLED == want
     assert tiny.PIPELINE_CLASSES == {p.tiny: p.name for fam in FAMILIES for p in fam.PIPELINES if p.tiny}
     for kind in tiny.KINDS:  # each kind's config belongs to the family its pipeline runs
         fam = families.of_pipeline(tiny.PIPELINE_CLASSES[kind])

@@ -96,13 +96,13 @@ def test_the_private_import_check_sees_what_it_must():
     snippets = {
         "functional_dit.api": "from .lora import _apply",
         "functional_dit.nn.fused": "import sharding\nsharding._shard.dtensor_from_local",
-        "functional_dit.pipelines._ranks": "from sharding._replicated import describe",
+        "functional_dit.pipelines.sampler._ranks": "from sharding._replicated import describe",
         "weights._load": "from . import _format\nfrom ._layouts import resolve",
     }
     found = {m: _imported(m, ast.parse(s), modules) for m, s in snippets.items()}
     assert "functional_dit.lora._apply" in found["functional_dit.api"]
     assert "sharding._shard" in found["functional_dit.nn.fused"]
-    assert "sharding._replicated" in found["functional_dit.pipelines._ranks"]
+    assert "sharding._replicated" in found["functional_dit.pipelines.sampler._ranks"]
     assert {"weights._format", "weights._layouts"} <= found["weights._load"]
     assert _package_of("weights._format", modules) == _package_of("weights._load", modules) == "weights"
     assert _package_of("functional_dit.lora", modules) == "functional_dit.lora"

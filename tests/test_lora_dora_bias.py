@@ -183,7 +183,7 @@ def test_adapter_new_adapter_initialises_as_peft(init):
     """The diffusers adapter's ``add_adapter`` builds its `lora.Adapter` with
     ``new_adapter``: a zero bias (``init_lora_weights=True``; else random, non-zero) and
     DoRA's magnitude ``||W + s B A||`` per row, as PEFT's ``add_adapter`` sets them."""
-    from functional_dit.pipelines._adapter_peft import new_adapter
+    from functional_dit.pipelines.adapter._peft import new_adapter
 
     _, config = _case("flux1")
     module, params = diffusers_model(config, seed=3)

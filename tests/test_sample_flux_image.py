@@ -18,7 +18,9 @@ from PIL import Image
 import functional_dit as fd
 import sharding
 from functional_dit import tiny
-from functional_dit.pipelines import _sample_families, _sample_flux_image, _sample_flux_kontext
+from functional_dit.pipelines import families as _latents
+from functional_dit.pipelines.sampler import _flux_image as _sample_flux_image
+from functional_dit.pipelines.sampler import _flux_kontext as _sample_flux_kontext
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # the bound; measured 0 (bitwise) on one process, ≤ 3.4e-6 on 2 ranks
 SIZE = dict(height=64, width=48)  # an 8 x 6 latent grid: 12 tokens, the mask covers some of them
@@ -119,9 +121,9 @@ def test_inpainting_keeps_the_image_outside_the_mask(pipes):
     pixels = proc.preprocess(init_image(), **SIZE)
     post = inpaint.vae.encode(pixels).latent_dist.sample(torch.Generator().manual_seed(3))
     cfg = inpaint.vae.config
-    init = _sample_families.pack_2x2((post - cfg.shift_factor) * cfg.scaling_factor)
+    init = _latents.pack_2x2((post - cfg.shift_factor) * cfg.scaling_factor)
     mask = torch.nn.functional.interpolate(mask_proc.preprocess(mask_image(), **SIZE), size=post.shape[2:])
-    keep = _sample_families.pack_2x2(mask.repeat(1, post.shape[1], 1, 1)) == 0
+    keep = _latents.pack_2x2(mask.repeat(1, post.shape[1], 1, 1)) == 0
     assert 0 < int(keep.sum()) < keep.numel()
     assert torch.equal(got[keep], init[keep])
     assert not torch.allclose(got[~keep], init[~keep])

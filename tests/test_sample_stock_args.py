@@ -1,4 +1,4 @@
-"""The stock pipelines' further arguments in `fd.sample` (`functional_dit.pipelines._sample_stock_args`),
+"""The stock pipelines' further arguments in `fd.sample` (`functional_dit.pipelines.sampler._stock_args`),
 each against the stock diffusers pipeline with the stock transformer at the same seed on the
 tiny offline pipelines (`functional_dit.tiny`), and each refusal by name (docs/sampling.md,
 "Stock arguments"). Two steps at 32x32 unless a case says otherwise; latents compared.

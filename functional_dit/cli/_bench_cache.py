@@ -18,20 +18,19 @@ import time
 import torch
 
 from .. import api as _api
+from .. import families
 from ..pipelines import cache as _cache
 from ..pipelines import tiny
 
-# family: (tiny pipeline kind, stock kwargs, fd.sample kwargs); CFG where the models use it
-MSL = dict(max_sequence_length=128)  # FLUX pad prompts to it: the bench's 128 text tokens
-FAMILIES = {
-    "flux1": ("flux", dict(guidance_scale=3.5, **MSL), dict(guidance=3.5, **MSL)),
-    "flux2-klein": ("flux2-klein", dict(guidance_scale=4.0, **MSL), dict(true_cfg=4.0, **MSL)),
-    "qwenimage": (
-        "qwen-image",
-        dict(true_cfg_scale=4.0, negative_prompt="blurry"),
-        dict(true_cfg=4.0, negative_prompt="blurry"),
-    ),
-}
+
+def runs() -> dict:
+    """Row name -> the family's cache bench run (`functional_dit.pipelines.families._common.BenchCache`:
+    tiny pipeline kind, stock kwargs, fd.sample kwargs, CFG where the models use it), by
+    mid config (family key), for the families whose product declares one (``BENCH_CACHE``)."""
+    products = {fam.KEY: families.product(fam) for fam in families.FAMILIES}
+    return {key: p.BENCH_CACHE for key, p in products.items() if p.BENCH_CACHE is not None}
+
+
 _WIDTH_KEYS = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads", "axes_dims_rope")
 
 
@@ -101,7 +100,8 @@ def family_rows(fam: str, mid, caches: list, steps: int, size: int) -> list[dict
 
     import functional_dit as fd
 
-    kind, stock_kw, our_kw = FAMILIES[fam]
+    run = next(r for r in runs().values() if r.row == fam)
+    kind, stock_kw, our_kw = run.kind, run.stock_kw, run.our_kw
     config = bench_config(kind, mid)
     params = fd.init(config, seed=0)
     cfg = _api.config_to_diffusers(config)
@@ -121,7 +121,11 @@ def family_rows(fam: str, mid, caches: list, steps: int, size: int) -> list[dict
 def _row(fam, cache, sample, plain, t_plain, t_stock, pipe, steps, size, stock_kw, n_blocks) -> dict:
     run = _cache.CacheRun(cache)
     cached, t_cached = _timed(lambda: sample(run))
-    if isinstance(run.config, _cache.FasterCache) and fam in TRUE_CFG:
+    # with true CFG (two transformer calls per step) the stock FasterCache's one state sees
+    # both calls (and crashes where their text lengths differ), while ours batches them, so
+    # its stock row is not comparable
+    true_cfg = any(r.true_cfg for r in runs().values() if r.row == fam)
+    if isinstance(run.config, _cache.FasterCache) and true_cfg:
         t_stock_cached, stock_cached = None, "n/a: stock FasterCache shares one state across true CFG's two calls"
     else:
         t_stock_cached, stock_cached = _stock_cached(pipe, run.config, steps, size, stock_kw)
@@ -146,24 +150,15 @@ def _row(fam, cache, sample, plain, t_plain, t_stock, pipe, steps, size, stock_k
     )
 
 
-# The families whose runs above use true CFG (two transformer calls per step): there the
-# stock FasterCache's one state sees both calls (and crashes where their text lengths
-# differ), while ours batches them, so its stock row is not comparable.
-TRUE_CFG = ("flux2-klein", "qwenimage")
-
-
-# the bench's mid config names -> the pipeline each samples with
-_MID_NAMES = {"flux1": "flux1", "flux2": "flux2-klein", "qwenimage": "qwenimage"}
-
-
 def section(mids: dict, specs: list[str], steps: int, size: int) -> list[dict]:
     """The rows for every mid config in ``mids`` and every cache spec."""
     caches = [_cache.parse(s) for s in specs]
     rows = []
+    bench = runs()
     for name, mid in mids.items():
-        if name in _MID_NAMES:
+        if name in bench:
             print(f"{name}: sampling with {', '.join(specs)} ...", flush=True)
-            rows += family_rows(_MID_NAMES[name], mid, caches, steps, size)
+            rows += family_rows(bench[name].row, mid, caches, steps, size)
     return rows
 
 

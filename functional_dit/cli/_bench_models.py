@@ -12,69 +12,17 @@ import torch
 
 import sharding
 
-from .. import Flux1Config, Flux2Config, Flux3Config, QwenImage21Config, QwenImageConfig
 from .. import api as _api
+from .. import families
 
 IMG_HW = (32, 32)  # 1024 image tokens
 TXT_LEN = 128
 
 
-# The mid-size configs (8 heads x 64 = 512 wide), ~37-44 M params each.
-MID_CONFIGS = {
-    "flux1": Flux1Config(
-        in_channels=64,
-        num_layers=2,
-        num_single_layers=4,
-        attention_head_dim=64,
-        num_attention_heads=8,
-        joint_attention_dim=512,
-        pooled_projection_dim=256,
-        guidance_embeds=True,
-        axes_dims_rope=(8, 28, 28),
-    ),
-    "flux2": Flux2Config(
-        in_channels=128,
-        num_layers=2,
-        num_single_layers=6,
-        attention_head_dim=64,
-        num_attention_heads=8,
-        joint_attention_dim=512,
-        axes_dims_rope=(16, 16, 16, 16),
-    ),
-    "qwenimage": QwenImageConfig(
-        in_channels=64,
-        num_layers=4,
-        attention_head_dim=64,
-        num_attention_heads=8,
-        joint_attention_dim=512,
-        axes_dims_rope=(8, 28, 28),
-    ),
-    "flux3": Flux3Config(  # the released klein's channels and RoPE split, mid width
-        in_channels=128,
-        cond_in_channels=128,
-        num_layers=2,
-        num_single_layers=5,
-        attention_head_dim=64,
-        num_attention_heads=8,
-        joint_attention_dim=512,
-        axes_dims_rope=(16, 16, 16, 16),
-        flow_map=True,
-    ),
-    "qwenimage21": QwenImage21Config(
-        in_channels=64,
-        out_channels=64,
-        num_layers=10,
-        attention_head_dim=64,
-        num_attention_heads=8,
-        context_in_dim=512,
-        axes_dims_rope=(8, 28, 28),
-    ),
-}
-
-
 def mid_configs() -> dict:
-    """A copy of `MID_CONFIGS`, by family key."""
-    return dict(MID_CONFIGS)
+    """The mid-size configs (8 heads x 64 = 512 wide, ~37-44 M params each), by family key
+    (each family product's ``MID_CONFIG``)."""
+    return {fam.KEY: families.product(fam).MID_CONFIG for fam in families.FAMILIES}
 
 
 def random_params(config, device, dtype, seed: int = 0):
@@ -87,19 +35,10 @@ def random_params(config, device, dtype, seed: int = 0):
     return _api.Params(config, sharding.tree.nest({k: _api.init_leaf(k, s, gen).to(dtype) for k, s in specs.items()}))
 
 
-RELEASED_DEPTH = {
-    "flux1": "flux1-dev",
-    "flux2": "flux2-dev",
-    "qwenimage": "qwen-image",
-    "flux3": "flux3-klein",
-    "qwenimage21": "qwen-image-2.1",
-}
-
-
 def released_depth(name: str, config):
     """A mid config with the block counts of its family's released model (``--depth
     released``): mid width, real depth, where compile time per block matters."""
-    preset = _api.PRESETS[RELEASED_DEPTH[name]]
+    preset = _api.PRESETS[families.product(name).RELEASED]
     kw = {"num_layers": preset.num_layers}
     if hasattr(preset, "num_single_layers"):
         kw["num_single_layers"] = preset.num_single_layers
@@ -114,52 +53,15 @@ def one_block(config):
     return dataclasses.replace(config, **kw)
 
 
-def _qwen_inputs(fam, config, x, t, txt, h, w, device):
-    kw = dict(x=x, t=t, txt=txt, img_shapes=[[(1, h, w)]])
-    dkw = dict(hidden_states=x, encoder_hidden_states=txt, timestep=t, img_shapes=[[(1, h, w)]], return_dict=False)
-    if fam == "qwenimage21":  # text to image: the text rows, then one image slot per 2x2 latent patch
-        img_mask = torch.tensor([False] * txt.shape[1] + [True] * (h * w // 4), device=device)[None]
-        kw["img_mask"] = dkw["img_mask"] = img_mask
-    return kw, dkw
-
-
-def _flux_inputs(fam, config, x, t, txt, h, w, device, dtype, g):
-    txt_len = txt.shape[1]
-    rows, cols = torch.meshgrid(torch.arange(h) * 1.0, torch.arange(w) * 1.0, indexing="ij")
-    guidance = torch.full((1,), 3.5, device=device) if getattr(config, "guidance_embeds", False) else None
-    kw = dict(x=x, t=t, txt=txt, guidance=guidance)
-    dkw = dict(hidden_states=x, timestep=t, encoder_hidden_states=txt, guidance=guidance, return_dict=False)
-    if fam == "flux1":
-        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3)
-        txt_ids = torch.zeros(txt_len, 3)
-        kw["pooled"] = dkw["pooled_projections"] = torch.randn(1, config.pooled_projection_dim, generator=g).to(
-            device, dtype
-        )
-    else:
-        img_ids = torch.stack([torch.zeros_like(rows), rows, cols, torch.zeros_like(rows)], -1).reshape(-1, 4)
-        txt_ids = torch.stack([torch.zeros(txt_len)] * 3 + [torch.arange(txt_len) * 1.0], -1)
-    if fam == "flux3":  # no guidance embedding; the step-distilled model's target timestep instead
-        del kw["guidance"], dkw["guidance"]
-        dkw["target_timestep"] = t * 0.5 if config.flow_map else None
-        if config.flow_map:
-            kw["target_timestep"] = dkw["target_timestep"]
-    kw.update(img_ids=img_ids.to(device), txt_ids=txt_ids.to(device))
-    dkw.update(img_ids=kw["img_ids"], txt_ids=kw["txt_ids"])
-    return kw, dkw
-
-
 def inputs(config, device, dtype, seed: int = 0, hw=IMG_HW, txt_len: int = TXT_LEN):
     """(fd.apply kwargs, diffusers forward kwargs) for one image of ``hw`` latent tokens."""
     g = torch.Generator().manual_seed(seed)
     h, w = hw
-    fam = _api.family(config).KEY
     x = torch.randn(1, h * w, config.in_channels, generator=g).to(device, dtype)
     t = torch.rand(1, generator=g).to(device)
     width = getattr(config, "joint_attention_dim", None) or config.context_in_dim  # Qwen-Image 2.1: context_in_dim
     txt = torch.randn(1, txt_len, width, generator=g).to(device, dtype)
-    if fam.startswith("qwenimage"):
-        return _qwen_inputs(fam, config, x, t, txt, h, w, device)
-    return _flux_inputs(fam, config, x, t, txt, h, w, device, dtype, g)
+    return families.product(config).bench_inputs(config, x, t, txt, h, w, device, dtype, g)
 
 
 def _holds_meta_state(module) -> bool:

@@ -78,7 +78,7 @@ def as_class(pipe, name: str):
 def tiny_names(family: str | None = None) -> list[str]:
     """How each tiny pipeline (of ``family``, a registry key such as ``"flux1"``, or all)
     is named on the command line (``tiny:`` where a preset takes the bare name)."""
-    kinds = [k for k in TINY if family is None or families.TINY_KINDS[k][0].KEY == family]
+    kinds = [k for k in TINY if family is None or families.TINY_KINDS[k][0] is families.BY_KEY[family]]
     return [kind if kind not in PRESETS else PREFIX + kind for kind in kinds]
 
 

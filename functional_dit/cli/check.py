@@ -132,8 +132,9 @@ def run(args) -> int:
         name, config = fam.TINY, families.tiny_config(fam)
         if args.only is not None and args.only not in name:
             continue
-        if fam.KEY == "qwenimage21" and mode != "eager":
-            print(f"{name:<18} skip  {mode}: Qwen-Image 2.1 reads img_mask on the host (not traceable yet); eager only")
+        why = families.product(fam).CHECK_EAGER_ONLY
+        if why is not None and mode != "eager":
+            print(f"{name:<18} skip  {mode}: {why}; eager only")
             continue
         r = check_family(name, config, device, dtype, mode, backend, tol)
         ok &= r["ok"]

@@ -1,3 +1,23 @@
-"""The product around the core: the diffusers drop-in transformer (`adapter`), the
-functional sampler (`sampler`) and its step caches (`cache`), and the offline tiny
-pipelines (`tiny`). These modules may import diffusers, transformers and `weights`."""
+"""The product around the core, one subpackage per part (docs/architecture.md):
+
+- `families`: the product per family, one module each (its sampling steps, the adapter's
+  argument map, tiny recipes, bench inputs), found through `functional_dit.families.product`;
+- `sampler`: ``fd.sample`` (argument checks, requests, ranks, the image jobs, the loop);
+  `sampling` the per-item sampling state over it, `sampler_xla` its fixed-graph loop,
+  `schedule` the img2img schedule, `placement` where the encoders and the VAE run;
+- `adapter`: ``fd.DiffusersTransformer``, the diffusers drop-in transformer;
+- the step caches: `cache`, `_cache_items`, `_stages`, `_cache_hooks`;
+- `tiny`: the offline tiny pipelines.
+
+These modules may import diffusers, transformers and `weights`; this package's own import
+loads none of them.
+"""
+
+
+def __getattr__(name):
+    """``CacheHooks`` (the adapter's diffusers cache hooks, `_cache_hooks`), loaded on first use."""
+    if name == "CacheHooks":
+        from ._cache_hooks import CacheHooks
+
+        return CacheHooks
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,10 +31,8 @@ from torch.overrides import TorchFunctionMode
 from .. import families as _families
 from ..nn import scan as _scan
 from ..nn import values as _values
-from . import _sample_families as _sample
-from . import _sample_next as _next
-from . import _steps
 from . import schedule as _schedule
+from .families import Steps, combine
 
 _FORCED: contextvars.ContextVar = contextvars.ContextVar("fd_static_loop", default=None)
 
@@ -72,10 +70,10 @@ def wanted(model, job, pipe, device) -> bool:
     the host and a stochastic scheduler draws noise: those keep the usual loop."""
     if torch.device(device).type != "xla" and _FORCED.get() is None:
         return False
-    fixed = isinstance(model, (_sample._Flux1, _sample._Flux2, _sample._Qwen, _next.Flux3, _next.Qwen21))
+    fixed = model.fixed_graph
     stochastic = pipe.scheduler.config.get("stochastic_sampling", False)
     # an inpainting blend runs on the device when the model gives it as data (`blend_parts`)
-    blends = model.blends_steps and type(model).blend_parts is _steps.Steps.blend_parts
+    blends = model.blends_steps and type(model).blend_parts is Steps.blend_parts
     return fixed and job.cache is None and not stochastic and not blends
 
 
@@ -92,7 +90,7 @@ def step(model, x, t, dt, cond, cfg: float | None, normalise: bool, extra: dict 
     xin = torch.cat([x, x]) if cfg is not None else x
     pred = model(xin, t, cond, **(extra or {}))
     if cfg is not None:
-        pred = _sample.combine(pred, cfg, normalise)
+        pred = combine(pred, cfg, normalise)
     return euler(x, pred, dt)
 
 

@@ -27,11 +27,14 @@ import dataclasses
 
 import torch
 
+from .. import families as _families
 from ..lora import internal as _lora
-from . import _cache_items, _requests
+from . import _cache_items
 from . import sampler as _sampler
-from ._sample_families import _Flux1, _Flux2, _Qwen, combine
-from ._steps import Prompt
+from .families import Prompt, combine
+from .families.flux1 import _Flux1
+from .families.flux2 import _Flux2
+from .families.qwenimage import _Qwen
 
 # A request's step cache, for callers outside this package (the server): its config from a
 # spec string or config (``cache_config(spec, steps)``, a ValueError naming ``cache`` when
@@ -39,7 +42,6 @@ from ._steps import Prompt
 cache_config = _cache_items.config
 cache_skipped = _cache_items.skipped
 
-SUPPORTED = ("flux1", "flux2", "qwenimage")  # the families whose text-to-image steps `init` takes
 _T2I = ("FluxPipeline", "Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline", "QwenImagePipeline")
 
 
@@ -124,8 +126,9 @@ def context(params, encoders) -> Context:
     """The context of ``params`` with ``encoders`` (a diffusers pipeline of the family or
     its components, as ``fd.sample`` takes them)."""
     fam = _sampler._family_name(params)
-    if fam not in SUPPORTED:
-        raise ValueError(f"params: functional_dit.sampling runs {', '.join(SUPPORTED)} text to image; got {fam}")
+    if not _families.product(fam).PER_ITEM_SAMPLING:
+        supported = [f.KEY for f in _families.FAMILIES if _families.product(f).PER_ITEM_SAMPLING]
+        raise ValueError(f"params: functional_dit.sampling runs {', '.join(supported)} text to image; got {fam}")
     pipe = _sampler.as_pipeline(encoders, params)
     model = _sampler._family_model(fam, params, pipe, None, None, {}, None)
     if type(model) not in (_Flux1, _Flux2, _Qwen) or type(pipe).__name__ not in _T2I:
@@ -140,7 +143,7 @@ def check(ctx: Context, params, req: Request) -> None:
         raise ValueError(f"prompt: expected a string, got {req.prompt!r}")
     _sampler._check_args(ctx.pipe, req.height, req.width, "pil", None)
     _sampler._check_steps(req.steps, None)
-    _requests.check_max_sequence_length(ctx.fam, req.max_sequence_length)
+    _sampler.check_max_sequence_length(ctx.fam, req.max_sequence_length)
     if not isinstance(req.seed, int) or isinstance(req.seed, bool):
         raise ValueError(f"seed: expected an int, got {req.seed!r}")
     _lora.check(params, list(req.lora))
@@ -162,7 +165,7 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
     pipe, model = ctx.pipe, ctx.model
     cfg = float(req.true_cfg) if req.true_cfg is not None and req.true_cfg > 1 else None
     cfg = _sampler._qi.true_cfg(ctx.fam, cfg, req.negative_prompt, None)
-    reqs = _requests.requests(ctx.fam, req.prompt, 1, req.seed, None, req.negative_prompt, cfg is not None, {})
+    reqs = _sampler.requests(ctx.fam, req.prompt, 1, req.seed, None, req.negative_prompt, cfg is not None, {})
     f = pipe.vae_scale_factor * 2
     hw = 2 * (req.height // f), 2 * (req.width // f)
     job = _sampler._Job(ctx.fam, hw, req.steps, None, req.guidance, cfg, "pil", req.max_sequence_length, None, None)

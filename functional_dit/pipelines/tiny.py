@@ -66,8 +66,10 @@ FLUX3_LAYERS = (1, 2)  # the hidden states the tiny FLUX.3 encoder stacks (text_
 
 
 def _check_kind(kind) -> str:
-    if kind not in KINDS:
-        raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
+    """``kind``, one of the registry's tiny kinds (`KINDS`, and those of a family registered
+    at run time)."""
+    if kind not in families.TINY_KINDS:
+        raise ValueError(f"kind: expected one of {list(families.TINY_KINDS)}, got {kind!r}")
     return kind
 
 
@@ -460,46 +462,14 @@ def qwen21_vae(seed: int = 0) -> diffusers.AutoencoderKLQwenImage21:
     return _seeded(seed, lambda: diffusers.AutoencoderKLQwenImage21(**cfg))
 
 
-def _qwen3vl_components(kind: str, seed: int) -> dict:
-    """Qwen-Image 2.1's and FLUX.3's components: a Qwen3-VL encoder and processor."""
-    proc = qwen3vl_processor()
-    parts = {"text_encoder": qwen3vl_encoder(proc.tokenizer, seed)}
-    if kind == "qwen-image-2.1":
-        return parts | {"scheduler": scheduler(), "vae": qwen21_vae(seed), "processor": proc}
-    # FLUX.3's recipe: a constant shift (6.93) configured on the scheduler (modular_pipelines/flux3/before_denoise.py)
-    sched = diffusers.FlowMatchEulerDiscreteScheduler(shift=6.93)
-    return parts | {"scheduler": sched, "vae": flux2_vae(seed), "tokenizer": proc}
-
-
 # ---------------------------------------------------------------- transformers
-
-
-_FLUX2_WIDTHS = {"flux2": _MISTRAL_DIM, "flux2-klein": _QWEN3_DIM, "flux2-klein-kv": _QWEN3_DIM}
-# FLUX.3: the stacked encoder layers' width; image_cond tokens are VAE latents, as x.
-_FLUX3 = dict(cond_in_channels=16, num_layers=1, joint_attention_dim=len(FLUX3_LAYERS) * _VL_DIM)
-# Per kind: what it changes in its family's tiny preset (the text widths its encoders give,
-# and the switches of the released model it stands for).
-_CONFIG_CHANGES = {
-    "flux": dict(joint_attention_dim=_T5_DIM, pooled_projection_dim=_CLIP_DIM, guidance_embeds=True),  # dev-style
-    "flux-controlnet": dict(joint_attention_dim=_T5_DIM, pooled_projection_dim=_CLIP_DIM, guidance_embeds=True),
-    "flux-kontext": dict(joint_attention_dim=_T5_DIM, pooled_projection_dim=_CLIP_DIM, guidance_embeds=False),
-    # FLUX.2-dev is guidance-distilled, klein is not
-    **{k: dict(joint_attention_dim=3 * w, guidance_embeds=k == "flux2") for k, w in _FLUX2_WIDTHS.items()},
-    **{
-        k: dict(joint_attention_dim=_QWEN25_DIM)
-        for k in ("qwen-image", "qwen-image-edit", "qwen-image-edit-plus", "qwen-image-controlnet")
-    },
-    "qwen-image-2.1": dict(context_in_dim=_VL_DIM),
-    "flux3": dict(_FLUX3, flow_map=False),  # the base model
-    "flux3-distilled": dict(_FLUX3, flow_map=True),  # the flow map
-}
 
 
 def transformer_config(kind: str):
     """The tiny transformer config a kind's pipeline needs: its family's tiny preset with
-    the widths of the kind's encoders."""
+    the widths of the kind's encoders (the family product's ``tiny_config_changes``)."""
     fam = families.TINY_KINDS[_check_kind(kind)][0]
-    return dataclasses.replace(families.tiny_config(fam), **_CONFIG_CHANGES[kind])
+    return dataclasses.replace(families.tiny_config(fam), **families.product(fam).tiny_config_changes(kind))
 
 
 def fix_buffers(module, dtype) -> None:
@@ -526,51 +496,10 @@ def stock_transformer(kind: str, *, seed: int = 0, dtype=torch.float32):
 # ---------------------------------------------------------------- pipelines
 
 
-def _flux1_components(seed: int) -> dict:
-    tok, tok2 = clip_tokenizer(), t5_tokenizer()
-    return {
-        "scheduler": scheduler(),
-        "vae": flux_vae(seed),
-        "text_encoder": clip_text_encoder(tok, seed),
-        "tokenizer": tok,
-        "text_encoder_2": t5_encoder(tok2, seed),
-        "tokenizer_2": tok2,
-        "image_encoder": None,
-        "feature_extractor": None,
-    }
-
-
-def _flux2_components(kind: str, seed: int) -> dict:
-    """FLUX.2-dev's Mistral3 encoder; klein's Qwen3."""
-    tok = mistral_tokenizer() if kind == "flux2" else qwen_tokenizer()
-    parts = {"scheduler": scheduler(), "vae": flux2_vae(seed)}  # built in the order they always were
-    parts["text_encoder"] = mistral3_encoder(tok, seed) if kind == "flux2" else qwen3_encoder(tok, seed)
-    return {**parts, "tokenizer": tok}
-
-
-def _qwen_components(kind: str, seed: int) -> dict:
-    tok = qwen_tokenizer(_QWEN2VL_CHAT_TEMPLATE)
-    parts = {
-        "scheduler": scheduler(),
-        "vae": qwen_vae(seed),
-        "text_encoder": qwen25vl_encoder(tok, seed),
-        "tokenizer": tok,
-    }
-    if kind not in ("qwen-image", "qwen-image-controlnet"):
-        parts["processor"] = qwen_vl_processor()
-    return parts
-
-
 def components(kind: str, *, seed: int = 0) -> dict:
-    """Every component but the transformer, as the pipeline's ``__init__`` names them."""
-    fam = family(kind)
-    if fam in ("flux3", "qwenimage21"):
-        return _qwen3vl_components(kind, seed)
-    if fam == "flux1":
-        return _flux1_components(seed)
-    if fam == "flux2":
-        return _flux2_components(kind, seed)
-    return _qwen_components(kind, seed)
+    """Every component but the transformer, as the pipeline's ``__init__`` names them (the
+    family product's ``tiny_components``)."""
+    return families.product(family(kind)).tiny_components(kind, seed)
 
 
 # The ControlNet kinds -> the tiny ControlNet preset their stock ControlNet is built from.
@@ -615,12 +544,6 @@ def pipeline(kind: str, *, seed: int = 0, dtype=torch.float32, transformer=None,
 
 
 def _assemble(kind: str, parts: dict, transformer):
-    """The stock pipeline of ``kind`` over ``parts``; FLUX.3's modular pipelines are built
-    from their blocks, without the prompt upsampler (the prompt is encoded as given)."""
-    if family(kind) != "flux3":
-        return getattr(diffusers, PIPELINE_CLASSES[kind])(**parts, transformer=transformer)
-    blocks = getattr(diffusers, "Flux3DistilledAutoBlocks" if kind == "flux3-distilled" else "Flux3AutoBlocks")()
-    blocks.sub_blocks.pop("prompt_upsampler")
-    pipe = blocks.init_pipeline()
-    pipe.update_components(**parts, transformer=transformer)
-    return pipe
+    """The stock pipeline of ``kind`` over ``parts`` (the family product's ``tiny_assemble``:
+    FLUX.3's modular pipelines are built from their blocks)."""
+    return families.product(family(kind)).tiny_assemble(kind, parts, transformer)

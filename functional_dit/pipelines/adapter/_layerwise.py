@@ -37,8 +37,8 @@ from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks._common import _GO_LC_SUPPORTED_PYTORCH_LAYERS
 from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 
-from ..nn import layerwise
-from ..params import COMPUTE_DTYPES
+from ...nn import layerwise
+from ...params import COMPUTE_DTYPES
 
 HOOK_NAME = "layerwise_casting"  # where diffusers' get_parameter_dtype looks
 
@@ -199,7 +199,7 @@ class LayerwiseMixin:
         return sum(t.nelement() * layerwise.stored_leaf(t).element_size() for t in tensors)
 
     def _param_key(self, name: str) -> str | None:
-        from ._adapter_peft_layers import base_key
+        from ._peft_layers import base_key
 
         layers = self._peft_layers()
         return base_key(name, layers) if layers else name

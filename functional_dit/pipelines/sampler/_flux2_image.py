@@ -1,7 +1,7 @@
 """FLUX.2-klein inpainting for `fd.sample` (diffusers' ``Flux2KleinInpaintPipeline``,
 ``pipeline_flux2_klein_inpaint.py``).
 
-What the stock pipeline adds around klein's text-to-image loop (`_sample_families._Flux2`):
+What the stock pipeline adds around klein's text-to-image loop (`functional_dit.pipelines.families.flux2._Flux2`):
 
 - the output size is the init image's: resized to about 1024² if larger, then floored to
   multiples of the VAE scale x 2; the ``height`` and ``width`` given are ignored, as stock;
@@ -24,9 +24,10 @@ import math
 
 import torch
 
-from ._sample_families import _batch, _Flux2
-from ._sample_flux_image import _check_crop, _check_strength, _one_image, cut
-from .schedule import blend, noised_start
+from ..families import repeat_batch as _batch
+from ..families.flux2 import _Flux2
+from ..schedule import blend, noised_start
+from ._flux_image import _check_crop, _check_strength, _one_image, cut
 
 NAME = "Flux2KleinInpaintPipeline"
 STRENGTH = 0.8  # the stock pipeline's default (FLUX.1's and Qwen-Image's is schedule.STRENGTH)

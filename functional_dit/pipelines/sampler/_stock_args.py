@@ -46,6 +46,8 @@ import numbers
 
 import torch
 
+from ... import families as _families
+
 # Arguments taken by no pipeline fd.sample drives with a meaning here, and why.
 REFUSED = {
     "use_en_prompt": (
@@ -96,7 +98,7 @@ def take(pipe, fam: str, prompts: int, req, adapters, given: dict, cache, sharde
     refuse_untaken(pipe, given)
     scale = lora_scale(pipe, given["joint_attention_kwargs"], given["attention_kwargs"])
     encode = encoder_layers(given["text_encoder_out_layers"])
-    if fam == "flux1" and scale is not None:
+    if _families.product(fam).ENCODER_LORA_SCALE and scale is not None:
         encode["lora_scale"] = scale  # FluxPipeline scales its text encoders' LoRA by it
     pos, neg = given["ip_adapter_image_embeds"], given["negative_ip_adapter_image_embeds"]
     stock = StockArgs(
@@ -169,7 +171,7 @@ def lora_scale(pipe, joint_attention_kwargs, attention_kwargs) -> float | None:
 
 
 def scaled(items: tuple | None, scale: float | None) -> tuple | None:
-    """Per image, its ``(adapter, scale)`` pairs (`_sample_lora.per_image`) with every scale
+    """Per image, its ``(adapter, scale)`` pairs (`sampler._lora.per_image`) with every scale
     times ``scale``: the stock ``scale_lora_layers(transformer, scale)``."""
     if scale is None or items is None:
         return items
@@ -301,7 +303,7 @@ def ip_adapter(pipe, pos, neg, sharded: bool, cache) -> tuple | None:
             )
     if sharded:
         raise ValueError("ip_adapter_image_embeds: the IP-Adapter runs on plain params only (not on a mesh) yet")
-    from ._adapter_ip import ip_adapter_input
+    from ..adapter import ip_adapter_input
 
     module = getattr(pipe, "transformer", None)
     return ip_adapter_input(module, list(pos) if isinstance(pos, list) else [pos]), ip_adapter_input(

@@ -19,16 +19,11 @@ import dataclasses
 
 import torch
 
-# Per family: the stock keyword arguments that replace the text encoders' output.
-EMBED_ARGS = {
-    "flux1": ("prompt_embeds", "pooled_prompt_embeds"),
-    "flux2": ("prompt_embeds",),
-    "qwenimage": ("prompt_embeds", "prompt_embeds_mask"),
-    "flux3": (),  # embeddings not taken yet: these pipelines encode their own prompts
-    "qwenimage21": (),
-}
-# The stock pipelines' limit on max_sequence_length (FLUX.2 has none).
-MAX_SEQUENCE_LENGTH = {"flux1": 512, "qwenimage": 1024}
+from ... import families as _families
+
+# Per family, in its product module (`functional_dit.families.product`): ``EMBED_ARGS``, the
+# stock keyword arguments that replace the text encoders' output (``EMBEDS_TOGETHER`` of them
+# needed with ``prompt_embeds``), and ``MAX_SEQUENCE_LENGTH``, the stock pipelines' limit.
 
 
 @dataclasses.dataclass
@@ -68,17 +63,19 @@ def _strings(value, name: str, n: int | None) -> list[str]:
 
 def embeds(fam: str, given: dict, prefix: str = "") -> dict:
     """The non-None embedding arguments, checked against the family's keywords."""
-    out = {k: v for k, v in given.items() if v is not None}
+    out, product = {k: v for k, v in given.items() if v is not None}, _families.product(fam)
     for k, v in out.items():
-        if k[len(prefix) :] not in EMBED_ARGS[fam]:
-            takes = ", ".join(prefix + a for a in EMBED_ARGS[fam])
+        if k[len(prefix) :] not in product.EMBED_ARGS:
+            takes = ", ".join(prefix + a for a in product.EMBED_ARGS)
             raise ValueError(f"{k}: a {fam} pipeline takes no {k}; expected None (it takes {takes})")
         if not isinstance(v, torch.Tensor) or v.ndim < 2:
             raise ValueError(f"{k}: expected a tensor with a batch dim (one row per prompt), got {v!r}")
     if out and prefix + "prompt_embeds" not in out:
         raise ValueError(f"{prefix}prompt_embeds: expected it with {sorted(out)}, got None")
-    if fam == "flux1" and out and prefix + "pooled_prompt_embeds" not in out:
-        raise ValueError(f"{prefix}pooled_prompt_embeds: expected with {prefix}prompt_embeds for FLUX.1, got None")
+    for k in product.EMBEDS_TOGETHER if out else ():
+        if prefix + k not in out:
+            name = _families.BY_KEY[fam].NAME
+            raise ValueError(f"{prefix}{k}: expected with {prefix}prompt_embeds for {name}, got None")
     rows = {k: v.shape[0] for k, v in out.items()}
     if len(set(rows.values())) > 1:
         raise ValueError(f"{prefix}prompt_embeds: expected the same number of rows in each, got {rows}")
@@ -88,7 +85,7 @@ def embeds(fam: str, given: dict, prefix: str = "") -> dict:
 def check_max_sequence_length(fam: str, msl) -> None:
     if msl is None:
         return
-    top = MAX_SEQUENCE_LENGTH.get(fam)
+    top = _families.product(fam).MAX_SEQUENCE_LENGTH
     if not _is_int(msl) or msl < 1 or (top is not None and msl > top):
         bound = f"a positive int ≤ {top}" if top else "a positive int"
         raise ValueError(f"max_sequence_length: expected {bound} (as the stock {fam} pipeline), got {msl!r}")

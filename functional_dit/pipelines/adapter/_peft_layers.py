@@ -23,7 +23,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 
 from sharding.tree import flatten, nest
 
-from ..params import Params
+from ...params import Params
 
 _OTHER = ("r", "lora_alpha", "scaling", "use_rslora")  # PEFT's per-adapter dicts of a LoraLayer
 # Leaves of a module's `lora.Adapter` subtree that are one tensor, held by PEFT as a module

@@ -7,18 +7,18 @@ params (plain or sharded) and returns what the stock class returns. Everything a
 pipeline touches besides ``forward`` is here: ``config`` with the diffusers keys,
 ``dtype`` / ``device`` / ``to``, ``cache_context`` and ``enable_cache`` (diffusers' First-Block
 Cache, TaylorSeer lite and MagCache configs, `functional_dit.pipelines._cache_hooks`), the stock
-``pos_embed`` RoPE module (`_adapter_rope`), the block lists whose attention
+``pos_embed`` RoPE module (the family product's ``pos_embed``), the block lists whose attention
 processors the FLUX.2-klein KV pipeline sets, ``save_pretrained`` and
-``from_pretrained`` (the stock keywords: `_adapter_io`). The parameter leaves are
+``from_pretrained`` (the stock keywords: `adapter._io`). The parameter leaves are
 registered as ``nn.Parameter`` s under the diffusers names (``state_dict()`` keys equal
 the stock class's; they require grad, as a stock module's do), so ``to()``, accelerate's
 CPU offload, ``train()`` + ``backward()`` and ``fd.from_diffusers(adapter)`` work as on
 the stock module; each forward reads them back into `Params`. The rest of the stock
 surface (fused projections, gradient checkpointing, the refusals) is in
-`_adapter_surface`, the PEFT methods in `_adapter_peft`, FLUX.2's KV cache (diffusers'
-``Flux2KVCache``) in `_adapter_kv`, ``enable_layerwise_casting`` (fp8 storage over
-`fd.layerwise_cast`) in `_adapter_layerwise`. Arguments it cannot honour (custom attention
-processors) raise a ``ValueError``; FLUX.1's IP-Adapter is in `_adapter_ip`. ControlNet residuals
+`adapter._surface`, the PEFT methods in `adapter._peft`, FLUX.2's KV cache (diffusers'
+``Flux2KVCache``) in `families._flux2_kv`, ``enable_layerwise_casting`` (fp8 storage over
+`fd.layerwise_cast`) in `adapter._layerwise`. Arguments it cannot honour (custom attention
+processors) raise a ``ValueError``; FLUX.1's IP-Adapter is in `adapter._ip`. ControlNet residuals
 (``controlnet_block_samples``, FLUX.1's ``controlnet_single_block_samples`` and
 ``controlnet_blocks_repeat``) go to `fd.apply` as they are (docs/controlnet.md).
 
@@ -40,170 +40,50 @@ stock diffusers and the stock transformer.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 
 import diffusers
 import torch
-from diffusers.models.modeling_outputs import Transformer2DModelOutput
-from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
 
 from sharding.internal import is_dtensor
 from sharding.tree import nest
 
-from .. import families as _families
-from ..api import config_to_diffusers, family
-from ..params import Params
-from . import _adapter_io as io
-from . import _adapter_kv as kv
-from ._adapter_ip import IPAdapterMixin, is_ip_weight
-from ._adapter_layerwise import LayerwiseMixin
-from ._adapter_peft import PeftMixin
-from ._adapter_peft_layers import base_key as layers_base_key
-from ._adapter_rope import stock_pos_embed
-from ._adapter_surface import SurfaceMixin
-from ._cache_hooks import CacheHooks
+from ... import families as _families
+from ...api import config_to_diffusers, family
+from ...params import Params
+from .. import CacheHooks
+from . import _io as io
+from ._ip import IPAdapterMixin, is_ip_weight
+from ._ip import ip_adapter_input as ip_adapter_input  # the sampler's IP-Adapter inputs
+from ._layerwise import LayerwiseMixin
+from ._peft import PeftMixin
+from ._peft_layers import base_key as layers_base_key
+from ._surface import SurfaceMixin
 
 # The adapter stands in for the stock module, so its PEFT messages go where diffusers' do.
 _PEFT_LOG = diffusers.utils.logging.get_logger("diffusers.loaders.peft")
-KVCache = kv.KVCache  # the cache a FLUX.2 extract call returns: a diffusers Flux2KVCache
 
-# Per family key: the stock class it stands in for and the pipelines it serves (the registry's).
-_STOCK_CLASS = {fam.KEY: fam.DIFFUSERS_CLASS for fam in _families.FAMILIES}
-_PIPELINES = {fam.KEY: " / ".join(_families.pipeline_names(fam)) for fam in _families.FAMILIES}
-# Forward arguments beyond the shared ones (hidden_states, timestep,
-# encoder_hidden_states, guidance, return_dict), per family.
-_FAMILY_ARGS = {
-    "flux1": {
-        "pooled_projections",
-        "img_ids",
-        "txt_ids",
-        "joint_attention_kwargs",
-        "controlnet_block_samples",
-        "controlnet_single_block_samples",
-        "controlnet_blocks_repeat",
-    },
-    "flux2": {
-        "img_ids",
-        "txt_ids",
-        "joint_attention_kwargs",
-        "kv_cache",
-        "kv_cache_mode",
-        "num_ref_tokens",
-        "ref_fixed_timestep",
-    },
-    "qwenimage": {
-        "encoder_hidden_states_mask",
-        "img_shapes",
-        "attention_kwargs",
-        "additional_t_cond",
-        "controlnet_block_samples",
-    },
-    "flux3": {
-        "img_ids",
-        "txt_ids",
-        "image_cond_hidden_states",
-        "image_cond_ids",
-        "target_timestep",
-        "attention_kwargs",
-    },
-    "qwenimage21": {
-        "encoder_hidden_states_mask",
-        "img_shapes",
-        "img_mask",
-        "attention_kwargs",
-        "kv_cache",
-        "kv_cache_mode",
-    },
-}
 # Stock forward arguments of the families that do not take them, with their defaults (accepted).
 _UNSUPPORTED = {
     "controlnet_block_samples": None,
     "controlnet_single_block_samples": None,
     "controlnet_blocks_repeat": False,
 }
-# The stock attention processors whose maths fd.apply computes, per block list.
-_PROCESSORS = {
-    ("flux1", "transformer_blocks"): {"FluxAttnProcessor", "FluxIPAdapterAttnProcessor"},
-    ("flux1", "single_transformer_blocks"): {"FluxAttnProcessor"},
-    ("flux2", "transformer_blocks"): {"Flux2AttnProcessor", "Flux2KVAttnProcessor"},
-    ("flux2", "single_transformer_blocks"): {"Flux2ParallelSelfAttnProcessor", "Flux2KVParallelSelfAttnProcessor"},
-    ("qwenimage", "transformer_blocks"): {"QwenDoubleStreamAttnProcessor2_0"},
-    ("flux3", "txt_mode_blocks"): {"Flux3AttnProcessor"},
-    ("flux3", "single_transformer_blocks"): {"Flux3AttnProcessor"},
-    ("qwenimage21", "transformer_blocks"): {"QwenImage21AttnProcessor", "QwenImage21FlexAttnProcessor"},
-}
-# The stock default processor of each block list's attention (what ``attn_processors`` reports unset).
-_DEFAULT_PROCESSOR = {
-    ("flux1", "transformer_blocks"): "transformer_flux:FluxAttnProcessor",
-    ("flux1", "single_transformer_blocks"): "transformer_flux:FluxAttnProcessor",
-    ("flux2", "transformer_blocks"): "transformer_flux2:Flux2AttnProcessor",
-    ("flux2", "single_transformer_blocks"): "transformer_flux2:Flux2ParallelSelfAttnProcessor",
-    ("qwenimage", "transformer_blocks"): "transformer_qwenimage:QwenDoubleStreamAttnProcessor2_0",
-    ("flux3", "txt_mode_blocks"): "transformer_flux3:Flux3AttnProcessor",
-    ("flux3", "single_transformer_blocks"): "transformer_flux3:Flux3AttnProcessor",
-    ("qwenimage21", "transformer_blocks"): "transformer_qwenimage21:QwenImage21AttnProcessor",
-}
+# Per family, in its product module (`functional_dit.families.product`): ``ADAPTER_ARGS``, the
+# forward arguments beyond the shared ones (hidden_states, timestep, encoder_hidden_states,
+# guidance, return_dict), mapped to `fd.apply`'s by ``adapter_args``; ``PROCESSORS``, the stock
+# attention processors whose maths fd.apply computes per block list, and the stock default.
 
 
-def _broadcast_text(x, txt, args):
-    """One text for a batch of images, as the stock classes accept (their modulation
-    broadcasts it; QwenImagePipeline sends one negative prompt for a batch of prompts):
-    expand ``txt`` and its mask to the batch, explicitly. Other mismatches stay errors."""
-    B = x.shape[0]
-    if txt is None or txt.shape[0] != 1 or B == 1:
-        return x, txt, args
-    mask = args.get("txt_mask")
-    if mask is not None and mask.shape[0] == 1:
-        args = dict(args, txt_mask=mask.expand(B, *mask.shape[1:]))
-    return x, txt.expand(B, *txt.shape[1:]), args
+def _stock_class(key: str) -> str:
+    """The stock class the family ``key``'s adapter stands in for."""
+    return _families.BY_KEY[key].DIFFUSERS_CLASS
 
 
-def _batch(v) -> int | None:
-    return v.shape[0] if isinstance(v, torch.Tensor) and v.dim() > 0 else None
-
-
-def _broadcast_flux1(x, t, txt, args):
-    """FLUX.1's batch-1 inputs broadcast as ``FluxTransformer2DModel`` broadcasts them: its
-    time, guidance and pooled embeddings are summed into one ``temb`` (any of them with
-    batch 1 serves the others' batch), and each stream is modulated by ``temb``, so the
-    image stream takes the batch of ``hidden_states`` and ``temb``, the text stream that of
-    ``encoder_hidden_states`` and ``temb``; the two must then agree (FluxPipeline sends one
-    negative prompt's embeddings for several prompts under true CFG: text and pooled of
-    batch 1, timestep and guidance of the batch). Expanded explicitly here; what the stock
-    module cannot broadcast (e.g. every conditioning input of batch 1 for a batch of
-    images) stays an error (`fd.apply`'s)."""
-    named = dict(x=x, t=t, txt=txt, guidance=args.get("guidance"), pooled=args.get("pooled"))
-    temb = {_batch(named[k]) for k in ("t", "guidance", "pooled")} - {None}
-    if len(temb - {1}) > 1:
-        return x, t, txt, args
-    tb = max(temb, default=1)
-    streams = {max(_batch(x), tb), max(_batch(txt), tb)} if None not in (_batch(x), _batch(txt)) else set()
-    if len(streams) != 1 or any(_batch(v) not in (None, 1, *streams) for v in named.values()):
-        return x, t, txt, args
-    B = streams.pop()
-    out = {k: v.expand(B, *v.shape[1:]) if _batch(v) == 1 else v for k, v in named.items()}
-    return out["x"], out["t"], out["txt"], dict(args, guidance=out["guidance"], pooled=out["pooled"])
-
-
-def _broadcast_layout(x, args):
-    """Qwen-Image's ``img_shapes`` / ``img_mask`` with fewer items than the batch, as the
-    stock classes read them: ``QwenImageTransformer2DModel`` builds its RoPE from
-    ``img_shapes[0]`` alone and ``QwenImage21Transformer2DModel`` reads ``img_shapes[0]``
-    and ``img_mask[0]`` ("samples share a layout"), while the pipelines send one entry per
-    prompt, not per image (``num_images_per_prompt``). Equal items are repeated to the
-    batch; items that differ stay `fd.apply`'s error (the stock class warns, or not even
-    that for ``img_mask``, and gives every image the first item's layout). The Layered
-    model's batch-1 ``additional_t_cond`` (one per prompt too) is broadcast as stock."""
-    B, shapes, mask = x.shape[0], args.get("img_shapes"), args.get("img_mask")
-    if isinstance(shapes, (list, tuple)) and 0 < len(shapes) != B and all(s == shapes[0] for s in shapes):
-        args = dict(args, img_shapes=[shapes[0]] * B)
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] not in (0, B):
-        if mask.shape[0] == 1 or all(torch.equal(row, mask[0]) for row in mask):
-            args = dict(args, img_mask=mask[:1].expand(B, -1))
-    cond = args.get("additional_t_cond")  # Layered's: summed into the time embedding, so broadcast as stock
-    if isinstance(cond, torch.Tensor) and cond.dim() > 0 and cond.shape[0] == 1 != B:
-        args = dict(args, additional_t_cond=cond.expand(B, *cond.shape[1:]))
-    return args
+def _served(key: str) -> str:
+    """The stock pipelines the family ``key``'s adapter serves, for messages."""
+    return " / ".join(_families.pipeline_names(_families.BY_KEY[key]))
 
 
 def _family(params) -> str:
@@ -273,7 +153,7 @@ def _tree_module(node: torch.nn.Module, subtree: dict, path: tuple, owner: str, 
             node.register_parameter(name, torch.nn.Parameter(value, requires_grad=True))
             continue
         if len(path) == 2 and name == "attn":
-            child = _Attention(owner, _PROCESSORS[(fam, path[0])], _DEFAULT_PROCESSOR[(fam, path[0])])
+            child = _Attention(owner, *_families.product(fam).PROCESSORS[path[0]])
         else:
             child = _Node()
         _tree_module(child, value, (*path, name), owner, fam)
@@ -300,14 +180,14 @@ class DiffusersTransformer(
 
     def __new__(cls, params=None, *args, **kwargs):
         if cls is DiffusersTransformer:
-            cls = _SUBCLASSES[_family(params)]
+            cls = _subclass(_family(params))
         return super().__new__(cls)
 
     def __init__(self, params: Params):
         fam = _family(params)
         if fam != self._family_name:
             raise ValueError(
-                f"params: {type(self).__name__} wraps {_STOCK_CLASS[self._family_name]} params, "
+                f"params: {type(self).__name__} wraps {_stock_class(self._family_name)} params, "
                 f"got {type(params.config).__name__}"
             )
         super().__init__()
@@ -316,7 +196,7 @@ class DiffusersTransformer(
         self.register_to_config(**cfg)
         self.__dict__["_fd_config"] = params.config
         _tree_module(self, params.tree, (), type(self).__name__, fam)
-        pos_embed = stock_pos_embed(fam, self.config)  # the stock RoPE module (unused by forward)
+        pos_embed = _families.product(fam).pos_embed(self.config)  # the stock RoPE module (unused by forward)
         if pos_embed is not None:
             self.pos_embed = pos_embed
         self.gradient_checkpointing = False  # what the stock classes hold (enable_gradient_checkpointing)
@@ -377,26 +257,13 @@ class DiffusersTransformer(
         """The stock class's forward (see its docstring); returns ``(sample,)`` with
         ``return_dict=False`` (``(sample, cache)`` for FLUX.2 ``kv_cache_mode="extract"``),
         else the stock output dataclass."""
-        fam = self._family_name
+        product = _families.product(self._family_name)  # the family's argument map
         kwargs = self._check_args(kwargs)
-        args = dict(guidance=guidance)
+        args = dict(guidance=guidance, **product.adapter_args(self, **kwargs))
         cache = None
-        if fam == "flux1":
-            args.update(self._flux1_args(**kwargs))
-        elif fam == "flux2":
-            args.update(self._flux2_args(**kwargs))
-        elif fam in _NEW_FAMILIES:
-            args.update(_NEW_FAMILIES[fam].args(self, **kwargs))
-        else:
-            args.update(self._qwen_args(**kwargs))
-        if fam == "flux1":
-            hidden_states, timestep, encoder_hidden_states, args = _broadcast_flux1(
-                hidden_states, timestep, encoder_hidden_states, args
-            )
-        else:
-            hidden_states, encoder_hidden_states, args = _broadcast_text(hidden_states, encoder_hidden_states, args)
-        if fam in ("qwenimage", "qwenimage21"):
-            args = _broadcast_layout(hidden_states, args)
+        hidden_states, timestep, encoder_hidden_states, args = product.broadcast(
+            hidden_states, timestep, encoder_hidden_states, args
+        )
         scale = self.__dict__.pop("_call_scale", 1.0)
         pairs = [(ad, s * scale) for ad, s in self.get_lora()]
         out = self.cached_apply(
@@ -408,35 +275,37 @@ class DiffusersTransformer(
             checkpoint=bool(self.gradient_checkpointing),
             **args,
         )
-        if fam in _NEW_FAMILIES:
-            out = _NEW_FAMILIES[fam].result(out, kwargs)
+        out = product.adapter_result(out, kwargs)  # (sample, cache) for an extract call that returns one
         if isinstance(out, tuple):
-            out, cache = out[0], KVCache(out[1])
+            out, cache = out
         if not return_dict:
             return (out,) if cache is None else (out, cache)
-        if fam == "flux2":
-            return Flux2Transformer2DModelOutput(sample=out, kv_cache=cache)
-        return Transformer2DModelOutput(sample=out)
+        return product.output(out, cache)
 
     def _check_args(self, kwargs) -> dict:
         """``kwargs`` less the unsupported stock options left at their defaults; any other
         argument this family does not take is a ValueError."""
         fam, name = self._family_name, type(self).__name__
+        takes = _families.product(fam).ADAPTER_ARGS
         for key, value in kwargs.items():
-            if key in _FAMILY_ARGS[fam]:
+            if key in takes:
                 continue
             if key in _UNSUPPORTED and value is _UNSUPPORTED[key]:  # a stock option left at its default
                 continue
-            others = [f for f, keys in _FAMILY_ARGS.items() if key in keys]
+            others = [f.KEY for f in _families.FAMILIES if key in _families.product(f).ADAPTER_ARGS]
             if others:
                 raise ValueError(
                     f"{key}: this {name} adapter runs {type(self.params.config).__name__} params "
-                    f"({_PIPELINES[fam]}), but {key} is an argument of "
-                    f"{' / '.join(_STOCK_CLASS[f] for f in others)} ({' or '.join(_PIPELINES[f] for f in others)}); "
+                    f"({_served(fam)}), but {key} is an argument of "
+                    f"{' / '.join(_stock_class(f) for f in others)} ({' or '.join(_served(f) for f in others)}); "
                     "is this adapter in the wrong pipeline?"
                 )
             raise ValueError(f"{key}: not supported by functional_dit's {name} adapter, got {type(value).__name__}")
-        return {k: v for k, v in kwargs.items() if k in _FAMILY_ARGS[fam]}
+        return {k: v for k, v in kwargs.items() if k in takes}
+
+    def pipelines_served(self) -> str:
+        """The stock pipelines this adapter's family serves (for messages)."""
+        return _served(self._family_name)
 
     def _lora_scale(self, argname: str, attention_kwargs) -> None:
         """The LoRA ``scale`` the pipelines pass in ``joint_attention_kwargs`` /
@@ -461,7 +330,7 @@ class DiffusersTransformer(
         """Apply ``lora`` — a list of ``(adapter, scale)`` pairs of `functional_dit.lora`
         adapters made for these params, or None / [] for none — on the fly in every
         forward from now on. Sharded params need the adapters on the same mesh."""
-        from ..lora import internal as lora_apply
+        from ...lora import internal as lora_apply
 
         pairs = [] if not lora else lora_apply.check(self.params, lora)
         self.__dict__["_lora"] = list(pairs)
@@ -479,7 +348,7 @@ class DiffusersTransformer(
         combines several). Its ``peft_config`` is the stock loader's (the file's metadata, or
         inferred); missing or unexpected LoRA keys are warned about as the stock loader warns.
         ``network_alphas`` are honoured; hub downloads, hotswapping and pickles are not supported."""
-        from ._adapter_peft import read_lora
+        from ._peft import read_lora
 
         alphas = kwargs.pop("network_alphas", None) or {}
         name = kwargs.pop("adapter_name", None)
@@ -502,80 +371,6 @@ class DiffusersTransformer(
         if prefix is not None:
             alphas = {k.removeprefix(f"{prefix}."): v for k, v in alphas.items() if k.startswith(f"{prefix}.")}
         self._peft_load(state, metadata, alphas, name)
-
-    def _flux1_args(
-        self,
-        pooled_projections=None,
-        img_ids=None,
-        txt_ids=None,
-        joint_attention_kwargs=None,
-        controlnet_block_samples=None,
-        controlnet_single_block_samples=None,
-        controlnet_blocks_repeat=False,
-    ):
-        kwargs = dict(joint_attention_kwargs or {})
-        ip = self.ip_adapter_input(kwargs.pop("ip_adapter_image_embeds", None))
-        self._lora_scale("joint_attention_kwargs", kwargs)
-        if pooled_projections is None:
-            raise ValueError(
-                f"pooled_projections: {type(self).__name__} (FLUX.1 params) needs the CLIP pooled embedding, got None, "
-                "as the FLUX.2 and Qwen-Image pipelines call their transformers; is this adapter in the wrong "
-                f"pipeline? It belongs in {_PIPELINES['flux1']}"
-            )
-        control = dict(
-            controlnet_block_samples=controlnet_block_samples,
-            controlnet_single_block_samples=controlnet_single_block_samples,
-            controlnet_blocks_repeat=controlnet_blocks_repeat,
-        )
-        return dict(pooled=pooled_projections, img_ids=img_ids, txt_ids=txt_ids, ip_adapter=ip, **control)
-
-    def _flux2_args(
-        self,
-        img_ids=None,
-        txt_ids=None,
-        joint_attention_kwargs=None,
-        kv_cache=None,
-        kv_cache_mode=None,
-        num_ref_tokens=0,
-        ref_fixed_timestep=0.0,
-    ):
-        self._lora_scale("joint_attention_kwargs", joint_attention_kwargs)
-        args = dict(img_ids=img_ids, txt_ids=txt_ids)
-        if kv_cache_mode is None:
-            if kv_cache is not None or num_ref_tokens or ref_fixed_timestep:
-                raise ValueError(
-                    f"kv_cache_mode: None runs without a KV cache, but got kv_cache={kv_cache!r}, "
-                    f"num_ref_tokens={num_ref_tokens!r}, ref_fixed_timestep={ref_fixed_timestep!r}"
-                )
-            return args
-        if kv_cache_mode == "extract":
-            if kv_cache is not None:
-                raise ValueError(f"kv_cache: expected None with kv_cache_mode='extract', got {kv_cache!r}")
-            return dict(args, kv_cache="extract", num_ref_tokens=num_ref_tokens, ref_fixed_timestep=ref_fixed_timestep)
-        if kv_cache_mode == "cached":
-            if kv_cache is None:
-                raise ValueError("kv_cache: expected the cache an extract call returned with kv_cache_mode='cached'")
-            return dict(args, kv_cache=kv.to_fd(kv_cache, self._fd_config))
-        raise ValueError(f"kv_cache_mode: expected None, 'extract' or 'cached', got {kv_cache_mode!r}")
-
-    def _qwen_args(
-        self,
-        encoder_hidden_states_mask=None,
-        img_shapes=None,
-        attention_kwargs=None,
-        additional_t_cond=None,
-        controlnet_block_samples=None,
-    ):
-        self._lora_scale("attention_kwargs", attention_kwargs)
-        mask = encoder_hidden_states_mask
-        if isinstance(mask, torch.Tensor) and (mask.is_floating_point() or mask.is_complex()):
-            mask = mask != 0  # the stock class casts to bool: any non-zero keeps the token
-        return dict(
-            txt_mask=mask,
-            img_shapes=img_shapes,
-            additional_t_cond=additional_t_cond,
-            controlnet_block_samples=controlnet_block_samples,
-        )
 
     # ---------------------------------------------------------------- save / load
 
@@ -622,7 +417,7 @@ class DiffusersTransformer(
         (sharded params), ``device`` as in `weights.load`; the stock keywords
         (``torch_dtype`` / ``dtype``, ``variant``, ``subfolder``, ``device_map``,
         ``low_cpu_mem_usage``, ``output_loading_info``, ``use_safetensors``, ...) with the
-        stock meanings (`functional_dit.pipelines._adapter_io`). A folder of pickled
+        stock meanings (`functional_dit.pipelines.adapter._io`). A folder of pickled
         ``.bin`` weights (``save_pretrained(safe_serialization=False)``) is read with
         ``torch.load(weights_only=True)``, never a full unpickling."""
         import weights
@@ -641,26 +436,50 @@ class DiffusersTransformer(
             )
         if cls is not DiffusersTransformer and _family(params) != cls._family_name:
             raise ValueError(
-                f"path: {cls.__name__} expects a {_STOCK_CLASS[cls._family_name]} checkpoint, "
+                f"path: {cls.__name__} expects a {_stock_class(cls._family_name)} checkpoint, "
                 f"got {type(params.config).__name__} params from {path}"
             )
         model = DiffusersTransformer(params)
         return (model, io.loading_info()) if opts["output_loading_info"] else model
 
 
+_SUBCLASSES: dict = {}  # family key -> its adapter class, made on first use
+
+
 def _subclass(family: str) -> type:
-    name = _STOCK_CLASS[family]
+    """The adapter class of ``family``, named after the stock class it stands in for (made
+    once per family and stock class); its ``forward`` names every argument where the family's
+    pipelines read the signature (``NAMED_FORWARD``)."""
+    name, product = _stock_class(family), _families.product(family)
+    if (family, name) in _SUBCLASSES:
+        return _SUBCLASSES[family, name]
     doc = f"`DiffusersTransformer` for {name} params (made by ``DiffusersTransformer(params)``)."
     attrs = {"_family_name": family, "__doc__": doc, "__module__": __name__}
     stock = getattr(diffusers, name, None)  # the stock class's layerwise-casting patterns (None: not installed)
     for attr in ("_skip_layerwise_casting_patterns", "_keep_in_fp32_modules"):
         attrs[attr] = getattr(stock, attr, None)
-    return type(name, (DiffusersTransformer,), attrs)
+    if product.NAMED_FORWARD:
+        attrs["forward"] = _forward_with([n for n in inspect.signature(product.adapter_args).parameters][1:])
+    _SUBCLASSES[family, name] = type(name, (DiffusersTransformer,), attrs)
+    return _SUBCLASSES[family, name]
 
 
-_SUBCLASSES = {fam: _subclass(fam) for fam in _STOCK_CLASS}
+def _forward_with(names: list):
+    """A ``forward`` whose signature names ``names`` (after the shared ones)."""
 
-from . import _adapter_families as _new  # noqa: E402  (FLUX.3, Qwen-Image 2.1)
+    def forward(self, hidden_states, encoder_hidden_states=None, timestep=None, return_dict=True, **kwargs):
+        return (
+            type(self)
+            .__mro__[1]
+            .forward(self, hidden_states, encoder_hidden_states, timestep=timestep, return_dict=return_dict, **kwargs)
+        )
 
-_NEW_FAMILIES = _new.FAMILIES
-_new.add_signatures(_SUBCLASSES)
+    kw = inspect.Parameter.KEYWORD_ONLY
+    shared = list(inspect.signature(forward).parameters.values())[
+        :4
+    ]  # self, hidden_states, encoder_hidden_states, timestep
+    extra = [inspect.Parameter(n, kw, default=None) for n in names] + [
+        inspect.Parameter("return_dict", kw, default=True)
+    ]
+    forward.__signature__ = inspect.Signature(shared + extra)
+    return forward

@@ -1,5 +1,5 @@
 """The sampler-family protocol: what `fd.sample`'s loop asks of each family's sampling
-steps (`_sample_families._Flux1`, `_Flux2`, `_Qwen`; `_sample_next.Qwen21`, `Flux3`), declared
+steps (each family's in its product module, `functional_dit.pipelines.families`), declared
 once here with the defaults that only some families override, so the loop calls every
 hook unconditionally. Also the text conditioning the steps pass around (`Prompt`) and
 the default classifier-free-guidance batching (`cfg_batch`).
@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from .. import api as _api
+from ... import api as _api
 
 
 @dataclasses.dataclass
@@ -66,6 +66,8 @@ class Steps:
     cfg_on_device = False  # cfg_batch takes the branches already on the device (Qwen-Image 2.1)
     blends_steps = False  # after_step changes the latents (FLUX.1 inpainting's blend)
     step_cache = True  # `fd.sample(cache=...)` supported
+    fixed_graph = False  # each step one fixed device graph (`sampler_xla` may run it on a lazy device)
+    packed_latents = True  # `fd.sample(latents=...)` takes packed tokens (B, S, C), as the pipeline's latents=
     apply = staticmethod(_plain_apply)  # a step cache's `CacheRun.apply` in its place
 
     def cfg_batch(self, cond: Prompt, uncond: Prompt) -> Prompt:

@@ -1,6 +1,6 @@
 """FLUX.1 Kontext for `fd.sample` (diffusers' ``FluxKontextPipeline``, ``pipeline_flux_kontext.py``).
 
-What the stock pipeline adds around the text-to-image loop of `_sample_families._Flux1`:
+What the stock pipeline adds around the text-to-image loop of `functional_dit.pipelines.families.flux1._Flux1`:
 
 - the output size is rescaled to about ``max_area`` pixels (1024² by default) at the asked
   aspect ratio, each side a multiple of the VAE scale x 2;
@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import flux1
-from ._sample_families import _batch, _Flux1, grid_ids
+from ... import flux1
+from ..families import grid_ids
+from ..families import repeat_batch as _batch
+from ..families.flux1 import _Flux1
 
 MAX_AREA = 1024**2  # FluxKontextPipeline's default
 

@@ -1,7 +1,7 @@
 """FLUX.1 image-to-image and inpainting for `fd.sample` (diffusers' ``FluxImg2ImgPipeline``
 and ``FluxInpaintPipeline``, ``pipeline_flux_img2img.py`` / ``pipeline_flux_inpaint.py``).
 
-What the two stock pipelines add around the text-to-image loop of `_sample_families._Flux1`:
+What the two stock pipelines add around the text-to-image loop of `functional_dit.pipelines.families.flux1._Flux1`:
 
 - the init image is preprocessed and VAE-encoded in *sample* mode, so its posterior draw
   takes the image's generator before the noise does;
@@ -26,9 +26,9 @@ import dataclasses
 
 import torch
 
+from ..families.flux1 import _Flux1
+from ..schedule import STRENGTH, blend, noised_start, t_start
 from . import _requests
-from ._sample_families import _Flux1
-from .schedule import STRENGTH, blend, noised_start, t_start
 
 GUIDANCE = 7.0  # their guidance_scale default (FluxPipeline's is 3.5)
 
@@ -79,21 +79,25 @@ def _check_strength(strength, steps: int) -> float:
 NEEDS = {"FluxImg2ImgPipeline": ("image",), "FluxInpaintPipeline": ("image", "mask_image")}
 
 
-def check(pipe, fam: str, steps: int, image, strength, mask_image, padding_mask_crop, output_type, latents, size):
+def refuse(fam: str, strength, mask_image, padding_mask_crop, why: str | None = None) -> None:
+    """The image jobs' arguments, refused by name where no FLUX.1 job takes them."""
+    given = {"strength": strength, "mask_image": mask_image, "padding_mask_crop": padding_mask_crop}
+    for name, v in given.items():
+        if v is not None:
+            why = why or f"FLUX.1 (not {fam})"
+            raise ValueError(f"{name}: fd.sample takes it for {why} with an image; expected None, got {v!r:.80}")
+
+
+def check(pipe, steps: int, image, strength, mask_image, padding_mask_crop, output_type, latents, size):
     """The checked `Edit` of a FLUX.1 ``image`` (None: text to image). Raises before any
     encoding for arguments the job does not take or values out of range."""
-    given = {"strength": strength, "mask_image": mask_image, "padding_mask_crop": padding_mask_crop}
     for name in NEEDS.get(type(pipe).__name__, ()):
         if {"image": image, "mask_image": mask_image}[name] is None:
             raise ValueError(f"{name}: a {type(pipe).__name__} needs one (a PIL image), got None")
     wanted = type(pipe).__name__ in NEEDS or strength is not None or mask_image is not None
     wanted = wanted and type(pipe).__name__ != "FluxKontextPipeline"  # its image is a reference
-    if fam != "flux1" or image is None or not wanted:
-        for name, v in given.items():
-            if v is not None:
-                why = "FLUX.1 img2img and inpainting" if fam == "flux1" else f"FLUX.1 (not {fam})"
-                raise ValueError(f"{name}: fd.sample takes it for {why} with an image; expected None, got {v!r:.80}")
-        return None
+    if image is None or not wanted:
+        return refuse("flux1", strength, mask_image, padding_mask_crop, "FLUX.1 img2img and inpainting")
     img = _one_image(image, "image")
     mask = None if mask_image is None else _one_image(mask_image, "mask_image")
     strength = _check_strength(STRENGTH if strength is None else strength, steps)
@@ -150,7 +154,7 @@ class Flux1Image(_Flux1):
         self.proc, self.mask_proc = _processors(pipe)
         self.settings = {"strength": edit.strength, "inpaint": edit.mask is not None, "padding_mask_crop": edit.pad}
         self.ref, self.stash = None, {}
-        self.inpaints = edit.mask is not None  # takes masked_image_latents (`_sample_stock_args`)
+        self.inpaints = edit.mask is not None  # takes masked_image_latents (`sampler._stock_args`)
         self.latent_channels = self.c.in_channels // 4  # 16: FluxInpaintPipeline hard-codes it (FLUX.1's latents)
 
     def images(self, images, B, device):

@@ -15,7 +15,7 @@ from diffusers.models.transformers.transformer_flux2 import Flux2KVCache as Stoc
 
 from sharding.tree import nest
 
-from ..flux2_kv import Flux2KVCache
+from ...flux2_kv import Flux2KVCache
 
 _KINDS = (("transformer_blocks", "double_block_caches"), ("single_transformer_blocks", "single_block_caches"))
 

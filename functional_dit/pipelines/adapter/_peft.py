@@ -3,7 +3,7 @@
 The stock classes inject PEFT ``LoraLayer`` s into their ``nn.Linear`` modules. Here a
 named adapter is a `functional_dit.lora.Adapter` whose tensors are registered on the
 adapted modules, each of which becomes a PEFT ``BaseTunerLayer`` holding them as PEFT
-does (`_adapter_peft_layers`: ``<module>.lora_A.<adapter name>.weight``, the base weight
+does (`adapter._peft_layers`: ``<module>.lora_A.<adapter name>.weight``, the base weight
 at ``<module>.base_layer.weight``, so ``state_dict()`` and ``get_peft_model_state_dict``
 give the stock keys; ``parameters()`` lists them, ``to()`` moves them, an optimizer
 trains them). Every forward applies the active ones on the fly at the layers' scalings
@@ -32,7 +32,7 @@ from diffusers.loaders.peft import PeftAdapterMixin
 from sharding.internal import is_dtensor
 from sharding.tree import flatten, nest
 
-from . import _adapter_peft_layers as layers_mod
+from . import _peft_layers as layers_mod
 
 PEFT_FILE = "pytorch_lora_weights.safetensors"  # what the stock save_lora_adapter writes
 # PEFT LoraConfig fields and the only values functional_dit.lora computes.
@@ -250,7 +250,7 @@ def _module_leaves(adapter, module: str) -> dict:
 class PeftMixin(PeftAdapterMixin):
     """The PEFT methods of `DiffusersTransformer` (see the module docstring), each of
     diffusers' ``PeftAdapterMixin`` overridden or reached through PEFT tuner layers
-    (`_adapter_peft_layers`; code that checks for that mixin, as the pipelines' LoRA
+    (`adapter._peft_layers`; code that checks for that mixin, as the pipelines' LoRA
     loaders do, finds it). State: ``_peft`` {name: [lora.LoraConfig, peft.LoraConfig]}
     in load order, ``_peft_layers`` {module path: its `LoraLayer`}; the active adapters,
     their scalings, disabled and merged state live in the layers, as in PEFT."""

@@ -11,14 +11,14 @@ by the functional core, and the refusals of those it cannot honour.
 - Attention backends, group offloading, xformers / NPU attention: these
   hook the stock attention modules, which the adapter does not have; each raises a
   ValueError naming itself rather than silently doing nothing. (Layerwise casting is
-  honoured: `_adapter_layerwise`.)
+  honoured: `adapter._layerwise`.)
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..nn import fused as _fuse
+from ...nn import fused as _fuse
 
 
 def relayout(module: torch.nn.Module, leaves: dict) -> None:

@@ -22,11 +22,12 @@ import math
 import numpy as np
 import torch
 
-from .. import qwenimage as _qwen
+from ... import families as _families
+from ... import qwenimage as _qwen
+from ..families import pack_2x2 as _pack
+from ..families.qwenimage import _Qwen
+from ..schedule import STRENGTH, blend, noised_start, t_start
 from . import _requests
-from ._sample_families import _Qwen
-from ._sample_families import pack_2x2 as _pack
-from .schedule import STRENGTH, blend, noised_start, t_start
 
 IMG2IMG = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
 PIPELINES = (*IMG2IMG, "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline")  # also in `_sample.PIPELINES`
@@ -38,7 +39,7 @@ _log = logging.getLogger(__name__)
 def true_cfg(fam: str, cfg: float | None, negative_prompt, negative_prompt_embeds) -> float | None:
     """Qwen-Image's pipelines run true CFG only with a negative prompt (or its embeddings):
     without one a ``true_cfg`` > 1 is ignored with a warning, as there."""
-    if cfg is None or fam not in ("qwenimage", "qwenimage21"):
+    if cfg is None or not _families.product(fam).CFG_NEEDS_NEGATIVE:
         return cfg
     if negative_prompt is None and negative_prompt_embeds is None:
         _log.warning(f"true_cfg={cfg} ignored: Qwen-Image runs classifier-free guidance only with a negative_prompt")
@@ -169,7 +170,7 @@ class Img2Img(_Qwen):
         super().__init__(params, pipe)
         self.strength, self.mask_image, self.crop = strength, mask_image, crop
         self.start = self.mask = self.raw = self.crops = self.cur = None
-        self.inpaints = mask_image is not None  # takes masked_image_latents (`_sample_stock_args`)
+        self.inpaints = mask_image is not None  # takes masked_image_latents (`sampler._stock_args`)
         self.latent_channels = pipe.vae.config.z_dim  # QwenImageInpaintPipeline.latent_channels
 
     def images(self, images, B, device):

@@ -2,7 +2,7 @@
 as diffusers' ``FluxControlNetPipeline`` and ``QwenImageControlNetPipeline`` run it.
 
 What the stock ControlNet pipelines add around the text-to-image loop of
-`_sample_families._Flux1` / `_Qwen`:
+`functional_dit.pipelines.families.flux1._Flux1` / `functional_dit.pipelines.families.qwenimage._Qwen`:
 
 - each control image is preprocessed at the output size, repeated to the batch and
   VAE-encoded in *sample* mode: its posterior draw takes the image's generator before the
@@ -26,11 +26,13 @@ import dataclasses
 
 import torch
 
-from .. import api as _api
-from .. import controlnet as _cn
-from ..params import Params
+from ... import api as _api
+from ... import controlnet as _cn
+from ... import families as _families
+from ...params import Params
+from ..families.flux1 import _Flux1
+from ..families.qwenimage import _Qwen
 from . import _requests
-from ._sample_families import _Flux1, _Qwen
 
 FLUX_GUIDANCE = 7.0  # FluxControlNetPipeline's guidance_scale default (FluxPipeline's is 3.5)
 
@@ -53,7 +55,7 @@ def _one(item, fam: str, i: int) -> Control:
         )
     params, image, scale, *mode = item
     kind = _cn.kind(params) if _cn.is_controlnet(params) else None
-    if kind is None or kind.TRANSFORMER.KEY != fam:
+    if kind is None or kind.TRANSFORMER is not _families.BY_KEY[fam]:
         got = kind.NAME if kind else type(getattr(params, "config", params)).__name__
         raise ValueError(f"controlnet[{i}]: expected ControlNet params for a {fam} transformer, got {got}")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
@@ -98,6 +100,7 @@ class WithControlNet:
     model call; every other hook is the family's."""
 
     step_cache = False
+    fixed_graph = False  # residuals per step: the usual loop
 
     def __init__(self, inner, controls: list[Control], pipe):
         if type(inner) not in (_Flux1, _Qwen):

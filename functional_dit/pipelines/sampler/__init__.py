@@ -16,12 +16,12 @@ Per-step-invariant work is done once before the loop: prompt embeddings, positio
 and their RoPE tables (passed to ``fd.apply`` as ``rope=``), reference-image latents;
 the klein reference KV cache is extracted on the first step and reused after.
 
-Image ``i`` draws its noise from its own seed (`functional_dit.pipelines._requests`), so it is the
+Image ``i`` draws its noise from its own seed (`functional_dit.pipelines.sampler._requests`), so it is the
 same image in any batch, chunk or rank. Sharded params work as they are: on a mesh with
 ``dp`` groups and at least as many images each group makes its own share of the images
 with the mesh's tp and sp axes; with fewer images every rank runs the same loop and
 ``fd.apply`` splits the [cond; uncond] batch over dp (CFG parallelism)
-(`functional_dit.pipelines._ranks`). Fully sharded params (an fsdp axis): the fsdp ranks of a
+(`functional_dit.pipelines.sampler._ranks`). Fully sharded params (an fsdp axis): the fsdp ranks of a
 dp group run the same loop and ``fd.apply`` splits each call's batch over them, so every
 rank meets every block's all-gather (docs/sampling.md, "Over fsdp"). Before the first step
 one check compares the settings and inputs of the ranks that must agree and raises on
@@ -38,7 +38,6 @@ import dataclasses
 import functools
 import math
 import numbers
-import warnings
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -47,25 +46,20 @@ import torch
 import sharding
 from sharding.internal import is_dtensor
 
-from .. import families as _families
-from ..params import Params
-from . import _ranks, _requests
-from . import _sample_controlnet as _controlnet
-from . import _sample_flux2_image as _flux2_image
-from . import _sample_flux_image as _flux_image
-from . import _sample_flux_kontext as _kontext
-from . import _sample_lora as _lora_items
-from . import _sample_qwen_image as _qi
-from . import _sample_stock_args as _stock
-from . import cache as _cache
-from . import placement as _placement
-from . import sampler_xla as _sample_xla
-from ._sample_families import _Flux1, _Flux2, _Qwen, combine
-from ._sample_next import Flux3, Qwen21
-from ._steps import Prompt
+from ... import families as _families
+from ...params import Params
+from .. import cache as _cache
+from .. import placement as _placement
+from .. import sampler_xla as _sample_xla
+from ..families import Prompt, combine
+from . import _controlnet, _flux2_image, _flux_image, _ranks, _requests
+from . import _flux_kontext as _kontext
+from . import _lora as _lora_items
+from . import _qwen_image as _qi
+from . import _stock_args as _stock
 
-# The pipeline classes `sample` drives -> the family key of their transformer (the registry's).
-PIPELINES = {name: _families.of_pipeline(name).KEY for name in _families.SAMPLED}
+# What the per-item sampling module (`functional_dit.pipelines.sampling`) shares with fd.sample.
+requests, check_max_sequence_length = _requests.requests, _requests.check_max_sequence_length
 _OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
 
@@ -90,28 +84,17 @@ def as_pipeline(encoders, params):
     fam = _family_name(params)
     if isinstance(encoders, (diffusers.DiffusionPipeline, diffusers.ModularPipeline)):
         name = type(encoders).__name__
-        if name not in PIPELINES:
-            raise ValueError(f"encoders: expected one of the pipelines {sorted(PIPELINES)}, got {name}")
-        if PIPELINES[name] != fam:
-            raise ValueError(f"encoders: a {name} runs a {PIPELINES[name]} transformer, but params are {fam}")
+        if name not in _families.SAMPLED:
+            raise ValueError(f"encoders: expected one of the pipelines {sorted(_families.SAMPLED)}, got {name}")
+        if name not in _families.pipeline_names(_families.BY_KEY[fam], sample=True):
+            runs = _families.of_pipeline(name).KEY
+            raise ValueError(f"encoders: a {name} runs a {runs} transformer, but params are {fam}")
         return encoders
     if not isinstance(encoders, Mapping):
         raise ValueError(f"encoders: expected a diffusers pipeline or a mapping of its components, got {encoders!r}")
     comps = {k: v for k, v in encoders.items() if k != "transformer"}
-    cls = getattr(diffusers, _pipeline_class(fam, comps))
+    cls = getattr(diffusers, _families.product(fam).pipeline_class(comps))
     return cls(**comps, transformer=None)
-
-
-def _pipeline_class(fam: str, comps: Mapping) -> str:
-    if fam == "flux1":
-        return "FluxPipeline"
-    if fam == "qwenimage21":
-        return "QwenImage21Pipeline"
-    if fam == "flux3":
-        raise ValueError("encoders: for FLUX.3 pass the modular pipeline (Flux3ModularPipeline), not its components")
-    if fam == "flux2":
-        return "Flux2Pipeline" if "Mistral" in type(comps.get("text_encoder")).__name__ else "Flux2KleinPipeline"
-    return "QwenImageEditPipeline" if comps.get("processor") is not None else "QwenImagePipeline"
 
 
 # ----------------------------------------------------------------------------- checks
@@ -170,31 +153,13 @@ def _param_device_dtype(params: Params):
 # ----------------------------------------------------------------------------- schedule
 
 
-def _calculate_shift(seq_len: int, cfg) -> float:
-    """FLUX.1 / Qwen-Image: mu linear in the image token count (diffusers' calculate_shift)."""
-    base, top = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
-    lo, hi = cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
-    m = (hi - lo) / (top - base)
-    return seq_len * m + (lo - m * base)
-
-
-def _empirical_mu(seq_len: int, steps: int) -> float:
-    """FLUX.2: mu fitted to the token count and the number of steps (diffusers' compute_empirical_mu)."""
-    a1, b1, a2, b2 = 8.73809524e-05, 1.89833333, 0.00016927, 0.45666666
-    if seq_len > 4300:
-        return float(a2 * seq_len + b2)
-    m_200, m_10 = a2 * seq_len + b2, a1 * seq_len + b1
-    a = (m_200 - m_10) / 190.0
-    return float(a * steps + (m_200 - 200.0 * a))
-
-
 def _scheduler(pipe, fam: str, seq_len: int, steps: int, device, sigmas=None):
     """A copy of the pipeline's scheduler set to ``steps`` sigmas linear from 1 to 1/steps
     (or the given ``sigmas``), shifted by the family's mu, exactly as the pipelines set it."""
     sched = copy.deepcopy(pipe.scheduler)
     sigmas = np.linspace(1.0, 1 / steps, steps) if sigmas is None else np.array(sigmas)
     sigmas = None if sched.config.get("use_flow_sigmas", False) else sigmas
-    mu = _empirical_mu(seq_len, steps) if fam == "flux2" else _calculate_shift(seq_len, sched.config)
+    mu = _families.product(fam).shift(seq_len, steps, sched.config)  # the family's mu
     sched.set_timesteps(sigmas=sigmas, device=device, mu=mu)
     sched.set_begin_index(0)
     return sched
@@ -211,27 +176,6 @@ class _Chunk:
     x: torch.Tensor
     cond: Prompt
     prompt_embeds: torch.Tensor | None = None  # the conditional text alone (``callback_on_step_end`` inputs)
-
-
-def _batch_size(fam: str, batch_size: int | None) -> int | None:
-    """Images per model call. Qwen-Image 2.1 lays a batch out by its first item (diffusers'
-    transformer reads ``img_mask[0]``: "samples share a layout"), so prompts of other lengths
-    in one call move each image's tokens (measured on the tiny model: image 0 of two prompts
-    differs from the prompt alone by 0.048, max |latent| 4.8; the stock pipeline does the same).
-    There, None means one image per call, so an image does not depend on its batch (docs/sampling.md);
-    a larger ``batch_size`` is honoured with a warning."""
-    if fam != "qwenimage21":
-        return batch_size
-    if batch_size is None:
-        return 1
-    if batch_size > 1:
-        warnings.warn(
-            f"batch_size={batch_size} with Qwen-Image 2.1: prompts of different lengths in one model call change "
-            "each other's images (its batch shares the first prompt's layout; about 1% of the latents' range on the "
-            "tiny model); batch_size=1 (the default here) makes every image as it is made alone",
-            stacklevel=3,
-        )
-    return batch_size
 
 
 def _chunks(share, batch_size: int | None) -> list[tuple[int, ...]]:
@@ -389,7 +333,7 @@ def sample(
     {"latents": latents})`` too, and the "latents" of the dict it returns replace them.
 
     On a mesh with ``dp`` groups and at least as many images, each group makes a contiguous
-    share of the images (`functional_dit.pipelines._ranks`), ``batch_size`` images per model call
+    share of the images (`functional_dit.pipelines.sampler._ranks`), ``batch_size`` images per model call
     (None: its whole share at once; Qwen-Image 2.1: one, see `_batch_size`). Returns every
     image on every rank, or with ``local`` ``(indices, images)`` of this rank's group only.
     docs/sampling.md says what is bitwise.
@@ -406,11 +350,11 @@ def sample(
     ``lora``: LoRA adapters applied on the fly (nothing merged): ``[(adapter, scale), ...]``
     for every prompt, or one such list per prompt (``[[(a, 1.0)], [(b, 0.5)], []]``), each
     image computing only its own adapters' updates in the shared batch, both CFG branches
-    alike (`functional_dit.pipelines._sample_lora`); sharded params need the adapters on
+    alike (`functional_dit.pipelines.sampler._lora`); sharded params need the adapters on
     their mesh (``lora.load(path, params)``).
 
     The stock pipelines' other arguments, with their stock meaning where the pipeline class
-    takes them (`functional_dit.pipelines._sample_stock_args`, docs/sampling.md "Stock
+    takes them (`functional_dit.pipelines.sampler._stock_args`, docs/sampling.md "Stock
     arguments"): FLUX.1's ``prompt_2`` / ``negative_prompt_2`` (the T5 prompts);
     ``joint_attention_kwargs`` (FLUX.1) / ``attention_kwargs`` (the others), whose LoRA
     ``scale`` multiplies the ``lora`` scales; ``callback_on_step_end_tensor_inputs``
@@ -435,7 +379,7 @@ def sample(
     height, width = _flux2_image.size(pipe, height, width, image)  # klein inpainting: the image's size
     _check_args(pipe, height, width, output_type, batch_size)
     _check_scales(guidance, true_cfg)
-    batch_size = _batch_size(fam, batch_size)
+    batch_size = _families.product(fam).batch_size(batch_size)  # Qwen-Image 2.1: one image per call
     _placement.check(encoder_placement, vae_tiling)
     steps, sigmas = _check_steps(steps, sigmas)
     controls = _controlnet.check(controlnet, fam, latents, pipe)
@@ -503,9 +447,12 @@ def _image_job(pipe, fam: str, steps: int, output_type: str, jobs: tuple, latent
         args = (steps, image, mask_image, image_reference, strength, crop, output_type, kv_cache)
         return pipe, _flux2_image.check(pipe, *args)
     _flux2_image.refuse_reference(image_reference)
-    if fam == "qwenimage":
+    jobs = _families.product(fam).IMAGE_JOBS
+    if jobs == "pipeline":  # Qwen-Image: its img2img / inpainting pipelines (`_qi.pipeline` above)
         return pipe, None
-    return pipe, _flux_image.check(pipe, fam, steps, image, strength, mask_image, crop, output_type, latents, size)
+    if jobs == "img2img":  # FLUX.1: over its text-to-image steps
+        return pipe, _flux_image.check(pipe, steps, image, strength, mask_image, crop, output_type, latents, size)
+    return pipe, _flux_image.refuse(fam, strength, mask_image, crop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -524,7 +471,7 @@ class _Job:
     batch_size: int | None
     on_step: Callable | None
     cache: object | None = None  # a _cache.CacheRun, or None
-    lora: tuple | None = None  # per image, its (adapter, scale) pairs (`_sample_lora.per_image`), or None
+    lora: tuple | None = None  # per image, its (adapter, scale) pairs (`sampler._lora.per_image`), or None
     stock: _stock.StockArgs = _stock.StockArgs()  # the stock pipelines' further arguments, checked
 
 
@@ -547,7 +494,7 @@ def _check_latents(model, pipe, req, h: int, w: int) -> None:
     if req.noise[0] != "latents":
         return
     z = torch.empty(model.noise_shape(req.n, h, w), device="meta")
-    want = tuple(z.shape if isinstance(model, _Flux2) else model.pack(z).shape)
+    want = tuple(model.pack(z).shape if model.packed_latents else z.shape)
     if tuple(req.noise[1].shape) != want:
         raise ValueError(
             f"latents: expected shape {want} ({type(pipe).__name__}'s latents= layout), got {tuple(req.noise[1].shape)}"
@@ -577,7 +524,7 @@ def _run(model, pipe, chunk: _Chunk, job: _Job):
 
 def _chunk_apply(model, job: _Job, steps: int, images):
     """The chunk's ``fd.apply``: the step cache's (a fresh state per chunk) or the plain
-    one, with the chunk's per-image LoRA adapters (`_sample_lora.calls`)."""
+    one, with the chunk's per-image LoRA adapters (`sampler._lora.calls`)."""
     plain = getattr(model, "base_apply", None) or type(model).apply  # ControlNet: with its residuals
     calls = getattr(model, "cfg_calls", 1) if job.cfg is not None else 1  # model calls per step
     apply = plain if job.cache is None else job.cache.start(2 if job.cfg is not None else 1, steps, calls)
@@ -614,11 +561,9 @@ def _on_step(pipe, callback, callback_on_step_end):
 
 
 def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=None, auto_resize=None):
-    """The per-family sampling steps (`_Flux1`, `_Flux2`, `_Qwen`; FLUX.1 img2img and
-    inpainting: `_sample_flux_image.Flux1Image` for an ``edit``; Kontext; Qwen-Image's image
-    jobs in `_sample_qwen_image`) after the argument checks."""
-    import diffusers
-
+    """The sampling steps after the argument checks: an image job's (klein inpainting,
+    FLUX.1 img2img / inpainting for an ``edit``, Kontext, Qwen-Image's image pipelines in
+    `sampler._qwen_image`), else the family's text-to-image steps (its product's ``steps``)."""
     if isinstance(edit, _flux2_image.Inpaint):
         return _flux2_image.Flux2Inpaint(params, pipe, edit)
     if edit is not None:
@@ -627,26 +572,7 @@ def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=N
         return _kontext.Flux1Kontext(params, pipe, auto_resize is not False)
     if type(pipe).__name__ in _qi.PIPELINES:
         return _qi.model(params, pipe, image, **img2img)
-    if image is not None and (fam == "flux1" or isinstance(pipe, diffusers.QwenImagePipeline)):
-        raise ValueError(
-            f"image: a {type(pipe).__name__} takes no reference image; expected None (img2img: add strength=, "
-            "inpainting: mask_image=)"
-        )
-    if image is None and isinstance(pipe, diffusers.QwenImageEditPipeline):
-        raise ValueError("image: a QwenImageEditPipeline edits a reference image; expected a PIL image, got None")
-    if fam == "qwenimage21":
-        return Qwen21(params, pipe, kv_cache)
-    if fam == "flux3" and not kv_cache and image is None:
-        return Flux3(params, pipe)
-    if fam == "flux3":
-        raise ValueError("image, kv_cache: fd.sample runs FLUX.3 text to image only; expected None")
-    if kv_cache and fam != "flux2":
-        raise ValueError(f"kv_cache: the reference KV cache is FLUX.2's; expected None or False for {fam}")
-    if fam == "flux1":
-        return _Flux1(params, pipe)
-    if fam == "flux2":
-        return _Flux2(params, pipe, isinstance(pipe, diffusers.Flux2KleinKVPipeline) if kv_cache is None else kv_cache)
-    return _Qwen(params, pipe)
+    return _families.product(fam).steps(params, pipe, image, kv_cache)
 
 
 def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, callback):

@@ -17,8 +17,8 @@ import hashlib
 
 import torch
 
-from ..lora import Adapter
-from ..lora import internal as _lora
+from ...lora import Adapter
+from ...lora import internal as _lora
 
 
 def _is_pair(entry) -> bool:

@@ -1,0 +1,63 @@
+"""The product per family: one module per family (``flux1``, ``flux2``, ``qwenimage``,
+``flux3``, ``qwenimage21``) holding everything the product does differently for it, found
+through the registry (`functional_dit.families.product`), so the sampler, the adapter, the
+tiny pipelines, the CLI and the bench ask the family instead of comparing names.
+
+Every product module defines the names in `HOOKS` (docs/adding-a-family.md says what each
+one is); the defaults most families share are in `functional_dit.pipelines.families._common`.
+"""
+
+from __future__ import annotations
+
+from ._latents import _batch as repeat_batch
+from ._latents import combine, flux2_vae_input, grid_ids, pack_2x2, unpack_2x2
+from ._steps import Prompt, Steps, cfg_batch
+
+# What the image jobs, the sampler and the per-item sampling share with the families' steps.
+__all__ = [
+    "HOOKS",
+    "Prompt",
+    "Steps",
+    "cfg_batch",
+    "combine",
+    "flux2_vae_input",
+    "grid_ids",
+    "pack_2x2",
+    "repeat_batch",
+    "unpack_2x2",
+]
+
+HOOKS = (
+    # fd.sample (functional_dit.pipelines.sampler, _requests, sampler._stock_args, sampling)
+    "steps",  # (params, pipe, image, kv_cache) -> the family's text-to-image `Steps`
+    "pipeline_class",  # (components) -> the stock pipeline class name built from components
+    "shift",  # (seq_len, steps, scheduler config) -> the schedule's mu
+    "batch_size",  # (batch_size) -> images per model call
+    "IMAGE_JOBS",  # "img2img" (fd.sample's over its steps), "pipeline" (its own pipelines') or None
+    "EMBED_ARGS",  # the stock keywords that replace the text encoders' output
+    "EMBEDS_TOGETHER",  # of those, the ones needed together with prompt_embeds
+    "MAX_SEQUENCE_LENGTH",  # the stock pipelines' limit, or None
+    "ENCODER_LORA_SCALE",  # the pipeline scales its text encoders' LoRA by the attention kwargs' scale
+    "CFG_NEEDS_NEGATIVE",  # true CFG runs only with a negative prompt (else ignored, warned)
+    "PER_ITEM_SAMPLING",  # functional_dit.sampling (per-item state) runs this family
+    # fd.DiffusersTransformer (functional_dit.pipelines.adapter)
+    "ADAPTER_ARGS",  # the stock forward's arguments beyond the shared ones
+    "adapter_args",  # (adapter, **those) -> fd.apply keywords
+    "broadcast",  # (x, t, txt, args) -> the stock class's batch broadcasting, made explicit
+    "adapter_result",  # (fd.apply's result, forward kwargs) -> (sample[, cache])
+    "output",  # (sample, cache) -> the stock output dataclass
+    "PROCESSORS",  # block list -> (accepted stock attention processors, the default's module:Class)
+    "pos_embed",  # (stock config) -> the stock parameter-free RoPE module, or None
+    "NAMED_FORWARD",  # forward's signature names every argument (the modular pipelines read it)
+    "IP_ADAPTER",  # takes the stock IP-Adapter loader
+    # the tiny pipelines (functional_dit.pipelines.tiny)
+    "tiny_config_changes",  # (kind) -> what the tiny kind changes in the family's tiny preset
+    "tiny_components",  # (kind, seed) -> every component but the transformer
+    "tiny_assemble",  # (kind, components, transformer) -> the stock pipeline
+    # bench and check (functional_dit.cli)
+    "MID_CONFIG",  # the bench's mid-size config
+    "RELEASED",  # the preset whose depth ``--depth released`` takes
+    "bench_inputs",  # (config, x, t, txt, h, w, device, dtype, generator) -> (fd.apply kw, stock kw)
+    "BENCH_CACHE",  # the family's step-cache bench run (`_common.BenchCache`), or None
+    "CHECK_EAGER_ONLY",  # why `check` runs this family eager only, or None
+)

@@ -1,0 +1,248 @@
+"""Qwen-Image 2.1's product: its text-to-image sampling steps for `fd.sample`
+(QwenImage21Pipeline: the Qwen3-VL prompt with its image-slot mask, unpatched latents, one
+token per 16x16 pixels, true CFG as two calls, each branch with its own token layout, and
+the prefix KV cache per branch, extracted on the first step and read on the later ones, as
+the pipeline does), the diffusers adapter's argument map for
+``QwenImage21Transformer2DModel`` (with diffusers' ``QwenImage21KVCache`` object, which the
+pipelines hand the transformer to fill and read; its forward signature names every
+argument), its tiny pipelines' recipes and the bench's inputs
+(`functional_dit.pipelines.families.HOOKS`)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ... import qwenimage21
+from ...qwenimage21 import QwenImage21Config, QwenImage21KVCache
+from . import _common
+from ._common import stock_module
+from ._steps import Prompt, Steps
+
+# the shared hooks Qwen-Image 2.1 takes as they are (`_common`)
+shift, output, tiny_assemble = _common.shift, _common.output, _common.tiny_assemble
+
+# ----------------------------------------------------------------------------- fd.sample
+
+EMBED_ARGS = ()  # embeddings not taken yet: the pipeline encodes its own prompts
+EMBEDS_TOGETHER = ()
+MAX_SEQUENCE_LENGTH = None
+IMAGE_JOBS = None
+ENCODER_LORA_SCALE = False
+CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._qwen_image.true_cfg`)
+PER_ITEM_SAMPLING = False
+
+
+class Qwen21(Steps):
+    fixed_graph = True  # one fixed device graph per step (`sampler_xla`)
+    cfg_on_device = True
+    cfg_calls = 2  # with CFG, one model call per branch per step (a step cache keeps a state per call)
+
+    def __init__(self, params, pipe, kv_cache: bool | None):
+        self.params, self.pipe, self.c = params, pipe, params.config
+        self.kv = params.config.causal_condition if kv_cache is None else bool(kv_cache)
+        if self.kv and not self.c.causal_condition:
+            raise ValueError(
+                "kv_cache: Qwen-Image 2.1's prefix cache needs causal_condition=True; expected None or False"
+            )
+        self.pads, self.branches, self.caches = [], None, {}
+
+    def encode(self, prompts, msl):
+        txt, mask, pad = self.pipe.encode_prompt(prompt=prompts, device=self.pipe._execution_device)
+        self.pads.append(pad)
+        return Prompt(txt, mask=mask)
+
+    def cfg_batch(self, cond, uncond):
+        """Both branches kept apart (their layouts differ); the loop's batch of 2B is split."""
+        self.branches = (cond, uncond)
+        return cond
+
+    def noise_shape(self, B, h, w):
+        return (B, 1, self.c.in_channels, h, w)
+
+    @staticmethod
+    def pack(z):
+        """(B, 1, C, h, w) -> (B, h·w, C): one token per latent pixel."""
+        return z.flatten(3).squeeze(1).transpose(1, 2)
+
+    take = staticmethod(lambda latents: latents)  # latents= given packed
+
+    def prepare(self, cond, h, w, guidance, device):
+        """Each branch's joint-sequence layout, read from its image-slot mask on the host
+        once per run (the steps then read nothing there)."""
+        self.shape = (1, h, w)
+        self.layouts = [self._layout(pad, h * w, device) for pad in self.pads]
+
+    def _layout(self, pad, S: int, device):
+        slots = torch.cat([pad, pad.new_ones(pad.shape[0], S // 4)], 1)
+        return qwenimage21.read_layout(slots, [[self.shape]] * pad.shape[0], pad.shape[1], S, device)
+
+    def _branch(self, i: int, x, t, p):
+        B, S = x.shape[:2]
+        kw = dict(txt_mask=p.mask, img_shapes=[[self.shape]] * B, layout=self.layouts[i])
+        if not self.kv:
+            return self.apply(self.params, x, t, p.txt, **kw)[:, -S:]
+        if i not in self.caches:
+            out, self.caches[i] = self.apply(self.params, x, t, p.txt, kv_cache="extract", **kw)
+            return out[:, -S:]
+        return self.apply(self.params, x, t, p.txt, kv_cache=self.caches[i], **kw)[:, -S:]
+
+    def __call__(self, x, t, cond):
+        if self.branches is None:
+            return self._branch(0, x, t, cond)
+        (x1, x2), (t1, t2) = x.chunk(2), t.chunk(2)
+        return torch.cat([self._branch(0, x1, t1, self.branches[0]), self._branch(1, x2, t2, self.branches[1])])
+
+    def decode_latents(self, x, h, w):
+        vae = self.pipe.vae
+        z = x.transpose(1, 2).reshape(x.shape[0], -1, 1, h, w).to(vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z.device, z.dtype)
+        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z.device, z.dtype)
+        return z * std + mean
+
+
+def steps(params, pipe, image, kv_cache) -> Steps:
+    return Qwen21(params, pipe, kv_cache)
+
+
+def pipeline_class(components) -> str:
+    return "QwenImage21Pipeline"
+
+
+def batch_size(batch_size: int | None) -> int | None:
+    """Images per model call. Qwen-Image 2.1 lays a batch out by its first item (diffusers'
+    transformer reads ``img_mask[0]``: "samples share a layout"), so prompts of other lengths
+    in one call move each image's tokens (measured on the tiny model: image 0 of two prompts
+    differs from the prompt alone by 0.048, max |latent| 4.8; the stock pipeline does the same).
+    There, None means one image per call, so an image does not depend on its batch (docs/sampling.md);
+    a larger ``batch_size`` is honoured with a warning."""
+    if batch_size is None:
+        return 1
+    if batch_size > 1:
+        warnings.warn(
+            f"batch_size={batch_size} with Qwen-Image 2.1: prompts of different lengths in one model call change "
+            "each other's images (its batch shares the first prompt's layout; about 1% of the latents' range on the "
+            "tiny model); batch_size=1 (the default here) makes every image as it is made alone",
+            stacklevel=3,
+        )
+    return batch_size
+
+
+# ----------------------------------------------------------------------------- the adapter
+
+ADAPTER_ARGS = {"encoder_hidden_states_mask", "img_shapes", "img_mask", "attention_kwargs", "kv_cache"}
+ADAPTER_ARGS |= {"kv_cache_mode"}
+PROCESSORS = {
+    "transformer_blocks": (
+        {"QwenImage21AttnProcessor", "QwenImage21FlexAttnProcessor"},
+        "transformer_qwenimage21:QwenImage21AttnProcessor",
+    ),
+}
+NAMED_FORWARD = True
+IP_ADAPTER = False
+broadcast = _common.broadcast_qwen
+
+
+def _layers(kv_cache) -> list:
+    layers = getattr(kv_cache, "layer_caches", None)
+    if layers is None:
+        raise ValueError(
+            "kv_cache: expected diffusers' QwenImage21KVCache (or fd.QwenImage21KVCache), "
+            f"got {type(kv_cache).__name__}"
+        )
+    return layers
+
+
+def _from_diffusers_cache(config, kv_cache) -> QwenImage21KVCache:
+    """The tensors an extract call stored in diffusers' cache object, as our cache."""
+    if isinstance(kv_cache, QwenImage21KVCache):
+        return kv_cache
+    layers = _layers(kv_cache)
+    if any(layer.k is None for layer in layers):
+        raise ValueError("kv_cache: kv_cache_mode='cached' needs a cache an 'extract' call filled; this one is empty")
+    tree = {str(i): {"k": layer.k, "v": layer.v} for i, layer in enumerate(layers)}
+    return QwenImage21KVCache(config, layers[0].k.shape[1] if layers else 0, {"transformer_blocks": tree})
+
+
+def adapter_args(
+    adapter,
+    encoder_hidden_states_mask=None,
+    img_shapes=None,
+    img_mask=None,
+    attention_kwargs=None,
+    kv_cache=None,
+    kv_cache_mode=None,
+) -> dict:
+    adapter._lora_scale("attention_kwargs", attention_kwargs)
+    args = dict(txt_mask=encoder_hidden_states_mask, img_shapes=img_shapes, img_mask=img_mask)
+    if kv_cache is None and kv_cache_mode is not None:
+        raise ValueError(f"kv_cache_mode: {kv_cache_mode!r}, but no kv_cache was passed to hold the prefix")
+    if kv_cache is None:
+        return args
+    if kv_cache_mode == "extract":
+        _layers(kv_cache)
+        return dict(args, kv_cache="extract")
+    if kv_cache_mode == "cached":
+        return dict(args, kv_cache=_from_diffusers_cache(adapter.params.config, kv_cache))
+    raise ValueError(f"kv_cache_mode: expected 'extract' or 'cached' with a kv_cache, got {kv_cache_mode!r}")
+
+
+def adapter_result(out, kwargs):
+    """An extract call: store the cache in the pipeline's object, return the output."""
+    if not isinstance(out, tuple):
+        return out
+    out, cache = out
+    target = kwargs["kv_cache"]
+    if not isinstance(target, QwenImage21KVCache):
+        for i, layer in enumerate(_layers(target)):
+            kv = cache["transformer_blocks"][str(i)]
+            layer.store(kv["k"], kv["v"])
+    return out
+
+
+def pos_embed(c):
+    return stock_module("qwenimage21", "QwenImage21Rope", theta=10000, axes_dim=list(c["axes_dims_rope"]))
+
+
+# ----------------------------------------------------------------------------- tiny pipelines
+
+
+def tiny_config_changes(kind: str) -> dict:
+    """Qwen3-VL's width."""
+    from .. import tiny
+
+    return dict(context_in_dim=tiny._VL_DIM)
+
+
+def tiny_components(kind: str, seed: int) -> dict:
+    """A Qwen3-VL encoder and processor, the ×16 VAE."""
+    from .. import tiny
+
+    proc = tiny.qwen3vl_processor()
+    parts = {"text_encoder": tiny.qwen3vl_encoder(proc.tokenizer, seed)}
+    return parts | {"scheduler": tiny.scheduler(), "vae": tiny.qwen21_vae(seed), "processor": proc}
+
+
+# ----------------------------------------------------------------------------- bench, check
+
+MID_CONFIG = QwenImage21Config(
+    in_channels=64,
+    out_channels=64,
+    num_layers=10,
+    attention_head_dim=64,
+    num_attention_heads=8,
+    context_in_dim=512,
+    axes_dims_rope=(8, 28, 28),
+)
+RELEASED = "qwen-image-2.1"
+BENCH_CACHE = None  # no step cache yet
+CHECK_EAGER_ONLY = "Qwen-Image 2.1 reads img_mask on the host (not traceable yet)"
+
+
+def bench_inputs(config, x, t, txt, h, w, device, dtype, g):
+    """Text to image: the text rows, then one image slot per 2x2 latent patch."""
+    kw, dkw = _common.qwen_inputs(x, t, txt, h, w)
+    img_mask = torch.tensor([False] * txt.shape[1] + [True] * (h * w // 4), device=device)[None]
+    kw["img_mask"] = dkw["img_mask"] = img_mask
+    return kw, dkw

@@ -1,0 +1,95 @@
+"""No family is named in the product's control flow: outside the registry
+(`functional_dit.families`), the core family modules and the per-family product modules
+(`functional_dit.pipelines.families`), nothing compares a value with a family's key
+(``fam == "flux1"``, ``fam in ("qwenimage", "qwenimage21")``, ``x.KEY == ...``,
+``name.startswith("qwen")``) or keys a table by family keys (``{"flux1": ...}``): the
+sampler, the adapter, the tiny pipelines, the CLI, bench, LoRA and weights ask the
+registry and the family's product module instead (docs/adding-a-family.md). The package's
+source is parsed (not imported), so a new comparison anywhere fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+from functional_dit import families
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("functional_dit", "weights", "sharding")
+KEYS = {fam.KEY for fam in families.FAMILIES}
+PREFIXES = ("flux", "qwen")  # what a family key starts with (a startswith test on them is a dispatch)
+# The registry and the families themselves: where a family names itself.
+ALLOWED = {
+    "functional_dit/families.py",
+    *(f"functional_dit/{fam.__name__.rsplit('.', 1)[1]}.py" for fam in families.FAMILIES),
+    "functional_dit/flux2_kv.py",  # FLUX.2's KV cache, part of the family
+}
+ALLOWED_DIRS = ("functional_dit/pipelines/families/",)
+
+
+def _keys_in(node) -> set[str]:
+    """The family keys an expression spells as string constants (alone or in a tuple/list/set)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & KEYS
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*(_keys_in(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def _is_key_attr(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "KEY"
+
+
+def dispatches(source: str) -> list[tuple[int, str]]:
+    """(line, what) of every family-name dispatch in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = set().union(*(_keys_in(s) for s in sides))
+            if named:
+                found.append((node.lineno, f"compares with {sorted(named)}"))
+            elif any(_is_key_attr(s) for s in sides) and not all(
+                isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops
+            ):
+                found.append((node.lineno, "compares a family's KEY"))
+        elif isinstance(node, ast.Dict):
+            named = set().union(*(_keys_in(k) for k in node.keys if k is not None))
+            if named:
+                found.append((node.lineno, f"a table keyed by {sorted(named)}"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith":
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith(PREFIXES):
+                found.append((node.lineno, f"startswith({arg.value!r})"))
+    return found
+
+
+def _checked_files():
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel not in ALLOWED and not rel.startswith(ALLOWED_DIRS):
+                yield rel, path
+
+
+def test_no_family_name_dispatch_outside_the_registry_and_the_family_modules():
+    bad = [f"{rel}:{line}: {what}" for rel, path in _checked_files() for line, what in dispatches(path.read_text())]
+    assert not bad, "family names compared outside the registry and the family modules:\n" + "\n".join(bad)
+
+
+def test_the_check_finds_each_kind_of_dispatch():
+    # the check itself can fail: each form it must catch, and what it must let through
+    caught = [
+        'if fam == "flux1": pass',
+        'if fam != "qwenimage21": pass',
+        'ok = fam in ("qwenimage", "qwenimage21")',
+        "ok = fam.KEY == name",
+        'T = {"flux2": 1}',
+        'ok = name.startswith("qwenimage")',
+    ]
+    for src in caught:
+        assert dispatches(src), src
+    passed = ["ok = fam is families.BY_KEY[name]", 'x = tiny.mid_configs()["flux1"]', 'ok = kind == "flux-kontext"']
+    for src in passed:
+        assert not dispatches(src), src
