@@ -16,7 +16,7 @@ a running batch and take finished ones out between steps (`functional_dit.serve`
 Each item's image equals ``fd.sample`` of that request alone (tests/test_sampling.py;
 docs/serving.md gives the measured difference). Supported: the text-to-image pipelines of
 FLUX.1, FLUX.2 (dev, klein) and Qwen-Image, each item with its own step cache
-(``Request.cache``: `cache.items`, every item deciding alone); image inputs are
+(``Request.cache``: `_cache_items`, every item deciding alone); image inputs are
 ``fd.sample``'s alone for now (issue 35 moves ``fd.sample`` onto this module).
 """
 
@@ -29,8 +29,8 @@ import torch
 
 from .. import families as _families
 from ..lora import internal as _lora
+from . import _cache_items
 from . import sampler as _sampler
-from .cache import items as _cache_items
 from .families import Prompt, combine
 from .families.flux1 import _Flux1
 from .families.flux2 import _Flux2
@@ -61,7 +61,7 @@ class Request:
     negative_prompt: str | None = None
     lora: tuple = ()  # ((adapter, scale), ...)
     max_sequence_length: int | None = None
-    cache: object = None  # a step cache: a spec such as "fbcache:0.08" or a config (`cache.items`)
+    cache: object = None  # a step cache: a spec such as "fbcache:0.08" or a config (`_cache_items`)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

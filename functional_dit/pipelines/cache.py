@@ -55,11 +55,11 @@ import torch
 
 import sharding
 
-from ... import api as _api
-from ...lora import internal as _lora
-from ...nn import fused as _fuse
-from ...nn import kernels as _kernels
-from ...nn import stages as _stages
+from .. import api as _api
+from ..lora import internal as _lora
+from ..nn import fused as _fuse
+from ..nn import kernels as _kernels
+from ..nn import stages as _stages
 
 # ----------------------------------------------------------------------------- configs
 
@@ -774,17 +774,3 @@ class CacheRun:
     def skipped(self) -> int:
         """Branch-steps that did not run the full network."""
         return sum(not c for d in self.decisions for c in d)
-
-
-# The per-item form, one batched call with each item deciding alone (`_items`; the server's
-# and `functional_dit.sampling`'s), and diffusers' cache hooks on the adapter (`_hooks`,
-# which imports diffusers: loaded on first use of ``CacheHooks``).
-from . import _items as items  # noqa: E402, F401
-
-
-def __getattr__(name):
-    if name == "CacheHooks":
-        from ._hooks import CacheHooks
-
-        return CacheHooks
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
