@@ -42,18 +42,72 @@ def _all_gather_dim0():
 # ----------------------------------------------------------------------------- the raw collectives
 
 
-def issue_all_gather(x: torch.Tensor, n: int, group_name: str) -> torch.Tensor:
+def _eager_cpu(x: torch.Tensor) -> bool:
+    """True for a plain CPU tensor outside tracing: where an all-gather goes through c10d's
+    own API (`issue_all_gather` says why) rather than the functional op."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    return not torch._C._functorch.is_functorch_wrapped_tensor(x)
+
+
+def _c10d_all_gather():
+    # torch 2.13 renamed dist.all_gather_into_tensor to all_gather_single (the old name warns)
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def dist_size(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+class Pending:
+    """An all-gather issued eagerly through c10d (`issue_all_gather`): the buffer it fills
+    (``out``, not to be read before `waited`) and its work. ``dtype`` and ``numel()`` say
+    what it will hold, as the functional op's unwaited result does."""
+
+    __slots__ = ("out", "work")
+
+    def __init__(self, out: torch.Tensor, work):
+        self.out, self.work = out, work
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.out.dtype
+
+    def numel(self) -> int:
+        return self.out.numel()
+
+
+def issue_all_gather(x: torch.Tensor, n: int, group_name: str):
     """Issue the all-gather of ``x`` along dim 0 over the ``n`` ranks of the group named
-    ``group_name`` and return its result *not waited*: read it only through `waited`.
+    ``group_name`` and return its handle *not waited*: read it only through `waited`.
     funcol's own all-gather waits at once when traced (``_maybe_wrap_tensor``), putting
     every wait right after its collective in a compiled graph; the raw functional op
     leaves the wait where the caller puts it, eager and traced alike, so a collective
-    issued ahead (fsdp's prefetch) is issued ahead in the compiled graph too."""
+    issued ahead (fsdp's prefetch) is issued ahead in the compiled graph too.
+
+    Eager on CPU the handle is a `Pending` from c10d's ``all_gather_single``, not the
+    functional op: on gloo the functional op runs as an ``allgather_into_tensor_coalesced``
+    work, and two of those in flight at once corrupt the heap (torch 2.13; glibc aborts
+    with "malloc(): unaligned tcache chunk detected" or "double free" within a few hundred
+    fsdp training steps; ``tests/test_collectives_inflight.py`` says how often, and checks
+    this path). c10d's plain all-gather work has no such fault."""
+    if _eager_cpu(x):
+        import torch.distributed.distributed_c10d as c10d
+
+        out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+        return Pending(out, _c10d_all_gather()(out, x, group=c10d._resolve_process_group(group_name), async_op=True))
     return torch.ops._c10d_functional.all_gather_into_tensor(x, n, group_name)
 
 
-def waited(t: torch.Tensor) -> torch.Tensor:
+def waited(t) -> torch.Tensor:
     """The result of `issue_all_gather`, once the collective has finished."""
+    if isinstance(t, Pending):
+        t.work.wait()
+        return t.out
     return torch.ops._c10d_functional.wait_tensor(t)
 
 
@@ -62,7 +116,12 @@ def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
 
 
 def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    out = _done(_all_gather_dim0()(x.movedim(dim, 0).contiguous(), 0, group))
+    sent = x.movedim(dim, 0).contiguous()
+    if _eager_cpu(sent):  # see `issue_all_gather`
+        out = sent.new_empty((dist_size(group) * sent.shape[0], *sent.shape[1:]))
+        _c10d_all_gather()(out, sent, group=group)
+    else:
+        out = _done(_all_gather_dim0()(sent, 0, group))
     return out.movedim(0, dim)
 
 
