@@ -6,7 +6,8 @@ pipeline, 32x32 images, a 32-token text limit: a few seconds of model time in al
 Items with their own step caches (every method, with and without CFG and LoRA, and
 none) in one batch: each image and its decisions equal ``fd.sample`` alone with that cache.
 Also: ``step`` changes nothing it is given; ``merge`` refuses items of another size;
-a bad request raises naming its field before any encoder runs.
+a bad request raises naming its field before any encoder runs. FLUX.3 (base and flow
+map) the same way, with LoRA, CFG and caches.
 """
 
 from __future__ import annotations
@@ -108,6 +109,40 @@ def test_items_with_their_own_step_caches_equal_each_alone_with_that_cache(flux)
             assert it.cache_state.log == run.decisions, it.request.prompt
             skipped += run.skipped()
     assert skipped >= 5 * 2, "every cache must have skipped some steps, or the test shows nothing"
+
+
+@pytest.mark.parametrize("kind", ["flux3", "flux3-distilled"])
+def test_flux3_items_with_adapters_cfg_and_caches_equal_each_alone(kind):
+    """FLUX.3, the base model and the flow map (whose prediction takes the item's own next
+    timestep as its target): items at different steps, with a LoRA, true CFG and their own
+    step caches in one batch; each image and its decisions equal ``fd.sample`` alone."""
+    pipe = tiny.pipeline(kind)
+    params = fd.from_diffusers(pipe.transformer)
+    a = lora.init(params.config, rank=2, seed=1, zero_b=False)
+    R = sampling.Request
+    reqs = [
+        R("a red cat", 32, 32, 4, seed=1, lora=((a, 0.7),), cache="taylorseer:interval=2,warmup=1,order=1"),
+        R("a blue dog", 32, 32, 5, seed=2, true_cfg=3.0, negative_prompt="dark", cache="magcache:0.3"),
+        R("the sun", 32, 32, 5, seed=3, cache="fbcache:1.5"),
+        R("a boat", 32, 32, 3, seed=4, lora=((a, 1.0),)),
+    ]
+    ctx = sampling.context(params, pipe)
+    state = sampling.step(params, sampling.init(params, ctx, reqs[:2]))  # two items one step ahead
+    state = sampling.merge(state, sampling.init(params, ctx, reqs[2:]))
+    finished = []
+    while state.items:
+        done, state = sampling.split(sampling.step(params, state))
+        finished += done.items
+    assert sorted(it.request.prompt for it in finished) == sorted(r.prompt for r in reqs)
+    images = sampling.decode(sampling.State(ctx, tuple(finished)), "np")
+    skipped = 0
+    for it, img in zip(finished, images):
+        run = None if it.request.cache is None else fd.CacheRun(it.request.cache)
+        assert np.abs(img - alone(params, pipe, it.request, run)).max() <= LEVEL, it.request.prompt
+        if run is not None:
+            assert it.cache_state.log == run.decisions, it.request.prompt
+            skipped += run.skipped()
+    assert skipped >= 3 * 2, "every cache must have skipped some steps, or the test shows nothing"
 
 
 def test_merge_refuses_another_size_and_bad_requests_name_the_field(flux):

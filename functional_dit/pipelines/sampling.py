@@ -15,7 +15,8 @@ a running batch and take finished ones out between steps (`functional_dit.serve`
 
 Each item's image equals ``fd.sample`` of that request alone (tests/test_sampling.py;
 docs/serving.md gives the measured difference). Supported: the text-to-image pipelines of
-FLUX.1, FLUX.2 (dev, klein) and Qwen-Image, each item with its own step cache
+FLUX.1, FLUX.2 (dev, klein), Qwen-Image and FLUX.3 (base and step-distilled: each item's
+flow-map target is its own next timestep), each item with its own step cache
 (``Request.cache``: `_cache_items`, every item deciding alone); image inputs are
 ``fd.sample``'s alone for now (issue 35 moves ``fd.sample`` onto this module).
 """
@@ -34,6 +35,7 @@ from . import sampler as _sampler
 from .families import Prompt, combine
 from .families.flux1 import _Flux1
 from .families.flux2 import _Flux2
+from .families.flux3 import Flux3
 from .families.qwenimage import _Qwen
 
 # A request's step cache, for callers outside this package (the server): its config from a
@@ -43,6 +45,8 @@ cache_config = _cache_items.config
 cache_skipped = _cache_items.skipped
 
 _T2I = ("FluxPipeline", "Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline", "QwenImagePipeline")
+_T2I += ("Flux3ModularPipeline", "Flux3DistilledModularPipeline")
+_STEPS = (_Flux1, _Flux2, _Qwen, Flux3)  # the families' text-to-image steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +85,7 @@ class Item:
     hw: tuple[int, int]
     i: int = 0
     tag: object = None  # the caller's (a server's request id); never read here
+    inputs: tuple = ()  # per step, the model's extra inputs for the item's rows (FLUX.3's flow-map target)
     cache: object = None  # its step cache's config (`_cache_items.config`), or None
     cache_state: object = None  # that cache's state after the item's last step
 
@@ -131,7 +136,7 @@ def context(params, encoders) -> Context:
         raise ValueError(f"params: functional_dit.sampling runs {', '.join(supported)} text to image; got {fam}")
     pipe = _sampler.as_pipeline(encoders, params)
     model = _sampler._family_model(fam, params, pipe, None, None, {}, None)
-    if type(model) not in (_Flux1, _Flux2, _Qwen) or type(pipe).__name__ not in _T2I:
+    if type(model) not in _STEPS or type(pipe).__name__ not in _T2I:
         raise ValueError(f"encoders: functional_dit.sampling runs text to image only; got {type(pipe).__name__}")
     device, dtype = _sampler._param_device_dtype(params)
     return Context(fam, model, pipe, device, dtype)
@@ -171,18 +176,20 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
     job = _sampler._Job(ctx.fam, hw, req.steps, None, req.guidance, cfg, "pil", req.max_sequence_length, None, None)
     chunk = _sampler._chunk(model, reqs, (0,), job, ctx.dtype, ctx.device)
     sched = _sampler._scheduler(pipe, ctx.fam, chunk.x.shape[1], req.steps, ctx.device)
-    tables = _tables(model, chunk.cond, hw, req)
+    tables = _tables(model, chunk.cond, hw, req, sched)
     cache = _cache_items.config(req.cache, len(sched.timesteps))
-    item = Item(req, chunk.x, chunk.cond, sched.timesteps, sched.sigmas, tables, cfg, hw, tag=tag)
+    inputs = tuple(model.step_inputs(sched, chunk.x.shape[0] * (1 if cfg is None else 2), chunk.x.dtype))
+    item = Item(req, chunk.x, chunk.cond, sched.timesteps, sched.sigmas, tables, cfg, hw, tag=tag, inputs=inputs)
     return dataclasses.replace(item, cache=cache, cache_state=_cache_items.init(cache))
 
 
-def _tables(model, cond: Prompt, hw, req: Request) -> dict:
-    """The attributes the family's ``prepare`` sets for this item (RoPE, guidance, ...),
-    computed on a copy: the shared steps object is never changed."""
+def _tables(model, cond: Prompt, hw, req: Request, sched) -> dict:
+    """The attributes the family's ``prepare`` and ``schedule`` set for this item (RoPE,
+    guidance, ...), computed on a copy: the shared steps object is never changed."""
     m = copy.copy(model)
     before = dict(vars(m))
     m.prepare(cond, *hw, req.guidance, cond.txt.device)
+    m.schedule(sched)
     return {k: v for k, v in vars(m).items() if k not in before or before[k] is not v}
 
 
@@ -215,7 +222,9 @@ def step(params, state: State) -> State:
         x = torch.cat([it.x.expand(it.rows, -1, -1) for it in items])
         t = torch.cat([it.timesteps[it.i].expand(it.rows).to(x.dtype) / 1000 for it in items])
         caches = [it.cache_state for it in items]  # `_model` puts the new cache states here
-        pred = _model(params, state.ctx, items, caches)(x, t, _text(items))
+        keys = items[0].inputs[0] if items[0].inputs else ()  # the family's extra inputs, per row
+        extra = {k: torch.cat([it.inputs[it.i][k] for it in items]) for k in keys}
+        pred = _model(params, state.ctx, items, caches)(x, t, _text(items), **extra)
         norm = state.ctx.model.normalise_cfg
         split = pred.split([it.rows for it in items])
         moved = iter(_euler(it, p, norm, c) for it, p, c in zip(items, split, caches))
