@@ -50,6 +50,17 @@ def test_readme_offline_generate_line_runs_and_equals_fd_sample(tmp_path, monkey
     assert np.array_equal(np.asarray(Image.open(tmp_path / out)), np.asarray(want))
 
 
+def test_generate_flux3_flow_map_equals_fd_sample(tmp_path, capsys):
+    """The modular FLUX.3 pipelines are names too: ``--model flux3-distilled`` (the tiny
+    flow map at the default seed) writes ``fd.sample``'s image."""
+    out = tmp_path / "flux3.png"
+    argv = ["generate", "--model", "flux3-distilled", "--prompt", "a cat", "--steps", "2", "--seed", "3", *SMALL]
+    assert main([*argv, "--out", str(out)]) == 0
+    pipe = tiny.pipeline("flux3-distilled", seed=_models.SEED)
+    want = fd.sample(fd.from_diffusers(pipe.transformer), pipe, "a cat", height=32, width=32, steps=2, seed=3)[0]
+    assert np.array_equal(np.asarray(Image.open(out)), np.asarray(want))
+
+
 def test_every_tiny_name_resolves_and_presets_keep_their_names():
     assert _models.tiny_kind("flux") == "flux" and _models.tiny_kind("tiny:qwen-image") == "qwen-image"
     assert _models.tiny_kind("qwen-image") is None  # the released preset (from the Hugging Face cache)

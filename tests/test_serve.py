@@ -10,6 +10,7 @@ alone in this process: every image within 1 uint8 level per pixel.
 - a request arriving while another runs joins its batch (``/metrics``' joined counter);
 - four requests with step caches (FBC, MagCache, TaylorSeer, FasterCache) join a no-cache
   request's batch, each equal to ``fd.sample`` of it alone with that cache;
+- FLUX.3's flow map served (its own server): CFG and a MagCache, equal to ``fd.sample``;
 - ``--model`` resolves names as ``generate`` does (``tiny:flux``; errors name ``--model``);
 - each bad input is a 400 naming its field; a full queue a 429 with Retry-After; clients
   that disconnect leave the batch (running and queued back to 0); a slow request a 504;
@@ -56,11 +57,12 @@ def _port() -> int:
 
 
 class Server:
-    def __init__(self, tmp, *extra):
+    def __init__(self, tmp, *extra, model="flux", msl=MSL):
         self.port = _port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = ["--model", "flux", "--port", str(self.port), "--steps", "2", "--size", "32x32"]
-        args += ["--max-sequence-length", str(MSL), *extra]
+        args = ["--model", model, "--port", str(self.port), "--steps", "2", "--size", "32x32"]
+        args += ["--max-sequence-length", str(msl)] if msl else []
+        args += list(extra)
         env = {**os.environ, "PYTHONPATH": os.getcwd()}
         self.log = open(os.path.join(tmp, f"server-{self.port}.log"), "w")  # noqa: SIM115
         self.proc = subprocess.Popen([sys.executable, "-m", "functional_dit", "serve", *args], env=env,
@@ -147,6 +149,34 @@ def test_openai_client_images_equal_fd_sample(env):
     for d, w in zip(res.data, want):
         _close(_pixels(d.b64_json), w)
     assert [m.id for m in client.models.list().data] == ["flux"]
+
+
+def test_flux3_flow_map_served_with_cfg_and_a_cache_equals_fd_sample(tmp_path):
+    """FLUX.3's step-distilled pipeline (a flow map: each image's prediction targets its own
+    next timestep) served through the openai client: two images with true CFG and a
+    MagCache, each equal to ``fd.sample`` alone with that cache, and the cache skipped."""
+    import openai
+
+    server = Server(str(tmp_path), model="flux3-distilled", msl=None)
+    try:
+        server.wait_up()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        extra = {"seed": 7, "steps": 3, "true_cfg": 2.0, "negative_prompt": "dim", "cache": "magcache:0.3"}
+        res = client.images.generate(
+            model="flux3-distilled", prompt="a lighthouse", n=2, size="32x32", extra_body=extra
+        )
+    finally:
+        server.stop()
+    pipe = tiny.pipeline("flux3-distilled")
+    params = fd.from_diffusers(pipe.transformer)
+    skipped = 0
+    for j, d in enumerate(res.data):
+        run = fd.CacheRun("magcache:0.3")
+        want = fd.sample(params, pipe, "a lighthouse", height=32, width=32, steps=3, seed=7 + j, true_cfg=2.0,
+                         negative_prompt="dim", output_type="np", cache=run)[0]  # fmt: skip
+        _close(_pixels(d.b64_json), (want * 255).round().astype(int))
+        skipped += run.skipped()
+    assert skipped > 0, "the cache must skip some steps, or the test shows nothing"
 
 
 def test_16_concurrent_mixed_requests_all_correct(env):

@@ -21,13 +21,9 @@ from ..api import PRESETS
 PREFIX = "tiny:"
 SEED = 0  # the tiny pipelines' weights: tiny.pipeline's default seed, as the demo
 TINY_VAE_SCALE = 8  # every tiny VAE downscales x8 (tests/test_cli.py checks the pipelines' vae_scale_factor)
-# The modular FLUX.3 pipelines take a call argument the stock text-to-image call lacks
-# (``text_encoder_out_layers`` for the 2-layer tiny encoder); generate does not pass it.
 # The ControlNet pipelines need a control image and ControlNet params, which generate has
 # no flags for (fd.sample(controlnet=...) in Python; docs/controlnet.md).
 _NOT_GENERATED = (
-    "Flux3ModularPipeline",
-    "Flux3DistilledModularPipeline",
     "FluxControlNetPipeline",
     "QwenImageControlNetPipeline",
 )

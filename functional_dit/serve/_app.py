@@ -71,7 +71,9 @@ class Service:
         # a batch of its own and another image; test_16_concurrent_mixed_requests_all_correct
         # failed 1 run in 10 so).
         pipe = engine.ctx.pipe
-        self.tokenizer = copy.deepcopy(getattr(pipe, "tokenizer_2", None) or pipe.tokenizer)
+        tokenizer = getattr(pipe, "tokenizer_2", None) or pipe.tokenizer
+        # FLUX.3's "tokenizer" is a Qwen3-VL processor, whose first argument is images: its text tokenizer
+        self.tokenizer = copy.deepcopy(getattr(tokenizer, "tokenizer", tokenizer))
 
     def requests(self, body) -> list:
         """The body as one `sampling.Request` per image (BadRequest on the first bad field)."""
