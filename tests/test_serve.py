@@ -124,7 +124,7 @@ def _pixels(b64: str) -> np.ndarray:
 
 def _reference(env, prompts, seeds, steps, lora_lists=None, **kw) -> list[np.ndarray]:
     # fd.sample of several prompts in one call: only for requests without a step cache (a
-    # cache decides per call; a served image decides alone: `_cache_items`)
+    # cache decides per call; a served image decides alone: `cache._items`)
     """fd.sample's uint8 images (its "np" output rounded as PIL images are)."""
     lists = None
     if lora_lists is not None and any(lora_lists):

@@ -78,7 +78,7 @@ def local_rows(rows: tuple, batch: int, split: bool = True) -> tuple[int, ...] |
     """This rank's rows among ``rows`` of a batch of ``batch``, split over "dp" (dp x fsdp)
     as ``fd.apply`` splits it (contiguous chunks): their local indices, or None when they
     are all of this rank's real rows (the plain path, no gather). ``split=False``: the
-    batch is whole on this rank (`functional_dit.pipelines._cache_items` under fsdp)."""
+    batch is whole on this rank (`functional_dit.pipelines.cache._items` under fsdp)."""
     chunk = sharding.local_len(batch, "dp") if split else batch
     start = sharding.chunk_index("dp") * chunk if split else 0
     real = max(0, min(chunk, batch - start))

@@ -6,7 +6,9 @@
   `sampling` the per-item sampling state over it, `sampler_xla` its fixed-graph loop,
   `schedule` the img2img schedule, `placement` where the encoders and the VAE run;
 - `adapter`: ``fd.DiffusersTransformer``, the diffusers drop-in transformer;
-- the step caches: `cache`, `_cache_items`, `_stages`, `_cache_hooks`;
+- `cache`: the step caches (pure steps over the family's stages; for the rest of this
+  package `cache.internal`: per item, `items`; diffusers' cache hooks on the adapter,
+  `CacheHooks`);
 - `tiny`: the offline tiny pipelines.
 
 These modules may import diffusers, transformers and `weights`; this package's own import
@@ -15,9 +17,9 @@ loads none of them.
 
 
 def __getattr__(name):
-    """``CacheHooks`` (the adapter's diffusers cache hooks, `_cache_hooks`), loaded on first use."""
+    """``CacheHooks`` (the adapter's diffusers cache hooks, `cache._hooks`), loaded on first use."""
     if name == "CacheHooks":
-        from ._cache_hooks import CacheHooks
+        from .cache.internal import CacheHooks
 
         return CacheHooks
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

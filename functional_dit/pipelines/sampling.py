@@ -17,7 +17,7 @@ Each item's image equals ``fd.sample`` of that request alone (tests/test_samplin
 docs/serving.md gives the measured difference). Supported: the text-to-image pipelines of
 FLUX.1, FLUX.2 (dev, klein), Qwen-Image and FLUX.3 (base and step-distilled: each item's
 flow-map target is its own next timestep), each item with its own step cache
-(``Request.cache``: `_cache_items`, every item deciding alone); image inputs are
+(``Request.cache``: `cache._items`, every item deciding alone); image inputs are
 ``fd.sample``'s alone for now (issue 35 moves ``fd.sample`` onto this module).
 """
 
@@ -30,8 +30,8 @@ import torch
 
 from .. import families as _families
 from ..lora import internal as _lora
-from . import _cache_items
 from . import sampler as _sampler
+from .cache.internal import items as _cache_items
 from .families import Prompt, combine
 from .families.flux1 import _Flux1
 from .families.flux2 import _Flux2
@@ -65,7 +65,7 @@ class Request:
     negative_prompt: str | None = None
     lora: tuple = ()  # ((adapter, scale), ...)
     max_sequence_length: int | None = None
-    cache: object = None  # a step cache: a spec such as "fbcache:0.08" or a config (`_cache_items`)
+    cache: object = None  # a step cache: a spec such as "fbcache:0.08" or a config (`cache._items`)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

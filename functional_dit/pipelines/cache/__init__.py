@@ -55,11 +55,11 @@ import torch
 
 import sharding
 
-from .. import api as _api
-from ..lora import internal as _lora
-from ..nn import fused as _fuse
-from ..nn import kernels as _kernels
-from ..nn import stages as _stages
+from ... import api as _api
+from ...lora import internal as _lora
+from ...nn import fused as _fuse
+from ...nn import kernels as _kernels
+from ...nn import stages as _stages
 
 # ----------------------------------------------------------------------------- configs
 

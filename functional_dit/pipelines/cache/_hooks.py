@@ -31,9 +31,9 @@ from diffusers.hooks.pyramid_attention_broadcast import _PYRAMID_ATTENTION_BROAD
 from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK, _TRANSFORMER_BLOCK_IDENTIFIERS
 from diffusers.utils import logging
 
-from .. import api as _api
-from ..api import apply
-from . import cache as _cache
+from ... import api as _api
+from ...api import apply
+from .. import cache as _cache
 
 _LOG = logging.get_logger("functional_dit.pipelines.cache")
 # The stock hook each of our caches stands in for (what diffusers' disable_cache removes).

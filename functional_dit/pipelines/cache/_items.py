@@ -46,12 +46,12 @@ import torch
 
 import sharding
 
-from .. import api as _api
-from ..lora import internal as _lora
-from ..nn import fused as _fuse
-from ..nn import kernels as _kernels
-from ..nn import stages as _stages
-from . import cache as _cache
+from ... import api as _api
+from ...lora import internal as _lora
+from ...nn import fused as _fuse
+from ...nn import kernels as _kernels
+from ...nn import stages as _stages
+from .. import cache as _cache
 
 
 def config(cache, steps: int):
