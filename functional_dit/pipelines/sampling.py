@@ -15,8 +15,10 @@ a running batch and take finished ones out between steps (`functional_dit.serve`
 
 Each item's image equals ``fd.sample`` of that request alone (tests/test_sampling.py;
 docs/serving.md gives the measured difference). Supported: the text-to-image pipelines of
-FLUX.1, FLUX.2 (dev, klein), Qwen-Image and FLUX.3 (base and step-distilled: each item's
-flow-map target is its own next timestep), each item with its own step cache
+FLUX.1, FLUX.2 (dev, klein), Qwen-Image, FLUX.3 (base and step-distilled: each item's
+flow-map target is its own next timestep) and Qwen-Image 2.1 (whose batch is laid out by its
+first item: each item takes its own model call and keeps its CFG branches' prefix KV
+caches in its tables), each item with its own step cache (not yet on Qwen-Image 2.1)
 (``Request.cache``: `cache._items`, every item deciding alone); image inputs are
 ``fd.sample``'s alone for now (issue 35 moves ``fd.sample`` onto this module).
 """
@@ -37,6 +39,7 @@ from .families.flux1 import _Flux1
 from .families.flux2 import _Flux2
 from .families.flux3 import Flux3
 from .families.qwenimage import _Qwen
+from .families.qwenimage21 import Qwen21
 
 # A request's step cache, for callers outside this package (the server): its config from a
 # spec string or config (``cache_config(spec, steps)``, a ValueError naming ``cache`` when
@@ -46,7 +49,8 @@ cache_skipped = _cache_items.skipped
 
 _T2I = ("FluxPipeline", "Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline", "QwenImagePipeline")
 _T2I += ("Flux3ModularPipeline", "Flux3DistilledModularPipeline")
-_STEPS = (_Flux1, _Flux2, _Qwen, Flux3)  # the families' text-to-image steps
+_T2I += ("QwenImage21Pipeline",)
+_STEPS = (_Flux1, _Flux2, _Qwen, Flux3, Qwen21)  # the families' text-to-image steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +156,9 @@ def check(ctx: Context, params, req: Request) -> None:
     if not isinstance(req.seed, int) or isinstance(req.seed, bool):
         raise ValueError(f"seed: expected an int, got {req.seed!r}")
     _lora.check(params, list(req.lora))
-    if _cache_items.config(req.cache, req.steps) is not None and not ctx.model.step_cache:
-        raise ValueError(f"cache: step caching is not supported for {ctx.fam} yet; expected None")
+    cached = _cache_items.config(req.cache, req.steps) is not None
+    if cached and not (ctx.model.step_cache and ctx.model.item_step_cache):
+        raise ValueError(f"cache: a step cache per item is not supported for {ctx.fam} yet; expected None")
 
 
 def init(params, ctx: Context, requests, tags=None) -> State:
@@ -167,7 +172,7 @@ def init(params, ctx: Context, requests, tags=None) -> State:
 
 def _item(params, ctx: Context, req: Request, tag) -> Item:
     check(ctx, params, req)
-    pipe, model = ctx.pipe, ctx.model
+    pipe, model = ctx.pipe, ctx.model.fork()  # what encoding and `prepare` set lands on the fork
     cfg = float(req.true_cfg) if req.true_cfg is not None and req.true_cfg > 1 else None
     cfg = _sampler._qi.true_cfg(ctx.fam, cfg, req.negative_prompt, None)
     reqs = _sampler.requests(ctx.fam, req.prompt, 1, req.seed, None, req.negative_prompt, cfg is not None, {})
@@ -176,21 +181,21 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
     job = _sampler._Job(ctx.fam, hw, req.steps, None, req.guidance, cfg, "pil", req.max_sequence_length, None, None)
     chunk = _sampler._chunk(model, reqs, (0,), job, ctx.dtype, ctx.device)
     sched = _sampler._scheduler(pipe, ctx.fam, chunk.x.shape[1], req.steps, ctx.device)
-    tables = _tables(model, chunk.cond, hw, req, sched)
+    tables = _tables(ctx.model, model, chunk.cond, hw, req, sched)
     cache = _cache_items.config(req.cache, len(sched.timesteps))
     inputs = tuple(model.step_inputs(sched, chunk.x.shape[0] * (1 if cfg is None else 2), chunk.x.dtype))
     item = Item(req, chunk.x, chunk.cond, sched.timesteps, sched.sigmas, tables, cfg, hw, tag=tag, inputs=inputs)
     return dataclasses.replace(item, cache=cache, cache_state=_cache_items.init(cache))
 
 
-def _tables(model, cond: Prompt, hw, req: Request, sched) -> dict:
-    """The attributes the family's ``prepare`` and ``schedule`` set for this item (RoPE,
-    guidance, ...), computed on a copy: the shared steps object is never changed."""
-    m = copy.copy(model)
-    before = dict(vars(m))
-    m.prepare(cond, *hw, req.guidance, cond.txt.device)
-    m.schedule(sched)
-    return {k: v for k, v in vars(m).items() if k not in before or before[k] is not v}
+def _tables(model, fork, cond: Prompt, hw, req: Request, sched) -> dict:
+    """The attributes in which the item's ``fork`` of the shared steps ``model`` differs
+    once encoded, prepared and scheduled (RoPE, guidance, Qwen-Image 2.1's layouts and CFG
+    branches, ...): the shared steps object is never changed."""
+    fork.prepare(cond, *hw, req.guidance, cond.txt.device)
+    fork.schedule(sched)
+    before = vars(model)
+    return {k: v for k, v in vars(fork).items() if k not in before or before[k] is not v}
 
 
 def merge(*states: State) -> State:
@@ -214,21 +219,29 @@ def split(state: State, keep=lambda item: True) -> tuple[State, State]:
 
 def step(params, state: State) -> State:
     """One denoising step of every unfinished item: one model call over the batch (item
-    rows in order, two per CFG item), then each item's Euler update from its own sigmas."""
+    rows in order, two per CFG item; one call per item where the family's items do not
+    share calls, Qwen-Image 2.1), then each item's Euler update from its own sigmas."""
     items = [it for it in state.items if not it.done]
     if not items:
         return state
+    groups = [items] if state.ctx.model.shares_calls else [[it] for it in items]
     with torch.no_grad():
-        x = torch.cat([it.x.expand(it.rows, -1, -1) for it in items])
-        t = torch.cat([it.timesteps[it.i].expand(it.rows).to(x.dtype) / 1000 for it in items])
-        caches = [it.cache_state for it in items]  # `_model` puts the new cache states here
-        keys = items[0].inputs[0] if items[0].inputs else ()  # the family's extra inputs, per row
-        extra = {k: torch.cat([it.inputs[it.i][k] for it in items]) for k in keys}
-        pred = _model(params, state.ctx, items, caches)(x, t, _text(items), **extra)
-        norm = state.ctx.model.normalise_cfg
-        split = pred.split([it.rows for it in items])
-        moved = iter(_euler(it, p, norm, c) for it, p, c in zip(items, split, caches))
+        moved = iter(it for group in groups for it in _step(params, state.ctx, group))
     return State(state.ctx, tuple(next(moved) if not it.done else it for it in state.items))
+
+
+def _step(params, ctx: Context, items) -> list:
+    """``items`` after one step computed in one model call."""
+    x = torch.cat([it.x.expand(it.rows, -1, -1) for it in items])
+    t = torch.cat([it.timesteps[it.i].expand(it.rows).to(x.dtype) / 1000 for it in items])
+    caches = [it.cache_state for it in items]  # `_model` puts the new cache states here
+    keys = items[0].inputs[0] if items[0].inputs else ()  # the family's extra inputs, per row
+    extra = {k: torch.cat([it.inputs[it.i][k] for it in items]) for k in keys}
+    m = _model(params, ctx, items, caches)
+    pred = m(x, t, _text(items), **extra)
+    kept = {name: getattr(m, name) for name in m.call_state}  # one item's (items share no call then)
+    split = pred.split([it.rows for it in items])
+    return [_euler(it, p, m.normalise_cfg, c, kept) for it, p, c in zip(items, split, caches)]
 
 
 def _model(params, ctx: Context, items, caches: list):
@@ -238,6 +251,8 @@ def _model(params, ctx: Context, items, caches: list):
     states replace ``caches``' entries."""
     m = copy.copy(ctx.model)
     vars(m).update(items[0].tables, params=params)
+    for name in m.call_state:  # the call updates its own copy, never the item's
+        setattr(m, name, copy.copy(getattr(m, name)))
     guid = [it.tables.get("guidance") for it in items for _ in range(it.rows)]
     lora = _lora_rows(items)
     plain = type(ctx.model).apply
@@ -277,15 +292,16 @@ def _text(items) -> Prompt:
     return Prompt(cat("txt"), cat("pooled"), mask, conds[0].txt_ids)
 
 
-def _euler(it: Item, pred: torch.Tensor, normalise: bool, cache_state=None) -> Item:
+def _euler(it: Item, pred: torch.Tensor, normalise: bool, cache_state=None, kept: dict | None = None) -> Item:
     """The scheduler's Euler step (FlowMatchEulerDiscreteScheduler.step: fp32 update,
     cast back to the prediction's dtype) after the item's CFG combination; the item's new
-    step-cache state with it."""
+    step-cache state with it, and what the call changed of its tables (``kept``)."""
     if it.cfg is not None:
         pred = combine(pred, it.cfg, normalise)
     dt = it.sigmas[it.i + 1] - it.sigmas[it.i]
     x = (it.x.to(torch.float32) + dt * pred).to(pred.dtype)
-    return dataclasses.replace(it, x=x, i=it.i + 1, cache_state=cache_state)
+    tables = {**it.tables, **kept} if kept else it.tables
+    return dataclasses.replace(it, x=x, i=it.i + 1, cache_state=cache_state, tables=tables)
 
 
 def decode(state: State, output_type: str = "pil"):

@@ -71,8 +71,9 @@ class Service:
         # a batch of its own and another image; test_16_concurrent_mixed_requests_all_correct
         # failed 1 run in 10 so).
         pipe = engine.ctx.pipe
-        tokenizer = getattr(pipe, "tokenizer_2", None) or pipe.tokenizer
-        # FLUX.3's "tokenizer" is a Qwen3-VL processor, whose first argument is images: its text tokenizer
+        # the main text encoder's: T5 for FLUX.1; FLUX.3's "tokenizer" and Qwen-Image 2.1's
+        # "processor" are Qwen3-VL processors, whose first argument is images: their text tokenizer
+        tokenizer = next(t for n in ("tokenizer_2", "tokenizer", "processor") if (t := getattr(pipe, n, None)))
         self.tokenizer = copy.deepcopy(getattr(tokenizer, "tokenizer", tokenizer))
 
     def requests(self, body) -> list:
@@ -122,8 +123,9 @@ class Service:
             config = sampling.cache_config(value, steps)
         except ValueError as e:
             raise BadRequest("cache", f"{want} ({e})", value) from None
-        if config is not None and not self.engine.ctx.model.step_cache:
-            raise BadRequest("cache", f"null or 'none' (no step caching for {self.engine.ctx.fam} yet)", value)
+        model, fam = self.engine.ctx.model, self.engine.ctx.fam
+        if config is not None and not (model.step_cache and model.item_step_cache):
+            raise BadRequest("cache", f"null or 'none' (no per-request step cache for {fam} yet)", value)
         return value
 
     def _size(self, size):

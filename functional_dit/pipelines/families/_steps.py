@@ -7,6 +7,7 @@ the default classifier-free-guidance batching (`cfg_batch`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -69,6 +70,18 @@ class Steps:
     fixed_graph = False  # each step one fixed device graph (`sampler_xla` may run it on a lazy device)
     packed_latents = True  # `fd.sample(latents=...)` takes packed tokens (B, S, C), as the pipeline's latents=
     apply = staticmethod(_plain_apply)  # a step cache's `CacheRun.apply` in its place
+    # `functional_dit.sampling`: whether items share one model call (False: each item its own
+    # call, as Qwen-Image 2.1, whose batch is laid out by its first item), and the attributes
+    # a model call changes (an item keeps them between its steps: Qwen-Image 2.1's KV caches)
+    shares_calls = True
+    call_state: tuple[str, ...] = ()
+    item_step_cache = True  # a step cache per item (`Request.cache`) supported
+
+    def fork(self):
+        """A copy for one run or one item (`functional_dit.sampling`): what encoding and
+        ``prepare`` set lands on it, not on this object; a family whose steps keep run state
+        in containers gives the copy fresh ones."""
+        return copy.copy(self)
 
     def cfg_batch(self, cond: Prompt, uncond: Prompt) -> Prompt:
         """Both CFG branches as the loop's one batch ([cond; uncond] by default)."""

@@ -10,6 +10,7 @@ argument), its tiny pipelines' recipes and the bench's inputs
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch
@@ -31,13 +32,18 @@ MAX_SEQUENCE_LENGTH = None
 IMAGE_JOBS = None
 ENCODER_LORA_SCALE = False
 CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._qwen_image.true_cfg`)
-PER_ITEM_SAMPLING = False
+PER_ITEM_SAMPLING = True
 
 
 class Qwen21(Steps):
     fixed_graph = True  # one fixed device graph per step (`sampler_xla`)
     cfg_on_device = True
     cfg_calls = 2  # with CFG, one model call per branch per step (a step cache keeps a state per call)
+    shares_calls = False  # a batch is laid out by its first item (`batch_size`)
+    call_state = ("caches",)  # each branch's prefix KV cache, extracted on the first step
+    # not yet per item: the per-item caches compare a step's residuals with the last computed
+    # one's, and the prefix cache's extract step runs a longer sequence than the cached steps
+    item_step_cache = False
 
     def __init__(self, params, pipe, kv_cache: bool | None):
         self.params, self.pipe, self.c = params, pipe, params.config
@@ -47,6 +53,11 @@ class Qwen21(Steps):
                 "kv_cache: Qwen-Image 2.1's prefix cache needs causal_condition=True; expected None or False"
             )
         self.pads, self.branches, self.caches = [], None, {}
+
+    def fork(self):
+        m = copy.copy(self)
+        m.pads, m.branches, m.caches = [], None, {}
+        return m
 
     def encode(self, prompts, msl):
         txt, mask, pad = self.pipe.encode_prompt(prompt=prompts, device=self.pipe._execution_device)
