@@ -111,6 +111,35 @@ def test_items_with_their_own_step_caches_equal_each_alone_with_that_cache(flux)
     assert skipped >= 5 * 2, "every cache must have skipped some steps, or the test shows nothing"
 
 
+@pytest.mark.parametrize("kind", ["flux2", "flux2-klein", "qwen-image"])
+def test_other_families_items_with_adapters_cfg_and_a_cache_equal_each_alone(kind):
+    """FLUX.2-dev, klein and Qwen-Image: an item a step ahead with a LoRA, one with true CFG,
+    one with a First-Block Cache, in one batch; each image and its decisions equal
+    ``fd.sample`` alone."""
+    pipe = tiny.pipeline(kind)
+    params = fd.from_diffusers(pipe.transformer)
+    a = lora.init(params.config, rank=2, seed=1, zero_b=False)
+    R = lambda *args, **kw: sampling.Request(*args, max_sequence_length=MSL, **kw)  # noqa: E731
+    reqs = [
+        R("a red cat", 32, 32, 3, seed=1, lora=((a, 0.7),)),
+        R("a blue dog", 32, 32, 4, seed=2, true_cfg=3.0, negative_prompt="dark"),
+        R("the sun", 32, 32, 4, seed=3, cache="fbcache:0.8"),
+    ]
+    ctx = sampling.context(params, pipe)
+    ahead = sampling.step(params, sampling.init(params, ctx, reqs[:1]))
+    state = sampling.merge(ahead, sampling.init(params, ctx, reqs[1:]))
+    finished = []
+    while state.items:
+        done, state = sampling.split(sampling.step(params, state))
+        finished += done.items
+    images = sampling.decode(sampling.State(ctx, tuple(finished)), "np")
+    for it, img in zip(finished, images):
+        run = None if it.request.cache is None else fd.CacheRun(it.request.cache)
+        assert np.abs(img - alone(params, pipe, it.request, run)).max() <= LEVEL, it.request.prompt
+        if run is not None:
+            assert it.cache_state.log == run.decisions, it.request.prompt
+
+
 @pytest.mark.parametrize("kind", ["flux3", "flux3-distilled"])
 def test_flux3_items_with_adapters_cfg_and_caches_equal_each_alone(kind):
     """FLUX.3, the base model and the flow map (whose prediction takes the item's own next
