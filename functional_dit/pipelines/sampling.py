@@ -35,22 +35,12 @@ from ..lora import internal as _lora
 from . import sampler as _sampler
 from .cache.internal import items as _cache_items
 from .families import Prompt, combine
-from .families.flux1 import _Flux1
-from .families.flux2 import _Flux2
-from .families.flux3 import Flux3
-from .families.qwenimage import _Qwen
-from .families.qwenimage21 import Qwen21
 
 # A request's step cache, for callers outside this package (the server): its config from a
 # spec string or config (``cache_config(spec, steps)``, a ValueError naming ``cache`` when
 # malformed) and the branch-steps it skipped so far (``cache_skipped(item.cache_state)``).
 cache_config = _cache_items.config
 cache_skipped = _cache_items.skipped
-
-_T2I = ("FluxPipeline", "Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline", "QwenImagePipeline")
-_T2I += ("Flux3ModularPipeline", "Flux3DistilledModularPipeline")
-_T2I += ("QwenImage21Pipeline",)
-_STEPS = (_Flux1, _Flux2, _Qwen, Flux3, Qwen21)  # the families' text-to-image steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,13 +125,12 @@ def context(params, encoders) -> Context:
     """The context of ``params`` with ``encoders`` (a diffusers pipeline of the family or
     its components, as ``fd.sample`` takes them)."""
     fam = _sampler._family_name(params)
-    if not _families.product(fam).PER_ITEM_SAMPLING:
-        supported = [f.KEY for f in _families.FAMILIES if _families.product(f).PER_ITEM_SAMPLING]
-        raise ValueError(f"params: functional_dit.sampling runs {', '.join(supported)} text to image; got {fam}")
     pipe = _sampler.as_pipeline(encoders, params)
+    runs = _families.product(fam).PER_ITEM_PIPELINES  # the family's text-to-image pipelines
+    name = type(pipe).__name__
+    if name not in runs:
+        raise ValueError(f"encoders: functional_dit.sampling runs {', '.join(runs)} for {fam}; got {name}")
     model = _sampler._family_model(fam, params, pipe, None, None, {}, None)
-    if type(model) not in _STEPS or type(pipe).__name__ not in _T2I:
-        raise ValueError(f"encoders: functional_dit.sampling runs text to image only; got {type(pipe).__name__}")
     device, dtype = _sampler._param_device_dtype(params)
     return Context(fam, model, pipe, device, dtype)
 

@@ -29,7 +29,7 @@ EMBEDS_TOGETHER = ("pooled_prompt_embeds",)
 MAX_SEQUENCE_LENGTH = 512
 ENCODER_LORA_SCALE = True  # FluxPipeline scales its text encoders' LoRA by the attention kwargs' scale
 CFG_NEEDS_NEGATIVE = False
-PER_ITEM_SAMPLING = True
+PER_ITEM_PIPELINES = ("FluxPipeline",)
 
 
 class _Flux1(Steps):

@@ -24,7 +24,7 @@ MAX_SEQUENCE_LENGTH = None  # the stock pipelines set no limit
 IMAGE_JOBS = None  # klein inpainting is its pipeline's (`sampler._flux2_image`)
 ENCODER_LORA_SCALE = False
 CFG_NEEDS_NEGATIVE = False
-PER_ITEM_SAMPLING = True
+PER_ITEM_PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline")
 
 
 class _Flux2(Steps):

@@ -31,7 +31,7 @@ MAX_SEQUENCE_LENGTH = None
 IMAGE_JOBS = None
 ENCODER_LORA_SCALE = False
 CFG_NEEDS_NEGATIVE = False
-PER_ITEM_SAMPLING = True
+PER_ITEM_PIPELINES = ("Flux3ModularPipeline", "Flux3DistilledModularPipeline")
 
 
 class Flux3(Steps):

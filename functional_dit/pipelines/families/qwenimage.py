@@ -32,7 +32,7 @@ EMBEDS_TOGETHER = ()
 MAX_SEQUENCE_LENGTH = 1024
 ENCODER_LORA_SCALE = False
 CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._qwen_image.true_cfg`)
-PER_ITEM_SAMPLING = True
+PER_ITEM_PIPELINES = ("QwenImagePipeline",)
 
 
 class _Qwen(Steps):

@@ -32,7 +32,7 @@ MAX_SEQUENCE_LENGTH = None
 IMAGE_JOBS = None
 ENCODER_LORA_SCALE = False
 CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._qwen_image.true_cfg`)
-PER_ITEM_SAMPLING = True
+PER_ITEM_PIPELINES = ("QwenImage21Pipeline",)
 
 
 class Qwen21(Steps):
