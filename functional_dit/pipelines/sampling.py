@@ -228,7 +228,9 @@ def _step(params, ctx: Context, items) -> list:
     extra = {k: torch.cat([it.inputs[it.i][k] for it in items]) for k in keys}
     m = _model(params, ctx, items, caches)
     pred = m(x, t, _text(items), **extra)
-    kept = {name: getattr(m, name) for name in m.call_state}  # one item's (items share no call then)
+    if m.call_state and len(items) > 1:
+        raise TypeError(f"{type(m).__name__}: steps whose calls change call_state must set shares_calls = False")
+    kept = {name: getattr(m, name) for name in m.call_state}  # the one item's new call state
     split = pred.split([it.rows for it in items])
     return [_euler(it, p, m.normalise_cfg, c, kept) for it, p, c in zip(items, split, caches)]
 
