@@ -20,6 +20,7 @@ import functional_dit as fd
 import functional_dit.lora as lora
 from functional_dit import sampling, tiny
 
+ATTENTION_TAYLOR = "taylorseer:interval=2,warmup=1,order=1,attention=1"
 LEVEL = 1 / 255  # the promise: within 1 uint8 level per pixel (measured ≤ 4e-4 levels: batch vs alone GEMMs)
 MSL = 32
 
@@ -177,9 +178,10 @@ def test_flux3_items_with_adapters_cfg_and_caches_equal_each_alone(kind):
 def test_qwen_image_21_items_one_call_each_with_their_own_kv_caches_equal_each_alone():
     """Qwen-Image 2.1 lays a batch out by its first item, so its items take one model call
     each; each keeps its CFG branches' prefix KV caches (extracted on its first step) in its
-    own tables. Items a step apart, with a LoRA and true CFG: each equals ``fd.sample`` alone
-    bitwise (the same calls); ``step`` leaves the items it is given as they were; a step
-    cache per item is refused by name (not built for this family yet)."""
+    own tables. Items a step apart, with a LoRA, true CFG and step caches (with CFG one state
+    per branch call; the first step extracts the prefix cache over the longer sequence):
+    each equals ``fd.sample`` alone, bitwise without a cache, and decides as it does;
+    ``step`` leaves the items it is given as they were."""
     pipe = tiny.pipeline("qwen-image-2.1")
     params = fd.from_diffusers(pipe.transformer)
     a = lora.init(params.config, rank=2, seed=1, zero_b=False)
@@ -188,11 +190,16 @@ def test_qwen_image_21_items_one_call_each_with_their_own_kv_caches_equal_each_a
         R("a red cat", 32, 32, 3, seed=1, lora=((a, 0.7),)),
         R("a red dog", 32, 32, 4, seed=2, true_cfg=3.0, negative_prompt="dark"),
         R("a red sun", 32, 32, 4, seed=3),
+        R("a red car", 32, 32, 4, seed=4, cache="fbcache:1.5"),  # 1.5: skips from step 2 on the tiny model
+        R("a red hat", 32, 32, 5, seed=5, true_cfg=3.0, negative_prompt="dark", cache="magcache:0.3"),
+        R("a red box", 32, 32, 4, seed=6, cache="taylorseer:interval=2,warmup=1,order=1"),
+        R("a red cup", 32, 32, 4, seed=7, true_cfg=3.0, negative_prompt="dark", cache="fbcache:1.5"),
+        R("a red pen", 32, 32, 4, seed=8, true_cfg=3.0, negative_prompt="dark", cache=ATTENTION_TAYLOR),
     ]
     ctx = sampling.context(params, pipe)
     state = sampling.step(params, sampling.init(params, ctx, reqs[:1]))
     state = sampling.merge(state, sampling.init(params, ctx, reqs[1:]))
-    assert [len(it.tables["caches"]) for it in state.items] == [1, 0, 0]  # the first extracted its cache
+    assert [len(it.tables["caches"]) for it in state.items] == [1] + [0] * 7  # the first extracted its cache
     finished = []
     while state.items:
         before = [(it.i, it.x.clone(), dict(it.tables["caches"])) for it in state.items]
@@ -201,14 +208,23 @@ def test_qwen_image_21_items_one_call_each_with_their_own_kv_caches_equal_each_a
             assert it.i == i and torch.equal(it.x, x) and it.tables["caches"] == kv
         done, state = sampling.split(new)
         finished += done.items
-    assert [len(it.tables["caches"]) for it in finished] == [1, 2, 1]  # one per CFG branch
+    caches = {it.request.prompt: len(it.tables["caches"]) for it in finished}
+    assert caches == {"a red cat": 1, "a red dog": 2, "a red sun": 1, "a red car": 1, "a red hat": 2, "a red box": 1,
+                      "a red cup": 2, "a red pen": 2}  # one per CFG branch  # fmt: skip
+    skipped = 0
     for it in finished:
         r = it.request
+        run = None if r.cache is None else fd.CacheRun(r.cache)
         kw = dict(true_cfg=r.true_cfg, negative_prompt=r.negative_prompt, lora=list(r.lora) or None, seed=r.seed)
-        want = fd.sample(params, pipe, r.prompt, height=32, width=32, steps=r.steps, output_type="latent", **kw)
-        assert torch.equal(it.x, want), r.prompt
-    with pytest.raises(ValueError, match="cache: a step cache per item is not supported for qwenimage21"):
-        sampling.check(ctx, params, R("x", 32, 32, 2, cache="fbcache:0.1"))
+        kw |= dict(height=32, width=32, steps=r.steps, output_type="latent", cache=run)
+        want = fd.sample(params, pipe, r.prompt, **kw)
+        if run is None:
+            assert torch.equal(it.x, want), r.prompt
+        else:
+            torch.testing.assert_close(it.x, want, rtol=1e-5, atol=1e-5, msg=r.prompt)
+            assert sampling.cache_decisions(it.cache_state) == run.decisions, r.prompt
+            skipped += run.skipped()
+    assert skipped >= 5 * 2, "every cache must have skipped some steps, or the test shows nothing"
 
 
 def test_merge_refuses_another_size_and_bad_requests_name_the_field(flux):

@@ -10,8 +10,8 @@ alone in this process: every image within 1 uint8 level per pixel.
 - a request arriving while another runs joins its batch (``/metrics``' joined counter);
 - four requests with step caches (FBC, MagCache, TaylorSeer, FasterCache) join a no-cache
   request's batch, each equal to ``fd.sample`` of it alone with that cache;
-- FLUX.3's flow map and Qwen-Image 2.1 served (a server each): CFG (and a MagCache on
-  FLUX.3), equal to ``fd.sample``;
+- FLUX.3's flow map and Qwen-Image 2.1 served (a server each): CFG and a step cache,
+  equal to ``fd.sample``;
 - ``--model`` resolves names as ``generate`` does (``tiny:flux``; errors name ``--model``);
 - each bad input is a 400 naming its field; a full queue a 429 with Retry-After; clients
   that disconnect leave the batch (running and queued back to 0); a slow request a 504;
@@ -182,27 +182,29 @@ def test_flux3_flow_map_served_with_cfg_and_a_cache_equals_fd_sample(tmp_path):
 
 def test_qwen_image_21_served_with_cfg_equals_fd_sample(tmp_path):
     """Qwen-Image 2.1 served through the openai client (each image its own model call and
-    its own prefix KV caches): two images with true CFG, each equal to ``fd.sample``'s; a
-    request with a step cache is a 400 naming ``cache`` (not built for this family yet)."""
+    its own prefix KV caches): two images with true CFG and a First-Block Cache (a state per
+    CFG branch), each equal to ``fd.sample``'s with that cache, which skipped steps."""
     import openai
 
     server = Server(str(tmp_path), model="tiny:qwen-image-2.1", msl=None)
     try:
         server.wait_up()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        extra = {"seed": 7, "steps": 3, "true_cfg": 2.0, "negative_prompt": "dim"}
+        extra = {"seed": 7, "steps": 3, "true_cfg": 2.0, "negative_prompt": "dim", "cache": "fbcache:1.5"}
         res = client.images.generate(model="tiny:qwen-image-2.1", prompt="a lighthouse", n=2, size="32x32",
                                      extra_body=extra)  # fmt: skip
-        refused = server.post({"prompt": "a lighthouse", "size": "32x32", "cache": "fbcache:0.1"})
     finally:
         server.stop()
     pipe = tiny.pipeline("qwen-image-2.1")
     params = fd.from_diffusers(pipe.transformer)
+    skipped = 0
     for j, d in enumerate(res.data):
+        run = fd.CacheRun("fbcache:1.5")
         want = fd.sample(params, pipe, "a lighthouse", height=32, width=32, steps=3, seed=7 + j, true_cfg=2.0,
-                         negative_prompt="dim")[0]  # fmt: skip
+                         negative_prompt="dim", cache=run)[0]  # fmt: skip
         _close(_pixels(d.b64_json), np.asarray(want.convert("RGB")).astype(int))
-    assert refused.status_code == 400 and "cache" in refused.text, refused.text  # no per-item cache here yet
+        skipped += run.skipped()
+    assert skipped > 0, "the cache must skip some steps, or the test shows nothing"
 
 
 def test_16_concurrent_mixed_requests_all_correct(env):

@@ -18,8 +18,9 @@ docs/serving.md gives the measured difference). Supported: the text-to-image pip
 FLUX.1, FLUX.2 (dev, klein), Qwen-Image, FLUX.3 (base and step-distilled: each item's
 flow-map target is its own next timestep) and Qwen-Image 2.1 (whose batch is laid out by its
 first item: each item takes its own model call and keeps its CFG branches' prefix KV
-caches in its tables), each item with its own step cache (not yet on Qwen-Image 2.1)
-(``Request.cache``: `cache._items`, every item deciding alone); image inputs are
+caches in its tables), each item with its own step cache (``Request.cache``:
+`cache._items`, every item deciding alone; one state per model call where a step makes one
+call per CFG branch, Qwen-Image 2.1); image inputs are
 ``fd.sample``'s alone for now (issue 35 moves ``fd.sample`` onto this module).
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 
 import torch
 
@@ -41,6 +43,7 @@ from .families import Prompt, combine
 # malformed) and the branch-steps it skipped so far (``cache_skipped(item.cache_state)``).
 cache_config = _cache_items.config
 cache_skipped = _cache_items.skipped
+cache_decisions = _cache_items.decisions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +132,7 @@ def context(params, encoders) -> Context:
     runs = _families.product(fam).PER_ITEM_PIPELINES  # the family's text-to-image pipelines
     name = type(pipe).__name__
     if name not in runs:
-        raise ValueError(f"encoders: functional_dit.sampling runs {', '.join(runs)} for {fam}; got {name}")
+        raise ValueError(f"encoders: functional_dit.sampling runs text to image ({', '.join(runs)}); got {name}")
     model = _sampler._family_model(fam, params, pipe, None, None, {}, None)
     device, dtype = _sampler._param_device_dtype(params)
     return Context(fam, model, pipe, device, dtype)
@@ -145,9 +148,8 @@ def check(ctx: Context, params, req: Request) -> None:
     if not isinstance(req.seed, int) or isinstance(req.seed, bool):
         raise ValueError(f"seed: expected an int, got {req.seed!r}")
     _lora.check(params, list(req.lora))
-    cached = _cache_items.config(req.cache, req.steps) is not None
-    if cached and not (ctx.model.step_cache and ctx.model.item_step_cache):
-        raise ValueError(f"cache: a step cache per item is not supported for {ctx.fam} yet; expected None")
+    if _cache_items.config(req.cache, req.steps) is not None and not ctx.model.step_cache:
+        raise ValueError(f"cache: step caching is not supported for {ctx.fam} yet; expected None")
 
 
 def init(params, ctx: Context, requests, tags=None) -> State:
@@ -174,7 +176,10 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
     cache = _cache_items.config(req.cache, len(sched.timesteps))
     inputs = tuple(model.step_inputs(sched, chunk.x.shape[0] * (1 if cfg is None else 2), chunk.x.dtype))
     item = Item(req, chunk.x, chunk.cond, sched.timesteps, sched.sigmas, tables, cfg, hw, tag=tag, inputs=inputs)
-    return dataclasses.replace(item, cache=cache, cache_state=_cache_items.init(cache))
+    calls = getattr(model, "cfg_calls", 1) if cfg is not None else 1  # model calls per step
+    state = _cache_items.init(cache)  # with several calls per step (Qwen-Image 2.1's CFG), one per call
+    state = tuple(_cache_items.init(cache) for _ in range(calls)) if calls > 1 and state is not None else state
+    return dataclasses.replace(item, cache=cache, cache_state=state)
 
 
 def _tables(model, fork, cond: Prompt, hw, req: Request, sched) -> dict:
@@ -247,12 +252,18 @@ def _model(params, ctx: Context, items, caches: list):
     guid = [it.tables.get("guidance") for it in items for _ in range(it.rows)]
     lora = _lora_rows(items)
     plain = type(ctx.model).apply
+    call = itertools.count()  # the model call within the step
 
     def apply(p, x, t, txt, **kw):
         if kw.get("guidance") is not None:  # the family's guidance, per row
             kw["guidance"] = torch.tensor([float(g) for g in guid], device=x.device)
         if all(it.cache is None for it in items):
             return plain(p, x, t, txt, **({"lora": lora} if lora else {}), **kw)
+        if type(caches[0]) is tuple:  # one call per CFG branch, each its own state (a tuple of NamedTuples)
+            k, (it,) = next(call), items
+            out, (new,) = _cache_items.step(p, [it.cache], [caches[0][k]], [x.shape[0]], x, t, txt, lora=lora, **kw)
+            caches[0] = (*caches[0][:k], new, *caches[0][k + 1 :])
+            return out
         configs, rows = [it.cache for it in items], [it.rows for it in items]
         out, caches[:] = _cache_items.step(p, configs, caches, rows, x, t, txt, lora=lora or None, **kw)
         return out

@@ -123,9 +123,8 @@ class Service:
             config = sampling.cache_config(value, steps)
         except ValueError as e:
             raise BadRequest("cache", f"{want} ({e})", value) from None
-        model, fam = self.engine.ctx.model, self.engine.ctx.fam
-        if config is not None and not (model.step_cache and model.item_step_cache):
-            raise BadRequest("cache", f"null or 'none' (no per-request step cache for {fam} yet)", value)
+        if config is not None and not self.engine.ctx.model.step_cache:
+            raise BadRequest("cache", f"null or 'none' (no step caching for {self.engine.ctx.fam} yet)", value)
         return value
 
     def _size(self, size):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 import types
 
@@ -73,9 +74,20 @@ def init(config):
     return None if config is None else _cache.init(config)
 
 
+def decisions(state) -> tuple:
+    """An item's decisions per step, as `CacheRun.decisions` gives them: its state's log, or
+    with a state per model call of the step (Qwen-Image 2.1's CFG branches) their logs side by
+    side; () without a cache."""
+    if state is None:
+        return ()
+    if type(state) is tuple:  # a tuple of states (each state a NamedTuple)
+        return tuple(tuple(c for d in ds for c in d) for ds in zip(*(st.log for st in state)))
+    return state.log
+
+
 def skipped(state) -> int:
     """Branch-steps of one item that did not run the full network (`CacheRun.skipped`)."""
-    return 0 if state is None else sum(not c for d in state.log for c in d)
+    return sum(not c for d in decisions(state) for c in d)
 
 
 def step(params, configs, states, rows, x, t, txt, *, lora=None, **kwargs):
@@ -158,6 +170,10 @@ def _take(streams: tuple, pos: list, n: int) -> tuple:
 
 def _step(b: _Batch, configs: list, states: list, rows: list):
     s = b.all
+    if s.keep is not None and sharding.axis_size("sp") * sharding.axis_size("ring") > 1:
+        raise ValueError(
+            "kv_cache: a step cache with an extract pass over a sequence split (sp, ring) is not supported yet"
+        )
     owner = [k for k, r in enumerate(rows) for _ in range(r)]
     first = [sum(rows[:k]) for k in range(len(rows))]
     img0 = s.image(s.streams)
@@ -186,7 +202,8 @@ def _step(b: _Batch, configs: list, states: list, rows: list):
         rest = s.image(b.run(_take(head, pos, len(active)), computes, slice(1, None), hooks))
     img = _assemble(configs, states, owner, first, img0, img1, rest, active, computes)
     out = s.final(img, s.ctx)
-    out = _finish(configs, states, new, rows, first, pre, decide, out, img, img0, img1, r0, rest, active, computes)
+    kp = functools.partial(_cache._kept, s)  # an extract pass keeps the rows later steps compute
+    out = _finish(configs, states, new, rows, first, pre, decide, out, img, img0, img1, r0, rest, active, computes, kp)
     attention.finish(out[1], out[0])
     gathered = sharding.gather(out[0], "sp", 1, s.seq)
     return (gathered, s.extra(s.ctx)) if s.extra is not None else gathered, out[1]
@@ -229,8 +246,9 @@ def _assemble(configs, states, owner, first, img0, img1, rest, active, computes)
     return torch.stack(parts)
 
 
-def _finish(configs, states, new, rows, first, pre, decide, out, img, img0, img1, r0, rest, active, computes):
-    """The output (TaylorSeer's skipping rows extrapolated) and every item's new state."""
+def _finish(configs, states, new, rows, first, pre, decide, out, img, img0, img1, r0, rest, active, computes, kept):
+    """The output (TaylorSeer's skipping rows extrapolated) and every item's new state
+    (of what it keeps, ``kept``'s rows: on an extract pass, those the later steps compute)."""
     outs = list(out.split(rows))
     for k, c in enumerate(configs):
         sl = slice(first[k], first[k] + rows[k])
@@ -238,8 +256,8 @@ def _finish(configs, states, new, rows, first, pre, decide, out, img, img0, img1
         if isinstance(c, _cache.FirstBlockCache):
             per = tuple(decide[r] for r in range(sl.start, sl.stop))
             pos = torch.tensor([active.index(r) for r in range(sl.start, sl.stop)], device=img.device)
-            r_k, img1_k = r0.index_select(0, pos), img1.index_select(0, pos)
-            tail = img[sl] - img1_k
+            r_k, img1_k = kept(r0.index_select(0, pos)), img1.index_select(0, pos)
+            tail = kept(img[sl] - img1_k)
             if all(per):
                 new[k] = _cache.FBCState(r_k, tail, st.log + (per,))
             else:
@@ -249,13 +267,13 @@ def _finish(configs, states, new, rows, first, pre, decide, out, img, img0, img1
                 )
         elif isinstance(c, _cache.MagCache):
             if pre[k]:
-                st = st._replace(residual=img[sl] - img0[sl])
+                st = st._replace(residual=kept(img[sl] - img0[sl]))
             st = st._replace(step=st.step + 1, log=st.log + ((pre[k],) * rows[k],))
             new[k] = _cache.MagState(log=st.log) if st.step >= c.num_inference_steps else st
         elif isinstance(c, _cache.TaylorSeer) and c.modules is None:
             i, log = states[k].step + 1, st.log + ((pre[k],) * rows[k],)
             if pre[k]:
-                factors = _cache._taylor_update(c, st.factors, st.last, outs[k], i)
+                factors = _cache._taylor_update(c, st.factors, st.last, kept(outs[k]), i)
                 new[k] = _cache.TaylorState(i, i, factors, log, outs[k].dtype)
             else:
                 outs[k] = _cache._taylor_predict(st.factors, i - st.last, st.dtype)
@@ -274,6 +292,7 @@ class _Attention:
     def __init__(self, b: _Batch, configs, states, rows, first, owner):
         self.owner, self.rows, self.first, self.configs, self.states = owner, rows, first, configs, states
         self.items, s = {}, b.all
+        self.stages = s  # what an extract pass keeps (`cache._kept`)
         for k, c in enumerate(configs):
             if isinstance(c, _cache.TaylorSeer) and c.modules is not None:
                 self.items[k] = self._taylor(c, states[k], s)
@@ -345,7 +364,7 @@ class _Attention:
                     continue
                 if reused[k] is None:
                     own = tuple(o.index_select(0, torch.tensor(pos, device=o.device)) for o in outs)
-                    self._record(k, name, own, True)
+                    self._record(k, name, _cache._kept(self.stages, own), True)
                 else:
                     self._record(k, name, reused[k], False)
                     parts.append((pos, reused[k]))

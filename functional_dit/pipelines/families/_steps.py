@@ -73,9 +73,9 @@ class Steps:
     # `functional_dit.sampling`: whether items share one model call (False: each item its own
     # call, as Qwen-Image 2.1, whose batch is laid out by its first item), and the attributes
     # a model call changes (an item keeps them between its steps: Qwen-Image 2.1's KV caches)
+    cfg_calls = 1  # model calls per step with CFG (Qwen-Image 2.1: one per branch, each its own layout)
     shares_calls = True
     call_state: tuple[str, ...] = ()
-    item_step_cache = True  # a step cache per item (`Request.cache`) supported
 
     def fork(self):
         """A copy for one run or one item (`functional_dit.sampling`): what encoding and

@@ -41,9 +41,6 @@ class Qwen21(Steps):
     cfg_calls = 2  # with CFG, one model call per branch per step (a step cache keeps a state per call)
     shares_calls = False  # a batch is laid out by its first item (`batch_size`)
     call_state = ("caches",)  # each branch's prefix KV cache, extracted on the first step
-    # not yet per item: the per-item caches compare a step's residuals with the last computed
-    # one's, and the prefix cache's extract step runs a longer sequence than the cached steps
-    item_step_cache = False
 
     def __init__(self, params, pipe, kv_cache: bool | None):
         self.params, self.pipe, self.c = params, pipe, params.config
