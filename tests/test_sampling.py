@@ -42,6 +42,32 @@ def alone(params, pipe, r: sampling.Request, run=None):
     )[0]  # fmt: skip
 
 
+def run_ahead(params, pipe, reqs, ahead: int):
+    """The first ``ahead`` requests one step ahead, merged with the rest and stepped until
+    every item is done: (finished items in the order they finished, their images)."""
+    ctx = sampling.context(params, pipe)
+    state = sampling.step(params, sampling.init(params, ctx, reqs[:ahead]))
+    state = sampling.merge(state, sampling.init(params, ctx, reqs[ahead:]))
+    finished = []
+    while state.items:
+        done, state = sampling.split(sampling.step(params, state))
+        finished += done.items
+    return finished, sampling.decode(sampling.State(ctx, tuple(finished)), "np")
+
+
+def equal_alone(params, pipe, finished, images) -> int:
+    """Each image within `LEVEL` of ``fd.sample`` of its request alone, and each cached
+    item's decisions equal to that run's; returns the branch-steps the caches skipped."""
+    skipped = 0
+    for it, img in zip(finished, images):
+        run = None if it.request.cache is None else fd.CacheRun(it.request.cache)
+        assert np.abs(img - alone(params, pipe, it.request, run)).max() <= LEVEL, it.request.prompt
+        if run is not None:
+            assert it.cache_state.log == run.decisions, it.request.prompt
+            skipped += run.skipped()
+    return skipped
+
+
 def test_items_at_different_steps_with_different_adapters_equal_each_alone(flux):
     params, pipe, a, b = flux
     R = lambda *args, **kw: sampling.Request(*args, max_sequence_length=MSL, **kw)  # noqa: E731
@@ -93,22 +119,7 @@ def test_items_with_their_own_step_caches_equal_each_alone_with_that_cache(flux)
             lora=((a, 0.5),),
         ),
     ]
-    ctx = sampling.context(params, pipe)
-    state = sampling.step(params, sampling.init(params, ctx, reqs[:2]))
-    state = sampling.merge(state, sampling.init(params, ctx, reqs[2:]))
-    finished = []
-    while state.items:
-        done, state = sampling.split(sampling.step(params, state))
-        finished += done.items
-    images = sampling.decode(sampling.State(ctx, tuple(finished)), "np")
-    skipped = 0
-    for it, img in zip(finished, images):
-        run = None if it.request.cache is None else fd.CacheRun(it.request.cache)
-        ref = alone(params, pipe, it.request, run)
-        assert np.abs(img - ref).max() <= LEVEL, it.request.prompt
-        if run is not None:
-            assert it.cache_state.log == run.decisions, it.request.prompt
-            skipped += run.skipped()
+    skipped = equal_alone(params, pipe, *run_ahead(params, pipe, reqs, 2))
     assert skipped >= 5 * 2, "every cache must have skipped some steps, or the test shows nothing"
 
 
@@ -126,19 +137,7 @@ def test_other_families_items_with_adapters_cfg_and_a_cache_equal_each_alone(kin
         R("a blue dog", 32, 32, 4, seed=2, true_cfg=3.0, negative_prompt="dark"),
         R("the sun", 32, 32, 4, seed=3, cache="fbcache:0.8"),
     ]
-    ctx = sampling.context(params, pipe)
-    ahead = sampling.step(params, sampling.init(params, ctx, reqs[:1]))
-    state = sampling.merge(ahead, sampling.init(params, ctx, reqs[1:]))
-    finished = []
-    while state.items:
-        done, state = sampling.split(sampling.step(params, state))
-        finished += done.items
-    images = sampling.decode(sampling.State(ctx, tuple(finished)), "np")
-    for it, img in zip(finished, images):
-        run = None if it.request.cache is None else fd.CacheRun(it.request.cache)
-        assert np.abs(img - alone(params, pipe, it.request, run)).max() <= LEVEL, it.request.prompt
-        if run is not None:
-            assert it.cache_state.log == run.decisions, it.request.prompt
+    equal_alone(params, pipe, *run_ahead(params, pipe, reqs, 1))
 
 
 @pytest.mark.parametrize("kind", ["flux3", "flux3-distilled"])
@@ -156,22 +155,9 @@ def test_flux3_items_with_adapters_cfg_and_caches_equal_each_alone(kind):
         R("the sun", 32, 32, 5, seed=3, cache="fbcache:1.5"),
         R("a boat", 32, 32, 3, seed=4, lora=((a, 1.0),)),
     ]
-    ctx = sampling.context(params, pipe)
-    state = sampling.step(params, sampling.init(params, ctx, reqs[:2]))  # two items one step ahead
-    state = sampling.merge(state, sampling.init(params, ctx, reqs[2:]))
-    finished = []
-    while state.items:
-        done, state = sampling.split(sampling.step(params, state))
-        finished += done.items
+    finished, images = run_ahead(params, pipe, reqs, 2)  # two items one step ahead
     assert sorted(it.request.prompt for it in finished) == sorted(r.prompt for r in reqs)
-    images = sampling.decode(sampling.State(ctx, tuple(finished)), "np")
-    skipped = 0
-    for it, img in zip(finished, images):
-        run = None if it.request.cache is None else fd.CacheRun(it.request.cache)
-        assert np.abs(img - alone(params, pipe, it.request, run)).max() <= LEVEL, it.request.prompt
-        if run is not None:
-            assert it.cache_state.log == run.decisions, it.request.prompt
-            skipped += run.skipped()
+    skipped = equal_alone(params, pipe, finished, images)
     assert skipped >= 3 * 2, "every cache must have skipped some steps, or the test shows nothing"
 
 

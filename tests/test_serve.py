@@ -152,54 +152,31 @@ def test_openai_client_images_equal_fd_sample(env):
     assert [m.id for m in client.models.list().data] == ["flux"]
 
 
-def test_flux3_flow_map_served_with_cfg_and_a_cache_equals_fd_sample(tmp_path):
+@pytest.mark.parametrize(
+    "model, kind, cache",
+    [("flux3-distilled", "flux3-distilled", "magcache:0.3"), ("tiny:qwen-image-2.1", "qwen-image-2.1", "fbcache:1.5")],
+)
+def test_new_families_served_with_cfg_and_a_cache_equal_fd_sample(tmp_path, model, kind, cache):
     """FLUX.3's step-distilled pipeline (a flow map: each image's prediction targets its own
-    next timestep) served through the openai client: two images with true CFG and a
-    MagCache, each equal to ``fd.sample`` alone with that cache, and the cache skipped."""
+    next timestep) and Qwen-Image 2.1 (each image its own model call, its own prefix KV
+    caches and a cache state per CFG branch), each on a server of its own, through the
+    openai client: two images with true CFG and a step cache, each equal to ``fd.sample``
+    alone with that cache (as RGB: Qwen-Image 2.1's images are RGBA), which skipped steps."""
     import openai
 
-    server = Server(str(tmp_path), model="flux3-distilled", msl=None)
+    server = Server(str(tmp_path), model=model, msl=None)
     try:
         server.wait_up()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        extra = {"seed": 7, "steps": 3, "true_cfg": 2.0, "negative_prompt": "dim", "cache": "magcache:0.3"}
-        res = client.images.generate(
-            model="flux3-distilled", prompt="a lighthouse", n=2, size="32x32", extra_body=extra
-        )
+        extra = {"seed": 7, "steps": 3, "true_cfg": 2.0, "negative_prompt": "dim", "cache": cache}
+        res = client.images.generate(model=model, prompt="a lighthouse", n=2, size="32x32", extra_body=extra)
     finally:
         server.stop()
-    pipe = tiny.pipeline("flux3-distilled")
+    pipe = tiny.pipeline(kind)
     params = fd.from_diffusers(pipe.transformer)
     skipped = 0
     for j, d in enumerate(res.data):
-        run = fd.CacheRun("magcache:0.3")
-        want = fd.sample(params, pipe, "a lighthouse", height=32, width=32, steps=3, seed=7 + j, true_cfg=2.0,
-                         negative_prompt="dim", output_type="np", cache=run)[0]  # fmt: skip
-        _close(_pixels(d.b64_json), (want * 255).round().astype(int))
-        skipped += run.skipped()
-    assert skipped > 0, "the cache must skip some steps, or the test shows nothing"
-
-
-def test_qwen_image_21_served_with_cfg_equals_fd_sample(tmp_path):
-    """Qwen-Image 2.1 served through the openai client (each image its own model call and
-    its own prefix KV caches): two images with true CFG and a First-Block Cache (a state per
-    CFG branch), each equal to ``fd.sample``'s with that cache, which skipped steps."""
-    import openai
-
-    server = Server(str(tmp_path), model="tiny:qwen-image-2.1", msl=None)
-    try:
-        server.wait_up()
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        extra = {"seed": 7, "steps": 3, "true_cfg": 2.0, "negative_prompt": "dim", "cache": "fbcache:1.5"}
-        res = client.images.generate(model="tiny:qwen-image-2.1", prompt="a lighthouse", n=2, size="32x32",
-                                     extra_body=extra)  # fmt: skip
-    finally:
-        server.stop()
-    pipe = tiny.pipeline("qwen-image-2.1")
-    params = fd.from_diffusers(pipe.transformer)
-    skipped = 0
-    for j, d in enumerate(res.data):
-        run = fd.CacheRun("fbcache:1.5")
+        run = fd.CacheRun(cache)
         want = fd.sample(params, pipe, "a lighthouse", height=32, width=32, steps=3, seed=7 + j, true_cfg=2.0,
                          negative_prompt="dim", cache=run)[0]  # fmt: skip
         _close(_pixels(d.b64_json), np.asarray(want.convert("RGB")).astype(int))
