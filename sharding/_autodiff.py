@@ -50,17 +50,15 @@ def _eager_cpu(x: torch.Tensor) -> bool:
     return not torch._C._functorch.is_functorch_wrapped_tensor(x)
 
 
-def _c10d_all_gather():
+def _c10d_all_gather(x: torch.Tensor, n: int, group, async_op: bool):
+    """(the gathered buffer, c10d's work) of ``x`` along dim 0 over ``group``'s ``n`` ranks,
+    through c10d's own all-gather (`issue_all_gather` says why)."""
+    import torch.distributed as dist
+
     # torch 2.13 renamed dist.all_gather_into_tensor to all_gather_single (the old name warns)
-    import torch.distributed as dist
-
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def dist_size(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+    return out, gather(out, x, group=group, async_op=async_op)
 
 
 class Pending:
@@ -98,8 +96,7 @@ def issue_all_gather(x: torch.Tensor, n: int, group_name: str):
     if _eager_cpu(x):
         import torch.distributed.distributed_c10d as c10d
 
-        out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-        return Pending(out, _c10d_all_gather()(out, x, group=c10d._resolve_process_group(group_name), async_op=True))
+        return Pending(*_c10d_all_gather(x, n, c10d._resolve_process_group(group_name), async_op=True))
     return torch.ops._c10d_functional.all_gather_into_tensor(x, n, group_name)
 
 
@@ -118,8 +115,9 @@ def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
 def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     sent = x.movedim(dim, 0).contiguous()
     if _eager_cpu(sent):  # see `issue_all_gather`
-        out = sent.new_empty((dist_size(group) * sent.shape[0], *sent.shape[1:]))
-        _c10d_all_gather()(out, sent, group=group)
+        import torch.distributed as dist
+
+        out, _ = _c10d_all_gather(sent, dist.get_world_size(group), group, async_op=False)
     else:
         out = _done(_all_gather_dim0()(sent, 0, group))
     return out.movedim(0, dim)

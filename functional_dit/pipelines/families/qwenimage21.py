@@ -49,11 +49,15 @@ class Qwen21(Steps):
             raise ValueError(
                 "kv_cache: Qwen-Image 2.1's prefix cache needs causal_condition=True; expected None or False"
             )
+        self._fresh()
+
+    def _fresh(self):
+        """No run state yet: the prompts' image-slot pads, the CFG branches, the KV caches."""
         self.pads, self.branches, self.caches = [], None, {}
 
     def fork(self):
         m = copy.copy(self)
-        m.pads, m.branches, m.caches = [], None, {}
+        m._fresh()
         return m
 
     def encode(self, prompts, msl):
