@@ -125,7 +125,8 @@ def _sync(device):
 
 
 def denoise(model, sched, x, cond, cfg: float | None, normalise: bool, callback):
-    """`fd.sample`'s loop as fixed device steps (the usual `_sample._denoise` signature).
+    """`fd.sample`'s steps of one item (`sampler._state.step`) as fixed device steps:
+    ``model`` the item's (`sampler._state.bound`), ``sched`` a copy of its scheduler.
     ``callback(i, t, x)`` gets the host timestep."""
     opts = _FORCED.get() or Options()
     batch = x.shape[0] * (1 if cfg is None else 2)

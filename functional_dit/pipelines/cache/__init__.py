@@ -169,7 +169,7 @@ def _patterns(name: str, patterns) -> tuple[str, ...]:
 class MagCache:
     """MagCache (diffusers' ``MagCacheConfig``): ``mag_ratios`` the calibrated per-step
     magnitude ratios (interpolated to ``num_inference_steps`` as diffusers does; None:
-    the sampling run's number of steps, set by `CacheRun.start`)."""
+    the sampling run's number of steps, set by `CacheRun.begin`)."""
 
     mag_ratios: tuple
     threshold: float = 0.06
@@ -730,7 +730,7 @@ class CacheRun:
 
     def __init__(self, cache):
         self.config = self._given = check(cache)
-        self.states, self.branches, self.call = [init(self.config)], 1, 0
+        self.states = [init(self.config)]
 
     @property
     def state(self):
@@ -745,26 +745,22 @@ class CacheRun:
             return None
         return cache if isinstance(cache, cls) else cls(cache)
 
-    def start(self, branches: int = 1, steps: int | None = None, calls: int = 1):
-        """A fresh state for a run of ``steps`` steps whose batch is ``branches`` groups
-        (a MagCache without ``num_inference_steps`` takes ``steps``); returns `apply`.
-        ``calls``: the model calls per step, one per branch (Qwen-Image 2.1's CFG, whose
-        branches have their own token layouts): each call then keeps its own state, as
-        the stock hooks' "cond" / "uncond" contexts do."""
+    def begin(self, steps: int | None = None, calls: int = 1):
+        """A chunk's (config, state) for a run of ``steps`` steps (a MagCache without
+        ``num_inference_steps`` takes ``steps``) that the sampling state carries
+        (`functional_dit.pipelines.sampler._state`). ``calls``: the model calls per step,
+        one per CFG branch (Qwen-Image 2.1, whose branches have their own token layouts):
+        each call then keeps its own state (a tuple of them), as the stock hooks' "cond" /
+        "uncond" contexts do."""
         self.config = self._given
         if isinstance(self.config, MagCache) and self.config.num_inference_steps is None and steps is not None:
             self.config = dataclasses.replace(self.config, num_inference_steps=steps)
-        self.branches = 1 if calls > 1 else branches
-        self.states, self.call = [init(self.config) for _ in range(calls)], 0
-        return self.apply
+        self.states = [init(self.config) for _ in range(calls)]
+        return self.config, self.states[0] if calls == 1 else tuple(self.states)
 
-    def apply(self, params, x, t, txt, **kwargs) -> torch.Tensor:
-        """`fd.apply`'s signature: one cached step, the new state kept (with several calls
-        per step, in the state of this call's branch)."""
-        k = self.call % len(self.states)
-        out, self.states[k] = step(params, self.config, self.states[k], x, t, txt, branches=self.branches, **kwargs)
-        self.call += 1
-        return out
+    def end(self, state) -> None:
+        """Keep a chunk's state after its last step (``state``, ``decisions``)."""
+        self.states = list(state) if type(state) is tuple else [state]
 
     @property
     def decisions(self) -> tuple:

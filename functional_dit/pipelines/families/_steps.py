@@ -69,7 +69,7 @@ class Steps:
     step_cache = True  # `fd.sample(cache=...)` supported
     fixed_graph = False  # each step one fixed device graph (`sampler_xla` may run it on a lazy device)
     packed_latents = True  # `fd.sample(latents=...)` takes packed tokens (B, S, C), as the pipeline's latents=
-    apply = staticmethod(_plain_apply)  # a step cache's `CacheRun.apply` in its place
+    apply = staticmethod(_plain_apply)  # each step's copy takes the item's (`sampler._state.bound`)
     # `functional_dit.sampling`: whether items share one model call (False: each item its own
     # call, as Qwen-Image 2.1, whose batch is laid out by its first item), and the attributes
     # a model call changes (an item keeps them between its steps: Qwen-Image 2.1's KV caches)

@@ -33,6 +33,7 @@ class _Flux2(Steps):
 
     fixed_graph = True  # one fixed device graph per step (`sampler_xla`)
     packed_latents = False  # latents= given as the unpacked (B, C, h/2, w/2) noise
+    call_state = ("cache",)  # the reference KV cache, extracted on the first step (klein KV)
 
     def __init__(self, params, pipe, kv_cache: bool):
         self.params, self.pipe, self.c, self.kv = params, pipe, params.config, kv_cache

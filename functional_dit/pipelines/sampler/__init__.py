@@ -14,7 +14,10 @@ transformer (``FluxPipeline`` and its img2img, inpainting and Kontext pipelines,
 
 Per-step-invariant work is done once before the loop: prompt embeddings, position ids
 and their RoPE tables (passed to ``fd.apply`` as ``rope=``), reference-image latents;
-the klein reference KV cache is extracted on the first step and reused after.
+the klein reference KV cache is extracted on the first step and reused after. The loop
+itself is `_state`'s: each chunk of images becomes one item (`_state.start`) and
+`_state.step`, the one pure step `functional_dit.sampling` also exports, runs until it is
+done; ``callback_on_step_end`` runs between steps.
 
 Image ``i`` draws its noise from its own seed (`functional_dit.pipelines.sampler._requests`), so it is the
 same image in any batch, chunk or rank. Sharded params work as they are: on a mesh with
@@ -51,8 +54,8 @@ from ...params import Params
 from .. import cache as _cache
 from .. import placement as _placement
 from .. import sampler_xla as _sample_xla
-from ..families import Prompt, combine
-from . import _controlnet, _flux2_image, _flux_image, _ranks, _requests
+from ..families import Prompt
+from . import _controlnet, _flux2_image, _flux_image, _ranks, _requests, _state
 from . import _flux_kontext as _kontext
 from . import _lora as _lora_items
 from . import _qwen_image as _qi
@@ -176,6 +179,7 @@ class _Chunk:
     x: torch.Tensor
     cond: Prompt
     prompt_embeds: torch.Tensor | None = None  # the conditional text alone (``callback_on_step_end`` inputs)
+    model: object = None  # the steps forked for the chunk, which encoded it (`Steps.fork`)
 
 
 def _chunks(share, batch_size: int | None) -> list[tuple[int, ...]]:
@@ -195,7 +199,8 @@ def _encode(model, strings, embeds: dict, rows, msl, prefix: str = "", opts: dic
 
 
 def _chunk(model, req, images, job, dtype, device) -> _Chunk:
-    """Encode the chunk's prompts (and negatives with CFG) and draw its noise."""
+    """Encode the chunk's prompts (and negatives with CFG) and draw its noise on
+    ``model``, the steps forked for the chunk."""
     rows, msl, stock = req.rows(images), job.max_sequence_length, job.stock
     cond = _encode(model, req.prompts, req.embeds, rows, msl, opts=stock.encode_options(stock.prompts_2))
     prompt_embeds = cond.txt.to(device=device, dtype=dtype) if "prompt_embeds" in stock.tensor_inputs else None
@@ -210,7 +215,8 @@ def _chunk(model, req, images, job, dtype, device) -> _Chunk:
     cond = _to(cond, dtype, device)
     shape = lambda B: model.noise_shape(B, *job.hw)  # noqa: E731
     draw = getattr(model, "draw", _requests.draw)  # img2img: the posterior draw comes first
-    return _Chunk(images, draw(req.noise, images, shape, model.pack, model.take, dtype, device), cond, prompt_embeds)
+    x = draw(req.noise, images, shape, model.pack, model.take, dtype, device)
+    return _Chunk(images, x, cond, prompt_embeds, model)
 
 
 def _check_ranks(lay, chunks, model, settings: dict) -> None:
@@ -221,6 +227,7 @@ def _check_ranks(lay, chunks, model, settings: dict) -> None:
     for name, field in (("pooled (prompt)", "pooled"), ("prompt mask (prompt)", "mask")):
         if any(getattr(c.cond, field) is not None for c in chunks):
             tensors[name] = [getattr(c.cond, field) for c in chunks]
+    model = chunks[0].model if chunks else model  # what encoding set (Qwen-Image-Edit-Plus's references)
     if model.ref is not None:
         tensors["reference latents (image)"] = model.ref
     tensors.update(getattr(model, "checked", {}))
@@ -397,9 +404,8 @@ def sample(
     local_params, mesh = sharding.local_view(params)
     lay = _ranks.layout(mesh, req.n)
     img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop, layers=layers)
-    model = _family_model(
-        fam, local_params if lay.split else params, pipe, image, kv_cache, img2img, edit, _auto_resize
-    )
+    run_params = local_params if lay.split else params  # a dp group runs on its local view
+    model = _family_model(fam, run_params, pipe, image, kv_cache, img2img, edit, _auto_resize)
     model = model if controls is None else _controlnet.WithControlNet(model, controls, pipe)
     hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
     _check_latents(model, pipe, req, *hw)
@@ -429,10 +435,11 @@ def sample(
             model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
         req = model.init_latents(req, height, width, device, dtype)  # img2img, inpainting: the start image
         with _placement.placed(pipe, encoder_placement, mesh, device):
-            chunks = [_chunk(model, req, c, job, dtype, device) for c in _chunks(lay.share, batch_size)]
+            chunks = [_chunk(model.fork(), req, c, job, dtype, device) for c in _chunks(lay.share, batch_size)]
         _check_ranks(lay, chunks, model, _settings(job, pipe, req, lay, model, dtype, (height, width)))
+        ctx = _state.Context(fam, model, pipe, device, dtype)
         with sharding.bind(lay.mesh) if lay.split else contextlib.nullcontext(), _placement.tiling(pipe, vae_tiling):
-            parts = [_run(model, pipe, c, job) for c in chunks]
+            parts = [_run(ctx, run_params, c, job) for c in chunks]
         return _ranks.collect(lay, _ranks.concat(parts, output_type), output_type, local)
 
 
@@ -501,34 +508,43 @@ def _check_latents(model, pipe, req, h: int, w: int) -> None:
         )
 
 
-def _run(model, pipe, chunk: _Chunk, job: _Job):
-    """One chunk from noise to its output: prepare, denoise, decode."""
-
-    device = chunk.x.device
-    model.prepare(chunk.cond, *job.hw, job.guidance, device)
-    fixed = _sample_xla.wanted(model, job, pipe, device)  # lazy devices: one fixed graph per step
-    sched = _scheduler(pipe, job.fam, chunk.x.shape[1], job.steps, "cpu" if fixed else device, job.sigmas)
-    model.schedule(sched)
+def _run(ctx: _state.Context, params, chunk: _Chunk, job: _Job):
+    """One chunk from noise to its output: its item (`_state.start`), `_state.step` until
+    done (the step hook between steps), `_state.decode`."""
+    device, fork = chunk.x.device, chunk.model
+    fixed = _sample_xla.wanted(fork, job, ctx.pipe, device)  # lazy devices: one fixed graph per step
+    sched = _scheduler(ctx.pipe, job.fam, chunk.x.shape[1], job.steps, "cpu" if fixed else device, job.sigmas)
+    lora = None if job.lora is None else tuple(job.lora[i] for i in chunk.images)
+    normalise = fork.normalise_cfg if job.stock.cfg_normalize is None else job.stock.cfg_normalize
+    fields = dict(images=chunk.images, lora=lora if lora and any(lora) else None, ip=job.stock.ip, normalise=normalise)
+    item = _state.start(ctx, fork, chunk.x, chunk.cond, sched, job.hw, guidance=job.guidance, cfg=job.cfg, **fields)
+    if job.cache is not None:
+        calls = fork.cfg_calls if job.cfg is not None else 1  # model calls per step
+        config, cache = job.cache.begin(len(item.timesteps), calls)
+        item = dataclasses.replace(item, cache=config, cache_state=cache)
     hook = job.on_step
     if hook is not None:  # the chunk's tensors for callback_on_step_end
         hook = functools.partial(hook, tensors=_callback_tensors(job.stock.tensor_inputs, chunk))
-    x, on_step = model.begin(sched, chunk, hook)
-    loop = _sample_xla.denoise if fixed else _denoise
-    model.apply = _chunk_apply(model, job, len(sched.timesteps), chunk.images)
-    normalise = model.normalise_cfg if job.stock.cfg_normalize is None else job.stock.cfg_normalize
-    x = loop(model, sched, x, chunk.cond, job.cfg, normalise, on_step)
-    if job.output_type == "latent":
-        return model.latent_output(x, *job.hw)
-    return _decode(model, pipe, x, *job.hw, job.output_type)
+    state = _state.State(ctx, (item,))
+    if fixed:
+        state = _fixed(params, state, hook)
+    while not state.items[0].done:
+        state = _state.step(params, state)
+        if hook is not None:
+            it = state.items[0]
+            state = _state.State(ctx, (_state.with_latents(it, hook(it.i - 1, it.timesteps[it.i - 1], it.x)),))
+    if job.cache is not None:
+        job.cache.end(state.items[0].cache_state)
+    return _state.decode(state, job.output_type)
 
 
-def _chunk_apply(model, job: _Job, steps: int, images):
-    """The chunk's ``fd.apply``: the step cache's (a fresh state per chunk) or the plain
-    one, with the chunk's per-image LoRA adapters (`sampler._lora.calls`)."""
-    plain = getattr(model, "base_apply", None) or type(model).apply  # ControlNet: with its residuals
-    calls = getattr(model, "cfg_calls", 1) if job.cfg is not None else 1  # model calls per step
-    apply = plain if job.cache is None else job.cache.start(2 if job.cfg is not None else 1, steps, calls)
-    return _lora_items.calls(_stock.ip_calls(apply, job.stock.ip, job.cfg is not None), job.lora, images)
+def _fixed(params, state: _state.State, hook) -> _state.State:
+    """The item's steps as fixed device graphs (`sampler_xla.denoise`: the same step, its
+    schedule and inputs computed on the host first), the step hook between steps."""
+    (it,) = state.items
+    m = _state.bound(params, state.ctx, [it], [it.cache_state])
+    x = _sample_xla.denoise(m, copy.copy(it.sched), it.x, it.cond, it.cfg, it.normalise, hook)
+    return _state.State(state.ctx, (dataclasses.replace(it, x=x, i=len(it.timesteps)),))
 
 
 def _callback_tensors(names: tuple, chunk: _Chunk) -> dict:
@@ -573,34 +589,6 @@ def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=N
     if type(pipe).__name__ in _qi.PIPELINES:
         return _qi.model(params, pipe, image, **img2img)
     return _families.product(fam).steps(params, pipe, image, kv_cache)
-
-
-def _denoise(model, sched, x, cond: Prompt, cfg: float | None, normalise: bool, callback):
-    """The loop: one model call per step ([cond; uncond] as one batch with CFG), then the
-    scheduler's Euler step; ``callback(i, t, x)`` may return new latents; the calls go
-    through ``model.apply`` (`_chunk_apply`: a step cache's, per-image LoRA)."""
-    for i, t in enumerate(sched.timesteps):
-        xin = torch.cat([x, x]) if cfg is not None else x
-        pred = model(xin, t.expand(xin.shape[0]).to(x.dtype) / 1000, cond)
-        if cfg is not None:
-            pred = combine(pred, cfg, normalise)
-        x = sched.step(pred, t, x, return_dict=False)[0]
-        x = model.after_step(i, sched, x)  # inpainting's blend
-        if callback is not None:
-            x = callback(i, t, x)
-    return x
-
-
-def _decode(model, pipe, x, h: int, w: int, output_type: str):
-    """Packed latents -> the VAE's input (the family's unpacking and de-normalisation) ->
-    images through the pipeline's image processor."""
-    if hasattr(model, "decode"):  # Qwen-Image-Layered: several images per latent
-        return model.decode(x, h, w, output_type)
-    z = model.decode_latents(x, h, w).to(pipe.vae.device, pipe.vae.dtype)
-    img = pipe.vae.decode(z, return_dict=False)[0]
-    img = img[:, :, 0] if img.ndim == 5 else img  # Qwen-Image's VAE has a frame axis
-    out = pipe.image_processor.postprocess(img, output_type=output_type)
-    return model.overlay(out)
 
 
 def _to(p: Prompt, dtype, device) -> Prompt:

@@ -22,14 +22,16 @@ caching. FLUX.1's guidance defaults to the stock ControlNet pipeline's 7.0.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 
 import torch
 
-from ... import api as _api
 from ... import controlnet as _cn
 from ... import families as _families
 from ...params import Params
+from ..families import Steps
 from ..families.flux1 import _Flux1
 from ..families.qwenimage import _Qwen
 from . import _requests
@@ -97,10 +99,11 @@ def _has_hint(c: Control) -> bool:
 
 class WithControlNet:
     """A family's sampling steps (`_Flux1`, `_Qwen`) with ControlNet residuals in every
-    model call; every other hook is the family's."""
+    model call; every other hook is the family's (``inner``, forked with it)."""
 
     step_cache = False
     fixed_graph = False  # residuals per step: the usual loop
+    apply = staticmethod(Steps.apply)  # the model call the sampler wraps (per-image LoRA, ...)
 
     def __init__(self, inner, controls: list[Control], pipe):
         if type(inner) not in (_Flux1, _Qwen):
@@ -108,20 +111,21 @@ class WithControlNet:
                 f"controlnet: fd.sample runs ControlNets with text to image only (FluxPipeline, "
                 f"FluxControlNetPipeline, QwenImagePipeline, QwenImageControlNetPipeline), got {type(pipe).__name__}"
             )
-        self.__dict__.update(inner=inner, controls=controls, pipe=pipe, conds={}, cur=None, res={})
-        # the family's model call, with this step's residuals: what the sampler wraps (with
-        # per-image LoRA) and installs as ``apply`` (`sampler._chunk_apply`)
-        self.__dict__["base_apply"] = inner.apply = self._apply
+        self.inner, self.controls, self.pipe, self.cur = inner, controls, pipe, None
+        self.params = inner.params
         self.settings = {"controlnet": [(c.scale, c.mode) for c in controls]}
 
     def __getattr__(self, name):
-        return getattr(self.__dict__["inner"], name)
+        inner = self.__dict__.get("inner")
+        if inner is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(inner, name)
 
-    def __setattr__(self, name, value):
-        if name in ("settings",):
-            self.__dict__[name] = value
-        else:
-            setattr(self.inner, name, value)
+    def fork(self):
+        """A copy for one chunk, over a fork of the family's steps."""
+        f = copy.copy(self)
+        f.inner = self.inner.fork()
+        return f
 
     # ------------------------------------------------------------ control images
 
@@ -129,8 +133,8 @@ class WithControlNet:
         """Each control image preprocessed and repeated to the batch as the stock pipelines'
         ``prepare_image``; the VAE's posterior for those the VAE encodes."""
         req = self.inner.init_latents(req, height, width, device, dtype)
-        vae, self.__dict__["n"] = self.pipe.vae, req.n
-        self.__dict__["pixels"], self.__dict__["posts"] = [], []
+        vae, self.n = self.pipe.vae, req.n
+        self.pixels, self.posts = [], []
         for c in self.controls:
             pixels = c.image if isinstance(c.image, torch.Tensor) else self.pipe.image_processor.preprocess(
                 c.image, height=height, width=width
@@ -156,7 +160,7 @@ class WithControlNet:
     def draw(self, noise: tuple, images, shape_of, pack, take, dtype, device) -> torch.Tensor:
         """The packed noise of ``images``, each generator drawing the control images'
         posterior samples first (in order), then the noise; the control inputs are kept
-        for `begin`."""
+        (``cur``, on the chunk's fork)."""
         kind, src = noise[:2]
         rows = list(images)
         if kind == "batch":  # one generator: every control image's whole batch, then the batch's noise
@@ -173,7 +177,7 @@ class WithControlNet:
                 conds.append(pixels[rows].to(dt))
             else:
                 conds.append(self._normalised(post.mean[rows] + post.std[rows] * e.to(post.mean.device)).to(device, dt))
-        self.conds[tuple(images)] = conds
+        self.cur = conds
         return pack(z.to(device))
 
     def _draws(self, g, n: int, shape_of, dtype) -> list:
@@ -184,7 +188,6 @@ class WithControlNet:
         return [*eps, torch.randn(shape_of(n), generator=g, dtype=dtype)]
 
     def begin(self, sched, chunk, on_step):
-        self.__dict__["cur"] = self.conds.pop(tuple(chunk.images))
         return self.inner.begin(sched, chunk, on_step)
 
     def prepare(self, cond, h, w, guidance, device):
@@ -216,8 +219,6 @@ class WithControlNet:
         if x.shape[0] != B:  # true CFG: the unconditional branch takes the same residuals
             res = {k: [torch.cat([r] * (x.shape[0] // B)) for r in v] if isinstance(v, list) else v
                    for k, v in res.items()}  # fmt: skip
-        self.__dict__["res"] = res
-        return self.inner(x, t, cond)
-
-    def _apply(self, params, x, t, txt, **kwargs):
-        return _api.apply(params, x, t, txt, **kwargs, **self.res)
+        inner = copy.copy(self.inner)  # this call's: these params, the residuals in its model call
+        inner.params, inner.apply = self.params, functools.partial(self.apply, **res)
+        return inner(x, t, cond)

@@ -153,7 +153,7 @@ class Flux1Image(_Flux1):
         self.edit, self.strength = edit, edit.strength
         self.proc, self.mask_proc = _processors(pipe)
         self.settings = {"strength": edit.strength, "inpaint": edit.mask is not None, "padding_mask_crop": edit.pad}
-        self.ref, self.stash = None, {}
+        self.ref = self.drawn = None
         self.inpaints = edit.mask is not None  # takes masked_image_latents (`sampler._stock_args`)
         self.latent_channels = self.c.in_channels // 4  # 16: FluxInpaintPipeline hard-codes it (FLUX.1's latents)
 
@@ -178,10 +178,11 @@ class Flux1Image(_Flux1):
 
     def draw(self, noise: tuple, images, shape_of, pack, take, dtype, device) -> torch.Tensor:
         """Packed noise of ``images``; their packed image latents (posterior draws) are kept
-        for `begin`. Each generator draws its posterior sample first, then its noise."""
+        for `begin` (on the chunk's fork, `Steps.fork`). Each generator draws its posterior
+        sample first, then its noise."""
         kind, src = noise[:2]
         if kind == "latents":  # the stock img2img starts from given latents as they are
-            self.stash[tuple(images)] = None
+            self.drawn = None
             return take(src[list(images)].to(device=device, dtype=dtype))
         if kind == "batch":  # one posterior for the one image, then the batch's noise
             g = _requests._copy(src)
@@ -193,7 +194,7 @@ class Flux1Image(_Flux1):
             )
             post = torch.cat([self.posterior.sample(generator=g) for g in gens])
             z = torch.cat([torch.randn(shape_of(1), generator=g, dtype=dtype) for g in gens])
-        self.stash[tuple(images)] = pack(self._latents(post).to(device=device, dtype=dtype))
+        self.drawn = pack(self._latents(post).to(device=device, dtype=dtype))
         return pack(z.to(device))
 
     def prepare(self, cond, h, w, guidance, device):
@@ -204,7 +205,7 @@ class Flux1Image(_Flux1):
         timestep. Returns (start latents, the step hook, unchanged)."""
         x = chunk.x
         cut(sched, self.strength)
-        init = self.stash.pop(tuple(chunk.images))
+        init = self.drawn
         self.cur = None if init is None else (init, x)
         if init is None:
             return x, on_step

@@ -73,27 +73,20 @@ def fingerprint(items: tuple | None):
 
 def rows(items: tuple, batch: int) -> list[tuple]:
     """``fd.apply``'s ``lora=`` for a batch of ``batch`` rows made of ``items`` (one tuple
-    of pairs per image) tiled ``batch / len(items)`` times: each distinct (adapter, scale)
-    with its rows, a plain pair when it covers every row."""
+    of pairs per image) tiled ``batch / len(items)`` times (`group`)."""
     n = len(items)
     if batch % n:
         raise ValueError(f"lora: a model call of {batch} rows is not a tiling of the chunk's {n} images")
+    return group([items[r % n] for r in range(batch)])
+
+
+def group(per_row: list) -> list[tuple]:
+    """``fd.apply``'s ``lora=`` from each row's (adapter, scale) pairs: each distinct
+    (adapter, scale) with its rows, a plain pair when it covers every row."""
     groups: dict = {}
-    for r in range(batch):
-        for ad, s in items[r % n]:
+    for r, pairs in enumerate(per_row):
+        for ad, s in pairs:
             key = (id(ad), id(s) if isinstance(s, torch.Tensor) else s)
             groups.setdefault(key, (ad, s, []))[2].append(r)
+    batch = len(per_row)
     return [(ad, s) if len(rs) == batch else (ad, s, tuple(rs)) for ad, s, rs in groups.values()]
-
-
-def calls(apply, items: tuple | None, images) -> object:
-    """``apply`` (`fd.apply`'s signature) for a chunk of ``images``: each call gets its rows'
-    adapters (`rows`) as ``lora=``; ``apply`` itself when no image has any."""
-    chunk = None if items is None else tuple(items[i] for i in images)
-    if chunk is None or not any(chunk):
-        return apply
-
-    def with_lora(params, x, t, txt, **kwargs):
-        return apply(params, x, t, txt, lora=rows(chunk, x.shape[0]), **kwargs)
-
-    return with_lora

@@ -258,21 +258,22 @@ class EditPlus(_Qwen):
     def images(self, images, B, device):
         """The references the text encoder sees; their latents on the first encode (after
         the prompt check)."""
-        self.raw, self.device = images, device
+        self.raw, self.device, self.encoded = images, device, {}  # latents shared by the run's chunks
         self.prompt_image = [self.pipe.image_processor.resize(i, *_dims(CONDITION_AREA, i.size)[::-1]) for i in images]
 
     def _latents(self):
-        """Each reference VAE-encoded (distribution mode), packed; one img_shapes entry each."""
-        if self.ref is not None:
-            return
-        pipe, refs, self.ref_shapes = self.pipe, [], []
-        for img in self.raw:
-            vw, vh = _dims(VAE_AREA, img.size)
-            pixels = pipe.image_processor.preprocess(img, vh, vw).unsqueeze(2)
-            z = pipe._encode_vae_image(pixels.to(device=self.device, dtype=pipe.vae.dtype), generator=None)
-            refs.append(_pack(z[:, :, 0]))
-            self.ref_shapes.append((1, z.shape[3] // 2, z.shape[4] // 2))
-        self.ref = torch.cat(refs, 1)
+        """Each reference VAE-encoded (distribution mode), packed; one img_shapes entry
+        each. Encoded once per run: the chunks' forks (`Steps.fork`) share ``encoded``."""
+        if not self.encoded:
+            pipe, refs, shapes = self.pipe, [], []
+            for img in self.raw:
+                vw, vh = _dims(VAE_AREA, img.size)
+                pixels = pipe.image_processor.preprocess(img, vh, vw).unsqueeze(2)
+                z = pipe._encode_vae_image(pixels.to(device=self.device, dtype=pipe.vae.dtype), generator=None)
+                refs.append(_pack(z[:, :, 0]))
+                shapes.append((1, z.shape[3] // 2, z.shape[4] // 2))
+            self.encoded.update(ref=torch.cat(refs, 1), shapes=shapes)
+        self.ref, self.ref_shapes = self.encoded["ref"], self.encoded["shapes"]
 
     def encode(self, prompts, msl):
         """The one prompt encoded once with every reference, repeated per image (as stock)."""

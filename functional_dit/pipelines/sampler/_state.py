@@ -1,0 +1,301 @@
+"""The sampling state and its one pure step, shared by ``fd.sample`` and
+`functional_dit.sampling` (which re-exports them) and so by ``serve``.
+
+An `Item` is a run of ``n`` images sampled in lockstep: ``fd.sample``'s chunk (the images
+of one model batch) or one request of `functional_dit.sampling` (n = 1). It holds its
+latents, text, its own scheduler (set, never stepped: each step steps a copy), its step
+index, its family tables (what the family's steps set for it: RoPE, guidance, reference
+and start latents, inpainting's blend inputs, a ControlNet's conditions, a KV cache), its
+CFG scale, its per-image LoRA adapters, its step cache's config and state. `start` makes
+one from an encoded chunk; ``step(params, state) -> state`` moves every unfinished item by
+one step and changes nothing it is given; `decode` turns finished items into images (or
+``output_type="latent"`` latents).
+
+One step of one item is the stock loop's body: the model call over ``[x; x]`` with true
+CFG (its rows ``[cond_1..n; uncond_1..n]``), the CFG combination, the scheduler's step on a
+copy of the item's scheduler, then the family's ``after_step`` (inpainting's blend). Items
+of one state share one model call where the family allows it (``Steps.shares_calls``):
+their rows follow each other, each keeps its own timestep, guidance, adapters and step
+cache (`cache._items`: each item decides alone).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+
+import torch
+
+from .. import cache as _cache
+from ..cache import internal as _cache_int
+from ..families import Prompt, combine
+from . import _lora as _lora_items
+from . import _stock_args as _stock
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Context:
+    """What every step of one model shares: the family's sampling steps (`_Flux1`, ...,
+    with a run's reference images and start images encoded), never changed after it is
+    made (each item works on a fork, each step on a copy), and the pipeline whose
+    scheduler, VAE and text encoders it uses."""
+
+    fam: str
+    model: object
+    pipe: object
+    device: torch.device
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Item:
+    """``n`` images in flight: packed latents x (n, S, C), their text (n rows, or 2n rows
+    [cond; uncond] with true CFG), the item's scheduler ``sched`` (set, never stepped),
+    its step index ``i`` into ``sched.timesteps``, the tables its family steps set for it
+    (``tables``), the CFG scale, the latent grid (h, w), per step the model's extra inputs
+    (FLUX.3's flow-map target), per image its LoRA ``(adapter, scale)`` pairs, the
+    IP-Adapter's embeddings, whether CFG is rescaled, and its step cache."""
+
+    x: torch.Tensor
+    cond: Prompt
+    sched: object
+    tables: dict
+    cfg: float | None
+    hw: tuple[int, int]
+    i: int = 0
+    request: object = None  # `sampling.Request` (None for fd.sample's chunks)
+    tag: object = None  # the caller's (a server's request id); never read here
+    inputs: tuple = ()
+    lora: tuple | None = None  # per image, its (adapter, scale) pairs; None: no adapters
+    ip: tuple | None = None  # the IP-Adapter's (embeddings, negative embeddings)
+    normalise: bool = False  # CFG rescaled to the conditional prediction's norm
+    cache: object = None  # its step cache's config, or None
+    cache_state: object = None  # that cache's state after the item's last step (a tuple: one per model call)
+
+    @property
+    def timesteps(self) -> torch.Tensor:
+        return self.sched.timesteps
+
+    @property
+    def sigmas(self) -> torch.Tensor:
+        return self.sched.sigmas
+
+    @property
+    def done(self) -> bool:
+        return self.i >= len(self.sched.timesteps)
+
+    @property
+    def key(self) -> tuple:
+        """Items with equal keys share a batch: the latent grid and the text length."""
+        return (*self.hw, self.cond.txt.shape[1])
+
+    @property
+    def n(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def rows(self) -> int:
+        return self.n if self.cfg is None else 2 * self.n
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class State:
+    """A batch: items of one key (possibly at different steps) and the shared context."""
+
+    ctx: Context
+    items: tuple[Item, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+# ----------------------------------------------------------------------------- start
+
+
+def start(ctx: Context, fork, x, cond: Prompt, sched, hw, *, guidance=None, cfg=None, **fields) -> Item:
+    """The item of an encoded chunk at step 0: ``fork`` (the context's steps forked for it,
+    `Steps.fork`, which encoded its text and drew its noise ``x``) prepares its tables for
+    the grid ``hw``, sees its scheduler ``sched`` (set) and begins (an image job cuts the
+    schedule and starts from its noised image here). ``fields``: the `Item`'s others."""
+    fork.prepare(cond, *hw, guidance, x.device)
+    fork.schedule(sched)
+    x, _ = fork.begin(sched, _Chunk(x, fields.pop("images", None)), None)
+    rows = x.shape[0] * (1 if cfg is None else 2)
+    inputs = tuple(fork.step_inputs(sched, rows, x.dtype))
+    before = vars(ctx.model)
+    tables = {k: v for k, v in vars(fork).items() if k not in before or before[k] is not v}
+    return Item(x, cond, sched, tables, cfg, hw, inputs=inputs, **fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """What ``Steps.begin`` reads of a chunk: its noise and image indices."""
+
+    x: torch.Tensor
+    images: tuple | None
+
+
+def model_of(ctx: Context, item: Item, params=None):
+    """A copy of the context's steps with ``item``'s tables (and ``params``)."""
+    m = copy.copy(ctx.model)
+    vars(m).update(item.tables)
+    if params is not None:
+        m.params = params
+    for name in m.call_state:  # a call updates its own copy, never the item's
+        setattr(m, name, copy.copy(getattr(m, name)))
+    return m
+
+
+# ----------------------------------------------------------------------------- step
+
+
+def step(params, state: State) -> State:
+    """One denoising step of every unfinished item: one model call over the batch (item
+    rows in order; one call per item where the family's items do not share calls,
+    Qwen-Image 2.1), then each item's CFG combination, scheduler step and ``after_step``."""
+    items = [it for it in state.items if not it.done]
+    if not items:
+        return state
+    groups = [items] if state.ctx.model.shares_calls else [[it] for it in items]
+    with torch.no_grad():
+        moved = iter(it for group in groups for it in _step(params, state.ctx, group))
+    return State(state.ctx, tuple(next(moved) if not it.done else it for it in state.items))
+
+
+def _step(params, ctx: Context, items) -> list:
+    """``items`` after one step computed in one model call."""
+    x = torch.cat([torch.cat([it.x, it.x]) if it.cfg is not None else it.x for it in items])
+    t = torch.cat([it.timesteps[it.i].expand(it.rows).to(x.dtype) / 1000 for it in items])
+    keys = items[0].inputs[0] if items[0].inputs else ()  # the family's extra inputs, per row
+    extra = {k: torch.cat([it.inputs[it.i][k] for it in items]) for k in keys}
+    caches = [it.cache_state for it in items]  # the call puts the new cache states here
+    m = bound(params, ctx, items, caches)
+    before = {name: getattr(m, name) for name in m.call_state}
+    pred = m(x, t, items[0].cond if len(items) == 1 else _text(items), **extra)
+    kept = {name: getattr(m, name) for name in m.call_state}  # the one item's new call state
+    if len(items) > 1 and any(kept[k] is not before[k] for k in kept):
+        raise TypeError(f"{type(m).__name__}: steps whose calls change call_state must set shares_calls = False")
+    split = pred.split([it.rows for it in items])
+    m = m if len(items) == 1 else None
+    return [_advance(ctx, it, p, c, kept, m) for it, p, c in zip(items, split, caches)]
+
+
+def bound(params, ctx: Context, items, caches: list):
+    """The model for one call over ``items``: the first item's steps (`model_of`) whose
+    ``apply`` is the batch's (`_apply`); the call writes the items' new cache states into
+    ``caches``."""
+    m = model_of(ctx, items[0], params)
+    m.apply = _apply(ctx, items, caches)
+    return m
+
+
+def _apply(ctx: Context, items, caches: list):
+    """The batch's ``fd.apply``: with each item's adapters on its rows (and the
+    IP-Adapter's inputs), its step cache (whose new states replace ``caches``' entries)
+    and, for several items, each row's guidance."""
+    plain = type(ctx.model).apply
+    lora = _lora_items.group([pairs for it in items for pairs in _row_pairs(it)])
+    if len(items) == 1:
+        (it,) = items
+        apply = plain if it.cache is None else _item_cache(it, caches)
+        return _with_lora(_stock.ip_calls(apply, it.ip, it.cfg is not None), lora)
+    guid = [it.tables.get("guidance") for it in items for _ in range(it.rows)]
+
+    def apply(p, x, t, txt, **kw):
+        if kw.get("guidance") is not None:  # the family's guidance, per row
+            kw["guidance"] = torch.tensor([float(g) for g in guid], device=x.device)
+        if all(it.cache is None for it in items):
+            return plain(p, x, t, txt, **({"lora": lora} if lora else {}), **kw)
+        configs, rows = [it.cache for it in items], [it.rows for it in items]
+        out, caches[:] = _cache_int.items.step(p, configs, caches, rows, x, t, txt, lora=lora or None, **kw)
+        return out
+
+    return apply
+
+
+def _row_pairs(it: Item) -> list:
+    """Per row of the item's model batch, its image's (adapter, scale) pairs."""
+    none = ()
+    return [none if it.lora is None else it.lora[r % it.n] for r in range(it.rows)]
+
+
+def _with_lora(apply, lora: list):
+    if not lora:
+        return apply
+    return lambda p, x, t, txt, **kw: apply(p, x, t, txt, lora=lora, **kw)
+
+
+def _item_cache(it: Item, caches: list):
+    """One item's step cache over its call(s): the batch decision per CFG branch (the
+    stock hooks' and ``fd.CacheRun``'s); with one call per branch (Qwen-Image 2.1), each
+    call its own state."""
+    step, call = _cache.step, itertools.count()
+
+    def apply(p, x, t, txt, **kw):
+        state = caches[0]
+        if type(state) is tuple:  # one state per call (each a NamedTuple)
+            k = next(call)
+            out, new = step(p, it.cache, state[k], x, t, txt, branches=1, **kw)
+            caches[0] = (*state[:k], new, *state[k + 1 :])
+            return out
+        out, caches[0] = step(p, it.cache, state, x, t, txt, branches=1 if it.cfg is None else 2, **kw)
+        return out
+
+    return apply
+
+
+def _text(items) -> Prompt:
+    """The batch's text: each item's rows in order (masks filled with ones where absent)."""
+    conds = [it.cond for it in items]
+    cat = lambda f: None if getattr(conds[0], f) is None else torch.cat([getattr(c, f) for c in conds])  # noqa: E731
+    mask = None
+    if any(c.mask is not None for c in conds):
+        ones = lambda c: torch.ones(c.txt.shape[:2], dtype=torch.long, device=c.txt.device)  # noqa: E731
+        mask = torch.cat([ones(c) if c.mask is None else c.mask for c in conds])
+    return Prompt(cat("txt"), cat("pooled"), mask, conds[0].txt_ids)
+
+
+def _advance(ctx: Context, it: Item, pred, cache_state, kept: dict, m=None) -> Item:
+    """The item after its prediction: CFG combined, the scheduler's step on a copy of its
+    scheduler (at the item's step index), the family's ``after_step``; its new cache state
+    and what the call changed of its tables (``kept``)."""
+    if it.cfg is not None:
+        pred = combine(pred, it.cfg, it.normalise)
+    sched = copy.copy(it.sched)
+    sched._step_index = (sched.begin_index or 0) + it.i
+    x = sched.step(pred, it.timesteps[it.i], it.x, return_dict=False)[0]
+    x = (m if m is not None else model_of(ctx, it)).after_step(it.i, sched, x)
+    tables = {**it.tables, **kept} if kept else it.tables
+    return dataclasses.replace(it, x=x, i=it.i + 1, cache_state=cache_state, tables=tables)
+
+
+def with_latents(it: Item, x: torch.Tensor) -> Item:
+    """``it`` with new latents (a step callback's)."""
+    return dataclasses.replace(it, x=x)
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def decode(state: State, output_type: str = "pil"):
+    """The outputs of the state's finished items, in order: images through the VAE and
+    the pipeline's image processor, or with ``output_type="latent"`` what the stock
+    pipeline returns (the family's ``latent_output``)."""
+    items = [it for it in state.items if it.done]
+    if not items:
+        return []
+    ctx = state.ctx
+    model = model_of(ctx, items[0])
+    with torch.no_grad():
+        x = torch.cat([it.x for it in items])
+        if output_type == "latent":
+            return model.latent_output(x, *items[0].hw)
+        if hasattr(model, "decode"):  # Qwen-Image-Layered: several images per latent
+            return model.decode(x, *items[0].hw, output_type)
+        pipe = ctx.pipe
+        z = model.decode_latents(x, *items[0].hw).to(pipe.vae.device, pipe.vae.dtype)
+        img = pipe.vae.decode(z, return_dict=False)[0]
+        img = img[:, :, 0] if img.ndim == 5 else img  # Qwen-Image's VAE has a frame axis
+        out = pipe.image_processor.postprocess(img, output_type=output_type)
+        return model.overlay(out)
