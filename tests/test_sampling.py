@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import functional_dit as fd
 import functional_dit.lora as lora
@@ -35,10 +36,11 @@ def flux():
 
 
 def alone(params, pipe, r: sampling.Request, run=None):
+    images = {k: getattr(r, k) for k in ("image", "mask_image", "strength") if getattr(r, k) is not None}
     return fd.sample(
         params, pipe, r.prompt, height=r.height, width=r.width, steps=r.steps, seed=r.seed, guidance=r.guidance,
         true_cfg=r.true_cfg, negative_prompt=r.negative_prompt, lora=list(r.lora) or None, output_type="np",
-        max_sequence_length=r.max_sequence_length, cache=run,
+        max_sequence_length=r.max_sequence_length, cache=run, **images,
     )[0]  # fmt: skip
 
 
@@ -231,3 +233,55 @@ def test_merge_refuses_another_size_and_bad_requests_name_the_field(flux):
     ]:
         with pytest.raises(ValueError, match=field):
             sampling.check(ctx, params, bad)
+
+
+def _picture(w: int, h: int, seed: int = 0) -> Image.Image:
+    return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype("uint8"))
+
+
+def _mask(w: int, h: int) -> Image.Image:
+    m = np.zeros((h, w), "uint8")
+    m[h // 4 : h // 2, w // 4 : w // 2] = 255
+    return Image.fromarray(m)
+
+
+CFG_CACHE = dict(true_cfg=2.0, negative_prompt="blurry", cache="fbcache:0.2")
+IMAGE_JOBS = {  # per family: image requests (img2img, inpainting with CFG and a cache, references) and text to image
+    "flux": [dict(image=_picture(56, 72), strength=0.7), dict(image=_picture(56, 72), mask_image=_mask(56, 72),
+             strength=0.8, **CFG_CACHE), {}],
+    "qwen-image": [dict(image=_picture(48, 32), strength=0.7), dict(image=_picture(48, 32),
+                   mask_image=_mask(48, 32), **CFG_CACHE), {}],
+    "flux2-klein": [dict(image=_picture(80, 64)),
+                    dict(image=[_picture(80, 64), _picture(64, 64, 1)], cache="fbcache:0.2"), {}],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", IMAGE_JOBS)
+def test_items_with_image_inputs_equal_each_alone(kind):
+    """Requests with an image (img2img, inpainting, references), one a step ahead, in one
+    state with a text-to-image item: each image job's item takes its own model calls
+    (its steps are the job's), so it equals ``fd.sample`` of it alone bitwise, its cache
+    decisions too; the text-to-image item within `LEVEL`."""
+    pipe = tiny.pipeline(kind)
+    params = fd.from_diffusers(pipe.transformer)
+    reqs = [sampling.Request(f"a red cube {i}", 32, 48, 4, seed=5 + i, **kw) for i, kw in enumerate(IMAGE_JOBS[kind])]
+    finished, images = run_ahead(params, pipe, reqs, 1)
+    assert [it.request for it in finished] == reqs  # the first a step ahead; the same step count
+    equal_alone(params, pipe, finished, images)
+    for it, img in zip(finished, images):
+        if it.request.has_images:
+            assert it.own is not None and np.array_equal(img, alone(params, pipe, it.request)), it.request.prompt
+
+
+def test_image_requests_are_checked_as_fd_sample_checks_them(flux):
+    params, pipe, _, _ = flux
+    ctx = sampling.context(params, pipe)
+    bad = sampling.Request("a cat", 32, 32, 2, image=_picture(32, 32), strength=1.5)
+    with pytest.raises(ValueError, match=r"strength: expected a number in \[0, 1\], got 1.5"):
+        sampling.init(params, ctx, [bad])
+    pipe = tiny.pipeline("flux2-klein")
+    params = fd.from_diffusers(pipe.transformer)
+    with pytest.raises(ValueError, match="mask_image: .*expected None"):
+        sampling.init(
+            params, sampling.context(params, pipe), [sampling.Request("a cat", 32, 32, 2, mask_image=_mask(32, 32))]
+        )

@@ -22,9 +22,12 @@ flow-map target is its own next timestep) and Qwen-Image 2.1 (whose batch is lai
 its first item: each item takes its own model call and keeps its CFG branches' prefix KV
 caches in its tables), each item with its own step cache (``Request.cache``: every item
 deciding alone; one state per model call where a step makes one call per CFG branch,
-Qwen-Image 2.1). The image jobs (img2img, inpainting, Kontext, edit, Layered, references)
-and ControlNet make their items through ``fd.sample`` only: a `Request` has no image field
-yet.
+Qwen-Image 2.1). A request with image inputs (``image``, ``mask_image``, ``strength``: FLUX.1
+img2img and inpainting, Qwen-Image's, the FLUX.2 / klein references) is made by
+``fd.sample``'s own preparation of that one image (`functional_dit.pipelines.sampler.items_only`):
+its item keeps that image job's steps as its own context (`Item.own`) and takes its own
+model calls. The pipelines of their own (Kontext, the edit pipelines, Layered, klein
+inpainting) and ControlNet run through ``fd.sample`` only.
 """
 
 from __future__ import annotations
@@ -53,8 +56,12 @@ cache_decisions = _cache_items.decisions
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One image to make: ``fd.sample(params, pipe, prompt, height=, width=, steps=,
-    seed=, guidance=, true_cfg=, negative_prompt=, lora=[(adapter, scale), ...])``
-    of one prompt and one image (image ``j`` of a request for n images is seed + j)."""
+    seed=, guidance=, true_cfg=, negative_prompt=, lora=[(adapter, scale), ...],
+    cache=, image=, mask_image=, strength=)`` of one prompt and one image (image ``j`` of
+    a request for n images is seed + j). The image inputs take ``fd.sample``'s meaning
+    for the context's pipeline: FLUX.1's img2img (``strength``) and inpainting
+    (``mask_image``), Qwen-Image's (its pipeline upgraded as ``fd.sample`` upgrades it),
+    the FLUX.2 / klein reference images."""
 
     prompt: str
     height: int
@@ -67,6 +74,13 @@ class Request:
     lora: tuple = ()  # ((adapter, scale), ...)
     max_sequence_length: int | None = None
     cache: object = None  # a step cache: a spec such as "fbcache:0.08" or a config (`cache._items`)
+    image: object = None  # a PIL image, or a list of them (references)
+    mask_image: object = None
+    strength: float | None = None
+
+    @property
+    def has_images(self) -> bool:
+        return self.image is not None or self.mask_image is not None or self.strength is not None
 
 
 def context(params, encoders) -> Context:
@@ -108,6 +122,8 @@ def init(params, ctx: Context, requests, tags=None) -> State:
 
 def _item(params, ctx: Context, req: Request, tag) -> Item:
     check(ctx, params, req)
+    if req.has_images:
+        return _image_item(params, ctx, req, tag)
     pipe, model = ctx.pipe, ctx.model.fork()  # what encoding and `prepare` set lands on the fork
     cfg = float(req.true_cfg) if req.true_cfg is not None and req.true_cfg > 1 else None
     cfg = _sampler._qi.true_cfg(ctx.fam, cfg, req.negative_prompt, None)
@@ -126,6 +142,19 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
         ctx, model, chunk.x, chunk.cond, sched, hw, guidance=req.guidance, cfg=cfg, images=(0,),
         normalise=model.normalise_cfg, **fields,
     )  # fmt: skip
+
+
+def _image_item(params, ctx: Context, req: Request, tag) -> Item:
+    """The item of a request with image inputs: ``fd.sample``'s own preparation of that
+    one image (`sampler.items_only`), whose steps (the image job's, its images encoded)
+    become the item's own context: it takes its own model calls."""
+    kw = dict(height=req.height, width=req.width, steps=req.steps, seed=req.seed, guidance=req.guidance,
+              true_cfg=req.true_cfg, negative_prompt=req.negative_prompt, image=req.image, mask_image=req.mask_image,
+              strength=req.strength, max_sequence_length=req.max_sequence_length, cache=req.cache,
+              lora=list(req.lora) or None)  # fmt: skip
+    with _sampler.items_only():
+        own, (item,) = _sampler.sample(params, ctx.pipe, req.prompt, **kw)
+    return dataclasses.replace(item, request=req, tag=tag, own=own)
 
 
 def merge(*states: State) -> State:

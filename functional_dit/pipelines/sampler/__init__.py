@@ -36,6 +36,7 @@ docs/sampling.md lists what is reproduced per pipeline class.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -64,6 +65,21 @@ from . import _stock_args as _stock
 # What the per-item sampling module (`functional_dit.pipelines.sampling`) shares with fd.sample.
 requests, check_max_sequence_length = _requests.requests, _requests.check_max_sequence_length
 _OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+
+
+_ITEMS_ONLY = contextvars.ContextVar("functional_dit_sample_items_only", default=False)
+
+
+@contextlib.contextmanager
+def items_only():
+    """Within it `sample` returns ``(its context, its chunks' items at step 0)`` after its
+    checks and encoding, and runs no step: how `functional_dit.sampling.init` makes the
+    item of a request with image inputs, by ``fd.sample``'s own preparation."""
+    token = _ITEMS_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _ITEMS_ONLY.reset(token)
 
 
 # ----------------------------------------------------------------------------- encoders
@@ -438,6 +454,8 @@ def sample(
             chunks = [_chunk(model.fork(), req, c, job, dtype, device) for c in _chunks(lay.share, batch_size)]
         _check_ranks(lay, chunks, model, _settings(job, pipe, req, lay, model, dtype, (height, width)))
         ctx = _state.Context(fam, model, pipe, device, dtype)
+        if _ITEMS_ONLY.get():  # `functional_dit.sampling.init`: a request with image inputs
+            return ctx, [_item(ctx, c, job) for c in chunks]
         with sharding.bind(lay.mesh) if lay.split else contextlib.nullcontext(), _placement.tiling(pipe, vae_tiling):
             parts = [_run(ctx, run_params, c, job) for c in chunks]
         return _ranks.collect(lay, _ranks.concat(parts, output_type), output_type, local)
@@ -509,19 +527,10 @@ def _check_latents(model, pipe, req, h: int, w: int) -> None:
 
 
 def _run(ctx: _state.Context, params, chunk: _Chunk, job: _Job):
-    """One chunk from noise to its output: its item (`_state.start`), `_state.step` until
-    done (the step hook between steps), `_state.decode`."""
-    device, fork = chunk.x.device, chunk.model
-    fixed = _sample_xla.wanted(fork, job, ctx.pipe, device)  # lazy devices: one fixed graph per step
-    sched = _scheduler(ctx.pipe, job.fam, chunk.x.shape[1], job.steps, "cpu" if fixed else device, job.sigmas)
-    lora = None if job.lora is None else tuple(job.lora[i] for i in chunk.images)
-    normalise = fork.normalise_cfg if job.stock.cfg_normalize is None else job.stock.cfg_normalize
-    fields = dict(images=chunk.images, lora=lora if lora and any(lora) else None, ip=job.stock.ip, normalise=normalise)
-    item = _state.start(ctx, fork, chunk.x, chunk.cond, sched, job.hw, guidance=job.guidance, cfg=job.cfg, **fields)
-    if job.cache is not None:
-        calls = fork.cfg_calls if job.cfg is not None else 1  # model calls per step
-        config, cache = job.cache.begin(len(item.timesteps), calls)
-        item = dataclasses.replace(item, cache=config, cache_state=cache)
+    """One chunk from noise to its output: its item (`_item`), `_state.step` until done
+    (the step hook between steps), `_state.decode`."""
+    fixed = _sample_xla.wanted(chunk.model, job, ctx.pipe, chunk.x.device)  # lazy devices: one fixed graph per step
+    item = _item(ctx, chunk, job, fixed)
     hook = job.on_step
     if hook is not None:  # the chunk's tensors for callback_on_step_end
         hook = functools.partial(hook, tensors=_callback_tensors(job.stock.tensor_inputs, chunk))
@@ -536,6 +545,23 @@ def _run(ctx: _state.Context, params, chunk: _Chunk, job: _Job):
     if job.cache is not None:
         job.cache.end(state.items[0].cache_state)
     return _state.decode(state, job.output_type)
+
+
+def _item(ctx: _state.Context, chunk: _Chunk, job: _Job, fixed: bool = False) -> _state.Item:
+    """The chunk's item at step 0 (`_state.start`): a copy of the pipeline's scheduler
+    (on the host for the fixed-graph loop), its adapters, IP-Adapter inputs and step cache."""
+    fork = chunk.model
+    device = "cpu" if fixed else chunk.x.device
+    sched = _scheduler(ctx.pipe, job.fam, chunk.x.shape[1], job.steps, device, job.sigmas)
+    lora = None if job.lora is None else tuple(job.lora[i] for i in chunk.images)
+    normalise = fork.normalise_cfg if job.stock.cfg_normalize is None else job.stock.cfg_normalize
+    fields = dict(images=chunk.images, lora=lora if lora and any(lora) else None, ip=job.stock.ip, normalise=normalise)
+    item = _state.start(ctx, fork, chunk.x, chunk.cond, sched, job.hw, guidance=job.guidance, cfg=job.cfg, **fields)
+    if job.cache is None:
+        return item
+    calls = fork.cfg_calls if job.cfg is not None else 1  # model calls per step
+    config, cache = job.cache.begin(len(item.timesteps), calls)
+    return dataclasses.replace(item, cache=config, cache_state=cache)
 
 
 def _fixed(params, state: _state.State, hook) -> _state.State:

@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import itertools
 
+import numpy as np
 import torch
 
 from .. import cache as _cache
@@ -72,6 +73,7 @@ class Item:
     normalise: bool = False  # CFG rescaled to the conditional prediction's norm
     cache: object = None  # its step cache's config, or None
     cache_state: object = None  # that cache's state after the item's last step (a tuple: one per model call)
+    own: Context | None = None  # its own context (an image job's steps, its images encoded), else the state's
 
     @property
     def timesteps(self) -> torch.Tensor:
@@ -137,8 +139,9 @@ class _Chunk:
 
 
 def model_of(ctx: Context, item: Item, params=None):
-    """A copy of the context's steps with ``item``'s tables (and ``params``)."""
-    m = copy.copy(ctx.model)
+    """A copy of the item's context's steps (its own, else ``ctx``) with its tables (and
+    ``params``)."""
+    m = copy.copy((item.own or ctx).model)
     vars(m).update(item.tables)
     if params is not None:
         m.params = params
@@ -157,10 +160,20 @@ def step(params, state: State) -> State:
     items = [it for it in state.items if not it.done]
     if not items:
         return state
-    groups = [items] if state.ctx.model.shares_calls else [[it] for it in items]
+    moved = {}
     with torch.no_grad():
-        moved = iter(it for group in groups for it in _step(params, state.ctx, group))
-    return State(state.ctx, tuple(next(moved) if not it.done else it for it in state.items))
+        for ctx, same in _by_context(state.ctx, items):
+            for group in [same] if ctx.model.shares_calls else [[it] for it in same]:
+                moved.update(zip(map(id, group), _step(params, ctx, group)))
+    return State(state.ctx, tuple(moved.get(id(it), it) for it in state.items))
+
+
+def _by_context(ctx: Context, items) -> list:
+    """``items`` grouped by their context (the state's, or an image job's own), in order."""
+    groups: dict = {}
+    for it in items:
+        groups.setdefault(id(it.own or ctx), (it.own or ctx, []))[1].append(it)
+    return list(groups.values())
 
 
 def _step(params, ctx: Context, items) -> list:
@@ -285,16 +298,28 @@ def decode(state: State, output_type: str = "pil"):
     items = [it for it in state.items if it.done]
     if not items:
         return []
-    ctx = state.ctx
-    model = model_of(ctx, items[0])
+    groups = _by_context(state.ctx, items)
+    if len(groups) == 1:
+        return _decode(*groups[0], output_type)
+    outs = {}  # each item's output: its image (or its layers), in the order of ``items``
+    for ctx, group in groups:
+        outs.update(zip(map(id, group), _decode(ctx, group, output_type)))
+    rows = [outs[id(it)] for it in items]
+    if output_type == "pil":
+        return rows
+    return np.stack(rows) if output_type == "np" else torch.stack(rows)
+
+
+def _decode(ctx: Context, items, output_type: str):
+    """The outputs of finished ``items`` of one context."""
+    model, pipe, hw = model_of(ctx, items[0]), ctx.pipe, items[0].hw
     with torch.no_grad():
         x = torch.cat([it.x for it in items])
         if output_type == "latent":
-            return model.latent_output(x, *items[0].hw)
+            return model.latent_output(x, *hw)
         if hasattr(model, "decode"):  # Qwen-Image-Layered: several images per latent
-            return model.decode(x, *items[0].hw, output_type)
-        pipe = ctx.pipe
-        z = model.decode_latents(x, *items[0].hw).to(pipe.vae.device, pipe.vae.dtype)
+            return model.decode(x, *hw, output_type)
+        z = model.decode_latents(x, *hw).to(pipe.vae.device, pipe.vae.dtype)
         img = pipe.vae.decode(z, return_dict=False)[0]
         img = img[:, :, 0] if img.ndim == 5 else img  # Qwen-Image's VAE has a frame axis
         out = pipe.image_processor.postprocess(img, output_type=output_type)
