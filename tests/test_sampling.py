@@ -12,6 +12,7 @@ map) the same way, with LoRA, CFG and caches.
 
 from __future__ import annotations
 
+import diffusers
 import numpy as np
 import pytest
 import torch
@@ -285,3 +286,41 @@ def test_image_requests_are_checked_as_fd_sample_checks_them(flux):
         sampling.init(
             params, sampling.context(params, pipe), [sampling.Request("a cat", 32, 32, 2, mask_image=_mask(32, 32))]
         )
+
+
+def _own_pipeline(kind: str):
+    if kind == "flux2-klein-inpaint":
+        pipe = diffusers.Flux2KleinInpaintPipeline.from_pipe(tiny.pipeline("flux2-klein"))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+    return tiny.pipeline(kind)
+
+
+OWN_PIPELINES = {  # an image job's pipeline of its own: every request through fd.sample's preparation
+    "flux-kontext": [dict(image=_picture(56, 72)), dict(image=_picture(56, 72, 1), **CFG_CACHE)],
+    "qwen-image-edit": [dict(image=_picture(48, 32)),
+                        dict(image=_picture(48, 32, 1), true_cfg=2.0, negative_prompt="x")],
+    "flux2-klein-inpaint": [dict(image=_picture(80, 64), mask_image=_mask(80, 64), strength=0.8),
+                            dict(image=_picture(80, 64, 1), mask_image=_mask(80, 64), cache="fbcache:0.2")],
+}  # fmt: skip
+# Kontext sizes its output to max_area (1024² as stock) and the edit pipeline encodes its
+# reference at 1024²: tens of seconds each, so slow (the full suite, not the quick subset).
+HEAVY = ("flux-kontext", "qwen-image-edit")
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in HEAVY else k for k in OWN_PIPELINES])
+def test_items_of_an_image_pipeline_of_its_own_equal_each_alone(kind):
+    """A context over Kontext, an edit pipeline or klein inpainting: each request a step
+    apart, bitwise equal to ``fd.sample`` of it alone (and its cache decisions)."""
+    pipe = _own_pipeline(kind)
+    params = fd.from_diffusers(pipe.transformer if pipe.transformer is not None else tiny.pipeline(kind).transformer)
+    reqs = [
+        sampling.Request(f"a red cube {i}", 32, 48, 4, seed=5 + i, **kw) for i, kw in enumerate(OWN_PIPELINES[kind])
+    ]
+    finished, images = run_ahead(params, pipe, reqs, 1)
+    assert [it.request for it in finished] == reqs
+    equal_alone(params, pipe, finished, images)
+    for it, img in zip(finished, images):
+        assert np.array_equal(img, alone(params, pipe, it.request)), it.request.prompt
+    with pytest.raises(ValueError, match="encoders: functional_dit.sampling runs text to image"):
+        sampling.context(params, pipe, text_to_image=True)

@@ -26,8 +26,9 @@ Qwen-Image 2.1). A request with image inputs (``image``, ``mask_image``, ``stren
 img2img and inpainting, Qwen-Image's, the FLUX.2 / klein references) is made by
 ``fd.sample``'s own preparation of that one image (`functional_dit.pipelines.sampler.items_only`):
 its item keeps that image job's steps as its own context (`Item.own`) and takes its own
-model calls. The pipelines of their own (Kontext, the edit pipelines, Layered, klein
-inpainting) and ControlNet run through ``fd.sample`` only.
+model calls. A context over an image job's pipeline of its own (Kontext, the edit
+pipelines, Layered, klein inpainting) makes every request so. ControlNet runs through
+``fd.sample`` only (a `Request` has no ControlNet field).
 """
 
 from __future__ import annotations
@@ -83,16 +84,19 @@ class Request:
         return self.image is not None or self.mask_image is not None or self.strength is not None
 
 
-def context(params, encoders) -> Context:
+def context(params, encoders, text_to_image: bool = False) -> Context:
     """The context of ``params`` with ``encoders`` (a diffusers pipeline of the family or
-    its components, as ``fd.sample`` takes them)."""
+    its components, as ``fd.sample`` takes them). A pipeline of an image job of its own
+    (Kontext, the edit pipelines, Layered, klein inpainting) makes every request's item
+    by ``fd.sample``'s preparation (`_image_item`); ``text_to_image`` refuses those (the
+    server's requests carry no image)."""
     fam = _sampler._family_name(params)
     pipe = _sampler.as_pipeline(encoders, params)
     runs = _families.product(fam).PER_ITEM_PIPELINES  # the family's text-to-image pipelines
     name = type(pipe).__name__
-    if name not in runs:
+    if name not in runs and text_to_image:
         raise ValueError(f"encoders: functional_dit.sampling runs text to image ({', '.join(runs)}); got {name}")
-    model = _sampler._family_model(fam, params, pipe, None, None, {}, None)
+    model = _sampler._family_model(fam, params, pipe, None, None, {}, None) if name in runs else None
     device, dtype = _sampler._param_device_dtype(params)
     return Context(fam, model, pipe, device, dtype)
 
@@ -107,7 +111,7 @@ def check(ctx: Context, params, req: Request) -> None:
     if not isinstance(req.seed, int) or isinstance(req.seed, bool):
         raise ValueError(f"seed: expected an int, got {req.seed!r}")
     _lora.check(params, list(req.lora))
-    if _cache_items.config(req.cache, req.steps) is not None and not ctx.model.step_cache:
+    if _cache_items.config(req.cache, req.steps) is not None and ctx.model is not None and not ctx.model.step_cache:
         raise ValueError(f"cache: step caching is not supported for {ctx.fam} yet; expected None")
 
 
@@ -122,7 +126,7 @@ def init(params, ctx: Context, requests, tags=None) -> State:
 
 def _item(params, ctx: Context, req: Request, tag) -> Item:
     check(ctx, params, req)
-    if req.has_images:
+    if req.has_images or ctx.model is None:  # an image job (the pipeline's own, or its inputs)
         return _image_item(params, ctx, req, tag)
     pipe, model = ctx.pipe, ctx.model.fork()  # what encoding and `prepare` set lands on the fork
     cfg = float(req.true_cfg) if req.true_cfg is not None and req.true_cfg > 1 else None

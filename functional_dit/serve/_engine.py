@@ -75,7 +75,7 @@ class Engine:
 
     def __init__(self, params, pipe, adapters=None, *, max_batch: int = 8, max_queue: int = 64, sync=None):
         self.params, self.adapters = params, dict(adapters or {})
-        self.ctx = sampling.context(params, pipe)
+        self.ctx = sampling.context(params, pipe, text_to_image=True)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = Metrics()
         self._lock = threading.Condition()
