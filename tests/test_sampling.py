@@ -12,6 +12,8 @@ map) the same way, with LoRA, CFG and caches.
 
 from __future__ import annotations
 
+import dataclasses
+
 import diffusers
 import numpy as np
 import pytest
@@ -37,11 +39,11 @@ def flux():
 
 
 def alone(params, pipe, r: sampling.Request, run=None):
-    images = {k: getattr(r, k) for k in ("image", "mask_image", "strength") if getattr(r, k) is not None}
+    images = {k: getattr(r, k) for k in ("image", "mask_image", "strength", "sigmas") if getattr(r, k) is not None}
     return fd.sample(
         params, pipe, r.prompt, height=r.height, width=r.width, steps=r.steps, seed=r.seed, guidance=r.guidance,
         true_cfg=r.true_cfg, negative_prompt=r.negative_prompt, lora=list(r.lora) or None, output_type="np",
-        max_sequence_length=r.max_sequence_length, cache=run, **images,
+        max_sequence_length=r.max_sequence_length, cache=run, **images, **(r.embeds or {}),
     )[0]  # fmt: skip
 
 
@@ -270,7 +272,7 @@ def test_items_with_image_inputs_equal_each_alone(kind):
     assert [it.request for it in finished] == reqs  # the first a step ahead; the same step count
     equal_alone(params, pipe, finished, images)
     for it, img in zip(finished, images):
-        if it.request.has_images:
+        if it.request.prepared:
             assert it.own is not None and np.array_equal(img, alone(params, pipe, it.request)), it.request.prompt
 
 
@@ -324,3 +326,35 @@ def test_items_of_an_image_pipeline_of_its_own_equal_each_alone(kind):
         assert np.array_equal(img, alone(params, pipe, it.request)), it.request.prompt
     with pytest.raises(ValueError, match="encoders: functional_dit.sampling runs text to image"):
         sampling.context(params, pipe, text_to_image=True)
+
+
+@pytest.mark.parametrize("kind", ["flux", "qwen-image"])
+def test_items_with_embeddings_or_sigmas_equal_each_alone(kind):
+    """A request with the stock embedding keywords in place of a prompt (with true CFG),
+    one with its own sigmas, and a plain one a step ahead: each as ``fd.sample`` alone."""
+    pipe = tiny.pipeline(kind)
+    params = fd.from_diffusers(pipe.transformer)
+    if kind == "flux":
+        pe, pooled, _ = pipe.encode_prompt(prompt=["a cat"], prompt_2=None, max_sequence_length=MSL)
+        npe, npooled, _ = pipe.encode_prompt(prompt=["blurry"], prompt_2=None, max_sequence_length=MSL)
+        embeds = dict(prompt_embeds=pe, pooled_prompt_embeds=pooled, negative_prompt_embeds=npe,
+                      negative_pooled_prompt_embeds=npooled)  # fmt: skip
+    else:
+        pe, mask = pipe.encode_prompt(prompt=["a cat"])
+        npe, nmask = pipe.encode_prompt(prompt=["blurry"])
+        embeds = dict(prompt_embeds=pe, prompt_embeds_mask=mask, negative_prompt_embeds=npe,
+                      negative_prompt_embeds_mask=nmask)  # fmt: skip
+    msl = MSL if kind == "flux" else None
+    reqs = [
+        sampling.Request("a dog", 32, 32, 3, seed=1, max_sequence_length=msl),
+        sampling.Request(None, 32, 32, 3, seed=2, true_cfg=2.0, embeds=embeds, max_sequence_length=msl),
+        sampling.Request("a dog", 32, 32, 3, seed=3, sigmas=(1.0, 0.6, 0.25), max_sequence_length=msl),
+    ]
+    finished, images = run_ahead(params, pipe, reqs, 1)
+    equal_alone(params, pipe, finished, images)
+    for it, img in zip(finished[1:], images[1:]):
+        assert it.own is not None and np.array_equal(img, alone(params, pipe, it.request))
+    with pytest.raises(ValueError, match="embeds: expected a dict of embeddings with prompt None"):
+        sampling.init(params, sampling.context(params, pipe), [dataclasses.replace(reqs[1], prompt="a cat")])
+    with pytest.raises(ValueError, match=r"steps: expected None or len\(sigmas\) = 3, got 2"):
+        sampling.init(params, sampling.context(params, pipe), [dataclasses.replace(reqs[2], steps=2)])

@@ -26,7 +26,8 @@ Qwen-Image 2.1). A request with image inputs (``image``, ``mask_image``, ``stren
 img2img and inpainting, Qwen-Image's, the FLUX.2 / klein references) is made by
 ``fd.sample``'s own preparation of that one image (`functional_dit.pipelines.sampler.items_only`):
 its item keeps that image job's steps as its own context (`Item.own`) and takes its own
-model calls. A context over an image job's pipeline of its own (Kontext, the edit
+model calls; so does a request with its own ``sigmas`` or with ``embeds`` (the stock
+embedding keywords) in place of a prompt. A context over an image job's pipeline of its own (Kontext, the edit
 pipelines, Layered, klein inpainting) makes every request so. ControlNet runs through
 ``fd.sample`` only (a `Request` has no ControlNet field).
 """
@@ -78,17 +79,27 @@ class Request:
     image: object = None  # a PIL image, or a list of them (references)
     mask_image: object = None
     strength: float | None = None
+    sigmas: tuple | None = None  # the schedule's sigmas (``steps`` of them), as fd.sample(sigmas=...)
+    # in place of ``prompt`` (None then): fd.sample's stock embedding keywords for this one image
+    # (prompt_embeds, pooled_prompt_embeds, prompt_embeds_mask and their negative_ twins), one row each
+    embeds: dict | None = None
 
     @property
     def has_images(self) -> bool:
         return self.image is not None or self.mask_image is not None or self.strength is not None
+
+    @property
+    def prepared(self) -> bool:
+        """Made by ``fd.sample``'s whole preparation (`_prepared_item`): image inputs, sigmas
+        or embeddings."""
+        return self.has_images or self.sigmas is not None or self.embeds is not None
 
 
 def context(params, encoders, text_to_image: bool = False) -> Context:
     """The context of ``params`` with ``encoders`` (a diffusers pipeline of the family or
     its components, as ``fd.sample`` takes them). A pipeline of an image job of its own
     (Kontext, the edit pipelines, Layered, klein inpainting) makes every request's item
-    by ``fd.sample``'s preparation (`_image_item`); ``text_to_image`` refuses those (the
+    by ``fd.sample``'s preparation (`_prepared_item`); ``text_to_image`` refuses those (the
     server's requests carry no image)."""
     fam = _sampler._family_name(params)
     pipe = _sampler.as_pipeline(encoders, params)
@@ -103,10 +114,13 @@ def context(params, encoders, text_to_image: bool = False) -> Context:
 
 def check(ctx: Context, params, req: Request) -> None:
     """``req``'s values as ``fd.sample`` checks them (ValueError naming the argument), cheap."""
-    if not isinstance(req.prompt, str):
+    if req.embeds is not None:
+        if req.prompt is not None or not isinstance(req.embeds, dict):
+            raise ValueError(f"embeds: expected a dict of embeddings with prompt None, got prompt={req.prompt!r}")
+    elif not isinstance(req.prompt, str):
         raise ValueError(f"prompt: expected a string, got {req.prompt!r}")
     _sampler._check_args(ctx.pipe, req.height, req.width, "pil", None)
-    _sampler._check_steps(req.steps, None)
+    _sampler._check_steps(req.steps, None if req.sigmas is None else list(req.sigmas))
     _sampler.check_max_sequence_length(ctx.fam, req.max_sequence_length)
     if not isinstance(req.seed, int) or isinstance(req.seed, bool):
         raise ValueError(f"seed: expected an int, got {req.seed!r}")
@@ -117,7 +131,7 @@ def check(ctx: Context, params, req: Request) -> None:
 
 def init(params, ctx: Context, requests, tags=None) -> State:
     """A state of ``requests`` at step 0 (prompts encoded, noise drawn, schedules set);
-    their keys must agree (`Item.key`; a server batches by key)."""
+    the keys of those that share calls must agree (`Item.key`; a server batches by key)."""
     tags = [None] * len(requests) if tags is None else list(tags)
     with torch.no_grad():
         items = tuple(_item(params, ctx, r, tag) for r, tag in zip(requests, tags))
@@ -126,8 +140,8 @@ def init(params, ctx: Context, requests, tags=None) -> State:
 
 def _item(params, ctx: Context, req: Request, tag) -> Item:
     check(ctx, params, req)
-    if req.has_images or ctx.model is None:  # an image job (the pipeline's own, or its inputs)
-        return _image_item(params, ctx, req, tag)
+    if req.prepared or ctx.model is None:  # an image job (the pipeline's own, or its inputs), sigmas, embeddings
+        return _prepared_item(params, ctx, req, tag)
     pipe, model = ctx.pipe, ctx.model.fork()  # what encoding and `prepare` set lands on the fork
     cfg = float(req.true_cfg) if req.true_cfg is not None and req.true_cfg > 1 else None
     cfg = _sampler._qi.true_cfg(ctx.fam, cfg, req.negative_prompt, None)
@@ -148,26 +162,28 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
     )  # fmt: skip
 
 
-def _image_item(params, ctx: Context, req: Request, tag) -> Item:
-    """The item of a request with image inputs: ``fd.sample``'s own preparation of that
-    one image (`sampler.items_only`), whose steps (the image job's, its images encoded)
-    become the item's own context: it takes its own model calls."""
+def _prepared_item(params, ctx: Context, req: Request, tag) -> Item:
+    """The item of a request with image inputs, sigmas or embeddings, or over an image
+    job's pipeline: ``fd.sample``'s own preparation of that one image
+    (`sampler.items_only`), whose steps (the job's, its images encoded) become the item's
+    own context: it takes its own model calls."""
     kw = dict(height=req.height, width=req.width, steps=req.steps, seed=req.seed, guidance=req.guidance,
               true_cfg=req.true_cfg, negative_prompt=req.negative_prompt, image=req.image, mask_image=req.mask_image,
               strength=req.strength, max_sequence_length=req.max_sequence_length, cache=req.cache,
-              lora=list(req.lora) or None)  # fmt: skip
+              lora=list(req.lora) or None, sigmas=None if req.sigmas is None else list(req.sigmas))  # fmt: skip
     with _sampler.items_only():
-        own, (item,) = _sampler.sample(params, ctx.pipe, req.prompt, **kw)
+        own, (item,) = _sampler.sample(params, ctx.pipe, req.prompt, **kw, **(req.embeds or {}))
     return dataclasses.replace(item, request=req, tag=tag, own=own)
 
 
 def merge(*states: State) -> State:
-    """One state of every item of ``states`` (same context, same key)."""
+    """One state of every item of ``states`` (same context; the items that share model
+    calls, those without a context of their own, one key)."""
     ctx = states[0].ctx
     items = tuple(it for s in states for it in s.items)
     if any(s.ctx is not ctx for s in states):
         raise ValueError("states: expected states of one context (one model), got several")
-    keys = {it.key for it in items}
+    keys = {it.key for it in items if it.own is None}
     if len(keys) > 1:
         raise ValueError(f"states: a batch needs one key (latent h, w, text length); got {sorted(keys)}")
     return State(ctx, items)
