@@ -358,3 +358,26 @@ def test_items_with_embeddings_or_sigmas_equal_each_alone(kind):
         sampling.init(params, sampling.context(params, pipe), [dataclasses.replace(reqs[1], prompt="a cat")])
     with pytest.raises(ValueError, match=r"steps: expected None or len\(sigmas\) = 3, got 2"):
         sampling.init(params, sampling.context(params, pipe), [dataclasses.replace(reqs[2], steps=2)])
+
+
+def test_items_with_a_controlnet_equal_each_alone():
+    """A FLUX.1 ControlNet per request (one with true CFG) over a FluxPipeline, beside a
+    plain request a step ahead (a FluxControlNetPipeline's context needs one in every request)."""
+    from functional_dit import controlnet as C
+
+    pipe = tiny.pipeline("flux")
+    params, cn = fd.from_diffusers(pipe.transformer), C.from_diffusers(tiny.stock_controlnet())
+    reqs = [
+        sampling.Request("a dog", 32, 32, 3, seed=1, max_sequence_length=MSL),
+        sampling.Request("a cat", 32, 32, 3, seed=2, controlnet=(cn, _picture(32, 32), 0.8), max_sequence_length=MSL),
+        sampling.Request("a cow", 32, 32, 3, seed=3, controlnet=(cn, _picture(32, 32, 1), 0.5), true_cfg=2.0,
+                         negative_prompt="x", max_sequence_length=MSL),
+    ]  # fmt: skip
+    finished, images = run_ahead(params, pipe, reqs, 1)
+    for it, img in zip(finished, images):
+        want = fd.sample(
+            params, pipe, it.request.prompt, height=32, width=32, steps=3, seed=it.request.seed, output_type="np",
+            true_cfg=it.request.true_cfg, negative_prompt=it.request.negative_prompt, max_sequence_length=MSL,
+            controlnet=it.request.controlnet,
+        )[0]  # fmt: skip
+        assert np.array_equal(img, want) if it.request.controlnet else np.abs(img - want).max() <= LEVEL

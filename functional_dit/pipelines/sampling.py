@@ -28,8 +28,8 @@ img2img and inpainting, Qwen-Image's, the FLUX.2 / klein references) is made by
 its item keeps that image job's steps as its own context (`Item.own`) and takes its own
 model calls; so does a request with its own ``sigmas`` or with ``embeds`` (the stock
 embedding keywords) in place of a prompt. A context over an image job's pipeline of its own (Kontext, the edit
-pipelines, Layered, klein inpainting) makes every request so. ControlNet runs through
-``fd.sample`` only (a `Request` has no ControlNet field).
+pipelines, Layered, klein inpainting) makes every request so, and so does a request with a
+ControlNet (``Request.controlnet``, as ``fd.sample(controlnet=...)``).
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ class Request:
     # in place of ``prompt`` (None then): fd.sample's stock embedding keywords for this one image
     # (prompt_embeds, pooled_prompt_embeds, prompt_embeds_mask and their negative_ twins), one row each
     embeds: dict | None = None
+    controlnet: object = None  # fd.sample's controlnet=: (ControlNet params, control image, scale[, mode]) or a list
 
     @property
     def has_images(self) -> bool:
@@ -90,9 +91,9 @@ class Request:
 
     @property
     def prepared(self) -> bool:
-        """Made by ``fd.sample``'s whole preparation (`_prepared_item`): image inputs, sigmas
-        or embeddings."""
-        return self.has_images or self.sigmas is not None or self.embeds is not None
+        """Made by ``fd.sample``'s whole preparation (`_prepared_item`): image inputs, a
+        ControlNet, sigmas or embeddings."""
+        return self.has_images or self.controlnet is not None or self.sigmas is not None or self.embeds is not None
 
 
 def context(params, encoders, text_to_image: bool = False) -> Context:
@@ -163,14 +164,15 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
 
 
 def _prepared_item(params, ctx: Context, req: Request, tag) -> Item:
-    """The item of a request with image inputs, sigmas or embeddings, or over an image
+    """The item of a request with image inputs, a ControlNet, sigmas or embeddings, or over an image
     job's pipeline: ``fd.sample``'s own preparation of that one image
     (`sampler.items_only`), whose steps (the job's, its images encoded) become the item's
     own context: it takes its own model calls."""
     kw = dict(height=req.height, width=req.width, steps=req.steps, seed=req.seed, guidance=req.guidance,
               true_cfg=req.true_cfg, negative_prompt=req.negative_prompt, image=req.image, mask_image=req.mask_image,
               strength=req.strength, max_sequence_length=req.max_sequence_length, cache=req.cache,
-              lora=list(req.lora) or None, sigmas=None if req.sigmas is None else list(req.sigmas))  # fmt: skip
+              lora=list(req.lora) or None, sigmas=None if req.sigmas is None else list(req.sigmas),
+              controlnet=req.controlnet)  # fmt: skip
     with _sampler.items_only():
         own, (item,) = _sampler.sample(params, ctx.pipe, req.prompt, **kw, **(req.embeds or {}))
     return dataclasses.replace(item, request=req, tag=tag, own=own)
