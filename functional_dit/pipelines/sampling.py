@@ -153,9 +153,7 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
     chunk = _sampler._chunk(model, reqs, (0,), job, ctx.dtype, ctx.device)
     sched = _sampler._scheduler(pipe, ctx.fam, chunk.x.shape[1], req.steps, ctx.device)
     cache = _cache_items.config(req.cache, len(sched.timesteps))
-    calls = model.cfg_calls if cfg is not None else 1  # model calls per step
-    state = _cache_items.init(cache)  # with several calls per step (Qwen-Image 2.1's CFG), one per call
-    state = tuple(_cache_items.init(cache) for _ in range(calls)) if calls > 1 and state is not None else state
+    state = _cache_items.init(cache, model.cfg_calls if cfg is not None else 1)  # one per model call of a step
     fields = dict(request=req, tag=tag, lora=(tuple(req.lora),) if req.lora else None, cache=cache, cache_state=state)
     return _state.start(
         ctx, model, chunk.x, chunk.cond, sched, hw, guidance=req.guidance, cfg=cfg, images=(0,),

@@ -69,9 +69,12 @@ def config(cache, steps: int):
     return c
 
 
-def init(config):
-    """The item's state before its first step (None without a cache)."""
-    return None if config is None else _cache.init(config)
+def init(config, calls: int = 1):
+    """The item's state before its first step (None without a cache); with several model
+    calls per step (Qwen-Image 2.1's CFG branches) a tuple of one state per call."""
+    if config is None:
+        return None
+    return _cache.init(config) if calls == 1 else tuple(_cache.init(config) for _ in range(calls))
 
 
 def decisions(state) -> tuple:

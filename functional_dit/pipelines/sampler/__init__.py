@@ -541,7 +541,7 @@ def _run(ctx: _state.Context, params, chunk: _Chunk, job: _Job):
         state = _state.step(params, state)
         if hook is not None:
             it = state.items[0]
-            state = _state.State(ctx, (_state.with_latents(it, hook(it.i - 1, it.timesteps[it.i - 1], it.x)),))
+            state = _state.State(ctx, (dataclasses.replace(it, x=hook(it.i - 1, it.timesteps[it.i - 1], it.x)),))
     if job.cache is not None:
         job.cache.end(state.items[0].cache_state)
     return _state.decode(state, job.output_type)

@@ -3,7 +3,7 @@
 ``lora`` is a list of ``(adapter, scale)`` pairs for every prompt, or one such list per
 prompt (``[[(a, 1.0)], [(b, 0.5)], []]``). Image ``i`` takes its prompt's list (prompt
 ``i // num_images_per_prompt``). Each model call of a chunk passes ``fd.apply`` the
-adapters as ``(adapter, scale, rows)`` triples (`rows`): the rows are Python ints known
+adapters as ``(adapter, scale, rows)`` triples (`group`): the rows are Python ints known
 before the call, and the model's batch is the chunk's images tiled once per CFG branch
 (``[cond; uncond]``: row ``r`` is image ``r % n``), so an image's adapters act on both its
 branches; ``fd.apply`` maps the rows to each dp rank's share. An adapter every row uses
@@ -69,15 +69,6 @@ def fingerprint(items: tuple | None):
         return None
     key = {id(ad): hashlib.sha1(repr(ad.config).encode()).hexdigest()[:16] for pairs in items for ad, _ in pairs}
     return tuple(tuple((key[id(ad)], float(s)) for ad, s in pairs) for pairs in items)
-
-
-def rows(items: tuple, batch: int) -> list[tuple]:
-    """``fd.apply``'s ``lora=`` for a batch of ``batch`` rows made of ``items`` (one tuple
-    of pairs per image) tiled ``batch / len(items)`` times (`group`)."""
-    n = len(items)
-    if batch % n:
-        raise ValueError(f"lora: a model call of {batch} rows is not a tiling of the chunk's {n} images")
-    return group([items[r % n] for r in range(batch)])
 
 
 def group(per_row: list) -> list[tuple]:

@@ -115,14 +115,15 @@ class State:
 # ----------------------------------------------------------------------------- start
 
 
-def start(ctx: Context, fork, x, cond: Prompt, sched, hw, *, guidance=None, cfg=None, **fields) -> Item:
+def start(ctx: Context, fork, x, cond: Prompt, sched, hw, *, guidance=None, cfg=None, images=None, **fields) -> Item:
     """The item of an encoded chunk at step 0: ``fork`` (the context's steps forked for it,
     `Steps.fork`, which encoded its text and drew its noise ``x``) prepares its tables for
     the grid ``hw``, sees its scheduler ``sched`` (set) and begins (an image job cuts the
-    schedule and starts from its noised image here). ``fields``: the `Item`'s others."""
+    schedule and starts from its noised image here; ``images``: the chunk's image indices).
+    ``fields``: the `Item`'s others."""
     fork.prepare(cond, *hw, guidance, x.device)
     fork.schedule(sched)
-    x, _ = fork.begin(sched, _Chunk(x, fields.pop("images", None)), None)
+    x, _ = fork.begin(sched, _Chunk(x, images), None)
     rows = x.shape[0] * (1 if cfg is None else 2)
     inputs = tuple(fork.step_inputs(sched, rows, x.dtype))
     before = vars(ctx.model)
@@ -281,11 +282,6 @@ def _advance(ctx: Context, it: Item, pred, cache_state, kept: dict, m=None) -> I
     x = (m if m is not None else model_of(ctx, it)).after_step(it.i, sched, x)
     tables = {**it.tables, **kept} if kept else it.tables
     return dataclasses.replace(it, x=x, i=it.i + 1, cache_state=cache_state, tables=tables)
-
-
-def with_latents(it: Item, x: torch.Tensor) -> Item:
-    """``it`` with new latents (a step callback's)."""
-    return dataclasses.replace(it, x=x)
 
 
 # ----------------------------------------------------------------------------- decode
