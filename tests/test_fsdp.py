@@ -251,7 +251,9 @@ def root(tmp_path_factory):
 def _check_live(results, cases) -> None:
     """Live storage = elements = the plan's count = `local_shards`' storage, on every mesh
     kind; on fsdp=4 what is off 1/4 is a whole 1-D leaf. (Before the fix, fsdp=2 x tp=2
-    held 628,096 bytes for the tiny FLUX.2's 423,296: its fused leaves viewed the tp slice.)"""
+    held 628,096 bytes for the tiny FLUX.2's 423,296: its fused leaves viewed the tp slice.)
+    ``full_tensor()`` of every leaf on fsdp=2 x tp=2, the fused ones included, is the
+    parameter bitwise: `_check`."""
     want = {(str(m), n) for m in LIVE_MESHES for n, c, _ in cases if fits(c, m)}
     assert {(str(m), "flux2") for m in LIVE_MESHES} <= want  # the fused leaves on every kind
     for r in results:
