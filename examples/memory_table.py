@@ -1,25 +1,33 @@
 """Per-rank parameter memory (bf16, GB = 1e9 bytes) of every released preset at tensor
-parallelism 1, 2, 4 and 8: replicated bytes + sharded bytes / tp, from `param_specs` and
-the default sharding plan (attention heads, MLPs and the AdaLN modulation split over tp),
-with the ideal (all parameters / tp) beside each figure. No weights, no processes.
+parallelism 1, 2, 4 and 8, measured as live storage: the params are made on the meta device
+(`fd.init(config, device="meta")`: shapes, no data), a rank's local shards are cut by the
+code `sharding.shard_params` runs (`sharding.local_shards`, the default plan: attention
+heads, MLPs and the AdaLN modulation split over tp), and `sharding.live_bytes` sums the
+``untyped_storage().nbytes()`` of the unique storages they hold (a shard that were a view
+into a larger buffer would count the whole buffer). Every rank holds the same shapes (the
+plan splits evenly), so rank 0 is measured. The ideal (all parameters / tp) beside each
+figure. No weights, no processes.
 
 ``--pipelines``: the whole pipeline per rank (transformer + text encoders + VAE) for each
 ``fd.sample(..., encoder_placement=...)`` choice at tp = 1, 2, 4, 8, then on 2, 4 and 8
-ranks spent as tp, fsdp and tp x fsdp (the transformer fully sharded by its plan, the
-encoders placed ``"fsdp"``); the encoders and VAEs are built on the meta device from their
-published configs (docs/pipelines-across-ranks.md cites them) and counted with the plans
-`functional_dit.pipelines.placement.shard` and ``fully_shard`` apply
-(``placement.bytes_per_rank``).
+ranks spent as tp, fsdp and tp x fsdp (the transformer's live storage as above, fully
+sharded by its plan; the encoders placed ``"fsdp"``); the encoders and VAEs are built on the
+meta device from their published configs (docs/pipelines-across-ranks.md cites them) and
+counted with the plans `functional_dit.pipelines.placement.shard` and ``fully_shard``
+apply (``placement.bytes_per_rank``, which tests/test_placement.py checks against the live
+shards' storage on the tiny pipelines).
 
-``--fsdp``: the transformer per rank on 2, 4 and 8 ranks spent as tp, as fsdp (fully
-sharded parameters, gathered per block) and as tp x fsdp, from the same plans
-(`sharding.plan` on a mesh with an "fsdp" axis), with the ideal (all parameters / ranks).
+``--fsdp``: the transformer's live storage per rank on 2, 4 and 8 ranks spent as tp, fsdp
+(fully sharded parameters, gathered per block), tp x fsdp, tp x sp (Ulysses) and ring
+(params whole: the sequence axes split activations only), with the ideal (all parameters /
+ranks); last, whether every cell equals the plan's count (`sharding.bytes_per_rank`).
 
     python examples/memory_table.py [--pipelines | --fsdp]
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -30,15 +38,30 @@ import sharding
 DEGREES = (1, 2, 4, 8)
 
 
+@functools.cache
+def _meta(config) -> fd.Params:
+    return fd.init(config, dtype=torch.bfloat16, device="meta")
+
+
+def live_bytes(config, mesh: dict) -> int | None:
+    """Bytes of storage rank 0 of ``mesh`` (``{axis: size}``) holds with the params of
+    ``config`` sharded by the default plan (bf16, measured on the meta device); None when
+    the plan refuses the mesh (e.g. heads not divisible by tp)."""
+    try:
+        plan = sharding.plan(config, mesh)
+    except ValueError:
+        return None
+    coords = {axis: (0, n) for axis, n in mesh.items()}
+    return sharding.live_bytes(sharding.local_shards(_meta(config), coords, plan))
+
+
 def cells(config) -> list[tuple[float | None, float]]:
     """(GB per rank or None when tp does not divide the heads, ideal GB) per degree."""
     total = fd.num_params(config) * torch.bfloat16.itemsize / 1e9
     out = []
     for tp in DEGREES:
-        try:
-            out.append((sharding.bytes_per_rank(config, None, {"tp": tp}, torch.bfloat16) / 1e9, total / tp))
-        except ValueError:  # e.g. heads not divisible by tp
-            out.append((None, total / tp))
+        got = live_bytes(config, {"tp": tp})
+        out.append((None if got is None else got / 1e9, total / tp))
     return out
 
 
@@ -178,13 +201,6 @@ def _label(mesh: dict) -> str:
     return " x ".join(f"{k}={v}" for k, v in mesh.items())
 
 
-def _transformer_bytes(config, mesh: dict) -> int | None:
-    try:
-        return sharding.bytes_per_rank(config, None, mesh, torch.bfloat16)
-    except ValueError:  # e.g. heads not divisible by tp
-        return None
-
-
 def pipeline_bytes(name: str) -> dict:
     """Bytes per rank, bf16: {"transformer": {mesh: bytes}, "shard": {tp: encoder bytes
     sharded}, "fsdp": {mesh: encoder bytes fully sharded}, "full": encoder bytes whole,
@@ -201,7 +217,7 @@ def pipeline_bytes(name: str) -> dict:
         return sum(_placement.bytes_per_rank(m, tp, n, "fsdp") for m in encoders)
 
     return {
-        "transformer": {m: _transformer_bytes(config, dict(m)) for m in meshes},
+        "transformer": {m: live_bytes(config, dict(m)) for m in meshes},
         "shard": {tp: sum(_placement.bytes_per_rank(m, tp) for m in encoders) for tp in DEGREES},
         "fsdp": {m: fsdp(m) for m in meshes},
         "full": sum(_placement.bytes_per_rank(m, 1) for m in encoders),
@@ -268,25 +284,39 @@ def pipelines_main() -> None:
     )
 
 
-def fsdp_rows(name: str, config) -> list[str]:
-    """One line per world size: GB per rank for each mesh of `FSDP_MESHES`, and the ideal."""
+TRANSFORMER_MESHES = {  # ranks -> the ways to spend them, the sequence axes too
+    2: [{"tp": 2}, {"fsdp": 2}, {"ring": 2}],
+    4: [{"tp": 4}, {"fsdp": 4}, {"tp": 2, "fsdp": 2}, {"tp": 2, "sp": 2}, {"ring": 4}],
+    8: [{"tp": 8}, {"fsdp": 8}, {"tp": 2, "fsdp": 4}, {"tp": 4, "fsdp": 2}, {"tp": 4, "sp": 2}, {"ring": 8}],
+}
+
+
+def fsdp_rows(name: str, config) -> tuple[list[str], list[str]]:
+    """One line per world size: GB per rank (live storage) for each mesh of
+    `TRANSFORMER_MESHES`, and the ideal; and the cells whose live storage is not the plan's
+    count (`sharding.bytes_per_rank`)."""
     total = fd.num_params(config) * torch.bfloat16.itemsize / 1e9
-    lines = []
-    for n, meshes in FSDP_MESHES.items():
+    lines, off = [], []
+    for n, meshes in TRANSFORMER_MESHES.items():
         cells = []
         for mesh in meshes:
-            got = _transformer_bytes(config, mesh)
-            gb = f"{'n/a':>7}" if got is None else f"{got / 1e9:7.2f}"
-            cells.append(f"{_label(mesh)}: {gb}")
+            got = live_bytes(config, mesh)
+            if got is not None and got != sharding.bytes_per_rank(config, None, mesh, torch.bfloat16):
+                off.append(f"{name} {_label(mesh)}")
+            cells.append(f"{_label(mesh)}: " + (f"{'n/a':>7}" if got is None else f"{got / 1e9:7.2f}"))
         lines.append(f"{name:<22}{n} ranks, ideal {total / n:6.2f} | " + " | ".join(cells))
-    return lines
+    return lines, off
 
 
 def fsdp_main() -> None:
-    print("transformer parameter GB per rank (bf16), tp vs fsdp vs tp x fsdp, from the plans")
+    print("transformer parameter GB per rank (bf16, live storage), tp, fsdp, tp x fsdp, tp x sp, ring")
+    off = []
     for name, config in fd.PRESETS.items():
         if not name.endswith("-tiny"):
-            print("\n".join(fsdp_rows(name, config)))
+            lines, bad = fsdp_rows(name, config)
+            print("\n".join(lines))
+            off += bad
+    print("live storage = the plan's count in every cell" if not off else f"live storage above the plan's: {off}")
 
 
 def main() -> None:
@@ -296,7 +326,7 @@ def main() -> None:
         return fsdp_main()
     released = {k: v for k, v in fd.PRESETS.items() if not k.endswith("-tiny")}
     head = " ".join(f"{f'tp={tp} (ideal)':>15}" for tp in DEGREES)
-    print(f"{'preset':<22}{'params':>9} {head}   (GB per rank, bf16)")
+    print(f"{'preset':<22}{'params':>9} {head}   (GB per rank, bf16, live storage)")
     for name, config in released.items():
         print(row(name, config))
 

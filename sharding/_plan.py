@@ -390,8 +390,15 @@ def local_slices(spec, placement: Placement, mesh) -> list[tuple[int, int, int]]
 
 def take(full: torch.Tensor, ranges: list[tuple[int, int, int]]) -> torch.Tensor:
     """The local tensor: the ``ranges`` of `local_slices` cut from ``full`` and concatenated
-    per dim, dim after dim (a view when there is a single range per dim)."""
-    for dim in dict.fromkeys(d for d, _, _ in ranges):
+    per dim, dim after dim (a view of ``full`` when there is a single range per dim).
+
+    The dims cut by one range (narrow: views) go first, the one cut by several (one range
+    per fused block: a ``torch.cat``) last, so the concatenation allocates exactly the local
+    tensor: concatenating first and narrowing another dim after (fsdp x tp on a fused leaf)
+    would leave the local tensor a view that keeps the whole tp slice alive. The two orders
+    give the same values (cuts on different dims commute)."""
+    dims = sorted(dict.fromkeys(d for d, _, _ in ranges), key=lambda d: sum(e == d for e, _, _ in ranges) > 1)
+    for dim in dims:
         parts = [full.narrow(d, a, b - a) for d, a, b in ranges if d == dim]
         full = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
     return full

@@ -120,14 +120,42 @@ def _flat_specs(params) -> dict | None:
 
 
 def _unaliased(local: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """``local`` (cut from ``full`` by `take`) as a tensor of its own: a narrow() view would
-    keep the whole of ``full`` alive. A wrapper subclass (`fd.CastTensor`, `fd.QuantTensor`)
-    has no storage to compare, so it is always copied (its own ``clone``)."""
+    """``local`` (cut from ``full`` by `take`) as a tensor that owns exactly its bytes: a
+    narrow() view would keep the whole of ``full`` alive, and so would a view of any larger
+    buffer. A wrapper subclass (`fd.CastTensor`, `fd.QuantTensor`) has no storage to
+    compare, so it is always copied (its own ``clone``)."""
     if type(local) is not torch.Tensor or type(full) is not torch.Tensor:
         return local.clone()
-    if local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+    shared = local.untyped_storage()._cdata == full.untyped_storage()._cdata
+    if shared or local.untyped_storage().nbytes() != local.numel() * local.element_size():
         return local.clone(memory_format=torch.contiguous_format)
     return local
+
+
+def _cut(full: torch.Tensor, placement, coords) -> torch.Tensor:
+    """The local tensor of one leaf at ``coords`` (a DeviceMesh or ``{axis: (index,
+    size)}``): the `local_slices` `take` cuts, a tensor of its own unless replicated (a
+    replicated leaf is ``full`` itself, as the caller holds it anyway)."""
+    local = take(full, local_slices(full.shape, placement, coords))
+    return local if isinstance(placement, Replicate) else _unaliased(local, full)
+
+
+def _checked_plan(params, sizes: dict, plan) -> Mapping:
+    """The plan `shard_params` applies (``plan`` or the default on ``sizes``), every leaf
+    checked against the params before any data moves."""
+    tree = _tree(params)
+    placements = make_plan(params, sizes) if plan is None else plan
+    check_same_keys("plan", placements, tree, "the params")
+    specs, flat_plan = _flat_specs(params), dict(leaves(placements))
+    for path, full in leaves(tree):  # validate every leaf first: nothing moves on a bad plan
+        if is_dtensor(full):
+            raise ValueError(f"params: {path} is already sharded (a DTensor); unshard it first")
+        spec = specs[path] if specs is not None else tuple(full.shape)
+        if tuple(full.shape) != _shape(spec):
+            raise ValueError(f"params: {path}: expected shape {tuple(spec.shape)}, got {tuple(full.shape)}")
+        check_placement(path, flat_plan[path], spec, sizes)
+        dtensor_placements(flat_plan[path], tuple(sizes), f"plan: {path}")
+    return placements
 
 
 def shard_params(params, mesh, plan=None):
@@ -137,29 +165,28 @@ def shard_params(params, mesh, plan=None):
     params' keys and placements `plan` could have made on ``mesh`` (for ``Params``, a
     fused dim split per block): every leaf is checked before any data moves. The slice
     is cut where the tensor lives (the host, for weights read from disk) and only it
-    moves to the mesh device; a sharded leaf never keeps a view of the full tensor alive."""
-    tree = _tree(params)
-    placements = make_plan(params, mesh) if plan is None else plan
-    check_same_keys("plan", placements, tree, "the params")
-    device, sizes, specs = mesh_device(mesh), mesh_sizes(mesh), _flat_specs(params)
-    flat_plan = dict(leaves(placements))
-    for path, full in leaves(tree):  # validate every leaf first: nothing moves on a bad plan
-        if is_dtensor(full):
-            raise ValueError(f"params: {path} is already sharded (a DTensor); unshard it first")
-        spec = specs[path] if specs is not None else tuple(full.shape)
-        if tuple(full.shape) != _shape(spec):
-            raise ValueError(f"params: {path}: expected shape {tuple(spec.shape)}, got {tuple(full.shape)}")
-        check_placement(path, flat_plan[path], spec, sizes)
-        dtensor_placements(flat_plan[path], tuple(sizes), f"plan: {path}")
+    moves to the mesh device; a sharded leaf owns exactly its bytes (never a view of the
+    full tensor or of a larger intermediate: `live_bytes` equals `local_bytes`)."""
+    placements = _checked_plan(params, mesh_sizes(mesh), plan)
+    device = mesh_device(mesh)
 
     def leaf(path, full, placement):
-        ranges = local_slices(full.shape, placement, mesh)
-        local = take(full, ranges)
-        if not isinstance(placement, Replicate):
-            local = _unaliased(local, full)
-        return dtensor_from_local(local.to(device), full.shape, placement, mesh)
+        return dtensor_from_local(_cut(full, placement, mesh).to(device), full.shape, placement, mesh)
 
-    return _rebuild(params, map_tree(leaf, tree, placements))
+    return _rebuild(params, map_tree(leaf, _tree(params), placements))
+
+
+def local_shards(params, coords, plan=None):
+    """The same params type holding, as plain tensors, the local shards `shard_params`
+    gives the rank at ``coords`` (``{axis: (index, size)}``, e.g. ``{"fsdp": (1, 2),
+    "tp": (0, 2)}``), cut by the same code and without a process group or a device move:
+    on ``device="meta"`` params (``fd.init(config, device="meta")``) it builds nothing, so
+    `live_bytes` of it measures a rank's storage at released sizes
+    (``examples/memory_table.py``). ``plan`` as for `shard_params`."""
+    if not isinstance(coords, Mapping) or not all(isinstance(c, tuple) and len(c) == 2 for c in coords.values()):
+        raise ValueError(f"coords: expected a mapping {{axis: (index, size)}}, got {coords!r}")
+    placements = _checked_plan(params, {a: n for a, (_, n) in coords.items()}, plan)
+    return _rebuild(params, map_tree(lambda _, full, pl: _cut(full, pl, coords), _tree(params), placements))
 
 
 def local_view(params):
@@ -294,9 +321,36 @@ def check_compute_layout(tree, config, mesh, DTensor) -> None:
 
 def local_bytes(params) -> int:
     """Bytes of the tensors this rank holds (local shards of DTensor leaves), whatever
-    the plan: counting needs no check of the layout fd.apply computes with."""
+    the plan: counting needs no check of the layout fd.apply computes with. The elements'
+    bytes; `live_bytes` counts the storages they keep alive."""
     local = [x.to_local() if is_dtensor(x) else x for _, x in leaves(_tree(params))]
     return sum(x.numel() * x.element_size() for x in local if isinstance(x, torch.Tensor))
+
+
+def _plain_tensors(x) -> list:
+    """The plain tensors under ``x``: itself, or a wrapper subclass's inner tensors (torch's
+    ``__tensor_flatten__``: fp8 storage of a layerwise cast, a quantized tensor's data and
+    scales), recursively; [] for a non-tensor."""
+    if not isinstance(x, torch.Tensor):
+        return []
+    if type(x) is torch.Tensor or not hasattr(x, "__tensor_flatten__"):
+        return [x]
+    names, _ = x.__tensor_flatten__()
+    return [t for n in names for t in _plain_tensors(getattr(x, n))]
+
+
+def live_bytes(params) -> int:
+    """Bytes of the storages this rank's leaves keep alive: ``untyped_storage().nbytes()``
+    of each unique storage under a leaf (a DTensor's local shard, a plain tensor, a wrapper
+    subclass's inner tensors), counted once however many leaves view it. Where `local_bytes`
+    counts elements, a leaf that is a view into a larger buffer counts the whole buffer:
+    what the rank holds at rest. Works on the meta device (`local_shards`)."""
+    seen = {}
+    for _, x in leaves(_tree(params)):
+        for t in _plain_tensors(x.to_local() if is_dtensor(x) else x):
+            storage = t.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()  # the storage's identity, as torch.serialization keys it
+    return sum(seen.values())
 
 
 def unshard(sharded, plan=None):
