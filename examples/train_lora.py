@@ -59,6 +59,7 @@ FLUX.3 and Qwen-Image 2.1 are not supported yet (their encode steps are not writ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -78,31 +79,41 @@ EVAL_SEED = 12345  # the fixed (noise, t) of the eval loss
 # ----------------------------------------------------------------------------- arguments
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawTextHelpFormatter):
+    """``--help`` with every option's default, the description's lines kept as written."""
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--data", required=True, help="folder of images with same-name .txt captions")
-    p.add_argument("--output-dir", required=True, help="cache, checkpoints, logs and the LoRA file")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_Help)
+    need = dict(required=True, default=argparse.SUPPRESS)  # (no "default: None" in --help)
+    p.add_argument("--data", **need, help="folder of images with same-name .txt captions")
+    p.add_argument("--output-dir", **need, help="cache, checkpoints, logs and the LoRA file")
     p.add_argument(
-        "--pipeline", default="tiny", help="a FLUX.1 / FLUX.2 / FLUX.2-klein pipeline folder, or 'tiny[:kind]'"
+        "--pipeline",
+        default="tiny",
+        help="a FLUX.1 / FLUX.2 / FLUX.2-klein / Qwen-Image pipeline folder, or tiny[:kind]",
     )
     p.add_argument("--resolution", type=int, default=512, help="square training size, a multiple of 16")
-    p.add_argument("--max-sequence-length", type=int, default=512, help="T5 tokens per caption")
+    p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens per caption")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default: the rank)")
-    p.add_argument("--targets", nargs="+", default=None, help="module suffixes to adapt (default: attention)")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--weight-decay", type=float, default=1e-4)
+    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (None: the rank)")
+    p.add_argument("--targets", nargs="+", default=None, help="module suffixes to adapt (None: attention)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=1e-4, help="AdamW weight decay")
     p.add_argument("--batch-size", type=int, default=1, help="global batch per step (split over dp x fsdp)")
-    p.add_argument("--steps", type=int, default=1000, help="train until this step")
-    p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--timesteps", choices=("logit_normal", "uniform"), default="logit_normal")
+    p.add_argument("--steps", type=int, default=1000, help="train until this step (with --resume: the new end)")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--timesteps", choices=("logit_normal", "uniform"), default="logit_normal", help="t's law")
     p.add_argument("--guidance", type=float, default=1.0, help="guidance input of guidance-distilled models")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="LoRA init, data order, noise and t")
     p.add_argument("--fsdp", type=int, default=1, help="fully sharded degree")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="frozen weights, autocast")
     p.add_argument("--reshard-after-forward", action="store_true", help="re-gather weights in backward (fsdp)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
+    p.add_argument(
+        "--overwrite", action="store_true", help="start over in an --output-dir that holds a run (its files removed)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -138,9 +149,36 @@ def check_args(argv=None) -> argparse.Namespace:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if a.fsdp * a.tp != world:
         _bad(p, "--fsdp x --tp", f"the world size {world} (WORLD_SIZE)", f"{a.fsdp} x {a.tp} = {a.fsdp * a.tp}")
-    if a.resume and latest_checkpoint(a.output_dir) is None:
-        _bad(p, "--resume", f"a complete checkpoint in {os.path.join(a.output_dir, 'checkpoints')}", None)
+    _check_run(p, a)
     return a
+
+
+RUN_FILES = ("checkpoints", "losses.jsonl", "eval.json", LORA_FILE)  # what a run leaves (cache.pt: reusable)
+
+
+def previous_run(output_dir: str) -> list[str]:
+    """The files of an earlier run in ``output_dir`` (empty if none)."""
+    return [n for n in RUN_FILES if os.path.lexists(os.path.join(output_dir, n))]
+
+
+def _check_run(p, a) -> None:
+    """--output-dir against --resume / --overwrite / --steps: continue a run, start one in
+    a folder without one, or start over only when asked."""
+    if os.path.exists(a.output_dir) and not os.path.isdir(a.output_dir):
+        _bad(p, "--output-dir", "a folder (new or existing)", a.output_dir)
+    if a.resume and a.overwrite:
+        p.error("--resume, --overwrite: expected one of them (one continues the run, the other starts over), got both")
+    if a.resume:
+        ckpt = latest_checkpoint(a.output_dir)
+        if ckpt is None:
+            _bad(p, "--resume", f"a complete checkpoint in {os.path.join(a.output_dir, 'checkpoints')}", None)
+        if a.steps < (step := checkpoint_step(ckpt)):
+            _bad(p, "--steps", f"an int >= {step} (the step of {ckpt}, which --resume continues)", a.steps)
+    elif not a.overwrite and (found := previous_run(a.output_dir)):
+        p.error(
+            f"--output-dir: expected a folder without a previous run, got {a.output_dir!r} holding "
+            f"{', '.join(found)}: pass --resume to continue that run or --overwrite to start over"
+        )
 
 
 def find_items(folder: str) -> list[tuple[str, str]]:
@@ -356,6 +394,57 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return os.path.join(root, max(found)[1]) if found else None
 
 
+def checkpoint_step(path: str) -> int:
+    """The step a checkpoint folder ``step_<n>`` was saved after (the step it resumes at)."""
+    return int(_STEP_DIR.search(path).group(1))
+
+
+def finished(a) -> str | None:
+    """With --resume and --steps the checkpoint's step: the line saying there is nothing to
+    train if the LoRA file was written from that checkpoint (after it), else None (a run
+    killed between its last checkpoint and the file: resuming writes the file)."""
+    ckpt = latest_checkpoint(a.output_dir) if a.resume else None
+    if ckpt is None or a.steps != checkpoint_step(ckpt):
+        return None
+    lora_file, done = os.path.join(a.output_dir, LORA_FILE), os.path.join(ckpt, ".metadata")
+    if not os.path.isfile(lora_file) or os.path.getmtime(lora_file) < os.path.getmtime(done):
+        return None
+    return f"nothing to train: {ckpt} is at step {a.steps} = --steps and {lora_file} was written from it"
+
+
+def start_over(output_dir: str) -> list[str]:
+    """Remove an earlier run's files (--overwrite), the checkpoints first moved aside in one
+    rename so that no --resume can ever find a mix of the two runs; returns what went."""
+    found = previous_run(output_dir)
+    ckpts = os.path.join(output_dir, "checkpoints")
+    if os.path.lexists(ckpts):
+        gone = f"{ckpts}.{os.getpid()}.old"
+        os.rename(ckpts, gone)
+        shutil.rmtree(gone)
+    for name in found:
+        if name != "checkpoints":
+            os.remove(os.path.join(output_dir, name))
+    return found
+
+
+@contextlib.contextmanager
+def _dcp_group():
+    """Around a DCP save or load in one process: a one-rank gloo group (an in-memory store,
+    no network), so DCP coordinates as it does on ranks instead of warning that
+    torch.distributed is uninitialised (its ``no_dist=True`` warns just the same). Under
+    torchrun the run's own group serves."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def save_checkpoint(state: dict, output_dir: str, step: int, rank: int, barrier) -> str:
     """DCP-save ``state`` to ``checkpoints/step_<step>.tmp``, then rename it to
     ``step_<step>`` (atomic): a kill mid-save leaves no ``step_<n>`` that is partial."""
@@ -367,7 +456,8 @@ def save_checkpoint(state: dict, output_dir: str, step: int, rank: int, barrier)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
-    dcp.save(state, checkpoint_id=tmp)
+    with _dcp_group():
+        dcp.save(state, checkpoint_id=tmp)
     barrier()
     if rank == 0:
         if os.path.isdir(final):
@@ -410,26 +500,12 @@ def train(a) -> dict:
     opt = torch.optim.AdamW(leaves, lr=a.lr, weight_decay=a.weight_decay)
     gen = torch.Generator().manual_seed(a.seed)
     n = data["latents"].shape[0]
-    extra = {"next": torch.tensor(0), "rng": gen.get_state(), "order": torch.zeros(n, dtype=torch.long)}
     start = 0
     if a.resume:
-        import torch.distributed.checkpoint as dcp
-
-        state = checkpoint_state(adapter, opt, extra)
-        dcp.load(state, checkpoint_id=latest_checkpoint(a.output_dir))  # in place: factors, moments, extra
-        start = int(state["next"])
-        gen.set_state(state["rng"])
-        if start and not torch.equal(state["order"], batch_indices(start - 1, a.batch_size, n, a.seed)[1]):
-            raise ValueError("--resume: the checkpoint's data order differs from this run's (--data, --seed)")
-    log_path = os.path.join(a.output_dir, "losses.jsonl")
+        start, rng = resume(a, adapter, opt, n, gen.get_state(), rank)
+        gen.set_state(rng)
+    log_path = start_log(a, start) if rank == 0 else None
     losses = []
-    if rank == 0:
-        kept = []
-        if a.resume and os.path.isfile(log_path):
-            with open(log_path) as f:
-                kept = [ln for ln in f if json.loads(ln)["step"] < start]
-        with open(log_path, "w") as f:
-            f.writelines(kept)
     autocast = a.dtype == "bfloat16"
     before = eval_loss(params, adapter, data, a, device)
     bar = None
@@ -464,20 +540,68 @@ def train(a) -> dict:
     after = eval_loss(params, adapter, data, a, device)
     full = sharding.unshard(adapter) if mesh is not None else adapter  # (a collective: every rank)
     if rank == 0:
-        lora.save(
-            lora.Adapter(full.config, sharding.tree.map_tree(lambda _, v: v.detach().cpu(), full.tree)),
-            os.path.join(a.output_dir, LORA_FILE),
-        )
-        with open(os.path.join(a.output_dir, "eval.json"), "w") as f:
-            json.dump(
-                {"eval_loss_before": before, "eval_loss_after": after, "steps": a.steps - start, "seconds": seconds}, f
-            )
+        evals = {"eval_loss_before": before, "eval_loss_after": after, "steps": a.steps - start, "seconds": seconds}
+        write_results(a, full, evals)
     barrier()
     return {"losses": losses, "eval_loss_before": before, "eval_loss_after": after, "start": start}
 
 
+def resume(a, adapter, opt, n: int, rng: torch.Tensor, rank: int) -> tuple[int, torch.Tensor]:
+    """--resume: DCP loads the newest checkpoint in place into ``adapter``'s factors and
+    ``opt``'s state; returns its step and noise RNG state (``rng``: this run's, for the
+    layout) after checking that its data order is this run's."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = latest_checkpoint(a.output_dir)
+    extra = {"next": torch.tensor(0), "rng": rng, "order": torch.zeros(n, dtype=torch.long)}
+    state = checkpoint_state(adapter, opt, extra)
+    with _dcp_group():
+        dcp.load(state, checkpoint_id=ckpt)  # in place: factors, moments, extra
+    start = int(state["next"])
+    if start and not torch.equal(state["order"], batch_indices(start - 1, a.batch_size, n, a.seed)[1]):
+        raise ValueError("--resume: the checkpoint's data order differs from this run's (--data, --seed)")
+    if rank == 0:
+        print(f"resumed from step {start} ({ckpt})", flush=True)
+    return start, state["rng"]
+
+
+def start_log(a, start: int) -> str:
+    """Rank 0's ``losses.jsonl``, cut back to the steps before ``start`` (--resume) or new;
+    with --overwrite the earlier run's files are removed first (now, once the pipeline has
+    loaded and before this run writes anything)."""
+    if a.overwrite and (gone := start_over(a.output_dir)):
+        print(f"--overwrite: removed the previous run's {', '.join(gone)} in {a.output_dir}", flush=True)
+    path, kept = os.path.join(a.output_dir, "losses.jsonl"), []
+    if a.resume and os.path.isfile(path):
+        with open(path) as f:
+            kept = [ln for ln in f if json.loads(ln)["step"] < start]
+    with open(path, "w") as f:
+        f.writelines(kept)
+    return path
+
+
+def write_results(a, adapter, evals: dict) -> None:
+    """Rank 0: the LoRA file and ``eval.json``, each path printed."""
+    import functional_dit.lora as lora
+    import sharding
+
+    path = os.path.join(a.output_dir, LORA_FILE)
+    lora.save(lora.Adapter(adapter.config, sharding.tree.map_tree(lambda _, v: v.detach().cpu(), adapter.tree)), path)
+    print(f"wrote {path}", flush=True)
+    with open(os.path.join(a.output_dir, "eval.json"), "w") as f:
+        json.dump(evals, f)
+    loss = f"eval loss {evals['eval_loss_before']:.4f} -> {evals['eval_loss_after']:.4f}"
+    print(f"wrote {os.path.join(a.output_dir, 'eval.json')} ({loss})", flush=True)
+
+
 def main(argv=None) -> dict:
-    return train(check_args(argv))
+    a = check_args(argv)
+    done = finished(a)
+    if done is not None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(done, flush=True)
+        return {"losses": [], "start": a.steps}
+    return train(a)
 
 
 if __name__ == "__main__":
