@@ -14,7 +14,11 @@ script and for the tests; ``tiny:flux2-klein``, ``tiny:qwen-image`` the other ti
 What it does, in order:
 
 1. Checks every argument (a bad one exits naming it, the expected and the actual value)
-   before anything is loaded.
+   before anything is loaded. An ``--output-dir`` holding an earlier run (checkpoints,
+   ``losses.jsonl``, ``eval.json``, the LoRA file) is refused unless ``--resume`` continues
+   it (``--steps`` at least its newest checkpoint's step; equal to it and the LoRA file
+   written: nothing to train, exit 0) or ``--overwrite`` starts over (those files are
+   removed once the pipeline has loaded; ``cache.pt`` is kept, re-encoded if stale).
 2. Rank 0 encodes the data once with the pipeline's VAE and text encoders and writes
    ``<output-dir>/cache.pt``: each image resized (shorter side) and centre-cropped to
    ``--resolution``, its VAE latent mean (``latent_dist.mode()``) normalised and packed as
@@ -45,13 +49,15 @@ What it does, in order:
    order. It is written to ``step_<n>.tmp`` and renamed when complete, so a run killed
    mid-save leaves the last good checkpoint as it was. ``--resume`` continues from the
    newest complete one (same data, seed and batch size; another mesh works too) bitwise as
-   if the run had not stopped (tests/test_train_lora.py).
+   if the run had not stopped (tests/test_train_lora.py). In one process DCP runs under a
+   one-rank gloo group (an in-memory store), as it does under torchrun.
 6. ``<output-dir>/losses.jsonl`` gets one ``{"step", "loss"}`` line per step (rank 0; a
    resumed run rewrites the lines after its checkpoint), a tqdm bar shows loss and it/s,
    and ``<output-dir>/eval.json`` the loss on a fixed set of (item, noise, t) before and
    after the run. The LoRA is saved as ``<output-dir>/pytorch_lora_weights.safetensors``
    (`functional_dit.lora.save`: the diffusers/PEFT layout that the pipeline's
-   ``load_lora_weights(<output-dir>)`` reads).
+   ``load_lora_weights(<output-dir>)`` reads; mode 0644 under umask 022). stdout says
+   ``resumed from step N (PATH)`` and the paths of the LoRA file and ``eval.json``.
 
 FLUX.3 and Qwen-Image 2.1 are not supported yet (their encode steps are not written).
 """
