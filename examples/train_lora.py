@@ -492,18 +492,11 @@ def _dist(a):
 
 def train(a) -> dict:
     """The run of `main` for checked arguments ``a``; returns what rank 0 logged."""
-    import functional_dit.lora as lora
     import sharding
 
     rank, mesh, barrier, device = _dist(a)
     data, params = prepare(a, rank, barrier)
-    dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
-    params = params.replace(sharding.tree.map_tree(lambda _, v: v.to(device, dtype), params.tree))
-    adapter = lora.init(params, rank=a.rank, alpha=a.alpha, targets=a.targets, seed=a.seed, device=device)
-    if mesh is not None:
-        params, adapter = sharding.shard_params(params, mesh), sharding.shard_params(adapter, mesh)
-    leaves = [x.requires_grad_() for x in adapter.leaves()]
-    opt = torch.optim.AdamW(leaves, lr=a.lr, weight_decay=a.weight_decay)
+    params, adapter, opt = setup(a, params, mesh, device)
     gen = torch.Generator().manual_seed(a.seed)
     n = data["latents"].shape[0]
     start = 0
@@ -512,31 +505,14 @@ def train(a) -> dict:
         gen.set_state(rng)
     log_path = start_log(a, start) if rank == 0 else None
     losses = []
-    autocast = a.dtype == "bfloat16"
     before = eval_loss(params, adapter, data, a, device)
-    bar = None
-    if rank == 0 and not a.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=a.steps, initial=start, desc="train_lora", unit="step", dynamic_ncols=True)
+    bar = progress(a, start) if rank == 0 else None
     t0 = time.perf_counter()
     for step in range(start, a.steps):
-        idx, order = batch_indices(step, a.batch_size, n, a.seed)
-        noise = torch.randn((len(idx), *data["latents"].shape[1:]), generator=gen)
-        t = sample_t(len(idx), a.timesteps, gen)
-        kw, target = inputs(data, idx, noise, t, a.guidance, params, device)
-        loss = loss_of(params, adapter, kw, target, autocast, a.reshard_after_forward)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()  # on the DTensor leaves: each rank updates its own shards
-        value = float(loss.detach())
+        value, order = train_step(params, adapter, opt, data, a, step, gen, device)
         losses.append(value)
         if rank == 0:
-            with open(log_path, "a") as f:
-                f.write(json.dumps({"step": step, "loss": value}) + "\n")
-        if bar is not None:
-            bar.set_postfix(loss=f"{value:.4f}")
-            bar.update(1)
+            log_step(log_path, bar, step, value)
         if (step + 1) % a.checkpoint_every == 0 or step + 1 == a.steps:
             extra = {"next": torch.tensor(step + 1), "rng": gen.get_state(), "order": order}
             save_checkpoint(checkpoint_state(adapter, opt, extra), a.output_dir, step + 1, rank, barrier)
@@ -550,6 +526,53 @@ def train(a) -> dict:
         write_results(a, full, evals)
     barrier()
     return {"losses": losses, "eval_loss_before": before, "eval_loss_after": after, "start": start}
+
+
+def setup(a, params, mesh, device) -> tuple:
+    """The frozen params in ``--dtype`` on ``device``, a fresh fp32 LoRA (`lora.init`), both
+    sharded over ``mesh`` if there is one, and AdamW over the LoRA factors."""
+    import functional_dit.lora as lora
+    import sharding
+
+    dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
+    params = params.replace(sharding.tree.map_tree(lambda _, v: v.to(device, dtype), params.tree))
+    adapter = lora.init(params, rank=a.rank, alpha=a.alpha, targets=a.targets, seed=a.seed, device=device)
+    if mesh is not None:
+        params, adapter = sharding.shard_params(params, mesh), sharding.shard_params(adapter, mesh)
+    leaves = [x.requires_grad_() for x in adapter.leaves()]
+    return params, adapter, torch.optim.AdamW(leaves, lr=a.lr, weight_decay=a.weight_decay)
+
+
+def train_step(params, adapter, opt, data: dict, a, step: int, gen, device) -> tuple[float, torch.Tensor]:
+    """One AdamW step on step ``step``'s batch (noise and t drawn from ``gen``); returns
+    its loss and the epoch's data order."""
+    idx, order = batch_indices(step, a.batch_size, data["latents"].shape[0], a.seed)
+    noise = torch.randn((len(idx), *data["latents"].shape[1:]), generator=gen)
+    t = sample_t(len(idx), a.timesteps, gen)
+    kw, target = inputs(data, idx, noise, t, a.guidance, params, device)
+    loss = loss_of(params, adapter, kw, target, a.dtype == "bfloat16", a.reshard_after_forward)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()  # on the DTensor leaves: each rank updates its own shards
+    return float(loss.detach()), order
+
+
+def progress(a, start: int):
+    """Rank 0's tqdm bar (on stderr), or None with --no-progress."""
+    if a.no_progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=a.steps, initial=start, desc="train_lora", unit="step", dynamic_ncols=True)
+
+
+def log_step(path: str, bar, step: int, value: float) -> None:
+    """Rank 0: the step's line in ``losses.jsonl`` and on the bar."""
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "loss": value}) + "\n")
+    if bar is not None:
+        bar.set_postfix(loss=f"{value:.4f}")
+        bar.update(1)
 
 
 def resume(a, adapter, opt, n: int, rng: torch.Tensor, rank: int) -> tuple[int, torch.Tensor]:
