@@ -11,6 +11,11 @@
   gives (fp32 1e-5), which differs from the pipeline without it.
 - FLUX.2-klein and Qwen-Image (``--pipeline tiny:<kind>``) in one process: the eval loss
   decreases and the stock Flux2KleinPipeline / QwenImagePipeline loads the file, as above.
+- An earlier run in ``--output-dir``: a ``--steps`` below its checkpoint's step with
+  ``--resume``, a rerun without ``--resume`` or ``--overwrite``, and both flags are refused in
+  one line before the pipeline loads, nothing written; from a shell, the resumed step and
+  the paths written go to stdout, DCP's one-process save and load print no warning,
+  ``--overwrite`` starts over. ``--help`` shows every default.
 """
 
 from __future__ import annotations
