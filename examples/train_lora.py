@@ -437,8 +437,8 @@ def start_over(output_dir: str) -> list[str]:
 def _dcp_group():
     """Around a DCP save or load in one process: a one-rank gloo group (an in-memory store,
     no network), so DCP coordinates as it does on ranks instead of warning that
-    torch.distributed is uninitialised (torch 2.13 warns so even given ``no_dist=True``). Under
-    torchrun the run's own group serves."""
+    torch.distributed is uninitialised (torch 2.13 warns so even given ``no_dist=True``).
+    Under torchrun the run's own group serves."""
     import torch.distributed as dist
 
     if dist.is_initialized():
