@@ -14,7 +14,11 @@ script and for the tests; ``tiny:flux2-klein``, ``tiny:qwen-image`` the other ti
 What it does, in order:
 
 1. Checks every argument (a bad one exits naming it, the expected and the actual value)
-   before anything is loaded.
+   before anything is loaded. An ``--output-dir`` holding an earlier run (checkpoints,
+   ``losses.jsonl``, ``eval.json``, the LoRA file) is refused unless ``--resume`` continues
+   it (``--steps`` at least its newest checkpoint's step; equal to it and the LoRA file
+   written: nothing to train, exit 0) or ``--overwrite`` starts over (those files are
+   removed once the pipeline has loaded; ``cache.pt`` is kept, re-encoded if stale).
 2. Rank 0 encodes the data once with the pipeline's VAE and text encoders and writes
    ``<output-dir>/cache.pt``: each image resized (shorter side) and centre-cropped to
    ``--resolution``, its VAE latent mean (``latent_dist.mode()``) normalised and packed as
@@ -45,13 +49,15 @@ What it does, in order:
    order. It is written to ``step_<n>.tmp`` and renamed when complete, so a run killed
    mid-save leaves the last good checkpoint as it was. ``--resume`` continues from the
    newest complete one (same data, seed and batch size; another mesh works too) bitwise as
-   if the run had not stopped (tests/test_train_lora.py).
+   if the run had not stopped (tests/test_train_lora.py). In one process DCP runs under a
+   one-rank gloo group (an in-memory store), as it does under torchrun.
 6. ``<output-dir>/losses.jsonl`` gets one ``{"step", "loss"}`` line per step (rank 0; a
    resumed run rewrites the lines after its checkpoint), a tqdm bar shows loss and it/s,
    and ``<output-dir>/eval.json`` the loss on a fixed set of (item, noise, t) before and
    after the run. The LoRA is saved as ``<output-dir>/pytorch_lora_weights.safetensors``
    (`functional_dit.lora.save`: the diffusers/PEFT layout that the pipeline's
-   ``load_lora_weights(<output-dir>)`` reads).
+   ``load_lora_weights(<output-dir>)`` reads; mode 0644 under umask 022). stdout says
+   ``resumed from step N (PATH)`` and the paths of the LoRA file and ``eval.json``.
 
 FLUX.3 and Qwen-Image 2.1 are not supported yet (their encode steps are not written).
 """
@@ -59,6 +65,7 @@ FLUX.3 and Qwen-Image 2.1 are not supported yet (their encode steps are not writ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -78,31 +85,41 @@ EVAL_SEED = 12345  # the fixed (noise, t) of the eval loss
 # ----------------------------------------------------------------------------- arguments
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawTextHelpFormatter):
+    """``--help`` with every option's default, the description's lines kept as written."""
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--data", required=True, help="folder of images with same-name .txt captions")
-    p.add_argument("--output-dir", required=True, help="cache, checkpoints, logs and the LoRA file")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_Help)
+    need = dict(required=True, default=argparse.SUPPRESS)  # (no "default: None" in --help)
+    p.add_argument("--data", **need, help="folder of images with same-name .txt captions")
+    p.add_argument("--output-dir", **need, help="cache, checkpoints, logs and the LoRA file")
     p.add_argument(
-        "--pipeline", default="tiny", help="a FLUX.1 / FLUX.2 / FLUX.2-klein pipeline folder, or 'tiny[:kind]'"
+        "--pipeline",
+        default="tiny",
+        help="a FLUX.1 / FLUX.2 / FLUX.2-klein / Qwen-Image pipeline folder, or tiny[:kind]",
     )
     p.add_argument("--resolution", type=int, default=512, help="square training size, a multiple of 16")
-    p.add_argument("--max-sequence-length", type=int, default=512, help="T5 tokens per caption")
+    p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens per caption")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default: the rank)")
-    p.add_argument("--targets", nargs="+", default=None, help="module suffixes to adapt (default: attention)")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--weight-decay", type=float, default=1e-4)
+    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (None: the rank)")
+    p.add_argument("--targets", nargs="+", default=None, help="module suffixes to adapt (None: attention)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=1e-4, help="AdamW weight decay")
     p.add_argument("--batch-size", type=int, default=1, help="global batch per step (split over dp x fsdp)")
-    p.add_argument("--steps", type=int, default=1000, help="train until this step")
-    p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--timesteps", choices=("logit_normal", "uniform"), default="logit_normal")
+    p.add_argument("--steps", type=int, default=1000, help="train until this step (with --resume: the new end)")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--timesteps", choices=("logit_normal", "uniform"), default="logit_normal", help="t's law")
     p.add_argument("--guidance", type=float, default=1.0, help="guidance input of guidance-distilled models")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="LoRA init, data order, noise and t")
     p.add_argument("--fsdp", type=int, default=1, help="fully sharded degree")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="frozen weights, autocast")
     p.add_argument("--reshard-after-forward", action="store_true", help="re-gather weights in backward (fsdp)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
+    p.add_argument(
+        "--overwrite", action="store_true", help="start over in an --output-dir that holds a run (its files removed)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -138,9 +155,36 @@ def check_args(argv=None) -> argparse.Namespace:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if a.fsdp * a.tp != world:
         _bad(p, "--fsdp x --tp", f"the world size {world} (WORLD_SIZE)", f"{a.fsdp} x {a.tp} = {a.fsdp * a.tp}")
-    if a.resume and latest_checkpoint(a.output_dir) is None:
-        _bad(p, "--resume", f"a complete checkpoint in {os.path.join(a.output_dir, 'checkpoints')}", None)
+    _check_run(p, a)
     return a
+
+
+RUN_FILES = ("checkpoints", "losses.jsonl", "eval.json", LORA_FILE)  # what a run leaves (cache.pt: reusable)
+
+
+def previous_run(output_dir: str) -> list[str]:
+    """The files of an earlier run in ``output_dir`` (empty if none)."""
+    return [n for n in RUN_FILES if os.path.lexists(os.path.join(output_dir, n))]
+
+
+def _check_run(p, a) -> None:
+    """--output-dir against --resume / --overwrite / --steps: continue a run, start one in
+    a folder without one, or start over only when asked."""
+    if os.path.exists(a.output_dir) and not os.path.isdir(a.output_dir):
+        _bad(p, "--output-dir", "a folder (new or existing)", a.output_dir)
+    if a.resume and a.overwrite:
+        p.error("--resume, --overwrite: expected one of them (one continues the run, the other starts over), got both")
+    if a.resume:
+        ckpt = latest_checkpoint(a.output_dir)
+        if ckpt is None:
+            _bad(p, "--resume", f"a complete checkpoint in {os.path.join(a.output_dir, 'checkpoints')}", None)
+        if a.steps < (step := checkpoint_step(ckpt)):
+            _bad(p, "--steps", f"an int >= {step} (the step of {ckpt}, which --resume continues)", a.steps)
+    elif not a.overwrite and (found := previous_run(a.output_dir)):
+        p.error(
+            f"--output-dir: expected a folder without a previous run, got {a.output_dir!r} holding "
+            f"{', '.join(found)}: pass --resume to continue that run or --overwrite to start over"
+        )
 
 
 def find_items(folder: str) -> list[tuple[str, str]]:
@@ -356,6 +400,57 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return os.path.join(root, max(found)[1]) if found else None
 
 
+def checkpoint_step(path: str) -> int:
+    """The step a checkpoint folder ``step_<n>`` was saved after (the step it resumes at)."""
+    return int(_STEP_DIR.search(path).group(1))
+
+
+def finished(a) -> str | None:
+    """With --resume and --steps the checkpoint's step: the line saying there is nothing to
+    train if the LoRA file was written from that checkpoint (after it), else None (a run
+    killed between its last checkpoint and the file: resuming writes the file)."""
+    ckpt = latest_checkpoint(a.output_dir) if a.resume else None
+    if ckpt is None or a.steps != checkpoint_step(ckpt):
+        return None
+    lora_file, done = os.path.join(a.output_dir, LORA_FILE), os.path.join(ckpt, ".metadata")
+    if not os.path.isfile(lora_file) or os.path.getmtime(lora_file) < os.path.getmtime(done):
+        return None
+    return f"nothing to train: {ckpt} is at step {a.steps} = --steps and {lora_file} was written from it"
+
+
+def start_over(output_dir: str) -> list[str]:
+    """Remove an earlier run's files (--overwrite), the checkpoints first moved aside in one
+    rename so that no --resume can ever find a mix of the two runs; returns what went."""
+    found = previous_run(output_dir)
+    ckpts = os.path.join(output_dir, "checkpoints")
+    if os.path.lexists(ckpts):
+        gone = f"{ckpts}.{os.getpid()}.old"
+        os.rename(ckpts, gone)
+        shutil.rmtree(gone)
+    for name in found:
+        if name != "checkpoints":
+            os.remove(os.path.join(output_dir, name))
+    return found
+
+
+@contextlib.contextmanager
+def _dcp_group():
+    """Around a DCP save or load in one process: a one-rank gloo group (an in-memory store,
+    no network), so DCP coordinates as it does on ranks instead of warning that
+    torch.distributed is uninitialised (torch 2.13 warns so even given ``no_dist=True``).
+    Under torchrun the run's own group serves."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def save_checkpoint(state: dict, output_dir: str, step: int, rank: int, barrier) -> str:
     """DCP-save ``state`` to ``checkpoints/step_<step>.tmp``, then rename it to
     ``step_<step>`` (atomic): a kill mid-save leaves no ``step_<n>`` that is partial."""
@@ -367,7 +462,8 @@ def save_checkpoint(state: dict, output_dir: str, step: int, rank: int, barrier)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
-    dcp.save(state, checkpoint_id=tmp)
+    with _dcp_group():
+        dcp.save(state, checkpoint_id=tmp)
     barrier()
     if rank == 0:
         if os.path.isdir(final):
@@ -396,65 +492,27 @@ def _dist(a):
 
 def train(a) -> dict:
     """The run of `main` for checked arguments ``a``; returns what rank 0 logged."""
-    import functional_dit.lora as lora
     import sharding
 
     rank, mesh, barrier, device = _dist(a)
     data, params = prepare(a, rank, barrier)
-    dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
-    params = params.replace(sharding.tree.map_tree(lambda _, v: v.to(device, dtype), params.tree))
-    adapter = lora.init(params, rank=a.rank, alpha=a.alpha, targets=a.targets, seed=a.seed, device=device)
-    if mesh is not None:
-        params, adapter = sharding.shard_params(params, mesh), sharding.shard_params(adapter, mesh)
-    leaves = [x.requires_grad_() for x in adapter.leaves()]
-    opt = torch.optim.AdamW(leaves, lr=a.lr, weight_decay=a.weight_decay)
+    params, adapter, opt = setup(a, params, mesh, device)
     gen = torch.Generator().manual_seed(a.seed)
     n = data["latents"].shape[0]
-    extra = {"next": torch.tensor(0), "rng": gen.get_state(), "order": torch.zeros(n, dtype=torch.long)}
     start = 0
     if a.resume:
-        import torch.distributed.checkpoint as dcp
-
-        state = checkpoint_state(adapter, opt, extra)
-        dcp.load(state, checkpoint_id=latest_checkpoint(a.output_dir))  # in place: factors, moments, extra
-        start = int(state["next"])
-        gen.set_state(state["rng"])
-        if start and not torch.equal(state["order"], batch_indices(start - 1, a.batch_size, n, a.seed)[1]):
-            raise ValueError("--resume: the checkpoint's data order differs from this run's (--data, --seed)")
-    log_path = os.path.join(a.output_dir, "losses.jsonl")
+        start, rng = resume(a, adapter, opt, n, gen.get_state(), rank)
+        gen.set_state(rng)
+    log_path = start_log(a, start) if rank == 0 else None
     losses = []
-    if rank == 0:
-        kept = []
-        if a.resume and os.path.isfile(log_path):
-            with open(log_path) as f:
-                kept = [ln for ln in f if json.loads(ln)["step"] < start]
-        with open(log_path, "w") as f:
-            f.writelines(kept)
-    autocast = a.dtype == "bfloat16"
     before = eval_loss(params, adapter, data, a, device)
-    bar = None
-    if rank == 0 and not a.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=a.steps, initial=start, desc="train_lora", unit="step", dynamic_ncols=True)
+    bar = progress(a, start) if rank == 0 else None
     t0 = time.perf_counter()
     for step in range(start, a.steps):
-        idx, order = batch_indices(step, a.batch_size, n, a.seed)
-        noise = torch.randn((len(idx), *data["latents"].shape[1:]), generator=gen)
-        t = sample_t(len(idx), a.timesteps, gen)
-        kw, target = inputs(data, idx, noise, t, a.guidance, params, device)
-        loss = loss_of(params, adapter, kw, target, autocast, a.reshard_after_forward)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()  # on the DTensor leaves: each rank updates its own shards
-        value = float(loss.detach())
+        value, order = train_step(params, adapter, opt, data, a, step, gen, device)
         losses.append(value)
         if rank == 0:
-            with open(log_path, "a") as f:
-                f.write(json.dumps({"step": step, "loss": value}) + "\n")
-        if bar is not None:
-            bar.set_postfix(loss=f"{value:.4f}")
-            bar.update(1)
+            log_step(log_path, bar, step, value)
         if (step + 1) % a.checkpoint_every == 0 or step + 1 == a.steps:
             extra = {"next": torch.tensor(step + 1), "rng": gen.get_state(), "order": order}
             save_checkpoint(checkpoint_state(adapter, opt, extra), a.output_dir, step + 1, rank, barrier)
@@ -464,20 +522,115 @@ def train(a) -> dict:
     after = eval_loss(params, adapter, data, a, device)
     full = sharding.unshard(adapter) if mesh is not None else adapter  # (a collective: every rank)
     if rank == 0:
-        lora.save(
-            lora.Adapter(full.config, sharding.tree.map_tree(lambda _, v: v.detach().cpu(), full.tree)),
-            os.path.join(a.output_dir, LORA_FILE),
-        )
-        with open(os.path.join(a.output_dir, "eval.json"), "w") as f:
-            json.dump(
-                {"eval_loss_before": before, "eval_loss_after": after, "steps": a.steps - start, "seconds": seconds}, f
-            )
+        evals = {"eval_loss_before": before, "eval_loss_after": after, "steps": a.steps - start, "seconds": seconds}
+        write_results(a, full, evals)
     barrier()
     return {"losses": losses, "eval_loss_before": before, "eval_loss_after": after, "start": start}
 
 
+def setup(a, params, mesh, device) -> tuple:
+    """The frozen params in ``--dtype`` on ``device``, a fresh fp32 LoRA (`lora.init`), both
+    sharded over ``mesh`` if there is one, and AdamW over the LoRA factors."""
+    import functional_dit.lora as lora
+    import sharding
+
+    dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
+    params = params.replace(sharding.tree.map_tree(lambda _, v: v.to(device, dtype), params.tree))
+    adapter = lora.init(params, rank=a.rank, alpha=a.alpha, targets=a.targets, seed=a.seed, device=device)
+    if mesh is not None:
+        params, adapter = sharding.shard_params(params, mesh), sharding.shard_params(adapter, mesh)
+    leaves = [x.requires_grad_() for x in adapter.leaves()]
+    return params, adapter, torch.optim.AdamW(leaves, lr=a.lr, weight_decay=a.weight_decay)
+
+
+def train_step(params, adapter, opt, data: dict, a, step: int, gen, device) -> tuple[float, torch.Tensor]:
+    """One AdamW step on step ``step``'s batch (noise and t drawn from ``gen``); returns
+    its loss and the epoch's data order."""
+    idx, order = batch_indices(step, a.batch_size, data["latents"].shape[0], a.seed)
+    noise = torch.randn((len(idx), *data["latents"].shape[1:]), generator=gen)
+    t = sample_t(len(idx), a.timesteps, gen)
+    kw, target = inputs(data, idx, noise, t, a.guidance, params, device)
+    loss = loss_of(params, adapter, kw, target, a.dtype == "bfloat16", a.reshard_after_forward)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()  # on the DTensor leaves: each rank updates its own shards
+    return float(loss.detach()), order
+
+
+def progress(a, start: int):
+    """Rank 0's tqdm bar (on stderr), or None with --no-progress."""
+    if a.no_progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=a.steps, initial=start, desc="train_lora", unit="step", dynamic_ncols=True)
+
+
+def log_step(path: str, bar, step: int, value: float) -> None:
+    """Rank 0: the step's line in ``losses.jsonl`` and on the bar."""
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "loss": value}) + "\n")
+    if bar is not None:
+        bar.set_postfix(loss=f"{value:.4f}")
+        bar.update(1)
+
+
+def resume(a, adapter, opt, n: int, rng: torch.Tensor, rank: int) -> tuple[int, torch.Tensor]:
+    """--resume: DCP loads the newest checkpoint in place into ``adapter``'s factors and
+    ``opt``'s state; returns its step and noise RNG state (``rng``: this run's, for the
+    layout) after checking that its data order is this run's."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = latest_checkpoint(a.output_dir)
+    extra = {"next": torch.tensor(0), "rng": rng, "order": torch.zeros(n, dtype=torch.long)}
+    state = checkpoint_state(adapter, opt, extra)
+    with _dcp_group():
+        dcp.load(state, checkpoint_id=ckpt)  # in place: factors, moments, extra
+    start = int(state["next"])
+    if start and not torch.equal(state["order"], batch_indices(start - 1, a.batch_size, n, a.seed)[1]):
+        raise ValueError("--resume: the checkpoint's data order differs from this run's (--data, --seed)")
+    if rank == 0:
+        print(f"resumed from step {start} ({ckpt})", flush=True)
+    return start, state["rng"]
+
+
+def start_log(a, start: int) -> str:
+    """Rank 0's ``losses.jsonl``, cut back to the steps before ``start`` (--resume) or new;
+    with --overwrite the earlier run's files are removed first (now, once the pipeline has
+    loaded and before this run writes anything)."""
+    if a.overwrite and (gone := start_over(a.output_dir)):
+        print(f"--overwrite: removed the previous run's {', '.join(gone)} in {a.output_dir}", flush=True)
+    path, kept = os.path.join(a.output_dir, "losses.jsonl"), []
+    if a.resume and os.path.isfile(path):
+        with open(path) as f:
+            kept = [ln for ln in f if json.loads(ln)["step"] < start]
+    with open(path, "w") as f:
+        f.writelines(kept)
+    return path
+
+
+def write_results(a, adapter, evals: dict) -> None:
+    """Rank 0: the LoRA file and ``eval.json``, each path printed."""
+    import functional_dit.lora as lora
+    import sharding
+
+    path = os.path.join(a.output_dir, LORA_FILE)
+    lora.save(lora.Adapter(adapter.config, sharding.tree.map_tree(lambda _, v: v.detach().cpu(), adapter.tree)), path)
+    print(f"wrote {path}", flush=True)
+    with open(os.path.join(a.output_dir, "eval.json"), "w") as f:
+        json.dump(evals, f)
+    loss = f"eval loss {evals['eval_loss_before']:.4f} -> {evals['eval_loss_after']:.4f}"
+    print(f"wrote {os.path.join(a.output_dir, 'eval.json')} ({loss})", flush=True)
+
+
 def main(argv=None) -> dict:
-    return train(check_args(argv))
+    a = check_args(argv)
+    done = finished(a)
+    if done is not None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(done, flush=True)
+        return {"losses": [], "start": a.steps}
+    return train(a)
 
 
 if __name__ == "__main__":

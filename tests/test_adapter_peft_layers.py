@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import diffusers
 import peft
@@ -182,7 +183,12 @@ def test_lora_loading_as_stock(tmp_path):
     ad.load_lora_adapter(tmp_path, prefix=None, low_cpu_mem_usage=True)  # metadata: the file's LoraConfig
     assert ad.peft_config["default_0"].to_dict() == cfg.to_dict()
     assert max_err(_out(ad, kw), want) <= FP32
-    ad.save_lora_adapter(tmp_path / "ours", adapter_name="default_0")  # the stock file: tensors and metadata
+    umask = os.umask(0o022)
+    try:
+        ad.save_lora_adapter(tmp_path / "ours", adapter_name="default_0")  # the stock file: tensors and metadata
+    finally:
+        os.umask(umask)
+    assert oct(os.stat(tmp_path / "ours" / FILE).st_mode & 0o777) == "0o644"  # the umask's (the stock: 0600)
     ours, theirs = (_metadata(tmp_path / "ours" / FILE), _metadata(tmp_path / FILE))
     assert ours == theirs
     for model in (stock, ad):

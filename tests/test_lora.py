@@ -329,6 +329,29 @@ def test_malformed_header_is_refused_with_weights_error(tmp_path):
     assert f"bad.safetensors: tensor {name!r}: data_offsets" in str(got.value)
 
 
+def test_saved_file_mode_follows_the_umask(tmp_path):
+    """Under umask 022 a saved LoRA file is 0644, readable by another user or a container,
+    as `weights.save`'s files are (safetensors' ``save_file`` wrote 0600); it reads back
+    equal, with diffusers' ``format`` metadata."""
+    import os
+
+    from safetensors import safe_open
+
+    params = fd.init("flux1-tiny", seed=0)
+    ad = lora.init(params, rank=2, seed=1, zero_b=False)
+    old = os.umask(0o022)
+    try:
+        lora.save(ad, tmp_path / "a.safetensors")
+    finally:
+        os.umask(old)
+    assert oct(os.stat(tmp_path / "a.safetensors").st_mode & 0o777) == "0o644"
+    assert os.listdir(tmp_path) == ["a.safetensors"]  # the temporary was renamed
+    back = lora.load(tmp_path / "a.safetensors", params)
+    assert back.config == ad.config and all(torch.equal(x, y) for x, y in zip(back.leaves(), ad.leaves()))
+    with safe_open(tmp_path / "a.safetensors", "pt") as f:
+        assert f.metadata()["format"] == "pt"
+
+
 def test_alpha_keys_and_metadata_scale():
     """``<module>.alpha`` keys (diffusers' network alphas) and the metadata's lora_alpha /
     alpha_pattern / use_rslora give alpha / rank (or alpha / sqrt(rank)) per module."""

@@ -11,12 +11,19 @@
   gives (fp32 1e-5), which differs from the pipeline without it.
 - FLUX.2-klein and Qwen-Image (``--pipeline tiny:<kind>``) in one process: the eval loss
   decreases and the stock Flux2KleinPipeline / QwenImagePipeline loads the file, as above.
+- An earlier run in ``--output-dir``: a ``--steps`` below its checkpoint's step with
+  ``--resume``, a rerun without ``--resume`` or ``--overwrite``, and both flags are refused in
+  one line before the pipeline loads, nothing written; from a shell, the resumed step and
+  the paths written go to stdout, DCP's one-process save and load print no warning,
+  ``--overwrite`` starts over. ``--help`` shows every default.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -88,6 +95,131 @@ def test_an_empty_folder_is_refused(tmp_path, capsys):
     assert "--data: expected images (.png, .jpg, .jpeg, .webp) each with a same-name .txt caption" in (
         capsys.readouterr().err
     )
+
+
+def _previous_run(out) -> dict:
+    """A folder as a run to step 12 leaves it (what the checks read: names), and its
+    listing with each file's mtime, to show that nothing was written."""
+    ckpt = out / "checkpoints" / "step_00000012"
+    ckpt.mkdir(parents=True)
+    for f in (ckpt / ".metadata", out / "losses.jsonl", out / "pytorch_lora_weights.safetensors"):
+        f.write_text("x")
+    return _listing(out)
+
+
+def _listing(folder) -> dict:
+    return {str(p): p.stat().st_mtime_ns for p in sorted(folder.rglob("*"))}
+
+
+def _error_lines(err: str) -> list[str]:
+    return [ln for ln in err.splitlines() if "error:" in ln]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--resume", "--steps", "8"],
+            "--steps: expected an int >= 12 (the step of {ckpt}, which --resume continues), got 8",
+        ),
+        (
+            [],
+            "--output-dir: expected a folder without a previous run, got '{out}' holding checkpoints, losses.jsonl, "
+            "pytorch_lora_weights.safetensors: pass --resume to continue that run or --overwrite to start over",
+        ),
+        (["--resume", "--overwrite"], "--resume, --overwrite: expected one of them (one continues the run, the other "),
+    ],
+)
+def test_a_previous_run_is_kept_unless_resumed_to_a_later_step_or_overwritten(
+    data, tmp_path, capsys, monkeypatch, extra, message
+):
+    """A --steps below the checkpoint's step (the old script trained -4 steps and rewrote
+    the LoRA file), a rerun into a run's folder without --resume or --overwrite (it
+    overwrote the run), and both flags: one error line each, exit 2, before the pipeline
+    loads (it raises here) and with nothing written."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "run"
+    before = _previous_run(out)
+    ns = _script()
+
+    def not_loaded(path):
+        raise AssertionError("the pipeline was loaded")
+
+    ns["train"].__globals__["load_pipeline"] = not_loaded
+    with pytest.raises(SystemExit) as e:
+        ns["main"](["--data", data, "--output-dir", str(out), *extra])
+    err = capsys.readouterr().err
+    want = message.format(ckpt=out / "checkpoints" / "step_00000012", out=out)
+    lines = _error_lines(err)
+    assert e.value.code == 2 and len(lines) == 1 and lines[0].split("error: ", 1)[1].startswith(want), err
+    assert _listing(out) == before
+
+
+def test_help_shows_every_default(capsys):
+    """``--help`` gives each option's default (the old help gave none: --resolution's 512
+    was nowhere)."""
+    ns = _script()
+    with pytest.raises(SystemExit) as e:
+        ns["main"](["--help"])
+    text = capsys.readouterr().out
+    assert e.value.code == 0 and "square training size, a multiple of 16 (default: 512)" in text
+    for action in ns["parser"]()._actions:
+        if action.option_strings and action.default is not argparse.SUPPRESS:  # -h, --data, --output-dir: none
+            assert f"(default: {action.default})" in text, action.option_strings
+
+
+def _shell(data, out, *extra) -> subprocess.CompletedProcess:
+    """``python examples/train_lora.py`` in one process (no torchrun), as a user runs it."""
+    cmd = [sys.executable, SCRIPT, "--data", data, "--output-dir", str(out), *ARGS, "--checkpoint-every", "1", *extra]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+PY_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ", re.M)  # how Python prints a warning
+
+
+def _ran(done, out, *lines) -> None:
+    """Exit 0; stdout is ``lines`` then the two files written; no Python warning (the old
+    script printed torch's "torch.distributed is disabled ..." at each DCP save / load)."""
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert PY_WARNING.search(done.stderr) is None and "torch.distributed is disabled" not in done.stderr, done.stderr
+    wrote = [f"wrote {out / 'pytorch_lora_weights.safetensors'}", f"wrote {out / 'eval.json'} (eval loss "]
+    got = done.stdout.splitlines()
+    assert len(got) == len(lines) + 2 and all(g.startswith(w) for g, w in zip(got, [*lines, *wrote])), done.stdout
+
+
+@pytest.mark.slow
+def test_one_process_from_a_shell_resumes_refuses_and_overwrites_saying_so(data, tmp_path):
+    """Steps 0-1, resumed to 3 (stdout: the step and checkpoint resumed, the LoRA file and
+    eval.json written; stderr: no warning from DCP's saves and load); then --steps 1 and a
+    rerun without --resume are refused in one line before the pipeline loads (its
+    "[transformers]" lines never appear) with nothing written; --steps 3 again has nothing
+    to train and leaves the file; --overwrite starts over, the old checkpoints gone."""
+    out = tmp_path / "run"
+    _ran(_shell(data, out, "--steps", "2"), out)
+    _ran(
+        _shell(data, out, "--steps", "3", "--resume"),
+        out,
+        f"resumed from step 2 ({out / 'checkpoints' / 'step_00000002'})",
+    )
+    assert json.loads((out / "eval.json").read_text())["steps"] == 1
+    assert (out / "losses.jsonl").read_text().count("\n") == 3
+    before = _listing(out)
+    for extra, want in (
+        (["--steps", "1", "--resume"], f"--steps: expected an int >= 3 (the step of {out / 'checkpoints'}"),
+        (["--steps", "1"], "--output-dir: expected a folder without a previous run, got"),
+    ):
+        done = _shell(data, out, *extra)
+        assert done.returncode == 2 and done.stdout == "" and "[transformers]" not in done.stderr, done.stderr
+        assert [ln.split("error: ", 1)[1][: len(want)] for ln in _error_lines(done.stderr)] == [want], done.stderr
+        assert _listing(out) == before
+    done = _shell(data, out, "--steps", "3", "--resume")
+    assert done.returncode == 0 and done.stdout.startswith("nothing to train: "), done.stdout + done.stderr
+    assert _listing(out) == before
+    _ran(_shell(data, out, "--steps", "1", "--overwrite"), out, "--overwrite: removed the previous run's checkpoints")
+    assert os.listdir(out / "checkpoints") == ["step_00000001"]
+    assert (out / "losses.jsonl").read_text().count("\n") == 1
 
 
 def _killed_then_resumed(rank, world, data, out):

@@ -168,3 +168,62 @@ def test_single_file_under_diffusion_model_prefix_loads(tmp_path):
     ref = diffusers_convert(config, bfl)
     loaded = weights.load(tmp_path / "f.safetensors", config="flux1-tiny")
     assert all(torch.equal(t, ref[k]) for k, t in loaded.flat().items())
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test (``umask(0o022)``), restored after it."""
+    old = os.umask(0o022)
+    os.umask(old)
+    yield os.umask
+    os.umask(old)
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_weights_save_and_write_file_follow_the_umask(tmp_path, umask, mask, mode):
+    """`weights.save`'s files and `weights.internal.write_file`'s (LoRA files) get the mode
+    the umask gives a new file (safetensors' own ``save_file`` writes 0600 whatever it is)."""
+    from weights.internal import write_file
+
+    umask(mask)
+    weights.save(fd.init(CONFIG, seed=0), tmp_path / "m")
+    write_file(tmp_path / "one.safetensors", {"a": torch.arange(6.0).view(2, 3)}, {"format": "pt", "k": "v"})
+    for file in (tmp_path / "m" / "diffusion_pytorch_model.safetensors", tmp_path / "one.safetensors"):
+        assert oct(os.stat(file).st_mode & 0o777) == oct(mode), file
+    with safetensors.safe_open(tmp_path / "one.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt", "k": "v"} and torch.equal(
+            f.get_tensor("a"), torch.arange(6.0).view(2, 3)
+        )
+
+
+def test_write_file_is_atomic_and_removes_dead_leftovers(tmp_path, monkeypatch):
+    """A write that fails half way (the second tensor) leaves the old file as it was and no
+    temporary; a dead process's temporary of the same file goes on the next write, a live
+    one's and other files' stay; a value safetensors cannot store is refused by name."""
+    from weights.internal import write_file
+
+    path = tmp_path / "lora.safetensors"
+    write_file(path, {"a": torch.zeros(2)})
+    old = path.read_bytes()
+    real, calls = weights._format.Writer.write, []
+
+    def dies_on_second(self, key, tensor):
+        calls.append(key)
+        if len(calls) == 2:
+            raise Killed("mid-write")
+        return real(self, key, tensor)
+
+    monkeypatch.setattr(weights._format.Writer, "write", dies_on_second)
+    with pytest.raises(Killed):
+        write_file(path, {"a": torch.ones(2), "b": torch.ones(3)})
+    monkeypatch.undo()
+    assert path.read_bytes() == old and os.listdir(tmp_path) == ["lora.safetensors"]
+    dead, live = tmp_path / "lora.safetensors.999999999.tmp", tmp_path / f"lora.safetensors.{os.getppid()}.tmp"
+    other = tmp_path / "other.safetensors.999999999.tmp"
+    for f in (dead, live, other):
+        f.write_bytes(b"x")
+    write_file(path, {"a": torch.ones(2)})
+    assert not dead.exists() and live.exists() and other.exists()
+    assert torch.equal(safetensors.torch.load_file(path)["a"], torch.ones(2))
+    with pytest.raises(ValueError, match=r"tensors: b: expected a tensor of a dtype safetensors stores, got list"):
+        write_file(path, {"a": torch.ones(2), "b": [1.0]})

@@ -8,7 +8,8 @@ not hold yet. The one step that switches a loader from old to new is a single at
 and `weights.load` read the index first when there is one). Only then are the old files
 removed. The folder itself is fsync'ed after each step, so the order survives a power
 loss. Temporaries of a save that was killed (its process is gone) are removed by the next
-`save` or `load` of that folder. See docs/checkpoints.md.
+`save` or `load` of that folder. See docs/checkpoints.md. `write_file` writes one
+safetensors file (a LoRA's) the same way: a temporary, flushed, renamed over the old one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import json
 import os
 import re
 
+import torch
+
+from ._format import TORCH_TO_ST, Writer, data_order
 from ._source import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 
 _STEM = WEIGHTS_NAME.removesuffix(".safetensors")
@@ -50,6 +54,47 @@ def write_json(file: str, obj) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, file)
+
+
+def write_file(path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """The safetensors file ``path`` replaced atomically by ``tensors`` (and ``metadata``),
+    as `save` writes its shards: written to ``<path>.<pid>.tmp`` by `_format.Writer`,
+    flushed to disk, renamed; a kill at any moment leaves the old file or the new one. Its
+    mode follows the umask, like every file `save` writes (0644 under umask 022; safetensors'
+    own ``save_file`` writes 0600). Temporaries a killed write of ``path`` left are removed."""
+    path = os.fspath(path)
+    for k, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.dtype not in TORCH_TO_ST:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"tensors: {k}: expected a tensor of a dtype safetensors stores, got {got}")
+    folder = os.path.dirname(path) or "."
+    _remove_dead_temps(folder, os.path.basename(path))
+    specs = {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
+    temp, writer = temp_name(path), None
+    try:
+        writer = Writer(temp, specs, metadata)
+        for k in data_order(specs):
+            writer.write(k, tensors[k])
+        writer.close()
+        os.replace(temp, path)
+    except BaseException:
+        if writer is not None:
+            writer.file.close()
+        if os.path.lexists(temp):
+            os.remove(temp)
+        raise
+    fsync_dir(folder)
+
+
+def _remove_dead_temps(folder: str, name: str) -> None:
+    """The temporaries of ``name`` left by writes whose process is gone."""
+    for other in os.listdir(folder):
+        m = _TEMP.match(other)
+        if m and m.group("final") == name and not _alive(int(m.group("pid"))):
+            try:
+                os.remove(os.path.join(folder, other))
+            except OSError:  # not ours to remove: the write below says so if it matters
+                pass
 
 
 def _alive(pid: int) -> bool:

@@ -22,7 +22,7 @@ import torch
 
 import sharding
 from sharding.tree import flatten, nest
-from weights.internal import read_tensors
+from weights.internal import read_tensors, write_file
 
 from .. import families
 from ..api import PRESETS
@@ -314,9 +314,8 @@ def save(adapter: Adapter, path, prefix: str = "transformer.") -> None:
     """Write ``adapter`` as a diffusers LoRA file (its LoraConfig in the metadata), which
     ``pipe.load_lora_weights`` and `load` read back. Sharded factors are gathered first.
     ``prefix=""`` writes a model-level file (keys and metadata unprefixed), as a diffusers
-    model's ``save_lora_adapter`` does."""
-    from safetensors.torch import save_file
-
+    model's ``save_lora_adapter`` does. The file is replaced atomically (a temporary,
+    renamed) and its mode follows the umask, as `weights.save`'s files do."""
     ad = sharding.unshard(adapter) if sharding.local_view(adapter)[1] is not None else adapter
     ranks = {m: r for m, r, _ in ad.config.modules}
     alphas = {m: a for m, _, a in ad.config.modules}
@@ -334,4 +333,4 @@ def save(adapter: Adapter, path, prefix: str = "transformer.") -> None:
     }
     meta = {prefix + k: v for k, v in fields.items()}
     state = {k: v.detach().contiguous() for k, v in to_state_dict(ad, prefix).items()}
-    save_file(state, os.fspath(path), metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
+    write_file(path, state, {"format": "pt", METADATA_KEY: json.dumps(meta, sort_keys=True)})  # diffusers' metadata

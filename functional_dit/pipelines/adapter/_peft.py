@@ -434,9 +434,8 @@ class PeftMixin(PeftAdapterMixin):
         """Write the named adapter as the stock method does (its PEFT tensors, its
         ``LoraConfig`` in the metadata); ``load_lora_adapter`` and ``pipe.load_lora_weights``
         read it back."""
-        from safetensors.torch import save_file
-
         from sharding import unshard
+        from weights.internal import write_file
 
         if adapter_name not in self._peft_state():
             raise ValueError(f"adapter_name: Adapter name {adapter_name} not found in the model.")
@@ -445,7 +444,7 @@ class PeftMixin(PeftAdapterMixin):
         ad = self._peft_adapter(adapter_name)
         ad = unshard(ad) if any(is_dtensor(t) for t in ad.leaves()) else ad
         state = {k: (v.float() if upcast_before_saving else v).detach().contiguous() for k, v in ad.flat().items()}
-        save_file(state, lora_file(save_directory, weight_name), metadata=peft_metadata(self.peft_config[adapter_name]))
+        write_file(lora_file(save_directory, weight_name), state, peft_metadata(self.peft_config[adapter_name]))
 
     def enable_lora_hotswap(self, *args, **kwargs):
         raise ValueError("enable_lora_hotswap: hotswapping is not supported; use set_adapters / set_lora to swap")
