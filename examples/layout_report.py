@@ -23,14 +23,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("functional_dit", "sharding", "weights")
 SAMPLING = ("functional_dit/pipelines/sampler", "functional_dit/pipelines/families")
 MAX_LINES = 40
+# Lazy names a package re-exports on first use (PEP 562), across layers by design: LoRA's file
+# IO reads through `weights`, which imports the core; `functional_dit.lora` resolves it on use
+# (docs/architecture.md, "Packages"). Left out of the graph; every other lazy import counts.
+LAZY_FACADES = {("functional_dit.lora", "functional_dit.lora._io")}
 
 
-def modules() -> dict[str, tuple[pathlib.Path, bool]]:
+def modules(root: pathlib.Path = ROOT) -> dict[str, tuple[pathlib.Path, bool]]:
     """``{dotted name: (file, is a package)}`` of every module of the three packages."""
     out = {}
     for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
             is_package = parts[-1] == "__init__"
             out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
     return out
@@ -54,7 +58,8 @@ def _base(module: str, is_package: bool, level: int) -> list[str]:
 
 def _from_import(module: str, is_package: bool, node: ast.ImportFrom, known) -> set[str]:
     """``from X import a, b``: X (and its packages), and X.a where it is a module."""
-    source = ".".join(_base(module, is_package, node.level) + ([node.module] if node.module else []))
+    head = _base(module, is_package, node.level) if node.level else []
+    source = ".".join(head + ([node.module] if node.module else []))
     if source.split(".")[0] not in PACKAGES:
         return set()
     out = _through(source, module, known)
@@ -94,9 +99,10 @@ def _named(module: str, is_package: bool, tree: ast.Module, known) -> set[str]:
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    """``{module: the project modules it runs}``, function-level imports included."""
-    known = modules()
+def import_graph(root: pathlib.Path = ROOT, facades=LAZY_FACADES) -> dict[str, set[str]]:
+    """``{module: the project modules it runs}``, function-level imports included, less
+    the ``facades`` edges."""
+    known = modules(root)
     graph = {}
     for module, (path, is_package) in known.items():
         tree, edges = ast.parse(path.read_text()), set()
@@ -106,7 +112,8 @@ def import_graph() -> dict[str, set[str]]:
                     edges |= _through(a.name, module, known) if a.name.split(".")[0] in PACKAGES else set()
             elif isinstance(node, ast.ImportFrom):
                 edges |= _from_import(module, is_package, node, known)
-        graph[module] = (edges | _named(module, is_package, tree, known)) - {module}
+        edges |= _named(module, is_package, tree, known)
+        graph[module] = {e for e in edges if e != module and (module, e) not in facades}
     return graph
 
 
@@ -159,15 +166,15 @@ def _has_docstring(fn) -> bool:
     return isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
 
 
-def long_functions(limit: int = MAX_LINES) -> list[tuple[str, str, int]]:
+def long_functions(limit: int = MAX_LINES, root: pathlib.Path = ROOT) -> list[tuple[str, str, int]]:
     """``(file, function, lines)`` of every function of the three packages over ``limit``
     lines, its docstring excluded."""
     out = []
     for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
+        for path in sorted((root / package).rglob("*.py")):
             for fn in _functions(ast.parse(path.read_text())):
                 if body_lines(fn) > limit:
-                    out.append((str(path.relative_to(ROOT)), fn.name, body_lines(fn)))
+                    out.append((str(path.relative_to(root)), fn.name, body_lines(fn)))
     return out
 
 

@@ -56,6 +56,7 @@ from .. import cache as _cache
 from .. import placement as _placement
 from .. import sampler_xla as _sample_xla
 from ..families import Prompt
+from ..families import product as _product
 from . import _controlnet, _flux2_image, _flux_image, _ranks, _requests, _state
 from . import _flux_kontext as _kontext
 from . import _lora as _lora_items
@@ -112,7 +113,7 @@ def as_pipeline(encoders, params):
     if not isinstance(encoders, Mapping):
         raise ValueError(f"encoders: expected a diffusers pipeline or a mapping of its components, got {encoders!r}")
     comps = {k: v for k, v in encoders.items() if k != "transformer"}
-    cls = getattr(diffusers, _families.product(fam).pipeline_class(comps))
+    cls = getattr(diffusers, _product(fam).pipeline_class(comps))
     return cls(**comps, transformer=None)
 
 
@@ -178,7 +179,7 @@ def _scheduler(pipe, fam: str, seq_len: int, steps: int, device, sigmas=None):
     sched = copy.deepcopy(pipe.scheduler)
     sigmas = np.linspace(1.0, 1 / steps, steps) if sigmas is None else np.array(sigmas)
     sigmas = None if sched.config.get("use_flow_sigmas", False) else sigmas
-    mu = _families.product(fam).shift(seq_len, steps, sched.config)  # the family's mu
+    mu = _product(fam).shift(seq_len, steps, sched.config)  # the family's mu
     sched.set_timesteps(sigmas=sigmas, device=device, mu=mu)
     sched.set_begin_index(0)
     return sched
@@ -402,7 +403,7 @@ def sample(
     height, width = _flux2_image.size(pipe, height, width, image)  # klein inpainting: the image's size
     _check_args(pipe, height, width, output_type, batch_size)
     _check_scales(guidance, true_cfg)
-    batch_size = _families.product(fam).batch_size(batch_size)  # Qwen-Image 2.1: one image per call
+    batch_size = _product(fam).batch_size(batch_size)  # Qwen-Image 2.1: one image per call
     _placement.check(encoder_placement, vae_tiling)
     steps, sigmas = _check_steps(steps, sigmas)
     controls = _controlnet.check(controlnet, fam, latents, pipe)
@@ -472,7 +473,7 @@ def _image_job(pipe, fam: str, steps: int, output_type: str, jobs: tuple, latent
         args = (steps, image, mask_image, image_reference, strength, crop, output_type, kv_cache)
         return pipe, _flux2_image.check(pipe, *args)
     _flux2_image.refuse_reference(image_reference)
-    jobs = _families.product(fam).IMAGE_JOBS
+    jobs = _product(fam).IMAGE_JOBS
     if jobs == "pipeline":  # Qwen-Image: its img2img / inpainting pipelines (`_qi.pipeline` above)
         return pipe, None
     if jobs == "img2img":  # FLUX.1: over its text-to-image steps
@@ -614,7 +615,7 @@ def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=N
         return _kontext.Flux1Kontext(params, pipe, auto_resize is not False)
     if type(pipe).__name__ in _qi.PIPELINES:
         return _qi.model(params, pipe, image, **img2img)
-    return _families.product(fam).steps(params, pipe, image, kv_cache)
+    return _product(fam).steps(params, pipe, image, kv_cache)
 
 
 def _to(p: Prompt, dtype, device) -> Prompt:
