@@ -30,8 +30,8 @@ LONG_ALLOWED = {
     ("functional_dit/cli/bench.py", "add_arguments"),
     ("functional_dit/serve/__init__.py", "run"),
     ("functional_dit/serve/_app.py", "app"),
-    # fd.sample: its signature alone is its 55 public stock keywords (59 lines); issue 48's
-    # request dataclass and one preparation path replace it. Not split here.
+    # fd.sample: over by its signature only, its 55 public stock keywords (59 lines), until
+    # they are collected into a request; its body is held to the limit below.
     ("functional_dit/pipelines/sampler/__init__.py", "sample"),
 }
 
@@ -148,6 +148,8 @@ def test_no_function_over_40_lines():
     long = layout_report.long_functions()
     assert [(path, name, n) for path, name, n in long if (path, name) not in LONG_ALLOWED] == []
     assert {(path, name) for path, name, _ in long} <= LONG_ALLOWED  # no stale entry hides a split one
+    _, _, body = layout_report.sample_size()  # fd.sample: signature and docstring excluded
+    assert body <= layout_report.MAX_LINES
 
 
 def test_import_functional_dit_loads_no_product_dependencies():
