@@ -5,6 +5,7 @@ function-level imports, the packages an import runs, and modules named by a stri
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import subprocess
 import sys
@@ -171,3 +172,31 @@ def test_lazy_product_names_resolve():
     from functional_dit import tiny
 
     assert tiny is tiny_by_path and tiny.__name__ == "functional_dit.pipelines.tiny"
+
+
+def _private_api_uses(path: pathlib.Path) -> list[str]:
+    """``api._name`` reads and ``from ...api import _name`` in one file (``api`` under any alias)."""
+    tree, aliases, found = ast.parse(path.read_text()), set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "api":
+            found += [a.name for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.ImportFrom):
+            aliases |= {a.asname or a.name for a in node.names if a.name == "api"}
+        elif isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "functional_dit.api" and a.asname}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) in aliases:
+            found += [node.attr] if node.attr.startswith("_") and not node.attr.startswith("__") else []
+    return found
+
+
+def test_the_core_is_entered_through_api_public_names(tmp_path):
+    """Issue 48, item 4: a model call outside `fd.apply` is set up by `api.prepare_call`, never
+    by api's private helpers (``_family_args``, ``_gathering``, ``_lora_adapters``, ...)."""
+    api = ROOT / "functional_dit" / "api.py"
+    files = [p for package in ("functional_dit", "sharding", "weights") for p in (ROOT / package).rglob("*.py")]
+    used = {str(p.relative_to(ROOT)): u for p in files if p != api and (u := _private_api_uses(p))}
+    assert used == {}
+    sample = tmp_path / "m.py"  # the check sees both forms
+    sample.write_text("from ..api import _gathering\nfrom .. import api as A\nA._family_args\nA.apply\n")
+    assert _private_api_uses(sample) == ["_gathering", "_family_args"]
