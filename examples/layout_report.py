@@ -26,7 +26,7 @@ MAX_LINES = 40
 # Lazy names a package re-exports on first use (PEP 562), across layers by design: LoRA's file
 # IO reads through `weights`, which imports the core; `functional_dit.lora` resolves it on use
 # (docs/architecture.md, "Packages"). Left out of the graph; every other lazy import counts.
-LAZY_FACADES = {("functional_dit.lora", "functional_dit.lora._io")}
+LAZY_FACADES = frozenset({("functional_dit.lora", "functional_dit.lora._io")})
 
 
 def modules(root: pathlib.Path = ROOT) -> dict[str, tuple[pathlib.Path, bool]]:

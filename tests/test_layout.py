@@ -6,6 +6,7 @@ function-level imports, the packages an import runs, and modules named by a stri
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import subprocess
 import sys
@@ -52,7 +53,8 @@ def _layer(module: str) -> str:
     return "core"
 
 
-def _imports(root: pathlib.Path = ROOT, facades=layout_report.LAZY_FACADES) -> dict[str, set[str]]:
+@functools.cache  # one walk of the tree per test session (a few seconds each)
+def _imports(root: pathlib.Path = ROOT, facades: frozenset = layout_report.LAZY_FACADES) -> dict[str, set[str]]:
     return layout_report.import_graph(root, facades)
 
 
@@ -112,7 +114,7 @@ def test_the_walker_sees_imports(tmp_path):
     assert "functional_dit.pipelines.cache" in graph["functional_dit.cli._args"]  # a function-level import
     assert "functional_dit.cli.serve" in graph["functional_dit.cli"]  # a module named in a table
     assert "functional_dit.lora._io" not in graph["functional_dit.lora"]  # a lazy facade, left out by name
-    everything = _imports(facades=())
+    everything = _imports(facades=frozenset())
     assert "functional_dit.lora._io" in everything["functional_dit.lora"]  # importlib, relative to the package
     assert "functional_dit.pipelines" in graph["functional_dit.cli._args"]  # the package an import runs
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
