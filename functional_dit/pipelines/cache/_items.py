@@ -111,7 +111,7 @@ class _Batch:
     """The call's inputs and the family's stages over all rows or a subset of them."""
 
     def __init__(self, call, x, t, txt, lora):
-        self.call, self.fam, self.local = call, call.fam, call.local
+        self.call, self.fam = call, call.fam
         self.x, self.t, self.txt, self.lora, self.B = x, t, txt, lora or [], x.shape[0]
         self.inputs = call.fam.check_inputs(call.local, x, t, txt, **call.kwargs)
         _cache.check_no_controlnet(self.inputs)
