@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -247,15 +248,55 @@ def apply(params: Params, x, t, txt, *, lora=None, checkpoint: bool = False, **k
     backward (the same gradients, less memory; `nn.compile.recompute_blocks`)."""
     if not isinstance(checkpoint, bool):
         raise ValueError(f"checkpoint: expected True or False, got {checkpoint!r}")
+    call = prepare_call(params, **kwargs)
+    kwargs = call.kwargs
+    _values.check_values(t, x=x, txt=txt, pooled=kwargs.get("pooled"), guidance=kwargs.get("guidance"))
+    adapters = call.adapters(lora, x.shape[0] if isinstance(x, torch.Tensor) and x.ndim else None)
+    if not checkpoint:  # no context manager on the default path: nothing extra for torch.compile to trace
+        return _apply_bound(call.fam, call.local, call.mesh, x, t, txt, kwargs, adapters)
+    with _compile.recompute_blocks():
+        return _apply_bound(call.fam, call.local, call.mesh, x, t, txt, kwargs, adapters)
+
+
+class Call(NamedTuple):
+    """`apply`'s set-up of one model call (`prepare_call`), for the callers that run a
+    family's stages themselves (the step caches of `functional_dit.pipelines.cache`): the
+    family module, its keywords checked, the params' local view and their mesh (None for
+    plain tensors). What a forward then needs is asked of it, so every model call is set up
+    the one way `apply` sets up its own."""
+
+    fam: Any
+    params: Params  # as given (DTensor leaves on a mesh)
+    local: Params  # their local view
+    mesh: Any
+    kwargs: dict  # the family's keywords (`apply`'s, checked)
+
+    def adapters(self, lora, batch: int | None) -> list:
+        """``lora`` (`apply`'s: ``(adapter, scale[, rows])`` for a batch of ``batch`` rows)
+        checked against the params and taken in their local view; [] for None."""
+        return _lora_adapters(self.params, lora, self.mesh, batch)
+
+    def model_params(self, adapters, batch: int, *, split: bool = True) -> Params:
+        """Under the call's bound mesh: the local params a forward or its stages run, the
+        ``adapters`` (`adapters`) attached for a batch of ``batch`` rows (``split=False``:
+        every row on every rank, not split over dp) and on an fsdp axis gathered block by
+        block as the stages reach them (`apply`'s step 3)."""
+        lora_dims: dict = {}  # fully sharded LoRA factors: {path through the attached tuples: fsdp dim}
+        local = _lora.attach(self.local, adapters, batch, lora_dims, split=split) if adapters else self.local
+        return _gathering(local, lora_dims)
+
+
+def prepare_call(params: Params, **kwargs) -> Call:
+    """`apply`'s set-up of a call with ``kwargs`` (its keywords, less ``lora`` and
+    ``checkpoint``): the family that owns ``params`` (`functional_dit.families.of`), the
+    keywords it takes (a common one it does not take must be None: ValueError naming it),
+    the local view and mesh of the params (`sharding.local_view`). The one entry into the
+    core for a model call that `apply` does not make itself (docs/architecture.md, "The
+    call path of `fd.apply`")."""
     fam = family(params)
     kwargs = _family_args(fam, kwargs)
-    _values.check_values(t, x=x, txt=txt, pooled=kwargs.get("pooled"), guidance=kwargs.get("guidance"))
     local, mesh = sharding.local_view(params)
-    adapters = _lora_adapters(params, lora, mesh, x.shape[0] if isinstance(x, torch.Tensor) and x.ndim else None)
-    if not checkpoint:  # no context manager on the default path: nothing extra for torch.compile to trace
-        return _apply_bound(fam, local, mesh, x, t, txt, kwargs, adapters)
-    with _compile.recompute_blocks():
-        return _apply_bound(fam, local, mesh, x, t, txt, kwargs, adapters)
+    return Call(fam, params, local, mesh, kwargs)
 
 
 def _apply_bound(fam, local: Params, mesh, x, t, txt, kwargs: dict, adapters) -> torch.Tensor:

@@ -8,9 +8,10 @@ with released weights) and ``PIPELINES`` (the stock pipelines that run it,
 ``lora`` and ``weights`` all ask this module "which family is this".
 
 What the product does with a family (its sampling steps, the diffusers adapter's argument
-maps, the tiny pipelines' recipes, the bench's inputs) is in the family's *product module*,
-`product` (``functional_dit.pipelines.families.<KEY>``, or the module a family names in
-``PRODUCT``), imported on first use: it may import diffusers, the core may not. Adding a
+maps, the tiny pipelines' recipes, the bench's inputs) is in the family's *product module*
+(``functional_dit.pipelines.families.<KEY>``, or the module a family names in ``PRODUCT``),
+which the product finds (`functional_dit.pipelines.families.product`): it may import
+diffusers, and the core names no product module. Adding a
 family is its core file, its product module and one line in `FAMILIES`
 (docs/adding-a-family.md); `register` is that line at run time (a family defined outside
 the package, as the tests' toy family).
@@ -19,13 +20,11 @@ the package, as the tests' toy family).
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 from . import flux1, flux2, flux3, qwenimage, qwenimage21
 from .params import Params
 
 FAMILIES = (flux1, flux2, qwenimage, flux3, qwenimage21)  # one line per family
-PRODUCT_PACKAGE = "functional_dit.pipelines.families"  # where a family's product module is, by KEY
 
 # What every family module declares (tests/test_families.py checks each).
 FIELDS = ("KEY", "NAME", "CONFIG", "DIFFUSERS_CLASS", "PRESETS", "TINY", "REPOS", "PIPELINES")
@@ -104,19 +103,6 @@ def watch(add, remove) -> None:
 _BUILT_IN = FAMILIES
 
 
-def product(fam):
-    """The product module of family ``fam`` (a family module, its KEY, a config or `Params`):
-    its sampling steps, adapter argument maps, tiny recipes and bench inputs, imported on
-    first use (``fam.PRODUCT`` if the family names one, else `PRODUCT_PACKAGE`.<KEY>)."""
-    if isinstance(fam, str):
-        if fam not in BY_KEY:
-            raise ValueError(f"fam: expected one of {sorted(BY_KEY)}, got {fam!r}")
-        fam = BY_KEY[fam]
-    elif not hasattr(fam, "KEY"):
-        fam = of(fam)
-    return importlib.import_module(getattr(fam, "PRODUCT", f"{PRODUCT_PACKAGE}.{fam.KEY}"))
-
-
 def of(config):
     """The family module that owns ``config`` (a config instance or `Params`)."""
     config = config.config if isinstance(config, Params) else config
@@ -144,6 +130,18 @@ def pipeline_names(fam, sample: bool | None = None) -> tuple[str, ...]:
     """The stock pipeline class names of family ``fam`` (all, or those `fd.sample` drives
     or does not)."""
     return tuple(p.name for p in fam.PIPELINES if sample is None or p.sample == sample)
+
+
+def by_key(key: str):
+    """The family module whose ``KEY`` is ``key``."""
+    if key not in BY_KEY:
+        raise ValueError(f"fam: expected one of {sorted(BY_KEY)}, got {key!r}")
+    return BY_KEY[key]
+
+
+def presets() -> dict:
+    """Every registered family's presets, ``{name: config}`` (what `fd.PRESETS` holds)."""
+    return {name: config for fam in FAMILIES for name, config in fam.PRESETS.items()}
 
 
 def tiny_config(fam):

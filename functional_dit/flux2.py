@@ -632,11 +632,8 @@ def stages(
     static = (double, single, c.attention_head_dim, c.eps, T)
     if kv_mode:  # not scanned: each block reads its cached Ref (or the extracted stream) by name
         ctx["ref"] = _RefRun(ref, ref_mod_single)
-        for kind in ("transformer_blocks", "single_transformer_blocks"):
-            n = len(ordered_blocks(params, kind))
-            cached = [None if cache is None else kv.local_cache(cache, kind, i, img.device) for i in range(n)]
-            ctx[f"{kind}.refs"], ctx[f"{kind}.names"] = cached, [f"{kind}.{i}" for i in range(n)]
-            per_layer[kind] = (f"{kind}.refs", f"{kind}.names")
+        refs, per_layer = _ref_inputs(params, cache, img.device)
+        ctx.update(refs)
     segments = tuple(
         _stages.Segment(kind, step, per_layer.get(kind, ()), consts, static, enter=enter,
                         attention=kind + ".{}.attn", scan=not kv_mode)
@@ -648,6 +645,18 @@ def stages(
     batched = ("mod_img", "mod_txt", "mod_single", "temb", "bias", *(k for k in ctx if k.endswith(".refs")))
     image = _stages.image_rows(T)
     return _stages.Stages(params, (img, txt), segments, ctx, final, image, T, x.shape[1], batched, extra=extra)
+
+
+def _ref_inputs(params, cache, device) -> tuple[dict, dict]:
+    """The per-block inputs of a pass with reference KV: each block's cached `Ref` (None on
+    an extract pass) and its name, as stage inputs, and which of them each block list reads."""
+    inputs, per_layer = {}, {}
+    for kind in ("transformer_blocks", "single_transformer_blocks"):
+        n = len(ordered_blocks(params, kind))
+        cached = [None if cache is None else kv.local_cache(cache, kind, i, device) for i in range(n)]
+        inputs[f"{kind}.refs"], inputs[f"{kind}.names"] = cached, [f"{kind}.{i}" for i in range(n)]
+        per_layer[kind] = (f"{kind}.refs", f"{kind}.names")
+    return inputs, per_layer
 
 
 def forward(params, x, t, txt, **inputs):

@@ -1,23 +1,40 @@
 """The package layout holds (docs/architecture.md): the dependency order between the
-layers, no import cycle among the project's modules, and a light ``import functional_dit``.
-Measured from the code's own import statements, function-level ones included."""
+layers, no import cycle among the project's modules, no function over 40 lines, and a light
+``import functional_dit``. Measured from the code (``examples/layout_report.py``'s walker):
+function-level imports, the packages an import runs, and modules named by a string."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import subprocess
 import sys
+import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("functional_dit", "sharding", "weights")
-# What each layer may import, lowest first (docs/architecture.md, "Packages").
+sys.path.insert(0, str(ROOT / "examples"))
+import layout_report  # noqa: E402  (the import graph and function lengths it reports, enforced here)
+
+# What each layer may import, lowest first (docs/architecture.md, "Packages"). The server is
+# below the CLI: the command hands it what it needs (the model loader), so it imports no CLI.
 LAYERS = {
     "sharding": {"sharding"},
     "core": {"sharding", "core"},
     "weights": {"sharding", "core", "weights"},
     "pipelines": {"sharding", "core", "weights", "pipelines"},
-    "cli": {"sharding", "core", "weights", "pipelines", "cli"},
+    "serve": {"sharding", "core", "weights", "pipelines", "serve"},
+    "cli": {"sharding", "core", "weights", "pipelines", "serve", "cli"},
+}
+# Functions over the length limit being changed in another branch at the time of writing
+# (the server, the bench): remove each entry when that branch lands split.
+LONG_ALLOWED = {
+    ("functional_dit/cli/bench.py", "add_arguments"),
+    ("functional_dit/serve/__init__.py", "run"),
+    ("functional_dit/serve/_app.py", "app"),
+    # fd.sample: over by its signature only, its 55 public stock keywords (59 lines), until
+    # they are collected into a request; its body is held to the limit below.
+    ("functional_dit/pipelines/sampler/__init__.py", "sample"),
 }
 
 
@@ -29,104 +46,89 @@ def _layer(module: str) -> str:
         return "weights"  # resolved on first use (docs/architecture.md)
     if parts[0] != "functional_dit":
         return parts[0]
-    if len(parts) > 1 and parts[1] in ("pipelines", "cli"):
+    if len(parts) > 1 and parts[1] in ("pipelines", "cli", "serve"):
         return parts[1]
-    if parts[1:2] == ["serve"]:  # the server: a command's machinery, beside cli
-        return "cli"
     if parts[1:2] == ["__main__"]:
         return "cli"
     return "core"
 
 
-def _module_name(path: pathlib.Path) -> tuple[str, bool]:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    is_package = parts[-1] == "__init__"
-    return ".".join(parts[:-1] if is_package else parts), is_package
+@functools.cache  # one walk of the tree per test session (a few seconds each)
+def _imports(root: pathlib.Path = ROOT, facades: frozenset = layout_report.LAZY_FACADES) -> dict[str, set[str]]:
+    return layout_report.import_graph(root, facades)
 
 
-def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> list[str]:
-    """The project modules an ``import`` names: ``from . import a`` names the module ``a``
-    where one exists, else the package it comes from."""
-    if node.level:
-        base = module.split(".") if is_package else module.split(".")[:-1]
-        base = base[: len(base) - node.level + 1]
-        source = ".".join(base + ([node.module] if node.module else []))
-    else:
-        source = node.module or ""
-    if source.split(".")[0] not in PACKAGES:
-        return []
-    found = []
-    for alias in node.names:
-        sub = f"{source}.{alias.name}"
-        found.append(sub if sub in GRAPH_MODULES else source)
-    return found
+_cycles = layout_report.cycles
 
 
-def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
-    out = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            name, is_package = _module_name(path)
-            out[name] = (path, is_package)
-    return out
+def _write(root: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
 
 
-GRAPH_MODULES = _modules()
+# The two cycles that came back past the first walker, in miniature: a package's
+# ``__init__`` naming its commands by string (run when a submodule is imported from outside),
+# and the core finding a product module through ``importlib`` and an f-string.
+CLI_SERVE = {
+    "functional_dit/__init__.py": "",
+    "functional_dit/cli/__init__.py": """
+        import importlib
+        COMMANDS = {"serve": "functional_dit.cli.serve"}
+        def main(name):
+            return importlib.import_module(COMMANDS[name])
+    """,
+    "functional_dit/cli/generate.py": "",
+    "functional_dit/cli/serve.py": """
+        def run(args):
+            from .. import serve
+            return serve.run(args)
+    """,
+    "functional_dit/serve/__init__.py": """
+        def run(args):
+            from ..cli import generate
+            return generate
+    """,
+}
+API_PRODUCT = {
+    "functional_dit/__init__.py": "",
+    "functional_dit/api.py": "from . import families as _families\n",
+    "functional_dit/families.py": """
+        import importlib
+        PRODUCT_PACKAGE = "functional_dit.pipelines.families"
+        def product(key):
+            return importlib.import_module(f"{PRODUCT_PACKAGE}.{key}")
+    """,
+    "functional_dit/pipelines/__init__.py": "",
+    "functional_dit/pipelines/families/__init__.py": "from ._steps import Steps\n",
+    "functional_dit/pipelines/families/_steps.py": "from ... import api as _api\nSteps = None\n",
+}
 
 
-def _imports() -> dict[str, set[str]]:
-    graph = {}
-    for module, (path, is_package) in GRAPH_MODULES.items():
-        edges = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                edges |= {a.name for a in node.names if a.name.split(".")[0] in PACKAGES}
-            elif isinstance(node, ast.ImportFrom):
-                edges |= set(_resolve(module, is_package, node))
-        graph[module] = {e for e in edges if e != module}
-    return graph
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph.get(v, ()):
-            if w not in graph:
-                continue
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return found
-
-
-def test_the_walker_sees_imports():
+def test_the_walker_sees_imports(tmp_path):
     graph = _imports()  # a check that cannot see imports would pass vacuously
     assert "functional_dit.api" in graph["functional_dit"]
     assert "sharding.tree" in graph["functional_dit.params"]
     assert "functional_dit.pipelines.cache" in graph["functional_dit.cli._args"]  # a function-level import
+    assert "functional_dit.cli.serve" in graph["functional_dit.cli"]  # a module named in a table
+    assert "functional_dit.lora._io" not in graph["functional_dit.lora"]  # a lazy facade, left out by name
+    everything = _imports(facades=frozenset())
+    assert "functional_dit.lora._io" in everything["functional_dit.lora"]  # importlib, relative to the package
+    assert "functional_dit.pipelines" in graph["functional_dit.cli._args"]  # the package an import runs
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    cli = _imports(_write(tmp_path / "cli", CLI_SERVE))
+    assert _cycles(cli) == [["functional_dit.cli", "functional_dit.cli.serve", "functional_dit.serve"]]
+    api = _imports(_write(tmp_path / "api", API_PRODUCT))
+    assert _cycles(api) == [
+        [
+            "functional_dit.api",
+            "functional_dit.families",
+            "functional_dit.pipelines.families",
+            "functional_dit.pipelines.families._steps",
+        ]
+    ]
 
 
 def test_no_import_cycles():
@@ -141,6 +143,16 @@ def test_dependency_order():
         if _layer(d) not in LAYERS[_layer(m)]
     )
     assert wrong == []
+
+
+def test_no_function_over_40_lines():
+    """House rule: no function of the three packages over 40 lines, its docstring excluded
+    (signature and body counted, as `layout_report.body_lines` measures)."""
+    long = layout_report.long_functions()
+    assert [(path, name, n) for path, name, n in long if (path, name) not in LONG_ALLOWED] == []
+    assert {(path, name) for path, name, _ in long} <= LONG_ALLOWED  # no stale entry hides a split one
+    _, _, body = layout_report.sample_size()  # fd.sample: signature and docstring excluded
+    assert body <= layout_report.MAX_LINES
 
 
 def test_import_functional_dit_loads_no_product_dependencies():
@@ -162,3 +174,31 @@ def test_lazy_product_names_resolve():
     from functional_dit import tiny
 
     assert tiny is tiny_by_path and tiny.__name__ == "functional_dit.pipelines.tiny"
+
+
+def _private_api_uses(path: pathlib.Path) -> list[str]:
+    """``api._name`` reads and ``from ...api import _name`` in one file (``api`` under any alias)."""
+    tree, aliases, found = ast.parse(path.read_text()), set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "api":
+            found += [a.name for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.ImportFrom):
+            aliases |= {a.asname or a.name for a in node.names if a.name == "api"}
+        elif isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "functional_dit.api" and a.asname}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) in aliases:
+            found += [node.attr] if node.attr.startswith("_") and not node.attr.startswith("__") else []
+    return found
+
+
+def test_the_core_is_entered_through_api_public_names(tmp_path):
+    """Issue 48, item 4: a model call outside `fd.apply` is set up by `api.prepare_call`, never
+    by api's private helpers (``_family_args``, ``_gathering``, ``_lora_adapters``, ...)."""
+    api = ROOT / "functional_dit" / "api.py"
+    files = [p for package in ("functional_dit", "sharding", "weights") for p in (ROOT / package).rglob("*.py")]
+    used = {str(p.relative_to(ROOT)): u for p in files if p != api and (u := _private_api_uses(p))}
+    assert used == {}
+    sample = tmp_path / "m.py"  # the check sees both forms
+    sample.write_text("from ..api import _gathering\nfrom .. import api as A\nA._family_args\nA.apply\n")
+    assert _private_api_uses(sample) == ["_gathering", "_family_args"]

@@ -400,7 +400,7 @@ def test_model_names_resolve_as_generate_does(env, capsys):
     import torch.utils._pytree as pytree
     from _cli import one_line_error
 
-    from functional_dit import serve
+    from functional_dit.cli import serve
 
     params, pipe = serve.load_model("tiny:flux")
     assert type(pipe).__name__ == "FluxPipeline"

@@ -25,6 +25,7 @@ import sharding
 import weights
 from functional_dit import families, lora, tiny
 from functional_dit.cli import _bench_models
+from functional_dit.pipelines.families import product
 
 # A FluxPipeline run on the tiny pipeline, short (the tiny prompt length reaches the prompt).
 RUN = dict(height=32, width=32, num_inference_steps=2, max_sequence_length=64, output_type="latent")
@@ -54,7 +55,7 @@ def _as_flux1(params):
 def test_toy_family_runs_everywhere_a_family_runs(toy, tmp_path):
     params = fd.init(tiny.transformer_config("toy"), seed=0)
     assert type(params.config) is toy.ToyConfig and families.of(params) is toy
-    assert families.product(toy) is _toy_family_product and "toy-tiny" in fd.PRESETS
+    assert product(toy) is _toy_family_product and "toy-tiny" in fd.PRESETS
     kw, dkw = _inputs(params.config)
 
     # fd.apply: FLUX.1's result at the same weights (the same functions: bitwise), and the stock class's

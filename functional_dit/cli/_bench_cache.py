@@ -21,13 +21,14 @@ from .. import api as _api
 from .. import families
 from ..pipelines import cache as _cache
 from ..pipelines import tiny
+from ..pipelines.families import product as _product
 
 
 def runs() -> dict:
     """Row name -> the family's cache bench run (`functional_dit.pipelines.families._common.BenchCache`:
     tiny pipeline kind, stock kwargs, fd.sample kwargs, CFG where the models use it), by
     mid config (family key), for the families whose product declares one (``BENCH_CACHE``)."""
-    products = {fam.KEY: families.product(fam) for fam in families.FAMILIES}
+    products = {fam.KEY: _product(fam) for fam in families.FAMILIES}
     return {key: p.BENCH_CACHE for key, p in products.items() if p.BENCH_CACHE is not None}
 
 

@@ -14,6 +14,7 @@ import sharding
 
 from .. import api as _api
 from .. import families
+from ..pipelines.families import product as _product
 
 IMG_HW = (32, 32)  # 1024 image tokens
 TXT_LEN = 128
@@ -22,7 +23,7 @@ TXT_LEN = 128
 def mid_configs() -> dict:
     """The mid-size configs (8 heads x 64 = 512 wide, ~37-44 M params each), by family key
     (each family product's ``MID_CONFIG``)."""
-    return {fam.KEY: families.product(fam).MID_CONFIG for fam in families.FAMILIES}
+    return {fam.KEY: _product(fam).MID_CONFIG for fam in families.FAMILIES}
 
 
 def random_params(config, device, dtype, seed: int = 0):
@@ -38,7 +39,7 @@ def random_params(config, device, dtype, seed: int = 0):
 def released_depth(name: str, config):
     """A mid config with the block counts of its family's released model (``--depth
     released``): mid width, real depth, where compile time per block matters."""
-    preset = _api.PRESETS[families.product(name).RELEASED]
+    preset = _api.PRESETS[_product(name).RELEASED]
     kw = {"num_layers": preset.num_layers}
     if hasattr(preset, "num_single_layers"):
         kw["num_single_layers"] = preset.num_single_layers
@@ -61,7 +62,7 @@ def inputs(config, device, dtype, seed: int = 0, hw=IMG_HW, txt_len: int = TXT_L
     t = torch.rand(1, generator=g).to(device)
     width = getattr(config, "joint_attention_dim", None) or config.context_in_dim  # Qwen-Image 2.1: context_in_dim
     txt = torch.randn(1, txt_len, width, generator=g).to(device, dtype)
-    return families.product(config).bench_inputs(config, x, t, txt, h, w, device, dtype, g)
+    return _product(config).bench_inputs(config, x, t, txt, h, w, device, dtype, g)
 
 
 def _holds_meta_state(module) -> bool:

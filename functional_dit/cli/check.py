@@ -16,6 +16,7 @@ import torch
 
 from .. import api as _api
 from .. import families
+from ..pipelines.families import product as _product
 from . import _xla_metrics as _metrics
 
 
@@ -132,7 +133,7 @@ def run(args) -> int:
         name, config = fam.TINY, families.tiny_config(fam)
         if args.only is not None and args.only not in name:
             continue
-        why = families.product(fam).CHECK_EAGER_ONLY
+        why = _product(fam).CHECK_EAGER_ONLY
         if why is not None and mode != "eager":
             print(f"{name:<18} skip  {mode}: {why}; eager only")
             continue

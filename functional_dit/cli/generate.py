@@ -110,6 +110,21 @@ def _run_arguments(p) -> None:
         choices=["fp8-row", "fp8-tensor"],
         help="fp8 compute (fd.quantize, its default skip list): the transformer's linears as scaled fp8 GEMMs",
     )
+    _mesh_arguments(p)
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator, else cpu)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default: bfloat16 on an accelerator, float32 on the CPU",
+    )
+    p.add_argument("--out", default=None, help="the image file to write (.png, .jpg, .webp)")
+    p.add_argument("--out-dir", default=None, help="with --prompts: the folder for NNNNN.png and manifest.jsonl")
+    p.add_argument("--batch-size", type=positive, default=1, help="with --prompts: images per model call")
+
+
+def _mesh_arguments(p) -> None:
+    """The mesh: tensor, sequence, data, ring and fully sharded degrees (under torchrun)."""
     p.add_argument("--tp", type=positive, default=1)
     p.add_argument("--sp", type=positive, default=1)
     p.add_argument("--dp", type=positive, default=1)
@@ -123,16 +138,6 @@ def _run_arguments(p) -> None:
         help="fully sharded weights: each rank holds 1/N of every weight (after --tp's split), gathered per block; "
         "the batch is split like --dp",
     )
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the accelerator, else cpu)")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "bfloat16", "float16"],
-        help="default: bfloat16 on an accelerator, float32 on the CPU",
-    )
-    p.add_argument("--out", default=None, help="the image file to write (.png, .jpg, .webp)")
-    p.add_argument("--out-dir", default=None, help="with --prompts: the folder for NNNNN.png and manifest.jsonl")
-    p.add_argument("--batch-size", type=positive, default=1, help="with --prompts: images per model call")
 
 
 def _preset_folder(name: str) -> str:

@@ -40,4 +40,31 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from .. import serve
 
-    return serve.run(args)
+    return serve.run(args, load_model)
+
+
+def load_model(spec: str, base: str | None = None, dtype=None):
+    """(params, pipe) for ``--model``: every name ``generate`` takes, resolved by its own
+    functions — a tiny pipeline name (``flux``, ``tiny:qwen-image``, ...: the offline model
+    at seed 0, `functional_dit.cli._models`), or a checkpoint / preset
+    (`functional_dit.cli.generate.resolve`, ``base`` for a transformer-only file)."""
+    import argparse
+
+    import torch
+
+    from . import generate
+
+    dtype = dtype or torch.float32
+    args = argparse.Namespace(model=spec, base=base, config=None)
+    tiny = generate._tiny_name(args)
+    if tiny is not None:
+        pipe, params = generate._load_tiny(tiny, None, "cpu", dtype)
+        return params, pipe
+    import diffusers
+
+    import weights
+
+    model, folder, config = generate.resolve(args)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, transformer=None, dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return weights.load(model, config=config, dtype=dtype), pipe

@@ -25,7 +25,6 @@ from sharding.tree import flatten, nest
 from weights.internal import read_tensors, write_file
 
 from .. import families
-from ..api import PRESETS
 from ..params import Params
 from . import _layouts
 from ._adapter import Adapter, LoraConfig, base_config, linear_modules
@@ -250,7 +249,7 @@ def _other_family(config, state) -> str:
     names = {_strip(p[0]) for k in state if (p := _split_key(k)) is not None}
     names = {re.sub(r"\.\d+\.", ".{}.", n) for n in names}
     best = None
-    for preset in PRESETS.values():
+    for preset in families.presets().values():
         if type(preset) is type(config):
             continue
         idx = {re.sub(r"\.\d+\.", ".{}.", k) for k in _index(preset)}
@@ -273,7 +272,7 @@ def _fitting_presets(config, state) -> list[str]:
         if parts is not None and parts[1] in ("A", "B") and not key.startswith(_layouts.OTHER_COMPONENTS):
             groups.setdefault(_strip(parts[0]), {})[parts[1]] = value
     fits = []
-    for name, preset in PRESETS.items():
+    for name, preset in families.presets().items():
         if preset == config or not groups:
             continue
         index, known = _index(preset), linear_modules(preset)

@@ -1,7 +1,7 @@
 """The product around the core, one subpackage per part (docs/architecture.md):
 
 - `families`: the product per family, one module each (its sampling steps, the adapter's
-  argument map, tiny recipes, bench inputs), found through `functional_dit.families.product`;
+  argument map, tiny recipes, bench inputs), found through `functional_dit.pipelines.families.product`;
 - `sampler`: ``fd.sample`` (argument checks, requests, ranks, the image jobs, the loop);
   `sampling` the per-item sampling state over it, `sampler_xla` its fixed-graph loop,
   `schedule` the img2img schedule, `placement` where the encoders and the VAE run;

@@ -38,10 +38,10 @@ import dataclasses
 
 import torch
 
-from .. import families as _families
 from ..lora import internal as _lora
 from . import sampler as _sampler
 from .cache.internal import items as _cache_items
+from .families import product as _product
 from .sampler.internal import state as _state
 
 # The state and its one pure step, shared with fd.sample (`functional_dit.pipelines.sampler._state`).
@@ -104,7 +104,7 @@ def context(params, encoders, text_to_image: bool = False) -> Context:
     server's requests carry no image)."""
     fam = _sampler._family_name(params)
     pipe = _sampler.as_pipeline(encoders, params)
-    runs = _families.product(fam).PER_ITEM_PIPELINES  # the family's text-to-image pipelines
+    runs = _product(fam).PER_ITEM_PIPELINES  # the family's text-to-image pipelines
     name = type(pipe).__name__
     if name not in runs and text_to_image:
         raise ValueError(f"encoders: functional_dit.sampling runs text to image ({', '.join(runs)}); got {name}")

@@ -53,6 +53,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from .. import config_to_diffusers, families, init, to_state_dict
+from .families import product as _product
 
 PIPELINE_CLASSES = {kind: p.name for kind, (_, p) in families.TINY_KINDS.items()}  # kind -> stock pipeline
 KINDS = tuple(PIPELINE_CLASSES)
@@ -469,7 +470,7 @@ def transformer_config(kind: str):
     """The tiny transformer config a kind's pipeline needs: its family's tiny preset with
     the widths of the kind's encoders (the family product's ``tiny_config_changes``)."""
     fam = families.TINY_KINDS[_check_kind(kind)][0]
-    return dataclasses.replace(families.tiny_config(fam), **families.product(fam).tiny_config_changes(kind))
+    return dataclasses.replace(families.tiny_config(fam), **_product(fam).tiny_config_changes(kind))
 
 
 def fix_buffers(module, dtype) -> None:
@@ -499,7 +500,7 @@ def stock_transformer(kind: str, *, seed: int = 0, dtype=torch.float32):
 def components(kind: str, *, seed: int = 0) -> dict:
     """Every component but the transformer, as the pipeline's ``__init__`` names them (the
     family product's ``tiny_components``)."""
-    return families.product(family(kind)).tiny_components(kind, seed)
+    return _product(family(kind)).tiny_components(kind, seed)
 
 
 # The ControlNet kinds -> the tiny ControlNet preset their stock ControlNet is built from.
@@ -546,4 +547,4 @@ def pipeline(kind: str, *, seed: int = 0, dtype=torch.float32, transformer=None,
 def _assemble(kind: str, parts: dict, transformer):
     """The stock pipeline of ``kind`` over ``parts`` (the family product's ``tiny_assemble``:
     FLUX.3's modular pipelines are built from their blocks)."""
-    return families.product(family(kind)).tiny_assemble(kind, parts, transformer)
+    return _product(family(kind)).tiny_assemble(kind, parts, transformer)

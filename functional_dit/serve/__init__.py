@@ -4,8 +4,9 @@ continuous batching and a LoRA per request (docs/serving.md).
 - `_engine`: the worker thread that batches `functional_dit.sampling` items step by step;
 - `_app`: the HTTP routes (Starlette on uvicorn), checks, errors and metrics;
 - `_journal`: the journal of accepted requests and ``--resume-journal``;
-- here: loading the model (`load_model`) and running the server with its drain on
-  SIGTERM / SIGINT (`serve`).
+- here: running the server with its drain on SIGTERM / SIGINT (`serve`); the command
+  (`functional_dit.cli.serve`) hands it the model loader, so the server imports nothing
+  of the CLI (bad flags are ``ValueError``s, printed by the CLI as its own errors).
 """
 
 from __future__ import annotations
@@ -15,48 +16,19 @@ import threading
 import time
 
 
-def load_model(spec: str, base: str | None = None, dtype=None):
-    """(params, pipe) for ``--model``: every name ``generate`` takes, resolved by its own
-    functions — a tiny pipeline name (``flux``, ``tiny:qwen-image``, ...: the offline model
-    at seed 0, `functional_dit.cli._models`), or a checkpoint / preset
-    (`functional_dit.cli.generate.resolve`, ``base`` for a transformer-only file)."""
-    import argparse
-
-    import torch
-
-    from ..cli import generate
-
-    dtype = dtype or torch.float32
-    args = argparse.Namespace(model=spec, base=base, config=None)
-    tiny = generate._tiny_name(args)
-    if tiny is not None:
-        pipe, params = generate._load_tiny(tiny, None, "cpu", dtype)
-        return params, pipe
-    import diffusers
-
-    import weights
-
-    model, folder, config = generate.resolve(args)
-    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, transformer=None, dtype=dtype)
-    pipe.set_progress_bar_config(disable=True)
-    return weights.load(model, config=config, dtype=dtype), pipe
-
-
 def load_adapters(specs, params) -> dict:
     """``--lora NAME=PATH`` (repeatable) -> {name: adapter}."""
     import functional_dit.lora as lora
-
-    from ..cli import CLIError
 
     out = {}
     for spec in specs or []:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
-            raise CLIError(f"--lora: expected NAME=PATH, got {spec!r}")
+            raise ValueError(f"--lora: expected NAME=PATH, got {spec!r}")
         if name in out:
-            raise CLIError(f"--lora: the name {name!r} is given twice")
+            raise ValueError(f"--lora: the name {name!r} is given twice")
         if not os.path.isfile(path):
-            raise CLIError(f"--lora: {path} is not a file")
+            raise ValueError(f"--lora: {path} is not a file")
         out[name] = lora.load(path, params)
     return out
 
@@ -100,17 +72,17 @@ def serve(service, host: str, port: int, request_timeout: float, drain_timeout: 
     return 0 if service.engine.error is None else 1
 
 
-def run(args) -> int:
-    """``python -m functional_dit serve`` (`functional_dit.cli.serve` parses the flags)."""
+def run(args, load_model) -> int:
+    """``python -m functional_dit serve`` (`functional_dit.cli.serve` parses the flags;
+    ``load_model(spec, base) -> (params, pipe)`` resolves ``--model``)."""
     import torch
 
-    from ..cli import CLIError
     from . import _app, _engine, _journal, _ranks
 
     if args.resume_journal and not args.journal:
-        raise CLIError("--resume-journal: expected with --journal PATH")
+        raise ValueError("--resume-journal: expected with --journal PATH")
     if args.request_timeout <= 0:
-        raise CLIError(f"--request-timeout: expected a positive number of seconds, got {args.request_timeout}")
+        raise ValueError(f"--request-timeout: expected a positive number of seconds, got {args.request_timeout}")
     mesh = _mesh(args)
     params, pipe = load_model(args.model, args.base)
     group, leader = 0, True
@@ -125,14 +97,14 @@ def run(args) -> int:
     try:
         engine = _engine.Engine(params, pipe, adapters, max_batch=args.max_batch, max_queue=args.max_queue)
     except ValueError as e:  # a model the per-item sampler does not run (image inputs: Kontext, edit, ...)
-        raise CLIError(f"--model {args.model}: {e}") from None
+        raise ValueError(f"--model {args.model}: {e}") from None
     limits = dict(n=args.max_images, multiple=pipe.vae_scale_factor * 2, max_size=args.max_size,
                   max_sequence_length=args.max_sequence_length)  # fmt: skip
     service = _app.Service(engine, args.model, defaults=dict(steps=args.steps, size=args.size), limits=limits)
     try:
         service.requests({"prompt": "x"})  # the defaults themselves must pass
     except _app.BadRequest as e:
-        raise CLIError(f"--size/--steps: {e}") from None
+        raise ValueError(f"--size/--steps: {e}") from None
     rank = 0 if mesh is None else torch.distributed.get_rank()
     if mesh is not None:  # every rank runs its group's share of rank 0's turns (`functional_dit.serve._ranks`)
         ranks = _ranks.Ranks(service, rank, group, args.dp, leader)
@@ -150,11 +122,9 @@ def run(args) -> int:
 
 def _mesh(args):
     """The dp x sp x tp mesh under torchrun (``--dp * --sp * --tp`` = WORLD_SIZE), else None."""
-    from ..cli import CLIError
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.dp * args.sp * args.tp != world:
-        raise CLIError(
+        raise ValueError(
             f"--dp/--sp/--tp: expected dp*sp*tp = torchrun's WORLD_SIZE ({world}), "
             f"got {args.dp}*{args.sp}*{args.tp} = {args.dp * args.sp * args.tp}"
         )

@@ -53,6 +53,7 @@ from ... import families as _families
 from ...api import config_to_diffusers, family
 from ...params import Params
 from .. import CacheHooks
+from ..families import product as _product
 from . import _io as io
 from ._ip import IPAdapterMixin, is_ip_weight
 from ._ip import ip_adapter_input as ip_adapter_input  # the sampler's IP-Adapter inputs
@@ -70,7 +71,7 @@ _UNSUPPORTED = {
     "controlnet_single_block_samples": None,
     "controlnet_blocks_repeat": False,
 }
-# Per family, in its product module (`functional_dit.families.product`): ``ADAPTER_ARGS``, the
+# Per family, in its product module (`functional_dit.pipelines.families.product`): ``ADAPTER_ARGS``, the
 # forward arguments beyond the shared ones (hidden_states, timestep, encoder_hidden_states,
 # guidance, return_dict), mapped to `fd.apply`'s by ``adapter_args``; ``PROCESSORS``, the stock
 # attention processors whose maths fd.apply computes per block list, and the stock default.
@@ -153,7 +154,7 @@ def _tree_module(node: torch.nn.Module, subtree: dict, path: tuple, owner: str, 
             node.register_parameter(name, torch.nn.Parameter(value, requires_grad=True))
             continue
         if len(path) == 2 and name == "attn":
-            child = _Attention(owner, *_families.product(fam).PROCESSORS[path[0]])
+            child = _Attention(owner, *_product(fam).PROCESSORS[path[0]])
         else:
             child = _Node()
         _tree_module(child, value, (*path, name), owner, fam)
@@ -196,7 +197,7 @@ class DiffusersTransformer(
         self.register_to_config(**cfg)
         self.__dict__["_fd_config"] = params.config
         _tree_module(self, params.tree, (), type(self).__name__, fam)
-        pos_embed = _families.product(fam).pos_embed(self.config)  # the stock RoPE module (unused by forward)
+        pos_embed = _product(fam).pos_embed(self.config)  # the stock RoPE module (unused by forward)
         if pos_embed is not None:
             self.pos_embed = pos_embed
         self.gradient_checkpointing = False  # what the stock classes hold (enable_gradient_checkpointing)
@@ -257,7 +258,7 @@ class DiffusersTransformer(
         """The stock class's forward (see its docstring); returns ``(sample,)`` with
         ``return_dict=False`` (``(sample, cache)`` for FLUX.2 ``kv_cache_mode="extract"``),
         else the stock output dataclass."""
-        product = _families.product(self._family_name)  # the family's argument map
+        product = _product(self._family_name)  # the family's argument map
         kwargs = self._check_args(kwargs)
         args = dict(guidance=guidance, **product.adapter_args(self, **kwargs))
         cache = None
@@ -286,13 +287,13 @@ class DiffusersTransformer(
         """``kwargs`` less the unsupported stock options left at their defaults; any other
         argument this family does not take is a ValueError."""
         fam, name = self._family_name, type(self).__name__
-        takes = _families.product(fam).ADAPTER_ARGS
+        takes = _product(fam).ADAPTER_ARGS
         for key, value in kwargs.items():
             if key in takes:
                 continue
             if key in _UNSUPPORTED and value is _UNSUPPORTED[key]:  # a stock option left at its default
                 continue
-            others = [f.KEY for f in _families.FAMILIES if key in _families.product(f).ADAPTER_ARGS]
+            others = [f.KEY for f in _families.FAMILIES if key in _product(f).ADAPTER_ARGS]
             if others:
                 raise ValueError(
                     f"{key}: this {name} adapter runs {type(self.params.config).__name__} params "
@@ -450,7 +451,7 @@ def _subclass(family: str) -> type:
     """The adapter class of ``family``, named after the stock class it stands in for (made
     once per family and stock class); its ``forward`` names every argument where the family's
     pipelines read the signature (``NAMED_FORWARD``)."""
-    name, product = _stock_class(family), _families.product(family)
+    name, product = _stock_class(family), _product(family)
     if (family, name) in _SUBCLASSES:
         return _SUBCLASSES[family, name]
     doc = f"`DiffusersTransformer` for {name} params (made by ``DiffusersTransformer(params)``)."

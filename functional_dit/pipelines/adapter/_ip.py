@@ -19,7 +19,7 @@ from diffusers.loaders.transformer_flux import FluxTransformer2DLoadersMixin
 from diffusers.models.embeddings import ImageProjection
 from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
-from ... import families as _families
+from ..families import product as _product
 
 IP_KEYS = ("encoder_hid_proj.", ".processor.")  # parameter names of the IP weight holders
 
@@ -48,7 +48,7 @@ class IPAdapterMixin:
         return self.config.num_attention_heads * self.config.attention_head_dim
 
     def _load_ip_adapter_weights(self, state_dicts, low_cpu_mem_usage: bool = True) -> None:
-        if not _families.product(self._family_name).IP_ADAPTER:
+        if not _product(self._family_name).IP_ADAPTER:
             raise ValueError(
                 f"_load_ip_adapter_weights: {type(self).__name__} (functional_dit) has no IP-Adapter support; "
                 "IP-Adapter is FLUX.1's (FluxTransformer2DModel)"

@@ -56,7 +56,6 @@ import torch
 import sharding
 
 from ... import api as _api
-from ...lora import internal as _lora
 from ...nn import fused as _fuse
 from ...nn import kernels as _kernels
 from ...nn import stages as _stages
@@ -384,18 +383,14 @@ def step(params, cache, state, x, t, txt, *, branches: int = 1, lora=None, **kwa
     cache = check(cache)
     if not isinstance(state, _STATES[type(cache)]):
         raise ValueError(f"state: expected a {_STATES[type(cache)].__name__} for {type(cache).__name__}, got {state!r}")
-    fam = _api.family(params)
-    check_family(fam)
-    kwargs = _api._family_args(fam, kwargs)
+    check_family(_api.family(params))
+    call = _api.prepare_call(params, **kwargs)  # fd.apply's set-up: the one entry into the core
     if not isinstance(branches, int) or branches < 1 or x.shape[0] % branches:
         raise ValueError(f"branches: expected a positive divisor of the batch {x.shape[0]}, got {branches!r}")
-    local, mesh = sharding.local_view(params)
-    adapters = _api._lora_adapters(params, lora, mesh, x.shape[0])
-    with sharding.bind(mesh) if mesh is not None else contextlib.nullcontext():
-        lora_dims: dict = {}  # fully sharded LoRA factors (`fd.apply`'s)
-        local = _lora.attach(local, adapters, x.shape[0], lora_dims) if adapters else local
-        local = _api._gathering(local, lora_dims)  # fsdp: blocks gathered as the stages run them
-        return _step_local(fam, local, cache, state, x, t, txt, kwargs, branches)
+    adapters = call.adapters(lora, x.shape[0])
+    with sharding.bind(call.mesh) if call.mesh is not None else contextlib.nullcontext():
+        local = call.model_params(adapters, x.shape[0])  # LoRA attached; fsdp: blocks gathered as the stages run
+        return _step_local(call.fam, local, cache, state, x, t, txt, call.kwargs, branches)
 
 
 def check_family(fam, name: str = "cache") -> None:
@@ -415,7 +410,7 @@ def check_no_controlnet(inputs: dict) -> None:
 
 
 def _step_local(fam, params, cache, state, x, t, txt, kwargs, branches):
-    """`_api._apply_local` with the cache between the stages: prepare, dp split, step, gathers."""
+    """`fd.apply`'s forward with the cache between the stages: inputs, dp split, step, gathers."""
     inputs = fam.check_inputs(params, x, t, txt, **kwargs)
     check_no_controlnet(inputs)
     B, info = x.shape[0], _Items(x.shape[0], branches, t)

@@ -48,7 +48,6 @@ import torch
 import sharding
 
 from ... import api as _api
-from ...lora import internal as _lora
 from ...nn import fused as _fuse
 from ...nn import kernels as _kernels
 from ...nn import stages as _stages
@@ -96,16 +95,14 @@ def skipped(state) -> int:
 def step(params, configs, states, rows, x, t, txt, *, lora=None, **kwargs):
     """One call over the batch with each item's own cache (module docstring): returns the
     output and each item's new state."""
-    fam = _api.family(params)
-    _cache.check_family(fam)
-    kwargs = _api._family_args(fam, kwargs)
+    _cache.check_family(_api.family(params))
+    call = _api.prepare_call(params, **kwargs)  # fd.apply's set-up: the one entry into the core
     if sum(rows) != x.shape[0]:
         raise ValueError(f"rows: expected item rows summing to the batch {x.shape[0]}, got {list(rows)}")
-    local, mesh = sharding.local_view(params)
-    with sharding.bind(mesh) if mesh is not None else contextlib.nullcontext():
+    with sharding.bind(call.mesh) if call.mesh is not None else contextlib.nullcontext():
         if sharding.axis_size("dp") > 1:
             raise ValueError("cache: per-item step caches run on a mesh without dp (each dp group its own batch)")
-        batch = _Batch(fam, params, local, mesh, x, t, txt, kwargs, lora)
+        batch = _Batch(call, x, t, txt, lora)
         with _kernels.fast_kernels(batch.fast):
             return _step(batch, list(configs), list(states), list(rows))
 
@@ -113,23 +110,20 @@ def step(params, configs, states, rows, x, t, txt, *, lora=None, **kwargs):
 class _Batch:
     """The call's inputs and the family's stages over all rows or a subset of them."""
 
-    def __init__(self, fam, params, local, mesh, x, t, txt, kwargs, lora):
-        self.fam, self.params, self.local, self.mesh = fam, params, local, mesh
+    def __init__(self, call, x, t, txt, lora):
+        self.call, self.fam = call, call.fam
         self.x, self.t, self.txt, self.lora, self.B = x, t, txt, lora or [], x.shape[0]
-        self.inputs = fam.check_inputs(local, x, t, txt, **kwargs)
+        self.inputs = call.fam.check_inputs(call.local, x, t, txt, **call.kwargs)
         _cache.check_no_controlnet(self.inputs)
-        self.fast = _fuse.active(local, fam.FUSED, (x, t, txt, self.inputs))
+        self.fast = _fuse.active(call.local, call.fam.FUSED, (x, t, txt, self.inputs))
         self.all = self.stages(tuple(range(self.B)))
 
     def stages(self, idx: tuple) -> _stages.Stages:
         """The stages of rows ``idx`` (their LoRA re-indexed to the subset)."""
         whole = len(idx) == self.B
         lora = self.lora if whole else _sub_lora(self.lora, idx)
-        p, lora_dims = self.local, {}
-        if lora:
-            ads = _api._lora_adapters(self.params, lora, self.mesh, len(idx))
-            p = _lora.attach(p, ads, len(idx), lora_dims, split=False)  # every row on every rank here
-        p = _api._gathering(p, lora_dims)  # fsdp: blocks gathered as the stages run them
+        ads = self.call.adapters(lora, len(idx)) if lora else []
+        p = self.call.model_params(ads, len(idx), split=False)  # every row on every rank here; fsdp gathers
         if whole:
             return self.fam.stages(p, self.x, self.t, self.txt, **self.inputs)
         i = torch.tensor(idx, device=self.x.device)

@@ -1,7 +1,7 @@
 """The product per family: one module per family (``flux1``, ``flux2``, ``qwenimage``,
 ``flux3``, ``qwenimage21``) holding everything the product does differently for it, found
-through the registry (`functional_dit.families.product`), so the sampler, the adapter, the
-tiny pipelines, the CLI and the bench ask the family instead of comparing names.
+through `product` (over the registry, `functional_dit.families`), so the sampler, the
+adapter, the tiny pipelines, the CLI and the bench ask the family instead of comparing names.
 
 Every product module defines the names in `HOOKS` (docs/adding-a-family.md says what each
 one is); the defaults most families share are in `functional_dit.pipelines.families._common`.
@@ -9,6 +9,9 @@ one is); the defaults most families share are in `functional_dit.pipelines.famil
 
 from __future__ import annotations
 
+import importlib
+
+from ... import families as _families
 from ._latents import _batch as repeat_batch
 from ._latents import combine, flux2_vae_input, grid_ids, pack_2x2, unpack_2x2
 from ._steps import Prompt, Steps, cfg_batch
@@ -23,6 +26,7 @@ __all__ = [
     "flux2_vae_input",
     "grid_ids",
     "pack_2x2",
+    "product",
     "repeat_batch",
     "unpack_2x2",
 ]
@@ -61,3 +65,14 @@ HOOKS = (
     "BENCH_CACHE",  # the family's step-cache bench run (`_common.BenchCache`), or None
     "CHECK_EAGER_ONLY",  # why `check` runs this family eager only, or None
 )
+
+
+def product(fam):
+    """The product module of family ``fam`` (a family module, its KEY, a config or `Params`):
+    its sampling steps, adapter argument maps, tiny recipes and bench inputs, imported on
+    first use (``fam.PRODUCT`` if the family names one, else this package's ``<KEY>``)."""
+    if isinstance(fam, str):
+        fam = _families.by_key(fam)
+    elif not hasattr(fam, "KEY"):
+        fam = _families.of(fam)
+    return importlib.import_module(getattr(fam, "PRODUCT", f"{__name__}.{fam.KEY}"))

@@ -56,6 +56,7 @@ from .. import cache as _cache
 from .. import placement as _placement
 from .. import sampler_xla as _sample_xla
 from ..families import Prompt
+from ..families import product as _product
 from . import _controlnet, _flux2_image, _flux_image, _ranks, _requests, _state
 from . import _flux_kontext as _kontext
 from . import _lora as _lora_items
@@ -112,7 +113,7 @@ def as_pipeline(encoders, params):
     if not isinstance(encoders, Mapping):
         raise ValueError(f"encoders: expected a diffusers pipeline or a mapping of its components, got {encoders!r}")
     comps = {k: v for k, v in encoders.items() if k != "transformer"}
-    cls = getattr(diffusers, _families.product(fam).pipeline_class(comps))
+    cls = getattr(diffusers, _product(fam).pipeline_class(comps))
     return cls(**comps, transformer=None)
 
 
@@ -178,7 +179,7 @@ def _scheduler(pipe, fam: str, seq_len: int, steps: int, device, sigmas=None):
     sched = copy.deepcopy(pipe.scheduler)
     sigmas = np.linspace(1.0, 1 / steps, steps) if sigmas is None else np.array(sigmas)
     sigmas = None if sched.config.get("use_flow_sigmas", False) else sigmas
-    mu = _families.product(fam).shift(seq_len, steps, sched.config)  # the family's mu
+    mu = _product(fam).shift(seq_len, steps, sched.config)  # the family's mu
     sched.set_timesteps(sigmas=sigmas, device=device, mu=mu)
     sched.set_begin_index(0)
     return sched
@@ -393,25 +394,21 @@ def sample(
     """
 
     stock_kw = {k: v for k, v in locals().items() if k in _stock.NAMES}  # the stock pipelines' further arguments
+    given = {k: v for k, v in locals().items() if "prompt_embeds" in k}  # the six stock embedding arguments
     fam = _family_name(params)
     pipe = as_pipeline(encoders, params)
     kv_cache = _stock.kv_cache(kv_cache, use_kv_cache)
-
-    height, width = _stock.size(pipe, height, width, resolution, output_resolution, image)  # Layered, Qwen-Image 2.1
-    height, width = _kontext.size(pipe, height, width, max_area)  # Kontext rescales to max_area
-    height, width = _flux2_image.size(pipe, height, width, image)  # klein inpainting: the image's size
+    height, width = _size(pipe, height, width, resolution, output_resolution, image, max_area)
     _check_args(pipe, height, width, output_type, batch_size)
     _check_scales(guidance, true_cfg)
-    batch_size = _families.product(fam).batch_size(batch_size)  # Qwen-Image 2.1: one image per call
+    batch_size = _product(fam).batch_size(batch_size)  # Qwen-Image 2.1: one image per call
     _placement.check(encoder_placement, vae_tiling)
     steps, sigmas = _check_steps(steps, sigmas)
     controls = _controlnet.check(controlnet, fam, latents, pipe)
     jobs = (image, mask_image, strength, padding_mask_crop, layers)
     pipe, edit = _image_job(pipe, fam, steps, output_type, jobs, latents, (height, width), (image_reference, kv_cache))
     _requests.check_max_sequence_length(fam, max_sequence_length)
-    cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
-    cfg = _qi.true_cfg(fam, cfg, negative_prompt, negative_prompt_embeds)
-    given = {k: v for k, v in locals().items() if "prompt_embeds" in k}  # the six stock embedding arguments
+    cfg = _cfg(fam, true_cfg, negative_prompt, negative_prompt_embeds)
     req = _requests.requests(fam, prompt, num_images_per_prompt, seed, latents, negative_prompt, cfg is not None, given)
     adapters = _lora_items.per_image(params, lora, req.n // req.per_prompt, req.per_prompt)
     prompts, sharded = req.n // req.per_prompt, _sharded(params)
@@ -419,46 +416,73 @@ def sample(
     device, dtype = _param_device_dtype(params)
     local_params, mesh = sharding.local_view(params)
     lay = _ranks.layout(mesh, req.n)
-    img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop, layers=layers)
     run_params = local_params if lay.split else params  # a dp group runs on its local view
-    model = _family_model(fam, run_params, pipe, image, kv_cache, img2img, edit, _auto_resize)
-    model = model if controls is None else _controlnet.WithControlNet(model, controls, pipe)
     hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
-    _check_latents(model, pipe, req, *hw)
-    _stock.check_masked_latents(masked_image_latents, model, req.n, *hw)
+    model = _model(fam, run_params, pipe, (jobs, kv_cache, edit, _auto_resize), controls, req, hw, masked_image_latents)
     on_step = _on_step(pipe, callback, callback_on_step_end)
-    run = _cache.CacheRun.of(cache, image is not None and bool(model.kv))
-    if run is not None and not model.step_cache:
-        raise ValueError(f"cache: step caching is not supported for {fam} yet; expected None")
+    run = _cache_run(cache, model, image, fam)
     adapters = _lora_items.local(adapters, mesh) if lay.split else adapters  # the model runs on local params
-    job = _Job(
-        fam,
-        hw,
-        steps,
-        sigmas,
-        guidance,
-        cfg,
-        output_type,
-        max_sequence_length,
-        batch_size,
-        on_step,
-        run,
-        adapters,
-        stock,
-    )
+    job = _Job(fam, hw, steps, sigmas, guidance, cfg, output_type, max_sequence_length, batch_size, on_step, run,
+               adapters, stock)  # fmt: skip
     with torch.no_grad():
-        if image is not None:
-            model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
-        req = model.init_latents(req, height, width, device, dtype)  # img2img, inpainting: the start image
-        with _placement.placed(pipe, encoder_placement, mesh, device):
-            chunks = [_chunk(model.fork(), req, c, job, dtype, device) for c in _chunks(lay.share, batch_size)]
-        _check_ranks(lay, chunks, model, _settings(job, pipe, req, lay, model, dtype, (height, width)))
         ctx = _state.Context(fam, model, pipe, device, dtype)
+        chunks = _prepared(ctx, req, job, lay, image, (height, width), (encoder_placement, mesh))
         if _ITEMS_ONLY.get():  # `functional_dit.sampling.init`: a request with image inputs
             return ctx, [_item(ctx, c, job) for c in chunks]
         with sharding.bind(lay.mesh) if lay.split else contextlib.nullcontext(), _placement.tiling(pipe, vae_tiling):
             parts = [_run(ctx, run_params, c, job) for c in chunks]
         return _ranks.collect(lay, _ranks.concat(parts, output_type), output_type, local)
+
+
+def _size(pipe, height, width, resolution, output_resolution, image, max_area) -> tuple:
+    """The image size asked, as the pipeline's class sets it: Layered's and Qwen-Image 2.1's
+    resolution, Kontext's rescale to ``max_area``, klein inpainting's image size."""
+    height, width = _stock.size(pipe, height, width, resolution, output_resolution, image)  # Layered, Qwen-Image 2.1
+    height, width = _kontext.size(pipe, height, width, max_area)  # Kontext rescales to max_area
+    return _flux2_image.size(pipe, height, width, image)  # klein inpainting: the image's size
+
+
+def _cfg(fam: str, true_cfg, negative_prompt, negative_prompt_embeds) -> float | None:
+    """The true-CFG scale in force, or None (a scale of at most 1, or a family's refusal
+    without a negative prompt)."""
+    cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
+    return _qi.true_cfg(fam, cfg, negative_prompt, negative_prompt_embeds)
+
+
+def _model(fam: str, params, pipe, family_inputs: tuple, controls, req, hw: tuple, masked_image_latents):
+    """The sampling steps of the call (the family's, an image job's, with a ControlNet),
+    with the given latents checked against them. ``family_inputs``: ``(jobs, kv_cache,
+    edit, auto_resize)``, ``jobs`` `sample`'s ``(image, mask_image, strength,
+    padding_mask_crop, layers)``."""
+    (image, mask_image, strength, padding_mask_crop, layers), kv_cache, edit, auto_resize = family_inputs
+    img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop, layers=layers)
+    model = _family_model(fam, params, pipe, image, kv_cache, img2img, edit, auto_resize)
+    model = model if controls is None else _controlnet.WithControlNet(model, controls, pipe)
+    _check_latents(model, pipe, req, *hw)
+    _stock.check_masked_latents(masked_image_latents, model, req.n, *hw)
+    return model
+
+
+def _cache_run(cache, model, image, fam: str):
+    """The step cache's run (`_cache.CacheRun`), or None; refused for steps without one."""
+    run = _cache.CacheRun.of(cache, image is not None and bool(model.kv))
+    if run is not None and not model.step_cache:
+        raise ValueError(f"cache: step caching is not supported for {fam} yet; expected None")
+    return run
+
+
+def _prepared(ctx: _state.Context, req, job: _Job, lay, image, size: tuple, placement: tuple) -> list:
+    """The call's chunks prepared: the reference images and start latents encoded on the
+    steps, each chunk's prompts encoded on its own fork (the encoders placed as
+    ``placement = (encoder_placement, mesh)`` says), and the ranks' agreement checked."""
+    model, pipe, device, dtype = ctx.model, ctx.pipe, ctx.device, ctx.dtype
+    if image is not None:
+        model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
+    req = model.init_latents(req, *size, device, dtype)  # img2img, inpainting: the start image
+    with _placement.placed(pipe, *placement, device):
+        chunks = [_chunk(model.fork(), req, c, job, dtype, device) for c in _chunks(lay.share, job.batch_size)]
+    _check_ranks(lay, chunks, model, _settings(job, pipe, req, lay, model, dtype, size))
+    return chunks
 
 
 def _image_job(pipe, fam: str, steps: int, output_type: str, jobs: tuple, latents, size, klein: tuple):
@@ -472,7 +496,7 @@ def _image_job(pipe, fam: str, steps: int, output_type: str, jobs: tuple, latent
         args = (steps, image, mask_image, image_reference, strength, crop, output_type, kv_cache)
         return pipe, _flux2_image.check(pipe, *args)
     _flux2_image.refuse_reference(image_reference)
-    jobs = _families.product(fam).IMAGE_JOBS
+    jobs = _product(fam).IMAGE_JOBS
     if jobs == "pipeline":  # Qwen-Image: its img2img / inpainting pipelines (`_qi.pipeline` above)
         return pipe, None
     if jobs == "img2img":  # FLUX.1: over its text-to-image steps
@@ -614,7 +638,7 @@ def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=N
         return _kontext.Flux1Kontext(params, pipe, auto_resize is not False)
     if type(pipe).__name__ in _qi.PIPELINES:
         return _qi.model(params, pipe, image, **img2img)
-    return _families.product(fam).steps(params, pipe, image, kv_cache)
+    return _product(fam).steps(params, pipe, image, kv_cache)
 
 
 def _to(p: Prompt, dtype, device) -> Prompt:

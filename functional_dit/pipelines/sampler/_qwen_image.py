@@ -22,9 +22,9 @@ import math
 import numpy as np
 import torch
 
-from ... import families as _families
 from ... import qwenimage as _qwen
 from ..families import pack_2x2 as _pack
+from ..families import product as _product
 from ..families.qwenimage import _Qwen
 from ..schedule import STRENGTH, blend, noised_start, t_start
 from . import _requests
@@ -39,7 +39,7 @@ _log = logging.getLogger(__name__)
 def true_cfg(fam: str, cfg: float | None, negative_prompt, negative_prompt_embeds) -> float | None:
     """Qwen-Image's pipelines run true CFG only with a negative prompt (or its embeddings):
     without one a ``true_cfg`` > 1 is ignored with a warning, as there."""
-    if cfg is None or not _families.product(fam).CFG_NEEDS_NEGATIVE:
+    if cfg is None or not _product(fam).CFG_NEEDS_NEGATIVE:
         return cfg
     if negative_prompt is None and negative_prompt_embeds is None:
         _log.warning(f"true_cfg={cfg} ignored: Qwen-Image runs classifier-free guidance only with a negative_prompt")

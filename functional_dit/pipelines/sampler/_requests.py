@@ -20,8 +20,9 @@ import dataclasses
 import torch
 
 from ... import families as _families
+from ..families import product as _product
 
-# Per family, in its product module (`functional_dit.families.product`): ``EMBED_ARGS``, the
+# Per family, in its product module (`functional_dit.pipelines.families.product`): ``EMBED_ARGS``, the
 # stock keyword arguments that replace the text encoders' output (``EMBEDS_TOGETHER`` of them
 # needed with ``prompt_embeds``), and ``MAX_SEQUENCE_LENGTH``, the stock pipelines' limit.
 
@@ -63,7 +64,7 @@ def _strings(value, name: str, n: int | None) -> list[str]:
 
 def embeds(fam: str, given: dict, prefix: str = "") -> dict:
     """The non-None embedding arguments, checked against the family's keywords."""
-    out, product = {k: v for k, v in given.items() if v is not None}, _families.product(fam)
+    out, product = {k: v for k, v in given.items() if v is not None}, _product(fam)
     for k, v in out.items():
         if k[len(prefix) :] not in product.EMBED_ARGS:
             takes = ", ".join(prefix + a for a in product.EMBED_ARGS)
@@ -85,7 +86,7 @@ def embeds(fam: str, given: dict, prefix: str = "") -> dict:
 def check_max_sequence_length(fam: str, msl) -> None:
     if msl is None:
         return
-    top = _families.product(fam).MAX_SEQUENCE_LENGTH
+    top = _product(fam).MAX_SEQUENCE_LENGTH
     if not _is_int(msl) or msl < 1 or (top is not None and msl > top):
         bound = f"a positive int ≤ {top}" if top else "a positive int"
         raise ValueError(f"max_sequence_length: expected {bound} (as the stock {fam} pipeline), got {msl!r}")

@@ -46,7 +46,7 @@ import numbers
 
 import torch
 
-from ... import families as _families
+from ..families import product as _product
 
 # Arguments taken by no pipeline fd.sample drives with a meaning here, and why.
 REFUSED = {
@@ -98,7 +98,7 @@ def take(pipe, fam: str, prompts: int, req, adapters, given: dict, cache, sharde
     refuse_untaken(pipe, given)
     scale = lora_scale(pipe, given["joint_attention_kwargs"], given["attention_kwargs"])
     encode = encoder_layers(given["text_encoder_out_layers"])
-    if _families.product(fam).ENCODER_LORA_SCALE and scale is not None:
+    if _product(fam).ENCODER_LORA_SCALE and scale is not None:
         encode["lora_scale"] = scale  # FluxPipeline scales its text encoders' LoRA by it
     pos, neg = given["ip_adapter_image_embeds"], given["negative_ip_adapter_image_embeds"]
     stock = StockArgs(
