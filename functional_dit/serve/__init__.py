@@ -15,6 +15,16 @@ import threading
 import time
 
 
+def __getattr__(name):
+    """``Engine`` and ``Job`` (`functional_dit.serve._engine`) for callers that run the engine
+    in-process (``bench --suite gpu``), resolved on first use."""
+    if name in ("Engine", "Job"):
+        from . import _engine
+
+        return getattr(_engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def load_model(spec: str, base: str | None = None, dtype=None):
     """(params, pipe) for ``--model``: every name ``generate`` takes, resolved by its own
     functions — a tiny pipeline name (``flux``, ``tiny:qwen-image``, ...: the offline model
