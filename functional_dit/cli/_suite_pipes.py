@@ -194,7 +194,10 @@ def _serve_row(c: int, engines: dict, stock_s: float, p) -> dict:
 def serve(p, window):
     """The engine batching and not, at each concurrency, vs the stock pipeline serially."""
     if p.serve is None:
-        yield dict(concurrency="-", skipped=f"none of {sorted(p.configs)} has a tiny pipeline ({sampled_families()})")
+        yield dict(
+            concurrency="-",
+            skipped=f"no family here has a tiny pipeline (those that do: {', '.join(sampled_families())})",
+        )
         return
     run = _bench_cache.runs()[p.serve]
     config = _bench_cache.bench_config(run.kind, p.configs[p.serve])

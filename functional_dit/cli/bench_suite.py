@@ -101,7 +101,7 @@ def plan(device: str, budget: float | None, names: list[str], cache=None, backen
     tiny presets, fp32, 64², 4 steps, no compile: eager in its place, unless ``backend``
     names one, and then for the first family only)."""
     gpu = torch.device(device).type == "cuda"
-    configs = {k: released_shape(k) if gpu else c for k, c in _tiny_configs().items() if k in names}
+    configs = {k: released_shape(k) if gpu else _tiny_configs()[k] for k in names}  # in --families' order
     sampled = tuple(k for k in _suite_pipes.sampled_families() if k in names)
     backend = backend or ("inductor" if gpu else "none")
     common = dict(device=device, configs=configs, sample=sampled, cache=cache or DEFAULT_CACHE,
@@ -235,7 +235,10 @@ def _cache_spec(specs) -> str | None:
         raise ValueError(f"--cache: the suite takes one step-cache spec, got {len(specs)}: {specs}")
     from ..pipelines import cache
 
-    cache.parse(specs[0])
+    try:
+        cache.parse(specs[0])
+    except ValueError as e:
+        raise ValueError(f"--cache: {str(e).removeprefix('cache: ')}") from None
     return specs[0]
 
 
