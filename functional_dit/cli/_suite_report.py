@@ -1,7 +1,7 @@
 """The Markdown report of ``bench --suite gpu`` (`functional_dit.cli.bench_suite`): a
-header saying what ran and what is real or tiny, one table per section (a ``ratio ...``
-column is ours over theirs: below 1 is faster, or less), peak memory per section, and
-every figure."""
+header saying what ran and what is real or tiny, one table per section (a ``ratio A/B``
+column is A over B: of seconds or GiB, below 1 is faster or less; of images/s, above 1 is
+faster), peak memory per section, and every figure."""
 
 from __future__ import annotations
 
