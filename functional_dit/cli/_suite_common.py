@@ -83,11 +83,11 @@ def stock_module(config, device, dtype, seed: int = 0):
     cfg = _api.config_to_diffusers(config)
     cls = getattr(diffusers, cfg.pop("_class_name"))
     torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device(device):  # drawn there (a released width's billions of weights), tables made there
         module = cls(**{k: v for k, v in cfg.items() if not k.startswith("_")})
-    if dtype != torch.float32:
-        module = module.to(dtype)
-        tiny.fix_buffers(module, dtype)
+        if dtype != torch.float32:
+            module = module.to(dtype)
+            tiny.fix_buffers(module, dtype)
     return module.eval().requires_grad_(False)
 
 
