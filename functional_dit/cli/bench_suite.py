@@ -192,21 +192,22 @@ def _say(t0: float, name: str, what: str) -> None:
     print(f"[{time.perf_counter() - t0:6.1f} s] {name}: {what}", flush=True)
 
 
-def _rows(name: str, p: Plan, window: Window, t0: float, out: dict) -> None:
-    """Run section ``name`` into ``out`` (a record `run_section` made): its rows as they
-    come, or why it stopped (its share ran out, or it failed before its first family)."""
-    fn = SECTIONS[name][0]
+def _rows(name: str, p: Plan, window: Window, t0: float) -> tuple[list, str | None]:
+    """(section ``name``'s rows as they came, why it stopped early or None): its share ran
+    out, or it failed before its first family."""
+    rows, stopped = [], None
     try:
         with _alarm(window.left()):
-            for row in fn(p, window):
-                out["rows"].append(row)
+            for row in SECTIONS[name][0](p, window):
+                rows.append(row)
                 _say(t0, name, _suite_report.progress(row))
     except OutOfTime:
-        out["stopped"] = f"its share of the budget ran out after {len(out['rows'])} row(s)"
+        stopped = f"its share of the budget ran out after {len(rows)} row(s)"
     except Exception as e:  # noqa: BLE001 - a section that cannot start (an OOM) is reported, the rest run
-        out["stopped"] = f"failed: {error_line(e)}"
-    if out["stopped"]:
-        _say(t0, name, f"stopped ({out['stopped']})")
+        stopped = f"failed: {error_line(e)}"
+    if stopped:
+        _say(t0, name, f"stopped ({stopped})")
+    return rows, stopped
 
 
 def run_section(name: str, p: Plan, window: Window, t0: float) -> dict:
@@ -220,7 +221,7 @@ def run_section(name: str, p: Plan, window: Window, t0: float) -> dict:
     _say(t0, name, f"started ({window.left():.0f} s of the budget for it)")
     _clean(p.device)
     start = time.perf_counter()
-    _rows(name, p, window, t0, out)
+    out["rows"], out["stopped"] = _rows(name, p, window, t0)
     out["seconds"], out["peak_gib"] = time.perf_counter() - start, _peak_gib(p.device, out["rows"])
     _clean(p.device)
     _say(t0, name, f"done in {out['seconds']:.1f} s")
