@@ -132,3 +132,39 @@ def test_a_section_past_its_share_is_stopped_with_its_rows_kept(monkeypatch):
 )
 def test_bad_suite_flags_are_one_line_errors(argv, want, capsys):
     assert one_line_error(["bench", "--suite", "gpu", *argv], capsys).startswith(want)
+
+
+@pytest.mark.slow  # ~9 s: eight diffusers classes built (on the meta device)
+def test_the_gpu_plan_is_the_released_widths_at_reduced_depth_and_builds():
+    """What a GPU runs, checked without one: the released presets' widths at the mid
+    configs' depth, bf16, a 1024² image, 28 steps; each diffusers class builds from the
+    config (on the meta device: no memory) and our params read its weights back whole."""
+    import dataclasses
+
+    import torch
+
+    import functional_dit as fd
+    from functional_dit import families
+    from functional_dit.cli import _bench_cache, _suite_common, bench_suite
+
+    p = bench_suite.plan("cuda", None, list(FAMILIES))
+    assert (p.dtype, p.hw, p.txt_len, p.steps, p.size, p.backend) == (
+        torch.bfloat16,
+        (64, 64),
+        512,
+        28,
+        1024,
+        "inductor",
+    )
+    assert p.compiled == FAMILIES and p.sample == ("flux1", "flux2", "qwenimage") and p.serve == "flux1"
+    for key, config in p.configs.items():
+        product = families.product(key)
+        depth = {k: getattr(product.MID_CONFIG, k) for k in ("num_layers", "num_single_layers") if hasattr(config, k)}
+        assert config == dataclasses.replace(fd.PRESETS[product.RELEASED], **depth)
+        module, params = _suite_common.models(config, "meta", torch.bfloat16)
+        assert params.config == config and {v.dtype for v in params.flat().values()} == {torch.bfloat16}
+        assert params.flat().keys() == module.state_dict().keys()
+    for key in p.sample:
+        config = _bench_cache.bench_config(_bench_cache.runs()[key].kind, p.configs[key])
+        assert config.num_attention_heads == p.configs[key].num_attention_heads
+        assert _suite_common.models(config, "meta", torch.bfloat16)[1].config == config
