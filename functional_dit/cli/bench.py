@@ -587,6 +587,14 @@ def add_arguments(p) -> None:
     p.add_argument("--cache", nargs="+", default=None, help="sampling rows with these step caches (fbcache:0.1 ...)")
     p.add_argument("--cache-steps", type=int, default=8, help="sampling steps of the --cache rows (default 8)")
     p.add_argument("--cache-size", type=int, default=256, help="image side in pixels of the --cache rows")
+    p.add_argument(
+        "--suite",
+        choices=("gpu",),
+        default=None,
+        help="gpu: every section side by side with diffusers within --budget (functional_dit.cli.bench_suite)",
+    )
+    p.add_argument("--budget", type=float, default=None, help="--suite's seconds (default 450 on CUDA, 55 on a CPU)")
+    p.add_argument("--compile-backend", default=None, help="--suite's torch.compile backend (inductor on CUDA, none)")
 
 
 def shape(args) -> dict:
@@ -655,6 +663,10 @@ def _measure(configs: dict, args) -> dict:
 
 
 def run(args) -> int:
+    if getattr(args, "suite", None):  # one command for a GPU's whole picture: functional_dit.cli.bench_suite
+        from . import bench_suite
+
+        return bench_suite.run(args)
     if getattr(args, "sampling", False):  # fd.sample vs stock, dp scaling: functional_dit.cli.bench_sample
         from . import bench_sample
 

@@ -16,6 +16,16 @@ import threading
 import time
 
 
+def __getattr__(name):
+    """``Engine`` and ``Job`` (`functional_dit.serve._engine`) for callers that run the engine
+    in-process (``bench --suite gpu``), resolved on first use."""
+    if name in ("Engine", "Job"):
+        from . import _engine
+
+        return getattr(_engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def load_adapters(specs, params) -> dict:
     """``--lora NAME=PATH`` (repeatable) -> {name: adapter}."""
     import functional_dit.lora as lora
