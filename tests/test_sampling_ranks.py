@@ -2,10 +2,11 @@
 
 Image requests, each with or without a per-item LoRA: FLUX.1 img2img, FLUX.1 inpainting
 (true CFG, a First-Block Cache, two adapters) and a FLUX.1 ControlNet (true CFG); a klein
-request with one reference and one with two (true CFG); Qwen-Image img2img and inpainting;
-klein's inpainting pipeline (a context whose every request is an image job). One request
-a step ahead of the others, beside a text-to-image item, stepped by `sampling.step` until
-done:
+request with one reference and one with two (true CFG), over klein's pipeline and over
+its reference KV cache pipeline (the cache extracted on the first step); Qwen-Image
+img2img and inpainting; klein's inpainting pipeline (a context whose every request is an
+image job). One request a step ahead of the others, beside a text-to-image item, stepped
+by `sampling.step` until done (3 steps at 32x48):
 
 - in one process: each image request's latents bitwise ``fd.sample`` of that request
   alone with that LoRA (an image request takes its own model calls: the same ops);
@@ -37,7 +38,7 @@ from functional_dit import sampling, tiny
 # order than one process (the bound of docs/numerics.md; measured in docs/sampling.md)
 FP32 = dict(rtol=1e-5, atol=1e-5)
 MESHES = (dict(tp=2), dict(fsdp=2), dict(sp=2))
-KINDS = ("flux", "flux2-klein", "qwen-image", "flux2-klein-inpaint")
+KINDS = ("flux", "flux2-klein", "flux2-klein-kv", "qwen-image", "flux2-klein-inpaint")
 CFG = dict(true_cfg=2.0, negative_prompt="blurry")
 
 
@@ -77,7 +78,7 @@ def requests(kind: str, a, b, place=lambda tree: tree) -> list:
             R("a red cube", 5, image=_picture(80, 64), mask_image=_mask(80, 64), strength=0.8, lora=((a, 0.8),)),
             R("a blue cube", 6, image=_picture(80, 64, 1), mask_image=_mask(80, 64), **CFG),
         ]
-    if kind == "flux2-klein":
+    if kind in ("flux2-klein", "flux2-klein-kv"):
         return [
             R("a red cube", 5, image=_picture(80, 64), lora=((a, 0.8),)),
             R("a blue cube", 6, image=[_picture(80, 64, 1), _picture(64, 64, 2)], **CFG),
