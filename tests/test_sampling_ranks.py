@@ -13,7 +13,8 @@ by `sampling.step` until done (3 steps at 32x48):
 - on 2 gloo ranks (one spawn): tp=2, fsdp=2 and sp=2 (params, adapters and the ControlNet
   sharded as ``fd.sample`` takes them), each image request's latents bitwise ``fd.sample``
   alone on the same mesh (same ranks, same ops), within the fp32 tolerance of the
-  one-process result, and bitwise the same on both ranks.
+  one-process result, and bitwise the same on both ranks; a rank handed another image or
+  strength raises the same ValueError as its peer, before any step.
 
 The text-to-image item shares its calls with the other text-to-image items only; it is
 checked within the fp32 tolerance of ``fd.sample`` alone (its batch is not its own).
@@ -145,6 +146,21 @@ def test_image_requests_with_per_item_lora_equal_fd_sample_alone(kind):
     _check_alone(_each(params, pipe, a, b, kind, lambda t: t), requests(kind, a, b))
 
 
+def _diverging(rank, params, pipe) -> dict:
+    """What `sampling.init` says when rank 1's request has another image or strength."""
+    out = {}
+    for what, kw in (("image", dict(image=_picture(56, 72, rank))), ("strength", dict(strength=0.7 + 0.1 * rank))):
+        r = sampling.Request(
+            "a red cube", 32, 48, 3, seed=5, max_sequence_length=32, **(dict(image=_picture(56, 72), strength=0.7) | kw)
+        )
+        try:
+            sampling.init(params, sampling.context(params, pipe), [r])
+            out[what] = "no error"
+        except ValueError as e:
+            out[what] = str(e)
+    return out
+
+
 def _ranks(rank, world):
     out = {}
     for axes in MESHES:
@@ -154,6 +170,8 @@ def _ranks(rank, world):
             pipe, params, a, b = _setup(kind)
             for prompt, pair in _each(place(params), pipe, a, b, kind, place).items():
                 out[(str(axes), kind, prompt)] = pair
+            if kind == "flux" and "tp" in axes:
+                out["diverging"] = _diverging(rank, place(params), pipe)
     return out
 
 
@@ -175,3 +193,7 @@ def test_image_requests_on_tp2_fsdp2_sp2_equal_fd_sample_alone_and_one_process()
                 assert torch.equal(results[0][(axes, kind, p)][0], results[1][(axes, kind, p)][0]), (axes, kind, p)
                 worst[axes] = max(worst[axes], (results[0][(axes, kind, p)][0] - single[p]).abs().max().item())
     print(f"image requests on 2 ranks against one process, max |Δ| on the latents: {worst}")
+    for r in results:  # another image or strength on one tp rank: the same error on every rank, before any step
+        same = "expected the same tensor on every rank, got ranks [0]: "
+        assert r["diverging"]["image"].startswith("reference latents (image): " + same), r["diverging"]
+        assert r["diverging"]["strength"].startswith("strength: expected the same value on every rank"), r["diverging"]
