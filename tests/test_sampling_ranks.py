@@ -13,8 +13,9 @@ by `sampling.step` until done (3 steps at 32x48):
 - on 2 gloo ranks (one spawn): tp=2, fsdp=2 and sp=2 (params, adapters and the ControlNet
   sharded as ``fd.sample`` takes them), each image request's latents bitwise ``fd.sample``
   alone on the same mesh (same ranks, same ops), within the fp32 tolerance of the
-  one-process result, and bitwise the same on both ranks; a rank handed another image or
-  strength raises the same ValueError as its peer, before any step.
+  one-process result, and bitwise the same on both ranks; a rank handed another image,
+  strength, seed, prompt or LoRA scale raises the same ValueError as its peer, before any
+  step.
 
 The text-to-image item shares its calls with the other text-to-image items only; it is
 checked within the fp32 tolerance of ``fd.sample`` alone (its batch is not its own).
@@ -147,11 +148,20 @@ def test_image_requests_with_per_item_lora_equal_fd_sample_alone(kind):
 
 
 def _diverging(rank, params, pipe) -> dict:
-    """What `sampling.init` says when rank 1's request has another image or strength."""
+    """What `sampling.init` says when rank 1's request has another image, strength, seed,
+    prompt or LoRA scale (the last three on a text-to-image request)."""
     out = {}
-    for what, kw in (("image", dict(image=_picture(56, 72, rank))), ("strength", dict(strength=0.7 + 0.1 * rank))):
+    image = dict(image=_picture(56, 72), strength=0.7)
+    a = sharding.shard_params(_setup("flux")[2], sharding.local_view(params)[1])
+    for what, kw in (
+        ("image", image | dict(image=_picture(56, 72, rank))),
+        ("strength", image | dict(strength=0.7 + 0.1 * rank)),
+        ("seed", dict(seed=5 + rank)),
+        ("prompt", dict(prompt=f"a red cube {rank}")),
+        ("lora", dict(lora=((a, 0.5 + rank),))),
+    ):
         r = sampling.Request(
-            "a red cube", 32, 48, 3, seed=5, max_sequence_length=32, **(dict(image=_picture(56, 72), strength=0.7) | kw)
+            **(dict(prompt="a red cube", height=32, width=48, steps=3, seed=5, max_sequence_length=32) | kw)
         )
         try:
             sampling.init(params, sampling.context(params, pipe), [r])
@@ -197,3 +207,6 @@ def test_image_requests_on_tp2_fsdp2_sp2_equal_fd_sample_alone_and_one_process()
         same = "expected the same tensor on every rank, got ranks [0]: "
         assert r["diverging"]["image"].startswith("reference latents (image): " + same), r["diverging"]
         assert r["diverging"]["strength"].startswith("strength: expected the same value on every rank"), r["diverging"]
+        assert r["diverging"]["seed"].startswith("latents (seed): " + same), r["diverging"]
+        assert r["diverging"]["prompt"].startswith("prompt embeddings (prompt): " + same), r["diverging"]
+        assert r["diverging"]["lora"].startswith("lora: expected the same value on every rank"), r["diverging"]
