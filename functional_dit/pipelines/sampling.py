@@ -44,6 +44,7 @@ from .. import families as _families
 from ..lora import internal as _lora
 from . import sampler as _sampler
 from .cache.internal import items as _cache_items
+from .sampler.internal import ranks as _ranks
 from .sampler.internal import state as _state
 
 # The state and its one pure step, shared with fd.sample (`functional_dit.pipelines.sampler._state`).
@@ -175,7 +176,7 @@ def _agree(params, req: Request, chunk, cfg) -> None:
     lora, cache = _sampler._lora_items.fingerprint((tuple(req.lora),)), _cache_items.config(req.cache, req.steps)
     settings = dict(height=req.height, width=req.width, steps=req.steps, guidance=req.guidance, true_cfg=cfg,
                     max_sequence_length=req.max_sequence_length, cache=repr(cache), lora=lora)  # fmt: skip
-    _sampler._check_ranks(_sampler._ranks.layout(mesh, 1), [chunk], chunk.model, settings)
+    _sampler._check_ranks(_ranks.layout(mesh, 1), [chunk], chunk.model, settings)
 
 
 def _prepared_item(params, ctx: Context, req: Request, tag) -> Item:
