@@ -203,7 +203,7 @@ def test_image_requests_on_tp2_fsdp2_sp2_equal_fd_sample_alone_and_one_process()
                 assert torch.equal(results[0][(axes, kind, p)][0], results[1][(axes, kind, p)][0]), (axes, kind, p)
                 worst[axes] = max(worst[axes], (results[0][(axes, kind, p)][0] - single[p]).abs().max().item())
     print(f"image requests on 2 ranks against one process, max |Δ| on the latents: {worst}")
-    for r in results:  # another image or strength on one tp rank: the same error on every rank, before any step
+    for r in results:  # another image, strength, seed, prompt or LoRA scale on one tp rank: the same error on both
         same = "expected the same tensor on every rank, got ranks [0]: "
         assert r["diverging"]["image"].startswith("reference latents (image): " + same), r["diverging"]
         assert r["diverging"]["strength"].startswith("strength: expected the same value on every rank"), r["diverging"]
