@@ -38,10 +38,13 @@ import dataclasses
 
 import torch
 
+import sharding
+
 from ..lora import internal as _lora
 from . import sampler as _sampler
 from .cache.internal import items as _cache_items
 from .families import product as _product
+from .sampler.internal import ranks as _ranks
 from .sampler.internal import state as _state
 
 # The state and its one pure step, shared with fd.sample (`functional_dit.pipelines.sampler._state`).
@@ -151,6 +154,7 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
     hw = 2 * (req.height // f), 2 * (req.width // f)
     job = _sampler._Job(ctx.fam, hw, req.steps, None, req.guidance, cfg, "pil", req.max_sequence_length, None, None)
     chunk = _sampler._chunk(model, reqs, (0,), job, ctx.dtype, ctx.device)
+    _agree(params, req, chunk, cfg)
     sched = _sampler._scheduler(pipe, ctx.fam, chunk.x.shape[1], req.steps, ctx.device)
     cache = _cache_items.config(req.cache, len(sched.timesteps))
     state = _cache_items.init(cache, model.cfg_calls if cfg is not None else 1)  # one per model call of a step
@@ -159,6 +163,20 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
         ctx, model, chunk.x, chunk.cond, sched, hw, guidance=req.guidance, cfg=cfg, images=(0,),
         normalise=model.normalise_cfg, **fields,
     )  # fmt: skip
+
+
+def _agree(params, req: Request, chunk, cfg) -> None:
+    """On a mesh of every rank, the ranks that run the item must hold the same request:
+    ``fd.sample``'s check before the first step (its noise, text and settings; the same
+    ValueError on every rank). A mesh of some ranks only (the server's dp groups, each
+    with requests of its own) is left to its caller, who hands its ranks the same ones."""
+    mesh = sharding.local_view(params)[1] if _sampler._sharded(params) else None
+    if mesh is None or mesh.size() != torch.distributed.get_world_size():
+        return
+    lora, cache = _sampler._lora_items.fingerprint((tuple(req.lora),)), _cache_items.config(req.cache, req.steps)
+    settings = dict(height=req.height, width=req.width, steps=req.steps, guidance=req.guidance, true_cfg=cfg,
+                    max_sequence_length=req.max_sequence_length, cache=repr(cache), lora=lora)  # fmt: skip
+    _sampler._check_ranks(_ranks.layout(mesh, 1), [chunk], chunk.model, settings)
 
 
 def _prepared_item(params, ctx: Context, req: Request, tag) -> Item:
