@@ -356,15 +356,14 @@ class CacheHooks(diffusers.CacheMixin):
         return next((h for h in hooks if isinstance(h, StepCacheHook)), None)
 
     def cached_apply(self, params, x, t, txt, lora=None, checkpoint: bool = False, **kwargs):
-        """`fd.apply`, or with a cache enabled one cached step in the current context's state."""
+        """`fd.apply`, or with a cache enabled one cached step in the current context's state
+        (``lora``, the adapter's on-the-fly LoRA pairs, in both)."""
         hook = self.step_cache_hook()
         if hook is None:
             return apply(params, x, t, txt, lora=lora, checkpoint=checkpoint, **kwargs)
         if checkpoint and torch.is_grad_enabled():
             raise ValueError("enable_cache: step caching with gradient checkpointing under autograd is not supported")
-        if lora:
-            raise ValueError("lora: step caching with on-the-fly LoRA is not supported; merge it (lora.merge)")
-        state = hook.state(t)
-        out, state.value = _cache.step(params, hook.cache, state.value, x, t, txt, **kwargs)
+        state = hook.state(t)  # LoRA on the fly: the step applies it in every block it runs, as fd.apply
+        out, state.value = _cache.step(params, hook.cache, state.value, x, t, txt, lora=lora, **kwargs)
         hook.show(state.value)
         return out
