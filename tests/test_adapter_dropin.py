@@ -497,6 +497,11 @@ def test_pyramid_attention_broadcast_hooks_as_stock(kind):
         assert all(s["cache"] is not None and s["iteration"] == i + 1 for s in states.values())
     assert all(s["cache"] is None and s["iteration"] == 0 for s in got_after.values())
     _assert_same_state([got_steps, got_after], [want_steps, want_after])
+    ad = adapter(kind)
+    ad.enable_cache(_pab_config(None))
+    assert ad.step_cache_hook() is not None and ad._diffusers_hook.get_hook(PAB) is None  # none on the model, as stock
+    ad.disable_cache()
+    assert _hooks(ad) == {} and ad.step_cache_hook() is None and not ad.is_cache_enabled
 
 
 @pytest.mark.parametrize("kind", ["flux", "flux2"])
@@ -523,6 +528,8 @@ def test_faster_cache_hooks_as_stock(kind):
     assert sorted(n for n, m in ad.named_modules() if n and hasattr(m, "_diffusers_hook")) == sorted(
         n for n, _ in blocks
     )
+    ad.disable_cache()  # diffusers' disable_cache: every hook gone, ours too
+    assert _hooks(ad) == {} and ad.step_cache_hook() is None and not ad.is_cache_enabled
     for i, states in enumerate(got_steps):
         assert all(s["iteration"] == i + 1 for s in states.values())
         assert all(len(states[k]["cache"]) == 2 for k in blocks)
