@@ -10,7 +10,9 @@ starting afresh; beyond them, each config's outputs step by step equal the stock
 module's under the same config (both CFG contexts interleaved as the pipelines call
 them) — First-Block Cache, TaylorSeer in both modes (on the output, on the attention
 modules, with a skipped module), MagCache, FasterCache with its timestep and weight
-callbacks —, and every config the adapter cannot honour is a ValueError naming it.
+callbacks —, and every config the adapter cannot honour is a ValueError naming it. A
+cache with an on-the-fly LoRA (``set_lora``) equals the stock pipeline with the PEFT LoRA
+and `fd.sample` with the same ``lora=`` and ``cache=``.
 """
 
 from __future__ import annotations
