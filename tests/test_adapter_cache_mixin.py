@@ -10,7 +10,9 @@ starting afresh; beyond them, each config's outputs step by step equal the stock
 module's under the same config (both CFG contexts interleaved as the pipelines call
 them) — First-Block Cache, TaylorSeer in both modes (on the output, on the attention
 modules, with a skipped module), MagCache, FasterCache with its timestep and weight
-callbacks —, and every config the adapter cannot honour is a ValueError naming it.
+callbacks —, and every config the adapter cannot honour is a ValueError naming it. A
+cache with an on-the-fly LoRA (``set_lora``) equals the stock pipeline with the PEFT LoRA
+and `fd.sample` with the same ``lora=`` and ``cache=``.
 """
 
 from __future__ import annotations
@@ -327,3 +329,57 @@ def test_pos_embed_is_the_stock_module(preset):
     # (Qwen-Image 2.1's stock time embedding holds a non-persistent buffer the adapter
     # does not: outside pos_embed, not in state_dict)
     assert [n for n, _ in ad.pos_embed.named_buffers()] == [n for n, _ in stock.pos_embed.named_buffers()] == []
+
+
+# ---------------------------------------------------------------- step caching with on-the-fly LoRA
+
+# (diffusers config, our cache) per method; FBC's threshold lies between the step metrics this
+# LoRA gives (decisions the same for thresholds 0.85 to 0.90), TaylorSeer decides by step count.
+LORA_CACHES = {
+    "fbc": (lambda: FirstBlockCacheConfig(threshold=0.88), lambda: fd.FirstBlockCache(0.88)),
+    "taylorseer": (
+        lambda: TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=2, use_lite_mode=True),
+        lambda: fd.TaylorSeer(cache_interval=2, disable_cache_before_step=2),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LORA_CACHES))
+def test_cache_with_on_the_fly_lora_equals_stock_peft_and_fd_sample(name, tmp_path):
+    """``adapter.set_lora(...)`` with ``adapter.enable_cache(...)`` (refused before), through
+    the tiny ``FluxPipeline`` with true CFG: the stock pipeline's latents with the same LoRA
+    loaded by PEFT on the stock transformer (applied on the fly too) and the same cache config,
+    and `fd.sample`'s with the same ``lora=`` and ``cache=`` (both CFG halves batched, decided
+    per half), with some steps skipped; the LoRA and the cache each change the result."""
+    import peft  # noqa: F401  (a dev dependency: the stock load_lora_weights needs it)
+
+    import functional_dit.lora as lora
+    from functional_dit import tiny
+
+    stock, ours = tiny.pipeline("flux"), tiny.pipeline("flux")
+    params = fd.from_diffusers(ours.transformer)
+    ours.transformer = fd.DiffusersTransformer(params)
+    ad = lora.init(params, rank=4, targets=lora.linear_modules(params.config), alpha=8.0, seed=1, zero_b=False)
+    lora.save(ad, tmp_path / "pytorch_lora_weights.safetensors")
+    stock.load_lora_weights(str(tmp_path))  # weight 1, PEFT layers: the LoRA on the fly
+    config, cache = LORA_CACHES[name]
+    call = dict(prompt="a red cube", negative_prompt="blurry", true_cfg_scale=2.0, max_sequence_length=16)
+    call.update(height=32, width=32, num_inference_steps=STEPS + 1, output_type="latent")
+
+    def latents(pipe):
+        return pipe(**call, generator=torch.Generator().manual_seed(3)).images
+
+    ours.transformer.enable_cache(config())
+    no_lora = latents(ours)
+    ours.transformer.set_lora([(ad, 1.0)])
+    got = latents(ours)
+    stock.transformer.enable_cache(config())
+    torch.testing.assert_close(got, latents(stock), **FP32)
+    run = fd.CacheRun(cache())
+    kw = dict(true_cfg=2.0, negative_prompt="blurry", steps=STEPS + 1, seed=3, height=32, width=32)
+    sampled = fd.sample(params, ours, "a red cube", lora=[(ad, 1.0)], cache=run, output_type="latent",
+                        max_sequence_length=16, **kw)  # fmt: skip
+    torch.testing.assert_close(got, sampled, **FP32)
+    assert run.skipped() > 0
+    ours.transformer.disable_cache()
+    assert (got - latents(ours)).abs().max() > 1e-3 and (got - no_lora).abs().max() > 1e-3

@@ -389,3 +389,150 @@ def test_pyramid_attention_broadcast_equals_stock(kind, caplog):
     pipe.transformer.disable_cache()  # the adapter's: back to the plain forward
     assert not pipe.transformer.is_cache_enabled and max_err(run(pipe, **call), plain) == 0
     assert max_err(out["ours"], out["stock"]) <= FP32
+
+
+# ---------------------------------------------------------------- diffusers' hook objects
+
+# What diffusers' pipeline tests inspect (tests/pipelines/testing_utils/cache.py:
+# test_pyramid_attention_broadcast_layers, test_faster_cache_state): the configs they use,
+# the hook names they look up and the stock class each must be an instance of.
+PAB, FASTER_DENOISER, FASTER_BLOCK = "pyramid_attention_broadcast", "faster_cache_denoiser", "faster_cache_block"
+
+
+def _pab_config(pipe):
+    from diffusers.hooks import PyramidAttentionBroadcastConfig
+
+    return PyramidAttentionBroadcastConfig(
+        spatial_attention_block_skip_range=2,
+        spatial_attention_timestep_skip_range=(100, 800),
+        spatial_attention_block_identifiers=["transformer_blocks"],
+        current_timestep_callback=lambda: pipe.current_timestep,
+    )
+
+
+def _faster_config(pipe):
+    from diffusers.hooks import FasterCacheConfig
+
+    return FasterCacheConfig(
+        spatial_attention_block_skip_range=2,
+        spatial_attention_timestep_skip_range=(-1, 901),
+        unconditional_batch_skip_range=2,
+        attention_weight_callback=lambda _: 0.5,
+        is_guidance_distilled=True,  # FLUX.1-dev, FLUX.2-dev: as diffusers' FLUX test config
+        current_timestep_callback=lambda: pipe.current_timestep,
+    )
+
+
+def _hooks(denoiser) -> dict:
+    """{(module name, hook name): hook} of the stock cache hook names registered under ``denoiser``."""
+    return {
+        (n, h): m._diffusers_hook.get_hook(h)
+        for n, m in denoiser.named_modules()
+        if hasattr(m, "_diffusers_hook")
+        for h in (PAB, FASTER_DENOISER, FASTER_BLOCK)
+        if m._diffusers_hook.get_hook(h) is not None
+    }
+
+
+def _snapshot(hooks: dict) -> dict:
+    """Each hook's state as values: the fields the tests read, tensors cloned."""
+    fields = ("iteration", "cache", "batch_size", "low_frequency_delta", "high_frequency_delta")
+
+    def copy(v):
+        if isinstance(v, torch.Tensor):
+            return v.clone()
+        return type(v)(copy(x) for x in v) if isinstance(v, (tuple, list)) else v
+
+    return {k: {f: copy(getattr(h.state, f)) for f in fields if hasattr(h.state, f)} for k, h in hooks.items()}
+
+
+def _assert_same_state(got, want) -> None:
+    assert type(got) is type(want) or (got is None) == (want is None), (type(got), type(want))
+    if isinstance(want, torch.Tensor):
+        torch.testing.assert_close(got, want, rtol=0, atol=FP32)
+    elif isinstance(want, (tuple, list)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            _assert_same_state(g, w)
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            _assert_same_state(got[k], want[k])
+    else:
+        assert got == want
+
+
+def _inspected(kind: str, side: str, config, steps: int) -> tuple:
+    """(hooks after enable_cache, their states at every step's callback, after the run) of
+    the tiny ``kind`` pipeline with the stock transformer or the adapter over the same weights."""
+    pipe = tiny.pipeline(kind, seed=SEED, transformer=None if side == "stock" else adapter(kind))
+    pipe.transformer.enable_cache(config(pipe))
+    hooks, seen = _hooks(pipe.transformer), []
+
+    def on_step(p, i, t, kw):
+        seen.append(_snapshot(_hooks(pipe.transformer)))
+        return {}
+
+    run(pipe, prompt=PROMPT, num_inference_steps=steps, callback_on_step_end=on_step, **SHORT)
+    return hooks, seen, _snapshot(_hooks(pipe.transformer))
+
+
+@pytest.mark.parametrize("kind", ["flux", "flux2", "qwen-image"])
+def test_pyramid_attention_broadcast_hooks_as_stock(kind):
+    """``test_pyramid_attention_broadcast_layers``'s checks on the adapter through ``pipe(...)``:
+    a ``PyramidAttentionBroadcastHook`` on each of the 2 + 2 attention modules (Qwen-Image: 2;
+    none on the model), ``state.cache`` None before, set during the run with ``state.iteration == i + 1``
+    at step i's callback, reset to None / 0 after; beyond them, each state equal to the stock
+    hook's on the stock transformer (the modules' last outputs, fp32)."""
+    from diffusers.hooks.pyramid_attention_broadcast import PyramidAttentionBroadcastHook
+
+    (want, want_steps, want_after), (got, got_steps, got_after) = (
+        _inspected(kind, side, _pab_config, 2) for side in ("stock", "ours")
+    )
+    lists = ("transformer_blocks",) if kind == "qwen-image" else ("transformer_blocks", "single_transformer_blocks")
+    names = [(f"{b}.{i}.attn", PAB) for b in lists for i in (0, 1)]
+    assert sorted(got) == sorted(want) == sorted(names)  # on the attention modules only
+    assert all(isinstance(h, PyramidAttentionBroadcastHook) and h.state.cache is None for h in got.values())
+    assert len(got_steps) == 2
+    for i, states in enumerate(got_steps):
+        assert all(s["cache"] is not None and s["iteration"] == i + 1 for s in states.values())
+    assert all(s["cache"] is None and s["iteration"] == 0 for s in got_after.values())
+    _assert_same_state([got_steps, got_after], [want_steps, want_after])
+    ad = adapter(kind)
+    ad.enable_cache(_pab_config(None))
+    assert ad.step_cache_hook() is not None and ad._diffusers_hook.get_hook(PAB) is None  # none on the model, as stock
+    ad.disable_cache()
+    assert _hooks(ad) == {} and ad.step_cache_hook() is None and not ad.is_cache_enabled
+
+
+@pytest.mark.parametrize("kind", ["flux", "flux2"])
+def test_faster_cache_hooks_as_stock(kind):
+    """``test_faster_cache_state``'s checks on the adapter through ``pipe(...)``: a
+    ``FasterCacheDenoiserHook`` on the model, a ``FasterCacheBlockHook`` on each of the 2 + 2
+    attention modules and on no other module; at step i's callback every ``state.iteration``
+    is i + 1 and each block's ``state.cache`` holds 2 outputs; after the run iteration 0,
+    the deltas, ``batch_size`` and ``cache`` None; beyond them, each state equal to the stock
+    hook's on the stock transformer (fp32)."""
+    from diffusers.hooks.faster_cache import FasterCacheBlockHook, FasterCacheDenoiserHook
+
+    (want, want_steps, want_after), (got, got_steps, got_after) = (
+        _inspected(kind, side, _faster_config, 4) for side in ("stock", "ours")
+    )
+    blocks = [
+        (f"{b}.{i}.attn", FASTER_BLOCK) for b in ("transformer_blocks", "single_transformer_blocks") for i in (0, 1)
+    ]
+    assert sorted(got) == sorted(want) == sorted([("", FASTER_DENOISER), *blocks])
+    assert isinstance(got["", FASTER_DENOISER], FasterCacheDenoiserHook)
+    assert all(isinstance(got[k], FasterCacheBlockHook) for k in blocks)
+    ad = adapter(kind)  # no other module of the adapter carries a registry once the cache is on
+    ad.enable_cache(_faster_config(None))
+    assert sorted(n for n, m in ad.named_modules() if n and hasattr(m, "_diffusers_hook")) == sorted(
+        n for n, _ in blocks
+    )
+    ad.disable_cache()  # diffusers' disable_cache: every hook gone, ours too
+    assert _hooks(ad) == {} and ad.step_cache_hook() is None and not ad.is_cache_enabled
+    for i, states in enumerate(got_steps):
+        assert all(s["iteration"] == i + 1 for s in states.values())
+        assert all(len(states[k]["cache"]) == 2 for k in blocks)
+    assert all(set(s.values()) == {0, None} for s in got_after.values())
+    _assert_same_state([got_steps, got_after], [want_steps, want_after])

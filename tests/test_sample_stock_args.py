@@ -210,6 +210,37 @@ def test_refused_by_name():
         fd.sample(_params(qwen), qwen, "a", seed=0, prompt_2="b", **KW)
 
 
+def test_caption_upsampling_refused_and_upsample_prompt_first_equals_stock(monkeypatch):
+    """``caption_upsample_temperature`` (Flux2Pipeline) is refused by name, before any
+    encoding: the stock upsampling samples text from torch's global random state, not the
+    seed. The route the error names, ``pipe.upsample_prompt(...)`` passed as the prompt, is
+    what the stock pipeline encodes: with the upsampler's text fixed (the tiny pipeline's byte
+    tokenizer is no Pixtral processor, so the stock ``generate`` cannot run here), the stock
+    ``pipe(..., caption_upsample_temperature=0.15)`` equals ``fd.sample`` of its output."""
+    pipe = tiny.pipeline("flux2")
+    msl = dict(max_sequence_length=256)  # past FLUX.2's ~190-token system prompt: the prompt is read
+    params, calls = _params(pipe), []
+
+    def upsample_prompt(prompt, images=None, temperature=0.15, device=None):
+        calls.append(temperature)
+        return [f"{p}, in soft morning light" for p in ([prompt] if isinstance(prompt, str) else prompt)]
+
+    monkeypatch.setattr(pipe, "upsample_prompt", upsample_prompt)
+    monkeypatch.setattr(pipe, "encode_prompt", lambda *a, **k: pytest.fail("encoded before the refusal"), raising=True)
+    with pytest.raises(
+        ValueError, match="caption_upsample_temperature: not taken by fd.sample: .*pipe.upsample_prompt"
+    ):
+        fd.sample(params, pipe, "a red cube", seed=0, caption_upsample_temperature=0.15, **KW, **msl)
+    monkeypatch.undo()
+    monkeypatch.setattr(pipe, "upsample_prompt", upsample_prompt)
+    stock = dict(prompt="a red cube", num_inference_steps=2, caption_upsample_temperature=0.15, **SIZE, **msl)
+    expected = stock_latents(pipe, 0, **stock)
+    assert calls == [0.15]  # the stock pipeline upsampled
+    got = fd.sample(params, pipe, pipe.upsample_prompt("a red cube", temperature=0.15), seed=0, **KW, **msl)
+    torch.testing.assert_close(got, expected, **FP32)
+    _differ(got, fd.sample(params, pipe, "a red cube", seed=0, **KW, **msl))  # the upsampled text mattered
+
+
 def test_kontext_auto_resize_off_equals_stock():
     """``_auto_resize=False``: the reference keeps its size (floored to multiples of 16)
     instead of the preferred Kontext resolution (which would make it 1024²)."""

@@ -6,7 +6,8 @@ It takes the stock forward arguments (``FluxTransformer2DModel``,
 params (plain or sharded) and returns what the stock class returns. Everything a
 pipeline touches besides ``forward`` is here: ``config`` with the diffusers keys,
 ``dtype`` / ``device`` / ``to``, ``cache_context`` and ``enable_cache`` (diffusers' First-Block
-Cache, TaylorSeer lite and MagCache configs, `functional_dit.pipelines.cache._hooks`), the stock
+Cache, TaylorSeer, MagCache, FasterCache and PAB configs, with or without an on-the-fly LoRA:
+`functional_dit.pipelines.cache._hooks`), the stock
 ``pos_embed`` RoPE module (the family product's ``pos_embed``), the block lists whose attention
 processors the FLUX.2-klein KV pipeline sets, ``save_pretrained`` and
 ``from_pretrained`` (the stock keywords: `adapter._io`). The parameter leaves are

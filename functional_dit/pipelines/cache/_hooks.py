@@ -1,7 +1,14 @@
 """diffusers' ``CacheMixin`` for `fd.DiffusersTransformer`: ``enable_cache(config)`` with
 diffusers' own configs registers one stateful diffusers hook on the adapter itself
 (`StepCacheHook`, under the stock leader hook's name) whose per-context state runs
-`functional_dit.pipelines.cache` steps. diffusers' own ``cache_context``,
+`functional_dit.pipelines.cache` steps. Where the stock ``enable_cache`` registers hooks that
+code inspects (Pyramid Attention Broadcast's `PyramidAttentionBroadcastHook` on each attention
+module; FasterCache's `FasterCacheDenoiserHook` on the model and `FasterCacheBlockHook` on each
+attention module), instances of those classes are registered where and under the names the
+stock registers them, each holding the stock state class (``iteration``, ``cache``,
+``batch_size``, ...) with what the step cache holds after every step; they compute nothing
+(their forward passes through: the adapter computes attention inside ``fd.apply``), and the
+step is then run by a `StepCacheHook` under a name of ours. diffusers' own ``cache_context``,
 ``_reset_stateful_cache`` and ``disable_cache`` reach it as they reach the stock hooks, so
 contexts ("cond", "uncond"), resets and removal have the stock semantics (FasterCache's
 state, as the stock one's, ignores contexts); the forward stays `fd.apply` (no hooks on
@@ -23,11 +30,16 @@ from diffusers.hooks import (
     PyramidAttentionBroadcastConfig,
     TaylorSeerCacheConfig,
 )
-from diffusers.hooks.faster_cache import _FASTER_CACHE_DENOISER_HOOK
+from diffusers.hooks.faster_cache import (
+    _FASTER_CACHE_BLOCK_HOOK,
+    _FASTER_CACHE_DENOISER_HOOK,
+    FasterCacheBlockHook,
+    FasterCacheDenoiserHook,
+)
 from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
 from diffusers.hooks.hooks import BaseState, CacheContext, ModelHook, StateManager
 from diffusers.hooks.mag_cache import _MAG_CACHE_LEADER_BLOCK_HOOK
-from diffusers.hooks.pyramid_attention_broadcast import _PYRAMID_ATTENTION_BROADCAST_HOOK
+from diffusers.hooks.pyramid_attention_broadcast import _PYRAMID_ATTENTION_BROADCAST_HOOK, PyramidAttentionBroadcastHook
 from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK, _TRANSFORMER_BLOCK_IDENTIFIERS
 from diffusers.utils import logging
 
@@ -36,12 +48,15 @@ from ...api import apply
 from .. import cache as _cache
 
 _LOG = logging.get_logger("functional_dit.pipelines.cache")
+# The step's hook where the stock registers diffusers' hook objects of its own (PAB, FasterCache):
+# those are registered too, as state views (`_stock_views`), and the step runs under this name.
+STEP_HOOK = "functional_dit_step_cache"
 # The stock hook each of our caches stands in for (what diffusers' disable_cache removes).
 HOOK_NAMES = {
     _cache.FirstBlockCache: _FBC_LEADER_BLOCK_HOOK,
     _cache.TaylorSeer: _TAYLORSEER_CACHE_HOOK,
     _cache.MagCache: _MAG_CACHE_LEADER_BLOCK_HOOK,
-    _cache.FasterCache: _FASTER_CACHE_DENOISER_HOOK,
+    _cache.FasterCache: STEP_HOOK,
 }
 _FASTER_FORMATS = ("BCFHW", "BFCHW", "BCHW")  # the tensor formats the stock FasterCache accepts
 
@@ -156,6 +171,84 @@ def _check_modules(cache, module) -> None:
         )
 
 
+# ----------------------------------------------------------------------------- diffusers' hook objects
+
+
+def _unwrap(outs: tuple):
+    """A module's output as the stock module returns it: one tensor, or the tuple of them."""
+    return outs[0] if len(outs) == 1 else outs
+
+
+class _View:
+    """A diffusers hook class registered for its state only: its forward passes through (the
+    adapter computes attention inside ``fd.apply``, never by calling the module it sits on),
+    and `show` sets its stock state from the step cache's after each step."""
+
+    def new_forward(self, module, *args, **kwargs):
+        return self.fn_ref.original_forward(*args, **kwargs)
+
+
+class PyramidAttentionBroadcastView(_View, PyramidAttentionBroadcastHook):
+    """diffusers' ``PyramidAttentionBroadcastHook`` on an attention module PAB hooks; its
+    ``state``: ``iteration`` (the module's calls so far) and ``cache`` (its last output)."""
+
+    def show(self, value, name: str) -> None:
+        self.state.iteration, self.state.cache = value.iteration, _unwrap(value.outputs[name][1])
+
+
+class FasterCacheBlockView(_View, FasterCacheBlockHook):
+    """diffusers' ``FasterCacheBlockHook`` on an attention module FasterCache hooks; its
+    ``state``: ``iteration``, ``batch_size`` (the first call's) and ``cache`` (the module's
+    last two outputs, oldest first)."""
+
+    def show(self, value, name: str) -> None:
+        before, last = value.outputs[name]
+        if self.state.batch_size is None:
+            self.state.batch_size = last[0].shape[0]
+        self.state.iteration, self.state.cache = value.iteration, [_unwrap(before), _unwrap(last)]
+
+
+class FasterCacheDenoiserView(_View, FasterCacheDenoiserHook):
+    """diffusers' ``FasterCacheDenoiserHook`` on the model; its ``state``: ``iteration``
+    (the model's calls so far; the frequency deltas stay None, as for a guidance-distilled
+    model)."""
+
+    def show(self, value, name: str) -> None:
+        self.state.iteration = value.iteration
+
+
+def _stock_views(config, cache, module) -> list[tuple[str, str, _View]]:
+    """``(module name, hook name, hook)`` of the diffusers hook objects the stock
+    ``enable_cache(config)`` registers that ``cache`` (our `_faster` / `_pab` of ``config``)
+    has the state of: PAB's on the attention modules it hooks; FasterCache's on the model ("")
+    and the attention modules. None for the other configs (their stock hooks sit on whole
+    blocks, which the adapter runs inside ``fd.apply``)."""
+    if not isinstance(cache, _cache.FasterCache) or cache.block_skip_range is None:
+        return []
+    hooked = [n for n, m in module.named_modules() if hasattr(m, "set_processor") and _matches(cache.modules, n)]
+    skip, when, now = cache.block_skip_range, cache.timestep_skip_range, config.current_timestep_callback
+    if isinstance(config, PyramidAttentionBroadcastConfig):
+        return [(n, _PYRAMID_ATTENTION_BROADCAST_HOOK, PyramidAttentionBroadcastView(when, skip, now)) for n in hooked]
+    weight = config.attention_weight_callback or (lambda _: 0.5)
+    model = FasterCacheDenoiserView(
+        config.unconditional_batch_skip_range,
+        config.unconditional_batch_timestep_skip_range,
+        config.tensor_format,
+        True,
+        config._unconditional_conditional_input_kwargs_identifiers,
+        now,
+        config.low_frequency_weight_callback,
+        config.high_frequency_weight_callback,
+    )
+    blocks = [(n, _FASTER_CACHE_BLOCK_HOOK, FasterCacheBlockView(skip, when, True, weight, now)) for n in hooked]
+    return [("", _FASTER_CACHE_DENOISER_HOOK, model), *blocks]
+
+
+def _matches(patterns, name: str) -> bool:
+    """Whether a module name matches one of the patterns as the stock hooks match (``re.search``)."""
+    return any(re.search(p, name) for p in patterns)
+
+
 class _State(BaseState):
     """One context's cache state (`functional_dit.pipelines.cache`'s immutable value)."""
 
@@ -170,13 +263,14 @@ class StepCacheHook(ModelHook):
     """The adapter's step cache as a stateful diffusers hook: a `StateManager` of one state
     per ``cache_context`` name (FasterCache: one state for all, as the stock hooks hold);
     the forward itself is left alone (the adapter's forward runs the step through
-    `CacheHooks.cached_apply`)."""
+    `CacheHooks.cached_apply`). ``views``: ``(module name, hook)`` of the diffusers hook
+    objects showing its state (`_stock_views`), set after every step and reset with it."""
 
     _is_stateful = True
 
-    def __init__(self, cache):
+    def __init__(self, cache, views=()):
         super().__init__()
-        self.cache = cache
+        self.cache, self.views = cache, tuple(views)
         self.state_manager = StateManager(_State, init_args=(cache,))
         self.shared = _State(cache) if isinstance(cache, _cache.FasterCache) else None
 
@@ -184,9 +278,16 @@ class StepCacheHook(ModelHook):
         self.state_manager.reset()
         if self.shared is not None:
             self.shared.reset()
+        for _, view in self.views:
+            view.state.reset()
         for key in ("_branch", "_auto", "_warned"):
             self.__dict__.pop(key, None)
         return module
+
+    def show(self, value) -> None:
+        """Set the views' stock states from ``value``, the state after a step."""
+        for name, view in self.views:
+            view.show(value, name)
 
     def state(self, t=None) -> _State:
         """The current context's state. MagCache without one (FluxInpaintPipeline and
@@ -230,29 +331,39 @@ class CacheHooks(diffusers.CacheMixin):
         cache = from_diffusers_config(config, self)
         _check_modules(cache, self)
         registry = HookRegistry.check_if_exists_or_initialize(self)
-        pab = isinstance(config, PyramidAttentionBroadcastConfig)  # disable_cache removes the stock PAB name
+        views = _stock_views(config, cache, self)
+        pab = isinstance(config, PyramidAttentionBroadcastConfig)  # the stock PAB registers no hook on the model
         registry.register_hook(
-            StepCacheHook(cache), _PYRAMID_ATTENTION_BROADCAST_HOOK if pab else HOOK_NAMES[type(cache)]
+            StepCacheHook(cache, [(n, h) for n, _, h in views]), STEP_HOOK if pab else HOOK_NAMES[type(cache)]
         )
+        for module_name, hook_name, hook in views:
+            HookRegistry.check_if_exists_or_initialize(self.get_submodule(module_name)).register_hook(hook, hook_name)
         registry.invalidate_child_registries_cache()
         self._cache_config = config
+
+    def disable_cache(self) -> None:
+        """diffusers' ``disable_cache`` (the stock hooks' names removed), and our step's hook."""
+        registry = self.__dict__.get("_diffusers_hook")
+        if self.is_cache_enabled and registry is not None:
+            registry.remove_hook(STEP_HOOK, recurse=False)
+        super().disable_cache()
 
     def step_cache_hook(self) -> StepCacheHook | None:
         """The registered `StepCacheHook`, None when no cache is enabled."""
         registry = self.__dict__.get("_diffusers_hook")
-        names = (*HOOK_NAMES.values(), _PYRAMID_ATTENTION_BROADCAST_HOOK)
+        names = dict.fromkeys((*HOOK_NAMES.values(), STEP_HOOK))
         hooks = [registry.get_hook(n) for n in names] if registry is not None else []
         return next((h for h in hooks if isinstance(h, StepCacheHook)), None)
 
     def cached_apply(self, params, x, t, txt, lora=None, checkpoint: bool = False, **kwargs):
-        """`fd.apply`, or with a cache enabled one cached step in the current context's state."""
+        """`fd.apply`, or with a cache enabled one cached step in the current context's state
+        (``lora``, the adapter's on-the-fly LoRA pairs, in both)."""
         hook = self.step_cache_hook()
         if hook is None:
             return apply(params, x, t, txt, lora=lora, checkpoint=checkpoint, **kwargs)
         if checkpoint and torch.is_grad_enabled():
             raise ValueError("enable_cache: step caching with gradient checkpointing under autograd is not supported")
-        if lora:
-            raise ValueError("lora: step caching with on-the-fly LoRA is not supported; merge it (lora.merge)")
-        state = hook.state(t)
-        out, state.value = _cache.step(params, hook.cache, state.value, x, t, txt, **kwargs)
+        state = hook.state(t)  # LoRA on the fly: the step applies it in every block it runs, as fd.apply
+        out, state.value = _cache.step(params, hook.cache, state.value, x, t, txt, lora=lora, **kwargs)
+        hook.show(state.value)
         return out

@@ -308,6 +308,7 @@ def sample(
     negative_ip_adapter_image_embeds=None,
     resolution: int | None = None,
     output_resolution: int | None = None,
+    caption_upsample_temperature: float | None = None,
 ):
     """Generate images with ``params`` (plain or sharded) and our own denoising loop.
 
@@ -389,8 +390,9 @@ def sample(
     (through the IP-Adapter loaded on the pipeline's transformer, ``pipe.load_ip_adapter``);
     Layered's ``cfg_normalize`` and ``resolution`` (then ``height``/``width`` None: sized as
     stock; 640 when all three are None); Qwen-Image 2.1's ``output_resolution`` (a missing
-    ``height``/``width``, 1024 by default). Refused by name: ``use_en_prompt`` (no captioning here)
-    and the IP-Adapter's images ``ip_adapter_image`` / ``negative_ip_adapter_image``.
+    ``height``/``width``, 1024 by default). Refused by name: ``use_en_prompt`` (no captioning here),
+    the IP-Adapter's images ``ip_adapter_image`` / ``negative_ip_adapter_image`` and FLUX.2's
+    ``caption_upsample_temperature`` (pass ``pipe.upsample_prompt(prompt, temperature=t)`` as the prompt).
     """
 
     stock_kw = {k: v for k, v in locals().items() if k in _stock.NAMES}  # the stock pipelines' further arguments

@@ -26,6 +26,8 @@ cannot apply (docs/sampling.md, "Stock arguments"). The reference is each pipeli
   the stock ``calculate_dimensions``; Qwen-Image 2.1: a missing side is output_resolution),
   floored to the VAE multiple as stock;
 - refused: ``use_en_prompt`` (Layered: the caption language; `fd.sample` never captions),
+  ``caption_upsample_temperature`` (FLUX.2: its prompt upsampling samples text from torch's
+  global random state; ``pipe.upsample_prompt`` first gives the same prompt),
   the FLUX.1 IP-Adapter's images (``ip_adapter_image``, ``negative_ip_adapter_image``:
   they need the stock CLIP image encoder, which `fd.sample` does not run; the embeddings
   are taken), and every argument the pipeline class itself does not take;
@@ -54,6 +56,13 @@ REFUSED = {
         "it picks the language of the caption QwenImageLayeredPipeline writes when the prompt is empty; "
         "fd.sample encodes the prompt as given and never captions the image"
     ),
+    "caption_upsample_temperature": (
+        "Flux2Pipeline's prompt upsampling samples new prompt text with its text encoder (generate with "
+        "do_sample=True) from torch's global random state, not from the seed, so the image would depend on more than "
+        "its prompt, seed and settings (and each rank of a mesh would sample its own text); upsample with the stock "
+        "method first, prompt = pipe.upsample_prompt(prompt, images=image, temperature=t), and pass the result as "
+        "prompt (what the stock pipeline then encodes)"
+    ),
     "ip_adapter_image": (
         "fd.sample does not run the IP-Adapter's CLIP image encoder; pass the image embeddings (the pipeline's "
         "prepare_ip_adapter_image_embeds gives them) as ip_adapter_image_embeds"
@@ -68,6 +77,7 @@ NAMES = (
     "prompt_2", "negative_prompt_2", "joint_attention_kwargs", "attention_kwargs", "callback_on_step_end_tensor_inputs",
     "text_encoder_out_layers", "use_kv_cache", "_auto_resize", "cfg_normalize", "use_en_prompt", "ip_adapter_image",
     "negative_ip_adapter_image", "ip_adapter_image_embeds", "negative_ip_adapter_image_embeds",
+    "caption_upsample_temperature",
 )  # fmt: skip
 # The stock names of `fd.sample`'s own arguments where a pipeline spells them otherwise.
 ALIASES = {"use_kv_cache": "kv_cache"}
