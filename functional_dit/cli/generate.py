@@ -47,11 +47,12 @@ DESCRIPTION = (
 
 def add_arguments(p) -> None:
     _job_arguments(p)
+    _sampling_arguments(p)
     _run_arguments(p)
 
 
 def _job_arguments(p) -> None:
-    """What to make: the model, the prompts, the image size and the sampling settings."""
+    """What to make: the model, the prompts and the input images."""
     p.add_argument(
         "--model",
         required=True,
@@ -87,6 +88,10 @@ def _job_arguments(p) -> None:
     p.add_argument(
         "--strength", type=finite, default=None, help="img2img/inpainting: share of the steps run (default: 0.6)"
     )
+
+
+def _sampling_arguments(p) -> None:
+    """The image size, the steps, the seed, the guidance scales and the LoRA files."""
     for flag, what in (("--height", "image height"), ("--width", "image width"), ("--steps", "denoising steps")):
         real, small = DEFAULTS[flag.removeprefix("--")], TINY_DEFAULTS[flag.removeprefix("--")]
         p.add_argument(flag, type=positive, default=None, help=f"{what} (default: {real}; {small} for a tiny pipeline)")
