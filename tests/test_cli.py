@@ -37,8 +37,14 @@ GEN = ["--prompt", "a cube", "--height", "32", "--width", "48", "--steps", "2", 
 
 
 def test_help_lists_the_commands():
+    """Every command in the description and the list (each one's defaults: test_cli_output)."""
+    from functional_dit.cli import COMMANDS
+
     out = subprocess.run([sys.executable, "-m", "functional_dit", "--help"], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0 and "demo" in out.stdout and "generate" in out.stdout
+    said = " ".join(out.stdout.split())
+    assert out.returncode == 0 and "Commands: " + ", ".join(COMMANDS) + ";" in said, said
+    assert all(f"{name} " in out.stdout for name in ("demo", "generate", "bench", "serve", "check"))
+    assert "from a checkpoint" not in said and "an offline tiny pipeline by name" in said
 
 
 def test_generate_pipeline_folder_writes_the_stock_image(flux_folder, tmp_path, capsys):

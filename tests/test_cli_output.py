@@ -34,20 +34,15 @@ def _value_options(command: str) -> list[str]:
 
 def _help(command: str, capsys) -> str:
     """``python -m functional_dit COMMAND --help`` through the CLI's entry point, in process
-    (each fresh process pays ~5 s of imports: the top-level one runs as a subprocess)."""
+    (each fresh process pays ~5 s of imports)."""
     with pytest.raises(SystemExit) as done:
         main([command, "--help"])
     assert done.value.code == 0
     return capsys.readouterr().out
 
 
-@pytest.mark.slow  # a subprocess
-def test_every_help_lists_the_commands_and_shows_the_defaults(capsys):
-    top = _cli("--help")
-    assert top.returncode == 0
-    said = " ".join(top.stdout.split())
-    assert "Commands: " + ", ".join(COMMANDS) + ";" in said, said  # demo, generate, bench, serve, check
-    assert "from a checkpoint" not in said and "an offline tiny pipeline by name" in said
+def test_every_command_help_shows_the_defaults(capsys):
+    """(The top-level ``--help`` from a shell: test_cli.py::test_help_lists_the_commands.)"""
     for command in COMMANDS:
         blocks = re.split(r"\n  (?=-)", _help(command, capsys).split("\noptions:\n", 1)[1])  # one per option
         for flag in _value_options(command):
