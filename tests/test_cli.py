@@ -37,8 +37,14 @@ GEN = ["--prompt", "a cube", "--height", "32", "--width", "48", "--steps", "2", 
 
 
 def test_help_lists_the_commands():
+    """Every command in the description and the list (each one's defaults: test_cli_output)."""
+    from functional_dit.cli import COMMANDS
+
     out = subprocess.run([sys.executable, "-m", "functional_dit", "--help"], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0 and "demo" in out.stdout and "generate" in out.stdout
+    said = " ".join(out.stdout.split())
+    assert out.returncode == 0 and "Commands: " + ", ".join(COMMANDS) + ";" in said, said
+    assert all(f"{name} " in out.stdout for name in ("demo", "generate", "bench", "serve", "check"))
+    assert "from a checkpoint" not in said and "an offline tiny pipeline by name" in said
 
 
 def test_generate_pipeline_folder_writes_the_stock_image(flux_folder, tmp_path, capsys):
@@ -154,6 +160,7 @@ def test_demo_shortened_writes_pngs_a_table_and_nothing_else_on_stderr(tmp_path)
     rows = [line for line in table.splitlines() if line.startswith(("FLUX", "Qwen"))]
     assert len(rows) == 3 and "FluxInpaintPipeline" in rows[1] and "FluxPipeline, tp=2 on 2 CPU ranks" in rows[2], table
     assert re.search(r"max \|latent diff\| vs stock\s+<= 1e-05\s+ours\s+stock", table), table
+    assert "ours, stock: one call each, prompt to image" in table and "after an untimed warm-up call" in table
     for line in rows:
         cells = re.split(r"\s{2,}", line)
         assert cells[2] == "0 (bitwise)" or float(cells[2]) <= 1e-5, line  # fd.sample vs stock at the fp32 bound
@@ -206,6 +213,9 @@ def test_check_eager_mode_runs_the_prepared_fast_path(capsys):
     out = capsys.readouterr().out
     tiny = [name for name in fd.PRESETS if name.endswith("-tiny")]  # every family, FLUX.3 and Qwen-Image 2.1 too
     assert "mode eager" in out and out.count(" ok ") == len(tiny) == 5, out
+    rows = [line for line in out.splitlines() if line.endswith("fallbacks: none")]
+    assert len(rows) == 5 and not any("recompiled" in r for r in rows), out  # nothing compiled: not asked
+    assert len({r.index(" ok ") for r in rows}) == 1, out  # one column, sized from the longest name
 
 
 @pytest.mark.skipif(

@@ -112,3 +112,21 @@ def test_bad_lora_values_are_one_line_errors(setup, tmp_path, capsys):
     many = ["generate", "--model", s["model"], "--prompts", str(tmp_path / "p.jsonl"), "--out-dir", str(tmp_path / "o")]
     assert "p.jsonl:1: lora: expected a list" in one_line_error(many, capsys)
     assert not (tmp_path / "x.png").exists() and not (tmp_path / "o").exists()
+
+
+def test_lora_errors_name_the_bad_scale_and_the_path_once(setup, tmp_path, capsys):
+    """``PATH:abc`` is a bad SCALE (not "is not a file"), refused by argparse before loading;
+    a file that is no safetensors names its path once (the reader's message starts with it)."""
+    a = str(setup["tmp"] / "a.safetensors")
+    base = ["generate", "--model", setup["model"], "--prompt", "a", "--out", str(tmp_path / "x.png"), *SIZE]
+    err = one_line_error(base + ["--lora", f"{a}:abc"], capsys)
+    assert err == f"error: --lora: expected a number after ':' (PATH:SCALE), got 'abc' in '{a}:abc'", err
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a", "lora": [f"{a}:abc"]}) + "\n")
+    many = ["generate", "--model", setup["model"], "--prompts", str(tmp_path / "p.jsonl"), "--out-dir", str(tmp_path)]
+    assert "p.jsonl:1: lora: expected a number after ':' (PATH:SCALE), got 'abc'" in one_line_error(many, capsys)
+    fox = tmp_path / "fox.png"
+    Image.new("RGB", (8, 8)).save(fox)
+    assert main(base + ["--lora", str(fox)]) == 2  # read after the model (its config)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"error: --lora: {fox}: corrupt header") and last.count(str(fox)) == 1, last
+    assert not (tmp_path / "x.png").exists()

@@ -27,7 +27,8 @@ COMMANDS = {  # name -> (module with add_arguments / run, one-line help)
     ),
     "generate": (
         "functional_dit.cli.generate",
-        "an image from a checkpoint (diffusers pipeline folder, or a transformer file + --base)",
+        "images from a model: an offline tiny pipeline by name, a preset in the Hugging Face cache, a "
+        "diffusers pipeline folder, or a transformer file + --base",
     ),
     "bench": ("functional_dit.cli.bench", "speed and memory side by side with diffusers; --out FILE writes a report"),
     "serve": (
@@ -36,6 +37,22 @@ COMMANDS = {  # name -> (module with add_arguments / run, one-line help)
     ),
     "check": ("functional_dit.cli.check", "hardware check: fd.apply on a device vs CPU eager at a tiny config"),
 }
+
+
+class _Help(argparse.HelpFormatter):
+    """Every option that takes a value shows its default, ``(default: X)`` (inside the help
+    line's closing parenthesis, if it ends with one), unless the line already says it (a
+    default that depends on the model or the machine is written there); an unset default
+    (None, an empty list) reads ``none``. An option needs a help line to show one."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.nargs == 0 or action.required or action.default is argparse.SUPPRESS:
+            return text
+        if "(default" in text or "default:" in text:
+            return text
+        shown = "none" if action.default is None or action.default == [] else "%(default)s"
+        return f"{text[:-1]}; default: {shown})" if text.endswith(")") else f"{text} (default: {shown})"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,12 +66,16 @@ class _Parser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m functional_dit",
-        description="FLUX.1, FLUX.2 and Qwen-Image as pure functions: demo, generation.",
+        description="FLUX.1, FLUX.2, FLUX.3, Qwen-Image and Qwen-Image 2.1 as pure functions. Commands: "
+        + ", ".join(COMMANDS)
+        + "; COMMAND --help for each one's flags and defaults.",
+        formatter_class=_Help,
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
-        command = sub.add_parser(name, help=help_text, description=getattr(module, "DESCRIPTION", help_text))
+        description = getattr(module, "DESCRIPTION", help_text)
+        command = sub.add_parser(name, help=help_text, description=description, formatter_class=_Help)
         command.set_defaults(_module=module_name)
         module.add_arguments(command)
     return p

@@ -18,12 +18,16 @@ from ._args import CLIError
 
 
 def _parse(text: str) -> dict:
-    """``PATH[:SCALE]`` -> ``{"path", "scale"}`` (a tail that is no number is part of the path)."""
+    """``PATH[:SCALE]`` -> ``{"path", "scale"}``: an existing file is a PATH whole; otherwise a
+    tail after the last ``:`` is the SCALE and must be a number (ValueError naming it), unless
+    it holds a path separator (then the whole text is a PATH, checked by `_checked`)."""
     path, sep, tail = text.rpartition(":")
-    try:
-        return {"path": path, "scale": float(tail)} if sep and path else {"path": text, "scale": 1.0}
-    except ValueError:
+    if os.path.isfile(text) or not sep or not path or os.sep in tail:
         return {"path": text, "scale": 1.0}
+    try:
+        return {"path": path, "scale": float(tail)}
+    except ValueError:
+        raise ValueError(f"expected a number after ':' (PATH:SCALE), got {tail!r} in {text!r}") from None
 
 
 def _checked(entry: dict) -> dict:
@@ -36,8 +40,14 @@ def _checked(entry: dict) -> dict:
 
 
 def spec(text: str) -> dict:
-    """argparse type of ``--lora``: parsed here, checked by `check` (a one-line error)."""
-    return _parse(text)
+    """argparse type of ``--lora``: parsed here (a bad SCALE is argparse's one-line error),
+    checked by `check`."""
+    import argparse
+
+    try:
+        return _parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check(args) -> None:
@@ -84,8 +94,13 @@ def load(params, lists) -> dict:
                 try:
                     out[e["path"]] = lora.load(e["path"], params)
                 except ValueError as err:
-                    raise CLIError(f"--lora: {e['path']}: {str(err).splitlines()[0]}") from None
+                    raise CLIError(f"--lora: {_naming(e['path'], str(err).splitlines()[0])}") from None
     return out
+
+
+def _naming(path: str, message: str) -> str:
+    """``message`` naming ``path`` once (the file readers' errors often start with it)."""
+    return message if message.startswith(path) else f"{path}: {message}"
 
 
 def argument(lists, adapters: dict):

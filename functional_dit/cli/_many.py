@@ -19,6 +19,7 @@ from ..pipelines import placement as _placement
 from . import _cache_report, _lora
 from ._args import CLIError
 from ._files import write_image
+from ._progress import advance
 
 META_KEY = "functional_dit"
 MANIFEST = "manifest.jsonl"
@@ -252,7 +253,7 @@ def run_many(args, params, pipe, images, model: str, rank0: bool, dp: int) -> in
             seconds = (time.perf_counter() - t0) / max(len(mine), 1)
             for r, img in zip(mine, pil) if writer else ():
                 write(args.out_dir, r, img, model, seconds)
-            bar.update(len(group))
+            advance(bar, len(group))
     finally:
         bar.close()
     if dist.is_initialized():

@@ -81,17 +81,28 @@ def check_family(name, config, device, dtype, mode, backend, tol) -> dict:
                     report["recompiled"] = f"{type(e).__name__}: {e}"
         elif mode == "eager":  # the prepared layout: fast eager kernels on the device
             got = _api.apply(_api.prepare(dev_params), **kw_dev).cpu()
-            report["recompiled"] = False  # nothing is compiled
+            report["recompiled"] = None  # nothing is compiled: the question does not apply
         else:
             got = _api.apply(dev_params, **kw_dev).cpu()
             before = _metrics.compiles(met) if met is not None else None
             _api.apply(dev_params, **kw2).cpu()
-            report["recompiled"] = False if met is None else _metrics.compiles(met) != before
+            report["recompiled"] = None if met is None else _metrics.compiles(met) != before
     err = (got.float() - want).abs().max().item()
     report.update(max_abs_err=err, scale=want.abs().max().item(), parity=err <= tol * max(1.0, want.abs().max().item()))
     report["aten_fallbacks"] = _metrics.aten_fallbacks(met) if met is not None else []
-    report["ok"] = report["parity"] and report["recompiled"] is False and not report["aten_fallbacks"]
+    report["ok"] = report["parity"] and report["recompiled"] in (False, None) and not report["aten_fallbacks"]
     return report
+
+
+def row(r: dict, tol: float) -> str:
+    """A family's line after its name: status, error, and the recompile question only where
+    something was compiled or traced (``r["recompiled"]`` None: not asked)."""
+    status = "ok" if r["ok"] else "FAIL"
+    recompiled = "" if r["recompiled"] is None else f"recompiled on a new timestep: {r['recompiled']}; "
+    return (
+        f"{status:<4}  max|err| {r['max_abs_err']:.2e} (output scale {r['scale']:.2f}, tol {tol:g}); "
+        f"{recompiled}aten:: fallbacks: {r['aten_fallbacks'] or 'none'}"
+    )
 
 
 def add_arguments(p) -> None:
@@ -102,7 +113,9 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--backend", default=None, help="torch.compile backend (default: inductor; openxla on xla)")
     p.add_argument("--sample", action="store_true", help="fd.sample end to end instead (docs/xla.md)")
-    p.add_argument("--only", default=None, help="the tiny families (--sample: cases) whose name contains this")
+    p.add_argument(
+        "--only", default=None, help="the tiny families (--sample: cases) whose name contains this (default: all)"
+    )
     p.add_argument("--scan-blocks", action="store_true", help="with --sample: block segments as one scan each")
 
 
@@ -129,20 +142,15 @@ def run(args) -> int:
         print(f"device {device}, dtype {args.dtype}, fd.sample (fixed-graph loop, {how})")
         return 0 if ok else 1
     ok = True
-    for fam in families.FAMILIES:
-        name, config = fam.TINY, families.tiny_config(fam)
-        if args.only is not None and args.only not in name:
-            continue
+    chosen = [fam for fam in families.FAMILIES if args.only is None or args.only in fam.TINY]
+    width = max((len(fam.TINY) for fam in chosen), default=0)  # the name column, sized from the names
+    for fam in chosen:
         why = _product(fam).CHECK_EAGER_ONLY
         if why is not None and mode != "eager":
-            print(f"{name:<18} skip  {mode}: {why}; eager only")
+            print(f"{fam.TINY:<{width}}  skip  {mode}: {why}; eager only")
             continue
-        r = check_family(name, config, device, dtype, mode, backend, tol)
+        r = check_family(fam.TINY, families.tiny_config(fam), device, dtype, mode, backend, tol)
         ok &= r["ok"]
-        status = "ok" if r["ok"] else "FAIL"
-        print(
-            f"{name:<18} {status:<5} max|err| {r['max_abs_err']:.2e} (output scale {r['scale']:.2f}, tol {tol:g}); "
-            f"recompiled on a new timestep: {r['recompiled']}; aten:: fallbacks: {r['aten_fallbacks'] or 'none'}"
-        )
+        print(f"{fam.TINY:<{width}}  {row(r, tol)}")
     print(f"device {device}, dtype {args.dtype}, mode {mode}" + (f", backend {backend}" if mode == "compile" else ""))
     return 0 if ok else 1

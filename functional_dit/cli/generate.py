@@ -26,8 +26,14 @@ from . import _checks as C
 from ._args import CLIError, cache_spec, finite, positive, scale
 from ._files import write_image
 from ._models import PRESET_REPOS  # noqa: F401  (re-exported: the presets' released weights)
+from ._progress import advance
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+# --height/--width/--steps when left out: the released models' usual size and FLUX.1-dev's
+# steps, and for an offline tiny pipeline (random weights, for trying things out) the demo's
+# small default, so a bare `--model flux` takes a second, not a minute at 1024x1024.
+DEFAULTS = dict(height=1024, width=1024, steps=28)
+TINY_DEFAULTS = dict(height=64, width=64, steps=4)
 
 
 # ----------------------------------------------------------------------------- paths
@@ -41,11 +47,12 @@ DESCRIPTION = (
 
 def add_arguments(p) -> None:
     _job_arguments(p)
+    _sampling_arguments(p)
     _run_arguments(p)
 
 
 def _job_arguments(p) -> None:
-    """What to make: the model, the prompts, the image size and the sampling settings."""
+    """What to make: the model, the prompts and the input images."""
     p.add_argument(
         "--model",
         required=True,
@@ -53,8 +60,16 @@ def _job_arguments(p) -> None:
         "a preset name with weights in the Hugging Face cache, or an offline tiny pipeline: "
         + ", ".join(_models.tiny_names()),
     )
-    p.add_argument("--base", default=None, help="pipeline folder for the text encoders, VAE and scheduler")
-    p.add_argument("--config", default=None, help="preset for a single transformer file without a config")
+    p.add_argument(
+        "--base",
+        default=None,
+        help="pipeline folder for the text encoders, VAE and scheduler (default: --model's own, a pipeline folder)",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="preset for a single transformer file without a config (default: --base's transformer/config.json)",
+    )
     p.add_argument("--prompt", default=None, help="one prompt (with --out)")
     p.add_argument(
         "--prompts",
@@ -62,7 +77,7 @@ def _job_arguments(p) -> None:
         help="a file of prompts, one a line, or JSON lines with prompt, seed, size, steps, guidance, "
         "true_cfg, negative_prompt (with --out-dir; resumable)",
     )
-    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--negative-prompt", default=None, help='with --true-cfg (default: "")')
     p.add_argument(
         "--image",
         nargs="+",
@@ -70,20 +85,33 @@ def _job_arguments(p) -> None:
         help="reference image(s) (FLUX.2, Qwen-Image-Edit); FLUX.1, Qwen-Image: the init image",
     )
     p.add_argument("--mask", default=None, help="inpainting: the mask image (white = repaint), with --image")
-    p.add_argument("--strength", type=finite, default=None, help="img2img/inpainting: share of the steps run (0.6)")
-    p.add_argument("--height", type=positive, default=1024)
-    p.add_argument("--width", type=positive, default=1024)
-    p.add_argument("--steps", type=positive, default=28)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--guidance", type=scale, default=None, help="embedded guidance (FLUX.1-dev, FLUX.2-dev)")
-    p.add_argument("--true-cfg", type=scale, default=None, help="classifier-free guidance scale (> 1 enables)")
+    p.add_argument(
+        "--strength", type=finite, default=None, help="img2img/inpainting: share of the steps run (default: 0.6)"
+    )
+
+
+def _sampling_arguments(p) -> None:
+    """The image size, the steps, the seed, the guidance scales and the LoRA files."""
+    for flag, what in (("--height", "image height"), ("--width", "image width"), ("--steps", "denoising steps")):
+        real, small = DEFAULTS[flag.removeprefix("--")], TINY_DEFAULTS[flag.removeprefix("--")]
+        p.add_argument(flag, type=positive, default=None, help=f"{what} (default: {real}; {small} for a tiny pipeline)")
+    p.add_argument("--seed", type=int, default=0, help="the noise seed (--prompts: line i takes seed + i)")
+    p.add_argument(
+        "--guidance",
+        type=scale,
+        default=None,
+        help="embedded guidance of FLUX.1-dev, FLUX.2-dev (default: the model's, 3.5 and 4.0)",
+    )
+    p.add_argument(
+        "--true-cfg", type=scale, default=None, help="classifier-free guidance scale, > 1 enables (default: off)"
+    )
     p.add_argument(
         "--lora",
         action="append",
         type=_lora.spec,
         default=None,
         metavar="PATH[:SCALE]",
-        help="a LoRA file applied on the fly at SCALE (1) to every prompt; repeatable",
+        help="a LoRA file applied on the fly at SCALE (default 1) to every prompt; repeatable (default: none)",
     )
 
 
@@ -125,9 +153,9 @@ def _run_arguments(p) -> None:
 
 def _mesh_arguments(p) -> None:
     """The mesh: tensor, sequence, data, ring and fully sharded degrees (under torchrun)."""
-    p.add_argument("--tp", type=positive, default=1)
-    p.add_argument("--sp", type=positive, default=1)
-    p.add_argument("--dp", type=positive, default=1)
+    p.add_argument("--tp", type=positive, default=1, help="tensor parallel degree (under torchrun)")
+    p.add_argument("--sp", type=positive, default=1, help="sequence parallel degree, Ulysses (under torchrun)")
+    p.add_argument("--dp", type=positive, default=1, help="data parallel degree: the images split over ranks")
     p.add_argument(
         "--ring", type=positive, default=1, help="ring attention degree: splits the sequence further, any head count"
     )
@@ -416,7 +444,17 @@ def _quantized(params, scheme: str, mesh, device):
     return params.replace(torch.utils._pytree.tree_map(lambda t: t.to(device), params.tree))
 
 
+def _sized(args):
+    """``args`` as a new namespace with --height/--width/--steps filled where left out:
+    `TINY_DEFAULTS` for an offline tiny pipeline, else `DEFAULTS`."""
+    import argparse
+
+    table = TINY_DEFAULTS if _tiny_name(args) is not None else DEFAULTS
+    return argparse.Namespace(**{**vars(args), **{k: v for k, v in table.items() if getattr(args, k, None) is None}})
+
+
 def run(args) -> int:
+    args = _sized(args)
     pipe, params, images, device, rank0, start, loaded = _setup(args)
     if args.prompts is not None:
         from . import _many
@@ -443,6 +481,15 @@ def _sample_kwargs(args, images) -> dict:
     )
 
 
+def fp8_note(scheme: str | None, device) -> str:
+    """The output line's words for ``--quantize`` (empty without): the scheme, and on a CPU
+    that its scaled GEMM has no fp8 hardware (dequantized to a float GEMM: slower)."""
+    if not scheme:
+        return ""
+    cpu = ", emulated on the CPU: slower than without --quantize"
+    return f", fp8 compute {scheme}" + (cpu if device.type == "cpu" else "")
+
+
 def _run_one(args, pipe, params, images, device, rank0: bool, start: float, loaded: float) -> int:
     """``--prompt``: one image with a progress bar over steps, written by rank 0."""
     from tqdm.auto import tqdm
@@ -457,7 +504,7 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
 
     def step(i, latents):
         stamps.append(time.perf_counter())
-        bar.update()
+        advance(bar)
 
     kw = _sample_kwargs(args, images)
     run = kw["cache"] = None if kw["cache"] is None else fd.CacheRun(kw["cache"])  # kept: what it skipped
@@ -472,7 +519,8 @@ def _run_one(args, pipe, params, images, device, rank0: bool, start: float, load
         per_step = [b - a for a, b in zip(stamps, stamps[1:])]
         mean = sum(per_step) / len(per_step) if per_step else stamps[0] - loaded
         print(
-            f"wrote {args.out} ({args.width}x{args.height}, {args.steps} steps, seed {args.seed}); "
+            f"wrote {args.out} ({args.width}x{args.height}, {args.steps} steps, seed {args.seed}"
+            f"{fp8_note(getattr(args, 'quantize', None), device)}); "
             f"load {loaded - start:.1f} s, {mean:.3f} s/step, total {time.perf_counter() - start:.1f} s, "
             f"peak memory {_peak_memory_gib(device):.2f} GiB ({device.type})"
         )

@@ -15,14 +15,14 @@ def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="a tiny pipeline name (flux, ...), checkpoint or preset")
     p.add_argument("--base", default=None, help="the pipeline folder for a transformer-only --model (as generate)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="a LoRA file served as NAME")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on")
     p.add_argument("--max-batch", type=positive, default=8, help="images per running batch (1: batching off)")
     p.add_argument("--max-queue", type=positive, default=64, help="images waiting; more is a 429")
     p.add_argument("--max-images", type=positive, default=4, help="the largest n of one request")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gets 504")
-    p.add_argument("--steps", type=positive, default=28, help="the default steps of a request")
-    p.add_argument("--size", default="1024x1024", help="the default size of a request, WxH")
+    p.add_argument("--steps", type=positive, default=28, help="the steps of a request that names none")
+    p.add_argument("--size", default="1024x1024", help="the size of a request that names none, WxH")
     p.add_argument("--max-size", type=positive, default=2048, help="the largest width or height served")
     p.add_argument("--max-sequence-length", type=positive, default=None, help="text tokens (default: the model's)")
     p.add_argument("--tp", type=positive, default=1, help="tensor parallel degree (under torchrun)")
@@ -53,18 +53,20 @@ def load_model(spec: str, base: str | None = None, dtype=None):
     import torch
 
     from . import generate
+    from ._quiet import loading as quiet_loading
 
     dtype = dtype or torch.float32
     args = argparse.Namespace(model=spec, base=base, config=None)
     tiny = generate._tiny_name(args)
-    if tiny is not None:
-        pipe, params = generate._load_tiny(tiny, None, "cpu", dtype)
-        return params, pipe
-    import diffusers
+    with quiet_loading():  # the libraries' loading notices and bars held back, as generate does
+        if tiny is not None:
+            pipe, params = generate._load_tiny(tiny, None, "cpu", dtype)
+            return params, pipe
+        import diffusers
 
-    import weights
+        import weights
 
-    model, folder, config = generate.resolve(args)
-    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, transformer=None, dtype=dtype)
-    pipe.set_progress_bar_config(disable=True)
-    return weights.load(model, config=config, dtype=dtype), pipe
+        model, folder, config = generate.resolve(args)
+        pipe = diffusers.DiffusionPipeline.from_pretrained(folder, transformer=None, dtype=dtype)
+        pipe.set_progress_bar_config(disable=True)
+        return weights.load(model, config=config, dtype=dtype), pipe

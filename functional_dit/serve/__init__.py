@@ -56,13 +56,16 @@ def serve(service, host: str, port: int, request_timeout: float, drain_timeout: 
                 self.should_exit = True  # a second signal: stop now
                 return
             service.draining = True
+            print(DRAINING.format(timeout=drain_timeout), flush=True)
             threading.Thread(target=self._drain, daemon=True).start()
 
         def _drain(self):
-            end = time.monotonic() + drain_timeout
+            start = time.monotonic()
+            end = start + drain_timeout
             while not service.engine.idle() and time.monotonic() < end and service.engine.error is None:
                 time.sleep(0.05)
             time.sleep(0.3)  # the last answers leave the event loop
+            print(drained_line(service.engine, time.monotonic() - start), flush=True)
             self.should_exit = True
 
     def watch():  # a failed engine (a dead rank) ends the server: clients already got 503
@@ -80,6 +83,21 @@ def serve(service, host: str, port: int, request_timeout: float, drain_timeout: 
     if service.journal is not None:
         service.journal.close()
     return 0 if service.engine.error is None else 1
+
+
+# what the server prints when a SIGTERM / SIGINT starts its drain (`drained_line`: its end)
+DRAINING = "draining: finishing the accepted requests (up to {timeout:g} s); new ones get 503; a 2nd signal stops now"
+
+
+def drained_line(engine, seconds: float) -> str:
+    """What it says when the drain ends: finished, timed out or failed."""
+    if engine.error is not None:
+        how = f"stopped by a failed engine ({type(engine.error).__name__})"
+    elif not engine.idle():
+        how = "timed out with requests unfinished"
+    else:
+        how = "every accepted request answered"
+    return f"drained in {seconds:.1f} s: {how}; stopping"
 
 
 def run(args, load_model) -> int:
