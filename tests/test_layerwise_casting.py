@@ -394,26 +394,6 @@ def test_layerwise_cast_refusals():
         fd.layerwise_cast(params.tree, FP8)
 
 
-def _adapter_refusal(rank, world):
-    import sharding
-
-    params = fd.init("flux1-tiny", seed=0)
-    mesh = sharding.make_mesh(tp=1)
-    sharded = sharding.shard_params(params, mesh, sharding.plan(params, mesh))
-    try:
-        fd.DiffusersTransformer(sharded).enable_layerwise_casting()
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def test_sharded_adapter_casting_is_refused():
-    """The adapter's ``enable_layerwise_casting`` on sharded params (`fd.layerwise_cast` of
-    sharded params works: `test_shard_params_keeps_fp8_storage`)."""
-    (adapter,) = spawn(_adapter_refusal, 1)
-    assert adapter and "not supported for sharded (DTensor) params" in adapter
-
-
 # ---------------------------------------------------------------- through the pipelines
 
 
@@ -478,6 +458,28 @@ def _sharded_storage(rank, world):
         with torch.no_grad():  # sharded vs one process over the same stored values: fp32 parity (docs/sharding.md)
             errs = [(fd.apply(p, **kw) - want).abs().max().item() for p in (sharded, after)]
         out[str(axes)] = (stored, full, alike, errs)
+    return out, _sharded_adapter(sharding.make_mesh(tp=2, device_type="cpu"))
+
+
+def _sharded_adapter(mesh) -> dict:
+    """The tiny FLUX.1 pipeline with the adapter's ``enable_layerwise_casting`` (fp8 storage,
+    fp32 compute) on params sharded over ``mesh`` and on the whole params: latents, memory
+    footprints, how many leaves are stored (the local shards')."""
+    from test_adapter import PROMPT, SHORT
+    from test_adapter import run as run_pipe
+
+    import sharding
+    from functional_dit import tiny
+    from functional_dit.nn.layerwise import is_cast
+
+    params = fd.from_diffusers(tiny.pipeline("flux").transformer)
+    out = {}
+    for name, p in (("whole", params), ("sharded", sharding.shard_params(params, mesh))):
+        model = fd.DiffusersTransformer(p)
+        model.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
+        locals_ = [t.to_local() if hasattr(t, "to_local") else t for t in model.parameters()]
+        latents = run_pipe(tiny.pipeline("flux", transformer=model), prompt=PROMPT, **SHORT)
+        out[name] = (latents, model.get_memory_footprint(), sum(map(is_cast, locals_)))
     return out
 
 
@@ -487,8 +489,15 @@ def test_shard_params_keeps_fp8_storage():
     ``proj_mlp`` / ``proj_out``, whose slices are concatenated) included (before: those came
     back float32, 6 of 86 leaves); ``full_tensor()`` is the unsharded stored values and
     `fd.apply` equals one process (fp32 1e-5). The other order, ``fd.layerwise_cast`` of
-    sharded params (refused before), gives the same local shards bitwise, placed alike."""
+    sharded params (refused before), gives the same local shards bitwise, placed alike; so
+    does the adapter's ``enable_layerwise_casting`` on tp=2-sharded params (refused before):
+    the pipeline's latents equal the whole params' cast, the footprint is the same."""
     results = spawn(_sharded_storage, 2, timeout=300)
+    for _, adapter in results:  # the adapter's enable_layerwise_casting on tp=2 (refused before)
+        (want, size, n), (got, sharded_size, sharded_n) = adapter["whole"], adapter["sharded"]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # tp=2's row-parallel sums: fp32 1e-5
+        assert (sharded_size, sharded_n) == (size, n) and n > 0
+    results = [r for r, _ in results]
     for r in results:
         assert sorted(r) == sorted(map(str, SHARD_MESHES))
         for mesh, (stored, full, alike, errs) in r.items():

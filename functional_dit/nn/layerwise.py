@@ -227,11 +227,7 @@ def layerwise_cast(
             if t.is_floating_point() and t.dtype != compute_dtype:
                 kept[key] = t.dtype
             continue
-        flat[key] = (
-            _cast_placed(t, storage_dtype, compute_dtype)
-            if is_dtensor(t)
-            else cast_leaf(t, storage_dtype, compute_dtype)
-        )
+        flat[key] = cast_leaf(t, storage_dtype, compute_dtype)
     if kept:
         key, dtype = next(iter(kept.items()))
         raise ValueError(
@@ -256,7 +252,9 @@ def _cast_placed(t, storage_dtype: torch.dtype, compute_dtype: torch.dtype):
 
 def cast_leaf(t: torch.Tensor, storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> CastTensor:
     """``t`` (plain or a `CastTensor`) stored as ``storage_dtype``, read as ``compute_dtype``;
-    it requires grad if ``t`` does."""
+    it requires grad if ``t`` does. A DTensor: its local shard so, placed alike (`_cast_placed`)."""
+    if is_dtensor(t):
+        return _cast_placed(t, storage_dtype, compute_dtype)
     grad = t.requires_grad
     if isinstance(t, CastTensor):
         t = t.stored
