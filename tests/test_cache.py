@@ -427,14 +427,54 @@ def _cached_on_meshes(rank, world):
                 out[f"{tag}-{name}"] = (fd.sample(p, klein, "a red cube", cache=run, **k_kw), run.decisions, [])
     finally:
         fd_cache.branch_sums = orig
+    return out | _extract_pass_on_sequence_splits()
+
+
+# the caches over an extract pass (sp, ring): every skipping one (`SKIPPING`) on Qwen-Image 2.1, two on klein
+_TS_ATTENTION = "taylorseer:interval=2,warmup=1,attention=1"
+EXTRACT = {
+    "qwen-image-2.1": ["fbcache:10", "taylorseer:interval=2,warmup=1", _TS_ATTENTION, "fastercache:skip=2,high=2000",
+                       "magcache:10"],
+    "flux2-klein-kv": ["fbcache:10", _TS_ATTENTION],
+}  # fmt: skip
+EXTRACT_ITEMS = [  # Qwen-Image 2.1 per-item caches (`functional_dit.sampling`), the refusal's other site
+    dict(prompt="a red car", steps=3, seed=4, true_cfg=3.0, negative_prompt="dark", cache="fbcache:1.5"),
+    dict(prompt="a red box", steps=3, seed=6, cache="taylorseer:interval=2,warmup=1,order=1,attention=1"),
+]
+
+
+def _extract_pass_on_sequence_splits() -> dict:
+    """Step caches over an extract pass (the first step computes the KV cache: Qwen-Image
+    2.1's prefix over the joint sequence, its later steps the target's rows only; klein's
+    reference stream) on one process, sp=2 and ring=2: ``fd.sample`` latents and decisions,
+    and Qwen-Image 2.1's per-item caches in one `functional_dit.sampling` batch."""
+    from functional_dit import sampling
+
+    out = {}
+    for name, caches in EXTRACT.items():
+        pipe, params, sample = _new_family(name)
+        for mesh, axes in (("single", None), ("sp", dict(sp=2)), ("ring", dict(ring=2))):
+            p = params if axes is None else sharding.shard_params(params, sharding.make_mesh(**axes, device_type="cpu"))
+            for cache in caches:
+                run = fd.CacheRun(cache)
+                out[f"kv-{name}-{cache}-{mesh}"] = (sample(p, cache=run), run.decisions, [])
+            if name == "qwen-image-2.1" and mesh != "ring":
+                reqs = [sampling.Request(height=32, width=32, **r) for r in EXTRACT_ITEMS]
+                items = sampling.sample(p, sampling.context(p, pipe), reqs, "latent")
+                out[f"kv-items-{mesh}"] = (torch.stack(list(items)), [], [])
     return out
 
 
+@pytest.mark.slow
 def test_cached_sampling_on_tp_sp_dp_equals_single_process():
     """Every rank takes the single-process decisions and gives its latents; the First-Block
     metric is summed over the ranks holding parts of it: without that sum the two sp
     ranks (each with half the image rows) would see different metrics and, at the
-    threshold, take different decisions."""
+    threshold, take different decisions. Step caches over an extract pass (Qwen-Image 2.1's
+    prefix KV cache, every skipping cache, in `fd.sample` and per item; klein's reference
+    KV cache) on sp=2 and ring=2: the single-process decisions and latents (fp32 1e-5:
+    the split attention sums in another order); on the extract step a cache keeps the
+    target's rows split as the later steps split them."""
     results = spawn(_cached_on_meshes, 2, timeout=600)
     thr = FBC_THRESHOLD["flux1"]
     for r in results:
@@ -450,6 +490,16 @@ def test_cached_sampling_on_tp_sp_dp_equals_single_process():
             single = r[name.rsplit("-", 1)[0] + "-single"]
             assert r[name][1] == single[1] and any(not c for d in single[1] for c in d), name
             torch.testing.assert_close(r[name][0], single[0], **FP32)
+    for r in results:  # step caches over an extract pass, formerly refused on sp and ring
+        for name, caches in EXTRACT.items():
+            for cache in caches:
+                single = r[f"kv-{name}-{cache}-single"]
+                assert any(not c for d in single[1] for c in d), (name, cache)
+                for mesh in ("sp", "ring"):
+                    got = r[f"kv-{name}-{cache}-{mesh}"]
+                    assert got[1] == single[1], (name, cache, mesh)
+                    torch.testing.assert_close(got[0], single[0], **FP32)
+        torch.testing.assert_close(r["kv-items-sp"][0], r["kv-items-single"][0], **FP32)
     for name in ("tp", "sp", "dp"):
         assert [s[1] for s in results[0][name][2]] == [s[1] for s in results[1][name][2]], name
         assert torch.equal(results[0][name][0], results[1][name][0]), name
@@ -544,8 +594,8 @@ def _new_family(name: str):
     pipe = _pipe(kind) if kind == "qwen-image-2.1" else tiny.pipeline(kind)  # (one Qwen-Image 2.1 per process)
     kw = dict(kw, image=ref_image()) if "image" in kw else kw
     params = fd.from_diffusers(pipe.transformer)
-    sample = lambda **more: fd.sample(  # noqa: E731
-        params, pipe, "a red cube", steps=2, seed=1, output_type="latent", **SIZE, **kw, **more
+    sample = lambda p=params, **more: fd.sample(  # noqa: E731
+        p, pipe, "a red cube", steps=2, seed=1, output_type="latent", **SIZE, **kw, **more
     )
     return pipe, params, sample
 

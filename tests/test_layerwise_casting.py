@@ -394,31 +394,6 @@ def test_layerwise_cast_refusals():
         fd.layerwise_cast(params.tree, FP8)
 
 
-def _sharded_refusal(rank, world):
-    import sharding
-
-    params = fd.init("flux1-tiny", seed=0)
-    mesh = sharding.make_mesh(tp=1)
-    sharded = sharding.shard_params(params, mesh, sharding.plan(params, mesh))
-    out = []
-    for fn in (
-        lambda: fd.layerwise_cast(sharded, FP8),
-        lambda: fd.DiffusersTransformer(sharded).enable_layerwise_casting(),
-    ):
-        try:
-            fn()
-            out.append(None)
-        except ValueError as e:
-            out.append(str(e))
-    return out
-
-
-def test_sharded_params_are_refused():
-    ((core, adapter),) = spawn(_sharded_refusal, 1)
-    assert core and "layerwise casting of sharded (DTensor) params is not supported" in core
-    assert adapter and "not supported for sharded (DTensor) params" in adapter
-
-
 # ---------------------------------------------------------------- through the pipelines
 
 
@@ -446,34 +421,88 @@ def test_pipeline_with_layerwise_casting_equals_stock(kind):
     assert cast_names(ours.transformer) == stored_names(stock.transformer)  # still stored after the moves
 
 
+SHARD_MESHES = (dict(tp=2), dict(sp=2), dict(fsdp=2), dict(ring=2))
+
+
+def _stored(t):
+    """The values a leaf holds, as stored (a DTensor's whole: ``full_tensor()``, a collective)."""
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return stored_leaf(t)
+
+
 def _sharded_storage(rank, world):
-    """Each leaf of tp=2-sharded fp8 params: still stored in fp8 locally, and its
-    ``full_tensor()`` the unsharded stored values."""
+    """Per mesh of `SHARD_MESHES`: fp8-stored params sharded (`shard_params`) and sharded
+    params stored (`fd.layerwise_cast` of DTensor leaves): each local leaf's stored dtype and
+    placements, whether ``full_tensor()`` is the unsharded stored values, both orders' local
+    shards bitwise alike, and `fd.apply`'s error against one process for both."""
     import sharding
     from functional_dit.nn.layerwise import is_cast
 
-    params = fd.layerwise_cast(fd.init("flux1-tiny", seed=0), FP8)
-    sharded = sharding.shard_params(params, sharding.make_mesh(tp=2))
-    stored, full = {}, {}
-    for key, leaf in sharded.flat().items():
-        local = leaf.to_local()
-        stored[key] = (local.stored.dtype if is_cast(local) else local.dtype, str(leaf.placements))
-        whole = leaf.full_tensor()
-        values = whole.stored if is_cast(whole) else whole
-        full[key] = torch.equal(values.float(), params.flat()[key].stored.float())
-    kw = flux1_inputs(params.config, batch=1, seed=0)
-    with torch.no_grad():  # tp=2 vs one process over the same stored values: fp32 parity (docs/sharding.md)
-        err = (fd.apply(sharded, **kw) - fd.apply(params, **kw)).abs().max().item()
-    return stored, full, err
+    plain = fd.init("flux1-tiny", seed=0)
+    params = fd.layerwise_cast(plain, FP8)
+    kw = flux1_inputs(params.config, batch=2, seed=0)
+    with torch.no_grad():
+        want = fd.apply(params, **kw)
+    out = {}
+    for axes in SHARD_MESHES:
+        mesh = sharding.make_mesh(**axes, device_type="cpu")
+        sharded = sharding.shard_params(params, mesh)
+        after = fd.layerwise_cast(sharding.shard_params(plain, mesh), FP8)  # shard first, then store
+        stored, full, alike = {}, {}, {}
+        for key, leaf in sharded.flat().items():
+            local, other = leaf.to_local(), after.flat()[key]
+            stored[key] = (local.stored.dtype if is_cast(local) else local.dtype, str(leaf.placements))
+            full[key] = torch.equal(_stored(leaf).float(), params.flat()[key].stored.float())
+            same_place = other.placements == leaf.placements and is_cast(other.to_local())
+            alike[key] = same_place and torch.equal(stored_leaf(other.to_local()), stored_leaf(local))
+        with torch.no_grad():  # sharded vs one process over the same stored values: fp32 parity (docs/sharding.md)
+            errs = [(fd.apply(p, **kw) - want).abs().max().item() for p in (sharded, after)]
+        out[str(axes)] = (stored, full, alike, errs)
+    return out, _sharded_adapter(sharding.make_mesh(tp=2, device_type="cpu"))
+
+
+def _sharded_adapter(mesh) -> dict:
+    """The tiny FLUX.1 pipeline with the adapter's ``enable_layerwise_casting`` (fp8 storage,
+    fp32 compute) on params sharded over ``mesh`` and on the whole params: latents, memory
+    footprints, how many leaves are stored (the local shards')."""
+    from test_adapter import PROMPT, SHORT
+    from test_adapter import run as run_pipe
+
+    import sharding
+    from functional_dit import tiny
+    from functional_dit.nn.layerwise import is_cast
+
+    params = fd.from_diffusers(tiny.pipeline("flux").transformer)
+    out = {}
+    for name, p in (("whole", params), ("sharded", sharding.shard_params(params, mesh))):
+        model = fd.DiffusersTransformer(p)
+        model.enable_layerwise_casting(storage_dtype=FP8, compute_dtype=torch.float32)
+        locals_ = [t.to_local() if hasattr(t, "to_local") else t for t in model.parameters()]
+        latents = run_pipe(tiny.pipeline("flux", transformer=model), prompt=PROMPT, **SHORT)
+        out[name] = (latents, model.get_memory_footprint(), sum(map(is_cast, locals_)))
+    return out
 
 
 def test_shard_params_keeps_fp8_storage():
-    """``sharding.shard_params(fd.layerwise_cast(params), mesh)`` on tp=2: every leaf keeps
-    its fp8 storage, the per-block-split ones (FLUX.1's single-block ``proj_mlp`` / ``proj_out``,
-    whose slices are concatenated) included (before: those came back float32, 6 of 86 leaves)."""
-    results = spawn(_sharded_storage, 2)
-    for stored, full, err in results:
-        assert err <= 1e-5
-        assert {k: d for k, (d, _) in stored.items() if d != FP8} == {}
-        assert all(full.values()), [k for k, ok in full.items() if not ok]
-    assert any("_StridedShard" in p for _, p in results[0][0].values())  # the per-block splits are covered
+    """``sharding.shard_params(fd.layerwise_cast(params), mesh)`` on tp=2, sp=2, fsdp=2 and
+    ring=2: every leaf keeps its fp8 storage, the per-block-split ones (FLUX.1's single-block
+    ``proj_mlp`` / ``proj_out``, whose slices are concatenated) included (before: those came
+    back float32, 6 of 86 leaves); ``full_tensor()`` is the unsharded stored values and
+    `fd.apply` equals one process (fp32 1e-5). The other order, ``fd.layerwise_cast`` of
+    sharded params (refused before), gives the same local shards bitwise, placed alike; so
+    does the adapter's ``enable_layerwise_casting`` on tp=2-sharded params (refused before):
+    the pipeline's latents equal the whole params' cast, the footprint is the same."""
+    results = spawn(_sharded_storage, 2, timeout=300)
+    for _, adapter in results:  # the adapter's enable_layerwise_casting on tp=2 (refused before)
+        (want, size, n), (got, sharded_size, sharded_n) = adapter["whole"], adapter["sharded"]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # tp=2's row-parallel sums: fp32 1e-5
+        assert (sharded_size, sharded_n) == (size, n) and n > 0
+    results = [r for r, _ in results]
+    for r in results:
+        assert sorted(r) == sorted(map(str, SHARD_MESHES))
+        for mesh, (stored, full, alike, errs) in r.items():
+            assert max(errs) <= 1e-5, (mesh, errs)
+            assert {k: d for k, (d, _) in stored.items() if d != FP8} == {}, mesh
+            assert all(full.values()), (mesh, [k for k, ok in full.items() if not ok])
+            assert all(alike.values()), (mesh, [k for k, ok in alike.items() if not ok])
+    assert any("_StridedShard" in p for _, p in results[0][str(dict(tp=2))][0].values())  # per-block splits covered

@@ -2,8 +2,10 @@
 
 One spawn of 2 gloo ranks (tp=2) runs the tiny FLUX.1 (CLIP + T5), FLUX.2-dev (Mistral3),
 FLUX.2-klein (Qwen3) and Qwen-Image (Qwen2.5-VL) pipelines with every placement and
-checks them against one process with whole encoders; the tiled VAE is checked against
-the stock pipeline with ``vae.enable_tiling()``.
+checks them against one process with whole encoders; the fully sharded tests add
+FLUX.3's and Qwen-Image 2.1's Qwen3-VL encoders ("shard", then "fsdp", on tp=2, fsdp=2 and
+tp=2 x fsdp=2); the tiled VAE is checked against the stock pipeline with
+``vae.enable_tiling()``.
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _param_bytes(module) -> int:
-    """Bytes of the storages behind the parameters on this rank (a DTensor's local shard;
-    tied weights once): a shard that kept a view of the whole weight counts whole."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())
+    """Live storage behind the parameters on this rank (`sharding.live_bytes`: a DTensor's
+    local shard; each unique storage once, so tied weights once and a shard that kept a view
+    of the whole weight counts whole)."""
+    return sharding.live_bytes(dict(module.named_parameters()))
 
 
 def _single(kind, **kw):
@@ -242,19 +244,45 @@ def test_decoder_plans_are_transformers_base_model_tp_plan():
         assert got == want | {"model.embed_tokens": "vocab", "lm_head": "colwise"}, cfg.__name__
 
 
+def test_qwen3vl_plan_is_qwen3s_on_its_language_model():
+    """FLUX.3's and Qwen-Image 2.1's Qwen3-VL: its decoder layers take Qwen3's plan (q and o
+    split, the one KV head kept whole by every rank, the MLP split; the tiny 265-token
+    vocabulary stays whole), its vision tower none; an encoder class with no plan is one
+    ValueError naming it and the placements that work."""
+    import transformers
+
+    split = {k: v for k, v in transformers.Qwen3Config.base_model_tp_plan.items() if v in ("colwise", "rowwise")}
+    one_kv = {k: v for k, v in split.items() if not k.endswith(("k_proj", "v_proj"))}
+    want = {f"model.language_model.{k.replace('*', str(i))}": v for k, v in one_kv.items() for i in range(2)}
+    for kind in ("flux3", "qwen-image-2.1"):
+        assert _placement.plan(tiny.components(kind)["text_encoder"], 2) == want, kind
+    with pytest.raises(ValueError, match="encoder_placement: no tensor-parallel plan for a GPT2Model text encoder"):
+        _placement.plan(transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2)), 2)
+
+
 # ----------------------------------------------------------------------------- fully sharded encoders
 
-FSDP_KINDS = {"qwen-image-edit": 256, "flux": 64}  # the edit pipeline's prompts carry an image: the vision tower runs
+# the edit pipelines' prompts carry an image: the vision tower runs (Qwen-Image 2.1's Qwen3-VL
+# adds its deepstack features to the first decoder layers); FLUX.3 encodes one prompt per call
+FSDP_KINDS = {"qwen-image-edit": 256, "flux": 64, "qwen-image-2.1": None, "flux3": None}
+IMAGE_KINDS = ("qwen-image-edit", "qwen-image-2.1")
 
 
 def _embeds(pipe, kind) -> list[torch.Tensor]:
-    """The prompt embeddings ``encode_prompt`` returns (T5 and pooled CLIP; Qwen2.5-VL's of
-    the prompts with an image each, and their mask)."""
-    image = dict(image=[Image.fromarray(np.full((32, 32, 3), 40 * i, np.uint8)) for i in (1, 2)])
+    """The prompt embeddings the pipeline's encoder gives (T5 and pooled CLIP; Qwen2.5-VL's
+    and Qwen-Image 2.1's Qwen3-VL's of the prompts with an image each, and their mask;
+    FLUX.3's stacked Qwen3-VL layers, a prompt at a time as `fd.sample` encodes them)."""
+    if kind == "flux3":
+        from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
+
+        embed, te, tok = Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds, pipe.text_encoder, pipe.tokenizer
+        with torch.no_grad():
+            return [embed(te, tok, p, hidden_states_layers=tiny.FLUX3_LAYERS) for p in PROMPTS]
+    kw = {} if FSDP_KINDS[kind] is None else {"max_sequence_length": FSDP_KINDS[kind]}
+    if kind in IMAGE_KINDS:
+        kw["image"] = [Image.fromarray(np.full((32, 32, 3), 40 * i, np.uint8)) for i in (1, 2)]
     with torch.no_grad():
-        out = pipe.encode_prompt(
-            PROMPTS, device="cpu", max_sequence_length=FSDP_KINDS[kind], **(image if "edit" in kind else {})
-        )
+        out = pipe.encode_prompt(PROMPTS, device="cpu", **kw)
     return [t for t in out if t is not None][:2]
 
 
@@ -270,16 +298,22 @@ def _whole(module) -> dict:
 
 
 def _fsdp_ranks(rank, world, meshes=None):
+    """Per mesh and kind: the embeddings and live bytes with the encoders placed "shard"
+    (tp's split; whole on a mesh without tp), then "fsdp" on top, and the predicted bytes."""
     out = {}
     for mesh_kw, sizes in meshes or (({"tp": world}, (world, 1)), ({"fsdp": world}, (1, world))):
         mesh = sharding.make_mesh(**mesh_kw, device_type="cpu")
         for kind in FSDP_KINDS:
             pipe = tiny.pipeline(kind)
+            mods = _placement.encoders(pipe)
+            with _placement.placed(pipe, "shard", mesh, "cpu"):
+                shard = dict(embeds=_embeds(pipe, kind), bytes={n: _param_bytes(m) for n, m in mods.items()})
             with _placement.placed(pipe, "fsdp", mesh, "cpu"):
                 first = _embeds(pipe, kind)
-            mods = _placement.encoders(pipe)
             fresh = tiny.components(kind)
             out[(kind, sizes)] = dict(
+                shard=shard,
+                shard_predicted={n: _placement.bytes_per_rank(fresh[n], sizes[0]) for n in mods},
                 embeds=first,
                 again=_embeds_one_by_one(pipe, kind),  # the shards stay, gathered afresh per call
                 bytes={n: _param_bytes(m) for n, m in mods.items()},
@@ -291,15 +325,18 @@ def _fsdp_ranks(rank, world, meshes=None):
 
 @pytest.mark.slow
 def test_fsdp_encoders_on_two_ranks_equal_one_process():
-    """``encoder_placement="fsdp"`` on 2 gloo ranks, the tiny Qwen-Image-Edit (Qwen2.5-VL:
-    its single KV head and odd vocabulary stay whole under tp, its vision tower too, which
-    the prompts' images run) and FLUX.1 (CLIP + T5) encoders: on a tp=2 mesh what tp leaves
-    whole is fully sharded over the tp group, on an fsdp=2 mesh everything over fsdp; each
-    layer gathered just before it runs.
+    """``encoder_placement="shard"``, then ``"fsdp"``, on 2 gloo ranks, the tiny
+    Qwen-Image-Edit (Qwen2.5-VL: its single KV head and odd vocabulary stay whole under tp,
+    its vision tower too, which the prompts' images run), FLUX.1 (CLIP + T5), Qwen-Image 2.1
+    and FLUX.3 (Qwen3-VL; Qwen-Image 2.1's prompts with images, so its vision tower and
+    deepstack features run) encoders: "shard" splits over tp (nothing on an fsdp-only
+    mesh); then "fsdp": on a tp=2 mesh what tp leaves whole is fully sharded over the tp
+    group, on an fsdp=2 mesh everything over fsdp; each layer gathered just before it runs.
     The prompt embeddings equal one process (fp32 1e-5: tp's row-parallel layers sum in
     another order; fsdp alone gathers the same weights), on both ranks alike and on a
     second call without prefetch; the live bytes per rank (the shards' storages, every
-    layer released after it ran) equal the count the memory table uses; every parameter's
+    layer released after it ran; `sharding.live_bytes`) equal the count the memory table
+    uses, for "shard" and "fsdp"; every parameter's
     ``full_tensor()`` is the original weight. (tp=2 x fsdp=2: the next test, 4 ranks.)"""
     _check_fsdp_ranks(spawn(_fsdp_ranks, 2, timeout=300), 0.55)
 
@@ -322,10 +359,11 @@ def _check_fsdp_ranks(ranks, share: float) -> None:
         b = ranks[-1][(kind, sizes)]
         single = tiny.pipeline(kind)
         want = _embeds(single, kind)
-        for got in (a["embeds"], a["again"], b["embeds"]):
+        for got in (a["shard"]["embeds"], a["embeds"], a["again"], b["embeds"]):
             for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g, w, **FP32)
         assert a["bytes"] == a["predicted"] == b["bytes"], (kind, sizes)
+        assert a["shard"]["bytes"] == a["shard_predicted"] == b["shard"]["bytes"], (kind, sizes)
         whole = {n: _placement.bytes_per_rank(m, 1) for n, m in _placement.encoders(single).items()}
         for n, got in a["bytes"].items():  # near 1/ranks of the whole: only 1-D leaves with no even dim stay
             assert got < share * whole[n], (kind, sizes, n, got, whole[n])

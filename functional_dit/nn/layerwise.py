@@ -25,8 +25,9 @@ requires grad gets a compute-dtype ``.grad`` (autograd saves the wrapper, not a 
 backward reads it again). `fd.apply` computes in one dtype, so the leaves left as they are
 must already be in the compute dtype. ``cat`` / ``stack`` of leaves stored alike join the
 storages (the values are the same), so `sharding.shard_params` of cast params keeps every
-leaf stored, the per-block-split fused projections included. `layerwise_cast` of sharded
-(DTensor) params is refused (cast first, then shard). On an fsdp mesh a stored leaf's
+leaf stored, the per-block-split fused projections included, on every mesh kind.
+`layerwise_cast` of sharded (DTensor) params stores each leaf's local shard and keeps its
+placements: the same leaves as casting first, then sharding. On an fsdp mesh a stored leaf's
 just-in-time all-gather moves its stored bytes and wraps the gathered storage again
 (`sharding._fsdp`, which knows the wrapper only by torch's ``__tensor_flatten__`` protocol).
 """
@@ -213,15 +214,10 @@ def layerwise_cast(
     expressions searched in each leaf's module path and its ancestors' (diffusers' rule:
     ``("norm", "pos_embed")`` keeps every norm and position embedding as it is), or a
     predicate over leaf keys. Leaves already wrapped are re-stored from their values.
-    Storing rounds the values to ``storage_dtype``, once. Sharded params are refused."""
+    Storing rounds the values to ``storage_dtype``, once. Sharded (DTensor) leaves are
+    stored shard by shard, placed as they were (`_cast_placed`)."""
     if not isinstance(params, Params):
         raise ValueError(f"params: expected functional_dit.Params, got {type(params).__name__}")
-    sharded = [k for k, t in params.flat().items() if is_dtensor(t)]
-    if sharded:
-        raise ValueError(
-            f"params: layerwise casting of sharded (DTensor) params is not supported, got a DTensor at {sharded[0]!r}; "
-            "cast the unsharded params, or shard params stored in the dtype you want"
-        )
     compute_dtype = _check_dtypes(params, storage_dtype, compute_dtype)
     skipped = skip if callable(skip) else skip_by_patterns(skip)
     flat, kept = {}, {}
@@ -241,9 +237,24 @@ def layerwise_cast(
     return params.replace(nest(flat))
 
 
+def _cast_placed(t, storage_dtype: torch.dtype, compute_dtype: torch.dtype):
+    """A DTensor leaf with its local shard stored (`cast_leaf`), on the same mesh and
+    placements: the rounding is elementwise, so these are the shards `sharding.shard_params`
+    cuts from the whole leaf cast (``full_tensor()`` equal bitwise). No communication."""
+    from torch.distributed.tensor import DTensor
+
+    grad = t.requires_grad
+    with torch.no_grad():
+        local = cast_leaf(t.to_local().detach(), storage_dtype, compute_dtype)
+        out = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return out.requires_grad_() if grad else out
+
+
 def cast_leaf(t: torch.Tensor, storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> CastTensor:
     """``t`` (plain or a `CastTensor`) stored as ``storage_dtype``, read as ``compute_dtype``;
-    it requires grad if ``t`` does."""
+    it requires grad if ``t`` does. A DTensor: its local shard so, placed alike (`_cast_placed`)."""
+    if is_dtensor(t):
+        return _cast_placed(t, storage_dtype, compute_dtype)
     grad = t.requires_grad
     if isinstance(t, CastTensor):
         t = t.stored

@@ -58,8 +58,10 @@ def encoders(pipe) -> dict:
 
 
 def _decoder_rules(prefix: str, cfg, tp: int) -> list[tuple[str, str]]:
-    """Mistral / Qwen3 / Qwen2.5-VL text stacks: transformers' base_model_tp_plan, with
-    attention split only where tp divides the heads (k/v replicated for one KV head)."""
+    """Mistral / Qwen3 / Qwen2.5-VL / Qwen3-VL text stacks: transformers' base_model_tp_plan
+    (Qwen3-VL's text config lists only its embedding; its decoder layers are Qwen3's, q/k
+    norms per head included, so Qwen3's plan), with attention split only where tp divides
+    the heads (k/v replicated for one KV head)."""
     H, K = cfg.num_attention_heads, cfg.num_key_value_heads
     layer, rules = f"{prefix}layers.*.", []
     if H % tp == 0 and (K % tp == 0 or K == 1):
@@ -100,6 +102,13 @@ def _clip_rules(prefix: str, cfg, tp: int) -> list[tuple[str, str]]:
     return rules
 
 
+_VL_DECODERS = (  # a vision tower beside a decoder at model.language_model
+    "Mistral3ForConditionalGeneration",  # FLUX.2-dev
+    "Qwen2_5_VLForConditionalGeneration",  # Qwen-Image
+    "Qwen3VLForConditionalGeneration",  # FLUX.3, Qwen-Image 2.1
+)
+
+
 def _rules(module, tp: int) -> list[tuple[str, str]]:
     name, cfg = type(module).__name__, module.config
     if name == "T5EncoderModel":
@@ -108,7 +117,7 @@ def _rules(module, tp: int) -> list[tuple[str, str]]:
         return _clip_rules("text_model." if hasattr(module, "text_model") else "", cfg, tp)
     if name == "Qwen3ForCausalLM":
         return _decoder_rules("model.", cfg, tp)
-    if name in ("Mistral3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
+    if name in _VL_DECODERS:
         return _decoder_rules("model.language_model.", cfg.text_config, tp)
     raise ValueError(
         f"encoder_placement: no tensor-parallel plan for a {name} text encoder; expected 'replicate', 'cpu' or "

@@ -25,6 +25,9 @@ modules would cast back to their storage and compute dtypes at their next forwar
 re-create the model in the dtype you want instead); ``save_pretrained`` writes the stored
 dtype, as stock; LoRA added, fused or unfused afterwards works (a fused weight is rounded
 to the storage dtype once); removing the hook is a ValueError (stock: NotImplementedError).
+Sharded params (``fd.DiffusersTransformer(sharding.shard_params(...))``) are stored shard by
+shard, placed as they were (`fd.layerwise_cast` of DTensor leaves); the footprint counts the
+whole model in its stored dtype, as unsharded.
 """
 
 from __future__ import annotations
@@ -153,12 +156,13 @@ def _check(adapter, storage_dtype, compute_dtype, skip_modules_classes, non_bloc
         raise ValueError(f"skip_modules_classes: expected None or a tuple of classes, got {skip_modules_classes!r}")
     if not isinstance(non_blocking, bool):
         raise ValueError(f"non_blocking: expected a bool, got {non_blocking!r}")
+
+
+def _stored_size(t) -> int:
+    """Bytes per element ``t`` is stored in (a sharded leaf's local shard's)."""
     from sharding.internal import is_dtensor
 
-    if any(is_dtensor(p) for p in adapter.parameters()):
-        raise ValueError(
-            "enable_layerwise_casting: not supported for sharded (DTensor) params; load the transformer unsharded"
-        )
+    return layerwise.stored_leaf(t.to_local() if is_dtensor(t) else t).element_size()
 
 
 class LayerwiseMixin:
@@ -196,7 +200,7 @@ class LayerwiseMixin:
         """The stock method's bytes of parameters (and buffers), a layerwise-cast leaf
         counted in the dtype it is stored in (the stock module's fp8 weights are fp8)."""
         tensors = list(self.parameters()) + (list(self.buffers()) if return_buffers else [])
-        return sum(t.nelement() * layerwise.stored_leaf(t).element_size() for t in tensors)
+        return sum(t.nelement() * _stored_size(t) for t in tensors)
 
     def _param_key(self, name: str) -> str | None:
         from ._peft_layers import base_key

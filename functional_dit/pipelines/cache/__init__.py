@@ -421,17 +421,13 @@ def _step_local(fam, params, cache, state, x, t, txt, kwargs, branches):
 
     def stages() -> _stages.Stages:
         made.append(fam.stages(params, x, t, txt, **inputs))
-        if made[-1].keep is not None and sharding.axis_size("sp") * sharding.axis_size("ring") > 1:
-            raise ValueError(
-                "kv_cache: step caching with an extract pass over a sequence split (sp, ring) is not supported yet"
-            )
         return made[-1]
 
     with _kernels.fast_kernels(fast):
         out, state = _STEP[type(cache)](cache, state, stages, info)
     seq = made[-1].seq if made else state.seq  # TaylorSeer's predicted steps build no stages
     if isinstance(state, TaylorState) and made:
-        state = state._replace(seq=seq)
+        state = state._replace(seq=_kept_len(made[-1]))  # the rows its predicted steps give
     out = sharding.gather(sharding.gather(out, "sp", 1, seq), "dp", 0, B)
     extra = made[-1].extra if made else None
     return (out, extra(made[-1].ctx)) if extra is not None else out, state
@@ -439,12 +435,22 @@ def _step_local(fam, params, cache, state, x, t, txt, kwargs, branches):
 
 def _kept(s: _stages.Stages, value):
     """What a cache keeps of a tensor (or tuple of them) of this step for later steps: all
-    of it, or on an extract pass (``s.keep``) the trailing rows the later steps compute."""
+    of it, or on an extract pass (``s.keep``) the trailing rows the later steps compute,
+    laid out as they split them: over a sequence split (sp, ring) this rank's chunk of the
+    joint rows is gathered, the trailing ``keep`` rows taken and split again (every rank of
+    the split takes the same decisions, so every rank calls the gather)."""
     if s.keep is None:
         return value
     if isinstance(value, tuple):
         return tuple(_kept(s, v) for v in value)
-    return value[:, value.shape[1] - s.keep :]
+    if sharding.split_size("sp") == 1:
+        return value[:, value.shape[1] - s.keep :]
+    return sharding.shard(sharding.gather(value, "sp", 1, s.seq)[:, s.seq - s.keep :], "sp", 1)
+
+
+def _kept_len(s: _stages.Stages) -> int:
+    """The full length of the rows a cache keeps of a step (`_kept`)."""
+    return s.seq if s.keep is None else s.keep
 
 
 class _Items:

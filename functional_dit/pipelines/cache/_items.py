@@ -167,10 +167,6 @@ def _take(streams: tuple, pos: list, n: int) -> tuple:
 
 def _step(b: _Batch, configs: list, states: list, rows: list):
     s = b.all
-    if s.keep is not None and sharding.axis_size("sp") * sharding.axis_size("ring") > 1:
-        raise ValueError(
-            "kv_cache: a step cache with an extract pass over a sequence split (sp, ring) is not supported yet"
-        )
     owner = [k for k, r in enumerate(rows) for _ in range(r)]
     first = [sum(rows[:k]) for k in range(len(rows))]
     img0 = s.image(s.streams)
