@@ -109,14 +109,16 @@ def env(tmp_path_factory):
         lora.save(lora.init(params.config, rank=rank, alpha=8.0, seed=seed, zero_b=False), paths[name])
     loras = [f"--lora={n}={p}" for n, p in paths.items()]
     journal = os.path.join(tmp, "journal.jsonl")
-    a = Server(tmp, *loras, "--max-batch", "4", "--max-queue", "16", "--journal", journal)
-    b = Server(tmp, "--request-timeout", "30")
+    big = ("--max-steps", str(10**6))  # the anchor, timeout and full-queue requests run "forever"
+    a = Server(tmp, *loras, "--max-batch", "4", "--max-queue", "16", "--journal", journal, *big)
+    b = Server(tmp, "--request-timeout", "30", *big)
+    c = Server(tmp)  # the defaults: --max-steps 200
     try:
-        a.wait_up(), b.wait_up()
+        a.wait_up(), b.wait_up(), c.wait_up()
         adapters = {n: lora.load(p, params) for n, p in paths.items()}
-        yield dict(a=a, b=b, params=params, pipe=pipe, adapters=adapters, journal=journal, tmp=tmp)
+        yield dict(a=a, b=b, c=c, params=params, pipe=pipe, adapters=adapters, journal=journal, tmp=tmp, paths=paths)
     finally:
-        a.stop(), b.stop()
+        a.stop(), b.stop(), c.stop()
 
 
 def _pixels(b64: str) -> np.ndarray:
@@ -315,6 +317,11 @@ def test_per_request_caches_join_a_no_cache_batch_and_equal_fd_sample_alone(env)
         (dict(prompt="x", cache=5), "cache"),
         (dict(prompt="x", cache="taylorseer:interval=0"), "cache"),
         (dict(prompt="x", colour="red"), "colour"),
+        (dict(prompt="x", seed=2**64), "seed"),  # was a 500: "Overflow when unpacking long long"
+        (dict(prompt="x", seed=-1), "seed"),
+        (dict(prompt="x", seed=2**64 - 1, n=2), "seed"),  # image 1 would get seed 2**64
+        (dict(prompt="x", seed=1.5), "seed"),
+        (dict(prompt="x", seed=True), "seed"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(env, body, field):
@@ -326,6 +333,49 @@ def test_bad_input_is_a_400_naming_the_field(env, body, field):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and err["message"].startswith(f"{field}: expected "), err
+
+
+def test_the_top_seed_works_and_equals_fd_sample(env):
+    r = env["a"].post(dict(prompt="edge", seed=2**64 - 1, steps=2), timeout=300)
+    assert r.status_code == 200, r.text
+    _close(_pixels(r.json()["data"][0]["b64_json"]), _reference(env, ["edge"], [2**64 - 1], 2)[0])
+
+
+def test_steps_over_max_steps_is_a_400_naming_steps(env):
+    """Server c runs with the default --max-steps 200: 200 is served, 201 refused before it is queued."""
+    r = env["c"].post(dict(prompt="x", steps=201), timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "steps" and err["message"] == "steps: expected an int from 1 to 200 (--max-steps), got 201"
+    assert env["c"].metrics()["fd_serve_queue_depth"] == 0
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**64), "x"])
+def test_generate_takes_the_same_seed_rule_from_a_shell(tmp_path, seed):
+    """``generate --seed`` refuses what the server's ``seed`` refuses (one rule,
+    `functional_dit.cli._args.bad_seed`), as a one-line argparse error naming --seed."""
+    argv = ["generate", "--model", "flux", "--prompt", "x", "--out", str(tmp_path / "x.png"), f"--seed={seed}"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-m", "functional_dit", *argv], capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: --seed: expected an int from 0 to 2**64 - 1, got {seed!r}", done.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("blocked", ["starlette", "uvicorn"])
+def test_serve_without_its_extra_prints_one_line(tmp_path, blocked):
+    """``pip install -e .`` without ``[serve]``: the import is blocked (``sys.modules[name] = None``
+    makes ``import name`` fail as a missing module does); ``serve`` prints one line, no traceback."""
+    code = (
+        f"import sys, runpy; sys.modules[{blocked!r}] = None; runpy.run_module('functional_dit', run_name='__main__')"
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-c", code, "serve", "--model", "flux"], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert done.returncode != 0
+    assert done.stderr == 'error: serve needs starlette and uvicorn: pip install -e ".[serve]"\n', done.stderr
+    assert done.stdout == ""
 
 
 def test_full_queue_is_429_with_retry_after_and_disconnected_clients_leave(env):

@@ -18,7 +18,7 @@ import re
 import sys
 import time
 
-from ._args import CLIError
+from ._args import CLIError, bad_seed  # noqa: F401  (bad_seed: serve's seed field takes the same rule)
 
 COMMANDS = {  # name -> (module with add_arguments / run, one-line help)
     "demo": (

@@ -20,6 +20,32 @@ def positive(text: str) -> int:
     return v
 
 
+SEEDS = 2**64  # torch.Generator.manual_seed takes a uint64: seeds are the ints in [0, 2**64)
+
+
+def bad_seed(value, n: int = 1) -> str | None:
+    """None if ``value`` seeds ``n`` images (image j gets ``value + j``, as ``fd.sample``),
+    each in [0, 2**64); else what was expected. The one seed rule of ``generate --seed``
+    and ``serve``'s ``seed`` field."""
+    top = f"2**64 - {n}" if n > 1 else "2**64 - 1"
+    want = f"an int from 0 to {top}" + (" (image j gets seed + j, each < 2**64)" if n > 1 else "")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEEDS - n:
+        return want
+    return None
+
+
+def seed(text: str) -> int:
+    """argparse type of ``--seed``: an int in [0, 2**64) (`bad_seed`)."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = text
+    want = bad_seed(v)
+    if want is not None:
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+    return v
+
+
 def cache_spec(text: str):
     """``--cache`` text -> a step-cache config (`functional_dit.pipelines.cache.parse`)."""
     from ..pipelines.cache import parse  # imported on use: `--help` stays fast

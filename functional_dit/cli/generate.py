@@ -23,7 +23,7 @@ from ..pipelines import placement as _placement
 from ..pipelines.schedule import STRENGTH, t_start
 from . import _cache_report, _lora, _models, _quiet
 from . import _checks as C
-from ._args import CLIError, cache_spec, finite, positive, scale
+from ._args import CLIError, cache_spec, finite, positive, scale, seed
 from ._files import write_image
 from ._models import PRESET_REPOS  # noqa: F401  (re-exported: the presets' released weights)
 
@@ -74,7 +74,7 @@ def _job_arguments(p) -> None:
     p.add_argument("--height", type=positive, default=1024)
     p.add_argument("--width", type=positive, default=1024)
     p.add_argument("--steps", type=positive, default=28)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0, help="image seed, 0 to 2**64 - 1")
     p.add_argument("--guidance", type=scale, default=None, help="embedded guidance (FLUX.1-dev, FLUX.2-dev)")
     p.add_argument("--true-cfg", type=scale, default=None, help="classifier-free guidance scale (> 1 enables)")
     p.add_argument(

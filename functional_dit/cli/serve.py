@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ._args import positive
+from ._args import CLIError, positive
 
 DESCRIPTION = (
     "An OpenAI-compatible image server (POST /v1/images/generations) with step-level continuous batching "
@@ -22,6 +22,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-images", type=positive, default=4, help="the largest n of one request")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gets 504")
     p.add_argument("--steps", type=positive, default=28, help="the default steps of a request")
+    p.add_argument("--max-steps", type=positive, default=200, help="the most steps a request may ask for (more: 400)")
     p.add_argument("--size", default="1024x1024", help="the default size of a request, WxH")
     p.add_argument("--max-size", type=positive, default=2048, help="the largest width or height served")
     p.add_argument("--max-sequence-length", type=positive, default=None, help="text tokens (default: the model's)")
@@ -37,7 +38,17 @@ def add_arguments(p) -> None:
     )
 
 
+MISSING = 'serve needs starlette and uvicorn: pip install -e ".[serve]"'
+
+
 def run(args) -> int:
+    import importlib
+
+    try:  # before anything loads: one line, not a traceback from deep inside
+        importlib.import_module("starlette")
+        importlib.import_module("uvicorn")
+    except ImportError:
+        raise CLIError(MISSING) from None
     from .. import serve
 
     return serve.run(args)

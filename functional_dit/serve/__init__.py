@@ -127,12 +127,12 @@ def run(args) -> int:
     except ValueError as e:  # a model the per-item sampler does not run (image inputs: Kontext, edit, ...)
         raise CLIError(f"--model {args.model}: {e}") from None
     limits = dict(n=args.max_images, multiple=pipe.vae_scale_factor * 2, max_size=args.max_size,
-                  max_sequence_length=args.max_sequence_length)  # fmt: skip
+                  max_sequence_length=args.max_sequence_length, max_steps=args.max_steps)  # fmt: skip
     service = _app.Service(engine, args.model, defaults=dict(steps=args.steps, size=args.size), limits=limits)
     try:
         service.requests({"prompt": "x"})  # the defaults themselves must pass
     except _app.BadRequest as e:
-        raise CLIError(f"--size/--steps: {e}") from None
+        raise CLIError(f"--size/--steps/--max-steps: {e}") from None
     rank = 0 if mesh is None else torch.distributed.get_rank()
     if mesh is not None:  # every rank runs its group's share of rank 0's turns (`functional_dit.serve._ranks`)
         ranks = _ranks.Ranks(service, rank, group, args.dp, leader)

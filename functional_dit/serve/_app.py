@@ -27,6 +27,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
+from ..cli import bad_seed
 from ..pipelines import sampling
 from . import _engine, _ranks
 
@@ -97,7 +98,11 @@ class Service:
             )
         width, height = self._size(body.get("size", self.defaults["size"]))
         steps = _number(body, "steps", int, 1, self.defaults["steps"])
-        seed = _number(body, "seed", int, 0, 0)
+        if steps > self.limits.get("max_steps", steps):
+            raise BadRequest("steps", f"an int from 1 to {self.limits['max_steps']} (--max-steps)", steps)
+        seed = body.get("seed", 0)
+        if (want := bad_seed(seed, n)) is not None:
+            raise BadRequest("seed", want, seed)
         neg = body.get("negative_prompt")
         if neg is not None and not isinstance(neg, str):
             raise BadRequest("negative_prompt", "a string or null", neg)
