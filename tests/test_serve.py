@@ -30,6 +30,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,6 +49,8 @@ import functional_dit.lora as lora
 from functional_dit import tiny
 
 MSL = 32
+TOKEN = "s3cret-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 BOOT_S = 600  # a cold start (imports, the tiny pipeline) on a loaded 2-core machine
 
 
@@ -58,13 +61,13 @@ def _port() -> int:
 
 
 class Server:
-    def __init__(self, tmp, *extra, model="flux", msl=MSL):
+    def __init__(self, tmp, *extra, model="flux", msl=MSL, env=None):
         self.port = _port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = ["--model", model, "--port", str(self.port), "--steps", "2", "--size", "32x32"]
         args += ["--max-sequence-length", str(msl)] if msl else []
         args += list(extra)
-        env = {**os.environ, "PYTHONPATH": os.getcwd()}
+        env = {**os.environ, "PYTHONPATH": os.getcwd(), **(env or {})}
         self.log = open(os.path.join(tmp, f"server-{self.port}.log"), "w")  # noqa: SIM115
         self.proc = subprocess.Popen([sys.executable, "-m", "functional_dit", "serve", *args], env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT)  # fmt: skip
@@ -103,20 +106,26 @@ def env(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("serve"))
     pipe = tiny.pipeline("flux")
     params = fd.from_diffusers(pipe.transformer)
-    paths = {}
+    paths, loras_dir = {}, os.path.join(tmp, "loras")  # server c's --lora-dir
+    os.makedirs(os.path.join(loras_dir, "sub"))
     for name, rank, seed in (("a", 4, 1), ("b", 2, 2)):
-        paths[name] = os.path.join(tmp, f"{name}.safetensors")
+        paths[name] = os.path.join(loras_dir, f"{name}.safetensors")
         lora.save(lora.init(params.config, rank=rank, alpha=8.0, seed=seed, zero_b=False), paths[name])
+    shutil.copy(paths["a"], os.path.join(tmp, "outside.safetensors"))  # a valid file out of --lora-dir
+    os.symlink(os.path.join(tmp, "outside.safetensors"), os.path.join(loras_dir, "link.safetensors"))
+    open(os.path.join(loras_dir, "junk.safetensors"), "wb").write(b"not a safetensors file")
     loras = [f"--lora={n}={p}" for n, p in paths.items()]
     journal = os.path.join(tmp, "journal.jsonl")
     big = ("--max-steps", str(10**6))  # the anchor, timeout and full-queue requests run "forever"
     a = Server(tmp, *loras, "--max-batch", "4", "--max-queue", "16", "--journal", journal, *big)
     b = Server(tmp, "--request-timeout", "30", *big)
-    c = Server(tmp)  # the defaults: --max-steps 200
+    # the defaults (--max-steps 200), adapter "a" from start-up, more from --lora-dir, the token from the environment
+    c = Server(tmp, f"--lora=a={paths['a']}", "--lora-dir", loras_dir, env={"FD_SERVE_ADMIN_TOKEN": TOKEN})
     try:
         a.wait_up(), b.wait_up(), c.wait_up()
         adapters = {n: lora.load(p, params) for n, p in paths.items()}
-        yield dict(a=a, b=b, c=c, params=params, pipe=pipe, adapters=adapters, journal=journal, tmp=tmp, paths=paths)
+        yield dict(a=a, b=b, c=c, params=params, pipe=pipe, adapters=adapters, journal=journal, tmp=tmp, paths=paths,
+                   loras_dir=loras_dir)  # fmt: skip
     finally:
         a.stop(), b.stop(), c.stop()
 
@@ -499,3 +508,146 @@ def test_resume_journal_reruns_unfinished_requests(env, tmp_path):
     done = {e["id"]: e["status"] for e in records if e["event"] == "done"}
     assert done["r1"] == "resumed" and done["r3"].startswith("failed: lora[0].name: expected")
     assert _journal.unfinished(path) == []
+
+
+# ---------------------------------------------------------------- adapters at run time (server c)
+
+
+def _admin(server, method, path, body=None, headers=AUTH):
+    return httpx.request(method, server.url + path, json=body, headers=headers, timeout=120)
+
+
+def _names(server) -> dict:
+    return {e["name"]: e for e in httpx.get(server.url + "/v1/loras", timeout=30).json()["data"]}
+
+
+def _refused(r, status: int, param: str) -> str:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == status, err
+    return err["message"]
+
+
+@pytest.mark.parametrize(
+    "headers, status",
+    [({}, 401), ({"Authorization": "Basic " + TOKEN}, 401), ({"Authorization": "Bearer wrong"}, 403),
+     ({"Authorization": "Bearer " + TOKEN[:-1]}, 403)],
+)  # fmt: skip
+def test_changing_adapters_needs_the_admin_token(env, headers, status):
+    """No token or another scheme: 401 (with WWW-Authenticate); a wrong token: 403; nothing changes."""
+    c = env["c"]
+    for method, path, body in (
+        ("POST", "/v1/loras", {"name": "t", "path": "b.safetensors"}),
+        ("DELETE", "/v1/loras/a", None),
+    ):
+        r = _admin(c, method, path, body, headers)
+        _refused(r, status, "Authorization")
+        assert (r.headers.get("www-authenticate") == "Bearer") == (status == 401)
+    assert "t" not in _names(c) and "a" in _names(c)
+
+
+def test_a_server_without_a_token_keeps_its_adapters(env):
+    """Server b has no --admin-token (nor the variable): changes are a 403 whatever is sent; the list is open."""
+    b = env["b"]
+    msg = _refused(_admin(b, "POST", "/v1/loras", {"name": "t", "path": "b.safetensors"}), 403, "Authorization")
+    assert "--admin-token" in msg and "FD_SERVE_ADMIN_TOKEN" in msg
+    _refused(_admin(b, "DELETE", "/v1/loras/t"), 403, "Authorization")
+    assert httpx.get(b.url + "/v1/loras", timeout=30).json() == {"object": "list", "data": []}
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["../outside.safetensors", "sub/../../outside.safetensors", "sub/../a.safetensors", "ABS_OUT", "ABS_IN",
+     "link.safetensors", "missing.safetensors", "sub", "junk.safetensors", "", 5],
+)  # fmt: skip
+def test_a_path_escaping_the_lora_dir_or_no_adapter_is_a_400_naming_path(env, path):
+    """Absolute paths and '..' parts are refused as written (even one resolving inside), a
+    symlink by where it resolves; a missing file, a folder without the adapter file and a
+    file that is no safetensors are 400s naming path too."""
+    c = env["c"]
+    path = {"ABS_OUT": os.path.join(env["tmp"], "outside.safetensors"), "ABS_IN": env["paths"]["a"]}.get(path, path)
+    msg = _refused(_admin(c, "POST", "/v1/loras", {"name": "esc", "path": path}), 400, "path")
+    assert msg.startswith("path: expected ")
+    assert "esc" not in _names(c)
+
+
+def test_an_adapter_added_at_run_time_equals_it_loaded_at_start_up_and_delete_then_use_is_a_400(env):
+    """POST loads b.safetensors' sibling a.safetensors as "late": the openai client's image
+    with "late" is bitwise the PNG with "a" (the same file, loaded at start-up; one process,
+    the same ops) and differs from no adapter. A second POST of the name is a 409, a bad
+    name a 400; after DELETE, a request naming it is a 400 naming lora[0].name."""
+    import openai
+
+    c = env["c"]
+    r = _admin(c, "POST", "/v1/loras", {"name": "late", "path": "a.safetensors"})
+    assert r.status_code == 200, r.text
+    entry = _names(c)["late"]
+    assert entry == r.json() and entry["path"] == "a.safetensors" and entry["ranks"] == [4] and entry["scales"] == [2.0]
+    _refused(_admin(c, "POST", "/v1/loras", {"name": "late", "path": "b.safetensors"}), 409, "name")
+    _refused(_admin(c, "POST", "/v1/loras", {"name": "../x", "path": "b.safetensors"}), 400, "name")
+    client = openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def png(names):
+        extra = {"seed": 5, "steps": 2, "lora": [{"name": n, "scale": 0.7} for n in names]}
+        return client.images.generate(model="flux", prompt="a fox", size="32x32", extra_body=extra).data[0].b64_json
+
+    late, start_up, none = png(["late"]), png(["a"]), png([])
+    assert late == start_up and late != none
+    assert _admin(c, "DELETE", "/v1/loras/late").json() == {"name": "late", "deleted": True}
+    _refused(c.post(dict(prompt="a fox", lora=[{"name": "late"}])), 400, "lora[0].name")
+    _refused(_admin(c, "DELETE", "/v1/loras/late"), 404, "name")
+    assert "late" not in _names(c) and "late" not in httpx.get(c.url + "/v1/models").json()["lora"]
+
+
+STEPS_KEPT = 200  # the default --max-steps: long enough to be running when the DELETE comes
+
+
+def test_a_request_in_flight_keeps_its_adapter_across_a_delete(env):
+    c = env["c"]
+    assert _admin(c, "POST", "/v1/loras", {"name": "brief", "path": "b.safetensors"}).status_code == 200
+    before, out = c.metrics(), {}
+    body = dict(prompt="kept", seed=11, steps=STEPS_KEPT, lora=[{"name": "brief"}])
+    t = threading.Thread(target=lambda: out.update(r=c.post(body, timeout=600)))
+    t.start()
+    end = time.monotonic() + 120
+    while c.metrics()["fd_serve_step_seconds_count"] < before["fd_serve_step_seconds_count"] + 2:
+        assert time.monotonic() < end and t.is_alive(), "the request never ran two steps"
+        time.sleep(0.01)
+    assert _admin(c, "DELETE", "/v1/loras/brief").status_code == 200
+    assert t.is_alive(), "the request finished before the delete: the test shows nothing"
+    _refused(c.post(dict(prompt="x", lora=[{"name": "brief"}])), 400, "lora[0].name")  # new requests cannot
+    t.join(600)
+    assert out["r"].status_code == 200, out["r"].text
+    want = _reference(env, ["kept"], [11], STEPS_KEPT, [[("b", 1.0)]])[0]
+    _close(_pixels(out["r"].json()["data"][0]["b64_json"]), want)
+
+
+def test_adapter_memory_shows_in_metrics(env):
+    c = env["c"]
+    size = sum(t.numel() * t.element_size() for t in env["adapters"]["b"].leaves())
+    m0 = c.metrics()
+    assert _admin(c, "POST", "/v1/loras", {"name": "mem", "path": "b.safetensors"}).json()["bytes"] == size
+    m1 = c.metrics()
+    assert (m1["fd_serve_loras"], m1["fd_serve_lora_bytes"]) == (
+        m0["fd_serve_loras"] + 1,
+        m0["fd_serve_lora_bytes"] + size,
+    )
+    assert _admin(c, "DELETE", "/v1/loras/mem").status_code == 200
+    m2 = c.metrics()
+    assert (m2["fd_serve_loras"], m2["fd_serve_lora_bytes"]) == (m0["fd_serve_loras"], m0["fd_serve_lora_bytes"])
+
+
+def test_run_time_adapters_are_refused_under_torchrun_and_need_a_folder(tmp_path, capsys, monkeypatch):
+    """Under torchrun rank 0 alone would change its adapters: --lora-dir, --admin-token and
+    the token's environment variable are one-line errors before anything loads."""
+    from _cli import one_line_error
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for extra in (["--lora-dir", str(tmp_path)], ["--admin-token", "t"]):
+        err = one_line_error(["serve", "--model", "flux", "--port", "1", *extra], capsys)
+        assert "under torchrun" in err and "--lora NAME=PATH" in err, err
+    monkeypatch.setenv("FD_SERVE_ADMIN_TOKEN", "t")
+    assert "under torchrun" in one_line_error(["serve", "--model", "flux", "--port", "1"], capsys)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    err = one_line_error(["serve", "--model", "flux", "--port", "1", "--lora-dir", str(tmp_path / "no")], capsys)
+    assert err.startswith("error: --lora-dir: expected a folder"), err

@@ -15,6 +15,14 @@ def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="a tiny pipeline name (flux, ...), checkpoint or preset")
     p.add_argument("--base", default=None, help="the pipeline folder for a transformer-only --model (as generate)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="a LoRA file served as NAME")
+    p.add_argument("--lora-dir", default=None, metavar="DIR", help="POST /v1/loras loads adapters from files under DIR")
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        metavar="T",
+        help="POST / DELETE /v1/loras need 'Authorization: Bearer T' (default: $FD_SERVE_ADMIN_TOKEN, "
+        "which ps does not show; neither: adapters are fixed)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=positive, default=8, help="images per running batch (1: batching off)")

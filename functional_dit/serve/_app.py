@@ -9,7 +9,8 @@ is a 400 whose message names the field, the expected and the actual value, check
 before the request is queued; a full queue is a 429 with ``Retry-After``; a request past
 ``request_timeout`` is a 504 and leaves its batch; a client that disconnects leaves its
 batch at the next step; while draining (SIGTERM, SIGINT) new requests get 503.
-``GET /v1/models``, ``/health`` and ``/metrics`` (Prometheus text) report the rest.
+``GET /v1/models``, ``/health`` and ``/metrics`` (Prometheus text) report the rest;
+``/v1/loras`` lists and changes the adapters (`functional_dit.serve._loras`).
 """
 
 from __future__ import annotations
@@ -29,24 +30,11 @@ from starlette.routing import Route
 
 from ..cli import bad_seed
 from ..pipelines import sampling
-from . import _engine, _ranks
+from . import _engine, _loras, _ranks
+from ._errors import BadRequest, error
 
 FIELDS = {"model", "prompt", "n", "size", "response_format", "user", "quality", "style"}
 FIELDS |= {"seed", "steps", "guidance", "true_cfg", "negative_prompt", "lora", "cache"}
-
-
-class BadRequest(ValueError):
-    """A 400: ``field``, and a message naming the expected and the actual value."""
-
-    def __init__(self, field: str, expected: str, actual):
-        super().__init__(f"{field}: expected {expected}, got {actual!r}")
-        self.field = field
-
-
-def error(status: int, message: str, param=None, headers=None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 429: "rate_limit_exceeded"}.get(status, "server_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _number(body, field, kind, lo, default):
@@ -62,9 +50,10 @@ def _number(body, field, kind, lo, default):
 class Service:
     """The checks and the state the routes share: engine, model name, limits, journal."""
 
-    def __init__(self, engine: _engine.Engine, model: str, *, defaults: dict, limits: dict, journal=None):
+    def __init__(self, engine: _engine.Engine, model: str, *, defaults: dict, limits: dict, journal=None, loras=None):
         self.engine, self.model, self.defaults, self.limits = engine, model, defaults, limits
         self.journal, self.draining = journal, False
+        self.loras = loras or _loras.Loras(engine.adapters)  # the names new requests may use
         # The prompt-length check runs on the event loop's thread, so it gets its own copy of
         # the tokenizer: a fast tokenizer keeps padding and truncation as settings on the
         # object, and a check (no padding) between the engine thread's setting them and its
@@ -146,19 +135,20 @@ class Service:
     def _lora(self, value) -> tuple:
         if value is None:
             return ()
-        names = sorted(self.engine.adapters)
+        adapters = self.loras.adapters  # one view for the whole body (a POST / DELETE replaces it)
+        names = sorted(adapters)
         if not isinstance(value, list):
             raise BadRequest("lora", "a list of {name, scale}", value)
         out = []
         for k, e in enumerate(value):
             if not isinstance(e, dict) or set(e) - {"name", "scale"} or "name" not in e:
                 raise BadRequest(f"lora[{k}]", "an object {name, scale}", e)
-            if e["name"] not in self.engine.adapters:
+            if e["name"] not in adapters:
                 raise BadRequest(f"lora[{k}].name", f"one of the loaded adapters {names}", e["name"])
             scale = e.get("scale", 1.0)
             if not isinstance(scale, (int, float)) or isinstance(scale, bool):
                 raise BadRequest(f"lora[{k}].scale", "a number", scale)
-            out.append((self.engine.adapters[e["name"]], float(scale)))
+            out.append((adapters[e["name"]], float(scale)))
         return tuple(out)
 
     def _prompt_length(self, field: str, text: str) -> None:
@@ -216,20 +206,22 @@ def app(service: Service, request_timeout: float) -> Starlette:
 
     async def models(_):
         data = [{"id": service.model, "object": "model", "created": 0, "owned_by": "functional_dit"}]
-        return JSONResponse({"object": "list", "data": data, "lora": sorted(engine.adapters)})
+        return JSONResponse({"object": "list", "data": data, "lora": sorted(service.loras.adapters)})
 
     async def health(_):
         status = "draining" if service.draining else ("failed" if engine.error else "ok")
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     async def prometheus(_):
-        return PlainTextResponse(_prometheus(engine), media_type="text/plain; version=0.0.4")
+        text = _prometheus(engine) + "\n".join(_loras.metrics(service.loras)) + "\n"
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     routes = [
         Route("/v1/images/generations", generations, methods=["POST"]),
         Route("/v1/models", models),
         Route("/health", health),
         Route("/metrics", prometheus),
+        *_loras.routes(service, answer),
     ]
     return Starlette(routes=routes)
 
