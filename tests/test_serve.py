@@ -121,13 +121,14 @@ def env(tmp_path_factory):
     b = Server(tmp, "--request-timeout", "30", *big)
     # the defaults (--max-steps 200), adapter "a" from start-up, more from --lora-dir, the token from the environment
     c = Server(tmp, f"--lora=a={paths['a']}", "--lora-dir", loras_dir, env={"FD_SERVE_ADMIN_TOKEN": TOKEN})
+    d = Server(tmp, "--max-batch", "1", *big)  # priorities: one image runs at a time
     try:
-        a.wait_up(), b.wait_up(), c.wait_up()
+        a.wait_up(), b.wait_up(), c.wait_up(), d.wait_up()
         adapters = {n: lora.load(p, params) for n, p in paths.items()}
-        yield dict(a=a, b=b, c=c, params=params, pipe=pipe, adapters=adapters, journal=journal, tmp=tmp, paths=paths,
-                   loras_dir=loras_dir)  # fmt: skip
+        servers = dict(a=a, b=b, c=c, d=d)
+        yield dict(**servers, params=params, pipe=pipe, adapters=adapters, journal=journal, tmp=tmp, paths=paths)
     finally:
-        a.stop(), b.stop(), c.stop()
+        a.stop(), b.stop(), c.stop(), d.stop()
 
 
 def _pixels(b64: str) -> np.ndarray:
@@ -241,14 +242,14 @@ def test_the_prompt_check_leaves_the_engines_tokenizer_as_the_engine_set_it():
 
 
 @contextlib.contextmanager
-def _anchor(server, before: dict):
+def _anchor(server, before: dict, **fields):
     """A request of 10**6 steps (never done, on any machine) sent on a raw socket, running
     (two steps taken) on entry; the socket is closed on exit, so it leaves at the next
     step. Whatever is sent meanwhile joins a running batch, however fast or loaded the
     machine (a 2,000-step first request finished too early unloaded and took over 300 s
     at load 9 on 2 cores)."""
     sock = socket.create_connection(("127.0.0.1", server.port))
-    body = json.dumps(dict(prompt="anchor", steps=10**6)).encode()
+    body = json.dumps(dict(prompt="anchor", steps=10**6, **fields)).encode()
     head = "POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
     try:
@@ -651,3 +652,112 @@ def test_run_time_adapters_are_refused_under_torchrun_and_need_a_folder(tmp_path
     monkeypatch.setenv("WORLD_SIZE", "1")
     err = one_line_error(["serve", "--model", "flux", "--port", "1", "--lora-dir", str(tmp_path / "no")], capsys)
     assert err.startswith("error: --lora-dir: expected a folder"), err
+
+
+# ---------------------------------------------------------------- priorities and deadlines (server d: --max-batch 1)
+
+
+def _idle(server) -> dict:
+    end = time.monotonic() + 120
+    while (m := server.metrics())["fd_serve_running_batch_size"] or m["fd_serve_queue_depth"]:
+        assert time.monotonic() < end, f"the server never went idle: {m}"
+        time.sleep(0.05)
+    return m
+
+
+def _steps_seen(server, before: dict, n: int, alive) -> None:
+    end = time.monotonic() + 120
+    while server.metrics()["fd_serve_step_seconds_count"] < before["fd_serve_step_seconds_count"] + n:
+        assert time.monotonic() < end and alive(), "the request never ran"
+        time.sleep(0.01)
+
+
+STEPS_LOW = 150  # still running when the high-priority request comes (3 steps between two polls, unloaded)
+
+
+def test_a_preempted_request_resumes_to_the_bitwise_same_image(env):
+    """A priority-0 request runs (batch full: --max-batch 1); a priority-5 one arrives,
+    takes its place at the next step and is answered while the first still waits; the
+    first resumes where it stopped. Its PNG is bitwise the PNG of the same request run
+    uninterrupted on the same server (one process, the same ops: a batch of one each step)."""
+    d = env["d"]
+    before, out = _idle(d), {}
+    low = dict(prompt="patient", seed=31, steps=STEPS_LOW)
+    t = threading.Thread(target=lambda: out.update(r=d.post(low, timeout=600)))
+    t.start()
+    _steps_seen(d, before, 2, t.is_alive)
+    high = d.post(dict(prompt="urgent", seed=32, steps=2, priority=5), timeout=300)
+    assert high.status_code == 200 and t.is_alive(), "the high-priority request did not overtake"
+    t.join(600)
+    assert out["r"].status_code == 200
+    after = _idle(d)
+    assert after["fd_serve_preempted_total"] == before["fd_serve_preempted_total"] + 1
+    again = d.post(low, timeout=600)
+    assert again.json()["data"][0]["b64_json"] == out["r"].json()["data"][0]["b64_json"]
+    _close(_pixels(high.json()["data"][0]["b64_json"]), _reference(env, ["urgent"], [32], 2)[0])
+    assert d.metrics()['fd_serve_latency_seconds_count{priority="5"}'] >= 1
+
+
+def test_waiting_requests_are_admitted_by_priority(env):
+    """A priority-100 request holds the only slot; priorities 0, 1 and 3 queue behind it in
+    that order of arrival; once it leaves they finish 3, 1, 0 (each alone: --max-batch 1),
+    and the order makes no preemption (each runs after the one before it finished)."""
+    d = env["d"]
+    before, finished, threads = _idle(d), [], []
+    with _anchor(d, before, priority=100):
+        for k, p in enumerate((0, 1, 3)):
+            body = dict(prompt=f"queued {p}", seed=40 + p, steps=6, priority=p)  # 6 steps between two answers
+            threads.append(
+                threading.Thread(target=lambda b=body: finished.append((b["priority"], d.post(b, timeout=300))))
+            )
+            threads[-1].start()
+            end = time.monotonic() + 60
+            while d.metrics()["fd_serve_queue_depth"] < k + 1:
+                assert time.monotonic() < end, "the request was never queued"
+                time.sleep(0.02)
+    [t.join(300) for t in threads]
+    assert [p for p, _ in finished] == [3, 1, 0]
+    assert all(r.status_code == 200 for _, r in finished)
+    assert d.metrics()["fd_serve_preempted_total"] == before["fd_serve_preempted_total"]  # none outranked the anchor
+
+
+def test_a_passed_deadline_is_a_504_with_the_steps_done_then_the_server_is_healthy(env):
+    d = env["d"]
+    _idle(d)
+    t0 = time.monotonic()
+    r = d.post(dict(prompt="late", steps=10**5, deadline_ms=2000), timeout=120)  # 10**6 takes seconds to set up
+    took = time.monotonic() - t0
+    err = r.json()["error"]
+    assert r.status_code == 504 and err["param"] == "deadline_ms" and err["message"].startswith("deadline_ms: ")
+    assert err["steps"] == [10**5] and 1 <= err["steps_done"][0] < 10**5, err
+    assert 2.0 <= took < 12.0  # at the deadline, not at --request-timeout (600 s); 50 ms polls on a loaded machine
+    _idle(d)  # its image left the batch
+    assert httpx.get(d.url + "/health", timeout=10).status_code == 200
+    ok = d.post(dict(prompt="after", seed=3, steps=2, deadline_ms=60000), timeout=300)
+    assert ok.status_code == 200
+    _close(_pixels(ok.json()["data"][0]["b64_json"]), _reference(env, ["after"], [3], 2)[0])
+    assert d.metrics()['fd_serve_requests_total{status="504"}'] >= 1
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [(dict(priority=1.5), "priority"), (dict(priority=101), "priority"), (dict(priority=True), "priority"),
+     (dict(deadline_ms=0), "deadline_ms"), (dict(deadline_ms="soon"), "deadline_ms"),
+     (dict(deadline_ms=-5), "deadline_ms")],
+)  # fmt: skip
+def test_bad_priority_and_deadline_are_400s(env, body, field):
+    r = env["d"].post(dict(prompt="x", **body), timeout=30)
+    assert _refused(r, 400, field).startswith(f"{field}: expected ")
+
+
+def test_the_order_is_a_virtual_arrival_so_nothing_starves():
+    """Priority p is a head start of p * aging seconds: a priority-0 job that waited longer
+    than that goes first; the order of two waiting jobs never changes."""
+    from functional_dit.serve import _engine
+
+    eng = _engine.Engine.__new__(_engine.Engine)
+    eng.aging = 10.0
+    old = _engine.Job("old", [], None, priority=0, arrived=100.0)
+    newer = _engine.Job("new", [], None, priority=3, arrived=125.0)  # within 30 s: goes first
+    later = _engine.Job("later", [], None, priority=3, arrived=131.0)  # past 30 s: after the old one
+    assert eng.order(newer, 0) < eng.order(old, 0) < eng.order(later, 0)

@@ -3,12 +3,22 @@
 
 from __future__ import annotations
 
-from ._args import CLIError, positive
+import argparse
+
+from ._args import CLIError, finite, positive
 
 DESCRIPTION = (
     "An OpenAI-compatible image server (POST /v1/images/generations) with step-level continuous batching "
     "and a LoRA per request. --model flux serves the tiny offline FLUX.1 pipeline."
 )
+
+
+def _seconds(text: str) -> float:
+    """A positive finite number of seconds."""
+    v = finite(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return v
 
 
 def add_arguments(p) -> None:
@@ -27,6 +37,14 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=positive, default=8, help="images per running batch (1: batching off)")
     p.add_argument("--max-queue", type=positive, default=64, help="images waiting; more is a 429")
+    p.add_argument(
+        "--aging",
+        type=_seconds,
+        default=10.0,
+        metavar="S",
+        help="seconds of waiting worth one priority level: priority p goes before lower ones that arrived "
+        "less than p*S s earlier (no request starves)",
+    )
     p.add_argument("--max-images", type=positive, default=4, help="the largest n of one request")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gets 504")
     p.add_argument("--steps", type=positive, default=28, help="the default steps of a request")

@@ -124,7 +124,9 @@ def run(args) -> int:
             params = sharding.shard_params(params, inner)
     adapters = load_adapters(args.lora, params)
     try:
-        engine = _engine.Engine(params, pipe, adapters, max_batch=args.max_batch, max_queue=args.max_queue)
+        engine = _engine.Engine(
+            params, pipe, adapters, max_batch=args.max_batch, max_queue=args.max_queue, aging=args.aging
+        )
     except ValueError as e:  # a model the per-item sampler does not run (image inputs: Kontext, edit, ...)
         raise CLIError(f"--model {args.model}: {e}") from None
     limits = dict(n=args.max_images, multiple=pipe.vae_scale_factor * 2, max_size=args.max_size,

@@ -3,7 +3,8 @@
 ``POST /v1/images/generations`` takes the OpenAI body (``model``, ``prompt``, ``n``,
 ``size`` "WxH", ``response_format`` "b64_json") and this server's extension fields in the
 same body (``seed``, ``steps``, ``guidance``, ``true_cfg``, ``negative_prompt``, ``lora``:
-``[{"name", "scale"}]``, ``cache``), answers ``{"created", "data": [{"b64_json"}]}`` (PNG),
+``[{"name", "scale"}]``, ``cache``, ``priority``, ``deadline_ms``: the engine's order and a
+504 with the steps done), answers ``{"created", "data": [{"b64_json"}]}`` (PNG),
 and errors as OpenAI does: ``{"error": {"message", "type", "param", "code"}}``. Bad input
 is a 400 whose message names the field, the expected and the actual value, checked
 before the request is queued; a full queue is a 429 with ``Retry-After``; a request past
@@ -34,7 +35,8 @@ from . import _engine, _loras, _ranks
 from ._errors import BadRequest, error
 
 FIELDS = {"model", "prompt", "n", "size", "response_format", "user", "quality", "style"}
-FIELDS |= {"seed", "steps", "guidance", "true_cfg", "negative_prompt", "lora", "cache"}
+FIELDS |= {"seed", "steps", "guidance", "true_cfg", "negative_prompt", "lora", "cache", "priority", "deadline_ms"}
+PRIORITIES = 100  # priority is an int in [-100, 100] (a label of /metrics' latency)
 
 
 def _number(body, field, kind, lo, default):
@@ -106,6 +108,17 @@ class Service:
         )  # fmt: skip
         return [sampling.Request(prompt, seed=seed + j, **kw) for j in range(n)]
 
+    def order(self, body) -> tuple:
+        """(``priority``, ``deadline_ms`` or None) of a checked body (BadRequest naming either)."""
+        p = body.get("priority", 0)
+        if isinstance(p, bool) or not isinstance(p, int) or abs(p) > PRIORITIES:
+            raise BadRequest("priority", f"an int from -{PRIORITIES} to {PRIORITIES} (higher first)", p)
+        ms = body.get("deadline_ms")
+        ok = ms is None or (isinstance(ms, (int, float)) and not isinstance(ms, bool) and 0 < ms < float("inf"))
+        if not ok:
+            raise BadRequest("deadline_ms", "a positive number of milliseconds from arrival, or null", ms)
+        return p, ms
+
     def _cache(self, value, steps: int):
         """The ``cache`` spec (None for none), parsed as ``fd.sample(cache=...)`` parses it."""
         if value is None:
@@ -173,37 +186,6 @@ def app(service: Service, request_timeout: float) -> Starlette:
         metrics.requests[status] += 1
         return response
 
-    async def generations(request: HTTPRequest):
-        if service.draining:
-            return answer(503, error(503, "the server is shutting down (draining); retry on another"))
-        if engine.error is not None:
-            return answer(503, error(503, f"the model failed: {engine.error}"))
-        try:
-            try:
-                body = await request.json()
-            except ValueError:
-                raise BadRequest(
-                    "body", "a JSON object", (await request.body())[:80].decode(errors="replace")
-                ) from None
-            reqs = service.requests(body)
-        except BadRequest as e:
-            return answer(400, error(400, str(e), e.field))
-        loop, fut = asyncio.get_running_loop(), None
-        fut = loop.create_future()
-
-        def deliver(images, err):
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result((images, err)))
-
-        job = _engine.Job(uuid.uuid4().hex, reqs, deliver, body=body)
-        if service.journal is not None:  # before it can run
-            service.journal.accepted(job.id, body)
-        try:
-            engine.submit(job)
-        except _engine.QueueFull as e:
-            _journal_done(service, job, 429)
-            return answer(429, error(429, f"queue full: {e}", headers={"Retry-After": str(_retry_after(engine))}))
-        return await _wait(request, job, fut, request_timeout, service, answer)
-
     async def models(_):
         data = [{"id": service.model, "object": "model", "created": 0, "owned_by": "functional_dit"}]
         return JSONResponse({"object": "list", "data": data, "lora": sorted(service.loras.adapters)})
@@ -217,7 +199,7 @@ def app(service: Service, request_timeout: float) -> Starlette:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     routes = [
-        Route("/v1/images/generations", generations, methods=["POST"]),
+        Route("/v1/images/generations", _generations(service, request_timeout, answer), methods=["POST"]),
         Route("/v1/models", models),
         Route("/health", health),
         Route("/metrics", prometheus),
@@ -226,10 +208,53 @@ def app(service: Service, request_timeout: float) -> Starlette:
     return Starlette(routes=routes)
 
 
-async def _wait(request, job, fut, timeout: float, service, answer):
+def _generations(service: Service, request_timeout: float, answer):
+    """``POST /v1/images/generations``: checks, the journal, the queue, then `_wait`."""
+    engine = service.engine
+
+    async def generations(request: HTTPRequest):
+        arrived = time.monotonic()
+        if service.draining:
+            return answer(503, error(503, "the server is shutting down (draining); retry on another"))
+        if engine.error is not None:
+            return answer(503, error(503, f"the model failed: {engine.error}"))
+        try:
+            body = await _json(request)
+            reqs, (priority, deadline_ms) = service.requests(body), service.order(body)
+        except BadRequest as e:
+            return answer(400, error(400, str(e), e.field))
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def deliver(images, err):
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result((images, err)))
+
+        job = _engine.Job(uuid.uuid4().hex, reqs, deliver, body=body, priority=priority, arrived=arrived)
+        if service.journal is not None:  # before it can run
+            service.journal.accepted(job.id, body)
+        try:
+            engine.submit(job)
+        except _engine.QueueFull as e:
+            _journal_done(service, job, 429)
+            return answer(429, error(429, f"queue full: {e}", headers={"Retry-After": str(_retry_after(engine))}))
+        return await _wait(request, job, fut, (request_timeout, deadline_ms), service, answer)
+
+    return generations
+
+
+async def _json(request: HTTPRequest):
+    try:
+        return await request.json()
+    except ValueError:
+        raise BadRequest("body", "a JSON object", (await request.body())[:80].decode(errors="replace")) from None
+
+
+async def _wait(request, job, fut, limits: tuple, service, answer):
     """The job's images, or: the client left (its images leave at the next step), or
-    504 past ``timeout``."""
-    deadline = time.monotonic() + timeout
+    504 past ``limits`` (``request_timeout`` s, ``deadline_ms`` ms or None, from arrival)
+    with the steps each image had done."""
+    timeout, ms = limits
+    deadline = job.arrived + (timeout if ms is None else min(timeout, ms / 1000))
     while not fut.done():
         await asyncio.wait([fut], timeout=0.05)
         if fut.done():
@@ -242,9 +267,7 @@ async def _wait(request, job, fut, timeout: float, service, answer):
             _journal_done(service, job, 503)
             return answer(503, error(503, f"the model failed: {service.engine.error}"))
         if time.monotonic() > deadline:
-            job.cancelled = True
-            _journal_done(service, job, 504)
-            return answer(504, error(504, f"request_timeout: the images took over {timeout:g} s"))
+            return _late(service, job, timeout, ms, answer)
     images, err = fut.result()
     if err is not None and service.engine.error is not None:  # the model (a rank) failed, not this request
         _journal_done(service, job, 503)
@@ -253,8 +276,21 @@ async def _wait(request, job, fut, timeout: float, service, answer):
         _journal_done(service, job, 500)
         return answer(500, error(500, f"{type(err).__name__}: {err}"))
     _journal_done(service, job, 200)
+    service.engine.metrics.answered(job.priority, time.monotonic() - job.arrived)
     data = [{"b64_json": _png(img)} for img in images]
     return answer(200, JSONResponse({"created": int(time.time()), "data": data}))
+
+
+def _late(service, job, timeout: float, ms, answer):
+    """504: the job leaves its batch at the next step; the body says what it had done."""
+    job.cancelled = True
+    _journal_done(service, job, 504)
+    if ms is not None and ms / 1000 < timeout:
+        message, param = f"deadline_ms: the images took over {ms:g} ms", "deadline_ms"
+    else:
+        message, param = f"request_timeout: the images took over {timeout:g} s", None
+    done = dict(steps_done=list(job.progress), steps=[r.steps for r in job.requests])
+    return answer(504, error(504, message, param, extra=done))
 
 
 def _journal_done(service, job, status: int) -> None:
@@ -279,6 +315,8 @@ def _prometheus(engine) -> str:
         f"fd_serve_images_per_second {m.images_per_second():.6g}",
         "# TYPE fd_serve_images_total counter",
         f"fd_serve_images_total {m.images}",
+        "# TYPE fd_serve_preempted_total counter",
+        f"fd_serve_preempted_total {m.preempted}",
         "# TYPE fd_serve_joined_running_batch_total counter",
         f"fd_serve_joined_running_batch_total {m.joined}",
         "# TYPE fd_serve_step_seconds summary",
@@ -292,4 +330,8 @@ def _prometheus(engine) -> str:
     ]
     lines += [f'fd_serve_requests_total{{status="{s}"}} {n}' for s, n in sorted(m.requests.items())]
     lines += _ranks.groups_metric(m.groups)
+    lines += ["# TYPE fd_serve_latency_seconds summary"]  # arrival to answer of 200s, per priority
+    for p, (total, count) in sorted(m.latency.items()):
+        lines += [f'fd_serve_latency_seconds_sum{{priority="{p}"}} {total:.6g}',
+                  f'fd_serve_latency_seconds_count{{priority="{p}"}} {count}']  # fmt: skip
     return "\n".join(lines) + "\n"

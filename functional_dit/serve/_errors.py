@@ -17,6 +17,7 @@ class BadRequest(ValueError):
         self.field = field
 
 
-def error(status: int, message: str, param=None, headers=None) -> JSONResponse:
-    body = {"error": {"message": message, "type": KINDS.get(status, "server_error"), "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+def error(status: int, message: str, param=None, headers=None, extra=None) -> JSONResponse:
+    """OpenAI's error body; ``extra``: more fields of the error object (a 504's steps done)."""
+    body = {"message": message, "type": KINDS.get(status, "server_error"), "param": param, "code": status}
+    return JSONResponse({"error": body | (extra or {})}, status_code=status, headers=headers)
