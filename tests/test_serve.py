@@ -360,32 +360,41 @@ def test_steps_over_max_steps_is_a_400_naming_steps(env):
     assert env["c"].metrics()["fd_serve_queue_depth"] == 0
 
 
-@pytest.mark.parametrize("seed", ["-1", str(2**64), "x"])
-def test_generate_takes_the_same_seed_rule_from_a_shell(tmp_path, seed):
+SEED_ERROR = "error: --seed: expected an int from 0 to 2**64 - 1, got {!r}"
+
+
+def test_generate_takes_the_same_seed_rule_from_a_shell(tmp_path, capsys):
     """``generate --seed`` refuses what the server's ``seed`` refuses (one rule,
-    `functional_dit.cli._args.bad_seed`), as a one-line argparse error naming --seed."""
-    argv = ["generate", "--model", "flux", "--prompt", "x", "--out", str(tmp_path / "x.png"), f"--seed={seed}"]
+    `functional_dit.cli.bad_seed`), as a one-line argparse error naming --seed: -1 from a
+    shell, 2**64 and a word in process (the same parser)."""
+    from _cli import one_line_error
+
+    argv = ["generate", "--model", "flux", "--prompt", "x", "--out", str(tmp_path / "x.png")]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    done = subprocess.run([sys.executable, "-m", "functional_dit", *argv], capture_output=True, text=True, env=env,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 2
-    assert done.stderr.strip() == f"error: --seed: expected an int from 0 to 2**64 - 1, got {seed!r}", done.stderr
+    done = subprocess.run([sys.executable, "-m", "functional_dit", *argv, "--seed", "-1"], capture_output=True,
+                          text=True, env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 2 and done.stderr.strip() == SEED_ERROR.format("-1"), done.stderr
+    for seed in (str(2**64), "x"):
+        assert one_line_error([*argv, f"--seed={seed}"], capsys) == SEED_ERROR.format(seed)
     assert not (tmp_path / "x.png").exists()
 
 
-@pytest.mark.parametrize("blocked", ["starlette", "uvicorn"])
-def test_serve_without_its_extra_prints_one_line(tmp_path, blocked):
+MISSING = 'error: serve needs starlette and uvicorn: pip install -e ".[serve]"'
+
+
+def test_serve_without_its_extra_prints_one_line(tmp_path, capsys, monkeypatch):
     """``pip install -e .`` without ``[serve]``: the import is blocked (``sys.modules[name] = None``
-    makes ``import name`` fail as a missing module does); ``serve`` prints one line, no traceback."""
-    code = (
-        f"import sys, runpy; sys.modules[{blocked!r}] = None; runpy.run_module('functional_dit', run_name='__main__')"
-    )
+    makes ``import name`` fail as a missing module does); ``serve`` prints one line, no
+    traceback: starlette blocked in a shell's ``python -m functional_dit serve``, uvicorn in process."""
+    from _cli import one_line_error
+
+    code = "import sys, runpy; sys.modules['starlette'] = None; runpy.run_module('functional_dit', run_name='__main__')"
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     done = subprocess.run([sys.executable, "-c", code, "serve", "--model", "flux"], capture_output=True, text=True,
                           env=env, timeout=300)  # fmt: skip
-    assert done.returncode != 0
-    assert done.stderr == 'error: serve needs starlette and uvicorn: pip install -e ".[serve]"\n', done.stderr
-    assert done.stdout == ""
+    assert done.returncode == 2 and done.stderr == MISSING + "\n" and done.stdout == "", done.stderr
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    assert one_line_error(["serve", "--model", "flux"], capsys) == MISSING
 
 
 def test_full_queue_is_429_with_retry_after_and_disconnected_clients_leave(env):
