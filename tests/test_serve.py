@@ -30,6 +30,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,6 +49,8 @@ import functional_dit.lora as lora
 from functional_dit import tiny
 
 MSL = 32
+TOKEN = "s3cret-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 BOOT_S = 600  # a cold start (imports, the tiny pipeline) on a loaded 2-core machine
 
 
@@ -58,13 +61,13 @@ def _port() -> int:
 
 
 class Server:
-    def __init__(self, tmp, *extra, model="flux", msl=MSL):
+    def __init__(self, tmp, *extra, model="flux", msl=MSL, env=None):
         self.port = _port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = ["--model", model, "--port", str(self.port), "--steps", "2", "--size", "32x32"]
         args += ["--max-sequence-length", str(msl)] if msl else []
         args += list(extra)
-        env = {**os.environ, "PYTHONPATH": os.getcwd()}
+        env = {**os.environ, "PYTHONPATH": os.getcwd(), **(env or {})}
         self.log = open(os.path.join(tmp, f"server-{self.port}.log"), "w")  # noqa: SIM115
         self.proc = subprocess.Popen([sys.executable, "-m", "functional_dit", "serve", *args], env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT)  # fmt: skip
@@ -103,20 +106,29 @@ def env(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("serve"))
     pipe = tiny.pipeline("flux")
     params = fd.from_diffusers(pipe.transformer)
-    paths = {}
+    paths, loras_dir = {}, os.path.join(tmp, "loras")  # server c's --lora-dir
+    os.makedirs(os.path.join(loras_dir, "sub"))
     for name, rank, seed in (("a", 4, 1), ("b", 2, 2)):
-        paths[name] = os.path.join(tmp, f"{name}.safetensors")
+        paths[name] = os.path.join(loras_dir, f"{name}.safetensors")
         lora.save(lora.init(params.config, rank=rank, alpha=8.0, seed=seed, zero_b=False), paths[name])
+    shutil.copy(paths["a"], os.path.join(tmp, "outside.safetensors"))  # a valid file out of --lora-dir
+    os.symlink(os.path.join(tmp, "outside.safetensors"), os.path.join(loras_dir, "link.safetensors"))
+    open(os.path.join(loras_dir, "junk.safetensors"), "wb").write(b"not a safetensors file")
     loras = [f"--lora={n}={p}" for n, p in paths.items()]
     journal = os.path.join(tmp, "journal.jsonl")
-    a = Server(tmp, *loras, "--max-batch", "4", "--max-queue", "16", "--journal", journal)
-    b = Server(tmp, "--request-timeout", "30")
+    big = ("--max-steps", str(10**6))  # the anchor, timeout and full-queue requests run "forever"
+    a = Server(tmp, *loras, "--max-batch", "4", "--max-queue", "16", "--journal", journal, *big)
+    b = Server(tmp, "--request-timeout", "30", *big)
+    # the defaults (--max-steps 200), adapter "a" from start-up, more from --lora-dir, the token from the environment
+    c = Server(tmp, f"--lora=a={paths['a']}", "--lora-dir", loras_dir, env={"FD_SERVE_ADMIN_TOKEN": TOKEN})
+    d = Server(tmp, "--max-batch", "1", *big)  # priorities: one image runs at a time
     try:
-        a.wait_up(), b.wait_up()
+        a.wait_up(), b.wait_up(), c.wait_up(), d.wait_up()
         adapters = {n: lora.load(p, params) for n, p in paths.items()}
-        yield dict(a=a, b=b, params=params, pipe=pipe, adapters=adapters, journal=journal, tmp=tmp)
+        servers = dict(a=a, b=b, c=c, d=d)
+        yield dict(**servers, params=params, pipe=pipe, adapters=adapters, journal=journal, tmp=tmp, paths=paths)
     finally:
-        a.stop(), b.stop()
+        a.stop(), b.stop(), c.stop(), d.stop()
 
 
 def _pixels(b64: str) -> np.ndarray:
@@ -230,14 +242,14 @@ def test_the_prompt_check_leaves_the_engines_tokenizer_as_the_engine_set_it():
 
 
 @contextlib.contextmanager
-def _anchor(server, before: dict):
+def _anchor(server, before: dict, **fields):
     """A request of 10**6 steps (never done, on any machine) sent on a raw socket, running
     (two steps taken) on entry; the socket is closed on exit, so it leaves at the next
     step. Whatever is sent meanwhile joins a running batch, however fast or loaded the
     machine (a 2,000-step first request finished too early unloaded and took over 300 s
     at load 9 on 2 cores)."""
     sock = socket.create_connection(("127.0.0.1", server.port))
-    body = json.dumps(dict(prompt="anchor", steps=10**6)).encode()
+    body = json.dumps(dict(prompt="anchor", steps=10**6, **fields)).encode()
     head = "POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
     try:
@@ -315,6 +327,11 @@ def test_per_request_caches_join_a_no_cache_batch_and_equal_fd_sample_alone(env)
         (dict(prompt="x", cache=5), "cache"),
         (dict(prompt="x", cache="taylorseer:interval=0"), "cache"),
         (dict(prompt="x", colour="red"), "colour"),
+        (dict(prompt="x", seed=2**64), "seed"),  # was a 500: "Overflow when unpacking long long"
+        (dict(prompt="x", seed=-1), "seed"),
+        (dict(prompt="x", seed=2**64 - 1, n=2), "seed"),  # image 1 would get seed 2**64
+        (dict(prompt="x", seed=1.5), "seed"),
+        (dict(prompt="x", seed=True), "seed"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(env, body, field):
@@ -326,6 +343,58 @@ def test_bad_input_is_a_400_naming_the_field(env, body, field):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and err["message"].startswith(f"{field}: expected "), err
+
+
+def test_the_top_seed_works_and_equals_fd_sample(env):
+    r = env["a"].post(dict(prompt="edge", seed=2**64 - 1, steps=2), timeout=300)
+    assert r.status_code == 200, r.text
+    _close(_pixels(r.json()["data"][0]["b64_json"]), _reference(env, ["edge"], [2**64 - 1], 2)[0])
+
+
+def test_steps_over_max_steps_is_a_400_naming_steps(env):
+    """Server c runs with the default --max-steps 200: 200 is served, 201 refused before it is queued."""
+    r = env["c"].post(dict(prompt="x", steps=201), timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "steps" and err["message"] == "steps: expected an int from 1 to 200 (--max-steps), got 201"
+    assert env["c"].metrics()["fd_serve_queue_depth"] == 0
+
+
+SEED_ERROR = "error: --seed: expected an int from 0 to 2**64 - 1, got {!r}"
+
+
+def test_generate_takes_the_same_seed_rule_from_a_shell(tmp_path, capsys):
+    """``generate --seed`` refuses what the server's ``seed`` refuses (one rule,
+    `functional_dit.sampling.bad_seed`), as a one-line argparse error naming --seed: -1 from a
+    shell, 2**64 and a word in process (the same parser)."""
+    from _cli import one_line_error
+
+    argv = ["generate", "--model", "flux", "--prompt", "x", "--out", str(tmp_path / "x.png")]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-m", "functional_dit", *argv, "--seed", "-1"], capture_output=True,
+                          text=True, env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 2 and done.stderr.strip() == SEED_ERROR.format("-1"), done.stderr
+    for seed in (str(2**64), "x"):
+        assert one_line_error([*argv, f"--seed={seed}"], capsys) == SEED_ERROR.format(seed)
+    assert not (tmp_path / "x.png").exists()
+
+
+MISSING = 'error: serve needs starlette and uvicorn: pip install -e ".[serve]"'
+
+
+def test_serve_without_its_extra_prints_one_line(tmp_path, capsys, monkeypatch):
+    """``pip install -e .`` without ``[serve]``: the import is blocked (``sys.modules[name] = None``
+    makes ``import name`` fail as a missing module does); ``serve`` prints one line, no
+    traceback: starlette blocked in a shell's ``python -m functional_dit serve``, uvicorn in process."""
+    from _cli import one_line_error
+
+    code = "import sys, runpy; sys.modules['starlette'] = None; runpy.run_module('functional_dit', run_name='__main__')"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-c", code, "serve", "--model", "flux"], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 2 and done.stderr == MISSING + "\n" and done.stdout == "", done.stderr
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    assert one_line_error(["serve", "--model", "flux"], capsys) == MISSING
 
 
 def test_full_queue_is_429_with_retry_after_and_disconnected_clients_leave(env):
@@ -449,3 +518,255 @@ def test_resume_journal_reruns_unfinished_requests(env, tmp_path):
     done = {e["id"]: e["status"] for e in records if e["event"] == "done"}
     assert done["r1"] == "resumed" and done["r3"].startswith("failed: lora[0].name: expected")
     assert _journal.unfinished(path) == []
+
+
+# ---------------------------------------------------------------- adapters at run time (server c)
+
+
+def _admin(server, method, path, body=None, headers=AUTH):
+    return httpx.request(method, server.url + path, json=body, headers=headers, timeout=120)
+
+
+def _names(server) -> dict:
+    return {e["name"]: e for e in httpx.get(server.url + "/v1/loras", timeout=30).json()["data"]}
+
+
+def _refused(r, status: int, param: str) -> str:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == status, err
+    return err["message"]
+
+
+@pytest.mark.parametrize(
+    "headers, status",
+    [({}, 401), ({"Authorization": "Basic " + TOKEN}, 401), ({"Authorization": "Bearer wrong"}, 403),
+     ({"Authorization": "Bearer " + TOKEN[:-1]}, 403)],
+)  # fmt: skip
+def test_changing_adapters_needs_the_admin_token(env, headers, status):
+    """No token or another scheme: 401 (with WWW-Authenticate); a wrong token: 403; nothing changes."""
+    c = env["c"]
+    for method, path, body in (
+        ("POST", "/v1/loras", {"name": "t", "path": "b.safetensors"}),
+        ("DELETE", "/v1/loras/a", None),
+    ):
+        r = _admin(c, method, path, body, headers)
+        _refused(r, status, "Authorization")
+        assert (r.headers.get("www-authenticate") == "Bearer") == (status == 401)
+    assert "t" not in _names(c) and "a" in _names(c)
+
+
+def test_a_server_without_a_token_keeps_its_adapters(env):
+    """Server b has no --admin-token (nor the variable): changes are a 403 whatever is sent; the list is open."""
+    b = env["b"]
+    msg = _refused(_admin(b, "POST", "/v1/loras", {"name": "t", "path": "b.safetensors"}), 403, "Authorization")
+    assert "--admin-token" in msg and "FD_SERVE_ADMIN_TOKEN" in msg
+    _refused(_admin(b, "DELETE", "/v1/loras/t"), 403, "Authorization")
+    assert httpx.get(b.url + "/v1/loras", timeout=30).json() == {"object": "list", "data": []}
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["../outside.safetensors", "sub/../../outside.safetensors", "sub/../a.safetensors", "ABS_OUT", "ABS_IN",
+     "link.safetensors", "missing.safetensors", "sub", "junk.safetensors", "", 5],
+)  # fmt: skip
+def test_a_path_escaping_the_lora_dir_or_no_adapter_is_a_400_naming_path(env, path):
+    """Absolute paths and '..' parts are refused as written (even one resolving inside), a
+    symlink by where it resolves; a missing file, a folder without the adapter file and a
+    file that is no safetensors are 400s naming path too."""
+    c = env["c"]
+    path = {"ABS_OUT": os.path.join(env["tmp"], "outside.safetensors"), "ABS_IN": env["paths"]["a"]}.get(path, path)
+    msg = _refused(_admin(c, "POST", "/v1/loras", {"name": "esc", "path": path}), 400, "path")
+    assert msg.startswith("path: expected ")
+    assert "esc" not in _names(c)
+
+
+def test_an_adapter_added_at_run_time_equals_it_loaded_at_start_up_and_delete_then_use_is_a_400(env):
+    """POST loads b.safetensors' sibling a.safetensors as "late": the openai client's image
+    with "late" is bitwise the PNG with "a" (the same file, loaded at start-up; one process,
+    the same ops) and differs from no adapter. A second POST of the name is a 409, a bad
+    name a 400; after DELETE, a request naming it is a 400 naming lora[0].name."""
+    import openai
+
+    c = env["c"]
+    r = _admin(c, "POST", "/v1/loras", {"name": "late", "path": "a.safetensors"})
+    assert r.status_code == 200, r.text
+    entry = _names(c)["late"]
+    assert entry == r.json() and entry["path"] == "a.safetensors" and entry["ranks"] == [4] and entry["scales"] == [2.0]
+    _refused(_admin(c, "POST", "/v1/loras", {"name": "late", "path": "b.safetensors"}), 409, "name")
+    _refused(_admin(c, "POST", "/v1/loras", {"name": "../x", "path": "b.safetensors"}), 400, "name")
+    client = openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def png(names):
+        extra = {"seed": 5, "steps": 2, "lora": [{"name": n, "scale": 0.7} for n in names]}
+        return client.images.generate(model="flux", prompt="a fox", size="32x32", extra_body=extra).data[0].b64_json
+
+    late, start_up, none = png(["late"]), png(["a"]), png([])
+    assert late == start_up and late != none
+    assert _admin(c, "DELETE", "/v1/loras/late").json() == {"name": "late", "deleted": True}
+    _refused(c.post(dict(prompt="a fox", lora=[{"name": "late"}])), 400, "lora[0].name")
+    _refused(_admin(c, "DELETE", "/v1/loras/late"), 404, "name")
+    assert "late" not in _names(c) and "late" not in httpx.get(c.url + "/v1/models").json()["lora"]
+
+
+STEPS_KEPT = 200  # the default --max-steps: long enough to be running when the DELETE comes
+
+
+def test_a_request_in_flight_keeps_its_adapter_across_a_delete(env):
+    c = env["c"]
+    assert _admin(c, "POST", "/v1/loras", {"name": "brief", "path": "b.safetensors"}).status_code == 200
+    before, out = c.metrics(), {}
+    body = dict(prompt="kept", seed=11, steps=STEPS_KEPT, lora=[{"name": "brief"}])
+    t = threading.Thread(target=lambda: out.update(r=c.post(body, timeout=600)))
+    t.start()
+    end = time.monotonic() + 120
+    while c.metrics()["fd_serve_step_seconds_count"] < before["fd_serve_step_seconds_count"] + 2:
+        assert time.monotonic() < end and t.is_alive(), "the request never ran two steps"
+        time.sleep(0.01)
+    assert _admin(c, "DELETE", "/v1/loras/brief").status_code == 200
+    assert t.is_alive(), "the request finished before the delete: the test shows nothing"
+    _refused(c.post(dict(prompt="x", lora=[{"name": "brief"}])), 400, "lora[0].name")  # new requests cannot
+    t.join(600)
+    assert out["r"].status_code == 200, out["r"].text
+    want = _reference(env, ["kept"], [11], STEPS_KEPT, [[("b", 1.0)]])[0]
+    _close(_pixels(out["r"].json()["data"][0]["b64_json"]), want)
+
+
+def test_adapter_memory_shows_in_metrics(env):
+    c = env["c"]
+    size = sum(t.numel() * t.element_size() for t in env["adapters"]["b"].leaves())
+    m0 = c.metrics()
+    assert _admin(c, "POST", "/v1/loras", {"name": "mem", "path": "b.safetensors"}).json()["bytes"] == size
+    m1 = c.metrics()
+    assert (m1["fd_serve_loras"], m1["fd_serve_lora_bytes"]) == (
+        m0["fd_serve_loras"] + 1,
+        m0["fd_serve_lora_bytes"] + size,
+    )
+    assert _admin(c, "DELETE", "/v1/loras/mem").status_code == 200
+    m2 = c.metrics()
+    assert (m2["fd_serve_loras"], m2["fd_serve_lora_bytes"]) == (m0["fd_serve_loras"], m0["fd_serve_lora_bytes"])
+
+
+def test_run_time_adapters_are_refused_under_torchrun_and_need_a_folder(tmp_path, capsys, monkeypatch):
+    """Under torchrun rank 0 alone would change its adapters: --lora-dir, --admin-token and
+    the token's environment variable are one-line errors before anything loads."""
+    from _cli import one_line_error
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for extra in (["--lora-dir", str(tmp_path)], ["--admin-token", "t"]):
+        err = one_line_error(["serve", "--model", "flux", "--port", "1", *extra], capsys)
+        assert "under torchrun" in err and "--lora NAME=PATH" in err, err
+    monkeypatch.setenv("FD_SERVE_ADMIN_TOKEN", "t")
+    assert "under torchrun" in one_line_error(["serve", "--model", "flux", "--port", "1"], capsys)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    err = one_line_error(["serve", "--model", "flux", "--port", "1", "--lora-dir", str(tmp_path / "no")], capsys)
+    assert err.startswith("error: --lora-dir: expected a folder"), err
+
+
+# ---------------------------------------------------------------- priorities and deadlines (server d: --max-batch 1)
+
+
+def _idle(server) -> dict:
+    end = time.monotonic() + 120
+    while (m := server.metrics())["fd_serve_running_batch_size"] or m["fd_serve_queue_depth"]:
+        assert time.monotonic() < end, f"the server never went idle: {m}"
+        time.sleep(0.05)
+    return m
+
+
+def _steps_seen(server, before: dict, n: int, alive) -> None:
+    end = time.monotonic() + 120
+    while server.metrics()["fd_serve_step_seconds_count"] < before["fd_serve_step_seconds_count"] + n:
+        assert time.monotonic() < end and alive(), "the request never ran"
+        time.sleep(0.01)
+
+
+STEPS_LOW = 150  # still running when the high-priority request comes (3 steps between two polls, unloaded)
+
+
+def test_a_preempted_request_resumes_to_the_bitwise_same_image(env):
+    """A priority-0 request runs (batch full: --max-batch 1); a priority-5 one arrives,
+    takes its place at the next step and is answered while the first still waits; the
+    first resumes where it stopped. Its PNG is bitwise the PNG of the same request run
+    uninterrupted on the same server (one process, the same ops: a batch of one each step)."""
+    d = env["d"]
+    before, out = _idle(d), {}
+    low = dict(prompt="patient", seed=31, steps=STEPS_LOW)
+    t = threading.Thread(target=lambda: out.update(r=d.post(low, timeout=600)))
+    t.start()
+    _steps_seen(d, before, 2, t.is_alive)
+    high = d.post(dict(prompt="urgent", seed=32, steps=2, priority=5), timeout=300)
+    assert high.status_code == 200 and t.is_alive(), "the high-priority request did not overtake"
+    t.join(600)
+    assert out["r"].status_code == 200
+    after = _idle(d)
+    assert after["fd_serve_preempted_total"] == before["fd_serve_preempted_total"] + 1
+    again = d.post(low, timeout=600)
+    assert again.json()["data"][0]["b64_json"] == out["r"].json()["data"][0]["b64_json"]
+    _close(_pixels(high.json()["data"][0]["b64_json"]), _reference(env, ["urgent"], [32], 2)[0])
+    assert d.metrics()['fd_serve_latency_seconds_count{priority="5"}'] >= 1
+
+
+def test_waiting_requests_are_admitted_by_priority(env):
+    """A priority-100 request holds the only slot; priorities 0, 1 and 3 queue behind it in
+    that order of arrival; once it leaves they finish 3, 1, 0 (each alone: --max-batch 1),
+    and the order makes no preemption (each runs after the one before it finished)."""
+    d = env["d"]
+    before, finished, threads = _idle(d), [], []
+    with _anchor(d, before, priority=100):
+        for k, p in enumerate((0, 1, 3)):
+            body = dict(prompt=f"queued {p}", seed=40 + p, steps=6, priority=p)  # 6 steps between two answers
+            threads.append(
+                threading.Thread(target=lambda b=body: finished.append((b["priority"], d.post(b, timeout=300))))
+            )
+            threads[-1].start()
+            end = time.monotonic() + 60
+            while d.metrics()["fd_serve_queue_depth"] < k + 1:
+                assert time.monotonic() < end, "the request was never queued"
+                time.sleep(0.02)
+    [t.join(300) for t in threads]
+    assert [p for p, _ in finished] == [3, 1, 0]
+    assert all(r.status_code == 200 for _, r in finished)
+    assert d.metrics()["fd_serve_preempted_total"] == before["fd_serve_preempted_total"]  # none outranked the anchor
+
+
+def test_a_passed_deadline_is_a_504_with_the_steps_done_then_the_server_is_healthy(env):
+    d = env["d"]
+    _idle(d)
+    t0 = time.monotonic()
+    r = d.post(dict(prompt="late", steps=10**5, deadline_ms=2000), timeout=120)  # 10**6 takes seconds to set up
+    took = time.monotonic() - t0
+    err = r.json()["error"]
+    assert r.status_code == 504 and err["param"] == "deadline_ms" and err["message"].startswith("deadline_ms: ")
+    assert err["steps"] == [10**5] and 1 <= err["steps_done"][0] < 10**5, err
+    assert 2.0 <= took < 12.0  # at the deadline, not at --request-timeout (600 s); 50 ms polls on a loaded machine
+    _idle(d)  # its image left the batch
+    assert httpx.get(d.url + "/health", timeout=10).status_code == 200
+    ok = d.post(dict(prompt="after", seed=3, steps=2, deadline_ms=60000), timeout=300)
+    assert ok.status_code == 200
+    _close(_pixels(ok.json()["data"][0]["b64_json"]), _reference(env, ["after"], [3], 2)[0])
+    assert d.metrics()['fd_serve_requests_total{status="504"}'] >= 1
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [(dict(priority=1.5), "priority"), (dict(priority=101), "priority"), (dict(priority=True), "priority"),
+     (dict(deadline_ms=0), "deadline_ms"), (dict(deadline_ms="soon"), "deadline_ms"),
+     (dict(deadline_ms=-5), "deadline_ms")],
+)  # fmt: skip
+def test_bad_priority_and_deadline_are_400s(env, body, field):
+    r = env["d"].post(dict(prompt="x", **body), timeout=30)
+    assert _refused(r, 400, field).startswith(f"{field}: expected ")
+
+
+def test_the_order_is_a_virtual_arrival_so_nothing_starves():
+    """Priority p is a head start of p * aging seconds: a priority-0 job that waited longer
+    than that goes first; the order of two waiting jobs never changes."""
+    from functional_dit.serve import _engine
+
+    eng = _engine.Engine.__new__(_engine.Engine)
+    eng.aging = 10.0
+    old = _engine.Job("old", [], None, priority=0, arrived=100.0)
+    newer = _engine.Job("new", [], None, priority=3, arrived=125.0)  # within 30 s: goes first
+    later = _engine.Job("later", [], None, priority=3, arrived=131.0)  # past 30 s: after the old one
+    assert eng.order(newer, 0) < eng.order(old, 0) < eng.order(later, 0)

@@ -61,7 +61,7 @@ def _torchrun(tmp_path, *flags):
     ]
     cmd += ["serve"]  # --standalone: a free rendezvous port (29500 is shared with any other torchrun)
     cmd += ["--model", "flux", *flags, "--port", str(port), "--steps", "2", "--size", "32x32"]
-    cmd += ["--max-sequence-length", str(MSL), "--rank-timeout", "20"]
+    cmd += ["--max-sequence-length", str(MSL), "--rank-timeout", "20", "--max-steps", str(10**5)]
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "torchrun.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..pipelines.sampling import bad_seed
+
 
 class CLIError(Exception):
     """An expected failure: printed as one line (``error: ...``), exit status 2."""
@@ -17,6 +19,18 @@ def positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return v
+
+
+def seed(text: str) -> int:
+    """argparse type of ``--seed``: an int in [0, 2**64) (`bad_seed`)."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = text
+    want = bad_seed(v)
+    if want is not None:
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
     return v
 
 

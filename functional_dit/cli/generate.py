@@ -23,7 +23,7 @@ from ..pipelines import placement as _placement
 from ..pipelines.schedule import STRENGTH, t_start
 from . import _cache_report, _lora, _models, _quiet
 from . import _checks as C
-from ._args import CLIError, cache_spec, finite, positive, scale
+from ._args import CLIError, cache_spec, finite, positive, scale, seed
 from ._files import write_image
 from ._models import PRESET_REPOS  # noqa: F401  (re-exported: the presets' released weights)
 from ._progress import advance
@@ -95,7 +95,9 @@ def _sampling_arguments(p) -> None:
     for flag, what in (("--height", "image height"), ("--width", "image width"), ("--steps", "denoising steps")):
         real, small = DEFAULTS[flag.removeprefix("--")], TINY_DEFAULTS[flag.removeprefix("--")]
         p.add_argument(flag, type=positive, default=None, help=f"{what} (default: {real}; {small} for a tiny pipeline)")
-    p.add_argument("--seed", type=int, default=0, help="the noise seed (--prompts: line i takes seed + i)")
+    p.add_argument(
+        "--seed", type=seed, default=0, help="the noise seed, 0 to 2**64 - 1 (--prompts: line i takes seed + i)"
+    )
     p.add_argument(
         "--guidance",
         type=scale,

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from ._args import positive
+import argparse
+
+from ._args import CLIError, finite, positive
 
 DESCRIPTION = (
     "An OpenAI-compatible image server (POST /v1/images/generations) with step-level continuous batching "
@@ -11,18 +13,43 @@ DESCRIPTION = (
 )
 
 
+def _seconds(text: str) -> float:
+    """A positive finite number of seconds."""
+    v = finite(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return v
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="a tiny pipeline name (flux, ...), checkpoint or preset")
     p.add_argument("--base", default=None, help="the pipeline folder for a transformer-only --model (as generate)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="a LoRA file served as NAME")
+    p.add_argument("--lora-dir", default=None, metavar="DIR", help="POST /v1/loras loads adapters from files under DIR")
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        metavar="T",
+        help="POST / DELETE /v1/loras need 'Authorization: Bearer T' (default: $FD_SERVE_ADMIN_TOKEN, "
+        "which ps does not show; neither: adapters are fixed)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     p.add_argument("--port", type=int, default=8000, help="the port to listen on")
     p.add_argument("--max-batch", type=positive, default=8, help="images per running batch (1: batching off)")
     p.add_argument("--max-queue", type=positive, default=64, help="images waiting; more is a 429")
+    p.add_argument(
+        "--aging",
+        type=_seconds,
+        default=10.0,
+        metavar="S",
+        help="seconds of waiting worth one priority level: priority p goes before lower ones that arrived "
+        "less than p*S s earlier (no request starves)",
+    )
     p.add_argument("--max-images", type=positive, default=4, help="the largest n of one request")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gets 504")
     p.add_argument("--steps", type=positive, default=28, help="the steps of a request that names none")
     p.add_argument("--size", default="1024x1024", help="the size of a request that names none, WxH")
+    p.add_argument("--max-steps", type=positive, default=200, help="the most steps a request may ask for (more: 400)")
     p.add_argument("--max-size", type=positive, default=2048, help="the largest width or height served")
     p.add_argument("--max-sequence-length", type=positive, default=None, help="text tokens (default: the model's)")
     p.add_argument("--tp", type=positive, default=1, help="tensor parallel degree (under torchrun)")
@@ -37,7 +64,17 @@ def add_arguments(p) -> None:
     )
 
 
+MISSING = 'serve needs starlette and uvicorn: pip install -e ".[serve]"'
+
+
 def run(args) -> int:
+    import importlib
+
+    try:  # before anything loads: one line, not a traceback from deep inside
+        importlib.import_module("starlette")
+        importlib.import_module("uvicorn")
+    except ImportError:
+        raise CLIError(MISSING) from None
     from .. import serve
 
     return serve.run(args, load_model)

@@ -230,3 +230,17 @@ def sample(params, ctx: Context, requests, output_type: str = "pil"):
     while not all(it.done for it in state.items):
         state = step(params, state)
     return decode(state, output_type)
+
+
+SEEDS = 2**64  # torch.Generator.manual_seed takes a uint64: seeds are the ints in [0, 2**64)
+
+
+def bad_seed(value, n: int = 1) -> str | None:
+    """None if ``value`` seeds ``n`` images (image j gets ``value + j``, as ``fd.sample``),
+    each in [0, 2**64); else what was expected. The one seed rule of ``generate --seed``
+    and ``serve``'s ``seed`` field."""
+    top = f"2**64 - {n}" if n > 1 else "2**64 - 1"
+    want = f"an int from 0 to {top}" + (" (image j gets seed + j, each < 2**64)" if n > 1 else "")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEEDS - n:
+        return want
+    return None

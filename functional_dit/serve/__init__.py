@@ -105,12 +105,13 @@ def run(args, load_model) -> int:
     ``load_model(spec, base) -> (params, pipe)`` resolves ``--model``)."""
     import torch
 
-    from . import _app, _engine, _journal, _ranks
+    from . import _app, _engine, _journal, _loras, _ranks
 
     if args.resume_journal and not args.journal:
         raise ValueError("--resume-journal: expected with --journal PATH")
     if args.request_timeout <= 0:
         raise ValueError(f"--request-timeout: expected a positive number of seconds, got {args.request_timeout}")
+    run_time = run_time_loras(args)
     mesh = _mesh(args)
     params, pipe = load_model(args.model, args.base)
     group, leader = 0, True
@@ -123,16 +124,19 @@ def run(args, load_model) -> int:
             params = sharding.shard_params(params, inner)
     adapters = load_adapters(args.lora, params)
     try:
-        engine = _engine.Engine(params, pipe, adapters, max_batch=args.max_batch, max_queue=args.max_queue)
+        engine = _engine.Engine(
+            params, pipe, adapters, max_batch=args.max_batch, max_queue=args.max_queue, aging=args.aging
+        )
     except ValueError as e:  # a model the per-item sampler does not run (image inputs: Kontext, edit, ...)
         raise ValueError(f"--model {args.model}: {e}") from None
     limits = dict(n=args.max_images, multiple=pipe.vae_scale_factor * 2, max_size=args.max_size,
-                  max_sequence_length=args.max_sequence_length)  # fmt: skip
+                  max_sequence_length=args.max_sequence_length, max_steps=args.max_steps)  # fmt: skip
     service = _app.Service(engine, args.model, defaults=dict(steps=args.steps, size=args.size), limits=limits)
+    service.loras = _loras.Loras(adapters, **run_time)
     try:
         service.requests({"prompt": "x"})  # the defaults themselves must pass
     except _app.BadRequest as e:
-        raise ValueError(f"--size/--steps: {e}") from None
+        raise ValueError(f"--size/--steps/--max-steps: {e}") from None
     rank = 0 if mesh is None else torch.distributed.get_rank()
     if mesh is not None:  # every rank runs its group's share of rank 0's turns (`functional_dit.serve._ranks`)
         ranks = _ranks.Ranks(service, rank, group, args.dp, leader)
@@ -146,6 +150,23 @@ def run(args, load_model) -> int:
         _journal.resume(args.journal, service, lambda job: engine.submit(job, force=True))
     print(f"serving {args.model} on http://{args.host}:{args.port}", flush=True)
     return serve(service, args.host, args.port, args.request_timeout)
+
+
+def run_time_loras(args) -> dict:
+    """`functional_dit.serve._loras.Loras`' ``sources`` (``--lora``'s paths), ``root``
+    (``--lora-dir``) and ``token`` (``--admin-token`` or $FD_SERVE_ADMIN_TOKEN), each or
+    None; refused under torchrun, where rank 0 alone would change its adapters."""
+    from ._loras import TOKEN_ENV
+
+    root, token = args.lora_dir, args.admin_token or os.environ.get(TOKEN_ENV) or None
+    if (root or token) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            f"--lora-dir/--admin-token/{TOKEN_ENV}: adapters cannot change at run time under torchrun yet "
+            "(every rank would have to load them in the same turn); load them at start-up with --lora NAME=PATH"
+        )
+    if root is not None and not os.path.isdir(root):
+        raise ValueError(f"--lora-dir: expected a folder, got {root!r}")
+    return dict(sources={s.partition("=")[0]: s.partition("=")[2] for s in args.lora}, root=root, token=token)
 
 
 def _mesh(args):

@@ -3,13 +3,15 @@
 ``POST /v1/images/generations`` takes the OpenAI body (``model``, ``prompt``, ``n``,
 ``size`` "WxH", ``response_format`` "b64_json") and this server's extension fields in the
 same body (``seed``, ``steps``, ``guidance``, ``true_cfg``, ``negative_prompt``, ``lora``:
-``[{"name", "scale"}]``, ``cache``), answers ``{"created", "data": [{"b64_json"}]}`` (PNG),
+``[{"name", "scale"}]``, ``cache``, ``priority``, ``deadline_ms``: the engine's order and a
+504 with the steps done), answers ``{"created", "data": [{"b64_json"}]}`` (PNG),
 and errors as OpenAI does: ``{"error": {"message", "type", "param", "code"}}``. Bad input
 is a 400 whose message names the field, the expected and the actual value, checked
 before the request is queued; a full queue is a 429 with ``Retry-After``; a request past
 ``request_timeout`` is a 504 and leaves its batch; a client that disconnects leaves its
 batch at the next step; while draining (SIGTERM, SIGINT) new requests get 503.
-``GET /v1/models``, ``/health`` and ``/metrics`` (Prometheus text) report the rest.
+``GET /v1/models``, ``/health`` and ``/metrics`` (Prometheus text) report the rest;
+``/v1/loras`` lists and changes the adapters (`functional_dit.serve._loras`).
 """
 
 from __future__ import annotations
@@ -28,24 +30,12 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from ..pipelines import sampling
-from . import _engine, _ranks
+from . import _engine, _loras, _ranks
+from ._errors import BadRequest, error
 
 FIELDS = {"model", "prompt", "n", "size", "response_format", "user", "quality", "style"}
-FIELDS |= {"seed", "steps", "guidance", "true_cfg", "negative_prompt", "lora", "cache"}
-
-
-class BadRequest(ValueError):
-    """A 400: ``field``, and a message naming the expected and the actual value."""
-
-    def __init__(self, field: str, expected: str, actual):
-        super().__init__(f"{field}: expected {expected}, got {actual!r}")
-        self.field = field
-
-
-def error(status: int, message: str, param=None, headers=None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 429: "rate_limit_exceeded"}.get(status, "server_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+FIELDS |= {"seed", "steps", "guidance", "true_cfg", "negative_prompt", "lora", "cache", "priority", "deadline_ms"}
+PRIORITIES = 100  # priority is an int in [-100, 100] (a label of /metrics' latency)
 
 
 def _number(body, field, kind, lo, default):
@@ -61,9 +51,10 @@ def _number(body, field, kind, lo, default):
 class Service:
     """The checks and the state the routes share: engine, model name, limits, journal."""
 
-    def __init__(self, engine: _engine.Engine, model: str, *, defaults: dict, limits: dict, journal=None):
+    def __init__(self, engine: _engine.Engine, model: str, *, defaults: dict, limits: dict, journal=None, loras=None):
         self.engine, self.model, self.defaults, self.limits = engine, model, defaults, limits
         self.journal, self.draining = journal, False
+        self.loras = loras or _loras.Loras(engine.adapters)  # the names new requests may use
         # The prompt-length check runs on the event loop's thread, so it gets its own copy of
         # the tokenizer: a fast tokenizer keeps padding and truncation as settings on the
         # object, and a check (no padding) between the engine thread's setting them and its
@@ -97,7 +88,11 @@ class Service:
             )
         width, height = self._size(body.get("size", self.defaults["size"]))
         steps = _number(body, "steps", int, 1, self.defaults["steps"])
-        seed = _number(body, "seed", int, 0, 0)
+        if steps > self.limits.get("max_steps", steps):
+            raise BadRequest("steps", f"an int from 1 to {self.limits['max_steps']} (--max-steps)", steps)
+        seed = body.get("seed", 0)
+        if (want := sampling.bad_seed(seed, n)) is not None:
+            raise BadRequest("seed", want, seed)
         neg = body.get("negative_prompt")
         if neg is not None and not isinstance(neg, str):
             raise BadRequest("negative_prompt", "a string or null", neg)
@@ -111,6 +106,17 @@ class Service:
             max_sequence_length=self.limits["max_sequence_length"], cache=cache,
         )  # fmt: skip
         return [sampling.Request(prompt, seed=seed + j, **kw) for j in range(n)]
+
+    def order(self, body) -> tuple:
+        """(``priority``, ``deadline_ms`` or None) of a checked body (BadRequest naming either)."""
+        p = body.get("priority", 0)
+        if isinstance(p, bool) or not isinstance(p, int) or abs(p) > PRIORITIES:
+            raise BadRequest("priority", f"an int from -{PRIORITIES} to {PRIORITIES} (higher first)", p)
+        ms = body.get("deadline_ms")
+        ok = ms is None or (isinstance(ms, (int, float)) and not isinstance(ms, bool) and 0 < ms < float("inf"))
+        if not ok:
+            raise BadRequest("deadline_ms", "a positive number of milliseconds from arrival, or null", ms)
+        return p, ms
 
     def _cache(self, value, steps: int):
         """The ``cache`` spec (None for none), parsed as ``fd.sample(cache=...)`` parses it."""
@@ -141,19 +147,20 @@ class Service:
     def _lora(self, value) -> tuple:
         if value is None:
             return ()
-        names = sorted(self.engine.adapters)
+        adapters = self.loras.adapters  # one view for the whole body (a POST / DELETE replaces it)
+        names = sorted(adapters)
         if not isinstance(value, list):
             raise BadRequest("lora", "a list of {name, scale}", value)
         out = []
         for k, e in enumerate(value):
             if not isinstance(e, dict) or set(e) - {"name", "scale"} or "name" not in e:
                 raise BadRequest(f"lora[{k}]", "an object {name, scale}", e)
-            if e["name"] not in self.engine.adapters:
+            if e["name"] not in adapters:
                 raise BadRequest(f"lora[{k}].name", f"one of the loaded adapters {names}", e["name"])
             scale = e.get("scale", 1.0)
             if not isinstance(scale, (int, float)) or isinstance(scale, bool):
                 raise BadRequest(f"lora[{k}].scale", "a number", scale)
-            out.append((self.engine.adapters[e["name"]], float(scale)))
+            out.append((adapters[e["name"]], float(scale)))
         return tuple(out)
 
     def _prompt_length(self, field: str, text: str) -> None:
@@ -178,28 +185,50 @@ def app(service: Service, request_timeout: float) -> Starlette:
         metrics.requests[status] += 1
         return response
 
+    async def models(_):
+        data = [{"id": service.model, "object": "model", "created": 0, "owned_by": "functional_dit"}]
+        return JSONResponse({"object": "list", "data": data, "lora": sorted(service.loras.adapters)})
+
+    async def health(_):
+        status = "draining" if service.draining else ("failed" if engine.error else "ok")
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+    async def prometheus(_):
+        text = _prometheus(engine) + "\n".join(_loras.metrics(service.loras)) + "\n"
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    routes = [
+        Route("/v1/images/generations", _generations(service, request_timeout, answer), methods=["POST"]),
+        Route("/v1/models", models),
+        Route("/health", health),
+        Route("/metrics", prometheus),
+        *_loras.routes(service, answer),
+    ]
+    return Starlette(routes=routes)
+
+
+def _generations(service: Service, request_timeout: float, answer):
+    """``POST /v1/images/generations``: checks, the journal, the queue, then `_wait`."""
+    engine = service.engine
+
     async def generations(request: HTTPRequest):
+        arrived = time.monotonic()
         if service.draining:
             return answer(503, error(503, "the server is shutting down (draining); retry on another"))
         if engine.error is not None:
             return answer(503, error(503, f"the model failed: {engine.error}"))
         try:
-            try:
-                body = await request.json()
-            except ValueError:
-                raise BadRequest(
-                    "body", "a JSON object", (await request.body())[:80].decode(errors="replace")
-                ) from None
-            reqs = service.requests(body)
+            body = await _json(request)
+            reqs, (priority, deadline_ms) = service.requests(body), service.order(body)
         except BadRequest as e:
             return answer(400, error(400, str(e), e.field))
-        loop, fut = asyncio.get_running_loop(), None
+        loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
         def deliver(images, err):
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result((images, err)))
 
-        job = _engine.Job(uuid.uuid4().hex, reqs, deliver, body=body)
+        job = _engine.Job(uuid.uuid4().hex, reqs, deliver, body=body, priority=priority, arrived=arrived)
         if service.journal is not None:  # before it can run
             service.journal.accepted(job.id, body)
         try:
@@ -207,32 +236,24 @@ def app(service: Service, request_timeout: float) -> Starlette:
         except _engine.QueueFull as e:
             _journal_done(service, job, 429)
             return answer(429, error(429, f"queue full: {e}", headers={"Retry-After": str(_retry_after(engine))}))
-        return await _wait(request, job, fut, request_timeout, service, answer)
+        return await _wait(request, job, fut, (request_timeout, deadline_ms), service, answer)
 
-    async def models(_):
-        data = [{"id": service.model, "object": "model", "created": 0, "owned_by": "functional_dit"}]
-        return JSONResponse({"object": "list", "data": data, "lora": sorted(engine.adapters)})
-
-    async def health(_):
-        status = "draining" if service.draining else ("failed" if engine.error else "ok")
-        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
-
-    async def prometheus(_):
-        return PlainTextResponse(_prometheus(engine), media_type="text/plain; version=0.0.4")
-
-    routes = [
-        Route("/v1/images/generations", generations, methods=["POST"]),
-        Route("/v1/models", models),
-        Route("/health", health),
-        Route("/metrics", prometheus),
-    ]
-    return Starlette(routes=routes)
+    return generations
 
 
-async def _wait(request, job, fut, timeout: float, service, answer):
+async def _json(request: HTTPRequest):
+    try:
+        return await request.json()
+    except ValueError:
+        raise BadRequest("body", "a JSON object", (await request.body())[:80].decode(errors="replace")) from None
+
+
+async def _wait(request, job, fut, limits: tuple, service, answer):
     """The job's images, or: the client left (its images leave at the next step), or
-    504 past ``timeout``."""
-    deadline = time.monotonic() + timeout
+    504 past ``limits`` (``request_timeout`` s, ``deadline_ms`` ms or None, from arrival)
+    with the steps each image had done."""
+    timeout, ms = limits
+    deadline = job.arrived + (timeout if ms is None else min(timeout, ms / 1000))
     while not fut.done():
         await asyncio.wait([fut], timeout=0.05)
         if fut.done():
@@ -245,9 +266,7 @@ async def _wait(request, job, fut, timeout: float, service, answer):
             _journal_done(service, job, 503)
             return answer(503, error(503, f"the model failed: {service.engine.error}"))
         if time.monotonic() > deadline:
-            job.cancelled = True
-            _journal_done(service, job, 504)
-            return answer(504, error(504, f"request_timeout: the images took over {timeout:g} s"))
+            return _late(service, job, timeout, ms, answer)
     images, err = fut.result()
     if err is not None and service.engine.error is not None:  # the model (a rank) failed, not this request
         _journal_done(service, job, 503)
@@ -256,8 +275,21 @@ async def _wait(request, job, fut, timeout: float, service, answer):
         _journal_done(service, job, 500)
         return answer(500, error(500, f"{type(err).__name__}: {err}"))
     _journal_done(service, job, 200)
+    service.engine.metrics.answered(job.priority, time.monotonic() - job.arrived)
     data = [{"b64_json": _png(img)} for img in images]
     return answer(200, JSONResponse({"created": int(time.time()), "data": data}))
+
+
+def _late(service, job, timeout: float, ms, answer):
+    """504: the job leaves its batch at the next step; the body says what it had done."""
+    job.cancelled = True
+    _journal_done(service, job, 504)
+    if ms is not None and ms / 1000 < timeout:
+        message, param = f"deadline_ms: the images took over {ms:g} ms", "deadline_ms"
+    else:
+        message, param = f"request_timeout: the images took over {timeout:g} s", None
+    done = dict(steps_done=list(job.progress), steps=[r.steps for r in job.requests])
+    return answer(504, error(504, message, param, extra=done))
 
 
 def _journal_done(service, job, status: int) -> None:
@@ -282,6 +314,8 @@ def _prometheus(engine) -> str:
         f"fd_serve_images_per_second {m.images_per_second():.6g}",
         "# TYPE fd_serve_images_total counter",
         f"fd_serve_images_total {m.images}",
+        "# TYPE fd_serve_preempted_total counter",
+        f"fd_serve_preempted_total {m.preempted}",
         "# TYPE fd_serve_joined_running_batch_total counter",
         f"fd_serve_joined_running_batch_total {m.joined}",
         "# TYPE fd_serve_step_seconds summary",
@@ -295,4 +329,8 @@ def _prometheus(engine) -> str:
     ]
     lines += [f'fd_serve_requests_total{{status="{s}"}} {n}' for s, n in sorted(m.requests.items())]
     lines += _ranks.groups_metric(m.groups)
+    lines += ["# TYPE fd_serve_latency_seconds summary"]  # arrival to answer of 200s, per priority
+    for p, (total, count) in sorted(m.latency.items()):
+        lines += [f'fd_serve_latency_seconds_sum{{priority="{p}"}} {total:.6g}',
+                  f'fd_serve_latency_seconds_count{{priority="{p}"}} {count}']  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -3,14 +3,26 @@
 One worker thread owns the model. Its loop, each turn:
 
 1. drops the images of cancelled jobs (client gone, timed out) from every stage;
-2. encodes waiting images (prompt, noise, schedule: `sampling.init`) in arrival order,
+2. encodes waiting images (prompt, noise, schedule: `sampling.init`) in order (below),
    at most ``max_batch`` per turn so running batches keep stepping;
 3. moves ready images into the running batch of their key (latent size and text length)
-   while it holds fewer than ``max_batch`` images: a newcomer joins between two steps;
+   while it holds fewer than ``max_batch`` images: a newcomer joins between two steps; a
+   full batch whose lowest-ordered image comes after a ready one gives it up (preemption:
+   the item, its latents, step index and cache state, goes back to the ready queue
+   untouched and resumes there when it is first again);
 4. runs ONE step of ONE batch, the next key after the last one stepped (round robin over
    the keys that have running images), so every resolution gets a step in every round
    of k turns (k = the number of keys) and none starves;
 5. decodes the images that finished and hands each job its images once all are done.
+
+**Order** (admission, encoding, preemption): by *virtual arrival*, a job's arrival time
+less ``priority * aging`` seconds, earliest first (ties: the job id, then the image). A
+priority is so a head start: priority 2 with ``aging`` 10 s goes before every priority-0
+job that arrived less than 20 s before it, and after those that waited longer. The
+order of two jobs never changes while they wait (both age alike), so a preempted image is
+not taken back and forth; and no job starves: only jobs arriving within ``(p' - p) *
+aging`` seconds after a priority-p job can overtake it. It is the same on every rank (rank
+0's arrival times are broadcast).
 
 The HTTP side (`functional_dit.serve._app`) only submits jobs and awaits their futures.
 """
@@ -43,9 +55,13 @@ class Job:
     dropped: bool = False  # applied by the engine at the start of a turn (the same turn on every rank)
     finished: bool = False
     group: int = 0  # the dp group that runs it (`functional_dit.serve._ranks`)
+    priority: int = 0  # higher first (the engine's order: its module docstring)
+    arrived: float = dataclasses.field(default_factory=time.monotonic)  # rank 0's clock on every rank
+    progress: list = dataclasses.field(default_factory=list)  # steps done per image (the worker writes it)
 
     def __post_init__(self):
         self.images, self.left = [None] * len(self.requests), len(self.requests)
+        self.progress = [0] * len(self.requests)
 
 
 class Metrics:
@@ -58,10 +74,17 @@ class Metrics:
         self.step_seconds = 0.0
         self.last_step_seconds = 0.0
         self.joined = 0  # images that joined a batch already running (mid-batch arrivals)
+        self.preempted = 0  # images taken out of a running batch for a job ordered before them
+        self.latency = collections.defaultdict(lambda: [0.0, 0])  # priority -> [seconds, answers] of 200s
         self.cache_skipped = 0  # branch-steps of finished images whose step cache skipped blocks
         self.groups = collections.Counter()  # dp group -> images it made
         self.recent = collections.deque()  # finish times of recent images, for images/s
         self.started = time.monotonic()
+
+    def answered(self, priority: int, seconds: float) -> None:
+        """A 200 to a job of ``priority``, ``seconds`` after it arrived (/metrics' latency)."""
+        entry = self.latency[priority]
+        entry[0], entry[1] = entry[0] + seconds, entry[1] + 1
 
     def images_per_second(self, window: float = 60.0) -> float:
         now = time.monotonic()
@@ -73,10 +96,10 @@ class Metrics:
 class Engine:
     """Continuous batching of ``params`` over ``pipe``; ``adapters`` by name."""
 
-    def __init__(self, params, pipe, adapters=None, *, max_batch: int = 8, max_queue: int = 64, sync=None):
+    def __init__(self, params, pipe, adapters=None, *, max_batch=8, max_queue=64, sync=None, aging=10.0):
         self.params, self.adapters = params, dict(adapters or {})
         self.ctx = sampling.context(params, pipe, text_to_image=True)
-        self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_batch, self.max_queue, self.aging = max_batch, max_queue, aging
         self.metrics = Metrics()
         self._lock = threading.Condition()
         self._inbox: list = []  # jobs submitted since the last turn began
@@ -161,6 +184,8 @@ class Engine:
         for job in new:
             self._live[job.id] = job
             self._waiting.extend((job, j) for j in range(len(job.requests)))
+        if new:
+            self._waiting = collections.deque(sorted(self._waiting, key=lambda e: self.order(*e)))
         for job_id in cancel:
             job = self._live.pop(job_id, None)
             if job is not None:
@@ -179,6 +204,8 @@ class Engine:
             self.metrics.step_seconds + dt,
             dt,
         )
+        for it in state.items:
+            it.tag[0].progress[it.tag[1]] = it.i
         done, rest = sampling.split(state)
         self._running[key] = rest
         if not rest.items:
@@ -212,20 +239,48 @@ class Engine:
                 continue
             item = state.items[0]
             self._ready[item.key].append(item)
+            self._sort(item.key)
+
+    def order(self, job: Job, j: int) -> tuple:
+        """Image ``j`` of ``job``'s place: earliest virtual arrival first (module docstring)."""
+        return job.arrived - job.priority * self.aging, job.id, j
+
+    def _sort(self, key) -> None:
+        q = sorted(self._ready[key], key=lambda it: self.order(*it.tag))
+        self._ready[key] = collections.deque(q)
 
     def _admit(self) -> None:
-        for key, q in self._ready.items():
-            state = self._running.get(key)
-            have = 0 if state is None else len(state)
-            new = []
-            while q and have + len(new) < self.max_batch:
-                new.append(q.popleft())
-            if not new:
-                continue
+        for key in list(self._ready):
+            while self._fill(key) and self._preempt(key):
+                pass
+
+    def _fill(self, key) -> bool:
+        """``key``'s ready images into its batch while it has room; whether some still wait."""
+        q, state = self._ready[key], self._running.get(key)
+        have = 0 if state is None else len(state)
+        new = []
+        while q and have + len(new) < self.max_batch:
+            new.append(q.popleft())
+        if new:
             if state is not None and any(it.i > 0 for it in state.items):
                 self.metrics.joined += len(new)
             joined = sampling.State(self.ctx, tuple(new))
             self._running[key] = joined if state is None else sampling.merge(state, joined)
+        return bool(q)
+
+    def _preempt(self, key) -> bool:
+        """Whether ``key``'s full batch gave its last image back to the ready queue, as it
+        is (latents, step index, cache state: it resumes where it stopped), because it
+        comes after the queue's first; `_fill` then admits that one."""
+        q, state = self._ready[key], self._running[key]
+        last = max(state.items, key=lambda it: self.order(*it.tag))
+        if self.order(*last.tag) <= self.order(*q[0].tag):
+            return False
+        _, self._running[key] = sampling.split(state, keep=lambda it: it is not last)
+        self.metrics.preempted += 1
+        q.append(last)
+        self._sort(key)
+        return True
 
     def _next_key(self):
         keys = sorted(self._running)

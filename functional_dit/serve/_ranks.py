@@ -4,7 +4,8 @@ the params (tp: the weights split; sp: each step's sequence split, Ulysses, as
 ``fd.sample`` on an sp mesh); the dp groups run separate batches.
 
 At the start of each turn rank 0 broadcasts over the world what changed since the last
-one (the jobs that arrived, as ids, HTTP bodies and the dp group each is assigned to; the
+one (the jobs that arrived, as ids, HTTP bodies, the dp group each is assigned to and rank
+0's arrival time, which orders them by priority on every rank alike; the
 ids of jobs to cancel; whether to stop: `Ranks.sync`); every rank takes the jobs of its
 own group and runs the same turn as the other ranks of its group, so their batches and
 the collectives inside ``fd.apply`` agree. Idle, rank 0 still broadcasts once a second.
@@ -92,7 +93,7 @@ class Ranks:
                 job = self.remote.pop(i)
                 self.load[job.group] -= len(job.requests)
             cancel = list(cancel) + gone
-            msg = [([(job.id, job.body, job.group) for job in new], cancel, stop)]
+            msg = [([(job.id, job.body, job.group, job.arrived) for job in new], cancel, stop)]
         else:
             msg = [None]
         dist.broadcast_object_list(msg, src=0)
@@ -102,8 +103,10 @@ class Ranks:
         if self.rank == 0:
             self.remote.update((job.id, job) for job in new if job.group != 0)
             return [job for job in new if job.group == 0], cancel, stop
-        mine = [(i, b) for i, b, g in sent if g == self.group]
-        return [Job(i, self.service.requests(b), self._deliver(i), body=b) for i, b in mine], cancel, stop
+        mine = [(i, b, a) for i, b, g, a in sent if g == self.group]  # a: rank 0's arrival (the engine's order)
+        jobs = [Job(i, self.service.requests(b), self._deliver(i), body=b, priority=self.service.order(b)[0], arrived=a)
+                for i, b, a in mine]  # fmt: skip
+        return jobs, cancel, stop
 
     def _deliver(self, job_id: str):
         if not self.leader:
