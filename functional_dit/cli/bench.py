@@ -546,6 +546,13 @@ def write_report(path: str, text: str) -> None:
 
 
 def add_arguments(p) -> None:
+    """The forward figures' shapes and runs, then the report and the extra sections."""
+    _shape_arguments(p)
+    _section_arguments(p)
+
+
+def _shape_arguments(p) -> None:
+    """Device, dtype, the configs and shapes timed, rounds and threads."""
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     p.add_argument(
@@ -568,6 +575,10 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--runs", type=int, default=7, help="rounds per figure (median); >= 7 for a full run")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+def _section_arguments(p) -> None:
+    """What to skip or add (compile, tp, fp8, sampling, caches, the GPU suite) and the report file."""
     p.add_argument("--no-compile", action="store_true", help="skip the compile figures")
     p.add_argument("--no-tp", action="store_true", help="skip tp=2 (CPU only)")
     p.add_argument(

@@ -22,6 +22,14 @@ def _seconds(text: str) -> float:
 
 
 def add_arguments(p) -> None:
+    """The model and its adapters, where to listen, the batching and request limits, the ranks."""
+    _model_arguments(p)
+    _limit_arguments(p)
+    _rank_arguments(p)
+
+
+def _model_arguments(p) -> None:
+    """The model, its adapters (fixed or changed at run time) and the address served."""
     p.add_argument("--model", required=True, help="a tiny pipeline name (flux, ...), checkpoint or preset")
     p.add_argument("--base", default=None, help="the pipeline folder for a transformer-only --model (as generate)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="a LoRA file served as NAME")
@@ -35,6 +43,10 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     p.add_argument("--port", type=int, default=8000, help="the port to listen on")
+
+
+def _limit_arguments(p) -> None:
+    """Batching, priorities, and what one request may ask for."""
     p.add_argument("--max-batch", type=positive, default=8, help="images per running batch (1: batching off)")
     p.add_argument("--max-queue", type=positive, default=64, help="images waiting; more is a 429")
     p.add_argument(
@@ -52,6 +64,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-steps", type=positive, default=200, help="the most steps a request may ask for (more: 400)")
     p.add_argument("--max-size", type=positive, default=2048, help="the largest width or height served")
     p.add_argument("--max-sequence-length", type=positive, default=None, help="text tokens (default: the model's)")
+
+
+def _rank_arguments(p) -> None:
+    """The mesh under torchrun and the journal of accepted requests."""
     p.add_argument("--tp", type=positive, default=1, help="tensor parallel degree (under torchrun)")
     p.add_argument("--sp", type=positive, default=1, help="sequence parallel degree, Ulysses (under torchrun)")
     p.add_argument("--dp", type=positive, default=1, help="dp groups, each running its own batches (under torchrun)")

@@ -105,7 +105,7 @@ def run(args, load_model) -> int:
     ``load_model(spec, base) -> (params, pipe)`` resolves ``--model``)."""
     import torch
 
-    from . import _app, _engine, _journal, _loras, _ranks
+    from . import _journal, _ranks
 
     if args.resume_journal and not args.journal:
         raise ValueError("--resume-journal: expected with --journal PATH")
@@ -113,15 +113,44 @@ def run(args, load_model) -> int:
         raise ValueError(f"--request-timeout: expected a positive number of seconds, got {args.request_timeout}")
     run_time = run_time_loras(args)
     mesh = _mesh(args)
-    params, pipe = load_model(args.model, args.base)
-    group, leader = 0, True
-    if mesh is not None:
-        import sharding
+    params, pipe, group, leader = _load(args, mesh, load_model)
+    service = _service(args, params, pipe, run_time)
+    engine = service.engine
+    rank = 0 if mesh is None else torch.distributed.get_rank()
+    if mesh is not None:  # every rank runs its group's share of rank 0's turns (`functional_dit.serve._ranks`)
+        ranks = _ranks.Ranks(service, rank, group, args.dp, leader)
+        engine.sync, engine.heartbeat, engine.group = ranks.sync, 1.0, group
+        engine.others = ranks if rank == 0 and args.dp > 1 else None
+    if rank != 0:
+        return _ranks.follow(engine)
+    service.journal = _journal.Journal(args.journal) if args.journal else None
+    engine.start()
+    if args.resume_journal:
+        _journal.resume(args.journal, service, lambda job: engine.submit(job, force=True))
+    print(f"serving {args.model} on http://{args.host}:{args.port}", flush=True)
+    return serve(service, args.host, args.port, args.request_timeout)
 
-        group, leader = mesh.get_local_rank("dp"), mesh.get_local_rank("sp") == mesh.get_local_rank("tp") == 0
-        inner = mesh[("sp", "tp")]  # this dp group's ranks: its batches never meet another group's
-        if inner.size() > 1:
-            params = sharding.shard_params(params, inner)
+
+def _load(args, mesh, load_model):
+    """(params, pipe, dp group, leader): the model, under torchrun sharded over this dp
+    group's sp x tp ranks (its batches never meet another group's)."""
+    params, pipe = load_model(args.model, args.base)
+    if mesh is None:
+        return params, pipe, 0, True
+    import sharding
+
+    group, leader = mesh.get_local_rank("dp"), mesh.get_local_rank("sp") == mesh.get_local_rank("tp") == 0
+    inner = mesh[("sp", "tp")]
+    if inner.size() > 1:
+        params = sharding.shard_params(params, inner)
+    return params, pipe, group, leader
+
+
+def _service(args, params, pipe, run_time: dict):
+    """The engine and the HTTP service over it, its adapters, and its defaults checked
+    against its own limits."""
+    from . import _app, _engine, _loras
+
     adapters = load_adapters(args.lora, params)
     try:
         engine = _engine.Engine(
@@ -137,19 +166,7 @@ def run(args, load_model) -> int:
         service.requests({"prompt": "x"})  # the defaults themselves must pass
     except _app.BadRequest as e:
         raise ValueError(f"--size/--steps/--max-steps: {e}") from None
-    rank = 0 if mesh is None else torch.distributed.get_rank()
-    if mesh is not None:  # every rank runs its group's share of rank 0's turns (`functional_dit.serve._ranks`)
-        ranks = _ranks.Ranks(service, rank, group, args.dp, leader)
-        engine.sync, engine.heartbeat, engine.group = ranks.sync, 1.0, group
-        engine.others = ranks if rank == 0 and args.dp > 1 else None
-    if rank != 0:
-        return _ranks.follow(engine)
-    service.journal = _journal.Journal(args.journal) if args.journal else None
-    engine.start()
-    if args.resume_journal:
-        _journal.resume(args.journal, service, lambda job: engine.submit(job, force=True))
-    print(f"serving {args.model} on http://{args.host}:{args.port}", flush=True)
-    return serve(service, args.host, args.port, args.request_timeout)
+    return service
 
 
 def run_time_loras(args) -> dict:
