@@ -414,3 +414,114 @@ def test_qwen_multi_controlnet_through_pipeline_and_sample():
         **sample_kw,
     )
     torch.testing.assert_close(got, stock, **FP32)
+
+
+# ----------------------------------------------------------------------------- schedule, latents, modes
+
+
+@pytest.mark.parametrize("kind", ["flux-controlnet", "qwen-image-controlnet"])
+def test_control_guidance_and_latents_equal_stock(kind):
+    """``control_guidance_start`` / ``_end`` (the stock ``controlnet_keep``: 4 steps, [0.25,
+    0.75] keeps steps 1 and 2; [0.5, 0.75] step 2 only, the others skipping the ControlNet)
+    and ``latents=`` (the control draw still from the generators, the noise given), against
+    the stock pipeline called with the same arguments."""
+    pipe = tiny.pipeline(kind)
+    pipe_kw, sample_kw = _pipe_kwargs(kind)
+    pipe_kw["num_inference_steps"] = sample_kw["steps"] = 4
+    img, prompt = image(0), ["a red cube"]
+    params, cn = fd.from_diffusers(pipe.transformer), C.from_diffusers(pipe.controlnet)
+    call = dict(prompt=prompt, control_image=img, controlnet_conditioning_scale=0.8, **pipe_kw)
+    full = pipe(**call, generator=_gens(3, 1)).images
+    for start, end in ((0.25, 0.75), (0.5, 0.75)):
+        want = pipe(**call, control_guidance_start=start, control_guidance_end=end, generator=_gens(3, 1)).images
+        got = fd.sample(
+            params, pipe, prompt, seed=3, controlnet=(cn, img, 0.8), control_guidance_start=start,
+            control_guidance_end=end, **sample_kw,
+        )  # fmt: skip
+        torch.testing.assert_close(got, want, **FP32)  # fp32, the same maths: the project's bound
+        assert (want - full).abs().max() > 1e-2  # the schedule matters
+    latents = torch.randn(full.shape, generator=torch.Generator().manual_seed(9))
+    for seed, gen in ((3, _gens(3, 1)), (torch.Generator().manual_seed(5), torch.Generator().manual_seed(5))):
+        want = pipe(**call, latents=latents, generator=gen).images
+        got = fd.sample(params, pipe, prompt, seed=seed, latents=latents, controlnet=(cn, img, 0.8), **sample_kw)
+        torch.testing.assert_close(got, want, **FP32)
+        assert (want - full).abs().max() > 1e-2  # the given latents matter
+
+
+def test_flux_union_modes_and_per_controlnet_guidance_equal_stock():
+    """A Union ControlNet alone (the stock ``control_mode`` int), and a multi-ControlNet with
+    one ``control_guidance_start`` / ``_end`` per ControlNet (lists) and one float broadcast."""
+    union = tiny.stock_controlnet("flux1-controlnet-union-tiny", seed=1)
+    pipe = tiny.pipeline("flux-controlnet", controlnet=union)
+    pipe_kw, sample_kw = _pipe_kwargs("flux-controlnet")
+    pipe_kw["num_inference_steps"] = sample_kw["steps"] = 4
+    img, u = image(0), C.from_diffusers(union)
+    params = fd.from_diffusers(pipe.transformer)
+    for mode in (0, 2):
+        want = pipe(prompt="a red cube", control_image=img, control_mode=mode, generator=_gens(7, 1), **pipe_kw).images
+        got = fd.sample(params, pipe, "a red cube", seed=7, controlnet=(u, img, 1.0, mode), **sample_kw)
+        torch.testing.assert_close(got, want, **FP32)
+    plain = tiny.stock_controlnet("flux1-controlnet-tiny", seed=2)
+    pipe = tiny.pipeline("flux-controlnet", controlnet=diffusers.FluxMultiControlNetModel([union, plain]))
+    imgs, p = [image(0), image(1)], C.from_diffusers(plain)
+    call = dict(
+        prompt="a red cube", control_image=imgs, control_mode=[2, None], controlnet_conditioning_scale=[0.5, 0.8]
+    )
+    nets = [(u, imgs[0], 0.5, 2), (p, imgs[1], 0.8)]
+    for start, end in (([0.0, 0.5], [0.5, 1.0]), (0.25, [0.5, 1.0])):
+        want = pipe(**call, control_guidance_start=start, control_guidance_end=end, generator=_gens(7, 1), **pipe_kw)
+        got = fd.sample(
+            params, pipe, "a red cube", seed=7, controlnet=nets, control_guidance_start=start, control_guidance_end=end,
+            **sample_kw,
+        )  # fmt: skip
+        torch.testing.assert_close(got, want.images, **FP32)
+
+
+def test_qwen_multi_per_condition_guidance_equals_stock():
+    net = tiny.stock_controlnet("qwen-image-controlnet-tiny", seed=1)
+    pipe = tiny.pipeline("qwen-image-controlnet", controlnet=diffusers.QwenImageMultiControlNetModel([net]))
+    pipe_kw, sample_kw = _pipe_kwargs("qwen-image-controlnet")
+    pipe_kw["num_inference_steps"] = sample_kw["steps"] = 4
+    imgs, cn = [image(0), image(1)], C.from_diffusers(net)
+    start, end = [0.0, 0.5], [0.5, 1.0]
+    want = pipe(
+        prompt="a red cube", control_image=imgs, controlnet_conditioning_scale=[0.5, 0.8],
+        control_guidance_start=start, control_guidance_end=end, generator=_gens(7, 1), **pipe_kw,
+    ).images  # fmt: skip
+    got = fd.sample(
+        fd.from_diffusers(pipe.transformer), pipe, "a red cube", seed=7,
+        controlnet=[(cn, imgs[0], 0.5), (cn, imgs[1], 0.8)], control_guidance_start=start, control_guidance_end=end,
+        **sample_kw,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, **FP32)
+
+
+def test_bad_guidance_modes_and_latents_name_the_argument():
+    params, pipe = fd.init("flux1-tiny"), tiny.pipeline("flux")
+    cn, union = C.init("flux1-controlnet-tiny"), C.init("flux1-controlnet-union-tiny")
+    kw = dict(height=32, width=32, steps=1, seed=0)
+    run = lambda **k: fd.sample(params, pipe, "a", **{**kw, **k})  # noqa: E731
+    one = (cn, image(0), 1.0)
+    below = r"control_guidance_start: expected each below its control_guidance_end, got start 0.8 >= end 0.5"
+    with pytest.raises(ValueError, match=below + r" for controlnet\[0\]"):
+        run(controlnet=one, control_guidance_start=0.8, control_guidance_end=0.5)
+    with pytest.raises(
+        ValueError, match=r"control_guidance_end: expected a float or a list of 2 \(one per ControlNet\), got \[1.0\]"
+    ):
+        run(controlnet=[one, one], control_guidance_end=[1.0])
+    with pytest.raises(ValueError, match=r"control_guidance_start: expected a float or a list of 1 .*got \[0.0, 0.1\]"):
+        run(controlnet=one, control_guidance_start=[0.0, 0.1])
+    with pytest.raises(
+        ValueError, match=r"control_guidance_end: expected fractions of the schedule in \[0, 1\], got 1.5"
+    ):
+        run(controlnet=one, control_guidance_end=1.5)
+    with pytest.raises(ValueError, match="control_guidance_start: applies to a ControlNet; expected None"):
+        run(control_guidance_start=0.2)
+    with pytest.raises(ValueError, match=r"controlnet\[0\]: mode: expected 0 <= mode < 3 .*got 3"):
+        run(controlnet=(union, image(0), 1.0, 3))
+    with pytest.raises(
+        ValueError, match=r"controlnet\[1\]: expected no control mode \(not a Union ControlNet\), got mode=1"
+    ):
+        run(controlnet=[(union, image(0), 1.0, 1), (cn, image(0), 1.0, 1)])
+    with pytest.raises(ValueError, match="seed: with latents= the control images' VAE draws still take a generator"):
+        run(controlnet=one, seed=None, latents=torch.randn(1, 16, 64))
