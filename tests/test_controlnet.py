@@ -525,3 +525,28 @@ def test_bad_guidance_modes_and_latents_name_the_argument():
         run(controlnet=[(union, image(0), 1.0, 1), (cn, image(0), 1.0, 1)])
     with pytest.raises(ValueError, match="seed: with latents= the control images' VAE draws still take a generator"):
         run(controlnet=one, seed=None, latents=torch.randn(1, 16, 64))
+
+
+def test_request_carries_control_guidance():
+    """`functional_dit.sampling.Request` with a ControlNet and its schedule fractions: the
+    item's image equals ``fd.sample`` of that request alone (bitwise: the same ops in one
+    process, as tests/test_sampling.py's ControlNet items)."""
+    from functional_dit import sampling
+
+    pipe = tiny.pipeline("flux")
+    params, cn = fd.from_diffusers(pipe.transformer), C.from_diffusers(tiny.stock_controlnet())
+    ctl = dict(controlnet=(cn, image(0), 0.8), control_guidance_start=0.25, control_guidance_end=0.75)
+    req = sampling.Request("a cat", 32, 32, 4, seed=2, max_sequence_length=64, **ctl)
+    state = sampling.init(params, sampling.context(params, pipe), [req])
+    while not all(it.done for it in state.items):
+        state = sampling.step(params, state)
+    (got,) = sampling.decode(state, "np")
+    kw = dict(height=32, width=32, steps=4, seed=2, output_type="np", max_sequence_length=64)
+    want = fd.sample(params, pipe, "a cat", **kw, **ctl)[0]
+    assert np.array_equal(got, want)
+    plain = fd.sample(params, pipe, "a cat", **kw, controlnet=ctl["controlnet"])[0]
+    assert np.abs(want - plain).max() > 1e-3  # the fractions reach the item
+    with pytest.raises(ValueError, match="control_guidance_end: applies to a ControlNet; expected None"):
+        sampling.init(
+            params, sampling.context(params, pipe), [sampling.Request("a", 32, 32, 2, control_guidance_end=0.5)]
+        )
