@@ -8,6 +8,7 @@ pipelines; `fd.sample(..., controlnet=...)` against them; bad inputs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import diffusers
@@ -338,7 +339,7 @@ def test_bad_inputs_name_the_argument():
         fd.sample(params, pipe, "a", height=32, width=32, steps=1, controlnet=(union, image(0), 1.0))
     with pytest.raises(ValueError, match="controlnet: a QwenImageControlNetPipeline runs a ControlNet"):
         fd.sample(fd.init("qwen-image-tiny"), tiny.pipeline("qwen-image-controlnet"), "a", height=32, width=32, steps=1)
-    with pytest.raises(ValueError, match="cache: step caching is not supported"):
+    with pytest.raises(ValueError, match="cache: with a ControlNet only the attention-level caches run"):
         fd.sample(
             params, pipe, "a", height=32, width=32, steps=1, controlnet=(cn, image(0), 1.0), cache="fbcache:0.1", seed=0
         )
@@ -550,3 +551,54 @@ def test_request_carries_control_guidance():
         sampling.init(
             params, sampling.context(params, pipe), [sampling.Request("a", 32, 32, 2, control_guidance_end=0.5)]
         )
+
+
+def _faster(pipe):
+    """diffusers' FasterCache (one call per step) and ours, as tests/test_cache.py pairs them."""
+    from diffusers.hooks import FasterCacheConfig
+
+    stock = FasterCacheConfig(
+        spatial_attention_block_skip_range=2,
+        spatial_attention_timestep_skip_range=(-1, 950),
+        current_timestep_callback=lambda: pipe.current_timestep,
+        attention_weight_callback=lambda _: 0.3,
+        is_guidance_distilled=True,
+        tensor_format="BCHW",
+    )
+    return stock, fd.FasterCache(2, (-1, 950), weight=0.3)
+
+
+def test_attention_level_caches_with_controlnet_equal_stock_hooks():
+    """Step caching with ControlNet residuals: the attention-level caches run every block and
+    its residual add, as the stock hooks leave the stock transformer's adds. Qwen-Image:
+    TaylorSeer on the attention modules with true CFG (the pipeline's "cond" / "uncond"
+    contexts) and FasterCache without; FLUX.1: TaylorSeer without CFG, the stock call in one
+    cache_context (FluxControlNetPipeline opens none). The block-skipping caches are refused."""
+    from diffusers.hooks import TaylorSeerCacheConfig
+
+    from functional_dit.pipelines import cache as fd_cache
+
+    kw = dict(cache_interval=2, disable_cache_before_step=2, max_order=2, taylor_factors_dtype=torch.float32)
+    taylor = lambda pipe: (TaylorSeerCacheConfig(**kw), fd.TaylorSeer(**kw, modules=fd_cache.ATTENTION))  # noqa: E731
+    common = dict(height=32, width=32, output_type="latent", max_sequence_length=64)
+    cfg = (dict(negative_prompt=["blurry"], true_cfg_scale=2.0), dict(negative_prompt=["blurry"], true_cfg=2.0))
+    runs = [("qwen-image-controlnet", taylor, cfg), ("qwen-image-controlnet", _faster, ({}, {})),
+            ("flux-controlnet", taylor, ({}, {}))]  # fmt: skip
+    img = image(0)
+    for kind, pair, (stock_kw, our_kw) in runs:
+        pipe = tiny.pipeline(kind)
+        params, cn = fd.from_diffusers(pipe.transformer), C.from_diffusers(pipe.controlnet)
+        call = dict(prompt=["a"], control_image=img, controlnet_conditioning_scale=0.8, num_inference_steps=5)
+        plain = pipe(**call, generator=_gens(3, 1), **common, **stock_kw).images
+        stock, ours = pair(pipe)
+        pipe.transformer.enable_cache(stock)
+        with pipe.transformer.cache_context("cond") if kind == "flux-controlnet" else contextlib.nullcontext():
+            want = pipe(**call, generator=_gens(3, 1), **common, **stock_kw).images
+        run = fd.CacheRun(ours)
+        got = fd.sample(params, pipe, ["a"], steps=5, seed=3, controlnet=(cn, img, 0.8), cache=run, **common, **our_kw)
+        assert run.skipped() > 0 and (want - plain).abs().max() > 1e-3  # the cache acted
+        torch.testing.assert_close(got, want, **FP32)  # fp32, the same maths: the project's bound
+        pipe.transformer.disable_cache()
+    for spec in ("fbcache:0.1", "magcache:0.1", fd.TaylorSeer(2, 2)):
+        with pytest.raises(ValueError, match="cache: with a ControlNet only the attention-level caches run"):
+            fd.sample(params, pipe, "a", steps=2, seed=0, controlnet=(cn, img, 1.0), cache=spec, **common)

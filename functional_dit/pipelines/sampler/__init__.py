@@ -408,7 +408,8 @@ def sample(
     batch_size = _product(fam).batch_size(batch_size)  # Qwen-Image 2.1: one image per call
     _placement.check(encoder_placement, vae_tiling)
     steps, sigmas = _check_steps(steps, sigmas)
-    controls = _controlnet.check(controlnet, fam, latents, pipe, seed, control_guidance_start, control_guidance_end)
+    fractions = (control_guidance_start, control_guidance_end)
+    controls = _controlnet.check(controlnet, fam, latents, pipe, seed, fractions, cache)
     jobs = (image, mask_image, strength, padding_mask_crop, layers)
     pipe, edit = _image_job(pipe, fam, steps, output_type, jobs, latents, (height, width), (image_reference, kv_cache))
     _requests.check_max_sequence_length(fam, max_sequence_length)

@@ -22,7 +22,11 @@ What the stock ControlNet pipelines add around the text-to-image loop of
 - ``latents=``: the given noise, each generator still drawing the control images' posterior
   samples (so ``seed`` is needed, unless every ControlNet is an XLabs one).
 
-Not reproduced: step caching (refused). FLUX.1's guidance defaults to the stock ControlNet
+- step caching: the attention-level caches (TaylorSeer with ``modules``, FasterCache), every
+  block's residual added after it as under diffusers' hooks; the block-skipping ones are
+  refused (`check_cache`, docs/controlnet.md "Step caching").
+
+FLUX.1's guidance defaults to the stock ControlNet
 pipeline's 7.0.
 """
 
@@ -37,6 +41,7 @@ import torch
 from ... import controlnet as _cn
 from ... import families as _families
 from ...params import Params
+from .. import cache as _cache
 from ..families import Steps
 from ..families.flux1 import _Flux1
 from ..families.qwenimage import _Qwen
@@ -124,7 +129,17 @@ def _fractions(start, end, n: int) -> list[tuple[float, float]]:
 PIPELINES = ("FluxControlNetPipeline", "QwenImageControlNetPipeline")  # need a controlnet= to reproduce
 
 
-def check(controlnet, fam: str, latents, pipe, seed=None, start=None, end=None) -> Controls | None:
+def check_cache(cache) -> None:
+    """A step cache with ControlNets: the attention-level ones only (`_cache.check_no_controlnet`)."""
+    config = None if cache is None else _cache.CacheRun.of(cache).config
+    if config is not None and not _cache.attention_level(config):
+        raise ValueError(
+            "cache: with a ControlNet only the attention-level caches run (TaylorSeer with modules=, FasterCache): "
+            f"a cache that skips blocks would have to choose their residuals (docs/controlnet.md); got {config}"
+        )
+
+
+def check(controlnet, fam: str, latents, pipe, seed=None, fractions=(None, None), cache=None) -> Controls | None:
     """The checked ControlNets of ``controlnet`` (one tuple or a list of them) with their
     ``control_guidance_start`` / ``_end``, or None; a stock ControlNet pipeline without one
     is refused (its control image would be ignored)."""
@@ -134,7 +149,7 @@ def check(controlnet, fam: str, latents, pipe, seed=None, start=None, end=None) 
                 f"controlnet: a {type(pipe).__name__} runs a ControlNet; expected (params, image, scale), e.g. "
                 "(functional_dit.controlnet.from_diffusers(pipe.controlnet), control_image, 1.0), got None"
             )
-        for name, v in (("control_guidance_start", start), ("control_guidance_end", end)):
+        for name, v in zip(("control_guidance_start", "control_guidance_end"), fractions):
             if v is not None:
                 raise ValueError(f"{name}: applies to a ControlNet; expected None without controlnet=, got {v!r}")
         return None
@@ -144,7 +159,8 @@ def check(controlnet, fam: str, latents, pipe, seed=None, start=None, end=None) 
             f"controlnet: expected a (params, image, scale) tuple or a list of them, got {controlnet!r:.80}"
         )
     nets = [_one(item, fam, i) for i, item in enumerate(items)]
-    nets = [dataclasses.replace(c, start=s, end=e) for c, (s, e) in zip(nets, _fractions(start, end, len(nets)))]
+    nets = [dataclasses.replace(c, start=s, end=e) for c, (s, e) in zip(nets, _fractions(*fractions, len(nets)))]
+    check_cache(cache)
     if latents is not None and seed is None and not all(_has_hint(c) for c in nets):
         raise ValueError(
             "seed: with latents= the control images' VAE draws still take a generator (as the stock pipelines' "
@@ -161,7 +177,7 @@ class WithControlNet:
     """A family's sampling steps (`_Flux1`, `_Qwen`) with ControlNet residuals in every
     model call; every other hook is the family's (``inner``, forked with it)."""
 
-    step_cache = False
+    step_cache = True  # the attention-level caches (`check_cache`)
     fixed_graph = False  # residuals per step: the usual loop
     apply = staticmethod(Steps.apply)  # the model call the sampler wraps (per-image LoRA, ...)
 
