@@ -598,6 +598,11 @@ def test_attention_level_caches_with_controlnet_equal_stock_hooks():
         got = fd.sample(params, pipe, ["a"], steps=5, seed=3, controlnet=(cn, img, 0.8), cache=run, **common, **our_kw)
         assert run.skipped() > 0 and (want - plain).abs().max() > 1e-3  # the cache acted
         torch.testing.assert_close(got, want, **FP32)  # fp32, the same maths: the project's bound
+        if kind == "qwen-image-controlnet":  # the adapter's enable_cache in the stock pipeline, the same
+            pipe.transformer = fd.DiffusersTransformer(params)
+            pipe.transformer.enable_cache(pair(pipe)[0])
+            adapted = pipe(**call, generator=_gens(3, 1), **common, **stock_kw).images
+            torch.testing.assert_close(adapted, want, **FP32)
         pipe.transformer.disable_cache()
     for spec in ("fbcache:0.1", "magcache:0.1", fd.TaylorSeer(2, 2)):
         with pytest.raises(ValueError, match="cache: with a ControlNet only the attention-level caches run"):
