@@ -20,14 +20,12 @@ What the stock ControlNet pipelines add around the text-to-image loop of
   end[k]`` (the stock ``controlnet_keep``), its scale multiplied by that keep (0 or 1). A step
   where every keep is 0 skips the ControlNets (their residuals would all be zero);
 - ``latents=``: the given noise, each generator still drawing the control images' posterior
-  samples (so ``seed`` is needed, unless every ControlNet is an XLabs one).
-
+  samples (so ``seed`` is needed, unless every ControlNet is an XLabs one);
 - step caching: the attention-level caches (TaylorSeer with ``modules``, FasterCache), every
   block's residual added after it as under diffusers' hooks; the block-skipping ones are
   refused (`check_cache`, docs/controlnet.md "Step caching").
 
-FLUX.1's guidance defaults to the stock ControlNet
-pipeline's 7.0.
+FLUX.1's guidance defaults to the stock ControlNet pipeline's 7.0.
 """
 
 from __future__ import annotations
@@ -261,11 +259,9 @@ class WithControlNet:
             *eps, z = self._draws(_requests._copy(src[1]), src[2], shape_of, dtype, noise)
             return [None if e is None else e[rows] for e in eps], None if z is None else z[rows]
         # one generator per image: its control rows, then its noise
-        gens = (
-            [torch.Generator().manual_seed(src[1][i]) for i in rows] if kind == "seeds" else [src[1][i] for i in rows]
-        )
-        *eps, z = [None if d[0] is None else torch.cat(d) for d in zip(*(self._draws(g, 1, shape_of, dtype, noise)
-                                                                       for g in gens))]  # fmt: skip
+        gens = [torch.Generator().manual_seed(s) for s in src[1]] if kind == "seeds" else src[1]
+        per = [self._draws(gens[i], 1, shape_of, dtype, noise) for i in rows]
+        *eps, z = [None if d[0] is None else torch.cat(d) for d in zip(*per)]
         return eps, z
 
     def _draws(self, g, n: int, shape_of, dtype, noise: bool = True) -> list:
