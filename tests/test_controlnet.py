@@ -267,6 +267,11 @@ def test_flux_union_multi_and_xlabs_through_pipeline_and_sample():
     stock = pipe(prompt="a red cube", control_image=imgs[0], generator=_gens(7, 1), **pipe_kw).images
     got = fd.sample(params, pipe, "a red cube", seed=7, controlnet=(C.from_diffusers(xlabs), imgs[0], 1.0), **sample_kw)
     torch.testing.assert_close(got, stock, **FP32)
+    latents = torch.randn(stock.shape, generator=torch.Generator().manual_seed(9))  # XLabs draws nothing: no seed
+    want = pipe(prompt="a red cube", control_image=imgs[0], latents=latents, **pipe_kw).images
+    got = fd.sample(params, pipe, "a red cube", latents=latents, controlnet=(C.from_diffusers(xlabs), imgs[0], 1.0),
+                    **sample_kw)  # fmt: skip
+    torch.testing.assert_close(got, want, **FP32)
 
 
 def test_combine_equals_stock_multi_module():
