@@ -8,6 +8,7 @@ pipelines; `fd.sample(..., controlnet=...)` against them; bad inputs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import diffusers
@@ -266,6 +267,11 @@ def test_flux_union_multi_and_xlabs_through_pipeline_and_sample():
     stock = pipe(prompt="a red cube", control_image=imgs[0], generator=_gens(7, 1), **pipe_kw).images
     got = fd.sample(params, pipe, "a red cube", seed=7, controlnet=(C.from_diffusers(xlabs), imgs[0], 1.0), **sample_kw)
     torch.testing.assert_close(got, stock, **FP32)
+    latents = torch.randn(stock.shape, generator=torch.Generator().manual_seed(9))  # XLabs draws nothing: no seed
+    want = pipe(prompt="a red cube", control_image=imgs[0], latents=latents, **pipe_kw).images
+    got = fd.sample(params, pipe, "a red cube", latents=latents, controlnet=(C.from_diffusers(xlabs), imgs[0], 1.0),
+                    **sample_kw)  # fmt: skip
+    torch.testing.assert_close(got, want, **FP32)
 
 
 def test_combine_equals_stock_multi_module():
@@ -338,7 +344,7 @@ def test_bad_inputs_name_the_argument():
         fd.sample(params, pipe, "a", height=32, width=32, steps=1, controlnet=(union, image(0), 1.0))
     with pytest.raises(ValueError, match="controlnet: a QwenImageControlNetPipeline runs a ControlNet"):
         fd.sample(fd.init("qwen-image-tiny"), tiny.pipeline("qwen-image-controlnet"), "a", height=32, width=32, steps=1)
-    with pytest.raises(ValueError, match="cache: step caching is not supported"):
+    with pytest.raises(ValueError, match="cache: with a ControlNet only the attention-level caches run"):
         fd.sample(
             params, pipe, "a", height=32, width=32, steps=1, controlnet=(cn, image(0), 1.0), cache="fbcache:0.1", seed=0
         )
@@ -414,3 +420,195 @@ def test_qwen_multi_controlnet_through_pipeline_and_sample():
         **sample_kw,
     )
     torch.testing.assert_close(got, stock, **FP32)
+
+
+# ----------------------------------------------------------------------------- schedule, latents, modes
+
+
+@pytest.mark.parametrize("kind", ["flux-controlnet", "qwen-image-controlnet"])
+def test_control_guidance_and_latents_equal_stock(kind):
+    """``control_guidance_start`` / ``_end`` (the stock ``controlnet_keep``: 4 steps, [0.25,
+    0.75] keeps steps 1 and 2; [0.5, 0.75] step 2 only, the others skipping the ControlNet)
+    and ``latents=`` (the control draw still from the generators, the noise given), against
+    the stock pipeline called with the same arguments."""
+    pipe = tiny.pipeline(kind)
+    pipe_kw, sample_kw = _pipe_kwargs(kind)
+    pipe_kw["num_inference_steps"] = sample_kw["steps"] = 4
+    img, prompt = image(0), ["a red cube"]
+    params, cn = fd.from_diffusers(pipe.transformer), C.from_diffusers(pipe.controlnet)
+    call = dict(prompt=prompt, control_image=img, controlnet_conditioning_scale=0.8, **pipe_kw)
+    full = pipe(**call, generator=_gens(3, 1)).images
+    for start, end in ((0.25, 0.75), (0.5, 0.75)):
+        want = pipe(**call, control_guidance_start=start, control_guidance_end=end, generator=_gens(3, 1)).images
+        got = fd.sample(
+            params, pipe, prompt, seed=3, controlnet=(cn, img, 0.8), control_guidance_start=start,
+            control_guidance_end=end, **sample_kw,
+        )  # fmt: skip
+        torch.testing.assert_close(got, want, **FP32)  # fp32, the same maths: the project's bound
+        assert (want - full).abs().max() > 1e-2  # the schedule matters
+    latents = torch.randn(full.shape, generator=torch.Generator().manual_seed(9))
+    for seed, gen in ((3, _gens(3, 1)), (torch.Generator().manual_seed(5), torch.Generator().manual_seed(5))):
+        want = pipe(**call, latents=latents, generator=gen).images
+        got = fd.sample(params, pipe, prompt, seed=seed, latents=latents, controlnet=(cn, img, 0.8), **sample_kw)
+        torch.testing.assert_close(got, want, **FP32)
+        assert (want - full).abs().max() > 1e-2  # the given latents matter
+
+
+def test_flux_union_modes_and_per_controlnet_guidance_equal_stock():
+    """A Union ControlNet alone (the stock ``control_mode`` int), and a multi-ControlNet with
+    one ``control_guidance_start`` / ``_end`` per ControlNet (lists) and one float broadcast."""
+    union = tiny.stock_controlnet("flux1-controlnet-union-tiny", seed=1)
+    pipe = tiny.pipeline("flux-controlnet", controlnet=union)
+    pipe_kw, sample_kw = _pipe_kwargs("flux-controlnet")
+    pipe_kw["num_inference_steps"] = sample_kw["steps"] = 4
+    img, u = image(0), C.from_diffusers(union)
+    params = fd.from_diffusers(pipe.transformer)
+    for mode in (0, 2):
+        want = pipe(prompt="a red cube", control_image=img, control_mode=mode, generator=_gens(7, 1), **pipe_kw).images
+        got = fd.sample(params, pipe, "a red cube", seed=7, controlnet=(u, img, 1.0, mode), **sample_kw)
+        torch.testing.assert_close(got, want, **FP32)
+    plain = tiny.stock_controlnet("flux1-controlnet-tiny", seed=2)
+    pipe = tiny.pipeline("flux-controlnet", controlnet=diffusers.FluxMultiControlNetModel([union, plain]))
+    imgs, p = [image(0), image(1)], C.from_diffusers(plain)
+    call = dict(
+        prompt="a red cube", control_image=imgs, control_mode=[2, None], controlnet_conditioning_scale=[0.5, 0.8]
+    )
+    nets = [(u, imgs[0], 0.5, 2), (p, imgs[1], 0.8)]
+    for start, end in (([0.0, 0.5], [0.5, 1.0]), (0.25, [0.5, 1.0])):
+        want = pipe(**call, control_guidance_start=start, control_guidance_end=end, generator=_gens(7, 1), **pipe_kw)
+        got = fd.sample(
+            params, pipe, "a red cube", seed=7, controlnet=nets, control_guidance_start=start, control_guidance_end=end,
+            **sample_kw,
+        )  # fmt: skip
+        torch.testing.assert_close(got, want.images, **FP32)
+
+
+def test_qwen_multi_per_condition_guidance_equals_stock():
+    net = tiny.stock_controlnet("qwen-image-controlnet-tiny", seed=1)
+    pipe = tiny.pipeline("qwen-image-controlnet", controlnet=diffusers.QwenImageMultiControlNetModel([net]))
+    pipe_kw, sample_kw = _pipe_kwargs("qwen-image-controlnet")
+    pipe_kw["num_inference_steps"] = sample_kw["steps"] = 4
+    imgs, cn = [image(0), image(1)], C.from_diffusers(net)
+    start, end = [0.0, 0.5], [0.5, 1.0]
+    want = pipe(
+        prompt="a red cube", control_image=imgs, controlnet_conditioning_scale=[0.5, 0.8],
+        control_guidance_start=start, control_guidance_end=end, generator=_gens(7, 1), **pipe_kw,
+    ).images  # fmt: skip
+    got = fd.sample(
+        fd.from_diffusers(pipe.transformer), pipe, "a red cube", seed=7,
+        controlnet=[(cn, imgs[0], 0.5), (cn, imgs[1], 0.8)], control_guidance_start=start, control_guidance_end=end,
+        **sample_kw,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, **FP32)
+
+
+def test_bad_guidance_modes_and_latents_name_the_argument():
+    params, pipe = fd.init("flux1-tiny"), tiny.pipeline("flux")
+    cn, union = C.init("flux1-controlnet-tiny"), C.init("flux1-controlnet-union-tiny")
+    kw = dict(height=32, width=32, steps=1, seed=0)
+    run = lambda **k: fd.sample(params, pipe, "a", **{**kw, **k})  # noqa: E731
+    one = (cn, image(0), 1.0)
+    below = r"control_guidance_start: expected each below its control_guidance_end, got start 0.8 >= end 0.5"
+    with pytest.raises(ValueError, match=below + r" for controlnet\[0\]"):
+        run(controlnet=one, control_guidance_start=0.8, control_guidance_end=0.5)
+    with pytest.raises(
+        ValueError, match=r"control_guidance_end: expected a float or a list of 2 \(one per ControlNet\), got \[1.0\]"
+    ):
+        run(controlnet=[one, one], control_guidance_end=[1.0])
+    with pytest.raises(ValueError, match=r"control_guidance_start: expected a float or a list of 1 .*got \[0.0, 0.1\]"):
+        run(controlnet=one, control_guidance_start=[0.0, 0.1])
+    with pytest.raises(
+        ValueError, match=r"control_guidance_end: expected fractions of the schedule in \[0, 1\], got 1.5"
+    ):
+        run(controlnet=one, control_guidance_end=1.5)
+    with pytest.raises(ValueError, match="control_guidance_start: applies to a ControlNet; expected None"):
+        run(control_guidance_start=0.2)
+    with pytest.raises(ValueError, match=r"controlnet\[0\]: mode: expected 0 <= mode < 3 .*got 3"):
+        run(controlnet=(union, image(0), 1.0, 3))
+    with pytest.raises(
+        ValueError, match=r"controlnet\[1\]: expected no control mode \(not a Union ControlNet\), got mode=1"
+    ):
+        run(controlnet=[(union, image(0), 1.0, 1), (cn, image(0), 1.0, 1)])
+    with pytest.raises(ValueError, match="seed: with latents= the control images' VAE draws still take a generator"):
+        run(controlnet=one, seed=None, latents=torch.randn(1, 16, 64))
+
+
+def test_request_carries_control_guidance():
+    """`functional_dit.sampling.Request` with a ControlNet and its schedule fractions: the
+    item's image equals ``fd.sample`` of that request alone (bitwise: the same ops in one
+    process, as tests/test_sampling.py's ControlNet items)."""
+    from functional_dit import sampling
+
+    pipe = tiny.pipeline("flux")
+    params, cn = fd.from_diffusers(pipe.transformer), C.from_diffusers(tiny.stock_controlnet())
+    ctl = dict(controlnet=(cn, image(0), 0.8), control_guidance_start=0.25, control_guidance_end=0.75)
+    req = sampling.Request("a cat", 32, 32, 4, seed=2, max_sequence_length=64, **ctl)
+    state = sampling.init(params, sampling.context(params, pipe), [req])
+    while not all(it.done for it in state.items):
+        state = sampling.step(params, state)
+    (got,) = sampling.decode(state, "np")
+    kw = dict(height=32, width=32, steps=4, seed=2, output_type="np", max_sequence_length=64)
+    want = fd.sample(params, pipe, "a cat", **kw, **ctl)[0]
+    assert np.array_equal(got, want)
+    plain = fd.sample(params, pipe, "a cat", **kw, controlnet=ctl["controlnet"])[0]
+    assert np.abs(want - plain).max() > 1e-3  # the fractions reach the item
+    with pytest.raises(ValueError, match="control_guidance_end: applies to a ControlNet; expected None"):
+        sampling.init(
+            params, sampling.context(params, pipe), [sampling.Request("a", 32, 32, 2, control_guidance_end=0.5)]
+        )
+
+
+def _faster(pipe):
+    """diffusers' FasterCache (one call per step) and ours, as tests/test_cache.py pairs them."""
+    from diffusers.hooks import FasterCacheConfig
+
+    stock = FasterCacheConfig(
+        spatial_attention_block_skip_range=2,
+        spatial_attention_timestep_skip_range=(-1, 950),
+        current_timestep_callback=lambda: pipe.current_timestep,
+        attention_weight_callback=lambda _: 0.3,
+        is_guidance_distilled=True,
+        tensor_format="BCHW",
+    )
+    return stock, fd.FasterCache(2, (-1, 950), weight=0.3)
+
+
+def test_attention_level_caches_with_controlnet_equal_stock_hooks():
+    """Step caching with ControlNet residuals: the attention-level caches run every block and
+    its residual add, as the stock hooks leave the stock transformer's adds. Qwen-Image:
+    TaylorSeer on the attention modules with true CFG (the pipeline's "cond" / "uncond"
+    contexts) and FasterCache without; FLUX.1: TaylorSeer without CFG, the stock call in one
+    cache_context (FluxControlNetPipeline opens none). The block-skipping caches are refused."""
+    from diffusers.hooks import TaylorSeerCacheConfig
+
+    from functional_dit.pipelines import cache as fd_cache
+
+    kw = dict(cache_interval=2, disable_cache_before_step=2, max_order=2, taylor_factors_dtype=torch.float32)
+    taylor = lambda pipe: (TaylorSeerCacheConfig(**kw), fd.TaylorSeer(**kw, modules=fd_cache.ATTENTION))  # noqa: E731
+    common = dict(height=32, width=32, output_type="latent", max_sequence_length=64)
+    cfg = (dict(negative_prompt=["blurry"], true_cfg_scale=2.0), dict(negative_prompt=["blurry"], true_cfg=2.0))
+    runs = [("qwen-image-controlnet", taylor, cfg), ("qwen-image-controlnet", _faster, ({}, {})),
+            ("flux-controlnet", taylor, ({}, {}))]  # fmt: skip
+    img = image(0)
+    for kind, pair, (stock_kw, our_kw) in runs:
+        pipe = tiny.pipeline(kind)
+        params, cn = fd.from_diffusers(pipe.transformer), C.from_diffusers(pipe.controlnet)
+        call = dict(prompt=["a"], control_image=img, controlnet_conditioning_scale=0.8, num_inference_steps=5)
+        plain = pipe(**call, generator=_gens(3, 1), **common, **stock_kw).images
+        stock, ours = pair(pipe)
+        pipe.transformer.enable_cache(stock)
+        with pipe.transformer.cache_context("cond") if kind == "flux-controlnet" else contextlib.nullcontext():
+            want = pipe(**call, generator=_gens(3, 1), **common, **stock_kw).images
+        run = fd.CacheRun(ours)
+        got = fd.sample(params, pipe, ["a"], steps=5, seed=3, controlnet=(cn, img, 0.8), cache=run, **common, **our_kw)
+        assert run.skipped() > 0 and (want - plain).abs().max() > 1e-3  # the cache acted
+        torch.testing.assert_close(got, want, **FP32)  # fp32, the same maths: the project's bound
+        if kind == "qwen-image-controlnet":  # the adapter's enable_cache in the stock pipeline, the same
+            pipe.transformer = fd.DiffusersTransformer(params)
+            pipe.transformer.enable_cache(pair(pipe)[0])
+            adapted = pipe(**call, generator=_gens(3, 1), **common, **stock_kw).images
+            torch.testing.assert_close(adapted, want, **FP32)
+        pipe.transformer.disable_cache()
+    for spec in ("fbcache:0.1", "magcache:0.1", fd.TaylorSeer(2, 2)):
+        with pytest.raises(ValueError, match="cache: with a ControlNet only the attention-level caches run"):
+            fd.sample(params, pipe, "a", steps=2, seed=0, controlnet=(cn, img, 1.0), cache=spec, **common)

@@ -87,6 +87,9 @@ class Request:
     # (prompt_embeds, pooled_prompt_embeds, prompt_embeds_mask and their negative_ twins), one row each
     embeds: dict | None = None
     controlnet: object = None  # fd.sample's controlnet=: (ControlNet params, control image, scale[, mode]) or a list
+    # fd.sample's control_guidance_start / _end (with a controlnet only): a float or one per ControlNet
+    control_guidance_start: object = None
+    control_guidance_end: object = None
 
     @property
     def has_images(self) -> bool:
@@ -129,6 +132,11 @@ def check(ctx: Context, params, req: Request) -> None:
     if not isinstance(req.seed, int) or isinstance(req.seed, bool):
         raise ValueError(f"seed: expected an int, got {req.seed!r}")
     _lora.check(params, list(req.lora))
+    for name in ("control_guidance_start", "control_guidance_end"):
+        if req.controlnet is None and getattr(req, name) is not None:
+            raise ValueError(
+                f"{name}: applies to a ControlNet; expected None without controlnet=, got {getattr(req, name)!r}"
+            )
     if _cache_items.config(req.cache, req.steps) is not None and ctx.model is not None and not ctx.model.step_cache:
         raise ValueError(f"cache: step caching is not supported for {ctx.fam} yet; expected None")
 
@@ -188,7 +196,8 @@ def _prepared_item(params, ctx: Context, req: Request, tag) -> Item:
               true_cfg=req.true_cfg, negative_prompt=req.negative_prompt, image=req.image, mask_image=req.mask_image,
               strength=req.strength, max_sequence_length=req.max_sequence_length, cache=req.cache,
               lora=list(req.lora) or None, sigmas=None if req.sigmas is None else list(req.sigmas),
-              controlnet=req.controlnet)  # fmt: skip
+              controlnet=req.controlnet, control_guidance_start=req.control_guidance_start,
+              control_guidance_end=req.control_guidance_end)  # fmt: skip
     with _sampler.items_only():
         own, (item,) = _sampler.sample(params, ctx.pipe, req.prompt, **kw, **(req.embeds or {}))
     return dataclasses.replace(item, request=req, tag=tag, own=own)

@@ -399,20 +399,23 @@ def check_family(fam, name: str = "cache") -> None:
         raise ValueError(f"{name}: step caching is not supported for {fam.NAME}: its module has no stages()")
 
 
-def check_no_controlnet(inputs: dict) -> None:
-    """ControlNet residuals run through the stages, but a skipped block's residual would be
-    taken from the last computed step while diffusers' hooks add the current one after the
-    blocks they skip: refused until the two are made to agree."""
-    if inputs.get("controlnet") is not None:
+def check_no_controlnet(inputs: dict, cache=None) -> None:
+    """ControlNet residuals with a step cache: an attention-level cache (TaylorSeer on the
+    attention modules, FasterCache) runs every block and adds each block's residual after
+    it, as diffusers' hooks leave the stock transformer's residual adds; a block-skipping
+    cache (First-Block Cache, MagCache, TaylorSeer on the output) is refused, by choice
+    (docs/controlnet.md, "Step caching"). ``cache`` None (the per-item batch): refused."""
+    if inputs.get("controlnet") is not None and (cache is None or not attention_level(cache)):
         raise ValueError(
-            "controlnet_block_samples: step caching with ControlNet residuals is not supported; disable the cache"
+            "controlnet_block_samples: step caching with ControlNet residuals runs with the attention-level caches "
+            f"only (TaylorSeer with modules=, FasterCache); expected one of them, got {cache}"
         )
 
 
 def _step_local(fam, params, cache, state, x, t, txt, kwargs, branches):
     """`fd.apply`'s forward with the cache between the stages: inputs, dp split, step, gathers."""
     inputs = fam.check_inputs(params, x, t, txt, **kwargs)
-    check_no_controlnet(inputs)
+    check_no_controlnet(inputs, cache)
     B, info = x.shape[0], _Items(x.shape[0], branches, t)
     x, t, txt = (sharding.shard(a, "dp", 0) for a in (x, t, txt))
     inputs = {k: sharding.shard(v, "dp", 0) if k in fam.BATCHED and v is not None else v for k, v in inputs.items()}

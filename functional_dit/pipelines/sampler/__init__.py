@@ -290,6 +290,8 @@ def sample(
     encoder_placement: str = "replicate",
     vae_tiling: bool = False,
     controlnet=None,
+    control_guidance_start=None,
+    control_guidance_end=None,
     lora=None,
     prompt_2=None,
     negative_prompt_2=None,
@@ -371,7 +373,9 @@ def sample(
     its control image (PIL) and conditioning scale; ``(params, image, scale, mode)`` for a
     FLUX.1 Union ControlNet — or a list of them (their residuals summed), as
     ``FluxControlNetPipeline`` / ``QwenImageControlNetPipeline`` run them
-    (`functional_dit.pipelines._sample_controlnet`; text to image only).
+    (`functional_dit.pipelines.sampler._controlnet`; text to image only); ``control_guidance_start`` /
+    ``control_guidance_end``: the fractions of the schedule each acts in (a float, or one per
+    ControlNet; 0.0 and 1.0 by default), as the stock pipelines.
     ``lora``: LoRA adapters applied on the fly (nothing merged): ``[(adapter, scale), ...]``
     for every prompt, or one such list per prompt (``[[(a, 1.0)], [(b, 0.5)], []]``), each
     image computing only its own adapters' updates in the shared batch, both CFG branches
@@ -406,7 +410,8 @@ def sample(
     batch_size = _product(fam).batch_size(batch_size)  # Qwen-Image 2.1: one image per call
     _placement.check(encoder_placement, vae_tiling)
     steps, sigmas = _check_steps(steps, sigmas)
-    controls = _controlnet.check(controlnet, fam, latents, pipe)
+    fractions = (control_guidance_start, control_guidance_end)
+    controls = _controlnet.check(controlnet, fam, latents, pipe, seed, fractions, cache)
     jobs = (image, mask_image, strength, padding_mask_crop, layers)
     pipe, edit = _image_job(pipe, fam, steps, output_type, jobs, latents, (height, width), (image_reference, kv_cache))
     _requests.check_max_sequence_length(fam, max_sequence_length)

@@ -15,9 +15,17 @@ What the stock ControlNet pipelines add around the text-to-image loop of
   scale and summed over the ControlNets (the multi-ControlNet wrappers); under true CFG the
   unconditional branch takes the same residuals.
 
-Not reproduced: ``control_guidance_start`` / ``control_guidance_end`` other than the
-whole schedule (their defaults), ``latents=`` (the control draw needs the seed), step
-caching. FLUX.1's guidance defaults to the stock ControlNet pipeline's 7.0.
+- ``control_guidance_start`` / ``control_guidance_end`` (one fraction, or one per ControlNet):
+  step ``i`` of ``n`` keeps ControlNet ``k`` unless ``i / n < start[k]`` or ``(i + 1) / n >
+  end[k]`` (the stock ``controlnet_keep``), its scale multiplied by that keep (0 or 1). A step
+  where every keep is 0 skips the ControlNets (their residuals would all be zero);
+- ``latents=``: the given noise, each generator still drawing the control images' posterior
+  samples (so ``seed`` is needed, unless every ControlNet is an XLabs one);
+- step caching: the attention-level caches (TaylorSeer with ``modules``, FasterCache), every
+  block's residual added after it as under diffusers' hooks; the block-skipping ones are
+  refused (`check_cache`, docs/controlnet.md "Step caching").
+
+FLUX.1's guidance defaults to the stock ControlNet pipeline's 7.0.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import torch
 from ... import controlnet as _cn
 from ... import families as _families
 from ...params import Params
+from .. import cache as _cache
 from ..families import Steps
 from ..families.flux1 import _Flux1
 from ..families.qwenimage import _Qwen
@@ -41,13 +50,32 @@ FLUX_GUIDANCE = 7.0  # FluxControlNetPipeline's guidance_scale default (FluxPipe
 
 @dataclasses.dataclass(frozen=True)
 class Control:
-    """One ControlNet of a `fd.sample` call: its params, control image, scale and (FLUX.1
-    Union) control mode."""
+    """One ControlNet of a `fd.sample` call: its params, control image, scale, (FLUX.1
+    Union) control mode and the fractions of the schedule it acts in."""
 
     params: Params
     image: object
     scale: float
     mode: int | None = None
+    start: float = 0.0
+    end: float = 1.0
+
+    def keep(self, i: int, n: int) -> float:
+        """1.0 where step ``i`` of ``n`` is in [start, end], else 0.0 (the stock ``controlnet_keep``)."""
+        return 1.0 - float(i / n < self.start or (i + 1) / n > self.end)
+
+
+@dataclasses.dataclass(frozen=True)
+class Controls:
+    """The checked ControlNets of a call and its ``seed`` (with ``latents=``, the source of
+    the control images' posterior draws)."""
+
+    nets: list
+    seed: object = None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _one(item, fam: str, i: int) -> Control:
@@ -63,34 +91,80 @@ def _one(item, fam: str, i: int) -> Control:
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise ValueError(f"controlnet[{i}]: scale: expected a real number, got {scale!r}")
     mode = mode[0] if mode else None
-    union = getattr(params.config, "num_mode", None) is not None
-    if union != (mode is not None) or (mode is not None and (not isinstance(mode, int) or isinstance(mode, bool))):
-        want = "an int control mode (a Union ControlNet)" if union else "no control mode (not a Union ControlNet)"
+    num_mode = getattr(params.config, "num_mode", None)
+    if (num_mode is not None) != (mode is not None) or (mode is not None and not _is_int(mode)):
+        want = "an int control mode (a Union ControlNet)" if num_mode else "no control mode (not a Union ControlNet)"
         raise ValueError(f"controlnet[{i}]: expected {want}, got mode={mode!r}")
+    if mode is not None and not 0 <= mode < num_mode:
+        raise ValueError(
+            f"controlnet[{i}]: mode: expected 0 <= mode < {num_mode} (the ControlNet's num_mode), got {mode}"
+        )
     return Control(params, image, float(scale), mode)
+
+
+def _fractions(start, end, n: int) -> list[tuple[float, float]]:
+    """``control_guidance_start`` / ``control_guidance_end`` per ControlNet, broadcast as the
+    stock pipelines broadcast them (one value to the other's list, or to every ControlNet)
+    and checked as the stock ``check_inputs`` of diffusers' ControlNet pipelines: 0 <= start
+    < end <= 1, one per ControlNet."""
+    start, end = 0.0 if start is None else start, 1.0 if end is None else end
+    for name, v in (("control_guidance_start", start), ("control_guidance_end", end)):
+        vals = v if isinstance(v, list) else [v] * n
+        if len(vals) != n:
+            raise ValueError(f"{name}: expected a float or a list of {n} (one per ControlNet), got {v!r}")
+        if not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 <= f <= 1 for f in vals):
+            raise ValueError(f"{name}: expected fractions of the schedule in [0, 1], got {v!r}")
+    start, end = (v if isinstance(v, list) else [v] * n for v in (start, end))
+    for k, (s, e) in enumerate(zip(start, end)):
+        if s >= e:
+            raise ValueError(
+                f"control_guidance_start: expected each below its control_guidance_end, got start {s} >= end {e} "
+                f"for controlnet[{k}]"
+            )
+    return [(float(s), float(e)) for s, e in zip(start, end)]
 
 
 PIPELINES = ("FluxControlNetPipeline", "QwenImageControlNetPipeline")  # need a controlnet= to reproduce
 
 
-def check(controlnet, fam: str, latents, pipe) -> list[Control] | None:
-    """The checked ControlNets of ``controlnet`` (one tuple or a list of them), or None; a
-    stock ControlNet pipeline without one is refused (its control image would be ignored)."""
+def check_cache(cache) -> None:
+    """A step cache with ControlNets: the attention-level ones only (`_cache.check_no_controlnet`)."""
+    config = None if cache is None else _cache.CacheRun.of(cache).config
+    if config is not None and not _cache.attention_level(config):
+        raise ValueError(
+            "cache: with a ControlNet only the attention-level caches run (TaylorSeer with modules=, FasterCache): "
+            f"a cache that skips blocks would have to choose their residuals (docs/controlnet.md); got {config}"
+        )
+
+
+def check(controlnet, fam: str, latents, pipe, seed=None, fractions=(None, None), cache=None) -> Controls | None:
+    """The checked ControlNets of ``controlnet`` (one tuple or a list of them) with their
+    ``control_guidance_start`` / ``_end``, or None; a stock ControlNet pipeline without one
+    is refused (its control image would be ignored)."""
     if controlnet is None:
         if type(pipe).__name__ in PIPELINES:
             raise ValueError(
                 f"controlnet: a {type(pipe).__name__} runs a ControlNet; expected (params, image, scale), e.g. "
                 "(functional_dit.controlnet.from_diffusers(pipe.controlnet), control_image, 1.0), got None"
             )
+        for name, v in zip(("control_guidance_start", "control_guidance_end"), fractions):
+            if v is not None:
+                raise ValueError(f"{name}: applies to a ControlNet; expected None without controlnet=, got {v!r}")
         return None
     items = [controlnet] if isinstance(controlnet, tuple) else controlnet
     if not isinstance(items, list) or not items:
         raise ValueError(
             f"controlnet: expected a (params, image, scale) tuple or a list of them, got {controlnet!r:.80}"
         )
-    if latents is not None:
-        raise ValueError("latents: with a ControlNet the control image's VAE draw takes the seed; expected None")
-    return [_one(item, fam, i) for i, item in enumerate(items)]
+    nets = [_one(item, fam, i) for i, item in enumerate(items)]
+    nets = [dataclasses.replace(c, start=s, end=e) for c, (s, e) in zip(nets, _fractions(*fractions, len(nets)))]
+    check_cache(cache)
+    if latents is not None and seed is None and not all(_has_hint(c) for c in nets):
+        raise ValueError(
+            "seed: with latents= the control images' VAE draws still take a generator (as the stock pipelines' "
+            "generator=); expected an int, ints or torch.Generators, got None"
+        )
+    return Controls(nets, seed)
 
 
 def _has_hint(c: Control) -> bool:
@@ -101,19 +175,19 @@ class WithControlNet:
     """A family's sampling steps (`_Flux1`, `_Qwen`) with ControlNet residuals in every
     model call; every other hook is the family's (``inner``, forked with it)."""
 
-    step_cache = False
+    step_cache = True  # the attention-level caches (`check_cache`)
     fixed_graph = False  # residuals per step: the usual loop
     apply = staticmethod(Steps.apply)  # the model call the sampler wraps (per-image LoRA, ...)
 
-    def __init__(self, inner, controls: list[Control], pipe):
+    def __init__(self, inner, controls: Controls, pipe):
         if type(inner) not in (_Flux1, _Qwen):
             raise ValueError(
                 f"controlnet: fd.sample runs ControlNets with text to image only (FluxPipeline, "
                 f"FluxControlNetPipeline, QwenImagePipeline, QwenImageControlNetPipeline), got {type(pipe).__name__}"
             )
-        self.inner, self.controls, self.pipe, self.cur = inner, controls, pipe, None
-        self.params = inner.params
-        self.settings = {"controlnet": [(c.scale, c.mode) for c in controls]}
+        self.inner, self.controls, self.seed, self.pipe, self.cur = inner, controls.nets, controls.seed, pipe, None
+        self.params, self.src = inner.params, None
+        self.settings = {"controlnet": [(c.scale, c.mode, c.start, c.end) for c in controls.nets]}
 
     def __getattr__(self, name):
         inner = self.__dict__.get("inner")
@@ -134,6 +208,8 @@ class WithControlNet:
         ``prepare_image``; the VAE's posterior for those the VAE encodes."""
         req = self.inner.init_latents(req, height, width, device, dtype)
         vae, self.n = self.pipe.vae, req.n
+        if req.noise[0] == "latents" and self.seed is not None:  # the control draws' own source
+            self.src = _requests.noise_source(self.seed, None, req.n)
         self.pixels, self.posts = [], []
         for c in self.controls:
             pixels = c.image if isinstance(c.image, torch.Tensor) else self.pipe.image_processor.preprocess(
@@ -159,17 +235,10 @@ class WithControlNet:
 
     def draw(self, noise: tuple, images, shape_of, pack, take, dtype, device) -> torch.Tensor:
         """The packed noise of ``images``, each generator drawing the control images'
-        posterior samples first (in order), then the noise; the control inputs are kept
-        (``cur``, on the chunk's fork)."""
-        kind, src = noise[:2]
-        rows = list(images)
-        if kind == "batch":  # one generator: every control image's whole batch, then the batch's noise
-            *eps, z = self._draws(_requests._copy(src), noise[2], shape_of, dtype)
-            eps, z = [None if e is None else e[rows] for e in eps], z[rows]
-        else:  # one generator per image: its control rows, then its noise
-            gens = [torch.Generator().manual_seed(src[i]) for i in rows] if kind == "seeds" else [src[i] for i in rows]
-            per = [self._draws(g, 1, shape_of, dtype) for g in gens]
-            *eps, z = [None if d[0] is None else torch.cat(d) for d in zip(*per)]
+        posterior samples first (in order), then the noise (given ``latents=``: no noise,
+        the generators ``seed`` gives); the control inputs are kept (``cur``, on the chunk's fork)."""
+        rows, given = list(images), noise[0] == "latents"
+        eps, z = self._rows(self.src if given else noise, rows, shape_of, dtype, not given)
         conds = []
         for c, pixels, post, e in zip(self.controls, self.pixels, self.posts, eps):
             dt = next(iter(c.params.flat().values())).dtype
@@ -178,14 +247,29 @@ class WithControlNet:
             else:
                 conds.append(self._normalised(post.mean[rows] + post.std[rows] * e.to(post.mean.device)).to(device, dt))
         self.cur = conds
-        return pack(z.to(device))
+        return _requests.draw(noise, images, shape_of, pack, take, dtype, device) if given else pack(z.to(device))
 
-    def _draws(self, g, n: int, shape_of, dtype) -> list:
+    def _rows(self, src, rows: list, shape_of, dtype, noise: bool) -> tuple:
+        """(each control image's posterior noise, the latents' noise or None) for ``rows``
+        from the noise source ``src`` (None: nothing to draw)."""
+        if src is None:
+            return [None] * len(self.posts), None
+        kind = src[0]
+        if kind == "batch":  # one generator: every control image's whole batch, then the batch's noise
+            *eps, z = self._draws(_requests._copy(src[1]), src[2], shape_of, dtype, noise)
+            return [None if e is None else e[rows] for e in eps], None if z is None else z[rows]
+        # one generator per image: its control rows, then its noise
+        gens = [torch.Generator().manual_seed(s) for s in src[1]] if kind == "seeds" else src[1]
+        per = [self._draws(gens[i], 1, shape_of, dtype, noise) for i in rows]
+        *eps, z = [None if d[0] is None else torch.cat(d) for d in zip(*per)]
+        return eps, z
+
+    def _draws(self, g, n: int, shape_of, dtype, noise: bool = True) -> list:
         """From generator ``g``: each encoded control image's posterior noise for ``n`` rows
-        (None for a hint-block ControlNet's), then the latents' noise for ``n`` images."""
+        (None for a hint-block ControlNet's), then (``noise``) the latents' noise for ``n`` images."""
         eps = [None if p is None else torch.randn((n, *p.mean.shape[1:]), generator=g, dtype=p.mean.dtype)
                for p in self.posts]  # fmt: skip
-        return [*eps, torch.randn(shape_of(n), generator=g, dtype=dtype)]
+        return [*eps, torch.randn(shape_of(n), generator=g, dtype=dtype) if noise else None]
 
     def begin(self, sched, chunk, on_step):
         return self.inner.begin(sched, chunk, on_step)
@@ -207,18 +291,30 @@ class WithControlNet:
         mode = None if c.mode is None else torch.full((B, 1), c.mode, dtype=torch.long, device=device)
         return dict(pooled=cond.pooled[:B], guidance=g, rope=inner.rope, **({} if mode is None else {"mode": mode}))
 
-    def __call__(self, x, t, cond):
+    def step_inputs(self, sched, batch: int, dtype) -> list[dict]:
+        """The family's per-step inputs and, per step, every ControlNet's keep (0 or 1; one
+        row per model row, as the loop concatenates them)."""
+        n = len(sched.timesteps)
+        keeps = [torch.tensor([[c.keep(i, n) for c in self.controls]] * batch, dtype=torch.float64) for i in range(n)]
+        return [{**e, "controlnet_keep": k} for e, k in zip(self.inner.step_inputs(sched, batch, dtype), keeps)]
+
+    def __call__(self, x, t, cond, controlnet_keep=None, **extra):
         """The family's prediction with the residuals of every ControlNet, computed on the
-        conditional half only (the stock pipelines' one ControlNet call per step)."""
+        conditional half only (the stock pipelines' one ControlNet call per step), each
+        scaled by its scale x its keep at this step; with every keep 0, none."""
         B = self.cur[0].shape[0]
+        keeps = [1.0] * len(self.controls) if controlnet_keep is None else controlnet_keep[0].tolist()
+        inner = copy.copy(self.inner)  # this call's: these params, the residuals (if any) in its model call
+        inner.params, inner.apply = self.params, self.apply
+        if not any(keeps):  # every residual would be zero: the transformer alone (x + 0 == x)
+            return inner(x, t, cond, **extra)
         results = [
-            _cn.apply(c.params, x[:B], t[:B], cond.txt[:B], cc, scale=c.scale, **self._kwargs(c, B, cond, x.device))
-            for c, cc in zip(self.controls, self.cur)
+            _cn.apply(c.params, x[:B], t[:B], cond.txt[:B], cc, scale=c.scale * k, **self._kwargs(c, B, cond, x.device))
+            for c, cc, k in zip(self.controls, self.cur, keeps)
         ]
         res = _cn.combine(results)
         if x.shape[0] != B:  # true CFG: the unconditional branch takes the same residuals
             res = {k: [torch.cat([r] * (x.shape[0] // B)) for r in v] if isinstance(v, list) else v
                    for k, v in res.items()}  # fmt: skip
-        inner = copy.copy(self.inner)  # this call's: these params, the residuals in its model call
-        inner.params, inner.apply = self.params, functools.partial(self.apply, **res)
-        return inner(x, t, cond)
+        inner.apply = functools.partial(self.apply, **res)
+        return inner(x, t, cond, **extra)
