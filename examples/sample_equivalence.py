@@ -68,7 +68,7 @@ CACHES = {  # 4 steps: each skips some model calls there
 
 class Case(NamedTuple):
     name: str
-    kind: str  # a tiny kind, or one of `_IMAGE_PIPELINES`' keys
+    kind: str  # a tiny kind, or one of `IMAGE_PIPELINES`' keys
     prompt: object
     kw: Callable[[fd.Params], dict]  # fd.sample's keywords, built afresh each run (generators, adapters)
     static: bool = False  # inside sampler_xla.static(): the fixed-graph loop
@@ -120,7 +120,7 @@ def _family_cases(kind: str, size: dict, cfg: dict, base: dict) -> list[Case]:
     return [c._replace(name=f"{kind}-{c.name}") for c in cases]
 
 
-def _text_cases() -> list[Case]:
+def text_cases() -> list[Case]:
     s32, s64 = dict(height=32, width=32), dict(height=64, width=64)
     neg = dict(true_cfg=2.0, negative_prompt="blurry")
     msl = dict(max_sequence_length=64)
@@ -195,7 +195,7 @@ def _qwen_image_cases() -> list[Case]:
 def _controlnet_cases() -> list[Case]:
     kw = dict(height=32, width=32, steps=2, seed=3, output_type="pt", max_sequence_length=64)
     neg = dict(true_cfg=2.0, negative_prompt=["blurry"] * 2)
-    cn = lambda kind: lambda p: (C.from_diffusers(_pipeline(kind).controlnet), picture(32, 32), 0.8)  # noqa: E731
+    cn = lambda kind: lambda p: (C.from_diffusers(tiny_pipeline(kind).controlnet), picture(32, 32), 0.8)  # noqa: E731
     return [
         Case("flux-controlnet-cfg", "flux-controlnet", TWO,
              lambda p: dict(kw, guidance=5.0, controlnet=cn("flux-controlnet")(p), **neg)),
@@ -208,12 +208,12 @@ def _controlnet_cases() -> list[Case]:
 
 def cases() -> list[Case]:
     """Every case, in a fixed order, names unique."""
-    out = [*_text_cases(), *_flux_image_cases(), *_flux2_image_cases(), *_qwen_image_cases(), *_controlnet_cases()]
+    out = [*text_cases(), *_flux_image_cases(), *_flux2_image_cases(), *_qwen_image_cases(), *_controlnet_cases()]
     assert len({c.name for c in out}) == len(out), "case names must be unique"
     return out
 
 
-_IMAGE_PIPELINES = {  # kind -> (the tiny kind whose components it shares, the diffusers class)
+IMAGE_PIPELINES = {  # kind -> (the tiny kind whose components it shares, the diffusers class)
     "flux-img2img": ("flux", "FluxImg2ImgPipeline"),
     "flux-inpaint": ("flux", "FluxInpaintPipeline"),
     "flux2-klein-inpaint": ("flux2-klein", "Flux2KleinInpaintPipeline"),
@@ -223,24 +223,24 @@ _IMAGE_PIPELINES = {  # kind -> (the tiny kind whose components it shares, the d
 
 
 @functools.cache
-def _pipeline(kind: str):
+def tiny_pipeline(kind: str):
     """The tiny pipeline of ``kind`` (seed 0), built once per process."""
     if kind == "flux-schnell":  # FLUX.1 without the guidance embedder
         cfg = fd.config_to_diffusers(dataclasses.replace(tiny.transformer_config("flux"), guidance_embeds=False))
         module = diffusers.FluxTransformer2DModel(**{k: v for k, v in cfg.items() if not k.startswith("_")})
         module.load_state_dict(fd.to_state_dict(fd.init(fd.config_from_diffusers(cfg), seed=0)))
         return tiny.pipeline("flux", transformer=module.eval())
-    if kind in _IMAGE_PIPELINES:
-        base, cls = _IMAGE_PIPELINES[kind]
-        pipe = getattr(diffusers, cls).from_pipe(_pipeline(base))
+    if kind in IMAGE_PIPELINES:
+        base, cls = IMAGE_PIPELINES[kind]
+        pipe = getattr(diffusers, cls).from_pipe(tiny_pipeline(base))
         pipe.set_progress_bar_config(disable=True)
         return pipe
     return tiny.pipeline(kind)
 
 
 @functools.cache
-def _params(kind: str) -> fd.Params:
-    return fd.from_diffusers(_pipeline(kind).transformer)
+def tiny_params(kind: str) -> fd.Params:
+    return fd.from_diffusers(tiny_pipeline(kind).transformer)
 
 
 def as_tensor(out) -> torch.Tensor:
@@ -252,7 +252,7 @@ def as_tensor(out) -> torch.Tensor:
 
 def run_case(case: Case) -> torch.Tensor:
     """``fd.sample`` of one case on this process's functional_dit."""
-    params, pipe = _params(case.kind), _pipeline(case.kind)
+    params, pipe = tiny_params(case.kind), tiny_pipeline(case.kind)
     kw = case.kw(params)
     with sampler_xla.static() if case.static else contextlib.nullcontext():
         out = fd.sample(params, pipe, case.prompt, **kw)

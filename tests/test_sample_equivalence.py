@@ -24,7 +24,7 @@ FAST = ["flux-cfg-lora", "flux2-klein-kv-cache", "qwen-image-inpaint-cfg"]
 def test_the_cases_cover_every_tiny_kind_and_job():
     cases = eq.cases()
     kinds = {c.kind for c in cases}
-    assert set(tiny.KINDS) <= kinds and set(eq._IMAGE_PIPELINES) <= kinds
+    assert set(tiny.KINDS) <= kinds and set(eq.IMAGE_PIPELINES) <= kinds
     assert len(cases) >= 96 and sum(c.static for c in cases) >= 10
     for job in ("cfg", "generator", "lora-per-prompt", "callback", "latent", *(f"cache-{m}" for m in eq.CACHES)):
         assert sum(c.name.endswith(job) for c in cases) >= 5, job

@@ -144,7 +144,7 @@ def _attention_kwargs(kind: str) -> dict:
 TEXT_JOBS = ("lora-per-prompt", "cfg-lora", "cfg-cache", "cache-magcache", "callback", "static")
 SLOW = {"qwen-image-edit", "qwen-image-edit-plus"}  # references resized to ~1024²: ~15 s each
 CASES = {c.name: c for c in eq.cases()}
-IMAGE_JOBS = [n for n in CASES if n not in {c.name for c in eq._text_cases()}]
+IMAGE_JOBS = [n for n in CASES if n not in {c.name for c in eq.text_cases()}]
 RUN = [n for n in CASES if n.endswith(TEXT_JOBS) and n not in IMAGE_JOBS] + IMAGE_JOBS
 
 
@@ -162,8 +162,8 @@ def _params(names):
 def _given(case) -> tuple:
     """(params, pipeline, prompt, keywords) of a case: its pipeline built afresh where the
     run is known to write to it (`WRITES`), so no other case sees that write."""
-    params = eq._params(case.kind)
-    pipe = eq._pipeline.__wrapped__(case.kind) if case.name in WRITES else eq._pipeline(case.kind)
+    params = eq.tiny_params(case.kind)
+    pipe = eq.tiny_pipeline.__wrapped__(case.kind) if case.name in WRITES else eq.tiny_pipeline(case.kind)
     kw = _with_configs(case.kw(params))
     if case.name.endswith("cfg-lora"):
         kw |= _attention_kwargs(case.kind)
@@ -230,7 +230,7 @@ def _kind(name: str) -> str:
 
 @pytest.mark.parametrize("name", SAMPLING)
 def test_sampling_init_step_decode_change_nothing_they_are_given(name):
-    params, pipe = eq._params(_kind(name)), eq._pipeline(_kind(name))
+    params, pipe = eq.tiny_params(_kind(name)), eq.tiny_pipeline(_kind(name))
     ctx = sampling.context(params, pipe)
     reqs = _requests(name, params, pipe)
     given = (params, pipe, ctx, reqs)
