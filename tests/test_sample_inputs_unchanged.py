@@ -10,11 +10,10 @@ leaf, the snapshot after the run; the same for ``functional_dit.sampling``'s
 
 The jobs are examples/sample_equivalence.py's cases (every text-to-image family with CFG,
 LoRA per prompt, step caches, a latents-changing callback and the fixed-graph loop; every
-image job and both ControlNets). A ``torch.Generator`` passed as ``seed`` is the one
-object a run is meant to change: it is drawn from, as the stock pipelines draw from
-``generator=``; its identity is kept, its state left out. One write is known and
-asserted as it is (`WRITES`): FLUX.1's ``joint_attention_kwargs`` scale reaches the stock
-``encode_prompt``, which sets ``pipe._lora_scale``.
+image job and both ControlNets). A ``torch.Generator`` passed as ``seed`` keeps its state
+too: ``fd.sample`` draws from a copy (the stock pipelines advance ``generator=``). One
+write is known and asserted as it is (`WRITES`): FLUX.1's ``joint_attention_kwargs``
+scale reaches the stock ``encode_prompt``, which sets ``pipe._lora_scale``.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ def _walk(obj, path: str, out: dict, seen: dict) -> None:
     elif isinstance(obj, Image.Image):
         out[path] = ("PIL", obj.mode, obj.size, obj.tobytes())
     elif isinstance(obj, torch.Generator):
-        out[path] = ("generator",)  # drawn from by design, as diffusers' generator=
+        out[path] = ("generator", obj.get_state().numpy().tobytes())  # fd.sample draws from a copy
     elif isinstance(obj, torch.nn.Module):
         _walk_module(obj, path, out, seen)
     else:
@@ -141,7 +140,7 @@ def _attention_kwargs(kind: str) -> dict:
     return {"attention_kwargs": {"scale": 0.5}} if kind in ("flux2-klein", "qwen-image") else {}
 
 
-TEXT_JOBS = ("lora-per-prompt", "cfg-lora", "cfg-cache", "cache-magcache", "callback", "static")
+TEXT_JOBS = ("lora-per-prompt", "cfg-lora", "cfg-cache", "cache-magcache", "callback", "generator", "static")
 SLOW = {"qwen-image-edit", "qwen-image-edit-plus"}  # references resized to ~1024²: ~15 s each
 CASES = {c.name: c for c in eq.cases()}
 IMAGE_JOBS = [n for n in CASES if n not in {c.name for c in eq.text_cases()}]
@@ -247,12 +246,14 @@ def test_sampling_init_step_decode_change_nothing_they_are_given(name):
 def test_the_snapshot_sees_each_kind_of_write():
     """A write the tests above must catch, one of each kind: a tensor changed in place
     (its value, or only its version), a list or dict changed, a PIL image's pixel, a
-    module's buffer, an attribute set on an object, a frozen config replaced."""
+    module's buffer, an attribute set on an object, a frozen config replaced, a generator
+    drawn from."""
     t, v, buf = torch.ones(3), torch.zeros(2), torch.nn.BatchNorm1d(2)
     obj = type("Obj", (), {})()
     given = dict(t=t, v=v, prompts=["a", "b"], kw={"scale": 0.5}, image=eq.picture(8, 8), m=buf, obj=obj)
-    given["cache"] = fd.FirstBlockCache(0.1)
+    given["cache"], given["seed"] = fd.FirstBlockCache(0.1), torch.Generator().manual_seed(1)
     before = snapshot(given)
+    torch.randn(2, generator=given["seed"])
     t[0] = 2
     v.add_(0)
     given["prompts"].append("c")
@@ -264,5 +265,5 @@ def test_the_snapshot_sees_each_kind_of_write():
     got = "\n".join(differences(before, snapshot(given)))
     for path in ("['t']: tensor _version value", "['v']: tensor _version changed", "['prompts'][2]: new",
                  "['kw']['scale']", "['image']", "['m'].running_mean: tensor _version value", "['obj'].x: new",
-                 "['cache'].threshold"):  # fmt: skip
+                 "['cache'].threshold", "['seed']: ('generator'"):  # fmt: skip
         assert path in got, (path, got)
