@@ -144,8 +144,8 @@ def test_the_gpu_plan_is_the_released_widths_at_reduced_depth_and_builds():
     import torch
 
     import functional_dit as fd
-    from functional_dit import families
     from functional_dit.cli import _bench_cache, _suite_common, bench_suite
+    from functional_dit.pipelines.families import product as product_of
 
     p = bench_suite.plan("cuda", None, list(FAMILIES))
     assert (p.dtype, p.hw, p.txt_len, p.steps, p.size, p.backend) == (
@@ -158,7 +158,7 @@ def test_the_gpu_plan_is_the_released_widths_at_reduced_depth_and_builds():
     )
     assert p.compiled == FAMILIES and p.sample == ("flux1", "flux2", "qwenimage") and p.serve == "flux1"
     for key, config in p.configs.items():
-        product = families.product(key)
+        product = product_of(key)
         depth = {k: getattr(product.MID_CONFIG, k) for k in ("num_layers", "num_single_layers") if hasattr(config, k)}
         assert config == dataclasses.replace(fd.PRESETS[product.RELEASED], **depth)
         module, params = _suite_common.models(config, "meta", torch.bfloat16)

@@ -6,7 +6,7 @@ faster), peak memory per section, and every figure."""
 from __future__ import annotations
 
 from .. import api as _api
-from .. import families
+from ..pipelines.families import product as _product
 from ._bench_models import machine
 
 S, X, G, E = "{:.4f}", "{:.2f}", "{:.2f}", "{:.1e}"  # seconds, ratios, GiB, relative differences
@@ -134,7 +134,7 @@ def _what_is_real(p) -> list[str]:
 def _depths(p) -> list[str]:
     out = []
     for key, config in p.configs.items():
-        name = families.product(key).RELEASED
+        name = _product(key).RELEASED
         out.append(f"{key}: `{name}` at {_blocks(config)} blocks (released {_blocks(_api.PRESETS[name])})")
     return out
 

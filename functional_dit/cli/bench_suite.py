@@ -35,6 +35,7 @@ import torch
 
 from .. import api as _api
 from .. import families
+from ..pipelines.families import product as _product
 from . import _quiet, _suite_forward, _suite_pipes, _suite_report
 from ._suite_common import error_line
 
@@ -83,7 +84,7 @@ def released_shape(key: str):
     """A released model's transformer at reduced depth: its preset (`fd.PRESETS`: width,
     heads x head dim, MLP ratio, RoPE) with the block counts of the family's mid config
     (the bench's; a released FLUX.2-dev or Qwen-Image forward does not fit beside diffusers)."""
-    product = families.product(key)
+    product = _product(key)
     preset, mid = _api.PRESETS[product.RELEASED], product.MID_CONFIG
     depth = {k: getattr(mid, k) for k in ("num_layers", "num_single_layers") if hasattr(preset, k)}
     return dataclasses.replace(preset, **depth)
