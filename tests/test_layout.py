@@ -31,7 +31,7 @@ def _layer(module: str) -> str:
         return parts[0]
     if len(parts) > 1 and parts[1] in ("pipelines", "cli"):
         return parts[1]
-    if parts[1:2] == ["serve"]:  # the server: a command's machinery, beside cli
+    if parts[1:2] in (["serve"], ["train"]):  # the server, the trainer: commands' machinery, beside cli
         return "cli"
     if parts[1:2] == ["__main__"]:
         return "cli"

@@ -145,7 +145,7 @@ def test_a_previous_run_is_kept_unless_resumed_to_a_later_step_or_overwritten(
     def not_loaded(path):
         raise AssertionError("the pipeline was loaded")
 
-    ns["train"].__globals__["load_pipeline"] = not_loaded
+    monkeypatch.setattr("functional_dit.train._data.load_pipeline", not_loaded)
     with pytest.raises(SystemExit) as e:
         ns["main"](["--data", data, "--output-dir", str(out), *extra])
     err = capsys.readouterr().err
@@ -168,9 +168,11 @@ def test_help_shows_every_default(capsys):
             assert f"(default: {action.default})" in text, action.option_strings
 
 
-def _shell(data, out, *extra) -> subprocess.CompletedProcess:
-    """``python examples/train_lora.py`` in one process (no torchrun), as a user runs it."""
-    cmd = [sys.executable, SCRIPT, "--data", data, "--output-dir", str(out), *ARGS, "--checkpoint-every", "1", *extra]
+def _shell(data, out, *extra, cli: bool = False) -> subprocess.CompletedProcess:
+    """``python examples/train_lora.py`` (``cli``: ``python -m functional_dit train``) in one
+    process (no torchrun), as a user runs it."""
+    cmd = [sys.executable, *(["-m", "functional_dit", "train"] if cli else [SCRIPT])]
+    cmd += ["--data", data, "--output-dir", str(out), *ARGS, "--checkpoint-every", "1", *extra]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
@@ -195,7 +197,8 @@ def test_one_process_from_a_shell_resumes_refuses_and_overwrites_saying_so(data,
     eval.json written; stderr: no warning from DCP's saves and load); then --steps 1 and a
     rerun without --resume are refused in one line before the pipeline loads (its
     "[transformers]" lines never appear) with nothing written; --steps 3 again has nothing
-    to train and leaves the file; --overwrite starts over, the old checkpoints gone."""
+    to train and leaves the file; --overwrite (``python -m functional_dit train``) starts
+    over, the old checkpoints gone."""
     out = tmp_path / "run"
     _ran(_shell(data, out, "--steps", "2"), out)
     _ran(
@@ -217,7 +220,8 @@ def test_one_process_from_a_shell_resumes_refuses_and_overwrites_saying_so(data,
     done = _shell(data, out, "--steps", "3", "--resume")
     assert done.returncode == 0 and done.stdout.startswith("nothing to train: "), done.stdout + done.stderr
     assert _listing(out) == before
-    _ran(_shell(data, out, "--steps", "1", "--overwrite"), out, "--overwrite: removed the previous run's checkpoints")
+    overwrite = _shell(data, out, "--steps", "1", "--overwrite", cli=True)  # the same trainer as a CLI command
+    _ran(overwrite, out, "--overwrite: removed the previous run's checkpoints")
     assert os.listdir(out / "checkpoints") == ["step_00000001"]
     assert (out / "losses.jsonl").read_text().count("\n") == 1
 
@@ -225,8 +229,10 @@ def test_one_process_from_a_shell_resumes_refuses_and_overwrites_saying_so(data,
 def _killed_then_resumed(rank, world, data, out):
     """Steps 0-3 with a kill while the checkpoint of step 4 is being written (after step
     2's is complete), then ``--resume``."""
+    from functional_dit.train import _checkpoint
+
     ns = _script()
-    save = ns["save_checkpoint"]
+    save = _checkpoint.save_checkpoint
 
     class Killed(Exception):
         pass
@@ -239,13 +245,13 @@ def _killed_then_resumed(rank, world, data, out):
             open(os.path.join(output_dir, "checkpoints", f"step_{step:08d}.tmp", ".metadata"), "w").write("partial")
         raise Killed
 
-    ns["train"].__globals__["save_checkpoint"] = dies_at_4
+    _checkpoint.save_checkpoint = dies_at_4  # (a rank's own process: nothing to restore)
     args = ["--data", data, "--output-dir", out, *ARGS, "--fsdp", "2"]
     try:
         ns["main"](args)
     except Killed:
         pass
-    ns["train"].__globals__["save_checkpoint"] = save
+    _checkpoint.save_checkpoint = save
     return ns["main"]([*args, "--resume"])
 
 
@@ -309,3 +315,15 @@ def _check_diffusers_loads(folder: str, kind: str = "flux", max_len: int = 64) -
     ours = _latents(tiny.pipeline(kind, seed=0, transformer=module), max_len)
     torch.testing.assert_close(theirs, ours, **FP32)
     assert (theirs - plain).abs().max() > 1e-3  # the trained LoRA changes the output
+
+
+def test_the_cli_command_checks_its_arguments_in_one_line(data, tmp_path, capsys, monkeypatch):
+    """``python -m functional_dit train``: the trainer's checks as the CLI's one error line
+    (exit 2), nothing written."""
+    from _cli import one_line_error
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "run"
+    err = one_line_error(["train", "--data", data, "--output-dir", str(out), "--resolution", "40"], capsys)
+    assert err == "error: --resolution: expected a multiple of 16 (the VAE's 8 x FLUX's 2x2 packing), got 40"
+    assert not out.exists()
