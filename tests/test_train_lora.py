@@ -38,6 +38,8 @@ SCRIPT = os.path.join(ROOT, "examples", "train_lora.py")
 FP32 = dict(rtol=1e-5, atol=1e-5)  # diffusers' PEFT layers vs our merged weights: fp32 sums in another order
 ARGS = ["--resolution", "32", "--max-sequence-length", "64", "--rank", "2", "--alpha", "4", "--batch-size", "2"]
 ARGS += ["--lr", "1e-2", "--checkpoint-every", "2", "--steps", "4", "--dtype", "float32", "--no-progress"]
+OPTIM = ["--lr-scheduler", "cosine", "--warmup-steps", "1", "--grad-accum", "2", "--max-grad-norm", "0.05"]
+OPTIM += ["--ema-decay", "0.5", "--lr", "2e-2"]  # every optimisation option, folded into the torchrun test
 
 
 def _script() -> dict:
@@ -246,7 +248,7 @@ def _killed_then_resumed(rank, world, data, out):
         raise Killed
 
     _checkpoint.save_checkpoint = dies_at_4  # (a rank's own process: nothing to restore)
-    args = ["--data", data, "--output-dir", out, *ARGS, "--fsdp", "2"]
+    args = ["--data", data, "--output-dir", out, *ARGS, *OPTIM, "--fsdp", "2"]
     try:
         ns["main"](args)
     except Killed:
@@ -256,28 +258,53 @@ def _killed_then_resumed(rank, world, data, out):
 
 
 @pytest.mark.slow
-def test_torchrun_fsdp2_learns_resumes_bitwise_and_writes_a_file_diffusers_loads(data, tmp_path, one_thread):
+def test_torchrun_fsdp2_learns_resumes_bitwise_and_writes_a_file_diffusers_loads(
+    data, tmp_path, one_thread, monkeypatch
+):
+    """Every optimisation option on (`OPTIM`: cosine schedule with warmup, 2 accumulated
+    micro-batches, clipping that bites, EMA), under torchrun on fsdp=2: it learns; killed
+    and resumed it ends bitwise as the straight run (LoRA, EMA, log); it equals one process
+    (the clipped norm computed over both ranks' shards: the logged norms to 1e-5, the LoRA
+    to fp32 1e-5); both files load in the stock pipeline."""
     from safetensors.torch import load_file
 
     straight = str(tmp_path / "straight")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT]
-    cmd += ["--data", data, "--output-dir", straight, *ARGS, "--fsdp", "2"]
+    cmd += ["--data", data, "--output-dir", straight, *ARGS, *OPTIM, "--fsdp", "2"]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     ev = json.load(open(os.path.join(straight, "eval.json")))
-    assert ev["eval_loss_after"] < 0.95 * ev["eval_loss_before"], ev  # seen: 2.844 -> 2.506 in 4 steps
+    assert ev["eval_loss_after"] < 0.95 * ev["eval_loss_before"], ev  # seen: EVAL_SEEN
     assert sorted(os.listdir(os.path.join(straight, "checkpoints"))) == ["step_00000002", "step_00000004"]
+    lines = [json.loads(ln) for ln in open(os.path.join(straight, "losses.jsonl"))]
+    assert [ln["lr"] for ln in lines] == pytest.approx([0.0, 2e-2, 1.5e-2, 5e-3], abs=1e-12)  # warmup 1, cosine
+    assert ev["eval_loss_after_ema"] < ev["eval_loss_before"], ev
+    assert max(ln["grad_norm"] for ln in lines) > 0.05  # the clipping bites
 
     resumed = str(tmp_path / "resumed")
     results = spawn(_killed_then_resumed, 2, data, resumed, timeout=600)
     assert results[0]["start"] == 2  # from step 2's checkpoint; the partial step_4.tmp was not read
     logs = [open(os.path.join(d, "losses.jsonl")).read() for d in (straight, resumed)]
     assert logs[0] == logs[1] and logs[0].count("\n") == 4, logs
-    a, b = (load_file(os.path.join(d, "pytorch_lora_weights.safetensors")) for d in (straight, resumed))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for sub in ("", "ema"):
+        a, b = (load_file(os.path.join(d, sub, "pytorch_lora_weights.safetensors")) for d in (straight, resumed))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sub
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    one = str(tmp_path / "one")
+    _script()["main"](["--data", data, "--output-dir", one, *ARGS, *OPTIM])
+    for x, y in zip(lines, (json.loads(ln) for ln in open(os.path.join(one, "losses.jsonl"))), strict=True):
+        assert x["lr"] == y["lr"] and x["loss"] == pytest.approx(y["loss"], rel=1e-5), (x, y)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5), (x, y)
+    for sub in ("", "ema"):
+        a, b = (load_file(os.path.join(d, sub, "pytorch_lora_weights.safetensors")) for d in (straight, one))
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], **FP32)
 
     _check_diffusers_loads(straight)
+    _check_diffusers_loads(os.path.join(straight, "ema"))
 
 
 @pytest.mark.slow

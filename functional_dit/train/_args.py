@@ -8,6 +8,7 @@ import os
 
 from ._checkpoint import checkpoint_step, latest_checkpoint, previous_run
 from ._data import IMAGES, TINY_KINDS, find_items
+from ._optim import SCHEDULES
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawTextHelpFormatter):
@@ -38,7 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", nargs="+", default=None, help="module suffixes to adapt (None: attention)")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=1e-4, help="AdamW weight decay")
-    p.add_argument("--batch-size", type=int, default=1, help="global batch per step (split over dp x fsdp)")
+    p.add_argument("--batch-size", type=int, default=1, help="global batch per forward (split over dp x fsdp)")
+    p.add_argument("--grad-accum", type=int, default=1, help="forwards per step: a batch of --batch-size x this")
+    p.add_argument("--lr-scheduler", choices=SCHEDULES, default="constant", help="learning rate over the steps")
+    p.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warmup from 0")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip by the global gradient norm (None: no)")
+    p.add_argument("--ema-decay", type=float, default=None, help="keep an EMA of the LoRA, written to ema/ (None: no)")
     p.add_argument("--steps", type=int, default=1000, help="train until this step (with --resume: the new end)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--timesteps", choices=("logit_normal", "uniform"), default="logit_normal", help="t's law")
@@ -90,13 +96,19 @@ def _check_numbers(a, bad) -> None:
             bad("--" + name.replace("_", "-"), f"an int >= {low}", getattr(a, name))
     if a.resolution % 16:
         bad("--resolution", "a multiple of 16 (the VAE's 8 x FLUX's 2x2 packing)", a.resolution)
-    for name in ("steps", "checkpoint_every", "fsdp", "tp"):
+    for name in ("steps", "checkpoint_every", "fsdp", "tp", "grad_accum"):
         if getattr(a, name) < 1:
             bad("--" + name.replace("_", "-"), "a positive int", getattr(a, name))
     if not a.lr > 0:
         bad("--lr", "a positive float", a.lr)
     if a.weight_decay < 0:
         bad("--weight-decay", "a float >= 0", a.weight_decay)
+    if a.warmup_steps < 0:
+        bad("--warmup-steps", "an int >= 0", a.warmup_steps)
+    if a.max_grad_norm is not None and not a.max_grad_norm > 0:
+        bad("--max-grad-norm", "a positive float", a.max_grad_norm)
+    if a.ema_decay is not None and not 0 < a.ema_decay < 1:
+        bad("--ema-decay", "a float in (0, 1)", a.ema_decay)
 
 
 def _check_run(a, bad, error) -> None:

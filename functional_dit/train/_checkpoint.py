@@ -13,9 +13,10 @@ import torch
 from ._data import batch_indices
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
+EMA_DIR = "ema"  # --ema-decay: ema/pytorch_lora_weights.safetensors
 
 
-RUN_FILES = ("checkpoints", "losses.jsonl", "eval.json", LORA_FILE)  # what a run leaves (cache.pt: reusable)
+RUN_FILES = ("checkpoints", "losses.jsonl", "eval.json", LORA_FILE, EMA_DIR)  # what a run leaves (cache.pt: reusable)
 
 
 def previous_run(output_dir: str) -> list[str]:
@@ -26,12 +27,12 @@ def previous_run(output_dir: str) -> list[str]:
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's
 
 
-def checkpoint_state(adapter, opt, extra: dict) -> dict:
+def checkpoint_state(adapter, opt, extra: dict, ema=None) -> dict:
     """What DCP saves and loads in place: the LoRA factors and AdamW's moments, each as
     ``sharding.checkpoint_state`` lays them out (sharded as they are), AdamW's step counts,
-    and ``extra`` (the next step, RNG state, data order: plain tensors, the same on every
-    rank). Before the first step AdamW's state is created zeroed, as AdamW creates it, to
-    load into."""
+    the EMA's factors (``ema``, laid out like them) and ``extra`` (the next step, RNG state,
+    data order: plain tensors, the same on every rank). Before the first step AdamW's state
+    is created zeroed, as AdamW creates it, to load into."""
     import sharding
 
     paths, leaves = zip(*adapter.flat().items())
@@ -44,6 +45,8 @@ def checkpoint_state(adapter, opt, extra: dict) -> dict:
         tree = sharding.tree.nest({p: opt.state[leaf][m] for p, leaf in zip(paths, leaves)})
         state[m] = sharding.checkpoint_state(adapter, tree)
     state["step"] = {p: opt.state[leaf]["step"] for p, leaf in zip(paths, leaves)}
+    if ema is not None:
+        state["ema"] = sharding.checkpoint_state(adapter, ema.tree)
     return {**state, **extra}
 
 
@@ -85,7 +88,9 @@ def start_over(output_dir: str) -> list[str]:
         os.rename(ckpts, gone)
         shutil.rmtree(gone)
     for name in found:
-        if name != "checkpoints":
+        if name == EMA_DIR:
+            shutil.rmtree(os.path.join(output_dir, name))
+        elif name != "checkpoints":
             os.remove(os.path.join(output_dir, name))
     return found
 
@@ -130,19 +135,19 @@ def save_checkpoint(state: dict, output_dir: str, step: int, rank: int, barrier)
     return final
 
 
-def resume(a, adapter, opt, n: int, rng: torch.Tensor, rank: int) -> tuple[int, torch.Tensor]:
-    """--resume: DCP loads the newest checkpoint in place into ``adapter``'s factors and
-    ``opt``'s state; returns its step and noise RNG state (``rng``: this run's, for the
+def resume(a, adapter, opt, n: int, rng: torch.Tensor, rank: int, ema=None) -> tuple[int, torch.Tensor]:
+    """--resume: DCP loads the newest checkpoint in place into ``adapter``'s factors,
+    ``opt``'s state and the EMA's factors; returns its step and noise RNG state (``rng``: this run's, for the
     layout) after checking that its data order is this run's."""
     import torch.distributed.checkpoint as dcp
 
     ckpt = latest_checkpoint(a.output_dir)
     extra = {"next": torch.tensor(0), "rng": rng, "order": torch.zeros(n, dtype=torch.long)}
-    state = checkpoint_state(adapter, opt, extra)
+    state = checkpoint_state(adapter, opt, extra, ema)
     with _dcp_group():
         dcp.load(state, checkpoint_id=ckpt)  # in place: factors, moments, extra
     start = int(state["next"])
-    if start and not torch.equal(state["order"], batch_indices(start - 1, a.batch_size, n, a.seed)[1]):
+    if start and not torch.equal(state["order"], batch_indices(start - 1, a.batch_size * a.grad_accum, n, a.seed)[1]):
         raise ValueError("--resume: the checkpoint's data order differs from this run's (--data, --seed)")
     if rank == 0:
         print(f"resumed from step {start} ({ckpt})", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -9,8 +10,9 @@ import time
 import torch
 
 from . import _checkpoint
-from ._checkpoint import LORA_FILE, resume, start_over
+from ._checkpoint import EMA_DIR, LORA_FILE, resume, start_over
 from ._data import batch_indices, prepare
+from ._optim import clip_, ema_init, ema_update_, lr_at
 
 EVAL_SEED = 12345  # the fixed (noise, t) of the eval loss
 
@@ -29,44 +31,75 @@ def _dist(a):
     return dist.get_rank(), mesh, dist.barrier, device
 
 
+@dataclasses.dataclass
+class Run:
+    """What a run holds: this process's place, the data, the frozen params, the LoRA, its
+    optimizer, its EMA (None without --ema-decay) and the noise generator."""
+
+    rank: int
+    mesh: object
+    barrier: object
+    device: torch.device
+    data: dict
+    params: object
+    adapter: object
+    opt: torch.optim.Optimizer
+    ema: object
+    gen: torch.Generator
+
+
 def train(a) -> dict:
     """The run of `main` for checked arguments ``a``; returns what rank 0 logged."""
-    import sharding
+    r, start = begin(a)
+    log_path = start_log(a, start) if r.rank == 0 else None
+    losses = []
+    before = eval_loss(r.params, r.adapter, r.data, a, r.device)
+    bar = progress(a, start) if r.rank == 0 else None
+    t0 = time.perf_counter()
+    for step in range(start, a.steps):
+        line, order = train_step(r, a, step)
+        losses.append(line["loss"])
+        if r.rank == 0:
+            log_step(log_path, bar, line)
+        if (step + 1) % a.checkpoint_every == 0 or step + 1 == a.steps:
+            extra = {"next": torch.tensor(step + 1), "rng": r.gen.get_state(), "order": order}
+            state = _checkpoint.checkpoint_state(r.adapter, r.opt, extra, r.ema)
+            _checkpoint.save_checkpoint(state, a.output_dir, step + 1, r.rank, r.barrier)
+    if bar is not None:
+        bar.close()
+    evals = finish(r, a, before, a.steps - start, time.perf_counter() - t0)
+    return {"losses": losses, **evals, "start": start}
 
+
+def begin(a) -> tuple[Run, int]:
+    """The run set up (the data cached, the LoRA fresh or resumed) and its first step."""
     rank, mesh, barrier, device = _dist(a)
     data, params = prepare(a, rank, barrier)
     params, adapter, opt = setup(a, params, mesh, device)
+    ema = ema_init(adapter) if a.ema_decay is not None else None
     gen = torch.Generator().manual_seed(a.seed)
-    n = data["latents"].shape[0]
     start = 0
     if a.resume:
-        start, rng = resume(a, adapter, opt, n, gen.get_state(), rank)
+        start, rng = resume(a, adapter, opt, data["latents"].shape[0], gen.get_state(), rank, ema)
         gen.set_state(rng)
-    log_path = start_log(a, start) if rank == 0 else None
-    losses = []
-    before = eval_loss(params, adapter, data, a, device)
-    bar = progress(a, start) if rank == 0 else None
-    t0 = time.perf_counter()
-    for step in range(start, a.steps):
-        value, order = train_step(params, adapter, opt, data, a, step, gen, device)
-        losses.append(value)
-        if rank == 0:
-            log_step(log_path, bar, step, value)
-        if (step + 1) % a.checkpoint_every == 0 or step + 1 == a.steps:
-            extra = {"next": torch.tensor(step + 1), "rng": gen.get_state(), "order": order}
-            _checkpoint.save_checkpoint(
-                _checkpoint.checkpoint_state(adapter, opt, extra), a.output_dir, step + 1, rank, barrier
-            )
-    if bar is not None:
-        bar.close()
-    seconds = time.perf_counter() - t0
-    after = eval_loss(params, adapter, data, a, device)
-    full = sharding.unshard(adapter) if mesh is not None else adapter  # (a collective: every rank)
-    if rank == 0:
-        evals = {"eval_loss_before": before, "eval_loss_after": after, "steps": a.steps - start, "seconds": seconds}
-        write_results(a, full, evals)
-    barrier()
-    return {"losses": losses, "eval_loss_before": before, "eval_loss_after": after, "start": start}
+    return Run(rank, mesh, barrier, device, data, params, adapter, opt, ema, gen), start
+
+
+def finish(r: Run, a, before: float, steps: int, seconds: float) -> dict:
+    """The eval loss after the run (of the EMA too), the LoRA file(s) and ``eval.json``
+    written by rank 0; returns the evals."""
+    import sharding
+
+    evals = {"eval_loss_before": before, "eval_loss_after": eval_loss(r.params, r.adapter, r.data, a, r.device)}
+    if r.ema is not None:
+        evals["eval_loss_after_ema"] = eval_loss(r.params, r.ema, r.data, a, r.device)
+    evals |= {"steps": steps, "seconds": seconds}
+    gather = sharding.unshard if r.mesh is not None else (lambda x: x)  # (a collective: every rank)
+    full, ema = gather(r.adapter), (gather(r.ema) if r.ema is not None else None)
+    if r.rank == 0:
+        write_results(a, full, evals, ema)
+    r.barrier()
+    return evals
 
 
 def setup(a, params, mesh, device) -> tuple:
@@ -84,18 +117,35 @@ def setup(a, params, mesh, device) -> tuple:
     return params, adapter, torch.optim.AdamW(leaves, lr=a.lr, weight_decay=a.weight_decay)
 
 
-def train_step(params, adapter, opt, data: dict, a, step: int, gen, device) -> tuple[float, torch.Tensor]:
-    """One AdamW step on step ``step``'s batch (noise and t drawn from ``gen``); returns
-    its loss and the epoch's data order."""
-    idx, order = batch_indices(step, a.batch_size, data["latents"].shape[0], a.seed)
-    noise = torch.randn((len(idx), *data["latents"].shape[1:]), generator=gen)
-    t = sample_t(len(idx), a.timesteps, gen)
-    kw, target = inputs(data, idx, noise, t, a.guidance, params, device)
-    loss = loss_of(params, adapter, kw, target, a.dtype == "bfloat16", a.reshard_after_forward)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()  # on the DTensor leaves: each rank updates its own shards
-    return float(loss.detach()), order
+def train_step(r: Run, a, step: int) -> tuple[dict, torch.Tensor]:
+    """One AdamW step on step ``step``'s batch: ``--grad-accum`` micro-batches of
+    ``--batch-size`` items (noise and t drawn from ``r.gen`` for all of them at once, as
+    for one batch that large), each loss divided by their number, the gradients summed;
+    clipped by their global norm (``--max-grad-norm``), the step's learning rate, then the
+    EMA. Returns its log line (step, loss, lr, grad norm) and the epoch's data order."""
+    n, accum, size = a.batch_size * a.grad_accum, a.grad_accum, a.batch_size
+    idx, order = batch_indices(step, n, r.data["latents"].shape[0], a.seed)
+    noise = torch.randn((n, *r.data["latents"].shape[1:]), generator=r.gen)
+    t = sample_t(n, a.timesteps, r.gen)
+    r.opt.zero_grad(set_to_none=True)
+    value = 0.0
+    for m in range(0, n, size):
+        kw, target = inputs(
+            r.data, idx[m : m + size], noise[m : m + size], t[m : m + size], a.guidance, r.params, r.device
+        )
+        loss = loss_of(r.params, r.adapter, kw, target, a.dtype == "bfloat16", a.reshard_after_forward)
+        loss = loss / accum if accum > 1 else loss
+        loss.backward()  # (the gradients add up over the micro-batches)
+        value += float(loss.detach())
+    line = {"step": step, "loss": value, "lr": lr_at(step, a.lr, a.lr_scheduler, a.warmup_steps, a.steps)}
+    if a.max_grad_norm is not None:
+        line["grad_norm"] = clip_([x.grad for x in r.adapter.leaves()], a.max_grad_norm)
+    for group in r.opt.param_groups:
+        group["lr"] = line["lr"]
+    r.opt.step()  # on the DTensor leaves: each rank updates its own shards
+    if r.ema is not None:
+        ema_update_(r.ema, r.adapter, a.ema_decay)
+    return line, order
 
 
 def sample_t(n: int, how: str, gen: torch.Generator) -> torch.Tensor:
@@ -158,12 +208,13 @@ def progress(a, start: int):
     return tqdm(total=a.steps, initial=start, desc="train_lora", unit="step", dynamic_ncols=True)
 
 
-def log_step(path: str, bar, step: int, value: float) -> None:
-    """Rank 0: the step's line in ``losses.jsonl`` and on the bar."""
+def log_step(path: str, bar, line: dict) -> None:
+    """Rank 0: the step's line in ``losses.jsonl`` (step, loss, learning rate, and the
+    gradient norm before clipping with --max-grad-norm) and on the bar."""
     with open(path, "a") as f:
-        f.write(json.dumps({"step": step, "loss": value}) + "\n")
+        f.write(json.dumps(line) + "\n")
     if bar is not None:
-        bar.set_postfix(loss=f"{value:.4f}")
+        bar.set_postfix(loss=f"{line['loss']:.4f}", lr=f"{line['lr']:.2e}")
         bar.update(1)
 
 
@@ -182,15 +233,26 @@ def start_log(a, start: int) -> str:
     return path
 
 
-def write_results(a, adapter, evals: dict) -> None:
-    """Rank 0: the LoRA file and ``eval.json``, each path printed."""
-    import functional_dit.lora as lora
-    import sharding
-
-    path = os.path.join(a.output_dir, LORA_FILE)
-    lora.save(lora.Adapter(adapter.config, sharding.tree.map_tree(lambda _, v: v.detach().cpu(), adapter.tree)), path)
-    print(f"wrote {path}", flush=True)
+def write_results(a, adapter, evals: dict, ema=None) -> None:
+    """Rank 0: the LoRA file, the EMA's (``ema/``, with --ema-decay) and ``eval.json``, each
+    path printed."""
+    for folder, tree in ((a.output_dir, adapter), (os.path.join(a.output_dir, EMA_DIR), ema)):
+        if tree is not None:
+            print(f"wrote {save_lora(tree, folder)}", flush=True)
     with open(os.path.join(a.output_dir, "eval.json"), "w") as f:
         json.dump(evals, f)
     loss = f"eval loss {evals['eval_loss_before']:.4f} -> {evals['eval_loss_after']:.4f}"
+    if "eval_loss_after_ema" in evals:
+        loss += f", EMA {evals['eval_loss_after_ema']:.4f}"
     print(f"wrote {os.path.join(a.output_dir, 'eval.json')} ({loss})", flush=True)
+
+
+def save_lora(adapter, folder: str) -> str:
+    """``adapter`` (full tensors) as ``folder/pytorch_lora_weights.safetensors``; its path."""
+    import functional_dit.lora as lora
+    import sharding
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, LORA_FILE)
+    lora.save(lora.Adapter(adapter.config, sharding.tree.map_tree(lambda _, v: v.detach().cpu(), adapter.tree)), path)
+    return path
