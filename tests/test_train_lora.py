@@ -39,7 +39,7 @@ FP32 = dict(rtol=1e-5, atol=1e-5)  # diffusers' PEFT layers vs our merged weight
 ARGS = ["--resolution", "32", "--max-sequence-length", "64", "--rank", "2", "--alpha", "4", "--batch-size", "2"]
 ARGS += ["--lr", "1e-2", "--checkpoint-every", "2", "--steps", "4", "--dtype", "float32", "--no-progress"]
 OPTIM = ["--lr-scheduler", "cosine", "--warmup-steps", "1", "--grad-accum", "2", "--max-grad-norm", "0.05"]
-OPTIM += ["--ema-decay", "0.5", "--lr", "2e-2"]  # every optimisation option, folded into the torchrun test
+OPTIM += ["--ema-decay", "0.5", "--lr", "2e-2", "--caption-dropout", "0.3", "--trigger", "sks"]  # folded in one run
 
 
 def _script() -> dict:
@@ -261,8 +261,9 @@ def _killed_then_resumed(rank, world, data, out):
 def test_torchrun_fsdp2_learns_resumes_bitwise_and_writes_a_file_diffusers_loads(
     data, tmp_path, one_thread, monkeypatch
 ):
-    """Every optimisation option on (`OPTIM`: cosine schedule with warmup, 2 accumulated
-    micro-batches, clipping that bites, EMA), under torchrun on fsdp=2: it learns; killed
+    """Every optimisation and caption option on (`OPTIM`: cosine schedule with warmup, 2
+    accumulated micro-batches, clipping that bites, EMA, caption dropout, a trigger), under
+    torchrun on fsdp=2: it learns; killed
     and resumed it ends bitwise as the straight run (LoRA, EMA, log); it equals one process
     (the clipped norm computed over both ranks' shards: the logged norms to 1e-5, the LoRA
     to fp32 1e-5); both files load in the stock pipeline."""
@@ -275,7 +276,7 @@ def test_torchrun_fsdp2_learns_resumes_bitwise_and_writes_a_file_diffusers_loads
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     ev = json.load(open(os.path.join(straight, "eval.json")))
-    assert ev["eval_loss_after"] < 0.95 * ev["eval_loss_before"], ev  # seen: EVAL_SEEN
+    assert ev["eval_loss_after"] < 0.95 * ev["eval_loss_before"], ev  # seen: 2.543 -> 2.296 (EMA 2.372) in 4 steps
     assert sorted(os.listdir(os.path.join(straight, "checkpoints"))) == ["step_00000002", "step_00000004"]
     lines = [json.loads(ln) for ln in open(os.path.join(straight, "losses.jsonl"))]
     assert [ln["lr"] for ln in lines] == pytest.approx([0.0, 2e-2, 1.5e-2, 5e-3], abs=1e-12)  # warmup 1, cosine

@@ -6,9 +6,11 @@ image-caption folder, fully sharded: ``python -m functional_dit train``.
     python -m functional_dit train --data my_images --output-dir run --pipeline /path/to/FLUX.1-dev
 
 (``examples/train_lora.py`` is the same trainer as a script.) The data folder holds images
-(``.png``, ``.jpg``, ``.jpeg``, ``.webp``) and, next to each, a caption with the same name
-and ``.txt``. ``--pipeline`` is a diffusers FluxPipeline, Flux2Pipeline, Flux2KleinPipeline
-or QwenImagePipeline folder (read offline) or ``tiny`` (default:
+(``.png``, ``.jpg``, ``.jpeg``, ``.webp``) and their captions: a ``metadata.jsonl`` of
+``{"file_name", "text"}`` lines (the diffusers image-folder layout) or, next to each image,
+a caption with the same name and ``.txt``; ``--trigger`` puts a word before each.
+``--pipeline`` is a diffusers FluxPipeline, Flux2Pipeline, Flux2KleinPipeline or
+QwenImagePipeline folder (read offline) or ``tiny`` (default:
 `functional_dit.tiny.pipeline("flux")`, random tiny weights, for trying the trainer and for
 the tests; ``tiny:flux2-klein``, ``tiny:qwen-image`` the other tiny ones).
 
@@ -22,8 +24,11 @@ What it does, in order (docs/training.md says more):
    the other ranks wait and read it; the VAE and text encoders are then dropped.
 3. The frozen transformer (``--dtype``) and a fresh fp32 LoRA (``lora.init``) are sharded
    over ``sharding.make_mesh(fsdp=--fsdp, tp=--tp)``; AdamW updates each rank's shards.
-4. Each step: the rectified-flow loss on the next ``--batch-size`` items of a per-epoch
-   permutation, with noise and ``t`` from the seeded generator.
+4. Each step: the rectified-flow loss on the next ``--batch-size`` x ``--grad-accum`` items
+   of a per-epoch permutation (``--grad-accum`` forwards, gradients summed), with noise,
+   ``t`` and ``--caption-dropout``'s empty captions from the seeded generator; gradients
+   clipped by their global norm (``--max-grad-norm``), the rate of ``--lr-scheduler`` after
+   ``--warmup-steps``, an EMA of the factors (``--ema-decay``, written to ``ema/``).
 5. Every ``--checkpoint-every`` steps and after the last, a DCP checkpoint that ``--resume``
    continues bitwise, written atomically.
 6. ``losses.jsonl``, ``eval.json`` (a fixed-noise eval loss before and after) and the LoRA

@@ -7,7 +7,7 @@ import argparse
 import os
 
 from ._checkpoint import checkpoint_step, latest_checkpoint, previous_run
-from ._data import IMAGES, TINY_KINDS, find_items
+from ._data import IMAGES, METADATA, TINY_KINDS, find_items
 from ._optim import SCHEDULES
 
 
@@ -25,7 +25,7 @@ def parser(description: str = "LoRA fine-tuning, fully sharded") -> argparse.Arg
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The trainer's options on ``p`` (its own parser, or the CLI's ``train`` command)."""
     need = dict(required=True, default=argparse.SUPPRESS)  # (no "default: None" in --help)
-    p.add_argument("--data", **need, help="folder of images with same-name .txt captions")
+    p.add_argument("--data", **need, help="folder of images with same-name .txt captions or a metadata.jsonl")
     p.add_argument("--output-dir", **need, help="cache, checkpoints, logs and the LoRA file")
     p.add_argument(
         "--pipeline",
@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a FLUX.1 / FLUX.2 / FLUX.2-klein / Qwen-Image pipeline folder, or tiny[:kind]",
     )
     p.add_argument("--resolution", type=int, default=512, help="square training size, a multiple of 16")
+    p.add_argument("--trigger", default=None, help="a word put before every caption (None: none)")
+    p.add_argument("--caption-dropout", type=float, default=0.0, help="probability of the empty caption per item")
     p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens per caption")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
     p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (None: the rank)")
@@ -78,8 +80,12 @@ def check(a: argparse.Namespace, error) -> None:
 
     if not os.path.isdir(a.data):
         bad("--data", "a folder of images and captions", a.data)
-    if not find_items(a.data):
-        bad("--data", f"images ({', '.join(IMAGES)}) each with a same-name .txt caption", a.data)
+    try:
+        found = find_items(a.data)
+    except ValueError as e:
+        error(f"--data: {e}")
+    if not found:
+        bad("--data", f"images ({', '.join(IMAGES)}) each with a same-name .txt caption or in {METADATA}", a.data)
     tiny = ("tiny", *(f"tiny:{k}" for k in TINY_KINDS))
     if a.pipeline not in tiny and not os.path.isfile(os.path.join(a.pipeline, "model_index.json")):
         bad("--pipeline", f"one of {tiny} or a diffusers pipeline folder (with model_index.json)", a.pipeline)
@@ -103,6 +109,8 @@ def _check_numbers(a, bad) -> None:
         bad("--lr", "a positive float", a.lr)
     if a.weight_decay < 0:
         bad("--weight-decay", "a float >= 0", a.weight_decay)
+    if not 0 <= a.caption_dropout <= 1:
+        bad("--caption-dropout", "a probability in [0, 1]", a.caption_dropout)
     if a.warmup_steps < 0:
         bad("--warmup-steps", "an int >= 0", a.warmup_steps)
     if a.max_grad_norm is not None and not a.max_grad_norm > 0:

@@ -11,7 +11,7 @@ import torch
 
 from . import _checkpoint
 from ._checkpoint import EMA_DIR, LORA_FILE, resume, start_over
-from ._data import batch_indices, prepare
+from ._data import batch_indices, caption_rows, prepare
 from ._optim import clip_, ema_init, ema_update_, lr_at
 
 EVAL_SEED = 12345  # the fixed (noise, t) of the eval loss
@@ -127,12 +127,12 @@ def train_step(r: Run, a, step: int) -> tuple[dict, torch.Tensor]:
     idx, order = batch_indices(step, n, r.data["latents"].shape[0], a.seed)
     noise = torch.randn((n, *r.data["latents"].shape[1:]), generator=r.gen)
     t = sample_t(n, a.timesteps, r.gen)
+    rows = caption_rows(idx, a.caption_dropout, r.gen, r.data["latents"].shape[0])  # (row N: the empty caption)
     r.opt.zero_grad(set_to_none=True)
     value = 0.0
     for m in range(0, n, size):
-        kw, target = inputs(
-            r.data, idx[m : m + size], noise[m : m + size], t[m : m + size], a.guidance, r.params, r.device
-        )
+        part = slice(m, m + size)
+        kw, target = inputs(r.data, idx[part], noise[part], t[part], a.guidance, r.params, r.device, rows[part])
         loss = loss_of(r.params, r.adapter, kw, target, a.dtype == "bfloat16", a.reshard_after_forward)
         loss = loss / accum if accum > 1 else loss
         loss.backward()  # (the gradients add up over the micro-batches)
@@ -155,19 +155,21 @@ def sample_t(n: int, how: str, gen: torch.Generator) -> torch.Tensor:
     return torch.sigmoid(torch.randn(n, generator=gen))
 
 
-def inputs(data: dict, idx: list[int], noise: torch.Tensor, t: torch.Tensor, guidance, params, device) -> tuple:
-    """``fd.apply`` keywords for items ``idx`` at times ``t``, and the velocity target."""
+def inputs(data: dict, idx: list[int], noise, t: torch.Tensor, guidance, params, device, rows=None) -> tuple:
+    """``fd.apply`` keywords for items ``idx`` at times ``t`` with the text-embedding rows
+    ``rows`` (default their own captions'), and the velocity target."""
     x0, dtype = data["latents"][idx], next(iter(params.leaves())).dtype
+    rows = idx if rows is None else rows
     tt = t[:, None, None]
     kw = dict(
         x=((1 - tt) * x0 + tt * noise).to(device, dtype),  # (in the weights' dtype, as fd.apply asks)
         t=t.to(device),
-        txt=data["txt"][idx].to(device, dtype),
+        txt=data["txt"][rows].to(device, dtype),
     )
     if "pooled" in data:
-        kw["pooled"] = data["pooled"][idx].to(device, dtype)
+        kw["pooled"] = data["pooled"][rows].to(device, dtype)
     if "txt_mask" in data:
-        kw["txt_mask"] = data["txt_mask"][idx].to(device)
+        kw["txt_mask"] = data["txt_mask"][rows].to(device)
     kw.update({k: data[k].to(device) for k in ("img_ids", "txt_ids") if k in data})
     if "img_shapes" in data:
         kw["img_shapes"] = [data["img_shapes"]] * len(idx)
