@@ -3,19 +3,23 @@
 - Bad arguments exit (argparse's code 2) naming the argument, the expected and the actual
   value, before anything is loaded (no output folder appears).
 - Under ``torchrun --nproc-per-node 2 ... --fsdp 2`` (fp32, so the comparisons below are
-  exact): the eval loss (fixed items, noise and times) decreases; a run killed while
-  saving the checkpoint of step 4 (its ``.tmp`` folder left half-written) and resumed with
-  ``--resume`` from step 2 ends with the LoRA tensors and the loss log bitwise equal to
-  the uninterrupted run's (2 gloo ranks, fsdp=2); the saved file is loaded by a stock
-  FluxPipeline through ``pipe.load_lora_weights(folder)`` and gives what our merged LoRA
-  gives (fp32 1e-5), which differs from the pipeline without it.
+  exact) with every optimisation and caption option on (`OPTIM`): the eval loss (fixed
+  items, noise and times) decreases; the logged rates are the schedule's and the clipping
+  bites; a run killed while saving the checkpoint of step 4 (its ``.tmp`` folder left
+  half-written) and resumed with ``--resume`` from step 2 ends with the LoRA and EMA
+  tensors and the loss log bitwise equal to the uninterrupted run's (2 gloo ranks,
+  fsdp=2); one process gives the same (norms, losses 1e-5; files fp32 1e-5); the saved
+  files (``run``, ``run/ema``) are loaded by a stock FluxPipeline through
+  ``pipe.load_lora_weights(folder)`` and give what our merged LoRA gives (fp32 1e-5),
+  which differs from the pipeline without it.
 - FLUX.2-klein and Qwen-Image (``--pipeline tiny:<kind>``) in one process: the eval loss
   decreases and the stock Flux2KleinPipeline / QwenImagePipeline loads the file, as above.
 - An earlier run in ``--output-dir``: a ``--steps`` below its checkpoint's step with
   ``--resume``, a rerun without ``--resume`` or ``--overwrite``, and both flags are refused in
   one line before the pipeline loads, nothing written; from a shell, the resumed step and
   the paths written go to stdout, DCP's one-process save and load print no warning,
-  ``--overwrite`` starts over. ``--help`` shows every default.
+  ``loss.png`` is drawn, ``--overwrite`` (``python -m functional_dit train``) starts over.
+  ``--help`` shows every default; the CLI command's errors are its one line.
 """
 
 from __future__ import annotations
@@ -196,13 +200,15 @@ def _ran(done, out, *lines) -> None:
 @pytest.mark.slow
 def test_one_process_from_a_shell_resumes_refuses_and_overwrites_saying_so(data, tmp_path):
     """Steps 0-1, resumed to 3 (stdout: the step and checkpoint resumed, the LoRA file and
-    eval.json written; stderr: no warning from DCP's saves and load); then --steps 1 and a
-    rerun without --resume are refused in one line before the pipeline loads (its
-    "[transformers]" lines never appear) with nothing written; --steps 3 again has nothing
+    eval.json written; stderr: no warning from DCP's saves and load); then --steps 1, a
+    rerun without --resume and --ema-decay on a checkpoint without an EMA are refused in
+    one line before the pipeline loads (its "[transformers]" lines never appear) with
+    nothing written; --steps 3 again has nothing
     to train and leaves the file; --overwrite (``python -m functional_dit train``) starts
     over, the old checkpoints gone."""
     out = tmp_path / "run"
     _ran(_shell(data, out, "--steps", "2"), out)
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the loss curve, drawn at each checkpoint
     _ran(
         _shell(data, out, "--steps", "3", "--resume"),
         out,
@@ -214,6 +220,7 @@ def test_one_process_from_a_shell_resumes_refuses_and_overwrites_saying_so(data,
     for extra, want in (
         (["--steps", "1", "--resume"], f"--steps: expected an int >= 3 (the step of {out / 'checkpoints'}"),
         (["--steps", "1"], "--output-dir: expected a folder without a previous run, got"),
+        (["--steps", "3", "--resume", "--ema-decay", "0.9"], "--ema-decay: expected None: "),  # no EMA saved
     ):
         done = _shell(data, out, *extra)
         assert done.returncode == 2 and done.stdout == "" and "[transformers]" not in done.stderr, done.stderr

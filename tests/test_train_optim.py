@@ -2,16 +2,23 @@
 the learning-rate schedules equal diffusers' ``get_scheduler`` float for float; a step with
 ``--grad-accum N`` equals one step on a batch N times larger (fp32, 1e-6 relative on the
 LoRA); the global gradient norm and its clipping equal torch's ``clip_grad_norm_`` in one
-process; the EMA is ``decay * ema + (1 - decay) * factors``. Under fsdp=2 the same options
-equal one process and resume bitwise: tests/test_train_lora.py (torchrun)."""
+process; the EMA is ``decay * ema + (1 - decay) * factors``. The logs: ``loss.png`` from
+``losses.jsonl``; ``--report-to tensorboard`` refused without tensorboard, its events where
+it is installed. Under fsdp=2 the same options equal one process and resume bitwise:
+tests/test_train_lora.py (torchrun)."""
 
 from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
 
 import numpy as np
 import pytest
 import torch
 
-from functional_dit.train import _loop, _optim, check_args
+from functional_dit.train import _loop, _optim, _report, check_args
 
 
 @pytest.mark.parametrize("schedule, warmup", [("constant", 0), ("constant", 3), ("linear", 3), ("cosine", 3)])
@@ -109,3 +116,39 @@ def test_grad_accum_equals_the_larger_batch(data, tmp_path, monkeypatch):
         assert other_loss == pytest.approx(loss, rel=1e-6)
         assert (other_grads - grads).norm() <= 5e-6 * grads.norm()
         assert (other_lora - lora).norm() <= 1e-6 * lora.norm()
+
+
+def test_loss_png_is_redrawn_from_the_log(tmp_path):
+    """``loss.png`` from ``losses.jsonl`` (matplotlib, installed here): a PNG, replaced whole."""
+    (tmp_path / "losses.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 1.0 / (s + 1), "lr": 1e-4}) + "\n" for s in range(12))
+    )
+    path = _report.plot_losses(str(tmp_path))
+    assert path == str(tmp_path / "loss.png") and open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(tmp_path)) == ["loss.png", "losses.jsonl"]  # no temporary left
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
+def test_report_to_tensorboard_without_tensorboard_is_refused(data, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as e:
+        check_args(["--data", data, "--output-dir", str(tmp_path / "run"), "--report-to", "tensorboard"])
+    assert e.value.code == 2 and "--report-to: expected 'none' unless the tensorboard package is installed" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard is not installed")
+def test_report_to_tensorboard_writes_the_steps_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    a = argparse.Namespace(report_to="tensorboard", output_dir=str(tmp_path))
+    writer = _report.tensorboard_writer(a, 0)
+    for s in range(3):
+        _report.tensorboard_line(writer, {"step": s, "loss": 2.0 - s, "lr": 1e-4, "grad_norm": 0.5})
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == [2.0, 1.0, 0.0]
+    assert sorted(events.Tags()["scalars"]) == ["train/grad_norm", "train/loss", "train/lr"]

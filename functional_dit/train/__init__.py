@@ -31,8 +31,10 @@ What it does, in order (docs/training.md says more):
    ``--warmup-steps``, an EMA of the factors (``--ema-decay``, written to ``ema/``).
 5. Every ``--checkpoint-every`` steps and after the last, a DCP checkpoint that ``--resume``
    continues bitwise, written atomically.
-6. ``losses.jsonl``, ``eval.json`` (a fixed-noise eval loss before and after) and the LoRA
-   file ``<output-dir>/pytorch_lora_weights.safetensors`` that the stock pipeline's
+6. ``losses.jsonl`` (loss and learning rate per step), ``loss.png`` (redrawn at each
+   checkpoint, with matplotlib), TensorBoard events (``--report-to tensorboard``),
+   ``eval.json`` (a fixed-noise eval loss before and after) and the LoRA file
+   ``<output-dir>/pytorch_lora_weights.safetensors`` that the stock pipeline's
    ``load_lora_weights(<output-dir>)`` reads.
 
 FLUX.3 and Qwen-Image 2.1 are not supported yet (their encode steps are not written).

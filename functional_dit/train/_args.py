@@ -4,9 +4,10 @@ expected and the actual value, before anything loads."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 
-from ._checkpoint import checkpoint_step, latest_checkpoint, previous_run
+from ._checkpoint import checkpoint_step, has_ema, latest_checkpoint, previous_run
 from ._data import IMAGES, METADATA, TINY_KINDS, find_items
 from ._optim import SCHEDULES
 
@@ -61,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--overwrite", action="store_true", help="start over in an --output-dir that holds a run (its files removed)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--report-to", choices=("none", "tensorboard"), default="none", help="also log to TensorBoard (tensorboard/)"
+    )
 
 
 def check_args(argv=None, description: str = "LoRA fine-tuning, fully sharded") -> argparse.Namespace:
@@ -109,6 +113,8 @@ def _check_numbers(a, bad) -> None:
         bad("--lr", "a positive float", a.lr)
     if a.weight_decay < 0:
         bad("--weight-decay", "a float >= 0", a.weight_decay)
+    if a.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        bad("--report-to", "'none' unless the tensorboard package is installed (pip install tensorboard)", a.report_to)
     if not 0 <= a.caption_dropout <= 1:
         bad("--caption-dropout", "a probability in [0, 1]", a.caption_dropout)
     if a.warmup_steps < 0:
@@ -132,6 +138,8 @@ def _check_run(a, bad, error) -> None:
             bad("--resume", f"a complete checkpoint in {os.path.join(a.output_dir, 'checkpoints')}", None)
         if a.steps < (step := checkpoint_step(ckpt)):
             bad("--steps", f"an int >= {step} (the step of {ckpt}, which --resume continues)", a.steps)
+        if a.ema_decay is not None and not has_ema(ckpt):
+            bad("--ema-decay", f"None: {ckpt}, which --resume continues, was saved without an EMA", a.ema_decay)
     elif not a.overwrite and (found := previous_run(a.output_dir)):
         error(
             f"--output-dir: expected a folder without a previous run, got {a.output_dir!r} holding "

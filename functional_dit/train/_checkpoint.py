@@ -11,12 +11,21 @@ import shutil
 import torch
 
 from ._data import batch_indices
+from ._report import LOSS_PNG, TENSORBOARD
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 EMA_DIR = "ema"  # --ema-decay: ema/pytorch_lora_weights.safetensors
 
 
-RUN_FILES = ("checkpoints", "losses.jsonl", "eval.json", LORA_FILE, EMA_DIR)  # what a run leaves (cache.pt: reusable)
+RUN_FILES = (
+    "checkpoints",
+    "losses.jsonl",
+    "eval.json",
+    LORA_FILE,
+    EMA_DIR,
+    LOSS_PNG,
+    TENSORBOARD,
+)  # what a run leaves (cache.pt: reusable)
 
 
 def previous_run(output_dir: str) -> list[str]:
@@ -88,10 +97,9 @@ def start_over(output_dir: str) -> list[str]:
         os.rename(ckpts, gone)
         shutil.rmtree(gone)
     for name in found:
-        if name == EMA_DIR:
-            shutil.rmtree(os.path.join(output_dir, name))
-        elif name != "checkpoints":
-            os.remove(os.path.join(output_dir, name))
+        path = os.path.join(output_dir, name)
+        if name != "checkpoints":
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
     return found
 
 
@@ -135,10 +143,17 @@ def save_checkpoint(state: dict, output_dir: str, step: int, rank: int, barrier)
     return final
 
 
+def has_ema(ckpt: str) -> bool:
+    """Whether the checkpoint folder ``ckpt`` holds an EMA (saved with --ema-decay)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return any(k.startswith("ema.") for k in FileSystemReader(ckpt).read_metadata().state_dict_metadata)
+
+
 def resume(a, adapter, opt, n: int, rng: torch.Tensor, rank: int, ema=None) -> tuple[int, torch.Tensor]:
     """--resume: DCP loads the newest checkpoint in place into ``adapter``'s factors,
-    ``opt``'s state and the EMA's factors; returns its step and noise RNG state (``rng``: this run's, for the
-    layout) after checking that its data order is this run's."""
+    ``opt``'s state and the EMA's factors; returns its step and noise RNG state (``rng``:
+    this run's, for the layout) after checking that its data order is this run's."""
     import torch.distributed.checkpoint as dcp
 
     ckpt = latest_checkpoint(a.output_dir)

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from . import _checkpoint
+from . import _checkpoint, _report
 from ._checkpoint import EMA_DIR, LORA_FILE, resume, start_over
 from ._data import batch_indices, caption_rows, prepare
 from ._optim import clip_, ema_init, ema_update_, lr_at
@@ -55,18 +55,22 @@ def train(a) -> dict:
     losses = []
     before = eval_loss(r.params, r.adapter, r.data, a, r.device)
     bar = progress(a, start) if r.rank == 0 else None
+    board = _report.tensorboard_writer(a, start) if r.rank == 0 else None
     t0 = time.perf_counter()
     for step in range(start, a.steps):
         line, order = train_step(r, a, step)
         losses.append(line["loss"])
         if r.rank == 0:
-            log_step(log_path, bar, line)
+            log_step(log_path, bar, line, board)
         if (step + 1) % a.checkpoint_every == 0 or step + 1 == a.steps:
             extra = {"next": torch.tensor(step + 1), "rng": r.gen.get_state(), "order": order}
             state = _checkpoint.checkpoint_state(r.adapter, r.opt, extra, r.ema)
             _checkpoint.save_checkpoint(state, a.output_dir, step + 1, r.rank, r.barrier)
-    if bar is not None:
-        bar.close()
+            if r.rank == 0:
+                _report.plot_losses(a.output_dir)
+    for closing in (bar, board):
+        if closing is not None:
+            closing.close()
     evals = finish(r, a, before, a.steps - start, time.perf_counter() - t0)
     return {"losses": losses, **evals, "start": start}
 
@@ -210,11 +214,13 @@ def progress(a, start: int):
     return tqdm(total=a.steps, initial=start, desc="train_lora", unit="step", dynamic_ncols=True)
 
 
-def log_step(path: str, bar, line: dict) -> None:
+def log_step(path: str, bar, line: dict, board=None) -> None:
     """Rank 0: the step's line in ``losses.jsonl`` (step, loss, learning rate, and the
-    gradient norm before clipping with --max-grad-norm) and on the bar."""
+    gradient norm before clipping with --max-grad-norm), on the bar and in TensorBoard."""
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
+    if board is not None:
+        _report.tensorboard_line(board, line)
     if bar is not None:
         bar.set_postfix(loss=f"{line['loss']:.4f}", lr=f"{line['lr']:.2e}")
         bar.update(1)
