@@ -44,10 +44,12 @@ def _replicas(x) -> int:
 def global_norm(grads: list) -> float:
     """The 2-norm of all ``grads`` together, as one process holding them whole would get it
     (to fp64 rounding): each rank's local squares in fp64, each divided by its number of
-    replicas, summed over every rank in one all-reduce when the grads are DTensors."""
+    replicas, summed over every rank in one all-reduce when the grads are DTensors. A None
+    (a factor the loss does not reach, the same on every rank) counts as zero."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    grads = [g for g in grads if g is not None]
     total = torch.zeros((), dtype=torch.float64)
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
@@ -61,13 +63,14 @@ def global_norm(grads: list) -> float:
 
 def clip_(grads: list, max_norm: float) -> float:
     """Scale ``grads`` in place so that their global norm is at most ``max_norm`` (torch's
-    ``clip_grad_norm_`` rule: by ``max_norm / (norm + 1e-6)`` when below 1); returns the
-    norm before clipping."""
+    ``clip_grad_norm_`` rule: by ``max_norm / (norm + 1e-6)`` when below 1; Nones skipped);
+    returns the norm before clipping."""
     norm = global_norm(grads)
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
         for g in grads:
-            g.mul_(coef)
+            if g is not None:
+                g.mul_(coef)
     return norm
 
 
