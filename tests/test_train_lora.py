@@ -161,17 +161,22 @@ def test_a_previous_run_is_kept_unless_resumed_to_a_later_step_or_overwritten(
     assert _listing(out) == before
 
 
-def test_help_shows_every_default(capsys):
+@pytest.mark.parametrize("cli", [False, True])
+def test_help_shows_every_default(capsys, monkeypatch, cli):
     """``--help`` gives each option's default (the old help gave none: --resolution's 512
-    was nowhere)."""
+    was nowhere), from the script and from ``python -m functional_dit train --help``."""
+    from functional_dit.cli import main as cli_main
+
+    monkeypatch.setenv("COLUMNS", "200")  # (no default wrapped across lines)
     ns = _script()
     with pytest.raises(SystemExit) as e:
-        ns["main"](["--help"])
+        cli_main(["train", "--help"]) if cli else ns["main"](["--help"])
     text = capsys.readouterr().out
     assert e.value.code == 0 and "square training size, a multiple of 16 (default: 512)" in text
-    for action in ns["parser"]()._actions:
-        if action.option_strings and action.default is not argparse.SUPPRESS:  # -h, --data, --output-dir: none
-            assert f"(default: {action.default})" in text, action.option_strings
+    shown = [a for a in ns["parser"]()._actions if a.option_strings and a.default is not argparse.SUPPRESS]
+    for action in shown:  # (-h, --data, --output-dir: none)
+        assert f"(default: {action.default})" in text, action.option_strings
+    assert text.count("(default: ") == len(shown)  # each once, not twice
 
 
 def _shell(data, out, *extra, cli: bool = False) -> subprocess.CompletedProcess:

@@ -23,48 +23,58 @@ def parser(description: str = "LoRA fine-tuning, fully sharded") -> argparse.Arg
     return p
 
 
+def _with_default(p: argparse.ArgumentParser):
+    """``p.add_argument`` with `` (default: %(default)s)`` after each help (not for
+    required options)."""
+
+    def arg(*names, **kw):
+        if kw.get("default") is not argparse.SUPPRESS:
+            kw["help"] += " (default: %(default)s)"
+        p.add_argument(*names, **kw)
+
+    return arg
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The trainer's options on ``p`` (its own parser, or the CLI's ``train`` command)."""
+    """The trainer's options on ``p`` (its own parser, or the CLI's ``train`` command),
+    each help ending with its default (both parsers show it)."""
+    arg = _with_default(p)
     need = dict(required=True, default=argparse.SUPPRESS)  # (no "default: None" in --help)
-    p.add_argument("--data", **need, help="folder of images with same-name .txt captions or a metadata.jsonl")
-    p.add_argument("--output-dir", **need, help="cache, checkpoints, logs and the LoRA file")
-    p.add_argument(
+    arg("--data", **need, help="folder of images with same-name .txt captions or a metadata.jsonl")
+    arg("--output-dir", **need, help="cache, checkpoints, logs and the LoRA file")
+    arg(
         "--pipeline",
         default="tiny",
         help="a FLUX.1 / FLUX.2 / FLUX.2-klein / Qwen-Image pipeline folder, or tiny[:kind]",
     )
-    p.add_argument("--resolution", type=int, default=512, help="square training size, a multiple of 16")
-    p.add_argument("--trigger", default=None, help="a word put before every caption (None: none)")
-    p.add_argument("--caption-dropout", type=float, default=0.0, help="probability of the empty caption per item")
-    p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens per caption")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
-    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (None: the rank)")
-    p.add_argument("--targets", nargs="+", default=None, help="module suffixes to adapt (None: attention)")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=1e-4, help="AdamW weight decay")
-    p.add_argument("--batch-size", type=int, default=1, help="global batch per forward (split over dp x fsdp)")
-    p.add_argument("--grad-accum", type=int, default=1, help="forwards per step: a batch of --batch-size x this")
-    p.add_argument("--lr-scheduler", choices=SCHEDULES, default="constant", help="learning rate over the steps")
-    p.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warmup from 0")
-    p.add_argument("--max-grad-norm", type=float, default=None, help="clip by the global gradient norm (None: no)")
-    p.add_argument("--ema-decay", type=float, default=None, help="keep an EMA of the LoRA, written to ema/ (None: no)")
-    p.add_argument("--steps", type=int, default=1000, help="train until this step (with --resume: the new end)")
-    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
-    p.add_argument("--timesteps", choices=("logit_normal", "uniform"), default="logit_normal", help="t's law")
-    p.add_argument("--guidance", type=float, default=1.0, help="guidance input of guidance-distilled models")
-    p.add_argument("--seed", type=int, default=0, help="LoRA init, data order, noise and t")
-    p.add_argument("--fsdp", type=int, default=1, help="fully sharded degree")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="frozen weights, autocast")
-    p.add_argument("--reshard-after-forward", action="store_true", help="re-gather weights in backward (fsdp)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
-    p.add_argument(
-        "--overwrite", action="store_true", help="start over in an --output-dir that holds a run (its files removed)"
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--report-to", choices=("none", "tensorboard"), default="none", help="also log to TensorBoard (tensorboard/)"
-    )
+    arg("--resolution", type=int, default=512, help="square training size, a multiple of 16")
+    arg("--trigger", default=None, help="a word put before every caption")
+    arg("--caption-dropout", type=float, default=0.0, help="probability of the empty caption per item")
+    arg("--max-sequence-length", type=int, default=512, help="text tokens per caption")
+    arg("--rank", type=int, default=16, help="LoRA rank")
+    arg("--alpha", type=float, default=None, help="LoRA alpha (None: the rank)")
+    arg("--targets", nargs="+", default=None, help="module suffixes to adapt (None: attention)")
+    arg("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    arg("--weight-decay", type=float, default=1e-4, help="AdamW weight decay")
+    arg("--batch-size", type=int, default=1, help="global batch per forward (split over dp x fsdp)")
+    arg("--grad-accum", type=int, default=1, help="forwards per step: a batch of --batch-size x this")
+    arg("--lr-scheduler", choices=SCHEDULES, default="constant", help="learning rate over the steps")
+    arg("--warmup-steps", type=int, default=0, help="steps of linear warmup from 0")
+    arg("--max-grad-norm", type=float, default=None, help="clip by the global gradient norm (None: no)")
+    arg("--ema-decay", type=float, default=None, help="keep an EMA of the LoRA, written to ema/ (None: no)")
+    arg("--steps", type=int, default=1000, help="train until this step (with --resume: the new end)")
+    arg("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    arg("--timesteps", choices=("logit_normal", "uniform"), default="logit_normal", help="t's law")
+    arg("--guidance", type=float, default=1.0, help="guidance input of guidance-distilled models")
+    arg("--seed", type=int, default=0, help="LoRA init, data order, noise and t")
+    arg("--fsdp", type=int, default=1, help="fully sharded degree")
+    arg("--tp", type=int, default=1, help="tensor-parallel degree")
+    arg("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="frozen weights, autocast")
+    arg("--reshard-after-forward", action="store_true", help="re-gather weights in backward (fsdp)")
+    arg("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
+    arg("--overwrite", action="store_true", help="start over in an --output-dir that holds a run (its files removed)")
+    arg("--no-progress", action="store_true", help="no progress bar")
+    arg("--report-to", choices=("none", "tensorboard"), default="none", help="also log to TensorBoard (tensorboard/)")
 
 
 def check_args(argv=None, description: str = "LoRA fine-tuning, fully sharded") -> argparse.Namespace:
