@@ -208,9 +208,9 @@ def test_one_process_from_a_shell_resumes_refuses_and_overwrites_saying_so(data,
     eval.json written; stderr: no warning from DCP's saves and load); then --steps 1, a
     rerun without --resume and --ema-decay on a checkpoint without an EMA are refused in
     one line before the pipeline loads (its "[transformers]" lines never appear) with
-    nothing written; --steps 3 again has nothing
-    to train and leaves the file; --overwrite (``python -m functional_dit train``) starts
-    over, the old checkpoints gone."""
+    nothing written; --steps 3 again has nothing to train and leaves the file; loss.png is
+    drawn; --overwrite (``python -m functional_dit train``) starts over, the old
+    checkpoints gone."""
     out = tmp_path / "run"
     _ran(_shell(data, out, "--steps", "2"), out)
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the loss curve, drawn at each checkpoint
