@@ -43,6 +43,8 @@ def _layer(module: str) -> str:
         return parts[0]
     if len(parts) > 1 and parts[1] in ("pipelines", "cli", "serve"):
         return parts[1]
+    if parts[1:2] == ["train"]:  # the trainer: a command's machinery, beside cli
+        return "cli"
     if parts[1:2] == ["__main__"]:
         return "cli"
     return "core"

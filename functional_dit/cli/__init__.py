@@ -36,6 +36,7 @@ COMMANDS = {  # name -> (module with add_arguments / run, one-line help)
         "an OpenAI-compatible image server: continuous batching, a LoRA per request",
     ),
     "check": ("functional_dit.cli.check", "hardware check: fd.apply on a device vs CPU eager at a tiny config"),
+    "train": ("functional_dit.train", "a LoRA fine-tune on an image-caption folder, fully sharded, resumable"),
 }
 
 

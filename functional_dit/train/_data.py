@@ -1,0 +1,218 @@
+"""The training data: the image-caption folder, the pipeline that encodes it, the cache of
+latents and text embeddings on disk, and each step's items."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+IMAGES = (".png", ".jpg", ".jpeg", ".webp")
+
+
+CACHE = "cache.pt"
+
+
+TINY_KINDS = ("flux", "flux2-klein", "qwen-image")  # --pipeline tiny[:kind]
+
+
+PIPELINES = (
+    "FluxPipeline",
+    "Flux2Pipeline",
+    "Flux2KleinPipeline",
+    "QwenImagePipeline",
+)  # the encode steps written here
+
+
+METADATA = "metadata.jsonl"  # the diffusers / datasets image-folder captions: {"file_name", "text"}
+
+
+def find_items(folder: str) -> list[tuple[str, str]]:
+    """``(image path, caption)`` of every captioned image, sorted by name: the caption from
+    ``metadata.jsonl`` (``{"file_name": ..., "text": ...}`` lines, as the diffusers /
+    ``datasets`` image-folder layout) where it names the image, else from a same-name
+    ``.txt``; images with neither are left out. A bad ``metadata.jsonl`` raises
+    ``ValueError`` naming the line."""
+    captions = _metadata(folder)
+    out = []
+    for name in sorted(os.listdir(folder)):
+        stem, ext = os.path.splitext(name)
+        txt = os.path.join(folder, stem + ".txt")
+        if ext.lower() not in IMAGES or not (name in captions or os.path.isfile(txt)):
+            continue
+        if name not in captions:
+            with open(txt, encoding="utf-8") as f:
+                captions[name] = f.read()
+        out.append((os.path.join(folder, name), captions[name].strip()))
+    return out
+
+
+def _metadata(folder: str) -> dict[str, str]:
+    """``{file name: caption}`` from ``folder/metadata.jsonl`` (empty without one)."""
+    path = os.path.join(folder, METADATA)
+    if not os.path.isfile(path):
+        return {}
+    out = {}
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            if not (
+                isinstance(row, dict) and isinstance(row.get("file_name"), str) and isinstance(row.get("text"), str)
+            ):
+                raise ValueError(
+                    f'{path} line {n}: expected {{"file_name": str, "text": str}}, got {line.strip()[:80]!r}'
+                )
+            name = row["file_name"]
+            if os.path.basename(name) != name or os.path.splitext(name)[1].lower() not in IMAGES:
+                raise ValueError(f"{path} line {n}: expected an image file name ({', '.join(IMAGES)}), got {name!r}")
+            if not os.path.isfile(os.path.join(folder, name)):
+                raise ValueError(f"{path} line {n}: expected an image in {folder}, got {name!r} (not found)")
+            out[row["file_name"]] = row["text"]
+    return out
+
+
+def with_trigger(items: list[tuple[str, str]], trigger: str | None) -> list[tuple[str, str]]:
+    """``items`` with ``trigger`` put before each caption (``"TRIGGER caption"``)."""
+    if not trigger:
+        return items
+    return [(path, f"{trigger} {caption}".strip()) for path, caption in items]
+
+
+def caption_rows(idx: list[int], p: float, gen: torch.Generator, empty: int) -> list[int]:
+    """The text-embedding row of each item of ``idx``: its own, or with probability ``p``
+    the empty caption's (row ``empty``), drawn from ``gen`` (nothing drawn when ``p`` is 0,
+    so a run without dropout draws what it drew before)."""
+    if p <= 0:
+        return list(idx)
+    drop = torch.rand(len(idx), generator=gen) < p
+    return [empty if d else i for i, d in zip(idx, drop.tolist())]
+
+
+def load_pipeline(path: str):
+    """The pipeline at ``path`` (offline, fp32), or a tiny one (``tiny``: FLUX.1,
+    ``tiny:flux2-klein``)."""
+    if path.startswith("tiny"):
+        from functional_dit import tiny
+
+        return tiny.pipeline(path.partition(":")[2] or "flux", seed=0)
+    import diffusers
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True)
+    if type(pipe).__name__ not in PIPELINES:
+        raise ValueError(f"--pipeline: expected one of {PIPELINES}, got a {type(pipe).__name__}")
+    return pipe
+
+
+def image_tensor(path: str, size: int) -> torch.Tensor:
+    """The image resized (shorter side to ``size``, bicubic) and centre-cropped, as
+    (3, size, size) in [-1, 1]."""
+    from PIL import Image
+
+    img = Image.open(path).convert("RGB")
+    scale = size / min(img.size)
+    img = img.resize((max(size, round(img.width * scale)), max(size, round(img.height * scale))), Image.BICUBIC)
+    left, top = (img.width - size) // 2, (img.height - size) // 2
+    img = img.crop((left, top, left + size, top + size))
+    x = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(size, size, 3)
+    return x.permute(2, 0, 1).float() / 127.5 - 1
+
+
+@torch.no_grad()
+def encode(pipe, items, resolution: int, max_len: int, key: str) -> dict:
+    """The training tensors of ``items`` as the pipeline prepares them: ``latents`` (N, S, C)
+    packed, ``txt`` (N + 1, L, D) text embeddings (row N: the empty caption, for
+    --caption-dropout), and what the family's transformer takes besides: FLUX.1 ``pooled``
+    (N + 1, P) and position ids, FLUX.2 position ids, Qwen-Image ``txt_mask`` (N + 1, L)
+    (captions padded to the longest) and ``img_shapes``; ``key`` the cache's."""
+    kind = type(pipe).__name__
+    images = [_latent(pipe, kind, image_tensor(path, resolution)[None]) for path, _ in items]
+    texts = [_text(pipe, kind, caption, max_len) for caption in [c for _, c in items] + [""]]
+    out = {"key": key, "latents": torch.stack([z for z, _ in images]), **images[0][1], **texts[0][2]}
+    embeds = [e for e, _, _ in texts]
+    if kind == "QwenImagePipeline":  # captions of different lengths: padded with zeros, masked out
+        masks = [m for _, m, _ in texts]
+        L = max(len(m) for m in masks)
+        embeds = [torch.nn.functional.pad(e, (0, 0, 0, L - len(e))) for e in embeds]
+        out["txt_mask"] = torch.stack([torch.nn.functional.pad(m, (0, L - len(m))) for m in masks])
+    if kind == "FluxPipeline":
+        out["pooled"] = torch.stack([p for _, p, _ in texts])
+    return {**out, "txt": torch.stack(embeds)}
+
+
+def _latent(pipe, kind: str, image: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """One image's packed latent (S, C) and its position inputs (the same for every image)."""
+    if kind == "FluxPipeline":  # shifted and scaled, packed 2x2
+        z = pipe.vae.encode(image).latent_dist.mode()
+        z = (z - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+        _, c, h, w = z.shape
+        ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, "cpu", torch.float32)
+        return pipe._pack_latents(z, 1, c, h, w)[0], {"img_ids": ids}
+    if kind == "QwenImagePipeline":  # a one-frame video latent, normalised, packed 2x2
+        z = pipe.vae.encode(image[:, :, None]).latent_dist.mode()
+        shape = (1, -1, 1, 1, 1)
+        mean = torch.tensor(pipe.vae.config.latents_mean).view(shape)
+        z = (z - mean) / torch.tensor(pipe.vae.config.latents_std).view(shape)
+        _, c, _, h, w = z.shape
+        return pipe._pack_latents(z, 1, c, h, w)[0], {"img_shapes": [(1, h // 2, w // 2)]}
+    z = pipe._encode_vae_image(image, generator=None)  # FLUX.2: patchified 2x2, batch-normed
+    return pipe._pack_latents(z)[0], {"img_ids": pipe._prepare_latent_ids(z)[0]}
+
+
+def _text(pipe, kind: str, caption: str, max_len: int) -> tuple[torch.Tensor, object, dict]:
+    """One caption's embeddings (L, D), its FLUX.1 pooled vector or Qwen-Image mask (else
+    None) and its position inputs."""
+    if kind == "FluxPipeline":  # T5 + CLIP pooled
+        e, p, txt_ids = pipe.encode_prompt(caption, prompt_2=None, max_sequence_length=max_len)
+        return e[0], p[0], {"txt_ids": txt_ids}
+    if kind == "QwenImagePipeline":
+        e, m = pipe.encode_prompt(caption, max_sequence_length=max_len)
+        return e[0], (torch.ones(e.shape[1], dtype=torch.long) if m is None else m[0].long()), {}
+    e, txt_ids = pipe.encode_prompt(caption, max_sequence_length=max_len)  # FLUX.2
+    return e[0], None, {"txt_ids": txt_ids[0]}
+
+
+CACHE_VERSION = 2  # 2: the empty caption's embeddings in row N
+
+
+def cache_key_of(items, a) -> str:
+    """What the cache depends on: each image (name, mtime) and its caption as encoded
+    (--trigger included), the pipeline, the resolution and the text length."""
+    stamp = [(os.path.basename(p), os.path.getmtime(p), c) for p, c in items]
+    return json.dumps([CACHE_VERSION, stamp, a.pipeline, a.resolution, a.max_sequence_length])
+
+
+def prepare(a, rank: int, barrier):
+    """The cached training tensors (rank 0 encodes them once) and the transformer params
+    (fp32, full) from the pipeline."""
+    import functional_dit as fd
+
+    os.makedirs(a.output_dir, exist_ok=True)
+    items = with_trigger(find_items(a.data), a.trigger)
+    path, key = os.path.join(a.output_dir, CACHE), cache_key_of(items, a)
+    pipe = load_pipeline(a.pipeline)
+    if rank == 0:
+        cached = torch.load(path) if os.path.isfile(path) else None
+        if cached is None or cached["key"] != key:
+            tmp = path + ".tmp"
+            torch.save(encode(pipe, items, a.resolution, a.max_sequence_length, key), tmp)
+            os.replace(tmp, path)
+    barrier()
+    data = torch.load(path)
+    return data, fd.from_diffusers(pipe.transformer)
+
+
+def batch_indices(step: int, batch: int, n: int, seed: int) -> tuple[list[int], torch.Tensor]:
+    """The items of ``step``: the next ``batch`` of a permutation per epoch (seeded by
+    ``seed`` and the epoch), continuing into the next epoch; and the step's epoch order."""
+    out, order = [], None
+    for c in range(step * batch, (step + 1) * batch):
+        epoch, pos = divmod(c, n)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+        out.append(int(order[pos]))
+    return out, order
