@@ -23,6 +23,7 @@ import time
 import uuid
 
 from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
@@ -193,6 +194,8 @@ def app(service: Service, request_timeout: float) -> Starlette:
             reqs = service.requests(body)
         except BadRequest as e:
             return answer(400, error(400, str(e), e.field))
+        except ClientDisconnect:  # gone before its body arrived (was an unhandled 500): nothing queued
+            return answer(499, PlainTextResponse("client closed request", status_code=499))
         loop, fut = asyncio.get_running_loop(), None
         fut = loop.create_future()
 
