@@ -54,9 +54,19 @@ def _number(body, field, kind, lo, default):
     if v is None:
         return None
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
-    if not ok or v < lo:
-        raise BadRequest(field, f"{'an int' if kind is int else 'a number'} ≥ {lo}", v)
+    if not ok or not _fp32(v, kind) or v < lo:
+        raise BadRequest(field, f"{'an int' if kind is int else 'a finite number'} ≥ {lo}", v)
     return kind(v)
+
+
+def _fp32(v, kind) -> bool:
+    """A float field's value fits float32: JSON's NaN, Infinity and 1e39 (as the model's
+    guidance or CFG scale) made the model call raise, which stopped the engine (every
+    client a 503)."""
+    return kind is int or abs(v) <= FP32_MAX  # False for NaN; exact for an int of any size
+
+
+FP32_MAX = 3.4028234663852886e38
 
 
 class Service:
@@ -152,8 +162,8 @@ class Service:
             if e["name"] not in self.engine.adapters:
                 raise BadRequest(f"lora[{k}].name", f"one of the loaded adapters {names}", e["name"])
             scale = e.get("scale", 1.0)
-            if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-                raise BadRequest(f"lora[{k}].scale", "a number", scale)
+            if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not _fp32(scale, float):
+                raise BadRequest(f"lora[{k}].scale", "a finite number", scale)
             out.append((self.engine.adapters[e["name"]], float(scale)))
         return tuple(out)
 
