@@ -54,11 +54,11 @@ BOOT_S = 300
 # -4.3 to -1.0 MiB; single rounds move +-3 MiB; with 3 rounds, +4.2 at most over 11 runs at
 # load 3-16. The first round alone read up to +8.2 (and +13 to +17 when the warm-up lacked
 # the 100 k-character prompt: the tokenizer's buffers, a one-time step, flat afterwards).
-# 10 MiB is over twice the largest growth seen; it catches a leak of ~18 KiB per request
-# (~580 in the last three rounds: a kept body, a kept tokenization of a long prompt; 32 KiB
-# kept per request, injected once into a 3-round run, read +15.5 MiB over two rounds and
-# failed) or of ~0.2 MiB per accepted image (~50: a kept state and PNG). A smaller
-# per-image leak is below its reach.
+# 10 MiB is over twice the largest growth seen. 32 KiB kept per request, injected once,
+# read +12.9 MiB over the last three rounds (~580 requests; 18 MiB kept: RSS grows in
+# lumps) and failed, so it catches a leak of ~30 KiB per request (a kept body, a kept
+# tokenization of a long prompt) or of ~0.3 MiB per accepted image (~50: a kept state and
+# PNG); a smaller leak is below its reach.
 RSS_GROWTH_MIB = 10
 ANSWERS = {200, 400, 429, 503, 504}
 DONE = {200, 429, 499, 504}
