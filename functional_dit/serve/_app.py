@@ -25,6 +25,7 @@ import time
 import uuid
 
 from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
@@ -43,9 +44,19 @@ def _number(body, field, kind, lo, default):
     if v is None:
         return None
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
-    if not ok or v < lo:
-        raise BadRequest(field, f"{'an int' if kind is int else 'a number'} ≥ {lo}", v)
+    if not ok or not _fp32(v, kind) or v < lo:
+        raise BadRequest(field, f"{'an int' if kind is int else 'a finite number'} ≥ {lo}", v)
     return kind(v)
+
+
+def _fp32(v, kind) -> bool:
+    """A float field's value fits float32: JSON's NaN, Infinity and 1e39 (as the model's
+    guidance or CFG scale) made the model call raise, which stopped the engine (every
+    client a 503)."""
+    return kind is int or abs(v) <= FP32_MAX  # False for NaN; exact for an int of any size
+
+
+FP32_MAX = 3.4028234663852886e38
 
 
 class Service:
@@ -158,8 +169,8 @@ class Service:
             if e["name"] not in adapters:
                 raise BadRequest(f"lora[{k}].name", f"one of the loaded adapters {names}", e["name"])
             scale = e.get("scale", 1.0)
-            if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-                raise BadRequest(f"lora[{k}].scale", "a number", scale)
+            if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not _fp32(scale, float):
+                raise BadRequest(f"lora[{k}].scale", "a finite number", scale)
             out.append((adapters[e["name"]], float(scale)))
         return tuple(out)
 
@@ -222,6 +233,8 @@ def _generations(service: Service, request_timeout: float, answer):
             reqs, (priority, deadline_ms) = service.requests(body), service.order(body)
         except BadRequest as e:
             return answer(400, error(400, str(e), e.field))
+        except ClientDisconnect:  # gone before its body arrived (was an unhandled 500): nothing queued
+            return answer(499, PlainTextResponse("client closed request", status_code=499))
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
