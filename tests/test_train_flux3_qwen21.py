@@ -121,3 +121,14 @@ def test_qwen_image_21_needs_a_resolution_multiple_of_32(data, tmp_path, capsys)
     err = capsys.readouterr().err
     assert "--resolution: expected a multiple of 32 for Qwen-Image 2.1 (its x16 VAE, 2x2 image slots), got 48" in err
     assert not out.exists()
+
+
+def test_a_saved_flux3_folder_trains(data, tmp_path, one_thread):
+    """A FLUX.3 folder is a modular pipeline's (modular_model_index.json, no model_index.json):
+    it loads as one and trains to the same first loss as ``tiny:flux3``, the same pipeline."""
+    folder = str(tmp_path / "flux3")
+    tiny.pipeline("flux3", seed=0).save_pretrained(folder, overwrite_modular_index=True)
+    args = ["--data", data, *ARGS, "--steps", "1", "--checkpoint-every", "1"]
+    saved = main(["--pipeline", folder, "--output-dir", str(tmp_path / "a"), *args])
+    direct = main(["--pipeline", "tiny:flux3", "--output-dir", str(tmp_path / "b"), *args])
+    assert math.isfinite(saved["losses"][0]) and saved["losses"] == direct["losses"], (saved, direct)

@@ -8,7 +8,7 @@ import importlib.util
 import os
 
 from ._checkpoint import checkpoint_step, has_ema, latest_checkpoint, previous_run
-from ._data import FLOW_MAP, IMAGES, METADATA, TINY_KINDS, check_resolution, find_items
+from ._data import FLOW_MAP, IMAGES, METADATA, MODULAR_INDEX, TINY_KINDS, check_resolution, find_items
 from ._optim import SCHEDULES
 
 
@@ -103,7 +103,8 @@ def check(a: argparse.Namespace, error) -> None:
     tiny = ("tiny", *(f"tiny:{k}" for k in TINY_KINDS))
     if a.pipeline == "tiny:flux3-distilled":
         error(f"--pipeline: {FLOW_MAP}, got {a.pipeline!r}")
-    if a.pipeline not in tiny and not os.path.isfile(os.path.join(a.pipeline, "model_index.json")):
+    indexed = any(os.path.isfile(os.path.join(a.pipeline, n)) for n in ("model_index.json", MODULAR_INDEX))
+    if a.pipeline not in tiny and not indexed:
         bad("--pipeline", f"one of {tiny} or a diffusers pipeline folder (with model_index.json)", a.pipeline)
     _check_numbers(a, bad)
     try:  # (a folder's family: checked once loaded)

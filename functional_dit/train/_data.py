@@ -96,15 +96,22 @@ def caption_rows(idx: list[int], p: float, gen: torch.Generator, empty: int) -> 
     return [empty if d else i for i, d in zip(idx, drop.tolist())]
 
 
+MODULAR_INDEX = "modular_model_index.json"  # a modular pipeline's folder (FLUX.3), in place of model_index.json
+
+
 def load_pipeline(path: str):
-    """The pipeline at ``path`` (offline, fp32), or a tiny one (``tiny``: FLUX.1,
-    ``tiny:flux2-klein``)."""
+    """The pipeline at ``path`` (fp32; a modular one where the folder has `MODULAR_INDEX`),
+    or a tiny one (``tiny``: FLUX.1, ``tiny:flux2-klein``, ...)."""
     if path.startswith("tiny"):
         from functional_dit import tiny
 
         return check_trainable(tiny.pipeline(path.partition(":")[2] or "flux", seed=0))
     import diffusers
 
+    if os.path.isfile(os.path.join(path, MODULAR_INDEX)):  # FLUX.3's modular pipelines
+        pipe = diffusers.ModularPipeline.from_pretrained(path)
+        pipe.load_components(torch_dtype=torch.float32)
+        return check_trainable(pipe)
     pipe = diffusers.DiffusionPipeline.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True)
     return check_trainable(pipe)
 
