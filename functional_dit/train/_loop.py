@@ -193,7 +193,8 @@ def loss_of(params, adapter, kw, target, autocast: bool, reshard: bool = False):
     with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=autocast):
         with sharding.fsdp_options(reshard_after_forward=reshard):
             out = fd.apply(params, **kw, lora=[(adapter, 1.0)])
-    out = out[:, -target.shape[1] :]  # Qwen-Image 2.1 returns the whole joint sequence: its image tokens
+    if out.shape[1] != target.shape[1]:  # Qwen-Image 2.1 returns the whole joint sequence: its image tokens last
+        out = out[:, -target.shape[1] :]
     return F.mse_loss(out.float(), target.float())
 
 
