@@ -8,7 +8,7 @@ import importlib.util
 import os
 
 from ._checkpoint import checkpoint_step, has_ema, latest_checkpoint, previous_run
-from ._data import IMAGES, METADATA, TINY_KINDS, find_items
+from ._data import FLOW_MAP, IMAGES, METADATA, MODULAR_INDEX, TINY_KINDS, check_resolution, find_items
 from ._optim import SCHEDULES
 
 
@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg(
         "--pipeline",
         default="tiny",
-        help="a FLUX.1 / FLUX.2 / FLUX.2-klein / Qwen-Image pipeline folder, or tiny[:kind]",
+        help="a FLUX.1 / FLUX.2 / klein / Qwen-Image / FLUX.3 (base) / Qwen-Image 2.1 pipeline folder, or tiny[:kind]",
     )
     arg("--resolution", type=int, default=512, help="square training size, a multiple of 16")
     arg("--trigger", default=None, help="a word put before every caption")
@@ -101,9 +101,16 @@ def check(a: argparse.Namespace, error) -> None:
     if not found:
         bad("--data", f"images ({', '.join(IMAGES)}) each with a same-name .txt caption or in {METADATA}", a.data)
     tiny = ("tiny", *(f"tiny:{k}" for k in TINY_KINDS))
-    if a.pipeline not in tiny and not os.path.isfile(os.path.join(a.pipeline, "model_index.json")):
+    if a.pipeline == "tiny:flux3-distilled":
+        error(f"--pipeline: {FLOW_MAP}, got {a.pipeline!r}")
+    indexed = any(os.path.isfile(os.path.join(a.pipeline, n)) for n in ("model_index.json", MODULAR_INDEX))
+    if a.pipeline not in tiny and not indexed:
         bad("--pipeline", f"one of {tiny} or a diffusers pipeline folder (with model_index.json)", a.pipeline)
     _check_numbers(a, bad)
+    try:  # (a folder's family: checked once loaded)
+        check_resolution("QwenImage21Pipeline" if a.pipeline == "tiny:qwen-image-2.1" else "", a.resolution)
+    except ValueError as e:
+        error(str(e))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if a.fsdp * a.tp != world:
         bad("--fsdp x --tp", f"the world size {world} (WORLD_SIZE)", f"{a.fsdp} x {a.tp} = {a.fsdp * a.tp}")

@@ -14,7 +14,7 @@ IMAGES = (".png", ".jpg", ".jpeg", ".webp")
 CACHE = "cache.pt"
 
 
-TINY_KINDS = ("flux", "flux2-klein", "qwen-image")  # --pipeline tiny[:kind]
+TINY_KINDS = ("flux", "flux2-klein", "qwen-image", "flux3", "qwen-image-2.1")  # --pipeline tiny[:kind]
 
 
 PIPELINES = (
@@ -22,7 +22,9 @@ PIPELINES = (
     "Flux2Pipeline",
     "Flux2KleinPipeline",
     "QwenImagePipeline",
-)  # the encode steps written here
+    "Flux3ModularPipeline",
+    "QwenImage21Pipeline",
+)  # the encode steps written here (FLUX.3: the base model; its flow map is refused, `check_trainable`)
 
 
 METADATA = "metadata.jsonl"  # the diffusers / datasets image-folder captions: {"file_name", "text"}
@@ -94,19 +96,50 @@ def caption_rows(idx: list[int], p: float, gen: torch.Generator, empty: int) -> 
     return [empty if d else i for i, d in zip(idx, drop.tolist())]
 
 
+MODULAR_INDEX = "modular_model_index.json"  # a modular pipeline's folder (FLUX.3), in place of model_index.json
+
+
 def load_pipeline(path: str):
-    """The pipeline at ``path`` (offline, fp32), or a tiny one (``tiny``: FLUX.1,
-    ``tiny:flux2-klein``)."""
+    """The pipeline at ``path`` (fp32; a modular one where the folder has `MODULAR_INDEX`),
+    or a tiny one (``tiny``: FLUX.1, ``tiny:flux2-klein``, ...)."""
     if path.startswith("tiny"):
         from functional_dit import tiny
 
-        return tiny.pipeline(path.partition(":")[2] or "flux", seed=0)
+        return check_trainable(tiny.pipeline(path.partition(":")[2] or "flux", seed=0))
     import diffusers
 
+    if os.path.isfile(os.path.join(path, MODULAR_INDEX)):  # FLUX.3's modular pipelines
+        pipe = diffusers.ModularPipeline.from_pretrained(path)
+        pipe.load_components(torch_dtype=torch.float32)
+        return check_trainable(pipe)
     pipe = diffusers.DiffusionPipeline.from_pretrained(path, torch_dtype=torch.float32, local_files_only=True)
-    if type(pipe).__name__ not in PIPELINES:
-        raise ValueError(f"--pipeline: expected one of {PIPELINES}, got a {type(pipe).__name__}")
+    return check_trainable(pipe)
+
+
+FLOW_MAP = (
+    "FLUX.3's flow map (step-distilled, flow_map=True) is not trainable here: it learns jumps to a "
+    "target timestep, not the velocity this loss fits; expected the base model (Flux3ModularPipeline, tiny:flux3)"
+)
+
+
+def check_trainable(pipe):
+    """``pipe`` if its family's encode steps are written here, else a ``ValueError`` naming
+    --pipeline (FLUX.3's flow map: `FLOW_MAP`)."""
+    kind = type(pipe).__name__
+    if not any(c.__name__ in PIPELINES for c in type(pipe).__mro__):  # (FLUX.3's distilled one: a subclass)
+        raise ValueError(f"--pipeline: expected one of {PIPELINES}, got a {kind}")
+    if getattr(pipe.transformer.config, "flow_map", False):
+        raise ValueError(f"--pipeline: {FLOW_MAP}, got a {kind} with flow_map=True")
     return pipe
+
+
+def check_resolution(kind: str, resolution: int) -> None:
+    """A ``ValueError`` naming --resolution unless the family's latent fits it: Qwen-Image
+    2.1's x16 VAE and one image slot per 2x2 latent patch need a multiple of 32 (its
+    pipeline's check); the others' a multiple of 16 (checked with the arguments)."""
+    if kind == "QwenImage21Pipeline" and resolution % 32:
+        expected = "a multiple of 32 for Qwen-Image 2.1 (its x16 VAE, 2x2 image slots)"
+        raise ValueError(f"--resolution: expected {expected}, got {resolution}")
 
 
 def image_tensor(path: str, size: int) -> torch.Tensor:
@@ -128,18 +161,26 @@ def encode(pipe, items, resolution: int, max_len: int, key: str) -> dict:
     """The training tensors of ``items`` as the pipeline prepares them: ``latents`` (N, S, C)
     packed, ``txt`` (N + 1, L, D) text embeddings (row N: the empty caption, for
     --caption-dropout), and what the family's transformer takes besides: FLUX.1 ``pooled``
-    (N + 1, P) and position ids, FLUX.2 position ids, Qwen-Image ``txt_mask`` (N + 1, L)
-    (captions padded to the longest) and ``img_shapes``; ``key`` the cache's."""
+    (N + 1, P) and position ids, FLUX.2 / FLUX.3 position ids, Qwen-Image (2.1)
+    ``txt_mask`` (N + 1, L) (captions padded to the longest) and ``img_shapes``, Qwen-Image
+    2.1 ``img_mask`` (L + S/4,) (the joint sequence's image slots, one layout for all);
+    ``key`` the cache's."""
     kind = type(pipe).__name__
     images = [_latent(pipe, kind, image_tensor(path, resolution)[None]) for path, _ in items]
-    texts = [_text(pipe, kind, caption, max_len) for caption in [c for _, c in items] + [""]]
+    captions = [c for _, c in items] + [""]
+    if kind == "Flux3ModularPipeline":
+        texts = _flux3_texts(pipe, captions, max_len)
+    else:
+        texts = [_text(pipe, kind, caption, max_len) for caption in captions]
     out = {"key": key, "latents": torch.stack([z for z, _ in images]), **images[0][1], **texts[0][2]}
     embeds = [e for e, _, _ in texts]
-    if kind == "QwenImagePipeline":  # captions of different lengths: padded with zeros, masked out
+    if kind in ("QwenImagePipeline", "QwenImage21Pipeline"):  # captions of different lengths: padded, masked
         masks = [m for _, m, _ in texts]
         L = max(len(m) for m in masks)
         embeds = [torch.nn.functional.pad(e, (0, 0, 0, L - len(e))) for e in embeds]
         out["txt_mask"] = torch.stack([torch.nn.functional.pad(m, (0, L - len(m))) for m in masks])
+    if kind == "QwenImage21Pipeline":  # the text rows, then one image slot per 2x2 latent patch (the pipeline's)
+        out["img_mask"] = torch.tensor([False] * L + [True] * (out["latents"].shape[1] // 4))
     if kind == "FluxPipeline":
         out["pooled"] = torch.stack([p for _, p, _ in texts])
     return {**out, "txt": torch.stack(embeds)}
@@ -153,15 +194,64 @@ def _latent(pipe, kind: str, image: torch.Tensor) -> tuple[torch.Tensor, dict]:
         _, c, h, w = z.shape
         ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, "cpu", torch.float32)
         return pipe._pack_latents(z, 1, c, h, w)[0], {"img_ids": ids}
-    if kind == "QwenImagePipeline":  # a one-frame video latent, normalised, packed 2x2
+    if kind in ("QwenImagePipeline", "QwenImage21Pipeline"):  # a one-frame video latent, normalised
+        if kind == "QwenImage21Pipeline":  # RGBA, as its pipeline converts images: opaque
+            image = torch.cat([image, torch.ones_like(image[:, :1])], 1)
         z = pipe.vae.encode(image[:, :, None]).latent_dist.mode()
         shape = (1, -1, 1, 1, 1)
         mean = torch.tensor(pipe.vae.config.latents_mean).view(shape)
         z = (z - mean) / torch.tensor(pipe.vae.config.latents_std).view(shape)
-        _, c, _, h, w = z.shape
-        return pipe._pack_latents(z, 1, c, h, w)[0], {"img_shapes": [(1, h // 2, w // 2)]}
+        _, c, _, h, w = z.shape  # Qwen-Image packs 2x2; 2.1 takes it unpatched (its _pack_latents: a flatten)
+        side = (h // 2, w // 2) if kind == "QwenImagePipeline" else (h, w)
+        return pipe._pack_latents(z, 1, c, h, w)[0], {"img_shapes": [(1, *side)]}
+    if kind == "Flux3ModularPipeline":
+        return _flux3_latent(pipe, image)
     z = pipe._encode_vae_image(image, generator=None)  # FLUX.2: patchified 2x2, batch-normed
     return pipe._pack_latents(z)[0], {"img_ids": pipe._prepare_latent_ids(z)[0]}
+
+
+def _flux3_latent(pipe, image: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """FLUX.3's latent as its VAE encoder step makes a reference's (patchified 2x2,
+    batch-normed) packed as the sampler packs (one token per patch), and its 4-axis ids
+    (image H/W scaled by 0.5, as Flux3PrepareLatentsStep)."""
+    from diffusers.modular_pipelines.flux3.encoders import Flux3VaeEncoderStep
+
+    from ..pipelines.families.flux3 import Flux3
+
+    vae = pipe.vae
+    z = Flux3VaeEncoderStep._patchify_latents(vae.encode(image).latent_dist.mode())
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    z = (z - mean) / torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    _, _, h, w = z.shape
+    rows, cols = torch.meshgrid(torch.arange(h) * 1.0, torch.arange(w) * 1.0, indexing="ij")
+    zeros = torch.zeros(rows.numel())
+    ids = torch.stack([zeros, rows.reshape(-1) * Flux3.ROPE_SCALE, cols.reshape(-1) * Flux3.ROPE_SCALE, zeros], -1)
+    return Flux3.pack(z)[0], {"img_ids": ids}
+
+
+def _flux3_texts(pipe, captions: list[str], max_len: int) -> list[tuple]:
+    """FLUX.3's caption embeddings through its pipeline's encoder (stacked Qwen3-VL layers,
+    right-padded to a multiple of 80 tokens, as `fd.sample` encodes), all at one length: a
+    caption whose padded length is shorter than the longest's is padded to it with the
+    same pad tokens (FLUX.3 attends to them: no mask to stack captions with instead)."""
+    import types
+
+    from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
+
+    from ..pipelines.families.flux3 import Flux3
+
+    layers = Flux3(types.SimpleNamespace(config=pipe.transformer.config), pipe)._layers()
+    embed = Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds
+
+    def run(caption: str, multiple: int) -> torch.Tensor:
+        kw = dict(max_sequence_length=max_len, pad_multiple=multiple, hidden_states_layers=layers)
+        return embed(pipe.text_encoder, pipe.tokenizer, caption, **kw)[0]
+
+    embeds = [run(c, Flux3.PAD_MULTIPLE) for c in captions]
+    T = max(len(e) for e in embeds)
+    embeds = [e if len(e) == T else run(c, T) for c, e in zip(captions, embeds)]
+    ids = torch.stack([torch.zeros(T), torch.zeros(T), torch.zeros(T), torch.arange(T) * 1.0], -1)
+    return [(e, None, {"txt_ids": ids}) for e in embeds]
 
 
 def _text(pipe, kind: str, caption: str, max_len: int) -> tuple[torch.Tensor, object, dict]:
@@ -173,11 +263,14 @@ def _text(pipe, kind: str, caption: str, max_len: int) -> tuple[torch.Tensor, ob
     if kind == "QwenImagePipeline":
         e, m = pipe.encode_prompt(caption, max_sequence_length=max_len)
         return e[0], (torch.ones(e.shape[1], dtype=torch.long) if m is None else m[0].long()), {}
+    if kind == "QwenImage21Pipeline":  # its own template and length (no max_sequence_length); text only
+        e, m, _ = pipe.encode_prompt(caption, device=torch.device("cpu"))
+        return e[0], (torch.ones(e.shape[1], dtype=torch.long) if m is None else m[0].long()), {}
     e, txt_ids = pipe.encode_prompt(caption, max_sequence_length=max_len)  # FLUX.2
     return e[0], None, {"txt_ids": txt_ids[0]}
 
 
-CACHE_VERSION = 2  # 2: the empty caption's embeddings in row N
+CACHE_VERSION = 3  # 2: the empty caption's embeddings in row N; 3: FLUX.3, Qwen-Image 2.1
 
 
 def cache_key_of(items, a) -> str:
@@ -196,6 +289,7 @@ def prepare(a, rank: int, barrier):
     items = with_trigger(find_items(a.data), a.trigger)
     path, key = os.path.join(a.output_dir, CACHE), cache_key_of(items, a)
     pipe = load_pipeline(a.pipeline)
+    check_resolution(type(pipe).__name__, a.resolution)
     if rank == 0:
         cached = torch.load(path) if os.path.isfile(path) else None
         if cached is None or cached["key"] != key:

@@ -177,6 +177,8 @@ def inputs(data: dict, idx: list[int], noise, t: torch.Tensor, guidance, params,
     kw.update({k: data[k].to(device) for k in ("img_ids", "txt_ids") if k in data})
     if "img_shapes" in data:
         kw["img_shapes"] = [data["img_shapes"]] * len(idx)
+    if "img_mask" in data:  # Qwen-Image 2.1: one layout for the batch
+        kw["img_mask"] = data["img_mask"].expand(len(idx), -1).to(device)
     if getattr(params.config, "guidance_embeds", False):
         kw["guidance"] = torch.full((len(idx),), guidance, device=device)
     return kw, (noise - x0).to(device)
@@ -191,6 +193,8 @@ def loss_of(params, adapter, kw, target, autocast: bool, reshard: bool = False):
     with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=autocast):
         with sharding.fsdp_options(reshard_after_forward=reshard):
             out = fd.apply(params, **kw, lora=[(adapter, 1.0)])
+    if out.shape[1] != target.shape[1]:  # Qwen-Image 2.1 returns the whole joint sequence: its image tokens last
+        out = out[:, -target.shape[1] :]
     return F.mse_loss(out.float(), target.float())
 
 
