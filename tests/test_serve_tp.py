@@ -64,7 +64,8 @@ def _torchrun(tmp_path, *flags):
     cmd += ["--max-sequence-length", str(MSL), "--rank-timeout", "20", "--max-steps", str(10**5)]
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "torchrun.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    # its own process group: a SIGKILL to torchrun alone would leave its two ranks running
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         end = time.monotonic() + 300
         while True:
@@ -76,9 +77,9 @@ def _torchrun(tmp_path, *flags):
                 time.sleep(0.5)
         yield url, proc
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):  # torchrun and whatever rank is still running
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
         log.close()
 
 
