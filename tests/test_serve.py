@@ -393,6 +393,10 @@ def test_serve_without_its_extra_prints_one_line(tmp_path, capsys, monkeypatch):
     done = subprocess.run([sys.executable, "-c", code, "serve", "--model", "flux"], capture_output=True, text=True,
                           env=env, timeout=300)  # fmt: skip
     assert done.returncode == 2 and done.stderr == MISSING + "\n" and done.stdout == "", done.stderr
+    monkeypatch.setitem(sys.modules, "python_multipart", None)  # the edits' form parser, of the same extra
+    assert one_line_error(["serve", "--model", "flux"], capsys) == MISSING.replace(
+        "starlette and uvicorn", "python-multipart (the edits uploads)"
+    )
     monkeypatch.setitem(sys.modules, "uvicorn", None)
     assert one_line_error(["serve", "--model", "flux"], capsys) == MISSING
 
@@ -464,8 +468,8 @@ def test_sigterm_drains_and_exits_0(env):
 def test_model_names_resolve_as_generate_does(env, capsys):
     """``--model`` takes generate's names: ``tiny:KIND`` is the tiny pipeline at seed 0
     (the same weights as ``flux``), a bare preset name the released model; an unknown tiny
-    kind, a missing preset and a pipeline the per-item sampler does not run are one-line
-    errors naming ``--model``."""
+    kind and a missing preset are one-line errors naming ``--model`` (Kontext, once refused
+    here, is served: its edits, tests/test_serve_edits.py)."""
     import torch.utils._pytree as pytree
     from _cli import one_line_error
 
@@ -479,7 +483,6 @@ def test_model_names_resolve_as_generate_does(env, capsys):
     for name, says in (
         ("tiny:nope", "tiny:KIND"),
         ("qwen-image", "preset 'qwen-image'"),
-        ("flux-kontext", "text to image"),
     ):
         err = one_line_error(["serve", "--model", name, "--port", "1"], capsys)
         assert "--model" in err and says in err, err

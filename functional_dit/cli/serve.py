@@ -63,6 +63,8 @@ def _limit_arguments(p) -> None:
     p.add_argument("--size", default="1024x1024", help="the size of a request that names none, WxH")
     p.add_argument("--max-steps", type=positive, default=200, help="the most steps a request may ask for (more: 400)")
     p.add_argument("--max-size", type=positive, default=2048, help="the largest width or height served")
+    p.add_argument("--max-upload-bytes", type=positive, default=16 * 2**20, help="an edits request's body, bytes")
+    p.add_argument("--max-upload-pixels", type=positive, default=4096 * 4096, help="each uploaded image's pixels")
     p.add_argument("--max-sequence-length", type=positive, default=None, help="text tokens (default: the model's)")
 
 
@@ -81,6 +83,7 @@ def _rank_arguments(p) -> None:
 
 
 MISSING = 'serve needs starlette and uvicorn: pip install -e ".[serve]"'
+MISSING_MULTIPART = 'serve needs python-multipart (the edits uploads): pip install -e ".[serve]"'
 
 
 def run(args) -> int:
@@ -91,6 +94,10 @@ def run(args) -> int:
         importlib.import_module("uvicorn")
     except ImportError:
         raise CLIError(MISSING) from None
+    try:
+        importlib.import_module("python_multipart")
+    except ImportError:
+        raise CLIError(MISSING_MULTIPART) from None
     from .. import serve
 
     return serve.run(args, load_model)

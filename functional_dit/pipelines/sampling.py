@@ -90,6 +90,7 @@ class Request:
     # fd.sample's control_guidance_start / _end (with a controlnet only): a float or one per ControlNet
     control_guidance_start: object = None
     control_guidance_end: object = None
+    max_area: int | None = None  # a FluxKontextPipeline's output area (fd.sample(max_area=...); 1024² if None)
 
     @property
     def has_images(self) -> bool:
@@ -99,7 +100,8 @@ class Request:
     def prepared(self) -> bool:
         """Made by ``fd.sample``'s whole preparation (`_prepared_item`): image inputs, a
         ControlNet, sigmas or embeddings."""
-        return self.has_images or self.controlnet is not None or self.sigmas is not None or self.embeds is not None
+        prepared = self.has_images or self.controlnet is not None or self.max_area is not None
+        return prepared or self.sigmas is not None or self.embeds is not None
 
 
 def context(params, encoders, text_to_image: bool = False) -> Context:
@@ -197,7 +199,7 @@ def _prepared_item(params, ctx: Context, req: Request, tag) -> Item:
               strength=req.strength, max_sequence_length=req.max_sequence_length, cache=req.cache,
               lora=list(req.lora) or None, sigmas=None if req.sigmas is None else list(req.sigmas),
               controlnet=req.controlnet, control_guidance_start=req.control_guidance_start,
-              control_guidance_end=req.control_guidance_end)  # fmt: skip
+              control_guidance_end=req.control_guidance_end, max_area=req.max_area)  # fmt: skip
     with _sampler.items_only():
         own, (item,) = _sampler.sample(params, ctx.pipe, req.prompt, **kw, **(req.embeds or {}))
     return dataclasses.replace(item, request=req, tag=tag, own=own)

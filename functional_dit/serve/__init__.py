@@ -149,17 +149,24 @@ def _load(args, mesh, load_model):
 def _service(args, params, pipe, run_time: dict):
     """The engine and the HTTP service over it, its adapters, and its defaults checked
     against its own limits."""
-    from . import _app, _engine, _loras
+    from . import _app, _edits, _engine, _loras
 
     adapters = load_adapters(args.lora, params)
     try:
         engine = _engine.Engine(
-            params, pipe, adapters, max_batch=args.max_batch, max_queue=args.max_queue, aging=args.aging
+            params,
+            pipe,
+            adapters,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            aging=args.aging,
+            image_jobs=_edits.image_jobs(pipe),
         )
     except ValueError as e:  # a model the per-item sampler does not run (image inputs: Kontext, edit, ...)
         raise ValueError(f"--model {args.model}: {e}") from None
     limits = dict(n=args.max_images, multiple=pipe.vae_scale_factor * 2, max_size=args.max_size,
                   max_sequence_length=args.max_sequence_length, max_steps=args.max_steps)  # fmt: skip
+    limits.update(upload_bytes=args.max_upload_bytes, upload_pixels=args.max_upload_pixels)  # edits' uploads
     service = _app.Service(engine, args.model, defaults=dict(steps=args.steps, size=args.size), limits=limits)
     service.loras = _loras.Loras(adapters, **run_time)
     try:

@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from ..pipelines import sampling
-from . import _engine, _loras, _ranks
+from . import _edits, _engine, _loras, _ranks
 from ._errors import BadRequest, error
 
 FIELDS = {"model", "prompt", "n", "size", "response_format", "user", "quality", "style"}
@@ -140,7 +140,7 @@ class Service:
             config = sampling.cache_config(value, steps)
         except ValueError as e:
             raise BadRequest("cache", f"{want} ({e})", value) from None
-        if config is not None and not self.engine.ctx.model.step_cache:
+        if config is not None and self.engine.ctx.model is not None and not self.engine.ctx.model.step_cache:
             raise BadRequest("cache", f"null or 'none' (no step caching for {self.engine.ctx.fam} yet)", value)
         return value
 
@@ -210,6 +210,7 @@ def app(service: Service, request_timeout: float) -> Starlette:
 
     routes = [
         Route("/v1/images/generations", _generations(service, request_timeout, answer), methods=["POST"]),
+        Route("/v1/images/edits", _generations(service, request_timeout, answer, _edits.requests), methods=["POST"]),
         Route("/v1/models", models),
         Route("/health", health),
         Route("/metrics", prometheus),
@@ -218,8 +219,10 @@ def app(service: Service, request_timeout: float) -> Starlette:
     return Starlette(routes=routes)
 
 
-def _generations(service: Service, request_timeout: float, answer):
-    """``POST /v1/images/generations``: checks, the journal, the queue, then `_wait`."""
+def _generations(service: Service, request_timeout: float, answer, parse=None):
+    """``POST /v1/images/generations``: checks, the journal, the queue, then `_wait`.
+    ``parse(request, service) -> (body, requests)``: another body (the multipart edits,
+    `functional_dit.serve._edits.requests`); by default the JSON body."""
     engine = service.engine
 
     async def generations(request: HTTPRequest):
@@ -229,8 +232,13 @@ def _generations(service: Service, request_timeout: float, answer):
         if engine.error is not None:
             return answer(503, error(503, f"the model failed: {engine.error}"))
         try:
-            body = await _json(request)
-            reqs, (priority, deadline_ms) = service.requests(body), service.order(body)
+            if parse is None:
+                body = await _json(request)
+                reqs = service.requests(body)
+                _edits.text_only(engine.ctx.pipe)  # an edit pipeline's server: edits only
+            else:
+                body, reqs = await parse(request, service)
+            priority, deadline_ms = service.order(body)
         except BadRequest as e:
             return answer(400, error(400, str(e), e.field))
         except ClientDisconnect:  # gone before its body arrived (was an unhandled 500): nothing queued

@@ -96,9 +96,12 @@ class Metrics:
 class Engine:
     """Continuous batching of ``params`` over ``pipe``; ``adapters`` by name."""
 
-    def __init__(self, params, pipe, adapters=None, *, max_batch=8, max_queue=64, sync=None, aging=10.0):
+    def __init__(
+        self, params, pipe, adapters=None, *, max_batch=8, max_queue=64, sync=None, aging=10.0, image_jobs=False
+    ):
         self.params, self.adapters = params, dict(adapters or {})
-        self.ctx = sampling.context(params, pipe, text_to_image=True)
+        # image_jobs: a pipeline that is an image job of its own (Kontext, the edit pipelines), every item its own
+        self.ctx = sampling.context(params, pipe, text_to_image=not image_jobs)
         self.max_batch, self.max_queue, self.aging = max_batch, max_queue, aging
         self.metrics = Metrics()
         self._lock = threading.Condition()
