@@ -106,7 +106,7 @@ def plan(device: str, budget: float | None, names: list[str], cache=None, backen
     sampled = tuple(k for k in _suite_pipes.sampled_families() if k in names)
     backend = backend or ("inductor" if gpu else "none")
     common = dict(device=device, configs=configs, sample=sampled, cache=cache or DEFAULT_CACHE,
-                  serve="flux1" if "flux1" in sampled else next(iter(sampled), None),
+                  serve=next(iter(sampled), None),  # the first sampled family (FLUX.1 in the bench's order)
                   backend=None if backend == "none" else backend)  # fmt: skip
     if gpu:
         need = dict(forward=10, compiled=60, fp8=40, sample=25, serve=40)
