@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from . import _checkpoint, _report
+from . import _checkpoint, _report, _validate
 from ._checkpoint import EMA_DIR, LORA_FILE, resume, start_over
 from ._data import batch_indices, caption_rows, prepare
 from ._optim import clip_, ema_init, ema_update_, lr_at
@@ -46,6 +46,7 @@ class Run:
     opt: torch.optim.Optimizer
     ema: object
     gen: torch.Generator
+    encoders: object = None  # the pipeline without its transformer, for --validation-prompt
 
 
 def train(a) -> dict:
@@ -68,6 +69,8 @@ def train(a) -> dict:
             _checkpoint.save_checkpoint(state, a.output_dir, step + 1, r.rank, r.barrier)
             if r.rank == 0:
                 _report.plot_losses(a.output_dir)
+        if _validate.due(a, step + 1) and (path := _validate.validate(r, a, r.encoders, step + 1)):
+            print(f"wrote {path}", flush=True)
     for closing in (bar, board):
         if closing is not None:
             closing.close()
@@ -86,7 +89,8 @@ def begin(a) -> tuple[Run, int]:
     if a.resume:
         start, rng = resume(a, adapter, opt, data["latents"].shape[0], gen.get_state(), rank, ema)
         gen.set_state(rng)
-    return Run(rank, mesh, barrier, device, data, params, adapter, opt, ema, gen), start
+    encoders = _validate.load_encoders(a.pipeline) if a.validation_prompt else None
+    return Run(rank, mesh, barrier, device, data, params, adapter, opt, ema, gen, encoders), start
 
 
 def finish(r: Run, a, before: float, steps: int, seconds: float) -> dict:
