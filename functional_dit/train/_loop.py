@@ -118,7 +118,8 @@ def setup(a, params, mesh, device) -> tuple:
 
     dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
     params = params.replace(sharding.tree.map_tree(lambda _, v: v.to(device, dtype), params.tree))
-    adapter = lora.init(params, rank=a.rank, alpha=a.alpha, targets=a.targets, seed=a.seed, device=device)
+    kw = dict(rank=a.rank, alpha=a.alpha, targets=a.targets, seed=a.seed, device=device, use_dora=a.dora)
+    adapter = lora.init(params, **kw)
     if mesh is not None:
         params, adapter = sharding.shard_params(params, mesh), sharding.shard_params(adapter, mesh)
     leaves = [x.requires_grad_() for x in adapter.leaves()]
@@ -141,7 +142,9 @@ def train_step(r: Run, a, step: int) -> tuple[dict, torch.Tensor]:
     for m in range(0, n, size):
         part = slice(m, m + size)
         kw, target = inputs(r.data, idx[part], noise[part], t[part], a.guidance, r.params, r.device, rows[part])
-        loss = loss_of(r.params, r.adapter, kw, target, a.dtype == "bfloat16", a.reshard_after_forward)
+        loss = loss_of(
+            r.params, r.adapter, kw, target, a.dtype == "bfloat16", a.reshard_after_forward, a.checkpoint_blocks
+        )
         loss = loss / accum if accum > 1 else loss
         loss.backward()  # (the gradients add up over the micro-batches)
         value += float(loss.detach())
@@ -186,7 +189,9 @@ def inputs(data: dict, idx: list[int], noise, t: torch.Tensor, guidance, params,
     return kw, (noise - x0).to(device)
 
 
-def loss_of(params, adapter, kw, target, autocast: bool, reshard: bool = False):
+def loss_of(params, adapter, kw, target, autocast: bool, reshard: bool = False, checkpoint: bool = False):
+    """The rectified-flow loss; ``checkpoint``: ``fd.apply``'s per-block activation
+    checkpointing (--checkpoint-blocks)."""
     import torch.nn.functional as F
 
     import functional_dit as fd
@@ -194,7 +199,7 @@ def loss_of(params, adapter, kw, target, autocast: bool, reshard: bool = False):
 
     with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=autocast):
         with sharding.fsdp_options(reshard_after_forward=reshard):
-            out = fd.apply(params, **kw, lora=[(adapter, 1.0)])
+            out = fd.apply(params, **kw, lora=[(adapter, 1.0)], checkpoint=checkpoint)
     return F.mse_loss(out.float(), target.float())
 
 
