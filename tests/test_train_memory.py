@@ -7,16 +7,15 @@
   the recomputed activations are the same ops).
 - The trainer's loss with per-block checkpointing gives the gradients it gives without
   (plain LoRA and DoRA, fp32 1e-6), and a lower peak memory: measured as the growth of the
-  peak resident set (``ru_maxrss``) over a fresh process's resident set before one
+  peak resident set (``VmHWM``) over a fresh process's resident set before one
   forward + backward on a 64 x 64 latent grid (4096 image tokens), each in its own fresh
   process after a small pass (lazy initialisations), with glibc's mmap threshold fixed at
   64 KiB and trimming on (``mallopt``: freed memory goes back to the system, so the resident
-  set follows what is live; without it the figures wandered by 15 MiB). Known problem: run
-  in a pytest process that has already run the trainer in process (the DoRA test above),
-  the fresh child's figures come out near 52 vs 55 MiB and the test fails; the cause was
-  not found. The figures are in the assertion message (slow: two
-  subprocesses; seen 14.6-14.8 MiB checkpointed vs 32.6-32.7 MiB plain on the 4-block tiny
-  model, 3 runs).
+  set follows what is live; without it the figures wandered by 15 MiB). ``VmHWM`` from
+  /proc, not ``ru_maxrss``: Linux carries ``ru_maxrss`` over ``exec`` from the parent, so
+  after a larger pytest process it read the parent's peak (seen 52 vs 55 MiB). The figures
+  are in the assertion message (slow: two subprocesses; seen 14.6-14.9 MiB checkpointed vs
+  32.4-32.7 MiB plain on the 4-block tiny model, several runs).
 """
 
 from __future__ import annotations
@@ -131,7 +130,7 @@ def test_checkpointed_blocks_give_the_same_gradients(one_thread, dora):
 
 
 MEASURE = """
-import ctypes, resource, sys
+import ctypes, sys
 libc = ctypes.CDLL(None)  # glibc: blocks from 64 KiB mmapped, freed memory trimmed: RSS follows what is live
 libc.mallopt(-3, 65536), libc.mallopt(-1, 0)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
 import torch
@@ -149,7 +148,8 @@ for h in (8, 64):  # a small pass first (lazy initialisations), then the measure
     target = torch.randn_like(kw["x"])
     base = int(open("/proc/self/statm").read().split()[1]) * 4096
     loss_of(params, ad, kw, target, False, checkpoint={checkpoint}).backward()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base) / 2**20)
+hwm = [ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:")][0].split()
+print((int(hwm[1]) * 1024 - base) / 2**20)  # (VmHWM, not ru_maxrss: Linux carries that over exec from the parent)
 """
 
 
