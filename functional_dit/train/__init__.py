@@ -36,6 +36,9 @@ What it does, in order (docs/training.md says more):
    ``eval.json`` (a fixed-noise eval loss before and after) and the LoRA file
    ``<output-dir>/pytorch_lora_weights.safetensors`` that the stock pipeline's
    ``load_lora_weights(<output-dir>)`` reads.
+7. With ``--validation-prompt`` (repeatable), every ``--validation-every`` steps and after
+   the last: ``fd.sample`` with the current LoRA on the fly, prompt ``i`` with seed ``i``,
+   every rank sampling, rank 0 writing one row ``<output-dir>/samples/step_<n>.png``.
 
 FLUX.3 and Qwen-Image 2.1 are not supported yet (their encode steps are not written).
 """

@@ -75,6 +75,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg("--overwrite", action="store_true", help="start over in an --output-dir that holds a run (its files removed)")
     arg("--no-progress", action="store_true", help="no progress bar")
     arg("--report-to", choices=("none", "tensorboard"), default="none", help="also log to TensorBoard (tensorboard/)")
+    _validation_and_memory_arguments(arg)
+
+
+def _validation_and_memory_arguments(arg) -> None:
+    """The validation-image options (`_validate`), --dora and --checkpoint-blocks."""
+    arg("--validation-prompt", action="append", default=None, help="a prompt sampled with seed i (repeatable)")
+    arg("--validation-every", type=int, default=100, help="steps between validation grids (samples/)")
+    arg("--validation-size", type=int, default=None, help="validation image side (None: --resolution)")
+    arg("--validation-sampling-steps", type=int, default=20, help="denoising steps per validation image")
+    arg("--validation-guidance", type=float, default=None, help="guidance-distilled models' (None: fd.sample's)")
+    arg("--dora", action="store_true", help="DoRA: a trained magnitude per output row (PEFT's use_dora)")
+    arg("--checkpoint-blocks", action="store_true", help="recompute each block's activations in backward")
 
 
 def check_args(argv=None, description: str = "LoRA fine-tuning, fully sharded") -> argparse.Namespace:
@@ -140,6 +152,17 @@ def _check_numbers(a, bad) -> None:
         bad("--max-grad-norm", "a positive float", a.max_grad_norm)
     if a.ema_decay is not None and not 0 < a.ema_decay < 1:
         bad("--ema-decay", "a float in (0, 1)", a.ema_decay)
+    _check_validation(a, bad)
+
+
+def _check_validation(a, bad) -> None:
+    for name in ("validation_every", "validation_sampling_steps"):
+        if getattr(a, name) < 1:
+            bad("--" + name.replace("_", "-"), "a positive int", getattr(a, name))
+    if a.validation_size is not None and (a.validation_size < 16 or a.validation_size % 16):
+        bad("--validation-size", "a multiple of 16 (>= 16)", a.validation_size)
+    if a.validation_prompt is not None and not all(p.strip() for p in a.validation_prompt):
+        bad("--validation-prompt", "non-empty prompts", a.validation_prompt)
 
 
 def _check_run(a, bad, error) -> None:

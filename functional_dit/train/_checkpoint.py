@@ -25,6 +25,7 @@ RUN_FILES = (
     EMA_DIR,
     LOSS_PNG,
     TENSORBOARD,
+    "samples",  # --validation-prompt's grids (_validate.SAMPLES)
 )  # what a run leaves (cache.pt: reusable)
 
 

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from . import _checkpoint, _report
+from . import _checkpoint, _report, _validate
 from ._checkpoint import EMA_DIR, LORA_FILE, resume, start_over
 from ._data import batch_indices, caption_rows, prepare
 from ._optim import clip_, ema_init, ema_update_, lr_at
@@ -46,6 +46,7 @@ class Run:
     opt: torch.optim.Optimizer
     ema: object
     gen: torch.Generator
+    encoders: object = None  # the pipeline without its transformer, for --validation-prompt
 
 
 def train(a) -> dict:
@@ -68,6 +69,8 @@ def train(a) -> dict:
             _checkpoint.save_checkpoint(state, a.output_dir, step + 1, r.rank, r.barrier)
             if r.rank == 0:
                 _report.plot_losses(a.output_dir)
+        if _validate.due(a, step + 1) and (path := _validate.validate(r, a, r.encoders, step + 1)):
+            print(f"wrote {path}", flush=True)
     for closing in (bar, board):
         if closing is not None:
             closing.close()
@@ -86,7 +89,8 @@ def begin(a) -> tuple[Run, int]:
     if a.resume:
         start, rng = resume(a, adapter, opt, data["latents"].shape[0], gen.get_state(), rank, ema)
         gen.set_state(rng)
-    return Run(rank, mesh, barrier, device, data, params, adapter, opt, ema, gen), start
+    encoders = _validate.load_encoders(a.pipeline) if a.validation_prompt else None
+    return Run(rank, mesh, barrier, device, data, params, adapter, opt, ema, gen, encoders), start
 
 
 def finish(r: Run, a, before: float, steps: int, seconds: float) -> dict:
@@ -114,7 +118,8 @@ def setup(a, params, mesh, device) -> tuple:
 
     dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
     params = params.replace(sharding.tree.map_tree(lambda _, v: v.to(device, dtype), params.tree))
-    adapter = lora.init(params, rank=a.rank, alpha=a.alpha, targets=a.targets, seed=a.seed, device=device)
+    kw = dict(rank=a.rank, alpha=a.alpha, targets=a.targets, seed=a.seed, device=device, use_dora=a.dora)
+    adapter = lora.init(params, **kw)
     if mesh is not None:
         params, adapter = sharding.shard_params(params, mesh), sharding.shard_params(adapter, mesh)
     leaves = [x.requires_grad_() for x in adapter.leaves()]
@@ -137,7 +142,9 @@ def train_step(r: Run, a, step: int) -> tuple[dict, torch.Tensor]:
     for m in range(0, n, size):
         part = slice(m, m + size)
         kw, target = inputs(r.data, idx[part], noise[part], t[part], a.guidance, r.params, r.device, rows[part])
-        loss = loss_of(r.params, r.adapter, kw, target, a.dtype == "bfloat16", a.reshard_after_forward)
+        loss = loss_of(
+            r.params, r.adapter, kw, target, a.dtype == "bfloat16", a.reshard_after_forward, a.checkpoint_blocks
+        )
         loss = loss / accum if accum > 1 else loss
         loss.backward()  # (the gradients add up over the micro-batches)
         value += float(loss.detach())
@@ -184,7 +191,9 @@ def inputs(data: dict, idx: list[int], noise, t: torch.Tensor, guidance, params,
     return kw, (noise - x0).to(device)
 
 
-def loss_of(params, adapter, kw, target, autocast: bool, reshard: bool = False):
+def loss_of(params, adapter, kw, target, autocast: bool, reshard: bool = False, checkpoint: bool = False):
+    """The rectified-flow loss; ``checkpoint``: ``fd.apply``'s per-block activation
+    checkpointing (--checkpoint-blocks)."""
     import torch.nn.functional as F
 
     import functional_dit as fd
@@ -192,7 +201,7 @@ def loss_of(params, adapter, kw, target, autocast: bool, reshard: bool = False):
 
     with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=autocast):
         with sharding.fsdp_options(reshard_after_forward=reshard):
-            out = fd.apply(params, **kw, lora=[(adapter, 1.0)])
+            out = fd.apply(params, **kw, lora=[(adapter, 1.0)], checkpoint=checkpoint)
     if out.shape[1] != target.shape[1]:  # Qwen-Image 2.1 returns the whole joint sequence: its image tokens last
         out = out[:, -target.shape[1] :]
     return F.mse_loss(out.float(), target.float())
