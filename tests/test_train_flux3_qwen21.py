@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 import os
 
-import numpy as np
 import pytest
 import torch
+from _train_data import image_folder, one_thread
 
 import functional_dit as fd
 import functional_dit.lora as lora
@@ -31,24 +31,15 @@ CALLS = {  # the stock pipelines' own calls (the tiny FLUX.3 encoder's stacked l
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> str:
     """Four 40x48 PNGs (cropped to 32x32) with captions of different lengths."""
-    from PIL import Image
-
-    folder = tmp_path_factory.mktemp("images")
-    rng = np.random.default_rng(0)
-    for i, caption in enumerate(("a red square", "a blue circle on grass", "stripes", "a yellow dot")):
-        arr = (rng.random((40, 48, 3)) * 255).astype(np.uint8)
-        arr[:, :, i % 3] = 200
-        Image.fromarray(arr).save(folder / f"{i}.png")
-        (folder / f"{i}.txt").write_text(caption)
-    return str(folder)
+    folder = image_folder(
+        tmp_path_factory.mktemp("images"),
+        ("a red square", "a blue circle on grass", "stripes", "a yellow dot"),
+        hw=(40, 48),
+    )
+    return folder
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(one_thread)
 
 
 @pytest.mark.parametrize("kind", ["flux3", "qwen-image-2.1"])

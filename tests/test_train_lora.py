@@ -27,15 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import re
 import runpy
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 from _dist import spawn
+from _train_data import image_folder, one_thread
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_lora.py")
@@ -53,27 +54,16 @@ def _script() -> dict:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> str:
     """Four 40x48 PNGs (cropped to 32x32 by the script) with captions."""
-    from PIL import Image
-
-    folder = tmp_path_factory.mktemp("images")
-    rng = np.random.default_rng(0)
-    for i, caption in enumerate(("a red square", "a blue circle", "a green stripe", "a yellow dot")):
-        arr = (rng.random((40, 48, 3)) * 255).astype(np.uint8)
-        arr[:, :, i % 3] = 200
-        Image.fromarray(arr).save(folder / f"{i}.png")
-        (folder / f"{i}.txt").write_text(caption)
-    (folder / "notes.txt").write_text("a caption without an image is ignored")
-    return str(folder)
+    folder = image_folder(
+        tmp_path_factory.mktemp("images"),
+        ("a red square", "a blue circle", "a green stripe", "a yellow dot"),
+        hw=(40, 48),
+    )
+    (pathlib.Path(folder) / "notes.txt").write_text("a caption without an image is ignored")
+    return folder
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: the tiny models' small ops run ~15x slower with 2 threads on a
-    loaded 2-core machine (OpenMP contention; torchrun's ranks get OMP_NUM_THREADS=1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(one_thread)
 
 
 @pytest.mark.parametrize(

@@ -24,9 +24,9 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
+from _train_data import image_folder, one_thread
 
 from functional_dit.train import main
 
@@ -39,25 +39,10 @@ ARGS += ["--lr", "2e-2", "--checkpoint-every", "3", "--steps", "3", "--dtype", "
 
 @pytest.fixture
 def data(tmp_path) -> str:
-    from PIL import Image
-
-    folder = tmp_path / "images"
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    for i, caption in enumerate(("a red square", "a blue circle", "a green stripe")):
-        arr = (rng.random((32, 32, 3)) * 255).astype(np.uint8)
-        arr[:, :, i % 3] = 200
-        Image.fromarray(arr).save(folder / f"{i}.png")
-        (folder / f"{i}.txt").write_text(caption)
-    return str(folder)
+    return image_folder(tmp_path / "images", ("a red square", "a blue circle", "a green stripe"), hw=(32, 32))
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+one_thread = pytest.fixture(one_thread)
 
 
 def _latents(pipe) -> torch.Tensor:
