@@ -24,11 +24,10 @@ checked within the fp32 tolerance of ``fd.sample`` alone (its batch is not its o
 from __future__ import annotations
 
 import diffusers
-import numpy as np
 import pytest
 import torch
 from _dist import spawn
-from PIL import Image
+from test_sampling import _mask, _picture  # the same test images as the one-process tests
 
 import functional_dit as fd
 import functional_dit.lora as lora
@@ -42,16 +41,6 @@ FP32 = dict(rtol=1e-5, atol=1e-5)
 MESHES = (dict(tp=2), dict(fsdp=2), dict(sp=2))
 KINDS = ("flux", "flux2-klein", "flux2-klein-kv", "qwen-image", "flux2-klein-inpaint")
 CFG = dict(true_cfg=2.0, negative_prompt="blurry")
-
-
-def _picture(w: int, h: int, seed: int = 0) -> Image.Image:
-    return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype("uint8"))
-
-
-def _mask(w: int, h: int) -> Image.Image:
-    m = np.zeros((h, w), "uint8")
-    m[h // 4 : h // 2, w // 4 : w // 2] = 255
-    return Image.fromarray(m)
 
 
 def _setup(kind: str):
