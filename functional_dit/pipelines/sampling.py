@@ -43,6 +43,7 @@ import sharding
 from ..lora import internal as _lora
 from . import sampler as _sampler
 from .cache.internal import items as _cache_items
+from .families import NO_TABLES
 from .families import product as _product
 from .sampler.internal import ranks as _ranks
 from .sampler.internal import state as _state
@@ -156,26 +157,26 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
     check(ctx, params, req)
     if req.prepared or ctx.model is None:  # an image job (the pipeline's own, or its inputs), sigmas, embeddings
         return _prepared_item(params, ctx, req, tag)
-    pipe, model = ctx.pipe, ctx.model.fork()  # what encoding and `prepare` set lands on the fork
+    pipe, model = ctx.pipe, ctx.model
     cfg = float(req.true_cfg) if req.true_cfg is not None and req.true_cfg > 1 else None
     cfg = _sampler._qi.true_cfg(ctx.fam, cfg, req.negative_prompt, None)
     reqs = _sampler.requests(ctx.fam, req.prompt, 1, req.seed, None, req.negative_prompt, cfg is not None, {})
     f = pipe.vae_scale_factor * 2
     hw = 2 * (req.height // f), 2 * (req.width // f)
     job = _sampler._Job(ctx.fam, hw, req.steps, None, req.guidance, cfg, "pil", req.max_sequence_length, None, None)
-    chunk = _sampler._chunk(model, reqs, (0,), job, ctx.dtype, ctx.device)
-    _agree(params, req, chunk, cfg)
+    chunk = _sampler._chunk(model, NO_TABLES, reqs, (0,), job, ctx.dtype, ctx.device)
+    _agree(params, req, model, chunk, cfg)
     sched = _sampler._scheduler(pipe, ctx.fam, chunk.x.shape[1], req.steps, ctx.device)
     cache = _cache_items.config(req.cache, len(sched.timesteps))
     state = _cache_items.init(cache, model.cfg_calls if cfg is not None else 1)  # one per model call of a step
     fields = dict(request=req, tag=tag, lora=(tuple(req.lora),) if req.lora else None, cache=cache, cache_state=state)
     return _state.start(
-        ctx, model, chunk.x, chunk.cond, sched, hw, guidance=req.guidance, cfg=cfg, images=(0,),
+        ctx, chunk.tables, chunk.x, chunk.cond, sched, hw, guidance=req.guidance, cfg=cfg, images=(0,),
         normalise=model.normalise_cfg, **fields,
     )  # fmt: skip
 
 
-def _agree(params, req: Request, chunk, cfg) -> None:
+def _agree(params, req: Request, model, chunk, cfg) -> None:
     """On a mesh of every rank, the ranks that run the item must hold the same request:
     ``fd.sample``'s check before the first step (its noise, text and settings; the same
     ValueError on every rank). A mesh of some ranks only (the server's dp groups, each
@@ -186,7 +187,7 @@ def _agree(params, req: Request, chunk, cfg) -> None:
     lora, cache = _sampler._lora_items.fingerprint((tuple(req.lora),)), _cache_items.config(req.cache, req.steps)
     settings = dict(height=req.height, width=req.width, steps=req.steps, guidance=req.guidance, true_cfg=cfg,
                     max_sequence_length=req.max_sequence_length, cache=repr(cache), lora=lora)  # fmt: skip
-    _sampler._check_ranks(_ranks.layout(mesh, 1), [chunk], chunk.model, settings)
+    _sampler._check_ranks(_ranks.layout(mesh, 1), [chunk], model, chunk.tables, settings)
 
 
 def _prepared_item(params, ctx: Context, req: Request, tag) -> Item:

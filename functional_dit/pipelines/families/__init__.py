@@ -14,11 +14,12 @@ import importlib
 from ... import families as _families
 from ._latents import _batch as repeat_batch
 from ._latents import combine, flux2_vae_input, grid_ids, pack_2x2, unpack_2x2
-from ._steps import Prompt, Steps, cfg_batch
+from ._steps import NO_TABLES, Prompt, Steps, cfg_batch, plain_apply, tables
 
 # What the image jobs, the sampler and the per-item sampling share with the families' steps.
 __all__ = [
     "HOOKS",
+    "NO_TABLES",
     "Prompt",
     "Steps",
     "cfg_batch",
@@ -26,8 +27,10 @@ __all__ = [
     "flux2_vae_input",
     "grid_ids",
     "pack_2x2",
+    "plain_apply",
     "product",
     "repeat_batch",
+    "tables",
     "unpack_2x2",
 ]
 

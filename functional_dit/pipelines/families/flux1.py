@@ -11,7 +11,7 @@ from ...flux1 import Flux1Config
 from . import _common
 from ._common import refuse_kv_cache, stock_module
 from ._latents import grid_ids, pack_2x2, unpack_2x2
-from ._steps import Prompt, Steps
+from ._steps import NO_TABLES, Prompt, Steps, tables
 
 # the shared hooks FLUX.1 takes as they are (`_common`)
 shift, batch_size, adapter_result, output, tiny_assemble = (
@@ -36,18 +36,19 @@ class _Flux1(Steps):
     """FluxPipeline: T5 + CLIP pooled text, 2x2-packed 16-channel latents, 3-axis ids."""
 
     fixed_graph = True  # one fixed device graph per step (`sampler_xla`)
+    GUIDANCE = 3.5  # FluxPipeline's guidance_scale default
 
     def __init__(self, params, pipe):
-        self.params, self.pipe, self.c = params, pipe, params.config
+        self.pipe, self.c = pipe, params.config
 
-    def encode(self, prompts, msl, prompt_2=None, lora_scale=None):
+    def encode(self, run, prompts, msl, prompt_2=None, lora_scale=None):
         """CLIP's pooled vector of ``prompts``, T5's text of ``prompt_2`` (None: ``prompts``),
         with the text encoders' LoRA at ``lora_scale``: the pipeline's ``encode_prompt``."""
         kw = dict(prompt_2=prompt_2, max_sequence_length=msl or 512, lora_scale=lora_scale)
         txt, pooled, _ = self.pipe.encode_prompt(prompt=prompts, **kw)
         return Prompt(txt, pooled)
 
-    def encode_embeds(self, msl, prompt_embeds, pooled_prompt_embeds):
+    def encode_embeds(self, run, msl, prompt_embeds, pooled_prompt_embeds):
         return Prompt(prompt_embeds, pooled_prompt_embeds)
 
     def noise_shape(self, B, h, w):
@@ -56,15 +57,19 @@ class _Flux1(Steps):
     pack = staticmethod(pack_2x2)
     take = staticmethod(lambda latents: latents)  # the pipeline's latents= are packed
 
-    def prepare(self, cond: Prompt, h, w, guidance, device):
+    def rope(self, cond: Prompt, h, w, device, ref_ids=None):
+        """The RoPE table of the latents (and reference tokens after them) and the text."""
         img_ids = grid_ids(h // 2, w // 2, 3, torch.float32, device)
+        img_ids = img_ids if ref_ids is None else torch.cat([img_ids, ref_ids])
         txt_ids = torch.zeros(cond.txt.shape[1], 3, device=device)
-        self.rope = flux1.rope_table(self.c, img_ids, txt_ids)
-        self.guidance = 3.5 if guidance is None else guidance
+        return flux1.rope_table(self.c, img_ids, txt_ids)
 
-    def __call__(self, x, t, cond: Prompt):
-        g = torch.full((x.shape[0],), float(self.guidance), device=x.device) if self.c.guidance_embeds else None
-        return self.apply(self.params, x, t, cond.txt, pooled=cond.pooled, guidance=g, rope=self.rope)
+    def prepare(self, run, cond: Prompt, h, w, guidance, device):
+        return tables(rope=self.rope(cond, h, w, device), guidance=self.GUIDANCE if guidance is None else guidance)
+
+    def predict(self, params, tab, x, t, cond: Prompt, apply, **extra):
+        g = torch.full((x.shape[0],), float(tab["guidance"]), device=x.device) if self.c.guidance_embeds else None
+        return apply(params, x, t, cond.txt, pooled=cond.pooled, guidance=g, rope=tab["rope"]), NO_TABLES
 
     def decode_latents(self, x, h, w):
         vae = self.pipe.vae

@@ -11,7 +11,7 @@ from ...flux2 import Flux2Config
 from . import _common
 from ._common import stock_module
 from ._latents import _batch, flux2_vae_input, grid_ids
-from ._steps import Prompt, Steps
+from ._steps import NO_TABLES, Prompt, Steps, tables
 
 # the shared hooks FLUX.2 takes as they are (`_common`)
 batch_size, tiny_assemble = _common.batch_size, _common.tiny_assemble
@@ -33,18 +33,16 @@ class _Flux2(Steps):
 
     fixed_graph = True  # one fixed device graph per step (`sampler_xla`)
     packed_latents = False  # latents= given as the unpacked (B, C, h/2, w/2) noise
-    call_state = ("cache",)  # the reference KV cache, extracted on the first step (klein KV)
 
     def __init__(self, params, pipe, kv_cache: bool):
-        self.params, self.pipe, self.c, self.kv = params, pipe, params.config, kv_cache
-        self.ref = self.ref_ids = self.cache = None
+        self.pipe, self.c, self.kv = pipe, params.config, kv_cache
 
-    def encode(self, prompts, msl, **layers):
+    def encode(self, run, prompts, msl, **layers):
         """The pipeline's ``encode_prompt`` (``text_encoder_out_layers`` in ``layers`` if given)."""
         txt, txt_ids = self.pipe.encode_prompt(prompt=prompts, max_sequence_length=msl or 512, **layers)
         return Prompt(txt, txt_ids=txt_ids[0])
 
-    def encode_embeds(self, msl, prompt_embeds):
+    def encode_embeds(self, run, msl, prompt_embeds):
         return Prompt(prompt_embeds, txt_ids=self.pipe._prepare_text_ids(prompt_embeds)[0].to(prompt_embeds.device))
 
     def noise_shape(self, B, h, w):
@@ -58,7 +56,7 @@ class _Flux2(Steps):
     take = pack
 
     def images(self, images, B, device):
-        """Reference images -> packed latents (B, R, C) and ids (R, 4), the pipeline's way."""
+        """Reference images -> the run's packed latents (B, R, C) and ids (R, 4), the pipeline's way."""
         pipe, multiple = self.pipe, self.pipe.vae_scale_factor * 2
         processed = []
         for img in images:
@@ -70,35 +68,39 @@ class _Flux2(Steps):
             w, h = w // multiple * multiple, h // multiple * multiple
             processed.append(pipe.image_processor.preprocess(img, height=h, width=w, resize_mode="crop"))
         ref, ids = pipe.prepare_image_latents(processed, B, None, device, pipe.vae.dtype)
-        self.ref, self.ref_ids = ref, ids[0]
+        return tables(ref=ref, ref_ids=ids[0])
 
-    def prepare(self, cond: Prompt, h, w, guidance, device):
+    def prepare(self, run, cond: Prompt, h, w, guidance, device):
+        """RoPE (with the references' rows), guidance; klein KV: the later steps' RoPE
+        without the reference rows, and no cache yet (the first step extracts it)."""
+        ref = run.get("ref")
         img_ids = grid_ids(h // 2, w // 2, 4, torch.int64, device)
-        if self.ref is not None:
-            img_ids = torch.cat([self.ref_ids, img_ids] if self.kv else [img_ids, self.ref_ids])
-        self.rope = flux2.rope_table(self.c, img_ids, cond.txt_ids)
-        if self.kv and self.ref is not None:  # later steps: no reference rows
-            n, S = cond.txt_ids.shape[0], img_ids.shape[0] - self.ref.shape[1]
-            self.rope_cached = tuple(torch.cat([a[:n], a[a.shape[0] - S :]]) for a in self.rope)
-        self.guidance = (4.0 if guidance is None else guidance) if self.c.guidance_embeds else None
-        self.cache = None  # a new batch extracts its own reference KV cache
+        if ref is not None:
+            img_ids = torch.cat([run["ref_ids"], img_ids] if self.kv else [img_ids, run["ref_ids"]])
+        rope = flux2.rope_table(self.c, img_ids, cond.txt_ids)
+        out = dict(rope=rope, cache=None)
+        if self.kv and ref is not None:  # later steps: no reference rows
+            n, S = cond.txt_ids.shape[0], img_ids.shape[0] - ref.shape[1]
+            out["rope_cached"] = tuple(torch.cat([a[:n], a[a.shape[0] - S :]]) for a in rope)
+        out["guidance"] = (4.0 if guidance is None else guidance) if self.c.guidance_embeds else None
+        return tables(**out)
 
-    def __call__(self, x, t, cond: Prompt):
+    def predict(self, params, tab, x, t, cond: Prompt, apply, **extra):
+        """The prediction (and with the klein KV cache, the cache the first step extracts)."""
         B, S = x.shape[:2]
-        g = None if self.guidance is None else torch.full((B,), float(self.guidance), device=x.device)
-        kw = dict(guidance=g)
-        if self.ref is None:
-            return self.apply(self.params, x, t, cond.txt, rope=self.rope, **kw)
-        ref = _batch(self.ref, B).to(x.dtype)
+        g = None if tab["guidance"] is None else torch.full((B,), float(tab["guidance"]), device=x.device)
+        kw, ref = dict(guidance=g), tab.get("ref")
+        if ref is None:
+            return apply(params, x, t, cond.txt, rope=tab["rope"], **kw), NO_TABLES
+        ref = _batch(ref, B).to(x.dtype)
         if not self.kv:
-            return self.apply(self.params, torch.cat([x, ref], 1), t, cond.txt, rope=self.rope, **kw)[:, :S]
-        if self.cache is None:
+            return apply(params, torch.cat([x, ref], 1), t, cond.txt, rope=tab["rope"], **kw)[:, :S], NO_TABLES
+        if tab["cache"] is None:
             x = torch.cat([ref, x], 1)
-            out, self.cache = self.apply(
-                self.params, x, t, cond.txt, rope=self.rope, kv_cache="extract", num_ref_tokens=ref.shape[1], **kw
-            )
-            return out
-        return self.apply(self.params, x, t, cond.txt, rope=self.rope_cached, kv_cache=self.cache, **kw)
+            extract = dict(kv_cache="extract", num_ref_tokens=ref.shape[1])
+            out, cache = apply(params, x, t, cond.txt, rope=tab["rope"], **extract, **kw)
+            return out, tables(cache=cache)
+        return apply(params, x, t, cond.txt, rope=tab["rope_cached"], kv_cache=tab["cache"], **kw), NO_TABLES
 
     def latent_output(self, x, h, w):
         """``output_type="latent"`` as the stock pipeline returns it: FLUX.2-dev the packed

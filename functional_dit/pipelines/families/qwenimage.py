@@ -14,7 +14,7 @@ from ...qwenimage import QwenImageConfig
 from . import _common
 from ._common import refuse_kv_cache, stock_module
 from ._latents import _batch, pack_2x2, unpack_2x2
-from ._steps import Prompt, Steps
+from ._steps import NO_TABLES, Prompt, Steps, tables
 
 # the shared hooks Qwen-Image takes as they are (`_common`)
 shift, batch_size, adapter_result, output, tiny_assemble = (
@@ -44,16 +44,15 @@ class _Qwen(Steps):
     normalise_cfg = True
 
     def __init__(self, params, pipe):
-        self.params, self.pipe, self.c = params, pipe, params.config
-        self.ref = self.prompt_image = None
-        self.ref_shape = None
+        self.pipe, self.c = pipe, params.config
 
-    def encode(self, prompts, msl):
-        kw = {} if self.prompt_image is None else {"image": self.prompt_image}
+    def encode(self, run, prompts, msl):
+        image = run.get("prompt_image")
+        kw = {} if image is None else {"image": image}
         txt, mask = self.pipe.encode_prompt(prompt=prompts, max_sequence_length=msl or 512, **kw)
         return Prompt(txt, mask=mask)
 
-    def encode_embeds(self, msl, prompt_embeds, prompt_embeds_mask=None):
+    def encode_embeds(self, run, msl, prompt_embeds, prompt_embeds_mask=None):
         """As the pipeline's encode_prompt with embeddings: cut to ``msl``, all-real mask -> None."""
         txt, mask = prompt_embeds[:, : msl or 512], prompt_embeds_mask
         mask = None if mask is None or bool(mask[:, : txt.shape[1]].all()) else mask[:, : txt.shape[1]]
@@ -72,22 +71,24 @@ class _Qwen(Steps):
             raise ValueError(f"image: QwenImageEditPipeline takes one reference image, got {len(images)}")
         pipe, img = self.pipe, images[0]
         w, h = _qwen_edit_size(img.size)
-        self.prompt_image = pipe.image_processor.resize(img, h, w)
-        pixels = pipe.image_processor.preprocess(self.prompt_image, h, w).unsqueeze(2)
+        prompt_image = pipe.image_processor.resize(img, h, w)
+        pixels = pipe.image_processor.preprocess(prompt_image, h, w).unsqueeze(2)
         z = pipe._encode_vae_image(pixels.to(device=device, dtype=pipe.vae.dtype), generator=None)
-        self.ref = _batch(pack_2x2(z[:, :, 0]), B)
-        self.ref_shape = (1, z.shape[3] // 2, z.shape[4] // 2)
+        ref_shapes = [(1, z.shape[3] // 2, z.shape[4] // 2)]
+        return tables(prompt_image=prompt_image, ref=_batch(pack_2x2(z[:, :, 0]), B), ref_shapes=ref_shapes)
 
-    def prepare(self, cond: Prompt, h, w, guidance, device):
-        self.shapes = [(1, h // 2, w // 2)] + ([self.ref_shape] if self.ref is not None else [])
-        self.rope = _qwen.pos_embed(self.shapes, cond.txt.shape[1], self.c.axes_dims_rope, device=device)
+    def prepare(self, run, cond: Prompt, h, w, guidance, device):
+        shapes = [(1, h // 2, w // 2), *run.get("ref_shapes", ())]
+        return tables(
+            shapes=shapes, rope=_qwen.pos_embed(shapes, cond.txt.shape[1], self.c.axes_dims_rope, device=device)
+        )
 
-    def __call__(self, x, t, cond: Prompt):
+    def predict(self, params, tab, x, t, cond: Prompt, apply, **extra):
         B, S = x.shape[:2]
-        if self.ref is not None:
-            x = torch.cat([x, _batch(self.ref, B).to(x.dtype)], 1)
-        out = self.apply(self.params, x, t, cond.txt, txt_mask=cond.mask, img_shapes=[self.shapes] * B, rope=self.rope)
-        return out[:, :S]
+        if tab.get("ref") is not None:
+            x = torch.cat([x, _batch(tab["ref"], B).to(x.dtype)], 1)
+        kw = dict(txt_mask=cond.mask, img_shapes=[tab["shapes"]] * B, rope=tab["rope"])
+        return apply(params, x, t, cond.txt, **kw)[:, :S], NO_TABLES
 
     def decode_latents(self, x, h, w):
         vae = self.pipe.vae

@@ -55,7 +55,7 @@ from ...params import Params
 from .. import cache as _cache
 from .. import placement as _placement
 from .. import sampler_xla as _sample_xla
-from ..families import Prompt
+from ..families import NO_TABLES, Prompt, tables
 from ..families import product as _product
 from . import _controlnet, _flux2_image, _flux_image, _ranks, _requests, _state
 from . import _flux_kontext as _kontext
@@ -196,7 +196,7 @@ class _Chunk:
     x: torch.Tensor
     cond: Prompt
     prompt_embeds: torch.Tensor | None = None  # the conditional text alone (``callback_on_step_end`` inputs)
-    model: object = None  # the steps forked for the chunk, which encoded it (`Steps.fork`)
+    tables: Mapping = dataclasses.field(default_factory=lambda: NO_TABLES)  # the run's and the chunk's (`Steps.draw`)
 
 
 def _chunks(share, batch_size: int | None) -> list[tuple[int, ...]]:
@@ -205,25 +205,32 @@ def _chunks(share, batch_size: int | None) -> list[tuple[int, ...]]:
     return [tuple(share[i : i + size]) for i in range(0, len(share), size)]
 
 
-def _encode(model, strings, embeds: dict, rows, msl, prefix: str = "", opts: dict | None = None) -> Prompt:
+def _encode(model, run, strings, embeds: dict, rows, msl, prefix: str = "", opts: dict | None = None) -> Prompt:
     """The text of prompt ``rows``: encoded strings (with the stock ``encode_prompt`` options
     ``opts``; a list there holds one value per prompt, e.g. FLUX.1's ``prompt_2``), or rows of
     the given embeddings."""
     if embeds:
-        return model.encode_embeds(msl, **{k[len(prefix) :]: v[rows] for k, v in embeds.items()})
+        return model.encode_embeds(run, msl, **{k[len(prefix) :]: v[rows] for k, v in embeds.items()})
     opts = {k: [v[r] for r in rows] if isinstance(v, list) else v for k, v in (opts or {}).items()}
-    return model.encode([strings[r] for r in rows], msl, **opts)
+    return model.encode(run, [strings[r] for r in rows], msl, **opts)
 
 
-def _chunk(model, req, images, job, dtype, device) -> _Chunk:
-    """Encode the chunk's prompts (and negatives with CFG) and draw its noise on
-    ``model``, the steps forked for the chunk."""
+def _chunk(model, run, req, images, job, dtype, device) -> _Chunk:
+    """Encode the chunk's prompts (and negatives with CFG) and draw its noise with the
+    steps ``model`` over the run's tables ``run``."""
     rows, msl, stock = req.rows(images), job.max_sequence_length, job.stock
-    cond = _encode(model, req.prompts, req.embeds, rows, msl, opts=stock.encode_options(stock.prompts_2))
+    cond = _encode(model, run, req.prompts, req.embeds, rows, msl, opts=stock.encode_options(stock.prompts_2))
     prompt_embeds = cond.txt.to(device=device, dtype=dtype) if "prompt_embeds" in stock.tensor_inputs else None
     if job.cfg is not None:
         neg = _encode(
-            model, req.negatives, req.negative_embeds, rows, msl, "negative_", stock.encode_options(stock.negatives_2)
+            model,
+            run,
+            req.negatives,
+            req.negative_embeds,
+            rows,
+            msl,
+            "negative_",
+            stock.encode_options(stock.negatives_2),
         )
         if model.cfg_on_device:  # Qwen-Image 2.1 keeps its branches, on the device
             cond = model.cfg_batch(_to(cond, dtype, device), _to(neg, dtype, device))
@@ -231,12 +238,11 @@ def _chunk(model, req, images, job, dtype, device) -> _Chunk:
             cond = model.cfg_batch(cond, neg)
     cond = _to(cond, dtype, device)
     shape = lambda B: model.noise_shape(B, *job.hw)  # noqa: E731
-    draw = getattr(model, "draw", _requests.draw)  # img2img: the posterior draw comes first
-    x = draw(req.noise, images, shape, model.pack, model.take, dtype, device)
-    return _Chunk(images, x, cond, prompt_embeds, model)
+    x, drawn = model.draw(run, req.noise, images, shape, dtype, device, _requests.draw)  # img2img: its posterior first
+    return _Chunk(images, x, cond, prompt_embeds, tables(run, **drawn))
 
 
-def _check_ranks(lay, chunks, model, settings: dict) -> None:
+def _check_ranks(lay, chunks, model, run, settings: dict) -> None:
     """Once, before the first step: the ranks that compute the same images (a dp group's
     tp/sp ranks) must hold the same settings and inputs (fd.apply assumes it and splits
     them itself). Raises the same ValueError on every rank otherwise."""
@@ -244,10 +250,7 @@ def _check_ranks(lay, chunks, model, settings: dict) -> None:
     for name, field in (("pooled (prompt)", "pooled"), ("prompt mask (prompt)", "mask")):
         if any(getattr(c.cond, field) is not None for c in chunks):
             tensors[name] = [getattr(c.cond, field) for c in chunks]
-    model = chunks[0].model if chunks else model  # what encoding set (Qwen-Image-Edit-Plus's references)
-    if model.ref is not None:
-        tensors["reference latents (image)"] = model.ref
-    tensors.update(getattr(model, "checked", {}))
+    tensors.update(model.checked(run))  # the references, an image job's start image and mask
     _ranks.check(lay, settings, tensors)
 
 
@@ -483,12 +486,13 @@ def _prepared(ctx: _state.Context, req, job: _Job, lay, image, size: tuple, plac
     steps, each chunk's prompts encoded on its own fork (the encoders placed as
     ``placement = (encoder_placement, mesh)`` says), and the ranks' agreement checked."""
     model, pipe, device, dtype = ctx.model, ctx.pipe, ctx.device, ctx.dtype
-    if image is not None:
-        model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
-    req = model.init_latents(req, *size, device, dtype)  # img2img, inpainting: the start image
+    run = (
+        NO_TABLES if image is None else model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
+    )
+    run, req = model.init_latents(run, req, *size, device, dtype)  # img2img, inpainting: the start image
     with _placement.placed(pipe, *placement, device):
-        chunks = [_chunk(model.fork(), req, c, job, dtype, device) for c in _chunks(lay.share, job.batch_size)]
-    _check_ranks(lay, chunks, model, _settings(job, pipe, req, lay, model, dtype, size))
+        chunks = [_chunk(model, run, req, c, job, dtype, device) for c in _chunks(lay.share, job.batch_size)]
+    _check_ranks(lay, chunks, model, run, _settings(job, pipe, req, lay, model, dtype, size))
     return chunks
 
 
@@ -560,7 +564,7 @@ def _check_latents(model, pipe, req, h: int, w: int) -> None:
 def _run(ctx: _state.Context, params, chunk: _Chunk, job: _Job):
     """One chunk from noise to its output: its item (`_item`), `_state.step` until done
     (the step hook between steps), `_state.decode`."""
-    fixed = _sample_xla.wanted(chunk.model, job, ctx.pipe, chunk.x.device)  # lazy devices: one fixed graph per step
+    fixed = _sample_xla.wanted(ctx.model, job, ctx.pipe, chunk.x.device)  # lazy devices: one fixed graph per step
     item = _item(ctx, chunk, job, fixed)
     hook = job.on_step
     if hook is not None:  # the chunk's tensors for callback_on_step_end
@@ -581,16 +585,18 @@ def _run(ctx: _state.Context, params, chunk: _Chunk, job: _Job):
 def _item(ctx: _state.Context, chunk: _Chunk, job: _Job, fixed: bool = False) -> _state.Item:
     """The chunk's item at step 0 (`_state.start`): a copy of the pipeline's scheduler
     (on the host for the fixed-graph loop), its adapters, IP-Adapter inputs and step cache."""
-    fork = chunk.model
+    model = ctx.model
     device = "cpu" if fixed else chunk.x.device
     sched = _scheduler(ctx.pipe, job.fam, chunk.x.shape[1], job.steps, device, job.sigmas)
     lora = None if job.lora is None else tuple(job.lora[i] for i in chunk.images)
-    normalise = fork.normalise_cfg if job.stock.cfg_normalize is None else job.stock.cfg_normalize
+    normalise = model.normalise_cfg if job.stock.cfg_normalize is None else job.stock.cfg_normalize
     fields = dict(images=chunk.images, lora=lora if lora and any(lora) else None, ip=job.stock.ip, normalise=normalise)
-    item = _state.start(ctx, fork, chunk.x, chunk.cond, sched, job.hw, guidance=job.guidance, cfg=job.cfg, **fields)
+    item = _state.start(
+        ctx, chunk.tables, chunk.x, chunk.cond, sched, job.hw, guidance=job.guidance, cfg=job.cfg, **fields
+    )
     if job.cache is None:
         return item
-    calls = fork.cfg_calls if job.cfg is not None else 1  # model calls per step
+    calls = model.cfg_calls if job.cfg is not None else 1  # model calls per step
     config, cache = job.cache.begin(len(item.timesteps), calls)
     return dataclasses.replace(item, cache=config, cache_state=cache)
 
@@ -599,7 +605,7 @@ def _fixed(params, state: _state.State, hook) -> _state.State:
     """The item's steps as fixed device graphs (`sampler_xla.denoise`: the same step, its
     schedule and inputs computed on the host first), the step hook between steps."""
     (it,) = state.items
-    m = _state.bound(params, state.ctx, [it], [it.cache_state])
+    m = _state.bound(params, state.ctx, it)
     x = _sample_xla.denoise(m, copy.copy(it.sched), it.x, it.cond, it.cfg, it.normalise, hook)
     return _state.State(state.ctx, (dataclasses.replace(it, x=x, i=len(it.timesteps)),))
 
@@ -650,4 +656,7 @@ def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=N
 
 def _to(p: Prompt, dtype, device) -> Prompt:
     move = lambda t, dt=dtype: None if t is None else t.to(device=device, dtype=dt)  # noqa: E731
-    return Prompt(move(p.txt), move(p.pooled), move(p.mask, None), move(p.txt_ids, None))
+    uncond = None if p.uncond is None else _to(p.uncond, dtype, device)
+    return dataclasses.replace(
+        p, txt=move(p.txt), pooled=move(p.pooled), mask=move(p.mask, None), txt_ids=move(p.txt_ids, None), uncond=uncond
+    )
