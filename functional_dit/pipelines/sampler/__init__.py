@@ -36,12 +36,13 @@ docs/sampling.md lists what is reproduced per pipeline class.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import copy
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
+import types
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -66,21 +67,6 @@ from . import _stock_args as _stock
 # What the per-item sampling module (`functional_dit.pipelines.sampling`) shares with fd.sample.
 requests, check_max_sequence_length = _requests.requests, _requests.check_max_sequence_length
 _OUTPUT_TYPES = ("pil", "np", "pt", "latent")
-
-
-_ITEMS_ONLY = contextvars.ContextVar("functional_dit_sample_items_only", default=False)
-
-
-@contextlib.contextmanager
-def items_only():
-    """Within it `sample` returns ``(its context, its chunks' items at step 0)`` after its
-    checks and encoding, and runs no step: how `functional_dit.sampling.init` makes the
-    item of a request with image inputs, by ``fd.sample``'s own preparation."""
-    token = _ITEMS_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _ITEMS_ONLY.reset(token)
 
 
 # ----------------------------------------------------------------------------- encoders
@@ -402,46 +388,97 @@ def sample(
     ``caption_upsample_temperature`` (pass ``pipe.upsample_prompt(prompt, temperature=t)`` as the prompt).
     """
 
-    stock_kw = {k: v for k, v in locals().items() if k in _stock.NAMES}  # the stock pipelines' further arguments
-    given = {k: v for k, v in locals().items() if "prompt_embeds" in k}  # the six stock embedding arguments
-    fam = _family_name(params)
-    pipe = as_pipeline(encoders, params)
-    kv_cache = _stock.kv_cache(kv_cache, use_kv_cache)
-    height, width = _size(pipe, height, width, resolution, output_resolution, image, max_area)
-    _check_args(pipe, height, width, output_type, batch_size)
-    _check_scales(guidance, true_cfg)
-    batch_size = _product(fam).batch_size(batch_size)  # Qwen-Image 2.1: one image per call
-    _placement.check(encoder_placement, vae_tiling)
-    steps, sigmas = _check_steps(steps, sigmas)
-    fractions = (control_guidance_start, control_guidance_end)
-    controls = _controlnet.check(controlnet, fam, latents, pipe, seed, fractions, cache)
-    jobs = (image, mask_image, strength, padding_mask_crop, layers)
-    pipe, edit = _image_job(pipe, fam, steps, output_type, jobs, latents, (height, width), (image_reference, kv_cache))
-    _requests.check_max_sequence_length(fam, max_sequence_length)
-    cfg = _cfg(fam, true_cfg, negative_prompt, negative_prompt_embeds)
-    req = _requests.requests(fam, prompt, num_images_per_prompt, seed, latents, negative_prompt, cfg is not None, given)
-    adapters = _lora_items.per_image(params, lora, req.n // req.per_prompt, req.per_prompt)
-    prompts, sharded = req.n // req.per_prompt, _sharded(params)
-    stock, adapters = _stock.take(pipe, fam, prompts, req, adapters, stock_kw, cache, sharded, callback_on_step_end)
-    device, dtype = _param_device_dtype(params)
-    local_params, mesh = sharding.local_view(params)
+    plan = _plan(locals())
+    with torch.no_grad(), _binding(plan.lay), _placement.tiling(plan.ctx.pipe, plan.vae_tiling):
+        parts = [_run(plan.ctx, plan.params, c, plan.job) for c in plan.chunks]
+    output_type = plan.job.output_type
+    return _ranks.collect(plan.lay, _ranks.concat(parts, output_type), output_type, plan.local)
+
+
+def prepare(params, encoders, prompt=None, **kwargs) -> tuple:
+    """``fd.sample``'s preparation without its loop: (the context, each chunk's item at
+    step 0), ``kwargs`` as `sample` takes them. How `functional_dit.sampling.init` makes
+    the item of a request with image inputs (or a ControlNet, sigmas, embeddings)."""
+    bound = inspect.signature(sample).bind(params, encoders, prompt, **kwargs)
+    bound.apply_defaults()
+    plan = _plan(bound.arguments)
+    with torch.no_grad():
+        return plan.ctx, [_item(plan.ctx, c, plan.job) for c in plan.chunks]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A `sample` call prepared: the context, the params its loop runs on (a dp group's
+    local view), its chunks encoded, what every chunk shares, the ranks' layout, and the
+    output's options."""
+
+    ctx: _state.Context
+    params: Params
+    chunks: tuple
+    job: _Job
+    lay: object
+    vae_tiling: bool
+    local: bool
+
+
+def _binding(lay):
+    """The mesh bound for a dp group's model calls on its local params (else nothing)."""
+    return sharding.bind(lay.mesh) if lay.split else contextlib.nullcontext()
+
+
+def _checked(a: dict) -> types.SimpleNamespace:
+    """`sample`'s arguments ``a`` checked before anything heavy, with what the checks
+    decide: the family, the pipeline (an image job's), the size, the schedule, the
+    ControlNets, the image job, the CFG scale and the requests."""
+    n = types.SimpleNamespace(**a)
+    n.fam, n.pipe = _family_name(n.params), as_pipeline(n.encoders, n.params)
+    n.kv_cache = _stock.kv_cache(n.kv_cache, n.use_kv_cache)
+    n.height, n.width = _size(n.pipe, n.height, n.width, n.resolution, n.output_resolution, n.image, n.max_area)
+    _check_args(n.pipe, n.height, n.width, n.output_type, n.batch_size)
+    _check_scales(n.guidance, n.true_cfg)
+    n.batch_size = _product(n.fam).batch_size(n.batch_size)  # Qwen-Image 2.1: one image per call
+    _placement.check(n.encoder_placement, n.vae_tiling)
+    n.steps, n.sigmas = _check_steps(n.steps, n.sigmas)
+    fractions = (n.control_guidance_start, n.control_guidance_end)
+    n.controls = _controlnet.check(n.controlnet, n.fam, n.latents, n.pipe, n.seed, fractions, n.cache)
+    n.jobs = (n.image, n.mask_image, n.strength, n.padding_mask_crop, n.layers)
+    size, klein = (n.height, n.width), (n.image_reference, n.kv_cache)
+    n.pipe, n.edit = _image_job(n.pipe, n.fam, n.steps, n.output_type, n.jobs, n.latents, size, klein)
+    _requests.check_max_sequence_length(n.fam, n.max_sequence_length)
+    n.cfg = _cfg(n.fam, n.true_cfg, n.negative_prompt, n.negative_prompt_embeds)
+    given = {k: v for k, v in a.items() if "prompt_embeds" in k}  # the six stock embedding arguments
+    args = (n.prompt, n.num_images_per_prompt, n.seed, n.latents, n.negative_prompt, n.cfg is not None, given)
+    n.req = _requests.requests(n.fam, *args)
+    return n
+
+
+def _plan(a: dict) -> _Plan:
+    """`sample`'s preparation of the call ``a`` (its arguments by name): the checks
+    (`_checked`), the stock arguments, the ranks' layout, the sampling steps, and the
+    chunks encoded (`_prepared`)."""
+    n = _checked(a)
+    fam, pipe, req = n.fam, n.pipe, n.req
+    adapters = _lora_items.per_image(n.params, n.lora, req.n // req.per_prompt, req.per_prompt)
+    prompts, sharded = req.n // req.per_prompt, _sharded(n.params)
+    stock_kw = {k: v for k, v in a.items() if k in _stock.NAMES}  # the stock pipelines' further arguments
+    stock, adapters = _stock.take(pipe, fam, prompts, req, adapters, stock_kw, n.cache, sharded, n.callback_on_step_end)
+    device, dtype = _param_device_dtype(n.params)
+    local_params, mesh = sharding.local_view(n.params)
     lay = _ranks.layout(mesh, req.n)
-    run_params = local_params if lay.split else params  # a dp group runs on its local view
-    hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
-    model = _model(fam, run_params, pipe, (jobs, kv_cache, edit, _auto_resize), controls, req, hw, masked_image_latents)
-    on_step = _on_step(pipe, callback, callback_on_step_end)
-    run = _cache_run(cache, model, image, fam)
+    run_params = local_params if lay.split else n.params  # a dp group runs on its local view
+    hw = 2 * (n.height // (pipe.vae_scale_factor * 2)), 2 * (n.width // (pipe.vae_scale_factor * 2))
+    family_inputs = (n.jobs, n.kv_cache, n.edit, n._auto_resize)
+    model = _model(fam, run_params, pipe, family_inputs, n.controls, req, hw, n.masked_image_latents)
+    on_step = _on_step(pipe, n.callback, n.callback_on_step_end)
+    run = _cache_run(n.cache, model, n.image, fam)
     adapters = _lora_items.local(adapters, mesh) if lay.split else adapters  # the model runs on local params
-    job = _Job(fam, hw, steps, sigmas, guidance, cfg, output_type, max_sequence_length, batch_size, on_step, run,
-               adapters, stock)  # fmt: skip
+    job = _Job(fam, hw, n.steps, n.sigmas, n.guidance, n.cfg, n.output_type, n.max_sequence_length, n.batch_size,
+               on_step, run, adapters, stock)  # fmt: skip
     with torch.no_grad():
         ctx = _state.Context(fam, model, pipe, device, dtype)
-        chunks = _prepared(ctx, req, job, lay, image, (height, width), (encoder_placement, mesh))
-        if _ITEMS_ONLY.get():  # `functional_dit.sampling.init`: a request with image inputs
-            return ctx, [_item(ctx, c, job) for c in chunks]
-        with sharding.bind(lay.mesh) if lay.split else contextlib.nullcontext(), _placement.tiling(pipe, vae_tiling):
-            parts = [_run(ctx, run_params, c, job) for c in chunks]
-        return _ranks.collect(lay, _ranks.concat(parts, output_type), output_type, local)
+        placement = (n.encoder_placement, mesh)
+        chunks = _prepared(ctx, req, job, lay, n.image, (n.height, n.width), placement)
+    return _Plan(ctx, run_params, tuple(chunks), job, lay, n.vae_tiling, n.local)
 
 
 def _size(pipe, height, width, resolution, output_resolution, image, max_area) -> tuple:
