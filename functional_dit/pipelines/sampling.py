@@ -117,7 +117,7 @@ def context(params, encoders, text_to_image: bool = False) -> Context:
     name = type(pipe).__name__
     if name not in runs and text_to_image:
         raise ValueError(f"encoders: functional_dit.sampling runs text to image ({', '.join(runs)}); got {name}")
-    model = _sampler._family_model(fam, params, pipe, None, None, {}, None) if name in runs else None
+    model = _sampler._family_model(fam, params, pipe, None, None) if name in runs else None
     device, dtype = _sampler._param_device_dtype(params)
     return Context(fam, model, pipe, device, dtype)
 
@@ -161,7 +161,7 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
     if req.prepared or ctx.model is None:  # an image job (the pipeline's own, or its inputs), sigmas, embeddings
         return _prepared_item(params, ctx, req, tag)
     cfg = float(req.true_cfg) if req.true_cfg is not None and req.true_cfg > 1 else None
-    cfg = _sampler._qi.true_cfg(ctx.fam, cfg, req.negative_prompt, None)
+    cfg = _sampler._requests.true_cfg(ctx.fam, cfg, req.negative_prompt, None)
     reqs = _sampler.requests(ctx.fam, req.prompt, 1, req.seed, None, req.negative_prompt, cfg is not None, {})
     f = ctx.pipe.vae_scale_factor * 2
     hw = 2 * (req.height // f), 2 * (req.width // f)

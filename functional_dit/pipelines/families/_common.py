@@ -36,6 +36,26 @@ def batch_size(batch_size: int | None) -> int | None:
     return batch_size
 
 
+def size(pipe, height, width, image, max_area) -> tuple:
+    """The output size (height, width) as asked: a family without a job that sets it
+    refuses ``max_area`` (Kontext's)."""
+    from ._jobs import refuse_max_area
+
+    refuse_max_area(max_area)
+    return height, width
+
+
+def image_job(pipe, call) -> tuple:
+    """(the pipeline, None): a family without image jobs refuses their arguments (``call``:
+    `fd.sample`'s checked arguments)."""
+    from ._jobs import refuse, refuse_layers, refuse_reference
+
+    refuse_layers(pipe, call.layers)
+    refuse_reference(call.image_reference)
+    refuse(call.fam, call.strength, call.mask_image, call.padding_mask_crop)
+    return pipe, None
+
+
 def refuse_kv_cache(kv_cache, params) -> None:
     """``kv_cache`` refused for a family without one."""
     from ... import families

@@ -95,6 +95,8 @@ class Steps:
     cfg_calls = 1  # model calls per step with CFG (Qwen-Image 2.1: one per branch, each its own layout)
     shares_calls = True
     settings: Mapping = NO_TABLES  # the job's settings the ranks must agree on
+    CONTROLNET = False  # takes ControlNets (``control_pixels``, ``control_latents``, ``control_kwargs``)
+    CONTROL_GUIDANCE: float | None = None  # the stock ControlNet pipeline's guidance default
     strength: float | None = None  # img2img's strength (a setting too)
 
     def cfg_batch(self, cond: Prompt, uncond: Prompt) -> Prompt:

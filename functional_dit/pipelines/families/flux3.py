@@ -16,11 +16,13 @@ from ._latents import flux2_vae_input
 from ._steps import NO_TABLES, Prompt, Steps, tables
 
 # the shared hooks FLUX.3 takes as they are (`_common`)
-shift, batch_size, adapter_result, output = (
+shift, batch_size, adapter_result, output, size, image_job = (
     _common.shift,
     _common.batch_size,
     _common.adapter_result,
     _common.output,
+    _common.size,
+    _common.image_job,
 )
 
 # ----------------------------------------------------------------------------- fd.sample
@@ -28,7 +30,6 @@ shift, batch_size, adapter_result, output = (
 EMBED_ARGS = ()  # embeddings not taken yet: these pipelines encode their own prompts
 EMBEDS_TOGETHER = ()
 MAX_SEQUENCE_LENGTH = None
-IMAGE_JOBS = None
 ENCODER_LORA_SCALE = False
 CFG_NEEDS_NEGATIVE = False
 PER_ITEM_PIPELINES = ("Flux3ModularPipeline", "Flux3DistilledModularPipeline")

@@ -20,19 +20,19 @@ from ... import qwenimage21
 from ...qwenimage21 import QwenImage21Config, QwenImage21KVCache
 from . import _common
 from ._common import stock_module
+from ._jobs import refuse_args, refuse_layers, refuse_reference
 from ._steps import NO_TABLES, Prompt, Steps, tables
 
 # the shared hooks Qwen-Image 2.1 takes as they are (`_common`)
-shift, output, tiny_assemble = _common.shift, _common.output, _common.tiny_assemble
+shift, output, tiny_assemble, size = _common.shift, _common.output, _common.tiny_assemble, _common.size
 
 # ----------------------------------------------------------------------------- fd.sample
 
 EMBED_ARGS = ()  # embeddings not taken yet: the pipeline encodes its own prompts
 EMBEDS_TOGETHER = ()
 MAX_SEQUENCE_LENGTH = None
-IMAGE_JOBS = None
 ENCODER_LORA_SCALE = False
-CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._qwen_image.true_cfg`)
+CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._requests.true_cfg`)
 PER_ITEM_PIPELINES = ("QwenImage21Pipeline",)
 
 
@@ -122,6 +122,14 @@ class Qwen21(Steps):
 
 def steps(params, pipe, image, kv_cache) -> Steps:
     return Qwen21(params, pipe, kv_cache)
+
+
+def image_job(pipe, call) -> tuple:
+    """(the pipeline, None): Qwen-Image 2.1 samples text to image only."""
+    refuse_layers(pipe, call.layers)
+    refuse_args(pipe, call.strength, call.mask_image, call.padding_mask_crop)
+    refuse_reference(call.image_reference)
+    return pipe, None
 
 
 def pipeline_class(components) -> str:

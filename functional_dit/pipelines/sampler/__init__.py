@@ -58,10 +58,8 @@ from .. import placement as _placement
 from .. import sampler_xla as _sample_xla
 from ..families import NO_TABLES, Prompt, tables
 from ..families import product as _product
-from . import _controlnet, _flux2_image, _flux_image, _ranks, _requests, _state
-from . import _flux_kontext as _kontext
+from . import _controlnet, _ranks, _requests, _state
 from . import _lora as _lora_items
-from . import _qwen_image as _qi
 from . import _stock_args as _stock
 
 # What the per-item sampling module (`functional_dit.pipelines.sampling`) shares with fd.sample.
@@ -433,7 +431,7 @@ def _checked(a: dict) -> types.SimpleNamespace:
     n = types.SimpleNamespace(**a)
     n.fam, n.pipe = _family_name(n.params), as_pipeline(n.encoders, n.params)
     n.kv_cache = _stock.kv_cache(n.kv_cache, n.use_kv_cache)
-    n.height, n.width = _size(n.pipe, n.height, n.width, n.resolution, n.output_resolution, n.image, n.max_area)
+    n.height, n.width = _size(n.pipe, n.fam, n.height, n.width, n.resolution, n.output_resolution, n.image, n.max_area)
     _check_args(n.pipe, n.height, n.width, n.output_type, n.batch_size)
     _check_scales(n.guidance, n.true_cfg)
     n.batch_size = _product(n.fam).batch_size(n.batch_size)  # Qwen-Image 2.1: one image per call
@@ -441,9 +439,7 @@ def _checked(a: dict) -> types.SimpleNamespace:
     n.steps, n.sigmas = _check_steps(n.steps, n.sigmas)
     fractions = (n.control_guidance_start, n.control_guidance_end)
     n.controls = _controlnet.check(n.controlnet, n.fam, n.latents, n.pipe, n.seed, fractions, n.cache)
-    n.jobs = (n.image, n.mask_image, n.strength, n.padding_mask_crop, n.layers)
-    size, klein = (n.height, n.width), (n.image_reference, n.kv_cache)
-    n.pipe, n.edit = _image_job(n.pipe, n.fam, n.steps, n.output_type, n.jobs, n.latents, size, klein)
+    n.pipe, n.job = _product(n.fam).image_job(n.pipe, n)  # an image job's checks: the family's
     _requests.check_max_sequence_length(n.fam, n.max_sequence_length)
     n.cfg = _cfg(n.fam, n.true_cfg, n.negative_prompt, n.negative_prompt_embeds)
     given = {k: v for k, v in a.items() if "prompt_embeds" in k}  # the six stock embedding arguments
@@ -467,8 +463,7 @@ def _plan(a: dict) -> _Plan:
     lay = _ranks.layout(mesh, req.n)
     run_params = local_params if lay.split else n.params  # a dp group runs on its local view
     hw = 2 * (n.height // (pipe.vae_scale_factor * 2)), 2 * (n.width // (pipe.vae_scale_factor * 2))
-    family_inputs = (n.jobs, n.kv_cache, n.edit, n._auto_resize)
-    model = _model(fam, run_params, pipe, family_inputs, n.controls, req, hw, n.masked_image_latents)
+    model = _model(fam, run_params, pipe, (n.job, n.image, n.kv_cache), n.controls, req, hw, n.masked_image_latents)
     on_step = _on_step(pipe, n.callback, n.callback_on_step_end)
     run = _cache_run(n.cache, model, n.image, fam)
     adapters = _lora_items.local(adapters, mesh) if lay.split else adapters  # the model runs on local params
@@ -481,30 +476,28 @@ def _plan(a: dict) -> _Plan:
     return _Plan(ctx, run_params, tuple(chunks), job, lay, n.vae_tiling, n.local)
 
 
-def _size(pipe, height, width, resolution, output_resolution, image, max_area) -> tuple:
+def _size(pipe, fam: str, height, width, resolution, output_resolution, image, max_area) -> tuple:
     """The image size asked, as the pipeline's class sets it: Layered's and Qwen-Image 2.1's
-    resolution, Kontext's rescale to ``max_area``, klein inpainting's image size."""
+    resolution, then the family's rule (Kontext's rescale to ``max_area``, klein
+    inpainting's image size)."""
     height, width = _stock.size(pipe, height, width, resolution, output_resolution, image)  # Layered, Qwen-Image 2.1
-    height, width = _kontext.size(pipe, height, width, max_area)  # Kontext rescales to max_area
-    return _flux2_image.size(pipe, height, width, image)  # klein inpainting: the image's size
+    return _product(fam).size(pipe, height, width, image, max_area)
 
 
 def _cfg(fam: str, true_cfg, negative_prompt, negative_prompt_embeds) -> float | None:
     """The true-CFG scale in force, or None (a scale of at most 1, or a family's refusal
     without a negative prompt)."""
     cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
-    return _qi.true_cfg(fam, cfg, negative_prompt, negative_prompt_embeds)
+    return _requests.true_cfg(fam, cfg, negative_prompt, negative_prompt_embeds)
 
 
 def _model(fam: str, params, pipe, family_inputs: tuple, controls, req, hw: tuple, masked_image_latents):
     """The sampling steps of the call (the family's, an image job's, with a ControlNet),
-    with the given latents checked against them. ``family_inputs``: ``(jobs, kv_cache,
-    edit, auto_resize)``, ``jobs`` `sample`'s ``(image, mask_image, strength,
-    padding_mask_crop, layers)``."""
-    (image, mask_image, strength, padding_mask_crop, layers), kv_cache, edit, auto_resize = family_inputs
-    img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop, layers=layers)
-    model = _family_model(fam, params, pipe, image, kv_cache, img2img, edit, auto_resize)
-    model = model if controls is None else _controlnet.WithControlNet(model, controls, pipe)
+    with the given latents checked against them. ``family_inputs``: ``(job, image,
+    kv_cache)``, ``job`` the family's image job (`image_job`) or None."""
+    job, image, kv_cache = family_inputs
+    model = _family_model(fam, params, pipe, image, kv_cache, job)
+    model = model if controls is None else _controlnet.WithControlNet(model, controls, pipe, job is not None)
     _check_latents(model, pipe, req, *hw)
     _stock.check_masked_latents(masked_image_latents, model, req.n, *hw)
     return model
@@ -531,25 +524,6 @@ def _prepared(ctx: _state.Context, req, job: _Job, lay, image, size: tuple, plac
         chunks = [_chunk(model, run, req, c, job, dtype, device) for c in _chunks(lay.share, job.batch_size)]
     _check_ranks(lay, chunks, model, run, _settings(job, pipe, req, lay, model, dtype, size))
     return chunks
-
-
-def _image_job(pipe, fam: str, steps: int, output_type: str, jobs: tuple, latents, size, klein: tuple):
-    """The image-to-image jobs' checks, before anything heavy: Qwen-Image's (its pipeline
-    upgraded to img2img / inpainting where an image is given), klein inpainting's and
-    FLUX.1's (an edit, or None); every other family refuses their arguments."""
-    image, mask_image, strength, crop, layers = jobs
-    image_reference, kv_cache = klein
-    pipe = _qi.pipeline(pipe, steps, output_type, image, mask_image, strength, crop, layers)
-    if _flux2_image.wanted(pipe):  # klein inpainting
-        args = (steps, image, mask_image, image_reference, strength, crop, output_type, kv_cache)
-        return pipe, _flux2_image.check(pipe, *args)
-    _flux2_image.refuse_reference(image_reference)
-    jobs = _product(fam).IMAGE_JOBS
-    if jobs == "pipeline":  # Qwen-Image: its img2img / inpainting pipelines (`_qi.pipeline` above)
-        return pipe, None
-    if jobs == "img2img":  # FLUX.1: over its text-to-image steps
-        return pipe, _flux_image.check(pipe, steps, image, strength, mask_image, crop, output_type, latents, size)
-    return pipe, _flux_image.refuse(fam, strength, mask_image, crop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -676,19 +650,10 @@ def _on_step(pipe, callback, callback_on_step_end):
     return hook
 
 
-def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=None, auto_resize=None):
-    """The sampling steps after the argument checks: an image job's (klein inpainting,
-    FLUX.1 img2img / inpainting for an ``edit``, Kontext, Qwen-Image's image pipelines in
-    `sampler._qwen_image`), else the family's text-to-image steps (its product's ``steps``)."""
-    if isinstance(edit, _flux2_image.Inpaint):
-        return _flux2_image.Flux2Inpaint(params, pipe, edit)
-    if edit is not None:
-        return _flux_image.Flux1Image(params, pipe, edit)
-    if type(pipe).__name__ == "FluxKontextPipeline":
-        return _kontext.Flux1Kontext(params, pipe, auto_resize is not False)
-    if type(pipe).__name__ in _qi.PIPELINES:
-        return _qi.model(params, pipe, image, **img2img)
-    return _product(fam).steps(params, pipe, image, kv_cache)
+def _family_model(fam: str, params, pipe, image, kv_cache, job=None):
+    """The sampling steps after the argument checks: the family's image job's (``job``,
+    from its product's ``image_job``), else its text-to-image steps (its product's ``steps``)."""
+    return job(params, pipe) if job is not None else _product(fam).steps(params, pipe, image, kv_cache)
 
 
 def _to(p: Prompt, dtype, device) -> Prompt:

@@ -40,11 +40,7 @@ from ... import families as _families
 from ...params import Params
 from .. import cache as _cache
 from ..families import tables
-from ..families.flux1 import _Flux1
-from ..families.qwenimage import _Qwen
 from . import _requests
-
-FLUX_GUIDANCE = 7.0  # FluxControlNetPipeline's guidance_scale default (FluxPipeline's is 3.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,16 +167,18 @@ def _has_hint(c: Control) -> bool:
 
 
 class WithControlNet:
-    """A family's sampling steps (`_Flux1`, `_Qwen`) with ControlNet residuals in every
-    model call; every other hook is the family's (``inner``). The control images are
+    """A family's text-to-image steps (those with ``CONTROLNET``: FLUX.1's, Qwen-Image's)
+    with ControlNet residuals in every model call, the family's ``control_pixels``,
+    ``control_latents`` and ``control_kwargs`` giving its ControlNet inputs; every other
+    hook is the family's (``inner``). The control images are
     the run's tables (``pixels``, ``posts``, ``src``), a chunk's control latents its
     tables (``controls``)."""
 
     step_cache = True  # the attention-level caches (`check_cache`)
     fixed_graph = False  # residuals per step: the usual loop
 
-    def __init__(self, inner, controls: Controls, pipe):
-        if type(inner) not in (_Flux1, _Qwen):
+    def __init__(self, inner, controls: Controls, pipe, job: bool = False):
+        if job or not inner.CONTROLNET:  # an image job's steps, or a family without ControlNets
             raise ValueError(
                 f"controlnet: fd.sample runs ControlNets with text to image only (FluxPipeline, "
                 f"FluxControlNetPipeline, QwenImagePipeline, QwenImageControlNetPipeline), got {type(pipe).__name__}"
@@ -211,20 +209,10 @@ class WithControlNet:
             pixels = pixels.repeat_interleave(req.n if pixels.shape[0] == 1 else 1, dim=0).to(device, vae.dtype)
             pixels_all.append(pixels)
             if not _has_hint(c):
-                pixels = pixels.unsqueeze(2) if isinstance(self.inner, _Qwen) else pixels
-                posts.append(vae.encode(pixels).latent_dist)
+                posts.append(vae.encode(self.inner.control_pixels(pixels)).latent_dist)
             else:
                 posts.append(None)
         return tables(run, src=src, pixels=tuple(pixels_all), posts=tuple(posts)), req
-
-    def _normalised(self, z: torch.Tensor) -> torch.Tensor:
-        """A posterior sample as the stock pipeline normalises and packs it."""
-        vae = self.pipe.vae
-        if isinstance(self.inner, _Qwen):
-            mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(z.device)
-            inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(z.device)
-            return self.inner.pack(((z - mean) * inv_std).permute(0, 2, 1, 3, 4))
-        return self.inner.pack((z - vae.config.shift_factor) * vae.config.scaling_factor)
 
     def draw(self, run, noise: tuple, images, shape_of, dtype, device, draw):
         """The packed noise of ``images``, each generator drawing the control images'
@@ -238,7 +226,8 @@ class WithControlNet:
             if post is None:
                 conds.append(pixels[rows].to(dt))
             else:
-                conds.append(self._normalised(post.mean[rows] + post.std[rows] * e.to(post.mean.device)).to(device, dt))
+                sample = post.mean[rows] + post.std[rows] * e.to(post.mean.device)
+                conds.append(self.inner.control_latents(sample).to(device, dt))
         x = draw(noise, images, shape_of, self.pack, self.take, dtype, device) if given else self.pack(z.to(device))
         return x, tables(controls=tuple(conds))
 
@@ -258,20 +247,10 @@ class WithControlNet:
         return eps, z
 
     def prepare(self, run, cond, h, w, guidance, device):
-        if isinstance(self.inner, _Flux1) and guidance is None:
-            guidance = FLUX_GUIDANCE
+        guidance = self.inner.CONTROL_GUIDANCE if guidance is None else guidance  # the stock ControlNet pipeline's
         return self.inner.prepare(run, cond, h, w, guidance, device)
 
     # ------------------------------------------------------------ the model call
-
-    def _kwargs(self, c: Control, tab, B: int, cond, device) -> dict:
-        """The ControlNet's family keywords at this step, from the family's tables."""
-        if isinstance(self.inner, _Qwen):
-            mask = None if cond.mask is None else cond.mask[:B]
-            return dict(txt_mask=mask, img_shapes=[tab["shapes"]] * B, rope=tab["rope"])
-        g = torch.full((B,), float(tab["guidance"]), device=device) if c.params.config.guidance_embeds else None
-        mode = None if c.mode is None else torch.full((B, 1), c.mode, dtype=torch.long, device=device)
-        return dict(pooled=cond.pooled[:B], guidance=g, rope=tab["rope"], **({} if mode is None else {"mode": mode}))
 
     def step_inputs(self, sched, batch: int, dtype) -> list[dict]:
         """The family's per-step inputs and, per step, every ControlNet's keep (0 or 1; one
@@ -291,7 +270,7 @@ class WithControlNet:
             return self.inner.predict(params, tab, x, t, cond, apply, **extra)
         results = [
             _cn.apply(c.params, x[:B], t[:B], cond.txt[:B], cc, scale=c.scale * k,
-                      **self._kwargs(c, tab, B, cond, x.device))
+                      **self.inner.control_kwargs(c.params, c.mode, tab, B, cond, x.device))
             for c, cc, k in zip(self.controls, conds, keeps)
         ]  # fmt: skip
         res = _cn.combine(results)

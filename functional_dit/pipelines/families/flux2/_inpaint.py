@@ -24,11 +24,11 @@ import math
 
 import torch
 
-from ..families import repeat_batch as _batch
-from ..families import tables
-from ..families.flux2 import _Flux2
-from ..schedule import blend, noised_start
-from ._flux_image import _check_crop, _check_strength, _one_image, cut
+from ...schedule import blend, noised_start
+from .._jobs import check_crop, check_strength, cut, one_image
+from .._latents import _batch
+from .._steps import tables
+from ._base import _Flux2
 
 NAME = "Flux2KleinInpaintPipeline"
 STRENGTH = 0.8  # the stock pipeline's default (FLUX.1's and Qwen-Image's is schedule.STRENGTH)
@@ -46,11 +46,6 @@ class Inpaint:
     pad: int | None
 
 
-def wanted(pipe) -> bool:
-    """Whether ``pipe`` is the stock klein inpainting pipeline."""
-    return type(pipe).__name__ == NAME
-
-
 def _fit(pipe, img):
     """(the image, height, width) as the stock pipeline sizes it: resized to about
     `MAX_AREA` if larger, the size floored to multiples of the VAE scale x 2."""
@@ -66,9 +61,9 @@ def _fit(pipe, img):
 def size(pipe, height, width, image) -> tuple:
     """(height, width) of the output: the init image's for a klein inpainting pipeline
     (the given ones ignored, as stock), else as given."""
-    if not wanted(pipe) or image is None:
+    if type(pipe).__name__ != NAME or image is None:
         return height, width
-    _, h, w = _fit(pipe, _one_image(image, "image"))
+    _, h, w = _fit(pipe, one_image(image, "image"))
     if h < 1 or w < 1:
         raise ValueError(f"image: expected at least {pipe.vae_scale_factor * 2} pixels each way, got {image.size}")
     return h, w
@@ -81,18 +76,12 @@ def check(pipe, steps, image, mask_image, image_reference, strength, padding_mas
             raise ValueError(f"{name}: a {NAME} needs one (a PIL image), got None")
     if kv_cache:
         raise ValueError(f"kv_cache: a {NAME} feeds its references every step; expected None or False, got True")
-    img, mask = _one_image(image, "image"), _one_image(mask_image, "mask_image")
-    ref = None if image_reference is None else _one_image(image_reference, "image_reference")
-    strength = _check_strength(STRENGTH if strength is None else strength, steps)
+    img, mask = one_image(image, "image"), one_image(mask_image, "mask_image")
+    ref = None if image_reference is None else one_image(image_reference, "image_reference")
+    strength = check_strength(STRENGTH if strength is None else strength, steps)
     if padding_mask_crop is not None:
-        _check_crop(padding_mask_crop, mask, output_type)
+        check_crop(padding_mask_crop, mask, output_type)
     return Inpaint(img, mask, ref, strength, padding_mask_crop)
-
-
-def refuse_reference(image_reference) -> None:
-    """``image_reference`` belongs to the klein inpainting pipeline only."""
-    if image_reference is not None:
-        raise ValueError(f"image_reference: only a {NAME} takes it; expected None, got {image_reference!r:.80}")
 
 
 class Flux2Inpaint(_Flux2):

@@ -22,15 +22,15 @@ docs/sampling.md lists the defaults (``strength`` 0.6, ``guidance`` 7.0).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
 
-from ..families import tables
-from ..families.flux1 import _Flux1
-from ..schedule import STRENGTH, blend, noised_start, t_start
-from . import _requests
+from ...schedule import STRENGTH, blend, noised_start
+from .._jobs import check_crop, check_strength, cut, one_image, refuse
+from .._latents import copy_generator
+from .._steps import tables
+from ._base import _Flux1
 
 GUIDANCE = 7.0  # their guidance_scale default (FluxPipeline's is 3.5)
 
@@ -50,44 +50,8 @@ class Edit:
 # ----------------------------------------------------------------------------- checks
 
 
-def _is_pil(v) -> bool:
-    from PIL import Image
-
-    return isinstance(v, Image.Image)
-
-
-def _one_image(value, name: str):
-    """One PIL image (or a list of one), else a ValueError naming ``name``."""
-    v = value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
-    if not _is_pil(v):
-        raise ValueError(f"{name}: expected one PIL image, got {value!r:.80}")
-    return v
-
-
-def _check_strength(strength, steps: int) -> float:
-    """``strength`` in [0, 1] leaving at least one step of ``steps`` (the stock checks)."""
-    ok = isinstance(strength, (int, float)) and not isinstance(strength, bool) and 0 <= strength <= 1
-    if not ok:
-        raise ValueError(f"strength: expected a number in [0, 1], got {strength!r}")
-    if steps - t_start(steps, strength) < 1:
-        raise ValueError(
-            f"strength: expected a value > 0 (it runs the last ⌈steps · strength⌉ of the steps, as the "
-            f"stock pipelines do), got steps={steps}, strength={strength}: 0 steps"
-        )
-    return float(strength)
-
-
 # The stock pipelines that need an init image (and a mask), by class name.
 NEEDS = {"FluxImg2ImgPipeline": ("image",), "FluxInpaintPipeline": ("image", "mask_image")}
-
-
-def refuse(fam: str, strength, mask_image, padding_mask_crop, why: str | None = None) -> None:
-    """The image jobs' arguments, refused by name where no FLUX.1 job takes them."""
-    given = {"strength": strength, "mask_image": mask_image, "padding_mask_crop": padding_mask_crop}
-    for name, v in given.items():
-        if v is not None:
-            why = why or f"FLUX.1 (not {fam})"
-            raise ValueError(f"{name}: fd.sample takes it for {why} with an image; expected None, got {v!r:.80}")
 
 
 def check(pipe, steps: int, image, strength, mask_image, padding_mask_crop, output_type, latents, size):
@@ -100,38 +64,14 @@ def check(pipe, steps: int, image, strength, mask_image, padding_mask_crop, outp
     wanted = wanted and type(pipe).__name__ != "FluxKontextPipeline"  # its image is a reference
     if image is None or not wanted:
         return refuse("flux1", strength, mask_image, padding_mask_crop, "FLUX.1 img2img and inpainting")
-    img = _one_image(image, "image")
-    mask = None if mask_image is None else _one_image(mask_image, "mask_image")
-    strength = _check_strength(STRENGTH if strength is None else strength, steps)
+    img = one_image(image, "image")
+    mask = None if mask_image is None else one_image(mask_image, "mask_image")
+    strength = check_strength(STRENGTH if strength is None else strength, steps)
     if padding_mask_crop is not None:
-        _check_crop(padding_mask_crop, mask, output_type)
+        check_crop(padding_mask_crop, mask, output_type)
     if mask is not None and latents is not None:
         raise ValueError("latents: inpainting draws its image latents with the seed; expected None, got a tensor")
     return Edit(img, strength, mask, padding_mask_crop, size)
-
-
-def _check_crop(pad, mask, output_type) -> None:
-    if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
-        raise ValueError(f"padding_mask_crop: expected None or a non-negative int (pixels), got {pad!r}")
-    if mask is None:
-        raise ValueError("padding_mask_crop: crops around the mask; expected it with a mask_image, got no mask_image")
-    if output_type != "pil":
-        raise ValueError(
-            f"output_type: expected 'pil' with padding_mask_crop (as FluxInpaintPipeline), got {output_type!r}"
-        )
-
-
-# ----------------------------------------------------------------------------- schedule
-
-
-def cut(sched, strength: float):
-    """A copy of a set scheduler that runs only the last ``steps · strength`` steps, as the
-    stock pipelines do."""
-    start = t_start(len(sched.timesteps), strength)
-    sched = copy.copy(sched)
-    sched.timesteps = sched.timesteps[start:]
-    sched.set_begin_index(start)
-    return sched
 
 
 # ----------------------------------------------------------------------------- the model
@@ -193,7 +133,7 @@ class Flux1Image(_Flux1):
         if kind == "latents":  # the stock img2img starts from given latents as they are
             return self.take(src[list(images)].to(device=device, dtype=dtype)), tables(drawn=None)
         if kind == "batch":  # one posterior for the one image, then the batch's noise
-            g = _requests._copy(src)
+            g = copy_generator(src)
             post = posterior.sample(generator=g).expand(len(images), -1, -1, -1)
             z = torch.randn(shape_of(noise[2]), generator=g, dtype=dtype)[list(images)]
         else:

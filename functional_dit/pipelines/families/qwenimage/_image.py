@@ -17,36 +17,23 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 import math
 
 import numpy as np
 import torch
 
-from ... import qwenimage as _qwen
-from ..families import NO_TABLES, tables
-from ..families import pack_2x2 as _pack
-from ..families import product as _product
-from ..families.qwenimage import _Qwen
-from ..schedule import STRENGTH, blend, noised_start, t_start
-from . import _requests
+from .... import qwenimage as _qwen
+from ...schedule import STRENGTH, blend, noised_start, t_start
+from .._jobs import cut
+from .._latents import copy_generator
+from .._latents import pack_2x2 as _pack
+from .._steps import NO_TABLES, tables
+from ._base import _Qwen
 
 IMG2IMG = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
 PIPELINES = (*IMG2IMG, "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline")  # also in `_sample.PIPELINES`
 LAYERS = 4  # QwenImageLayeredPipeline's default
 CONDITION_AREA, VAE_AREA = 384 * 384, 1024 * 1024  # Edit-Plus: the text encoder's and the VAE's reference sizes
-_log = logging.getLogger(__name__)
-
-
-def true_cfg(fam: str, cfg: float | None, negative_prompt, negative_prompt_embeds) -> float | None:
-    """Qwen-Image's pipelines run true CFG only with a negative prompt (or its embeddings):
-    without one a ``true_cfg`` > 1 is ignored with a warning, as there."""
-    if cfg is None or not _product(fam).CFG_NEEDS_NEGATIVE:
-        return cfg
-    if negative_prompt is None and negative_prompt_embeds is None:
-        _log.warning(f"true_cfg={cfg} ignored: Qwen-Image runs classifier-free guidance only with a negative_prompt")
-        return None
-    return cfg
 
 
 def _strength(strength) -> float:
@@ -151,7 +138,7 @@ def _generators(noise: tuple, b: int):
     draw from afterwards): image j's own generator for j < b, or the one batch generator."""
     kind, src = noise[:2]
     if kind == "batch":
-        g = _requests._copy(src)
+        g = copy_generator(src)
         return g, ("batch", g, noise[2])
     gens = [torch.Generator("cpu").manual_seed(s) for s in src] if kind == "seeds" else list(src)
     return gens[:b], ("generators", gens)
@@ -218,11 +205,7 @@ class Img2Img(_Qwen):
 
     def schedule(self, tab, sched):
         """The partial schedule (a copy)."""
-        first = t_start(len(sched.timesteps), self.strength)
-        sched = copy.copy(sched)
-        sched.timesteps = sched.timesteps[first:]
-        sched.set_begin_index(first)
-        return sched
+        return cut(sched, self.strength)
 
     def begin(self, tab, sched, x, images):
         """The noised start latents; inpainting keeps (image latents, noise, mask) for its

@@ -5,24 +5,24 @@ pipelines): its sampling steps for `fd.sample`, the diffusers adapter's argument
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ... import qwenimage as _qwen
-from ...qwenimage import QwenImageConfig
-from . import _common
-from ._common import refuse_kv_cache, stock_module
-from ._latents import _batch, pack_2x2, unpack_2x2
-from ._steps import NO_TABLES, Prompt, Steps, tables
+from ....qwenimage import QwenImageConfig
+from .. import _common
+from .._common import refuse_kv_cache, stock_module
+from .._jobs import refuse_reference
+from .._steps import Steps
+from . import _image
+from ._base import _Qwen
 
 # the shared hooks Qwen-Image takes as they are (`_common`)
-shift, batch_size, adapter_result, output, tiny_assemble = (
+shift, batch_size, adapter_result, output, tiny_assemble, size = (
     _common.shift,
     _common.batch_size,
     _common.adapter_result,
     _common.output,
     _common.tiny_assemble,
+    _common.size,
 )
 
 # ----------------------------------------------------------------------------- fd.sample
@@ -31,82 +31,12 @@ EMBED_ARGS = ("prompt_embeds", "prompt_embeds_mask")
 EMBEDS_TOGETHER = ()
 MAX_SEQUENCE_LENGTH = 1024
 ENCODER_LORA_SCALE = False
-CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._qwen_image.true_cfg`)
+CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._requests.true_cfg`)
 PER_ITEM_PIPELINES = ("QwenImagePipeline",)
 
 
-class _Qwen(Steps):
-    """QwenImagePipeline / QwenImageEditPipeline: Qwen2.5-VL text (ragged, masked),
-    2x2-packed latents with a frame axis, RoPE from img_shapes, normalised true CFG."""
-
-    fixed_graph = True  # one fixed device graph per step (`sampler_xla`)
-
-    normalise_cfg = True
-
-    def __init__(self, params, pipe):
-        self.pipe, self.c = pipe, params.config
-
-    def encode(self, run, prompts, msl):
-        image = run.get("prompt_image")
-        kw = {} if image is None else {"image": image}
-        txt, mask = self.pipe.encode_prompt(prompt=prompts, max_sequence_length=msl or 512, **kw)
-        return Prompt(txt, mask=mask)
-
-    def encode_embeds(self, run, msl, prompt_embeds, prompt_embeds_mask=None):
-        """As the pipeline's encode_prompt with embeddings: cut to ``msl``, all-real mask -> None."""
-        txt, mask = prompt_embeds[:, : msl or 512], prompt_embeds_mask
-        mask = None if mask is None or bool(mask[:, : txt.shape[1]].all()) else mask[:, : txt.shape[1]]
-        return Prompt(txt, mask=mask)
-
-    def noise_shape(self, B, h, w):
-        return (B, 1, self.c.in_channels // 4, h, w)
-
-    pack = staticmethod(lambda z: pack_2x2(z[:, 0]))
-    take = staticmethod(lambda latents: latents)  # the pipeline's latents= are packed
-
-    def images(self, images, B, device):
-        """The Edit pipeline's reference: resized to about 1024² (multiple of 32), VAE-encoded
-        (distribution mode), normalised, packed; also the image its text encoder sees."""
-        if len(images) != 1:
-            raise ValueError(f"image: QwenImageEditPipeline takes one reference image, got {len(images)}")
-        pipe, img = self.pipe, images[0]
-        w, h = _qwen_edit_size(img.size)
-        prompt_image = pipe.image_processor.resize(img, h, w)
-        pixels = pipe.image_processor.preprocess(prompt_image, h, w).unsqueeze(2)
-        z = pipe._encode_vae_image(pixels.to(device=device, dtype=pipe.vae.dtype), generator=None)
-        ref_shapes = [(1, z.shape[3] // 2, z.shape[4] // 2)]
-        return tables(prompt_image=prompt_image, ref=_batch(pack_2x2(z[:, :, 0]), B), ref_shapes=ref_shapes)
-
-    def prepare(self, run, cond: Prompt, h, w, guidance, device):
-        shapes = [(1, h // 2, w // 2), *run.get("ref_shapes", ())]
-        return tables(
-            shapes=shapes, rope=_qwen.pos_embed(shapes, cond.txt.shape[1], self.c.axes_dims_rope, device=device)
-        )
-
-    def predict(self, params, tab, x, t, cond: Prompt, apply, **extra):
-        B, S = x.shape[:2]
-        if tab.get("ref") is not None:
-            x = torch.cat([x, _batch(tab["ref"], B).to(x.dtype)], 1)
-        kw = dict(txt_mask=cond.mask, img_shapes=[tab["shapes"]] * B, rope=tab["rope"])
-        return apply(params, x, t, cond.txt, **kw)[:, :S], NO_TABLES
-
-    def decode_latents(self, x, h, w):
-        vae = self.pipe.vae
-        z = unpack_2x2(x, h, w)[:, :, None].to(vae.dtype)  # (B, C, 1, h, w)
-        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z.device, z.dtype)
-        std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z.device, z.dtype)
-        return z / std + mean
-
-
-def _qwen_edit_size(size) -> tuple[int, int]:
-    """(width, height) of about 1024² pixels with the image's aspect ratio, multiples of 32."""
-    ratio = size[0] / size[1]
-    w = math.sqrt(1024 * 1024 * ratio)
-    return round(w / 32) * 32, round(w / ratio / 32) * 32
-
-
 def steps(params, pipe, image, kv_cache) -> Steps:
-    """Text to image or the Edit pipeline (the other image jobs build on it: `sampler._qwen_image`)."""
+    """Text to image or the Edit pipeline (the other image jobs build on it: `JOBS`)."""
     import diffusers
 
     if image is not None and isinstance(pipe, diffusers.QwenImagePipeline):
@@ -125,7 +55,25 @@ def pipeline_class(components) -> str:
     return "QwenImageEditPipeline" if components.get("processor") is not None else "QwenImagePipeline"
 
 
-IMAGE_JOBS = "pipeline"  # its pipelines make the image jobs (`sampler._qwen_image.pipeline`)
+def _job(pipe, call):
+    """img2img, inpainting, Edit-Plus, Layered: their steps (`_image.model`)."""
+    args = (call.image, call.mask_image, call.strength, call.padding_mask_crop, call.layers)
+    return lambda params, pipe: _image.model(params, pipe, *args)
+
+
+# The image jobs by stock pipeline class name (the others: text to image, the Edit pipeline).
+JOBS = dict.fromkeys(_image.PIPELINES, _job)
+
+
+def image_job(pipe, call) -> tuple:
+    """(the pipeline, its image job or None): a QwenImagePipeline given an image becomes
+    the img2img (inpainting) pipeline over the same components (`_image.pipeline`);
+    ``call`` is `fd.sample`'s checked arguments."""
+    args = (call.image, call.mask_image, call.strength, call.padding_mask_crop, call.layers)
+    pipe = _image.pipeline(pipe, call.steps, call.output_type, *args)
+    refuse_reference(call.image_reference)
+    job = JOBS.get(type(pipe).__name__)
+    return pipe, None if job is None else job(pipe, call)
 
 
 # ----------------------------------------------------------------------------- the adapter
@@ -178,13 +126,13 @@ def pos_embed(c):
 
 def tiny_config_changes(kind: str) -> dict:
     """Qwen2.5-VL's width."""
-    from .. import tiny
+    from ... import tiny
 
     return dict(joint_attention_dim=tiny._QWEN25_DIM)
 
 
 def tiny_components(kind: str, seed: int) -> dict:
-    from .. import tiny
+    from ... import tiny
 
     tok = tiny.qwen_tokenizer(tiny._QWEN2VL_CHAT_TEMPLATE)
     parts = {

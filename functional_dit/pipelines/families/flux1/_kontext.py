@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..families import grid_ids, tables
-from ..families import repeat_batch as _batch
-from ..families.flux1 import _Flux1
+from .._jobs import refuse_max_area
+from .._latents import _batch, grid_ids
+from .._steps import tables
+from ._base import _Flux1
 
 MAX_AREA = 1024**2  # FluxKontextPipeline's default
 
@@ -33,8 +34,7 @@ def size(pipe, height, width, max_area) -> tuple:
     """(height, width) as ``FluxKontextPipeline`` rescales them to ``max_area``; unchanged
     for other pipelines (which take no ``max_area``)."""
     if not _is_kontext(pipe):
-        if max_area is not None:
-            raise ValueError(f"max_area: only a FluxKontextPipeline takes it; expected None, got {max_area!r}")
+        refuse_max_area(max_area)
         return height, width
     area = MAX_AREA if max_area is None else max_area
     for name, v in (("height", height), ("width", width), ("max_area", area)):
