@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from ._jobs import refuse, refuse_layers, refuse_max_area, refuse_reference
+
 
 class BenchCache(NamedTuple):
     """A family's run in ``bench --sampling``'s step-cache rows: its row name, the tiny
@@ -39,8 +41,6 @@ def batch_size(batch_size: int | None) -> int | None:
 def size(pipe, height, width, image, max_area) -> tuple:
     """The output size (height, width) as asked: a family without a job that sets it
     refuses ``max_area`` (Kontext's)."""
-    from ._jobs import refuse_max_area
-
     refuse_max_area(max_area)
     return height, width
 
@@ -48,8 +48,6 @@ def size(pipe, height, width, image, max_area) -> tuple:
 def image_job(pipe, call) -> tuple:
     """(the pipeline, None): a family without image jobs refuses their arguments (``call``:
     `fd.sample`'s checked arguments)."""
-    from ._jobs import refuse, refuse_layers, refuse_reference
-
     refuse_layers(pipe, call.layers)
     refuse_reference(call.image_reference)
     refuse(call.fam, call.strength, call.mask_image, call.padding_mask_crop)

@@ -512,9 +512,10 @@ def _cache_run(cache, model, image, fam: str):
 
 
 def _prepared(ctx: _state.Context, req, job: _Job, lay, image, size: tuple, placement: tuple) -> list:
-    """The call's chunks prepared: the reference images and start latents encoded on the
-    steps, each chunk's prompts encoded on its own fork (the encoders placed as
-    ``placement = (encoder_placement, mesh)`` says), and the ranks' agreement checked."""
+    """The call's chunks prepared: the reference images and start latents encoded (the
+    run's tables, `Steps.images` and `Steps.init_latents`), each chunk's prompts encoded and
+    its noise drawn over them (the encoders placed as ``placement = (encoder_placement,
+    mesh)`` says), and the ranks' agreement checked."""
     model, pipe, device, dtype = ctx.model, ctx.pipe, ctx.device, ctx.dtype
     run = (
         NO_TABLES if image is None else model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
