@@ -40,7 +40,7 @@ HOOKS = (
     "pipeline_class",  # (components) -> the stock pipeline class name built from components
     "shift",  # (seq_len, steps, scheduler config) -> the schedule's mu
     "batch_size",  # (batch_size) -> images per model call
-    "size",  # (pipe, height, width, image, max_area) -> the output size as the pipeline sets it
+    "size",  # (pipe, fd.sample's arguments) -> the output size as the pipeline sets it (resolution, max_area)
     "image_job",  # (pipe, fd.sample's checked arguments) -> (the pipeline, a job (params, pipe) -> Steps, or None)
     "EMBED_ARGS",  # the stock keywords that replace the text encoders' output
     "EMBEDS_TOGETHER",  # of those, the ones needed together with prompt_embeds

@@ -38,11 +38,11 @@ def batch_size(batch_size: int | None) -> int | None:
     return batch_size
 
 
-def size(pipe, height, width, image, max_area) -> tuple:
-    """The output size (height, width) as asked: a family without a job that sets it
-    refuses ``max_area`` (Kontext's)."""
-    refuse_max_area(max_area)
-    return height, width
+def size(pipe, call) -> tuple:
+    """The output size (height, width) as asked (``call``: `fd.sample`'s arguments): a
+    family without a job that sets it refuses ``max_area`` (Kontext's)."""
+    refuse_max_area(call.max_area)
+    return call.height, call.width
 
 
 def image_job(pipe, call) -> tuple:

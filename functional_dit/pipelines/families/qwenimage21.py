@@ -20,11 +20,11 @@ from ... import qwenimage21
 from ...qwenimage21 import QwenImage21Config, QwenImage21KVCache
 from . import _common
 from ._common import stock_module
-from ._jobs import refuse_args, refuse_layers, refuse_reference
+from ._jobs import refuse_args, refuse_layers, refuse_max_area, refuse_reference
 from ._steps import NO_TABLES, Prompt, Steps, tables
 
 # the shared hooks Qwen-Image 2.1 takes as they are (`_common`)
-shift, output, tiny_assemble, size = _common.shift, _common.output, _common.tiny_assemble, _common.size
+shift, output, tiny_assemble = _common.shift, _common.output, _common.tiny_assemble
 
 # ----------------------------------------------------------------------------- fd.sample
 
@@ -122,6 +122,18 @@ class Qwen21(Steps):
 
 def steps(params, pipe, image, kv_cache) -> Steps:
     return Qwen21(params, pipe, kv_cache)
+
+
+def size(pipe, call) -> tuple:
+    """The output size: the pipeline's ``output_resolution`` (1024) where height or width is None."""
+    height, width, multiple = call.height, call.width, pipe.vae_scale_factor * 2
+    if height is None or width is None:
+        res = 1024 if call.output_resolution is None else call.output_resolution
+        if not isinstance(res, int) or isinstance(res, bool) or res < multiple:
+            raise ValueError(f"output_resolution: expected an int >= {multiple}, got {res!r}")
+        height, width = (height or res) // multiple * multiple, (width or res) // multiple * multiple
+    refuse_max_area(call.max_area)
+    return height, width
 
 
 def image_job(pipe, call) -> tuple:

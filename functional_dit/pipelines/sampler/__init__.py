@@ -431,7 +431,8 @@ def _checked(a: dict) -> types.SimpleNamespace:
     n = types.SimpleNamespace(**a)
     n.fam, n.pipe = _family_name(n.params), as_pipeline(n.encoders, n.params)
     n.kv_cache = _stock.kv_cache(n.kv_cache, n.use_kv_cache)
-    n.height, n.width = _size(n.pipe, n.fam, n.height, n.width, n.resolution, n.output_resolution, n.image, n.max_area)
+    _stock.size(n.pipe, n.resolution, n.output_resolution)  # refused where the pipeline takes none
+    n.height, n.width = _product(n.fam).size(n.pipe, n)  # Layered's, Qwen-Image 2.1's, Kontext's, klein inpainting's
     _check_args(n.pipe, n.height, n.width, n.output_type, n.batch_size)
     _check_scales(n.guidance, n.true_cfg)
     n.batch_size = _product(n.fam).batch_size(n.batch_size)  # Qwen-Image 2.1: one image per call
@@ -474,14 +475,6 @@ def _plan(a: dict) -> _Plan:
         placement = (n.encoder_placement, mesh)
         chunks = _prepared(ctx, req, job, lay, n.image, (n.height, n.width), placement)
     return _Plan(ctx, run_params, tuple(chunks), job, lay, n.vae_tiling, n.local)
-
-
-def _size(pipe, fam: str, height, width, resolution, output_resolution, image, max_area) -> tuple:
-    """The image size asked, as the pipeline's class sets it: Layered's and Qwen-Image 2.1's
-    resolution, then the family's rule (Kontext's rescale to ``max_area``, klein
-    inpainting's image size)."""
-    height, width = _stock.size(pipe, height, width, resolution, output_resolution, image)  # Layered, Qwen-Image 2.1
-    return _product(fam).size(pipe, height, width, image, max_area)
 
 
 def _cfg(fam: str, true_cfg, negative_prompt, negative_prompt_embeds) -> float | None:

@@ -50,9 +50,9 @@ def pipeline_class(components) -> str:
     return "FluxPipeline"
 
 
-def size(pipe, height, width, image, max_area) -> tuple:
+def size(pipe, call) -> tuple:
     """The output size: Kontext's rescale to ``max_area`` (refused elsewhere)."""
-    return _kontext.size(pipe, height, width, max_area)
+    return _kontext.size(pipe, call.height, call.width, call.max_area)
 
 
 def _kontext_job(pipe, call):

@@ -32,10 +32,10 @@ def steps(params, pipe, image, kv_cache) -> Steps:
     return _Flux2(params, pipe, isinstance(pipe, diffusers.Flux2KleinKVPipeline) if kv_cache is None else kv_cache)
 
 
-def size(pipe, height, width, image, max_area) -> tuple:
+def size(pipe, call) -> tuple:
     """The output size: klein inpainting's is its image's."""
-    refuse_max_area(max_area)
-    return _inpaint.size(pipe, height, width, image)
+    refuse_max_area(call.max_area)
+    return _inpaint.size(pipe, call.height, call.width, call.image)
 
 
 def _klein_inpaint_job(pipe, call):

@@ -10,19 +10,18 @@ import torch
 from ....qwenimage import QwenImageConfig
 from .. import _common
 from .._common import refuse_kv_cache, stock_module
-from .._jobs import refuse_reference
+from .._jobs import refuse_max_area, refuse_reference
 from .._steps import Steps
 from . import _image
 from ._base import _Qwen
 
 # the shared hooks Qwen-Image takes as they are (`_common`)
-shift, batch_size, adapter_result, output, tiny_assemble, size = (
+shift, batch_size, adapter_result, output, tiny_assemble = (
     _common.shift,
     _common.batch_size,
     _common.adapter_result,
     _common.output,
     _common.tiny_assemble,
-    _common.size,
 )
 
 # ----------------------------------------------------------------------------- fd.sample
@@ -53,6 +52,13 @@ def steps(params, pipe, image, kv_cache) -> Steps:
 def pipeline_class(components) -> str:
     """The Edit pipeline when the components hold its processor."""
     return "QwenImageEditPipeline" if components.get("processor") is not None else "QwenImagePipeline"
+
+
+def size(pipe, call) -> tuple:
+    """The output size: Layered's from ``resolution`` (`_image.size`)."""
+    size = _image.size(pipe, call.height, call.width, call.resolution, call.image)
+    refuse_max_area(call.max_area)
+    return size
 
 
 def _job(pipe, call):

@@ -33,6 +33,7 @@ from ._base import _Qwen
 IMG2IMG = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
 PIPELINES = (*IMG2IMG, "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline")  # also in `_sample.PIPELINES`
 LAYERS = 4  # QwenImageLayeredPipeline's default
+LAYERED_RESOLUTIONS = (640, 1024)  # QwenImageLayeredPipeline's buckets
 CONDITION_AREA, VAE_AREA = 384 * 384, 1024 * 1024  # Edit-Plus: the text encoder's and the VAE's reference sizes
 
 
@@ -88,6 +89,31 @@ def pipeline(pipe, steps: int, output_type: str, image, mask_image, strength, pa
     if steps - t_start(steps, _strength(strength)) < 1:
         raise ValueError(f"strength: expected more than 0 (it leaves none of the {steps} steps), got {strength!r}")
     return pipe
+
+
+def size(pipe, height, width, resolution, image) -> tuple:
+    """(height, width): as given, or as QwenImageLayeredPipeline sizes its output from
+    ``resolution`` and the image's aspect ratio."""
+    if type(pipe).__name__ != "QwenImageLayeredPipeline" or (resolution is None and (height, width) != (None, None)):
+        return height, width
+    if height is not None or width is not None:
+        raise ValueError(
+            f"height, width: expected None with resolution (the stock pipeline sizes its output from resolution "
+            f"alone), got {height!r}, {width!r}"
+        )
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_layered as stock  # the stock buckets (diffusers)
+    from PIL import Image
+
+    res, multiple = LAYERED_RESOLUTIONS[0] if resolution is None else resolution, pipe.vae_scale_factor * 2
+    if res not in LAYERED_RESOLUTIONS:
+        raise ValueError(f"resolution: expected one of {list(LAYERED_RESOLUTIONS)} (as stock), got {res!r}")
+    img = image[0] if isinstance(image, (list, tuple)) and image else image
+    if not isinstance(img, Image.Image):
+        raise ValueError(
+            f"image: the output is sized from the image's aspect ratio; expected a PIL image, got {image!r:.80}"
+        )
+    w, h = stock.calculate_dimensions(res * res, img.size[0] / img.size[1])
+    return h // multiple * multiple, w // multiple * multiple
 
 
 def _check_images(arg: str, value) -> None:
