@@ -86,8 +86,13 @@ def euler(x: torch.Tensor, pred: torch.Tensor, dt: torch.Tensor) -> torch.Tensor
 def step(model, x, t, dt, cond, cfg: float | None, normalise: bool, extra: dict | None = None) -> torch.Tensor:
     """One sampler step on device data: the model call ([cond; uncond] as one batch with
     CFG; ``extra`` its per-step keywords, `extras`), the guidance combination and the
-    Euler update. x (B, S, C), t (B or 2B,)."""
-    return carried(model, x, t, dt, cond, cfg, normalise, extra)[0]
+    Euler update. x (B, S, C), t (B or 2B,). ``model`` is any callable ``(x, t, cond,
+    **extra) -> velocity``."""
+    xin = torch.cat([x, x]) if cfg is not None else x
+    pred = model(xin, t, cond, **(extra or {}))
+    if cfg is not None:
+        pred = combine(pred, cfg, normalise)
+    return euler(x, pred, dt)
 
 
 def carried(model, x, t, dt, cond, cfg: float | None, normalise: bool, extra: dict | None = None) -> tuple:
