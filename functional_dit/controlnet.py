@@ -32,7 +32,7 @@ from sharding.tree import flatten, nest
 
 from . import configs as _configs
 from . import flux1_controlnet, qwenimage_controlnet
-from .params import Params, check_leaves
+from .params import Params, check_leaves, init_leaf
 
 KINDS = (flux1_controlnet, qwenimage_controlnet)  # one line per ControlNet kind
 BY_CONFIG = {k.CONFIG: k for k in KINDS}
@@ -109,8 +109,6 @@ def param_specs(config) -> dict:
 def init(config, seed: int = 0, dtype=torch.float32, device="cpu") -> Params:
     """Random ControlNet params, as `fd.init` draws them (no zero-init, so every residual
     is non-zero and every path is exercised)."""
-    from .params import init_leaf
-
     config = as_config(config)
     gen = torch.Generator().manual_seed(seed)
     specs = flatten(param_specs(config))

@@ -21,6 +21,7 @@ weight dicts, hotswapping) raises a ValueError naming it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -29,8 +30,13 @@ import os
 import torch
 from diffusers.loaders.peft import PeftAdapterMixin
 
+import functional_dit.lora as lora
+import sharding
+from functional_dit.lora import internal as lora_internal
+from sharding import unshard
 from sharding.internal import is_dtensor
-from sharding.tree import flatten, nest
+from sharding.tree import flatten, get, nest
+from weights.internal import read_tensors, write_file
 
 from . import _peft_layers as layers_mod
 
@@ -77,8 +83,6 @@ def new_adapter(params, cfg):
     does from torch's global RNG: ``A`` Kaiming-uniform, ``B`` zero (``init_lora_weights=
     False``: Kaiming-uniform too, so the update is not zero); a ``lora_bias`` zero (else
     nn.Linear's uniform); DoRA's magnitude ``||W + (alpha / r) B A||`` per row."""
-    import functional_dit.lora as lora
-    from functional_dit.lora import internal as lora_internal
 
     _check_peft_config(cfg)
     known = lora.linear_modules(params.config)
@@ -156,8 +160,6 @@ def read_lora(source, prefix, metadata, weight_name) -> tuple[dict, dict | None]
     the keys under ``prefix`` with it stripped, as the stock loader reads them."""
     from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 
-    from weights.internal import read_tensors
-
     if isinstance(source, dict):
         state = dict(source)
     else:
@@ -212,11 +214,7 @@ def reconcile(state: dict, config, peft_config, name: str) -> dict:
     modules that are no LoRA tensor are dropped, each reported with the stock warning
     (diffusers' ``_maybe_warn_for_unhandled_keys``: same logger, same message; a missing
     key named as PEFT names it in the model, an unexpected one as given)."""
-    import collections
-
     from diffusers.utils.peft_utils import _maybe_warn_for_unhandled_keys
-
-    import functional_dit.lora as lora
 
     known = lora.linear_modules(config)
     split = {k: k.split(".lora_", 1) for k in state if ".lora_" in k}
@@ -239,7 +237,6 @@ def reconcile(state: dict, config, peft_config, name: str) -> dict:
 def _module_leaves(adapter, module: str) -> dict:
     """``module``'s own subtree of ``adapter`` ({"lora_A": {...}, "lora_B": {...}, ...}),
     every leaf the adapter holds for it; the subtrees of adapted child modules left out."""
-    from sharding.tree import get
 
     others = {m for m, _, _ in adapter.config.modules if m.startswith(module + ".")}
     sub = get(adapter.tree, module)
@@ -280,7 +277,6 @@ class PeftMixin(PeftAdapterMixin):
     def _peft_adapter(self, name: str, modules=None):
         """The named adapter as a `lora.Adapter` over the registered tensors (not detached:
         gradients reach them); ``modules``: only those."""
-        import functional_dit.lora as lora
 
         lcfg = self._peft_state()[name][0]
         layers = self._peft_layers()
@@ -309,7 +305,6 @@ class PeftMixin(PeftAdapterMixin):
         """What the forward applies: per adapter name, where it is active (not disabled,
         not merged), at the layers' scalings."""
         active = layers_mod.active_pairs(self._peft_layers().values())
-        import functional_dit.lora as lora
 
         pairs = []
         for name in (n for n in self._peft_state() if n in active):
@@ -337,8 +332,6 @@ class PeftMixin(PeftAdapterMixin):
         """Add the LoRA ``state`` (PEFT keys, prefix stripped) as the stock loader does:
         its ``peft_config`` built first (a TypeError for bad metadata), the keys reconciled
         (`reconcile`), the factors read by `functional_dit.lora` (placed as the params are)."""
-        import functional_dit.lora as lora
-        import sharding
 
         name = f"default_{len(self._peft_state())}" if name is None else check_name(name, self._peft_state())
         cfg = loaded_config(state, {k: float(v) for k, v in alphas.items()}, metadata, self.state_dict(), name)
@@ -434,8 +427,6 @@ class PeftMixin(PeftAdapterMixin):
         """Write the named adapter as the stock method does (its PEFT tensors, its
         ``LoraConfig`` in the metadata); ``load_lora_adapter`` and ``pipe.load_lora_weights``
         read it back."""
-        from sharding import unshard
-        from weights.internal import write_file
 
         if adapter_name not in self._peft_state():
             raise ValueError(f"adapter_name: Adapter name {adapter_name} not found in the model.")
