@@ -17,6 +17,8 @@ import time
 
 import torch
 
+import functional_dit as fd
+
 from .. import api as _api
 from .. import families
 from ..pipelines import cache as _cache
@@ -98,8 +100,6 @@ def _stock_cached(pipe, cache, steps, size, kw):
 def family_rows(fam: str, mid, caches: list, steps: int, size: int) -> list[dict]:
     """One row per cache for family ``fam`` (see the module docstring)."""
     import diffusers
-
-    import functional_dit as fd
 
     run = next(r for r in runs().values() if r.row == fam)
     kind, stock_kw, our_kw = run.kind, run.stock_kw, run.our_kw

@@ -9,6 +9,8 @@ import os
 
 import torch
 
+import weights
+
 from .. import families
 from ._args import CLIError
 
@@ -108,8 +110,6 @@ def check_guidance(config, args) -> None:
 def check_checkpoint(model: str, config, pipeline: str, flag: str):
     """The transformer's config after `weights.inspect`'s checks, and that the pipeline
     (``flag`` names where it comes from) runs that family."""
-    import weights
-
     try:
         config = weights.inspect(model, config=config)
     except ValueError as e:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 import os
 
+import functional_dit.lora as lora
+
 from ._args import CLIError
 
 
@@ -85,8 +87,6 @@ def field(value, where: str) -> list[dict]:
 def load(params, lists) -> dict:
     """``{path: adapter}`` for every distinct path in ``lists`` (lists of ``{"path", "scale"}``),
     each read once with ``lora.load`` onto ``params``' mesh."""
-    import functional_dit.lora as lora
-
     out = {}
     for entries in lists:
         for e in entries or ():

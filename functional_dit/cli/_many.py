@@ -15,6 +15,9 @@ import math
 import os
 import time
 
+import functional_dit as fd
+import sharding
+
 from ..pipelines import placement as _placement
 from . import _cache_report, _lora
 from ._args import CLIError
@@ -217,8 +220,6 @@ def _agreed_pending(out_dir: str, requests: list[dict], model: str) -> list[dict
 
 def _writes(params) -> bool:
     """True on the first rank of each dp group (sp and tp coordinates 0)."""
-    import sharding
-
     _, mesh = sharding.local_view(params)
     if mesh is None:
         import torch.distributed as dist
@@ -232,8 +233,6 @@ def run_many(args, params, pipe, images, model: str, rank0: bool, dp: int) -> in
     """Generate every pending request of ``args.prompts`` into ``args.out_dir``."""
     import torch.distributed as dist
     from tqdm.auto import tqdm
-
-    import functional_dit as fd
 
     requests = read_requests(args.prompts, args)
     pending = _agreed_pending(args.out_dir, requests, model)

@@ -17,6 +17,7 @@ import inspect
 
 from .. import families
 from ..api import PRESETS
+from ..pipelines import tiny
 
 PREFIX = "tiny:"
 SEED = 0  # the tiny pipelines' weights: tiny.pipeline's default seed, as the demo
@@ -49,8 +50,6 @@ def tiny_pipeline(name: str, *, dtype=None, pipeline_class: str | None = None):
     another stock class over the same components. The one place a tiny name becomes a
     pipeline: generate, the demo and a server call it."""
     import torch
-
-    from ..pipelines import tiny
 
     kind = tiny_kind(name)
     if kind is None:
@@ -91,6 +90,4 @@ def tiny_pipeline_class(name: str) -> str:
 
 def tiny_config(name: str):
     """The transformer config of a tiny name's pipeline (no pipeline is built)."""
-    from ..pipelines import tiny
-
     return tiny.transformer_config(tiny_kind(name))

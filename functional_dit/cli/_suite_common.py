@@ -10,6 +10,7 @@ import time
 import torch
 
 from .. import api as _api
+from .. import tiny
 
 
 def sync(device) -> None:
@@ -77,8 +78,6 @@ def stock_module(config, device, dtype, seed: int = 0):
     """diffusers' transformer class for ``config``, built on ``device`` with torch's default
     random init (seeded), then cast to ``dtype``: nothing is downloaded."""
     import diffusers
-
-    from .. import tiny
 
     cfg = _api.config_to_diffusers(config)
     cls = getattr(diffusers, cfg.pop("_class_name"))

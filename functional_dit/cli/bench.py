@@ -27,7 +27,7 @@ from sharding.internal import is_dtensor
 from .. import api as _api
 from ..nn import kernels as _kernels
 from ..nn import quant as _quant
-from . import _bench_cache
+from . import _bench_cache, bench_sample, bench_suite
 from ._bench_models import (
     IMG_HW,
     TXT_LEN,
@@ -675,12 +675,8 @@ def _measure(configs: dict, args) -> dict:
 
 def run(args) -> int:
     if getattr(args, "suite", None):  # one command for a GPU's whole picture: functional_dit.cli.bench_suite
-        from . import bench_suite
-
         return bench_suite.run(args)
     if getattr(args, "sampling", False):  # fd.sample vs stock, dp scaling: functional_dit.cli.bench_sample
-        from . import bench_sample
-
         return bench_sample.run(args)
     configs = _setup(args)
     command = "python -m functional_dit " + " ".join(getattr(args, "argv", sys.argv[1:]))

@@ -19,6 +19,11 @@ import time
 
 import torch
 
+import functional_dit as fd
+import sharding
+from functional_dit.cli import _bench_models as bench
+from functional_dit.pipelines import tiny
+
 PROMPTS = ["a red fox in the snow", "a lighthouse at dusk", "a bowl of ramen", "a bicycle against a wall"]
 SETTINGS = dict(height=512, width=512, steps=4)
 
@@ -26,10 +31,6 @@ SETTINGS = dict(height=512, width=512, steps=4)
 def pipeline():
     """(stock FluxPipeline with the mid transformer, our params of the same weights)."""
     import diffusers
-
-    import functional_dit as fd
-    from functional_dit.cli import _bench_models as bench
-    from functional_dit.pipelines import tiny
 
     tc = tiny.transformer_config("flux")
     mid = bench.mid_configs()["flux1"]
@@ -52,8 +53,6 @@ def _stock(pipe, prompts, seed):
 
 def per_image(runs: int, images: int = 2) -> dict:
     """Seconds per image, fd.sample vs the stock pipeline, alternating, median of ``runs``."""
-    import functional_dit as fd
-
     pipe, params = pipeline()
     prompts = PROMPTS[:images]
     ours = lambda: fd.sample(params, pipe, prompts, seed=0, output_type="latent", **SETTINGS)  # noqa: E731
@@ -80,9 +79,6 @@ def per_image(runs: int, images: int = 2) -> dict:
 def _dp_worker(rank, world, port, threads, out_dir):  # mp.spawn's signature
     """One rank: warm up once, then time every prompt over this mesh (dp = world)."""
     import torch.distributed as dist
-
-    import functional_dit as fd
-    import sharding
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
@@ -154,8 +150,6 @@ def markdown(per: dict, dp: dict, command: str, started, machine: str) -> str:
 def run(args) -> int:
     """``bench --sampling``: both figures, printed and appended to ``--out``."""
     import sys
-
-    from functional_dit.cli import _bench_models as bench
 
     if args.threads:
         torch.set_num_threads(args.threads)

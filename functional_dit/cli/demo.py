@@ -23,9 +23,14 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+import functional_dit as fd
+import sharding
+
 from .. import families
+from ..pipelines.cache import label
 from . import _cache_report, _models, _quiet
 from ._args import CLIError, positive
+from ._bench_cache import diffusers_config
 
 PROMPT = "a red fox sitting in fresh snow, soft morning light, detailed fur"
 NEGATIVE = "blurry, low quality"
@@ -107,8 +112,6 @@ def _stock_latents(pipe, seed: int, **kw) -> torch.Tensor:
 
 def _ours(params, pipe, row: Row, args, cache=None):
     """fd.sample's image and its final latents."""
-    import functional_dit as fd
-
     got = {}
     image = fd.sample(
         params,
@@ -151,8 +154,6 @@ def _pipeline(row: Row):
 def run_row(row: Row, args: dict) -> dict:
     """One row: fd.sample and the stock pipeline at the same seed, each timed after its
     warm-up (`_timed`), and the largest latent difference."""
-    import functional_dit as fd
-
     pipe = _pipeline(row)
     params = fd.from_diffusers(pipe.transformer)
     run = None if row.cache is None else fd.CacheRun(row.cache)
@@ -161,8 +162,6 @@ def run_row(row: Row, args: dict) -> dict:
     )
     name = type(pipe).__name__
     if run is not None:
-        from ..pipelines.cache import label
-
         name += f" + {label(run.config)}: {_cache_report.line([run], params.config)}"
     stock, stock_seconds = _timed(*_stock_calls(pipe, row, args, run))
     diff = (latents - stock).abs().max().item()
@@ -180,8 +179,6 @@ def _stock_calls(pipe, row: Row, args: dict, run=None):
     def warm():
         call(_warm(args)["steps"])
         if run is not None:
-            from ._bench_cache import diffusers_config
-
             pipe.transformer.enable_cache(diffusers_config(run.config, args["steps"]))
 
     return lambda: call(args["steps"]), warm
@@ -202,9 +199,6 @@ def _rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
-
-    import functional_dit as fd
-    import sharding
 
     try:
         mesh = sharding.make_mesh(tp=world, device_type="cpu", timeout=300)
