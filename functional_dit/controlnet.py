@@ -20,6 +20,7 @@ See docs/controlnet.md.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -80,8 +81,6 @@ def config_from_diffusers(cfg):
             raise ValueError(f"module: expected one of {list(BY_DIFFUSERS_CLASS)}, got {name}")
         return config_from_diffusers({**module.config, "_class_name": name})
     if isinstance(cfg, (str, os.PathLike)):
-        import json
-
         path = os.fspath(cfg)
         path = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(path):

@@ -40,7 +40,9 @@ import math
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
 from . import _autodiff
 from ._axes import _axis, _group, _layout, _name, current_mesh
@@ -130,12 +132,8 @@ _dims = _constant(_dims)
 
 def _is_dtensor(x) -> bool:
     """Whether ``x`` is a DTensor (`sharding.internal.is_dtensor`, which imports this module)."""
-    import torch.distributed as dist
-
     if not dist.is_available():
         return False
-    from torch.distributed.tensor import DTensor
-
     return isinstance(x, DTensor)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import torch
+from PIL import Image
 
 import weights
 
@@ -51,8 +52,6 @@ def open_images(paths, flag: str = "--image") -> list | None:
     """The ``flag`` files as RGB images; a missing or unreadable file is one line."""
     if not paths:
         return None
-    from PIL import Image
-
     images = []
     for p in paths:
         if not os.path.isfile(p):

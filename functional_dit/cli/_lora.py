@@ -11,6 +11,7 @@ lora=...)`` as one list per prompt. docs/cli.md.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 
@@ -44,8 +45,6 @@ def _checked(entry: dict) -> dict:
 def spec(text: str) -> dict:
     """argparse type of ``--lora``: parsed here (a bad SCALE is argparse's one-line error),
     checked by `check`."""
-    import argparse
-
     try:
         return _parse(text)
     except ValueError as e:

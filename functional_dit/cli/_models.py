@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from .. import families
 from ..api import PRESETS
 from ..pipelines import tiny
@@ -49,8 +51,6 @@ def tiny_pipeline(name: str, *, dtype=None, pipeline_class: str | None = None):
     progress bar off; ``pipeline_class`` (e.g. ``"FluxInpaintPipeline"``) rebuilds it as
     another stock class over the same components. The one place a tiny name becomes a
     pipeline: generate, the demo and a server call it."""
-    import torch
-
     kind = tiny_kind(name)
     if kind is None:
         raise ValueError(f"--model: expected a tiny pipeline name ({', '.join(tiny_names())}), got {name!r}")

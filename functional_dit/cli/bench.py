@@ -14,12 +14,17 @@ import datetime
 import functools
 import math
 import os
+import shutil
+import socket
 import statistics
 import sys
 import tempfile
 import time
 
 import torch
+import torch._inductor.config as inductor_config
+import torch.multiprocessing as mp
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import sharding
 from sharding.internal import is_dtensor
@@ -82,8 +87,6 @@ def peak_n(device) -> int:
 
 
 def _cpu_flash_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    from torch.utils.flop_counter import sdpa_flop_count
-
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
@@ -91,8 +94,6 @@ def count_flops(fn) -> int:
     """FLOPs of one call (``torch.utils.flop_counter``). torch's table has no entry for the
     CPU flash-attention kernel (it would count attention as 0 FLOPs on a CPU): this adds
     the same formula torch uses for the GPU attention kernels."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     extra = {}
     cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if cpu_flash is not None:
@@ -212,8 +213,6 @@ def _compile_first_call(fn, device) -> tuple[object, float]:
 def _cold_worker(which, config, dtype, device, shape_kw, cache_dir, out_path):
     """In a fresh process: the first call of a compiled ``which`` ("ours" | "diffusers")."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    import torch._inductor.config as inductor_config
-
     inductor_config.fx_graph_cache = False
     params = random_params(config, device, dtype)
     kw, dkw = inputs(config, device, dtype, **shape_kw)
@@ -233,8 +232,6 @@ def _warm_worker(cache_dir):
 
 
 def _in_process(target, *args) -> None:
-    import torch.multiprocessing as mp
-
     proc = mp.get_context("spawn").Process(target=target, args=args)
     proc.start()
     proc.join()
@@ -245,8 +242,6 @@ def _in_process(target, *args) -> None:
 def cold_compile(which, config, args, warm_dir) -> float:
     """Seconds of the first compiled call in a fresh process whose inductor cache is a copy
     of ``warm_dir``: the toolchain is warm, no kernel or graph of this model is cached."""
-    import shutil
-
     with tempfile.TemporaryDirectory() as d:
         cache, path = os.path.join(d, "cache"), os.path.join(d, "secs.pt")
         shutil.copytree(warm_dir, cache)
@@ -349,10 +344,6 @@ def _tp_rank(rank, world, port, name, config, runs, dtype, shape_kw, out_path):
 
 
 def tp_section(name, config, args) -> dict:
-    import socket
-
-    import torch.multiprocessing as mp
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -643,8 +634,6 @@ def _setup(args) -> dict:
         torch.set_num_threads(args.threads)
     if _fp8(args):
         args.no_tp = True  # the tp=2 rows build their own unquantized params
-    import torch._inductor.config as inductor_config
-
     inductor_config.fx_graph_cache = False  # cold compile times
     configs = _configs(args)
     args.blocks = {n: "+".join(str(getattr(c, k)) for k in ("num_layers", "num_single_layers") if hasattr(c, k))

@@ -13,11 +13,15 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import socket
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import functional_dit as fd
 import sharding
@@ -78,8 +82,6 @@ def per_image(runs: int, images: int = 2) -> dict:
 
 def _dp_worker(rank, world, port, threads, out_dir):  # mp.spawn's signature
     """One rank: warm up once, then time every prompt over this mesh (dp = world)."""
-    import torch.distributed as dist
-
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     pipe, params = pipeline()
@@ -98,8 +100,6 @@ def _dp_worker(rank, world, port, threads, out_dir):  # mp.spawn's signature
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -107,8 +107,6 @@ def _free_port() -> int:
 
 def dp_scaling(threads: int = 1) -> dict:
     """Images per second on 1 rank and on dp=2 (``threads`` each), and whether they agree."""
-    import torch.multiprocessing as mp
-
     res = {}
     for world in (1, 2):
         with tempfile.TemporaryDirectory() as d:
@@ -149,8 +147,6 @@ def markdown(per: dict, dp: dict, command: str, started, machine: str) -> str:
 
 def run(args) -> int:
     """``bench --sampling``: both figures, printed and appended to ``--out``."""
-    import sys
-
     if args.threads:
         torch.set_num_threads(args.threads)
     started = datetime.datetime.now(datetime.timezone.utc)

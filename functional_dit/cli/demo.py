@@ -13,6 +13,7 @@ file. Exit status 1 if a row is over it.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import socket
 import sys
@@ -21,6 +22,7 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from PIL import Image, ImageDraw
 
 import functional_dit as fd
@@ -198,8 +200,6 @@ def _rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import torch.distributed as dist
-
     try:
         mesh = sharding.make_mesh(tp=world, device_type="cpu", timeout=300)
         row = rows()[0]
@@ -220,8 +220,6 @@ def _rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
 def run_tp(args: dict, world: int) -> dict:
     """The FLUX.1 row on ``world`` spawned CPU processes (1 thread each) with tp=world;
     rank 0's result (every rank's latents must be bitwise equal)."""
-    import multiprocessing
-
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="fd_demo_") as out:
         port = _free_port()

@@ -10,6 +10,7 @@ heavy loading, each failure one line; the image is written through a temporary f
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -17,6 +18,8 @@ import resource
 import time
 
 import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
 
 import functional_dit as fd
 import sharding
@@ -316,8 +319,6 @@ def _device_dtype(args, mesh):
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -435,8 +436,6 @@ def _quantized(params, scheme: str, mesh, device):
 def _sized(args):
     """``args`` as a new namespace with --height/--width/--steps filled where left out:
     `TINY_DEFAULTS` for an offline tiny pipeline, else `DEFAULTS`."""
-    import argparse
-
     table = TINY_DEFAULTS if _tiny_name(args) is not None else DEFAULTS
     return argparse.Namespace(**{**vars(args), **{k: v for k, v in table.items() if getattr(args, k, None) is None}})
 
@@ -478,8 +477,6 @@ def fp8_note(scheme: str | None, device) -> str:
 
 def _run_one(args, pipe, params, images, device, rank0: bool, start: float, loaded: float) -> int:
     """``--prompt``: one image with a progress bar over steps, written by rank 0."""
-    from tqdm.auto import tqdm
-
     adapters = _lora.argument([args.lora], _lora.load(params, [args.lora]))
     strength = getattr(args, "strength", None)
     runs = args.steps if strength is None else args.steps - t_start(args.steps, strength)
