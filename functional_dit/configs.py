@@ -121,6 +121,7 @@ def drop_keys_diffusers_ignores(class_name: str, cfg: Mapping) -> dict:
     """Released configs carry keys the diffusers class does not take (Qwen-Image's
     ``pooled_projection_dim``); diffusers ignores them with a warning, and so do we.
     Every key the class does take must be a config field (checked by from_mapping)."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     accepted = set(inspect.signature(getattr(diffusers, class_name).__init__).parameters)

@@ -61,6 +61,7 @@ def tiny_pipeline(name: str, *, dtype=None, pipeline_class: str | None = None):
 def as_class(pipe, name: str):
     """``pipe``'s components as the stock pipeline class ``name`` (what ``from_pipe`` does,
     without its ``.to(dtype)``, which logs a float32 notice per module), progress bar off."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     cls = getattr(diffusers, name)

@@ -77,6 +77,7 @@ def rel_err(a, b) -> float:
 def stock_module(config, device, dtype, seed: int = 0):
     """diffusers' transformer class for ``config``, built on ``device`` with torch's default
     random init (seeded), then cast to ``dtype``: nothing is downloaded."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     cfg = _api.config_to_diffusers(config)

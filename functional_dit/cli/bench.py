@@ -286,6 +286,7 @@ def compile_section(name, config, args, warm_dir) -> dict:
 
 def _widen_diffusers_tp_devices() -> None:
     """diffusers' TP refuses CPU meshes; allow "cpu" (this check only, nothing else)."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers.hooks.tensor_parallel as tp
 
     if "cpu" not in tp._SUPPORTED_TP_DEVICES:
@@ -298,12 +299,15 @@ def _diffusers_tp(module, tp_config, rank, world) -> None:
     model's ``_tp_plan``. Only the device lookup differs: enable_parallelism takes the device
     from ``torch.accelerator`` (none on a CPU machine: it divides by a device count of 0),
     here it is the CPU mesh's."""
+    # diffusers: seconds to import, loaded when first used
     from diffusers.hooks.tensor_parallel import (
         _check_tp_supported,
         _tp_degree,
         apply_tensor_parallel,
         resolve_tp_shard_specs,
     )
+
+    # diffusers: seconds to import, loaded when first used
     from diffusers.models._modeling_parallel import ParallelConfig
 
     heads = getattr(module.config, "num_attention_heads", None)
@@ -320,6 +324,7 @@ def _tp_rank(rank, world, port, name, config, runs, dtype, shape_kw, out_path):
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        # diffusers: seconds to import, loaded when first used
         from diffusers.models._modeling_parallel import TensorParallelConfig
 
         mesh = sharding.make_mesh(tp=world, device_type="cpu")

@@ -34,6 +34,7 @@ SETTINGS = dict(height=512, width=512, steps=4)
 
 def pipeline():
     """(stock FluxPipeline with the mid transformer, our params of the same weights)."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     tc = tiny.transformer_config("flux")

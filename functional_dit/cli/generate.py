@@ -190,6 +190,7 @@ def _preset_folder(name: str) -> str:
             f"--model: preset {name!r} is a transformer shape without released weights or a pipeline; "
             f"offline, generate with a tiny pipeline ({', '.join(tiny)}) or pass a checkpoint"
         )
+    # the hub client, only for a repo id
     from huggingface_hub import snapshot_download
 
     try:
@@ -398,6 +399,7 @@ def _tiny_name(args) -> str | None:
 
 def _load(args, model, base, config, mesh, device, dtype):
     """A checkpoint: the pipeline's encoders, VAE and scheduler from ``base``, our transformer from ``model``."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=None, dtype=dtype)

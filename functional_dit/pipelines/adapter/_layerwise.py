@@ -69,6 +69,7 @@ class LayerwiseCastingHook(ModelHook):
 def _peft_stock_class(path: str, layers: dict):
     """The class PEFT gives the stock module at ``path`` when it is part of an adapted
     layer (``layers``: {module path: our LoraLayer}), else None."""
+    # optional: peft, the PEFT entry points only
     from peft.tuners.lora import Linear as PeftLinear
     from peft.tuners.lora.dora import DoraLinearLayer
 
@@ -112,6 +113,7 @@ def skip_patterns(adapter, skip_modules_pattern) -> tuple[str, ...]:
     patterns += tuple(adapter._keep_in_fp32_modules or ())
     patterns += tuple(adapter._skip_layerwise_casting_patterns or ())
     if not given:
+        # optional: peft, the PEFT entry points only
         from peft.tuners.loha.layer import LoHaLayer
         from peft.tuners.lokr.layer import LoKrLayer
         from peft.tuners.lora.layer import LoraLayer

@@ -112,6 +112,7 @@ def new_adapter(params, cfg):
 
 def peft_metadata(cfg) -> dict:
     """The safetensors metadata the stock ``save_lora_adapter`` writes for ``cfg``."""
+    # diffusers: seconds to import, loaded when first used
     from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 
     meta = {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.to_dict().items()}
@@ -158,6 +159,7 @@ def read_lora(source, prefix, metadata, weight_name) -> tuple[dict, dict | None]
     """(state dict, LoraConfig fields or None) of what ``load_lora_adapter`` reads — a
     state dict or a safetensors file / folder (`weights`' reader: pickles refused) —
     the keys under ``prefix`` with it stripped, as the stock loader reads them."""
+    # diffusers: seconds to import, loaded when first used
     from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 
     if isinstance(source, dict):
@@ -180,6 +182,7 @@ def loaded_config(state: dict, alphas, metadata, model_state: dict, name: str):
     """The ``peft.LoraConfig`` the stock loader builds for a loaded LoRA: from its metadata,
     else from its ranks and alphas (diffusers' own function, with its TypeError for bad
     metadata)."""
+    # diffusers: seconds to import, loaded when first used
     from diffusers.utils.peft_utils import _create_lora_config
 
     ranks = {f"^{k}": v.shape[1] for k, v in state.items() if "lora_B" in k and v.ndim > 1}
@@ -214,6 +217,7 @@ def reconcile(state: dict, config, peft_config, name: str) -> dict:
     modules that are no LoRA tensor are dropped, each reported with the stock warning
     (diffusers' ``_maybe_warn_for_unhandled_keys``: same logger, same message; a missing
     key named as PEFT names it in the model, an unexpected one as given)."""
+    # diffusers: seconds to import, loaded when first used
     from diffusers.utils.peft_utils import _maybe_warn_for_unhandled_keys
 
     known = lora.linear_modules(config)
@@ -320,6 +324,7 @@ class PeftMixin(PeftAdapterMixin):
     def add_adapter(self, adapter_config, adapter_name: str = "default") -> None:
         """A new trainable LoRA from a ``peft.LoraConfig`` (its factors require grad); it
         becomes the one active adapter, as the stock ``add_adapter`` makes it."""
+        # optional: peft, the PEFT entry points only
         import peft
 
         if not isinstance(adapter_config, peft.LoraConfig):
@@ -361,6 +366,7 @@ class PeftMixin(PeftAdapterMixin):
     def set_adapters(self, adapter_names, weights=None) -> None:
         """Use exactly ``adapter_names``, at ``weights`` (a float, or one per name; None: 1),
         set on every layer as the stock one sets them (``set_weights_and_activate_adapters``)."""
+        # diffusers: seconds to import, loaded when first used
         from diffusers.utils.peft_utils import set_weights_and_activate_adapters
 
         names = self._peft_names(adapter_names)
