@@ -162,7 +162,7 @@ def test_help_shows_every_default(capsys, monkeypatch, cli):
     with pytest.raises(SystemExit) as e:
         cli_main(["train", "--help"]) if cli else ns["main"](["--help"])
     text = capsys.readouterr().out
-    assert e.value.code == 0 and "square training size, a multiple of 16 (default: 512)" in text
+    assert e.value.code == 0 and "buckets of about this squared pixels; a multiple of 16 (default: 512)" in text
     shown = [a for a in ns["parser"]()._actions if a.option_strings and a.default is not argparse.SUPPRESS]
     for action in shown:  # (-h, --data, --output-dir: none)
         assert f"(default: {action.default})" in text, action.option_strings
