@@ -183,13 +183,18 @@ PY_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ", re.M)  # how Python prints a 
 
 
 def _ran(done, out, *lines) -> None:
-    """Exit 0; stdout is ``lines`` then the two files written; no Python warning (the old
-    script printed torch's "torch.distributed is disabled ..." at each DCP save / load)."""
+    """Exit 0; stdout is the buckets and the cache lines, ``lines``, then the two files
+    written; no Python warning (the old script printed torch's "torch.distributed is
+    disabled ..." at each DCP save / load)."""
     assert done.returncode == 0, done.stderr[-3000:]
     assert PY_WARNING.search(done.stderr) is None and "torch.distributed is disabled" not in done.stderr, done.stderr
+    start = [
+        "buckets (height x width: images): 32x32: 4 (of 1 buckets of about 32^2 pixels",
+        f"cache {out / 'cache'}: ",
+    ]
     wrote = [f"wrote {out / 'pytorch_lora_weights.safetensors'}", f"wrote {out / 'eval.json'} (eval loss "]
-    got = done.stdout.splitlines()
-    assert len(got) == len(lines) + 2 and all(g.startswith(w) for g, w in zip(got, [*lines, *wrote])), done.stdout
+    got, want = done.stdout.splitlines(), [*start, *lines, *wrote]
+    assert len(got) == len(want) and all(g.startswith(w) for g, w in zip(got, want)), done.stdout
 
 
 @pytest.mark.slow
