@@ -183,8 +183,8 @@ PY_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ", re.M)  # how Python prints a 
 
 
 def _ran(done, out, *lines) -> None:
-    """Exit 0; stdout is the buckets and the cache lines, ``lines``, then the two files
-    written; no Python warning (the old script printed torch's "torch.distributed is
+    """Exit 0; stdout is the buckets and the cache lines, ``lines``, the two files written
+    and the peak memory; no Python warning (the old script printed torch's "torch.distributed is
     disabled ..." at each DCP save / load)."""
     assert done.returncode == 0, done.stderr[-3000:]
     assert PY_WARNING.search(done.stderr) is None and "torch.distributed is disabled" not in done.stderr, done.stderr
@@ -193,6 +193,7 @@ def _ran(done, out, *lines) -> None:
         f"cache {out / 'cache'}: ",
     ]
     wrote = [f"wrote {out / 'pytorch_lora_weights.safetensors'}", f"wrote {out / 'eval.json'} (eval loss "]
+    wrote += ["rank 0: peak memory "]
     got, want = done.stdout.splitlines(), [*start, *lines, *wrote]
     assert len(got) == len(want) and all(g.startswith(w) for g, w in zip(got, want)), done.stdout
 

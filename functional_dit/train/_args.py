@@ -92,6 +92,7 @@ def _validation_and_memory_arguments(arg) -> None:
     arg("--validation-guidance", type=float, default=None, help="guidance-distilled models' (None: fd.sample's)")
     arg("--dora", action="store_true", help="DoRA: a trained magnitude per output row (PEFT's use_dora)")
     arg("--checkpoint-blocks", action="store_true", help="recompute each block's activations in backward")
+    arg("--base-dtype", choices=("fp8",), default=None, help="store the frozen weights in fp8, read in --dtype per op")
 
 
 def check_args(argv=None, description: str = "LoRA fine-tuning, fully sharded") -> argparse.Namespace:

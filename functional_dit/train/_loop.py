@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from . import _checkpoint, _report, _validate
+from . import _checkpoint, _memory, _report, _validate
 from ._buckets import batch_indices
 from ._cache import prepare
 from ._checkpoint import EMA_DIR, LORA_FILE, resume, start_over
@@ -17,6 +17,7 @@ from ._data import caption_rows
 from ._optim import clip_, ema_init, ema_update_, lr_at
 
 EVAL_SEED = 12345  # the fixed (noise, t) of the eval loss
+FP8_SKIP = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")  # diffusers' layerwise-casting skip list
 
 
 def _dist(a):
@@ -59,7 +60,7 @@ def train(a) -> dict:
     before = eval_loss(r.params, r.adapter, r.data, a, r.device)
     bar = progress(a, start) if r.rank == 0 else None
     board = _report.tensorboard_writer(a, start) if r.rank == 0 else None
-    t0 = time.perf_counter()
+    t0, base = time.perf_counter(), _memory.start(r.device)
     for step in range(start, a.steps):
         line, order = train_step(r, a, step)
         losses.append(line["loss"])
@@ -76,7 +77,8 @@ def train(a) -> dict:
     for closing in (bar, board):
         if closing is not None:
             closing.close()
-    evals = finish(r, a, before, a.steps - start, time.perf_counter() - t0)
+    memory = _memory.figures(r.device, base, r.params, r.adapter)
+    evals = finish(r, a, before, a.steps - start, time.perf_counter() - t0, memory)
     return {"losses": losses, **evals, "start": start}
 
 
@@ -95,31 +97,37 @@ def begin(a) -> tuple[Run, int]:
     return Run(rank, mesh, barrier, device, data, params, adapter, opt, ema, gen, encoders), start
 
 
-def finish(r: Run, a, before: float, steps: int, seconds: float) -> dict:
+def finish(r: Run, a, before: float, steps: int, seconds: float, memory: dict) -> dict:
     """The eval loss after the run (of the EMA too), the LoRA file(s) and ``eval.json``
-    written by rank 0; returns the evals."""
+    written by rank 0 (with its ``memory`` figures), each rank's memory line; returns the
+    evals."""
     import sharding
 
     evals = {"eval_loss_before": before, "eval_loss_after": eval_loss(r.params, r.adapter, r.data, a, r.device)}
     if r.ema is not None:
         evals["eval_loss_after_ema"] = eval_loss(r.params, r.ema, r.data, a, r.device)
-    evals |= {"steps": steps, "seconds": seconds}
+    evals |= {"steps": steps, "seconds": seconds, "memory": memory}
     gather = sharding.unshard if r.mesh is not None else (lambda x: x)  # (a collective: every rank)
     full, ema = gather(r.adapter), (gather(r.ema) if r.ema is not None else None)
     if r.rank == 0:
         write_results(a, full, evals, ema)
     r.barrier()
+    print(_memory.line(r.rank, memory), flush=True)
     return evals
 
 
 def setup(a, params, mesh, device) -> tuple:
-    """The frozen params in ``--dtype`` on ``device``, a fresh fp32 LoRA (`lora.init`), both
+    """The frozen params in ``--dtype`` on ``device`` (``--base-dtype fp8``: stored in float8
+    e4m3 by `fd.layerwise_cast`, but for `FP8_SKIP`), a fresh fp32 LoRA (`lora.init`), both
     sharded over ``mesh`` if there is one, and AdamW over the LoRA factors."""
+    import functional_dit as fd
     import functional_dit.lora as lora
     import sharding
 
     dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
     params = params.replace(sharding.tree.map_tree(lambda _, v: v.to(device, dtype), params.tree))
+    if a.base_dtype == "fp8":  # stored in fp8, read in --dtype at each op (before sharding: each shard stored)
+        params = fd.layerwise_cast(params, torch.float8_e4m3fn, dtype, skip=FP8_SKIP)
     kw = dict(rank=a.rank, alpha=a.alpha, targets=a.targets, seed=a.seed, device=device, use_dora=a.dora)
     adapter = lora.init(params, **kw)
     if mesh is not None:
