@@ -153,6 +153,9 @@ def test_the_cache_is_reused_and_encoded_again_where_its_inputs_change(data, tmp
     again = load("b", {"images": 0, "captions": 0})  # another run, the same --cache-dir: nothing encoded
     for i in range(5):
         assert all(torch.equal(first[i][k], again[i][k]) for k in first[i]), i
+    calls, full = _counting(monkeypatch), tmp_path / "full"  # a whole run in a new folder, the cache elsewhere
+    main([*args, "--output-dir", str(full), "--steps", "1"])
+    assert calls == {"images": 0, "captions": 0} and (full / "pytorch_lora_weights.safetensors").is_file(), calls
     with open(os.path.join(data, "t1.txt"), "w") as f:
         f.write("a changed caption")
     changed = load("c", {"images": 0, "captions": 1})
@@ -183,3 +186,38 @@ def test_resumed_with_buckets_is_bitwise_the_straight_run(data, tmp_path, one_th
     for sub in ("", "ema"):
         a, b = (load_file(os.path.join(d, sub, "pytorch_lora_weights.safetensors")) for d in (straight, resumed))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sub
+
+
+CLIP = ["--max-grad-norm", "0.05", "--steps", "2", "--checkpoint-every", "2"]
+
+
+def _fsdp_tp_run(rank, world, data, out):
+    return main(["--data", data, "--output-dir", out, *ARGS, *CLIP, "--fsdp", "2", "--tp", "2"])["losses"]
+
+
+@pytest.mark.slow
+def test_clipping_under_fsdp_x_tp_equals_one_process(data, tmp_path, one_thread, monkeypatch):
+    """4 gloo ranks, ``--fsdp 2 --tp 2``, buckets on, clipping that bites: the logged global
+    gradient norms (every rank's shards, replicas counted once) equal one process's to
+    1e-5 relative, the losses too, and the LoRA file to fp32 1e-5."""
+    import json
+
+    from _dist import spawn
+    from safetensors.torch import load_file
+
+    mesh = str(tmp_path / "mesh")
+    losses = spawn(_fsdp_tp_run, 4, data, mesh, timeout=900)
+    assert all(x == losses[0] for x in losses), losses  # the same loss on every rank
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    one = str(tmp_path / "one")
+    main(["--data", data, "--output-dir", one, *ARGS, *CLIP])
+    logs = [[json.loads(ln) for ln in open(os.path.join(d, "losses.jsonl"))] for d in (mesh, one)]
+    assert min(ln["grad_norm"] for ln in logs[1]) > 0.05, logs[1]  # it clips
+    for x, y in zip(*logs, strict=True):
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5) and x["loss"] == pytest.approx(
+            y["loss"], rel=1e-5
+        )
+    a, b = (load_file(os.path.join(d, "pytorch_lora_weights.safetensors")) for d in (mesh, one))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], **FP32)

@@ -218,3 +218,23 @@ def test_fp8_stored_base_gives_the_gradients_of_its_rounded_weights(one_thread):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6 * float(y.abs().max()))
     plain = torch.cat([x.flatten() for x in _grads(params, adapter, kw, target, False)])
     assert (torch.cat([x.flatten() for x in ours]) - plain).norm() > 1e-3 * plain.norm()  # the rounding shows
+
+
+def test_computed_sizes_match_the_tiny_models_stored_bytes():
+    """The computed sizes of docs/training.md's released-size table, checked where they can
+    be: for the tiny preset, the bf16 and fp8 weight bytes equal what the trainer's params
+    hold as stored, and the LoRA's count the default-target adapter's."""
+    import functional_dit as fd
+    import functional_dit.lora as lora
+    import sharding
+    from functional_dit.train._loop import FP8_SKIP
+    from functional_dit.train._memory import GIB, computed, stored_bytes
+
+    got = computed("flux1-tiny", rank=4)
+    params = fd.init("flux1-tiny")
+    bf16 = params.replace(sharding.tree.map_tree(lambda _, v: v.to(torch.bfloat16), params.tree))
+    fp8 = fd.layerwise_cast(bf16, torch.float8_e4m3fn, torch.bfloat16, skip=FP8_SKIP)
+    assert got["weights_bf16"] * GIB == stored_bytes(bf16.leaves())
+    assert got["weights_fp8"] * GIB == stored_bytes(fp8.leaves()) < stored_bytes(bf16.leaves())
+    assert got["lora_params"] * 1e6 == pytest.approx(sum(x.numel() for x in lora.init(params, rank=4).leaves()))
+    assert got["blocks"] == 4  # the tiny FLUX.1: 2 double + 2 single blocks

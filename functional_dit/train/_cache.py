@@ -220,6 +220,7 @@ def prepare(a, rank: int, barrier):
     the pipeline."""
     import functional_dit as fd
 
+    os.makedirs(a.output_dir, exist_ok=True)
     items = _data.with_trigger(_data.find_items(a.data), a.trigger)
     pipe = _data.load_pipeline(a.pipeline)
     kind = type(pipe).__name__

@@ -84,3 +84,44 @@ def line(rank: int, f: dict) -> str:
         f"rank {rank}: peak memory {f['peak_memory_mib']:.1f} MiB ({f['measured']}){over}; "
         f"base weights {f['base_weights_mib']:.2f} MiB, LoRA {f['lora_mib']:.2f} MiB as stored"
     )
+
+
+GIB = 2**30
+
+
+def computed(preset: str, rank: int = 16, tokens: int = 4096 + 512) -> dict:
+    """Computed, not measured: a preset's sizes for training, in GiB (bytes / 2^30) but
+    ``params`` (billions): the frozen weights in bf16 and with ``--base-dtype fp8`` (the
+    skip list kept in bf16), the default-target LoRA at ``rank`` with its fp32 gradient and
+    AdamW moments (4 fp32 copies), and the block inputs that ``--checkpoint-blocks`` keeps
+    for one item of ``tokens`` (image + text) in bf16: blocks x tokens x width x 2 bytes,
+    a lower bound of the activations (one block's recomputation adds to it; without
+    checkpointing each block keeps many times that)."""
+    import re
+
+    import functional_dit as fd
+    from functional_dit.lora._adapter import DEFAULT_TARGETS, linear_modules
+    from functional_dit.nn.layerwise import skip_by_patterns
+    from sharding.tree import flatten
+
+    from ._loop import FP8_SKIP
+
+    specs = flatten(fd.param_specs(preset))
+    skipped = skip_by_patterns(FP8_SKIP)
+    numel = {k: s.numel for k, s in specs.items()}
+    lora = sum(
+        rank * sum(w.shape)
+        for m, w in linear_modules(fd.PRESETS[preset]).items()
+        if any(m == t or m.endswith("." + t) for t in DEFAULT_TARGETS)
+    )
+    blocks = {m.group(1) for k in specs if (m := re.match(r"^(.*blocks.*?\.\d+)\.", k))}
+    width = next(s.shape[0] for k, s in specs.items() if k.endswith("attn.to_q.weight"))
+    return {
+        "params": sum(numel.values()) / 1e9,
+        "weights_bf16": 2 * sum(numel.values()) / GIB,
+        "weights_fp8": sum(n * (2 if skipped(k) else 1) for k, n in numel.items()) / GIB,
+        "lora_params": lora / 1e6,
+        "lora_and_adamw": 4 * 4 * lora / GIB,
+        "block_inputs": len(blocks) * tokens * width * 2 / GIB,
+        "blocks": len(blocks),
+    }
