@@ -14,10 +14,10 @@ from ._buckets import batch_indices
 from ._cache import prepare
 from ._checkpoint import EMA_DIR, LORA_FILE, resume, start_over
 from ._data import caption_rows
+from ._memory import FP8_SKIP
 from ._optim import clip_, ema_init, ema_update_, lr_at
 
 EVAL_SEED = 12345  # the fixed (noise, t) of the eval loss
-FP8_SKIP = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")  # diffusers' layerwise-casting skip list
 
 
 def _dist(a):

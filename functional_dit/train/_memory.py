@@ -10,6 +10,7 @@ import os
 import torch
 
 MIB = 2**20
+FP8_SKIP = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")  # diffusers' layerwise-casting skip list
 
 
 def _rss() -> int | None:
@@ -103,8 +104,6 @@ def computed(preset: str, rank: int = 16, tokens: int = 4096 + 512) -> dict:
     from functional_dit.lora._adapter import DEFAULT_TARGETS, linear_modules
     from functional_dit.nn.layerwise import skip_by_patterns
     from sharding.tree import flatten
-
-    from ._loop import FP8_SKIP
 
     specs = flatten(fd.param_specs(preset))
     skipped = skip_by_patterns(FP8_SKIP)
