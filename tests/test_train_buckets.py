@@ -221,3 +221,25 @@ def test_clipping_under_fsdp_x_tp_equals_one_process(data, tmp_path, one_thread,
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], **FP32)
+
+
+def test_an_exif_rotated_image_goes_to_its_upright_bucket(tmp_path):
+    """A 64 x 40 (w x h) JPEG tagged "rotate 90" (orientation 6) is a portrait image: its
+    bucket is the portrait one and its tensor the upright pixels (as diffusers' scripts'
+    ``exif_transpose``)."""
+    from PIL import ImageOps
+
+    from functional_dit.train._buckets import image_tensor, upright_size
+
+    path = tmp_path / "r.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray((np.random.default_rng(0).random((40, 64, 3)) * 255).astype(np.uint8)).save(path, exif=exif)
+    buckets = make_buckets(64, 16, 2.0)
+    with Image.open(path) as img:
+        assert img.size == (64, 40) and upright_size(img) == (40, 64)
+        assert nearest_bucket(upright_size(img), buckets) == (80, 48)
+        upright = ImageOps.exif_transpose(img)
+    x = image_tensor(str(path), (64, 40))
+    want = torch.from_numpy(np.array(upright.convert("RGB"))).permute(2, 0, 1).float() / 127.5 - 1
+    assert x.shape == (3, 64, 40) and torch.equal(x, want)  # (already the bucket's size: no resize)

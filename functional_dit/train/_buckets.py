@@ -44,14 +44,21 @@ def nearest_bucket(size: tuple[int, int], buckets: list[tuple[int, int]]) -> tup
     return min(buckets, key=lambda hw: abs(math.log(hw[1] / hw[0]) - aspect))
 
 
+def upright_size(img) -> tuple[int, int]:
+    """A PIL image's (width, height) once its EXIF orientation is applied (rotated a
+    quarter turn by tags 5-8), without decoding it."""
+    rotated = img.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+    return (img.height, img.width) if rotated else img.size
+
+
 def image_tensor(path: str, hw: tuple[int, int]) -> torch.Tensor:
-    """The image resized (bicubic) to cover ``hw`` = (height, width), its aspect kept, and
-    centre-cropped to it (as diffusers' training scripts' ``center_crop``), as
-    (3, height, width) in [-1, 1]."""
-    from PIL import Image
+    """The image turned upright (its EXIF orientation), resized (bicubic) to cover ``hw`` =
+    (height, width), its aspect kept, and centre-cropped to it (as diffusers' training
+    scripts' ``center_crop``), as (3, height, width) in [-1, 1]."""
+    from PIL import Image, ImageOps
 
     height, width = hw
-    img = Image.open(path).convert("RGB")
+    img = ImageOps.exif_transpose(Image.open(path)).convert("RGB")  # (upright, as diffusers' scripts)
     scale = max(width / img.width, height / img.height)
     size = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
     img = img.resize(size, Image.BICUBIC)

@@ -13,7 +13,7 @@ import os
 import torch
 
 from . import _data
-from ._buckets import describe, image_tensor, latent_multiple, make_buckets, nearest_bucket
+from ._buckets import describe, image_tensor, latent_multiple, make_buckets, nearest_bucket, upright_size
 
 CACHE_VERSION = 4  # 4: per-entry safetensors files, aspect-ratio buckets
 KEY_FILE = "key.json"  # what the entries of the last run were encoded from (for a reader; names carry the hashes)
@@ -73,7 +73,7 @@ def plan(a, items, kind: str, stamp: str) -> Plan:
     item_bucket, latent_files = [], []
     for path, _ in items:
         with Image.open(path) as img:
-            hw = nearest_bucket(img.size, buckets)
+            hw = nearest_bucket(upright_size(img), buckets)
         item_bucket.append(hw)
         latent_files.append(os.path.join(root, f"latent-{_hash(stamp, kind, _file_hash(path), hw)}.safetensors"))
     captions = [c for _, c in items] + [""]
