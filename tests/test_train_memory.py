@@ -4,7 +4,10 @@ FLUX.1 pipeline, fp32 (fp8: bf16 compute).
 - ``--base-dtype fp8`` trains (the eval loss falls), the stock pipeline loads its file, and
   the frozen weights' bytes it reports (and writes to ``eval.json`` with the peak memory)
   are under 0.75 of bf16's; through an fp8-stored base the LoRA's gradients are those of
-  an fp32 base holding the fp8-rounded values (1e-6).
+  an fp32 base holding the fp8-rounded values (1e-6); on fsdp=2 with bf16 autocast (slow)
+  it equals one process (1e-2). Through an ``fd.quantize``d base some factors get no
+  gradient (why it is not offered). The computed sizes of docs/training.md's table match
+  the tiny preset's stored bytes.
 
 - ``--dora --checkpoint-blocks`` trains (the eval loss falls) and writes a file with DoRA's
   ``lora_magnitude_vector`` keys that the stock FluxPipeline loads through
