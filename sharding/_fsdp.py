@@ -257,8 +257,11 @@ def _reduce(g: torch.Tensor, dim: int, n: int, index: int, group, reduce: str) -
 
 
 def _pack(xs, dims) -> torch.Tensor:
-    """Every leaf with its fsdp dim moved first, flattened and concatenated: (sum of numels,)."""
-    return torch.cat([x.detach().movedim(d, 0).reshape(-1) for x, d in zip(xs, dims)])
+    """Every leaf with its fsdp dim moved first, flattened and concatenated: (sum of numels,).
+    Outside autocast: the leaves are of one dtype, and autocast's ``cat`` rejects fp8 ones
+    (`fd.layerwise_cast` storages) under a bf16 autocast region."""
+    with torch.autocast(xs[0].device.type, enabled=False):
+        return torch.cat([x.detach().movedim(d, 0).reshape(-1) for x, d in zip(xs, dims)])
 
 
 def _start_block(xs, dims, axis: str = FSDP) -> list:
