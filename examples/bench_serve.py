@@ -6,7 +6,8 @@ Two ways to load it:
 
 * ``--arrivals closed`` (the default): N client threads, each sending its next request when
   the last one is answered; rows at concurrency 1, 4 and 16, and 16 with half the requests
-  on a LoRA (``--requests`` per row). Prints a Markdown table.
+  on a LoRA (``--requests`` per row), ``--rounds`` times each: the medians, and batching /
+  off per round.
 * ``--arrivals poisson --rate R1,R2,...``: open-loop Poisson arrivals (seeded) at each
   offered load (requests/s) for ``--duration`` s: each request is sent at its arrival time
   whether or not the earlier ones were answered, as users arrive. Every request is a mix:
@@ -22,7 +23,10 @@ Two ways to load it:
 Both servers are started as users start them (subprocesses on 127.0.0.1) and stay up
 together; each row (each round of each offered load) drives one then the other, the order
 alternating from round to round, so they share the machine's load. The 1-minute load
-average is read at every run and reported with the table (BENCHMARKS.md, "serve").
+average is read at every run and reported with the table (BENCHMARKS.md, "serve"); the
+table is printed, and written to ``--out-md``. ``--baseline DIR`` adds a third server,
+batching on the code under DIR (``git worktree add DIR COMMIT``): before and after a
+change in one run, under the same load.
 """
 
 from __future__ import annotations
@@ -127,24 +131,47 @@ def _next(lock, counter):
         return next(counter, None)
 
 
-def closed(args, servers: dict) -> None:
-    """The closed-loop rows, each mode in turn (the order alternating), printed as a table."""
-    rows, results = [(1, False), (4, False), (16, False), (16, True)], {}
-    for r, (c, lo) in enumerate(rows):
-        for mode in _order(servers, r):
-            url = servers[mode][1]
-            drive(url, 1, 1, False)  # warm-up
-            results[(mode, c, lo)] = drive(url, c, max(args.requests, c), lo)
-            print(mode, c, lo, results[(mode, c, lo)], f"load {os.getloadavg()[0]:.1f}", flush=True)
-    print(f"\n{args.model}, {args.size}, {args.steps} steps, {args.requests} requests per row, {os.cpu_count()} CPUs\n")
-    print("| concurrency | LoRA | batching images/s | p50 s | p95 s | off images/s | p50 s | p95 s | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for c, lo in rows:
-        b, o = results[("batching", c, lo)], results[("off", c, lo)]
-        print(
-            f"| {c} | {'half' if lo else 'none'} | {b['images_s']:.2f} | {b['p50']:.2f} | {b['p95']:.2f} | "
-            f"{o['images_s']:.2f} | {o['p50']:.2f} | {o['p95']:.2f} | {b['images_s'] / o['images_s']:.2f}x |"
-        )
+CLOSED_ROWS = ((1, False), (4, False), (16, False), (16, True))  # (concurrency, half the requests on the LoRA)
+
+
+def closed(args, servers: dict) -> str:
+    """The closed-loop rows, ``--rounds`` times on every server (the order alternating);
+    the table."""
+    results: dict = {}
+    for r in range(args.rounds):
+        for k, (c, lo) in enumerate(CLOSED_ROWS):
+            for mode in _order(servers, r + k):
+                (proc, url), n = servers[mode], max(args.requests, c)
+                drive(url, 1, 1, False)  # warm-up
+                cpu = cpu_seconds(proc.pid)
+                run = drive(url, c, n, lo)
+                run.update(cpu_image=(cpu_seconds(proc.pid) - cpu) / n, load=os.getloadavg()[0])
+                results.setdefault((mode, c, lo), []).append(run)
+                print(f"round {r}", mode, c, lo, {k: round(v, 3) for k, v in run.items()}, flush=True)
+    return closed_table(args, results)
+
+
+def closed_table(args, results: dict) -> str:
+    """A row per concurrency and mode (medians over rounds), then batching / off per round."""
+    loads = [run["load"] for runs in results.values() for run in runs]
+    lines = [
+        f"{args.model}, {args.size}, {args.steps} steps, max({args.requests}, concurrency) requests per row, "
+        f"{args.rounds} round(s), {os.cpu_count()} CPUs, 1-minute load average {min(loads):.1f}-{max(loads):.1f}",
+        "",
+        "| concurrency | LoRA | mode | images/s | CPU ms/image | p50 s | p95 s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    ratios = []
+    for c, lo in CLOSED_ROWS:
+        for mode in modes(args):
+            runs = results[(mode, c, lo)]
+            med = {k: statistics.median(run[k] for run in runs) for k in ("images_s", "cpu_image", "p50", "p95")}
+            lines.append(f"| {c} | {'half' if lo else 'none'} | {mode} | {med['images_s']:.2f} "
+                         f"| {1000 * med['cpu_image']:.0f} | {med['p50']:.2f} | {med['p95']:.2f} |")  # fmt: skip
+        per = [b["images_s"] / o["images_s"] for b, o in zip(results[("batching", c, lo)], results[("off", c, lo)])]
+        ratios.append(f"- concurrency {c}{', half LoRA' if lo else ''}: images/s batching / off per round "
+                      + " / ".join(f"{x:.2f}" for x in per) + f" (median {statistics.median(per):.2f})")  # fmt: skip
+    return "\n".join(lines + ["", *ratios]) + "\n"
 
 
 def _order(servers: dict, r: int) -> list:
@@ -187,13 +214,27 @@ async def _open_loop(url: str, arrivals: list) -> tuple:
     return lat, [code for code, _ in answers if code != 200], wall
 
 
-def run_poisson(url: str, rate: float, seed: int, args) -> dict:
-    """One run at ``rate``: offered and achieved load, latency percentiles, the load average."""
-    arrivals = schedule(rate, args.duration, seed, args)
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system, every thread) process ``pid`` has used; NaN where
+    /proc is not there (not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def run_poisson(server: tuple, rate: float, seed: int, args) -> dict:
+    """One run at ``rate``: offered and achieved load, latency percentiles, the server's CPU
+    seconds per image (what the machine's other load does not change much), the load average."""
+    (proc, url), arrivals = server, schedule(rate, args.duration, seed, args)
+    cpu = cpu_seconds(proc.pid)
     lat, errors, wall = asyncio.run(_open_loop(url, arrivals))
     return {
         "offered": len(arrivals) / args.duration,
         "images_s": len(lat) / max(wall, args.duration),  # the window, or longer while a queue drains
+        "cpu_image": (cpu_seconds(proc.pid) - cpu) / max(len(lat), 1),
         "lat": lat,
         "errors": errors,
         "load": os.getloadavg()[0],
@@ -211,11 +252,12 @@ def poisson(args, servers: dict) -> dict:
     for r in range(args.rounds):
         for k, rate in enumerate(args.rate):
             for mode in _order(servers, r + k):
-                run = run_poisson(servers[mode][1], rate, args.seed + 1000 * r + k, args)
+                run = run_poisson(servers[mode], rate, args.seed + 1000 * r + k, args)
                 runs.setdefault((rate, mode), []).append(run)
                 p50 = percentile(run["lat"], 0.5)
                 print(f"round {r} rate {rate} {mode}: {run['images_s']:.2f} images/s, p50 {p50:.2f} s, "
-                      f"{len(run['errors'])} errors, load {run['load']:.1f}", flush=True)  # fmt: skip
+                      f"{1000 * run['cpu_image']:.0f} CPU ms/image, {len(run['errors'])} errors, "
+                      f"load {run['load']:.1f}", flush=True)  # fmt: skip
     return runs
 
 
@@ -225,6 +267,7 @@ def summary(runs: list) -> dict:
     return {
         "offered": statistics.median(run["offered"] for run in runs),
         "images_s": statistics.median(run["images_s"] for run in runs),
+        "cpu_ms": 1000 * statistics.median(run["cpu_image"] for run in runs),
         "p50": percentile(lat, 0.5),
         "p95": percentile(lat, 0.95),
         "p99": percentile(lat, 0.99),
@@ -236,23 +279,27 @@ def summary(runs: list) -> dict:
 def table(args, runs: dict) -> str:
     """The Markdown table: a row per offered load and mode, then the batching / off ratios."""
     lines = [
-        "| offered req/s | mode | achieved images/s | p50 s | p95 s | p99 s | answered | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "| offered req/s | mode | achieved images/s | CPU ms/image | p50 s | p95 s | p99 s | answered | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     ratios = []
     for rate in args.rate:
         s = {mode: summary(runs[(rate, mode)]) for mode in modes(args)}
         for mode, row in s.items():
             lines.append(
-                f"| {row['offered']:.2f} | {mode} | {row['images_s']:.2f} | {row['p50']:.2f} "
+                f"| {row['offered']:.2f} | {mode} | {row['images_s']:.2f} | {row['cpu_ms']:.0f} | {row['p50']:.2f} "
                 f"| {row['p95']:.2f} | {row['p99']:.2f} | {row['answered']} | {row['errors']} |"
             )
         per_round = [b["images_s"] / o["images_s"] for b, o in zip(runs[(rate, "batching")], runs[(rate, "off")])]
         ratio = " / ".join(f"{x:.2f}" for x in per_round)
         p50 = s["off"]["p50"] / s["batching"]["p50"]
-        ratios.append(f"- {rate:g} req/s: images/s batching / off per round {ratio}; p50 off / batching {p50:.2f}x")
+        cpu = s["off"]["cpu_ms"] / s["batching"]["cpu_ms"]
+        ratios.append(f"- {rate:g} req/s: images/s batching / off per round {ratio}; p50 off / batching {p50:.2f}x; "
+                      f"CPU per image off / batching {cpu:.2f}x")  # fmt: skip
         if args.baseline:
-            ratios[-1] += f"; p50 baseline / batching {s[BASELINE]['p50'] / s['batching']['p50']:.2f}x"
+            base = s[BASELINE]
+            ratios[-1] += (f"; baseline / batching: p50 {base['p50'] / s['batching']['p50']:.2f}x, "
+                           f"CPU per image {base['cpu_ms'] / s['batching']['cpu_ms']:.2f}x")  # fmt: skip
     return "\n".join(lines + ["", *ratios])
 
 
@@ -265,7 +312,8 @@ def report(args, runs: dict, argv) -> str:
         f"requests, {args.duration:g} s of arrivals per run, {args.rounds} round(s) per offered load, batching "
         f"`--max-batch {args.max_batch}` vs off `--max-batch 1`; {os.cpu_count()} CPUs, 1-minute load average "
         f"{min(loads):.1f}-{max(loads):.1f} during the runs. Latency from each request's arrival time to its answer "
-        "(every answer of every round); images/s the median over rounds."
+        "(every answer of every round); images/s and CPU ms/image (the server process's, every thread: "
+        "what the other load on the machine changes least) the medians over rounds."
     )
     if args.baseline:
         head += f' "{BASELINE}": the batching server on the code of {_revision(args.baseline)}.'
@@ -328,18 +376,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--arrivals", choices=("closed", "poisson"), default="closed")
     p.add_argument("--rate", type=_rates, default=[1.0, 2.0, 4.0], help="poisson: offered loads, requests/s")
     p.add_argument("--duration", type=float, default=10.0, help="poisson: seconds of arrivals per run")
-    p.add_argument("--rounds", type=int, default=2, help="poisson: runs per offered load and mode")
+    p.add_argument("--rounds", type=int, default=2, help="runs per row (offered load or concurrency) and server")
     p.add_argument("--seed", type=int, default=0, help="poisson: the arrivals' and the mix's seed")
     p.add_argument("--sizes", type=lambda s: s.split(","), default=["32x32", "48x48"], help="poisson: the sizes' mix")
     p.add_argument("--lora-share", type=float, default=0.5, help="poisson: the share of requests on the LoRA")
     p.add_argument("--priority-share", type=float, default=0.25, help="poisson: the share at priority 1")
-    p.add_argument("--out-md", default=None, help="poisson: write the table here")
+    p.add_argument("--out-md", default=None, help="write the table here")
     p.add_argument("--out-png", default=None, help="poisson: write the picture here")
     p.add_argument(
         "--baseline",
         default=None,
         metavar="DIR",
-        help="poisson: also a batching server on the code under DIR (a git worktree of an older commit)",
+        help="also a batching server on the code under DIR (a git worktree of an older commit)",
     )
     return p
 
@@ -357,23 +405,22 @@ def main(argv=None) -> int:
         for mode, (max_batch, pythonpath) in modes(args).items():  # all up at once: each row runs each in turn
             servers[mode] = start(args, max_batch, path, pythonpath)
         if args.arrivals == "closed":
-            closed(args, servers)
-            return 0
+            return _write(args, closed(args, servers), None)
         runs = poisson(args, servers)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(120)
-    return _write(args, runs, argv)
+    return _write(args, report(args, runs, argv), runs)
 
 
-def _write(args, runs: dict, argv) -> int:
-    text = report(args, runs, argv)
+def _write(args, text: str, runs: dict | None) -> int:
+    """Print the table; write it to ``--out-md`` and (poisson) the picture to ``--out-png``."""
     print("\n" + text)
     if args.out_md:
         with open(args.out_md, "w") as f:
             f.write(text)
-    if args.out_png:
+    if args.out_png and runs is not None:
         picture(args, runs, args.out_png)
     return 0
 

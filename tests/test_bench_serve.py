@@ -19,7 +19,7 @@ def _rows(text: str) -> dict:
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if line.startswith("| ") and len(cells) == 8 and cells[1] in ("batching", "off"):
+        if line.startswith("| ") and len(cells) == 9 and cells[1] in ("batching", "off"):
             rows[cells[1]] = [float(cells[0]), *map(float, cells[2:])]
     return rows
 
@@ -35,9 +35,9 @@ def test_poisson_mode_writes_a_table_and_a_picture(tmp_path):
     assert "1-minute load average" in text and "--rate 4" in text
     rows = _rows(text)
     assert set(rows) == {"batching", "off"}, text
-    for mode, (offered, images_s, p50, p95, p99, answered, errors) in rows.items():
-        assert all(math.isfinite(v) for v in (offered, images_s, p50, p95, p99)), (mode, text)
-        assert offered > 0 and images_s > 0 and answered >= 1 and errors == 0, (mode, text)
+    for mode, (offered, images_s, cpu_ms, p50, p95, p99, answered, errors) in rows.items():
+        assert all(math.isfinite(v) for v in (offered, images_s, cpu_ms, p50, p95, p99)), (mode, text)
+        assert offered > 0 and images_s > 0 and cpu_ms > 0 and answered >= 1 and errors == 0, (mode, text)
         assert 0 < p50 <= p95 <= p99, (mode, text)
         assert answered == round(offered * 2), (mode, text)  # every arrival of the 2 s answered
     assert rows["batching"][0] == rows["off"][0]  # the same seeded arrivals for both
