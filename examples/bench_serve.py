@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import random
@@ -262,45 +263,49 @@ def poisson(args, servers: dict) -> dict:
 
 
 def summary(runs: list) -> dict:
-    """One row of a mode at one rate: medians over rounds, percentiles over every answer."""
-    lat = [s for run in runs for s in run["lat"]]
+    """One row of a mode at one rate: each figure the median over rounds (a round's
+    percentiles over its answers; rounds under different machine load are not pooled)."""
+    med = lambda f: statistics.median(f(run) for run in runs)  # noqa: E731
+    row = {q: med(lambda run, q=q: percentile(run["lat"], int(q[1:]) / 100)) for q in ("p50", "p95", "p99")}
     return {
-        "offered": statistics.median(run["offered"] for run in runs),
-        "images_s": statistics.median(run["images_s"] for run in runs),
-        "cpu_ms": 1000 * statistics.median(run["cpu_image"] for run in runs),
-        "p50": percentile(lat, 0.5),
-        "p95": percentile(lat, 0.95),
-        "p99": percentile(lat, 0.99),
-        "answered": len(lat),
+        "offered": med(lambda run: run["offered"]),
+        "images_s": med(lambda run: run["images_s"]),
+        "cpu_ms": 1000 * med(lambda run: run["cpu_image"]),
+        **row,
+        "answered": sum(len(run["lat"]) for run in runs),
         "errors": sum(len(run["errors"]) for run in runs),
     }
 
 
 def table(args, runs: dict) -> str:
-    """The Markdown table: a row per offered load and mode, then the batching / off ratios."""
+    """The Markdown table: a row per offered load and mode, then per round what batching
+    gains over off (and over the baseline)."""
     lines = [
         "| offered req/s | mode | achieved images/s | CPU ms/image | p50 s | p95 s | p99 s | answered | errors |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    ratios = []
+    notes = []
     for rate in args.rate:
-        s = {mode: summary(runs[(rate, mode)]) for mode in modes(args)}
-        for mode, row in s.items():
+        for mode in modes(args):
+            row = summary(runs[(rate, mode)])
             lines.append(
                 f"| {row['offered']:.2f} | {mode} | {row['images_s']:.2f} | {row['cpu_ms']:.0f} | {row['p50']:.2f} "
                 f"| {row['p95']:.2f} | {row['p99']:.2f} | {row['answered']} | {row['errors']} |"
             )
-        per_round = [b["images_s"] / o["images_s"] for b, o in zip(runs[(rate, "batching")], runs[(rate, "off")])]
-        ratio = " / ".join(f"{x:.2f}" for x in per_round)
-        p50 = s["off"]["p50"] / s["batching"]["p50"]
-        cpu = s["off"]["cpu_ms"] / s["batching"]["cpu_ms"]
-        ratios.append(f"- {rate:g} req/s: images/s batching / off per round {ratio}; p50 off / batching {p50:.2f}x; "
-                      f"CPU per image off / batching {cpu:.2f}x")  # fmt: skip
+        notes.append(f"- {rate:g} req/s, batching against off: {gains(runs[(rate, 'batching')], runs[(rate, 'off')])}")
         if args.baseline:
-            base = s[BASELINE]
-            ratios[-1] += (f"; baseline / batching: p50 {base['p50'] / s['batching']['p50']:.2f}x, "
-                           f"CPU per image {base['cpu_ms'] / s['batching']['cpu_ms']:.2f}x")  # fmt: skip
-    return "\n".join(lines + ["", *ratios])
+            notes[-1] += f"; against the baseline: {gains(runs[(rate, 'batching')], runs[(rate, BASELINE)])}"
+    return "\n".join(lines + ["", "Per round (each pair run back to back):", "", *notes])
+
+
+def gains(ours: list, theirs: list) -> str:
+    """Per round: images/s ours / theirs, p50 and CPU per image theirs / ours (> 1: ours better)."""
+    per = lambda f: " / ".join(f"{f(a, b):.2f}" for a, b in zip(ours, theirs))  # noqa: E731
+    p50 = lambda run: percentile(run["lat"], 0.5)  # noqa: E731
+    return (
+        f"images/s x{per(lambda a, b: a['images_s'] / b['images_s'])}, "
+        f"p50 x{per(lambda a, b: p50(b) / p50(a))}, CPU/image x{per(lambda a, b: b['cpu_image'] / a['cpu_image'])}"
+    )
 
 
 def report(args, runs: dict, argv) -> str:
@@ -311,9 +316,10 @@ def report(args, runs: dict, argv) -> str:
         f"{args.steps} steps, LoRA on {args.lora_share:.0%} and priority 1 on {args.priority_share:.0%} of the "
         f"requests, {args.duration:g} s of arrivals per run, {args.rounds} round(s) per offered load, batching "
         f"`--max-batch {args.max_batch}` vs off `--max-batch 1`; {os.cpu_count()} CPUs, 1-minute load average "
-        f"{min(loads):.1f}-{max(loads):.1f} during the runs. Latency from each request's arrival time to its answer "
-        "(every answer of every round); images/s and CPU ms/image (the server process's, every thread: "
-        "what the other load on the machine changes least) the medians over rounds."
+        f"{min(loads):.1f}-{max(loads):.1f} during the runs. Latency from each request's arrival time to its answer"
+        "; CPU ms/image: the server process's CPU time (every thread) per image, what the other load on the "
+        "machine changes least. Each figure is the median over rounds; the ratios below are per round (> 1: "
+        "batching better)."
     )
     if args.baseline:
         head += f' "{BASELINE}": the batching server on the code of {_revision(args.baseline)}.'
@@ -383,6 +389,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--priority-share", type=float, default=0.25, help="poisson: the share at priority 1")
     p.add_argument("--out-md", default=None, help="write the table here")
     p.add_argument("--out-png", default=None, help="poisson: write the picture here")
+    p.add_argument("--out-json", default=None, help="poisson: write every run's figures here")
     p.add_argument(
         "--baseline",
         default=None,
@@ -422,6 +429,9 @@ def _write(args, text: str, runs: dict | None) -> int:
             f.write(text)
     if args.out_png and runs is not None:
         picture(args, runs, args.out_png)
+    if args.out_json and runs is not None:  # every run's figures, every latency: to redraw or recount
+        with open(args.out_json, "w") as f:
+            json.dump([{"rate": rate, "mode": mode, "runs": rs} for (rate, mode), rs in runs.items()], f)
     return 0
 
 
