@@ -18,13 +18,12 @@ One worker thread owns the model. Its loop, each turn:
 
 **Order** (admission, encoding, preemption, the batch stepped): by *virtual arrival*, a
 job's arrival time less ``priority * aging`` seconds, earliest first (ties: the job id,
-then the image). A
-priority is so a head start: priority 2 with ``aging`` 10 s goes before every priority-0
-job that arrived less than 20 s before it, and after those that waited longer. The
-order of two jobs never changes while they wait (both age alike), so a preempted image is
-not taken back and forth; and no job starves: only jobs arriving within ``(p' - p) *
-aging`` seconds after a priority-p job can overtake it. It is the same on every rank (rank
-0's arrival times are broadcast).
+then the image). A priority is so a head start: priority 2 with ``aging`` 10 s goes
+before every priority-0 job that arrived less than 20 s before it, and after those that
+waited longer. The order of two jobs never changes while they wait (both age alike), so a
+preempted image is not taken back and forth; and no job starves: only jobs arriving
+within ``(p' - p) * aging`` seconds after a priority-p job can overtake it. It is the same
+on every rank (rank 0's arrival times are broadcast).
 
 The HTTP side (`functional_dit.serve._app`) only submits jobs and awaits their futures.
 """
@@ -290,7 +289,9 @@ class Engine:
         """The key whose running batch holds the first image in the order (None: nothing
         runs). Not a round robin over keys: with k sizes in flight that made every image
         take k times its steps' turns (processor sharing, which a queue of equal jobs
-        serves worse than first come, first served), and kept each size's batch small."""
+        serves worse than first come, first served), and kept each size's batch small.
+        The price: a request of many steps holds the other sizes back until it is done
+        (its own size's newcomers still join its batch)."""
         if not self._running:
             return None
         return min(self._running, key=lambda k: min(self.order(*it.tag) for it in self._running[k].items))
