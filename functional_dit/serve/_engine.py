@@ -10,19 +10,20 @@ One worker thread owns the model. Its loop, each turn:
    full batch whose lowest-ordered image comes after a ready one gives it up (preemption:
    the item, its latents, step index and cache state, goes back to the ready queue
    untouched and resumes there when it is first again);
-4. runs ONE step of ONE batch, the next key after the last one stepped (round robin over
-   the keys that have running images), so every resolution gets a step in every round
-   of k turns (k = the number of keys) and none starves;
+4. runs ONE step of ONE batch: the key whose running batch holds the first image in the
+   order below (first come, first served across sizes, batched within one: a size's
+   batch steps until its first image is done, then the next first image's size goes;
+   none starves, as the order is a queue);
 5. decodes the images that finished and hands each job its images once all are done.
 
-**Order** (admission, encoding, preemption): by *virtual arrival*, a job's arrival time
-less ``priority * aging`` seconds, earliest first (ties: the job id, then the image). A
-priority is so a head start: priority 2 with ``aging`` 10 s goes before every priority-0
-job that arrived less than 20 s before it, and after those that waited longer. The
-order of two jobs never changes while they wait (both age alike), so a preempted image is
-not taken back and forth; and no job starves: only jobs arriving within ``(p' - p) *
-aging`` seconds after a priority-p job can overtake it. It is the same on every rank (rank
-0's arrival times are broadcast).
+**Order** (admission, encoding, preemption, the batch stepped): by *virtual arrival*, a
+job's arrival time less ``priority * aging`` seconds, earliest first (ties: the job id,
+then the image). A priority is so a head start: priority 2 with ``aging`` 10 s goes
+before every priority-0 job that arrived less than 20 s before it, and after those that
+waited longer. The order of two jobs never changes while they wait (both age alike), so a
+preempted image is not taken back and forth; and no job starves: only jobs arriving
+within ``(p' - p) * aging`` seconds after a priority-p job can overtake it. It is the same
+on every rank (rank 0's arrival times are broadcast).
 
 The HTTP side (`functional_dit.serve._app`) only submits jobs and awaits their futures.
 """
@@ -114,7 +115,6 @@ class Engine:
         self.heartbeat = None if sync is None else 1.0  # idle turns keep the other ranks' collectives alive
         self._ready: dict = collections.defaultdict(collections.deque)  # key -> encoded items
         self._running: dict = {}  # key -> sampling.State
-        self._last = None  # the key stepped last (round robin)
         self._stop = False
         self.group = 0  # this rank's dp group
         self.others = None  # rank 0 under --dp: the jobs other groups run (`_ranks.Ranks`)
@@ -286,12 +286,15 @@ class Engine:
         return True
 
     def _next_key(self):
-        keys = sorted(self._running)
-        if not keys:
+        """The key whose running batch holds the first image in the order (None: nothing
+        runs). Not a round robin over keys: with k sizes in flight that made every image
+        take k times its steps' turns (processor sharing, which a queue of equal jobs
+        serves worse than first come, first served), and kept each size's batch small.
+        The price: a request of many steps holds the other sizes back until it is done
+        (its own size's newcomers still join its batch)."""
+        if not self._running:
             return None
-        later = [k for k in keys if self._last is None or k > self._last]
-        self._last = later[0] if later else keys[0]
-        return self._last
+        return min(self._running, key=lambda k: min(self.order(*it.tag) for it in self._running[k].items))
 
     def _finish(self, done: sampling.State) -> None:
         images = sampling.decode(done, "pil")
