@@ -205,15 +205,16 @@ def _prepared_item(params, ctx: Context, req: Request, tag) -> Item:
     return dataclasses.replace(item, request=req, tag=tag, own=own)
 
 
-def merge(*states: State) -> State:
+def merge(*states: State, mixed: bool = False) -> State:
     """One state of every item of ``states`` (same context; the items that share model
-    calls, those without a context of their own, one key)."""
+    calls, those without a context of their own, one key; ``mixed``: several keys, each
+    step then one padded call where the family packs sizes, else one call per key)."""
     ctx = states[0].ctx
     items = tuple(it for s in states for it in s.items)
     if any(s.ctx is not ctx for s in states):
         raise ValueError("states: expected states of one context (one model), got several")
     keys = {it.key for it in items if it.own is None}
-    if len(keys) > 1:
+    if len(keys) > 1 and not mixed:
         raise ValueError(f"states: a batch needs one key (latent h, w, text length); got {sorted(keys)}")
     return State(ctx, items)
 
