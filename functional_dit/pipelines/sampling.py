@@ -44,6 +44,7 @@ from ..lora import internal as _lora
 from . import sampler as _sampler
 from .cache.internal import items as _cache_items
 from .families import product as _product
+from .sampler.internal import packing as _packing
 from .sampler.internal import ranks as _ranks
 from .sampler.internal import state as _state
 
@@ -56,6 +57,11 @@ Context, Item, State, step = _state.Context, _state.Item, _state.State, _state.s
 cache_config = _cache_items.config
 cache_skipped = _cache_items.skipped
 cache_decisions = _cache_items.decisions
+
+# Mixed resolutions (`functional_dit.pipelines.sampler._packing`): whether items of several
+# keys may share one padded model call (``packs(params, ctx, items)``), that call's padded
+# over real tokens (``padding(items)``) and its image sizes (``resolutions(items)``).
+packs, padding, resolutions = _packing.packs, _packing.padding, _packing.resolutions
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,6 +57,22 @@ def _sharded(params) -> bool:
     return is_dtensor(next(iter(params.flat().values())))
 
 
+def padding(items) -> float:
+    """A call's padded tokens over its real ones (1.0: nothing padded): each item's rows
+    (two with true CFG) of text and image tokens, against the call's longest of each."""
+    T, S = max(it.cond.txt.shape[1] for it in items), max(it.x.shape[1] for it in items)
+    real = sum(it.rows * (it.cond.txt.shape[1] + it.x.shape[1]) for it in items)
+    return sum(it.rows for it in items) * (T + S) / real
+
+
+def by_size(items) -> list[list]:
+    """``items`` grouped by their latent grid, in order (what one VAE decode takes)."""
+    groups: dict = {}
+    for it in items:
+        groups.setdefault(it.hw, []).append(it)
+    return list(groups.values())
+
+
 def resolutions(items) -> int:
     """The image sizes (latent grids) among ``items``: a call with two or more is mixed."""
     return len({it.hw for it in items})
@@ -86,7 +102,8 @@ class Layout:
         return Prompt(txt, pooled, mask, conds[0].txt_ids)
 
     def inputs(self, items, kw: dict) -> dict:
-        """``fd.apply``'s keywords for the call: each row's RoPE table, the image mask and
+        """``fd.apply``'s keywords for the call: each row's RoPE table, the image mask (none
+        where no row is padded: the unmasked attention kernel) and
         (Qwen-Image) each row's image shapes, in place of the first item's."""
         rows = [r for it in items for r in [it] * it.rows]
         tables = [self._table(it.tables["rope"], it) for it in items]
@@ -94,7 +111,7 @@ class Layout:
         mask = torch.zeros(len(rows), self.S, dtype=torch.long, device=items[0].x.device)
         for r, it in enumerate(rows):
             mask[r, : it.x.shape[1]] = 1
-        out = {**kw, "rope": rope, "img_mask": mask}
+        out = {**kw, "rope": rope} if bool(mask.all()) else {**kw, "rope": rope, "img_mask": mask}
         if "img_shapes" in kw:
             out["img_shapes"] = [it.tables["shapes"] for it in rows]
         return out

@@ -301,18 +301,18 @@ def _advance(ctx: Context, it: Item, pred, cache_state, kept: dict, m=None) -> I
 def decode(state: State, output_type: str = "pil"):
     """The outputs of the state's finished items, in order: images through the VAE and
     the pipeline's image processor, or with ``output_type="latent"`` what the stock
-    pipeline returns (the family's ``latent_output``)."""
+    pipeline returns (the family's ``latent_output``); a list where their sizes differ."""
     items = [it for it in state.items if it.done]
     if not items:
         return []
-    groups = _by_context(state.ctx, items)
+    groups = [(ctx, g) for ctx, same in _by_context(state.ctx, items) for g in _packing.by_size(same)]
     if len(groups) == 1:
         return _decode(*groups[0], output_type)
     outs = {}  # each item's output: its image (or its layers), in the order of ``items``
     for ctx, group in groups:
         outs.update(zip(map(id, group), _decode(ctx, group, output_type)))
     rows = [outs[id(it)] for it in items]
-    if output_type == "pil":
+    if output_type == "pil" or _packing.resolutions(items) > 1:
         return rows
     return np.stack(rows) if output_type == "np" else torch.stack(rows)
 
