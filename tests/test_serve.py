@@ -8,6 +8,8 @@ alone in this process: every image within 1 uint8 level per pixel.
 - the ``openai`` client's ``images.generate`` (extension fields in ``extra_body``);
 - 16 concurrent requests with mixed prompts, seeds, step counts and two LoRAs;
 - a request arriving while another runs joins its batch (``/metrics``' joined counter);
+- a request of another size joins the running one's model calls (mixed resolutions,
+  ``/metrics``' fd_serve_mixed_resolution_calls_total), each image equal to fd.sample alone;
 - four requests with step caches (FBC, MagCache, TaylorSeer, FasterCache) join a no-cache
   request's batch, each equal to ``fd.sample`` of it alone with that cache;
 - FLUX.3's flow map and Qwen-Image 2.1 served (a server each): CFG and a step cache,
@@ -271,6 +273,28 @@ def test_a_request_arriving_mid_batch_joins_it(env):
     assert second.status_code == 200
     assert after["fd_serve_joined_running_batch_total"] >= before["fd_serve_joined_running_batch_total"] + 1
     _close(_pixels(second.json()["data"][0]["b64_json"]), _reference(env, ["short"], [3], 2)[0])
+
+
+def test_two_sizes_share_model_calls_and_equal_fd_sample_alone(env):
+    """Mixed resolutions (on by default): a 48x48 request for two images with true CFG
+    joins the running 32x32 anchor's model calls (three images in one padded call, within
+    --max-padding), /metrics counts each such call, and each image equals ``fd.sample``
+    of it alone at its size."""
+    server = env["a"]
+    before = server.metrics()
+    body = dict(prompt="wide", size="48x48", n=2, steps=2, seed=5, true_cfg=2.0, negative_prompt="dim")
+    with _anchor(server, before):
+        res = server.post(body, timeout=300)
+    after = server.metrics()
+    assert res.status_code == 200, res.text
+    calls = after["fd_serve_mixed_resolution_calls_total"] - before["fd_serve_mixed_resolution_calls_total"]
+    assert calls >= 2, "both steps of the 48x48 images shared a call with the 32x32 anchor"
+    want = fd.sample(env["params"], env["pipe"], "wide", height=48, width=48, steps=2, seed=5, num_images_per_prompt=2,
+                     true_cfg=2.0, negative_prompt="dim", output_type="np", max_sequence_length=MSL)  # fmt: skip
+    for d, w in zip(res.json()["data"], want):
+        got = _pixels(d["b64_json"])
+        assert got.shape[:2] == (48, 48)
+        _close(got, (w * 255).round().astype(int))
 
 
 CACHES = ["fbcache:0.8", "magcache:0.3", "taylorseer:interval=2,warmup=1,order=1", "fastercache:skip=2"]
