@@ -7,7 +7,8 @@ side in one run, alternating rounds so both modes share the machine's load:
    alone (two calls); the call's padding (padded over real tokens) and the ratio.
 2. ``serve``: the serving engine in process (`functional_dit.serve._engine.Engine`, no
    HTTP) making ``--requests`` images of those sizes submitted at once, mixed
-   resolutions on and off: images/s and the ratio.
+   resolutions on (``--max-padding``, the engine's default unless given) and off:
+   images/s and the ratio.
 
     python examples/bench_mixed.py [--model flux] [--steps 4] [--batch 2] [--rounds 5]
 
@@ -67,9 +68,9 @@ def calls_table(params, ctx, pairs, batch: int, rounds: int) -> list[str]:
     return rows
 
 
-def serve_once(params, pipe, sizes, requests: int, steps: int, mixed: bool, max_batch: int) -> float:
+def serve_once(params, pipe, sizes, requests: int, steps: int, mixed: bool, max_batch: int, pad: float) -> float:
     """Images/s of the engine making ``requests`` images (sizes in turn) submitted at once."""
-    engine = _engine.Engine(params, pipe, max_batch=max_batch, max_queue=10 * requests, mixed=mixed)
+    engine = _engine.Engine(params, pipe, max_batch=max_batch, max_queue=10 * requests, mixed=mixed, max_padding=pad)
     done = threading.Semaphore(0)
     reqs = [
         sampling.Request(f"image {j}", *sizes[j % len(sizes)], steps, seed=j, max_sequence_length=MSL)
@@ -89,14 +90,14 @@ def serve_once(params, pipe, sizes, requests: int, steps: int, mixed: bool, max_
     return requests / dt
 
 
-def serve_table(params, pipe, pairs, requests: int, steps: int, rounds: int, max_batch: int) -> list[str]:
+def serve_table(params, pipe, pairs, requests: int, steps: int, rounds: int, max_batch: int, pad: float) -> list[str]:
     rows = ["| sizes | requests | mixed on, img/s | mixed off, img/s | ratio |", "|---|---|---|---|---|"]
     for pair in pairs:
-        serve_once(params, pipe, pair, 2, 1, True, max_batch)  # warm-up
+        serve_once(params, pipe, pair, 2, 1, True, max_batch, pad)  # warm-up
         on, off = [], []
         for _ in range(rounds):
-            on.append(serve_once(params, pipe, pair, requests, steps, True, max_batch))
-            off.append(serve_once(params, pipe, pair, requests, steps, False, max_batch))
+            on.append(serve_once(params, pipe, pair, requests, steps, True, max_batch, pad))
+            off.append(serve_once(params, pipe, pair, requests, steps, False, max_batch, pad))
         a, b = statistics.median(on), statistics.median(off)
         name = " + ".join(f"{w}x{h}" for h, w in pair)
         rows.append(f"| {name} | {requests} | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
@@ -117,6 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--max-padding", type=float, default=_engine.MAX_PADDING, help="the engine's (serve)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--skip", choices=("calls", "serve"), default=None)
     args = p.parse_args(argv)
@@ -128,7 +130,13 @@ def main(argv=None) -> int:
     if args.skip != "calls":
         print("\n".join(calls_table(params, ctx, args.pairs, args.batch, 3 * args.rounds)) + "\n")
     if args.skip != "serve":
-        print("\n".join(serve_table(params, pipe, args.pairs, args.requests, args.steps, args.rounds, args.max_batch)))
+        print(
+            "\n".join(
+                serve_table(
+                    params, pipe, args.pairs, args.requests, args.steps, args.rounds, args.max_batch, args.max_padding
+                )
+            )
+        )
     return 0
 
 

@@ -36,7 +36,7 @@ from .nn.checks import (
     check_rope_or_ids,
     check_streams,
     check_tensor,
-    img_mask_bias,
+    img_valid_bias,
     reference_leaf,
 )
 from .params import (
@@ -408,7 +408,7 @@ ARGS = (  # of fd.apply's keywords, those FLUX.1 takes
     "img_ids",
     "txt_ids",
     "rope",
-    "img_mask",
+    "img_valid",
     "ip_adapter",
     *CONTROLNET_ARGS,
 )
@@ -426,7 +426,7 @@ def check_inputs(
     img_ids=None,
     txt_ids=None,
     rope=None,
-    img_mask=None,
+    img_valid=None,
     ip_adapter=None,
     controlnet_block_samples=None,
     controlnet_single_block_samples=None,
@@ -438,7 +438,7 @@ def check_inputs(
     (S_img, 3) / txt_ids (S_txt, 3) or their 3-D forms. ``rope``: instead of the ids, their
     RoPE table (cos, sin), each (S_txt + S_img, attention_head_dim) fp32, as `rope_table`
     builds it (to build it once per sampling run), or (B, S_txt + S_img, attention_head_dim):
-    one per row. ``img_mask`` (B, S_img), 1 = real image token: rows padded to one length
+    one per row. ``img_valid`` (B, S_img), 1 = real image token: rows padded to one length
     (images of several sizes in one call, each row with its own ``rope``; padding is
     never attended to, and its outputs are to be dropped). ``ip_adapter``: IP-Adapter's inputs
     (`check_ip_adapter`). ``controlnet_*``: ControlNet residuals, as the stock class takes
@@ -448,7 +448,7 @@ def check_inputs(
     ip = None if ip_adapter is None else check_ip_adapter(params, ip_adapter, x.shape[0])
     samples = (controlnet_block_samples, controlnet_single_block_samples)
     control = check_controlnet(params, x, *samples, controlnet_blocks_repeat)
-    img_bias = img_mask_bias(img_mask, *x.shape[:2], x.device)
+    img_bias = img_valid_bias(img_valid, *x.shape[:2], x.device)
     return dict(pooled=pooled, guidance=guidance, pe=pe, img_bias=img_bias, ip=ip, controlnet=control)
 
 

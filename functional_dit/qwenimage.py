@@ -38,7 +38,7 @@ from .configs import (
 from .nn import control as _control
 from .nn import layers as L
 from .nn import stages as _stages
-from .nn.checks import check_rope, check_streams, check_tensor, img_mask_bias, reference_leaf
+from .nn.checks import check_rope, check_streams, check_tensor, img_valid_bias, reference_leaf
 from .params import MOD6, MOD_OUT, ParamSpec, linear_spec, mod_spec, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
@@ -372,7 +372,7 @@ def check_img_shapes(
 ) -> tuple[tuple[int, int, int], ...]:
     """img_shapes: per batch item a list of (frames, h, w) in token order, equal for every
     item (diffusers takes RoPE from the first and warns that others are wrong), whose token
-    count is x's sequence length; ``padded`` (an ``img_mask``): each row's own shapes, of at
+    count is x's sequence length; ``padded`` (an ``img_valid``): each row's own shapes, of at
     most that many tokens. Returns the first item's shapes; for an empty batch (no item to
     read them from), one image of 1 x 1 x seq, whose positions nothing uses."""
     if not isinstance(img_shapes, (list, tuple)) or len(img_shapes) != batch:
@@ -391,7 +391,7 @@ def check_img_shapes(
         if n != seq and not (padded and n < seq):
             raise ValueError(f"img_shapes: {list(s)} make {n} tokens; expected x's sequence length {seq}")
         if layer3d and s[-1][0] != 1:
-            raise ValueError(f"img_shapes: use_layer3d_rope needs 1 frame in the last (condition) image, got {s}")
+            raise ValueError(f"img_shapes: use_layer3d_rope needs 1 frame in the last (condition) image, got {s[-1]}")
     return shapes
 
 
@@ -420,7 +420,7 @@ def _check_t_cond(c, additional_t_cond, batch: int, device) -> None:
             raise ValueError(f"additional_t_cond: expected values in {{0, 1}}, got {additional_t_cond.tolist()}")
 
 
-def _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond, img_mask=None, rope=None):
+def _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond, img_valid=None, rope=None):
     c = params.config
     leaf = reference_leaf(params, "img_in.weight")
     B, S = check_streams(c, leaf, x, t, txt)
@@ -429,15 +429,15 @@ def _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond, img_ma
     if img_shapes is None:
         raise ValueError(f"img_shapes: Qwen-Image needs per batch item a list of (frames, h, w); x has {S} tokens")
     per_row = isinstance(rope, (tuple, list)) and len(rope) == 2 and getattr(rope[0], "ndim", 0) == 3
-    if img_mask is not None and (not per_row or c.zero_cond_t):
-        raise ValueError("img_mask: rows padded to one length need rope, a (B, S_txt + S_img, head_dim) table per row")
-    shapes = check_img_shapes(img_shapes, B, S, c.use_layer3d_rope, padded=img_mask is not None)
+    if img_valid is not None and (not per_row or c.zero_cond_t):
+        raise ValueError("img_valid: rows padded to one length need rope, a (B, S_txt + S_img, head_dim) table per row")
+    shapes = check_img_shapes(img_shapes, B, S, c.use_layer3d_rope, padded=img_valid is not None)
     _check_t_cond(c, additional_t_cond, B, leaf.device)
     return shapes
 
 
 # of fd.apply's keywords, the ones Qwen-Image takes
-ARGS = ("txt_mask", "img_shapes", "additional_t_cond", "rope", "img_mask", "controlnet_block_samples")
+ARGS = ("txt_mask", "img_shapes", "additional_t_cond", "rope", "img_valid", "controlnet_block_samples")
 BATCHED = ("bias", "img_bias", "t_cond")  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
@@ -451,7 +451,7 @@ def check_inputs(
     img_shapes=None,
     additional_t_cond=None,
     rope=None,
-    img_mask=None,
+    img_valid=None,
     controlnet_block_samples=None,
 ) -> dict:
     """Checks the Qwen-Image inputs (full view) and returns `forward`'s keywords: x (B,
@@ -461,7 +461,7 @@ def check_inputs(
     (frames, h, w) whose tokens make S_img, additional_t_cond (B,) ints in {0, 1} for the
     Layered model. ``rope``: the RoPE table (cos, sin) `pos_embed` builds from img_shapes
     and S_txt, each (S_txt + S_img, attention_head_dim) fp32, to build it once per sampling
-    run, or (B, S_txt + S_img, attention_head_dim): one per row. ``img_mask`` (B, S_img),
+    run, or (B, S_txt + S_img, attention_head_dim): one per row. ``img_valid`` (B, S_img),
     1 = real image token, with such a ``rope``: rows padded to one length (images of
     several sizes in one call, each row's img_shapes its own; padding is never attended
     to, its outputs are to be dropped; not with zero_cond_t). fd.apply returns (B, S_img,
@@ -472,7 +472,7 @@ def check_inputs(
     tensors, added to the image stream after the blocks as the stock class adds them
     (`nn.control.per_block`), e.g. what `functional_dit.controlnet.apply` returns."""
     c = params.config
-    shapes = _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond, img_mask, rope)
+    shapes = _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond, img_valid, rope)
     if rope is None:
         pe = pos_embed(shapes, txt.shape[1], c.axes_dims_rope, c.use_layer3d_rope, x.device)
     else:
@@ -487,7 +487,7 @@ def check_inputs(
             "controlnet_block_samples", controlnet_block_samples, (*x.shape[:2], c.inner_dim), leaf.dtype, leaf.device
         )
         control = _control.per_block(samples, len(ordered_blocks(params, "transformer_blocks")))
-    img_bias = img_mask_bias(img_mask, *x.shape[:2], x.device)
+    img_bias = img_valid_bias(img_valid, *x.shape[:2], x.device)
     return dict(pe=pe, cond_rows=cond_rows, bias=bias, img_bias=img_bias, t_cond=additional_t_cond, controlnet=control)
 
 

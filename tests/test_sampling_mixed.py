@@ -1,6 +1,6 @@
 """Mixed resolutions: items of several sizes in one model call (`sampler._packing`).
 
-- ``fd.apply``'s ``img_mask`` with a RoPE table per row: a row padded to a longer image
+- ``fd.apply``'s ``img_valid`` with a RoPE table per row: a row padded to a longer image
   predicts what it predicts alone (FLUX.1, Qwen-Image), and a bad mask is refused by name;
 - `sampling.step` over items of two sizes (and, for Qwen-Image, two text lengths) makes
   ONE model call, each item's latents within fp32 1e-5 of the item stepped alone and its
@@ -45,7 +45,7 @@ def _calls(monkeypatch) -> list:
     seen, plain = [], api.apply
 
     def counting(params, x, t, txt, **kw):
-        seen.append((x.shape[0], x.shape[1], "img_mask" in kw))
+        seen.append((x.shape[0], x.shape[1], "img_valid" in kw))
         return plain(params, x, t, txt, **kw)
 
     monkeypatch.setattr(api, "apply", counting)
@@ -77,8 +77,8 @@ def test_a_padded_row_predicts_what_it_predicts_alone(models, kind):
     both = fd.apply(params, x, t, cond.txt, **kw)
     one = fd.apply(params, small.x, t[:1], small.cond.txt, **_keywords(kind, m, small.cond, 1))
     torch.testing.assert_close(both[:1, : small.x.shape[1]], one, rtol=1e-5, atol=1e-5)
-    bad = dict(kw, img_mask=kw["img_mask"].float())
-    with pytest.raises(ValueError, match="img_mask"):
+    bad = dict(kw, img_valid=kw["img_valid"].float())
+    with pytest.raises(ValueError, match="img_valid"):
         fd.apply(params, x, t, cond.txt, **bad)
 
 

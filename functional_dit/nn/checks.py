@@ -102,17 +102,17 @@ def check_rope(rope, rows: int, head_dim: int, device=None, batch=None) -> tuple
     return tuple(rope)
 
 
-def img_mask_bias(img_mask, batch: int, seq: int, device=None) -> torch.Tensor | None:
-    """``img_mask`` (B, S_img) bool or int, 1 = a real image token, 0 = padding (a row that
+def img_valid_bias(img_valid, batch: int, seq: int, device=None) -> torch.Tensor | None:
+    """``img_valid`` (B, S_img) bool or int, 1 = a real image token, 0 = padding (a row that
     holds a smaller image than the call's longest, `functional_dit.pipelines.sampler._packing`),
     as an additive fp32 key bias (0 keep, -inf drop); None for None."""
-    if img_mask is None:
+    if img_valid is None:
         return None
-    check_tensor("img_mask", img_mask, (batch, seq), device=device)
-    if img_mask.dtype.is_floating_point or img_mask.dtype.is_complex:
-        raise ValueError(f"img_mask: expected a bool or integer tensor (1 = real token), got {img_mask.dtype}")
-    zero = torch.zeros((), dtype=torch.float32, device=img_mask.device)
-    return torch.where(img_mask.bool(), zero, torch.full_like(zero, float("-inf")))
+    check_tensor("img_valid", img_valid, (batch, seq), device=device)
+    if img_valid.dtype.is_floating_point or img_valid.dtype.is_complex:
+        raise ValueError(f"img_valid: expected a bool or integer tensor (1 = real token), got {img_valid.dtype}")
+    zero = torch.zeros((), dtype=torch.float32, device=img_valid.device)
+    return torch.where(img_valid.bool(), zero, torch.full_like(zero, float("-inf")))
 
 
 def check_rope_or_ids(rope, **ids) -> None:

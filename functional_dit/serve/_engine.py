@@ -39,7 +39,7 @@ import time
 
 from ..pipelines import sampling
 
-MAX_PADDING = 1.15  # the padded over real tokens a mixed-resolution call may hold (docs/serving.md)
+MAX_PADDING = 1.10  # the padded over real tokens a mixed-resolution call may hold (docs/serving.md)
 
 
 class QueueFull(Exception):

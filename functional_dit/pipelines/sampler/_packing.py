@@ -1,7 +1,7 @@
 """Items of several latent sizes in one model call (mixed resolutions, `functional_dit.sampling`).
 
 The variable-length layout: each item's rows are padded to the call's longest image
-(and, where the family masks text, its longest prompt), with ``fd.apply``'s ``img_mask``
+(and, where the family masks text, its longest prompt), with ``fd.apply``'s ``img_valid``
 hiding the padded image tokens from every key (and the text mask the padded text), a
 RoPE table per row (each item's own positions) and, as in any call over several items,
 a timestep, guidance and adapters per row. No item attends to another (attention is
@@ -111,7 +111,7 @@ class Layout:
         mask = torch.zeros(len(rows), self.S, dtype=torch.long, device=items[0].x.device)
         for r, it in enumerate(rows):
             mask[r, : it.x.shape[1]] = 1
-        out = {**kw, "rope": rope} if bool(mask.all()) else {**kw, "rope": rope, "img_mask": mask}
+        out = {**kw, "rope": rope} if bool(mask.all()) else {**kw, "rope": rope, "img_valid": mask}
         if "img_shapes" in kw:
             out["img_shapes"] = [it.tables["shapes"] for it in rows]
         return out
