@@ -797,3 +797,13 @@ def test_the_order_is_a_virtual_arrival_so_nothing_starves():
     newer = _engine.Job("new", [], None, priority=3, arrived=125.0)  # within 30 s: goes first
     later = _engine.Job("later", [], None, priority=3, arrived=131.0)  # past 30 s: after the old one
     assert eng.order(newer, 0) < eng.order(old, 0) < eng.order(later, 0)
+
+
+def test_mixed_resolution_flags_are_checked_by_name(capsys):
+    """``--mixed-resolution`` takes on or off, ``--max-padding`` a ratio of at least 1:
+    anything else is a one-line error naming the flag, before a model loads."""
+    from _cli import one_line_error
+
+    for flag, value in (("--mixed-resolution", "maybe"), ("--max-padding", "0.5"), ("--max-padding", "nan")):
+        err = one_line_error(["serve", "--model", "flux", flag, value], capsys)
+        assert flag in err, err
