@@ -10,6 +10,8 @@ alone in this process: every image within 1 uint8 level per pixel.
 - a request arriving while another runs joins its batch (``/metrics``' joined counter);
 - a request of another size joins the running one's model calls (mixed resolutions,
   ``/metrics``' fd_serve_mixed_resolution_calls_total), each image equal to fd.sample alone;
+  so on a Qwen-Image server (prompts of two lengths too), while Qwen-Image 2.1 keeps a call
+  per image and counts none;
 - four requests with step caches (FBC, MagCache, TaylorSeer, FasterCache) join a no-cache
   request's batch, each equal to ``fd.sample`` of it alone with that cache;
 - FLUX.3's flow map and Qwen-Image 2.1 served (a server each): CFG and a step cache,
@@ -807,3 +809,32 @@ def test_mixed_resolution_flags_are_checked_by_name(capsys):
     for flag, value in (("--mixed-resolution", "maybe"), ("--max-padding", "0.5"), ("--max-padding", "nan")):
         err = one_line_error(["serve", "--model", "flux", flag, value], capsys)
         assert flag in err, err
+
+
+@pytest.mark.parametrize(
+    "model, kind, packed",
+    [("tiny:qwen-image", "qwen-image", True), ("tiny:qwen-image-2.1", "qwen-image-2.1", False)],
+)
+def test_qwen_image_sizes_share_calls_and_qwen_image_21_keeps_a_call_each(tmp_path, model, kind, packed):
+    """A 64x32 request joins a running 32x32 one (another prompt length too) on a server of
+    its own: Qwen-Image packs both sizes into one call (counted in /metrics; --max-padding 2,
+    the tiny model's prompts being as long as its images), Qwen-Image 2.1 keeps one call per
+    image (its batch is laid out by its first item: docs/serving.md), counting none. Either
+    way the image equals ``fd.sample`` of it alone (as RGB: 2.1's images are RGBA)."""
+    server = Server(str(tmp_path), "--max-steps", str(10**6), "--max-padding", "2", model=model, msl=None)
+    try:
+        server.wait_up()
+        before = server.metrics()
+        with _anchor(server, before):
+            res = server.post(dict(prompt="a wide view", size="64x32", steps=2, seed=5), timeout=300)
+        after = server.metrics()
+    finally:
+        server.stop()
+    assert res.status_code == 200, res.text
+    calls = after["fd_serve_mixed_resolution_calls_total"] - before["fd_serve_mixed_resolution_calls_total"]
+    assert calls >= 2 if packed else calls == 0
+    pipe = tiny.pipeline(kind)
+    want = fd.sample(fd.from_diffusers(pipe.transformer), pipe, "a wide view", height=32, width=64, steps=2, seed=5)[0]
+    got = _pixels(res.json()["data"][0]["b64_json"])
+    assert got.shape[:2] == (32, 64)
+    _close(got, np.asarray(want.convert("RGB")).astype(int))
