@@ -2,9 +2,10 @@
 
 - ``fd.apply``'s ``img_valid`` with a RoPE table per row: a row padded to a longer image
   predicts what it predicts alone (FLUX.1, Qwen-Image), and a bad mask is refused by name;
-- `sampling.step` over items of two sizes (and, for Qwen-Image, two text lengths) makes
-  ONE model call, each item's latents within fp32 1e-5 of the item stepped alone and its
-  image within 1 uint8 level of ``fd.sample`` alone;
+- `sampling.step` over items of two sizes (and, for Qwen-Image, two text lengths; one
+  item with a LoRA, one with true CFG) makes ONE model call, each item's latents within
+  fp32 1e-5 of the item stepped alone and its image within 1 uint8 level of ``fd.sample``
+  alone;
 - no item attends to another: changing item B's latents leaves item A's step bitwise
   unchanged (the same ops in one process);
 - Qwen-Image 2.1 (one call per item: its batch is laid out by its first item) and items
@@ -24,6 +25,7 @@ import torch
 
 import functional_dit as fd
 import functional_dit.api as api
+import functional_dit.lora as lora
 from functional_dit import sampling, tiny
 from functional_dit.serve import _engine
 
@@ -60,6 +62,7 @@ def _alone(params, pipe, r: sampling.Request):
     return fd.sample(
         params, pipe, r.prompt, height=r.height, width=r.width, steps=r.steps, seed=r.seed, true_cfg=r.true_cfg,
         negative_prompt=r.negative_prompt, output_type="np", max_sequence_length=r.max_sequence_length,
+        lora=list(r.lora) or None,
     )[0]  # fmt: skip
 
 
@@ -92,8 +95,9 @@ def _keywords(kind, m, cond, B) -> dict:
 def test_items_of_two_sizes_step_in_one_call_each_equal_alone(models, kind, monkeypatch):
     params, pipe = models[kind]
     ctx = sampling.context(params, pipe)
+    adapter = lora.init(params.config, rank=4, alpha=8.0, seed=1, zero_b=False)
     reqs = [
-        _req("a red cat", 32, 32, seed=1),
+        _req("a red cat", 32, 32, seed=1, lora=((adapter, 0.7),)),
         _req("a blue dog on a mat", 64, 48, seed=2, true_cfg=2.0, negative_prompt="dark"),
         _req("the sun", 32, 32, seed=3, msl=MSL if kind == "flux" else 24),  # Qwen: another text length
     ]

@@ -13,7 +13,9 @@ whole batch (one ``t`` per row, per-item LoRA as ``fd.apply``'s ``(adapter, scal
 form, true CFG as two rows of the item), each item's CFG combination and scheduler step;
 it changes nothing it is given. `decode` turns finished items into images. `merge` and
 `split` let a server add items to a running batch and take finished ones out between steps
-(`functional_dit.serve`).
+(`functional_dit.serve`); ``merge(..., mixed=True)`` joins items of several keys, which a
+step then packs into one padded model call where the family can (FLUX.1, Qwen-Image:
+`functional_dit.pipelines.sampler._packing`), else steps one key per call.
 
 Each item's image equals ``fd.sample`` of that request alone (tests/test_sampling.py;
 docs/serving.md gives the measured difference). Requests cover the text-to-image pipelines
