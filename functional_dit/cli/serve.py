@@ -68,7 +68,7 @@ def _limit_arguments(p) -> None:
         type=_padding,
         default=None,
         metavar="R",
-        help="a mixed-resolution call's padded tokens over its real ones, at most (>= 1; default: docs/serving.md)",
+        help="a mixed-resolution call's padded tokens over its real ones, at most (>= 1; default 1.10)",
     )
     p.add_argument(
         "--aging",
