@@ -10,6 +10,7 @@
   unchanged (the same ops in one process);
 - Qwen-Image 2.1 (one call per item: its batch is laid out by its first item) and items
   with a step cache are never packed: a call per item or per size, each equal alone;
+- slow: the padded call on an sp=2 mesh equals one process;
 - the serving engine (in process) packs two sizes into one call while it holds at most
   ``max_batch`` images within ``max_padding``, counts those calls, and with mixed
   resolutions off (or over the padding bound) steps one size per call.
@@ -197,3 +198,32 @@ def test_the_engine_packs_two_sizes_in_one_call_and_counts_it(models, kind):
     assert tight.mixed_calls == 0, "over max_padding: one call per size"
     _, full = _serve(params, pipe, sorted(reqs, key=lambda r: r.width), max_batch=2)  # two 32s, then two 48s
     assert full.mixed_calls == 0 and full.steps == 6, "a call holds at most max_batch images"
+
+
+def _sp_work(rank, world, config, kw):
+    """One rank: the padded call on an sp=2 mesh (Ulysses), and on one process."""
+    import sharding
+
+    params = fd.init(config, seed=0)
+    mesh = sharding.make_mesh(sp=world)
+    out = fd.apply(sharding.shard_params(params, mesh), **kw)
+    return torch.as_tensor(out).clone(), fd.apply(params, **kw)
+
+
+@pytest.mark.slow
+def test_padded_rows_under_sequence_parallelism_equal_one_process(models):
+    """``img_valid`` and a RoPE table per row split over sp=2 (the key bias and the tables
+    cut by `nn.layers.shard_joint`): the real tokens equal one process's within 1e-5."""
+    from _dist import spawn
+
+    params, pipe = models["flux"]
+    ctx = sampling.context(params, pipe)
+    items = [sampling.init(params, ctx, [_req("a cat", *wh)]).items[0] for wh in ((32, 32), (64, 48))]
+    pad = sampling._packing.layout(items)
+    m = sampling._state.model_of(ctx, items[0], params)
+    cond = pad.text(items)
+    kw = pad.inputs(items, dict(pooled=cond.pooled, rope=m.rope, guidance=torch.full((2,), 3.5)))
+    kw.update(x=pad.latents(items), t=torch.full((2,), 0.5), txt=cond.txt)
+    (sp, one), _ = spawn(_sp_work, 2, params.config, kw, timeout=300)
+    valid = kw["img_valid"].bool()
+    torch.testing.assert_close(sp[valid], one[valid], rtol=1e-5, atol=1e-5)
