@@ -21,6 +21,14 @@ def _seconds(text: str) -> float:
     return v
 
 
+def _padding(text: str) -> float:
+    """A finite ratio of at least 1."""
+    v = finite(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a ratio of padded to real tokens >= 1, got {text!r}")
+    return v
+
+
 def add_arguments(p) -> None:
     """The model and its adapters, where to listen, the batching and request limits, the ranks."""
     _model_arguments(p)
@@ -49,6 +57,19 @@ def _limit_arguments(p) -> None:
     """Batching, priorities, and what one request may ask for."""
     p.add_argument("--max-batch", type=positive, default=8, help="images per running batch (1: batching off)")
     p.add_argument("--max-queue", type=positive, default=64, help="images waiting; more is a 429")
+    p.add_argument(
+        "--mixed-resolution",
+        choices=("on", "off"),
+        default="on",
+        help="images of several sizes in one model call (padded; FLUX.1, Qwen-Image); off: one call per size",
+    )
+    p.add_argument(
+        "--max-padding",
+        type=_padding,
+        default=None,
+        metavar="R",
+        help="a mixed-resolution call's padded tokens over its real ones, at most (>= 1; default 1.10)",
+    )
     p.add_argument(
         "--aging",
         type=_seconds,

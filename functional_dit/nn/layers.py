@@ -295,10 +295,11 @@ def rope(ids: torch.Tensor, axes_dim, theta: float) -> tuple[torch.Tensor, torch
 
 @replaceable(fast.apply_rope)
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of x (B, S, H, D) by cos/sin (S, D) in fp32."""
+    """Rotate interleaved pairs of x (B, S, H, D) by cos/sin (S, D) in fp32; (B, S, D):
+    a table per row (items of several sizes in one call, `shard_joint`)."""
     xr, xi = x.unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack([-xi, xr], dim=-1).flatten(-2)
-    return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
+    return (x.float() * cos.unsqueeze(-2) + rotated.float() * sin.unsqueeze(-2)).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -397,22 +398,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch
     return sharding.sequence_attention(_sdpa, _ring_block, q, k, v, key_bias).flatten(2)
 
 
-def shard_joint(txt: torch.Tensor, img: torch.Tensor, pe, txt_bias: torch.Tensor | None = None):
+def shard_joint(txt: torch.Tensor, img: torch.Tensor, pe, txt_bias=None, img_bias=None):
     """Split a joint (txt; img) sequence over ``sp``: each rank holds (txt chunk; img
-    chunk) and the matching RoPE rows. Returns txt, img, pe and the (B, S_local) key
-    bias that masks padding (and ``txt_bias`` (B, S_txt), e.g. a prompt mask), or None."""
+    chunk) and the matching RoPE rows (a (S, D) table, or (B, S, D): one per row). Returns
+    txt, img, pe and the (B, S_local) key bias that masks padding (and ``txt_bias`` (B,
+    S_txt), e.g. a prompt mask, and ``img_bias`` (B, S_img), the padding of rows that
+    hold smaller images), or None."""
     T, S = txt.shape[1], img.shape[1]
-    cos, sin = pe
-    pe = tuple(torch.cat([sharding.shard(a[:T], "sp", 0), sharding.shard(a[T:], "sp", 0)]) for a in (cos, sin))
-    if txt_bias is not None:
-        txt_bias = sharding.shard(txt_bias, "sp", 1)
+    d = pe[0].ndim - 2  # the rows' dim of the table
+    if d and pe[0].shape[0] != img.shape[0]:  # a split batch (dp) keeps every row's table: refused
+        raise ValueError(f"rope: a table per row needs all {pe[0].shape[0]} rows here, got {img.shape[0]} (dp)")
+    pe = tuple(
+        torch.cat([sharding.shard(a.narrow(d, 0, T), "sp", d), sharding.shard(a.narrow(d, T, S), "sp", d)], d)
+        for a in pe
+    )
+    txt_bias, img_bias = (None if b is None else sharding.shard(b, "sp", 1) for b in (txt_bias, img_bias))
     biases = [sharding.pad_bias(T, "sp", img.device), sharding.pad_bias(S, "sp", img.device)]
     txt, img = sharding.shard(txt, "sp", 1), sharding.shard(img, "sp", 1)
-    if txt_bias is None and all(b is None for b in biases):
+    if txt_bias is None and img_bias is None and all(b is None for b in biases):
         return txt, img, pe, None
     B = img.shape[0]
     tb = torch.zeros(B, txt.shape[1], device=img.device) if biases[0] is None else biases[0].expand(B, -1)
     if txt_bias is not None:
         tb = tb + txt_bias
     ib = torch.zeros(B, img.shape[1], device=img.device) if biases[1] is None else biases[1].expand(B, -1)
+    if img_bias is not None:
+        ib = ib + img_bias
     return txt, img, pe, torch.cat([tb, ib], 1)

@@ -13,7 +13,9 @@ whole batch (one ``t`` per row, per-item LoRA as ``fd.apply``'s ``(adapter, scal
 form, true CFG as two rows of the item), each item's CFG combination and scheduler step;
 it changes nothing it is given. `decode` turns finished items into images. `merge` and
 `split` let a server add items to a running batch and take finished ones out between steps
-(`functional_dit.serve`).
+(`functional_dit.serve`); ``merge(..., mixed=True)`` joins items of several keys, which a
+step then packs into one padded model call where the family can (FLUX.1, Qwen-Image:
+`functional_dit.pipelines.sampler._packing`), else steps one key per call.
 
 Each item's image equals ``fd.sample`` of that request alone (tests/test_sampling.py;
 docs/serving.md gives the measured difference). Requests cover the text-to-image pipelines
@@ -44,6 +46,7 @@ from ..lora import internal as _lora
 from . import sampler as _sampler
 from .cache.internal import items as _cache_items
 from .families import product as _product
+from .sampler.internal import packing as _packing
 from .sampler.internal import ranks as _ranks
 from .sampler.internal import state as _state
 
@@ -56,6 +59,11 @@ Context, Item, State, step = _state.Context, _state.Item, _state.State, _state.s
 cache_config = _cache_items.config
 cache_skipped = _cache_items.skipped
 cache_decisions = _cache_items.decisions
+
+# Mixed resolutions (`functional_dit.pipelines.sampler._packing`): whether items of several
+# keys may share one padded model call (``packs(params, ctx, items)``), that call's padded
+# over real tokens (``padding(items)``) and its image sizes (``resolutions(items)``).
+packs, padding, resolutions = _packing.packs, _packing.padding, _packing.resolutions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,15 +213,16 @@ def _prepared_item(params, ctx: Context, req: Request, tag) -> Item:
     return dataclasses.replace(item, request=req, tag=tag, own=own)
 
 
-def merge(*states: State) -> State:
+def merge(*states: State, mixed: bool = False) -> State:
     """One state of every item of ``states`` (same context; the items that share model
-    calls, those without a context of their own, one key)."""
+    calls, those without a context of their own, one key; ``mixed``: several keys, each
+    step then one padded call where the family packs sizes, else one call per key)."""
     ctx = states[0].ctx
     items = tuple(it for s in states for it in s.items)
     if any(s.ctx is not ctx for s in states):
         raise ValueError("states: expected states of one context (one model), got several")
     keys = {it.key for it in items if it.own is None}
-    if len(keys) > 1:
+    if len(keys) > 1 and not mixed:
         raise ValueError(f"states: a batch needs one key (latent h, w, text length); got {sorted(keys)}")
     return State(ctx, items)
 

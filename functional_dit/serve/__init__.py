@@ -161,6 +161,8 @@ def _service(args, params, pipe, run_time: dict):
             max_queue=args.max_queue,
             aging=args.aging,
             image_jobs=_edits.image_jobs(pipe),
+            mixed=args.mixed_resolution == "on",
+            max_padding=_engine.MAX_PADDING if args.max_padding is None else args.max_padding,
         )
     except ValueError as e:  # a model the per-item sampler does not run (image inputs: Kontext, edit, ...)
         raise ValueError(f"--model {args.model}: {e}") from None

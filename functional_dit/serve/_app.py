@@ -337,6 +337,8 @@ def _prometheus(engine) -> str:
         f"fd_serve_images_total {m.images}",
         "# TYPE fd_serve_preempted_total counter",
         f"fd_serve_preempted_total {m.preempted}",
+        "# TYPE fd_serve_mixed_resolution_calls_total counter",
+        f"fd_serve_mixed_resolution_calls_total {m.mixed_calls}",
         "# TYPE fd_serve_joined_running_batch_total counter",
         f"fd_serve_joined_running_batch_total {m.joined}",
         "# TYPE fd_serve_step_seconds summary",

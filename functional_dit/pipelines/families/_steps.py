@@ -75,6 +75,11 @@ class Steps:
     # a model call changes (an item keeps them between its steps: Qwen-Image 2.1's KV caches)
     cfg_calls = 1  # model calls per step with CFG (Qwen-Image 2.1: one per branch, each its own layout)
     shares_calls = True
+    # items of several sizes in one padded call (`sampler._packing`): the steps' apply takes
+    # fd.apply's img_valid and a RoPE table per row (``rope``, from the item's "rope" table);
+    # masks_text: its prompts are masked, so items of several text lengths pad theirs too
+    packs_sizes = False
+    masks_text = False
     call_state: tuple[str, ...] = ()
 
     def fork(self):

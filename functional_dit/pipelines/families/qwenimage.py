@@ -42,6 +42,7 @@ class _Qwen(Steps):
     fixed_graph = True  # one fixed device graph per step (`sampler_xla`)
 
     normalise_cfg = True
+    packs_sizes = masks_text = True  # items of several sizes and text lengths in one call (`sampler._packing`)
 
     def __init__(self, params, pipe):
         self.params, self.pipe, self.c = params, pipe, params.config
