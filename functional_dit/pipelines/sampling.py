@@ -165,7 +165,8 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
     job = _sampler._Job(ctx.fam, hw, req.steps, None, req.guidance, cfg, "pil", req.max_sequence_length, None, None)
     chunk = _sampler._chunk(model, reqs, (0,), job, ctx.dtype, ctx.device)
     _agree(params, req, chunk, cfg)
-    sched = _sampler._scheduler(pipe, ctx.fam, chunk.x.shape[1], req.steps, ctx.device)
+    lazy = torch.device(ctx.device).type == "xla"  # the fixed-shape steps read the schedule on the host
+    sched = _sampler._scheduler(pipe, ctx.fam, chunk.x.shape[1], req.steps, "cpu" if lazy else ctx.device)
     cache = _cache_items.config(req.cache, len(sched.timesteps))
     state = _cache_items.init(cache, model.cfg_calls if cfg is not None else 1)  # one per model call of a step
     fields = dict(request=req, tag=tag, lora=(tuple(req.lora),) if req.lora else None, cache=cache, cache_state=state)
