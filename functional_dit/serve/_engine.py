@@ -102,6 +102,9 @@ class Engine:
         self.params, self.adapters = params, dict(adapters or {})
         # image_jobs: a pipeline that is an image job of its own (Kontext, the edit pipelines), every item its own
         self.ctx = sampling.context(params, pipe, text_to_image=not image_jobs)
+        # what makes, steps and decodes items: ``init`` / ``step`` / ``decode`` of `functional_dit.sampling`,
+        # or of the fixed-shape XLA backend (`functional_dit.serve._xla.Fixed`, set by ``serve``)
+        self.backend = sampling
         self.max_batch, self.max_queue, self.aging = max_batch, max_queue, aging
         self.metrics = Metrics()
         self._lock = threading.Condition()
@@ -200,7 +203,7 @@ class Engine:
         if key is None:
             return False
         t0 = time.perf_counter()
-        state = sampling.step(self.params, self._running[key])
+        state = self.backend.step(self.params, self._running[key])
         dt = time.perf_counter() - t0
         self.metrics.steps, self.metrics.step_seconds, self.metrics.last_step_seconds = (
             self.metrics.steps + 1,
@@ -236,7 +239,7 @@ class Engine:
                     return
                 job, j = self._waiting.popleft()
             try:
-                state = sampling.init(self.params, self.ctx, [job.requests[j]], tags=[(job, j)])
+                state = self.backend.init(self.params, self.ctx, [job.requests[j]], tags=[(job, j)])
             except Exception as e:  # noqa: BLE001 - the job fails, the server goes on
                 self._deliver(job, None, e)
                 continue
@@ -294,7 +297,7 @@ class Engine:
         return self._last
 
     def _finish(self, done: sampling.State) -> None:
-        images = sampling.decode(done, "pil")
+        images = self.backend.decode(done, "pil")
         now = time.monotonic()
         for it, img in zip(done.items, images):
             job, j = it.tag
