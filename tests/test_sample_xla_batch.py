@@ -121,3 +121,16 @@ def test_refusals_name_their_argument(flux):
         xb.slot(ctx, other, [a])
     with pytest.raises(ValueError, match=r"^batch: 5 items exceed the largest bucket 4 \(buckets \[1, 2, 4\]\)"):
         xb.bucket(5, BUCKETS)
+
+
+def test_contexts_and_adapters_the_graphs_cannot_hold_are_refused(flux):
+    params, pipe, (a, _) = flux
+    dora = lora.init(params, rank=2, seed=3, use_dora=True)
+    with pytest.raises(ValueError, match="^lora: DoRA adapters do not run per row"):
+        xb.check_context(sampling.context(params, pipe), [a, dora])
+    pipe21 = tiny.pipeline("qwen-image-2.1")
+    ctx21 = sampling.context(fd.from_diffusers(pipe21.transformer), pipe21)
+    with pytest.raises(
+        ValueError, match=r"^encoders: QwenImage21Pipeline \(qwenimage21\) does not run in the fixed-shape"
+    ):
+        xb.check_context(ctx21)

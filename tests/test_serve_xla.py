@@ -31,8 +31,6 @@ HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 DEVICES = ["cpu"] + (["xla"] if HAS_XLA else [])
 FLAGS = ("--xla-buckets", "1,2,4", "--xla-warmup", "--xla-strict", "--max-steps", "400")
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module", params=DEVICES)
 def env(request, tmp_path_factory):
@@ -71,6 +69,7 @@ def _at_once(server, bodies) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_stream_equals_fd_sample_alone_and_compiles_nothing_after_warmup(env):
     server = env["server"]
     before = server.metrics()
@@ -95,6 +94,7 @@ def test_stream_equals_fd_sample_alone_and_compiles_nothing_after_warmup(env):
     assert after['fd_serve_xla_rows_total{kind="pad"}'] > 0  # 3 items ran in bucket 4
 
 
+@pytest.mark.slow
 def test_unwarmed_size_and_step_cache_are_400s_naming_them(env):
     server = env["server"]
     r = server.post(dict(prompt="a cat", size="64x64"))
@@ -106,6 +106,7 @@ def test_unwarmed_size_and_step_cache_are_400s_naming_them(env):
     assert r.status_code == 400 and err["param"] == "cache" and "not under --device xla" in err["message"], err
 
 
+@pytest.mark.slow
 def test_sigterm_drains_and_exits_0(env):
     server = env["server"]
     running = {}

@@ -90,25 +90,36 @@ def bucket(n: int, buckets) -> int:
     return fits[0]
 
 
+def check_context(ctx, adapters=()) -> None:
+    """``ctx``'s family steps run in fixed-shape batches (text to image, items sharing calls),
+    with ``adapters`` on every row (not DoRA: its factor depends on the scale)."""
+    if any(ad.config.use_dora for ad in adapters):
+        raise ValueError("lora: DoRA adapters do not run per row in the XLA step graphs; expected plain LoRA")
+    model = ctx.model
+    if model is None or not model.shares_calls or not model.fixed_graph:
+        raise ValueError(
+            f"encoders: {type(ctx.pipe).__name__} ({ctx.fam}) does not run in the fixed-shape XLA step graphs; "
+            "expected the text-to-image pipeline of FLUX.1, FLUX.2, FLUX.3 or Qwen-Image"
+        )
+
+
 def check_item(ctx, item, adapters=()) -> None:
     """``item`` runs in a fixed-shape batch (module docstring), or a ValueError naming why."""
+    check_context(ctx, adapters)
     if item.cache is not None:
         raise ValueError(
             "cache: step caches decide on the host at every step, so they do not run in the fixed-shape XLA "
             "step graphs; expected no cache under --device xla"
         )
-    if item.own is not None or not ctx.model.shares_calls or not ctx.model.fixed_graph:
+    if item.own is not None:
         raise ValueError(
-            f"request: {ctx.fam}'s {'image jobs, sigmas and embeddings' if item.own is not None else 'items'} "
-            "do not run in the fixed-shape XLA step graphs; expected a text-to-image request of FLUX.1, FLUX.2, "
-            "FLUX.3 or Qwen-Image"
+            "request: image inputs, sigmas and embeddings do not run in the fixed-shape XLA step graphs; "
+            "expected a text-to-image request"
         )
     held = {id(ad) for ad in adapters}
     for ad, _ in () if item.lora is None else item.lora[0]:
         if id(ad) not in held:
             raise ValueError("lora: an adapter the server does not hold; expected one of its named adapters")
-        if ad.config.use_dora:
-            raise ValueError("lora: DoRA adapters do not run per row in the XLA step graphs; expected plain LoRA")
 
 
 def slot(ctx, item, adapters=()) -> Slot:

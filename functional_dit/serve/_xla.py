@@ -89,6 +89,7 @@ class Fixed:
 
     def __init__(self, ctx, adapters, buckets, strict: bool = False):
         self.ctx, self.adapters, self.buckets, self.strict = ctx, list(adapters), tuple(buckets), strict
+        _batch.check_context(ctx, self.adapters)
         self.counters, self.stats = _Counters(torch.device(ctx.device)), Stats()
         self.pads: dict = {}  # key -> the zero slots of that key (the largest bucket less one)
         self.warmed: set = set()  # (width, height) compiled for every bucket
@@ -244,7 +245,10 @@ def param_device(params) -> torch.device:
 def attach(engine, fixed: dict, args) -> None:
     """The engine's backend made fixed-shape (its batches at most the largest bucket) and,
     with ``--xla-warmup``, every bucket and size compiled now, before the server listens."""
-    backend = Fixed(engine.ctx, engine.adapters.values(), fixed["buckets"], strict=args.xla_strict)
+    try:
+        backend = Fixed(engine.ctx, engine.adapters.values(), fixed["buckets"], strict=args.xla_strict)
+    except ValueError as e:
+        raise ValueError(f"--model {args.model}: {e}") from None
     engine.backend, engine.max_batch = backend, min(engine.max_batch, max(fixed["buckets"]))
     if args.xla_warmup:
         backend.warmup(engine.params, fixed["sizes"], cfg=True, max_sequence_length=args.max_sequence_length)
