@@ -117,11 +117,10 @@ def run(args) -> int:
         importlib.import_module("python_multipart")
     except ImportError:
         raise CLIError(MISSING_MULTIPART) from None
-    if args.device == "xla" and importlib.util.find_spec("torch_xla") is None:
-        from ..serve import _xla
-
-        raise CLIError(_xla.INSTALL)
     from .. import serve
+
+    if args.device == "xla" and importlib.util.find_spec("torch_xla") is None:
+        raise CLIError(serve.XLA_MISSING)
 
     return serve.run(args, load_model)
 

@@ -15,6 +15,12 @@ import os
 import threading
 import time
 
+# what ``serve --device xla`` says, before anything loads, where torch_xla is not installed
+XLA_MISSING = (
+    'serve --device xla needs torch_xla: pip install "torch_xla" (TPU: torch_xla[tpu]; Trainium: torch-neuronx), '
+    "matching your torch"
+)
+
 
 def __getattr__(name):
     """``Engine`` and ``Job`` (`functional_dit.serve._engine`) for callers that run the engine

@@ -20,11 +20,7 @@ from ..nn import values as _values
 from ..pipelines import sampler_xla as _xla
 from ..pipelines import sampler_xla_batch as _batch
 from ..pipelines import sampling
-
-INSTALL = (
-    'serve --device xla needs torch_xla: pip install "torch_xla" (TPU: torch_xla[tpu]; Trainium: torch-neuronx), '
-    "matching your torch"
-)
+from . import XLA_MISSING
 
 
 def device(name: str) -> torch.device:
@@ -34,7 +30,7 @@ def device(name: str) -> torch.device:
     try:
         import torch_xla
     except ImportError:
-        raise ValueError(INSTALL) from None
+        raise ValueError(XLA_MISSING) from None
     return torch_xla.device()
 
 
