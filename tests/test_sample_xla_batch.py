@@ -95,6 +95,26 @@ def test_other_families_padded_equal_each_alone(kind, cfg):
         assert np.abs(img - _alone(params, pipe, s.request)).max() <= LEVEL, s.request.seed
 
 
+@pytest.mark.parametrize("cfg", [None, 3.0], ids=["plain", "true-cfg"])
+def test_qwen_image_prompts_of_any_length_share_one_padded_key(cfg):
+    """Qwen-Image's text is as long as its prompt: padded (masked) to one length, prompts and
+    negative prompts of different token counts share one key (one graph), each image still
+    within 1 uint8 level of ``fd.sample`` alone (unpadded)."""
+    pipe = tiny.pipeline("qwen-image")
+    params = fd.from_diffusers(pipe.transformer)
+    ctx = sampling.context(params, pipe)
+    R = lambda p, n, s, neg: sampling.Request(p, 32, 32, n, seed=s, true_cfg=cfg, negative_prompt=neg)  # noqa: E731
+    reqs = [R("a red cat", 3, 1, "blur"), R("a big blue dog on a green hill at noon", 2, 2, "low quality, noise")]
+    items = [sampling.init(params, ctx, [r]).items[0] for r in reqs]
+    assert len({it.key for it in items}) == 2  # unpadded: two keys
+    first, later = ([xb.slot(ctx, it, [], text=200)] for it in items)
+    assert first[0].key == later[0].key and first[0].item.cond.txt.shape[1] == 200
+    done = _run(params, ctx, first, later, [])
+    images = sampling.decode(sampling.State(ctx, tuple(s.item for s in done)), "np")
+    for s, img in zip(done, images):
+        assert np.abs(img - _alone(params, pipe, s.request)).max() <= LEVEL, s.request.prompt
+
+
 def test_pads_and_other_items_change_no_active_row_bitwise(flux):
     params, pipe, (a, b) = flux
     ctx = sampling.context(params, pipe)

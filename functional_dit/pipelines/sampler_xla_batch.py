@@ -38,7 +38,9 @@ import copy
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
+from .. import families as _families
 from ..lora import internal as _lora
 from . import sampler_xla as _xla
 from . import sampling as _sampling
@@ -122,11 +124,14 @@ def check_item(ctx, item, adapters=()) -> None:
             raise ValueError("lora: an adapter the server does not hold; expected one of its named adapters")
 
 
-def slot(ctx, item, adapters=()) -> Slot:
+def slot(ctx, item, adapters=(), text: int | None = None) -> Slot:
     """``item``'s `Slot`: its schedule and per-item values made on the host and moved to its
     latents' device once, each a tensor of its own (no view: on torch_xla a view of a moved
-    tensor enters a graph as a slice of it, another graph)."""
+    tensor enters a graph as a slice of it, another graph). ``text``: where the family's
+    model takes a text mask (Qwen-Image), the text padded to that many tokens (`pad_text`)."""
     check_item(ctx, item, adapters)
+    if text is not None and "txt_mask" in _families.of(ctx.model.params).ARGS:
+        item = pad_text(ctx, item, text)
     dev, dtype = item.x.device, item.x.dtype
     move = lambda v: None if v is None else v.clone().to(dev)  # noqa: E731
     plan = tuple((move(t[:1]), move(dt.reshape(1, 1, 1))) for t, dt in _xla.plan(item.sched, 1, dtype, "cpu"))
@@ -137,6 +142,24 @@ def slot(ctx, item, adapters=()) -> Slot:
     pairs = {id(ad): s for ad, s in (() if item.lora is None else item.lora[0])}
     scales = torch.tensor([[float(pairs.get(id(ad), 0.0)) for ad in adapters]], dtype=torch.float32)
     return Slot(item, plan, extras, guidance, cfg, move(scales) if adapters else None)
+
+
+def pad_text(ctx, item, length: int):
+    """``item`` with its text padded to ``length`` tokens (zero rows, masked out) and its
+    tables prepared again for that length (the family's ``prepare``: Qwen-Image's RoPE
+    table): every prompt one key, one graph, whatever its token count."""
+    c, n, dev = item.cond, item.cond.txt.shape[1], item.cond.txt.device
+    if n > length:
+        raise ValueError(f"prompt: {n} tokens, more than the {length} the XLA step graphs pad the text to")
+    # padded on the host (once per item: on the device each token count would be a graph of its own)
+    mask = torch.ones(c.txt.shape[:2], dtype=torch.long) if c.mask is None else c.mask.cpu()
+    txt, mask = F.pad(c.txt.cpu(), (0, 0, 0, length - n)), F.pad(mask, (0, length - n))
+    cond = Prompt(txt.to(dev), c.pooled, mask.to(dev), c.txt_ids)
+    m = copy.copy(ctx.model)
+    vars(m).update(item.tables)
+    m.prepare(cond, *item.hw, item.tables.get("guidance"), item.x.device)
+    tables = {k: getattr(m, k) for k in item.tables}
+    return dataclasses.replace(item, cond=cond, tables=tables)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

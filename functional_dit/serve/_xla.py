@@ -81,10 +81,12 @@ class Stats:
 class Fixed:
     """The fixed-shape backend over ``ctx``: batches padded to ``buckets``, ``adapters``
     every adapter the server holds (fixed at start-up: they are part of the graph),
-    ``strict``: a size not warmed is refused (`refuse`)."""
+    ``strict``: a size not warmed is refused (`refuse`); ``text``: the token count a masked
+    text (Qwen-Image's) is padded to (the server's ``--max-sequence-length``, else 512)."""
 
-    def __init__(self, ctx, adapters, buckets, strict: bool = False):
+    def __init__(self, ctx, adapters, buckets, strict: bool = False, text: int = 512):
         self.ctx, self.adapters, self.buckets, self.strict = ctx, list(adapters), tuple(buckets), strict
+        self.text = text
         _batch.check_context(ctx, self.adapters)
         self.counters, self.stats = _Counters(torch.device(ctx.device)), Stats()
         self.pads: dict = {}  # key -> the zero slots of that key (the largest bucket less one)
@@ -102,7 +104,8 @@ class Fixed:
     def init(self, params, ctx, requests, tags=None) -> sampling.State:
         """`sampling.init`, each item a `Slot` whose device data is in place (graph cut)."""
         state = sampling.init(params, ctx, requests, tags)
-        slots = tuple(_batch.slot(ctx, it, self.adapters) for it in state.items)
+        slots = tuple(_batch.slot(ctx, it, self.adapters, self.text) for it in state.items)
+        del state  # its unpadded tables (Qwen-Image's RoPE for the prompt's own length) are not computed
         _sync(self.ctx.device)
         return sampling.State(ctx, slots)
 
@@ -155,7 +158,10 @@ class Fixed:
         start = time.perf_counter()
         for w, h in sizes:
             for true_cfg in (None, 2.0) if cfg else (None,):
-                req = sampling.Request("warm-up", h, w, 2, true_cfg=true_cfg, max_sequence_length=max_sequence_length)
+                neg = None if true_cfg is None else "warm-up"  # (Qwen-Image runs CFG only with one)
+                req = sampling.Request(
+                    "warm-up", h, w, 2, true_cfg=true_cfg, negative_prompt=neg, max_sequence_length=max_sequence_length
+                )
                 (item,) = self.init(params, self.ctx, [req]).items
                 for n in self.buckets:  # the item stays at step 0: `step` is pure
                     self._run(params, [item], n)
@@ -242,7 +248,8 @@ def attach(engine, fixed: dict, args) -> None:
     """The engine's backend made fixed-shape (its batches at most the largest bucket) and,
     with ``--xla-warmup``, every bucket and size compiled now, before the server listens."""
     try:
-        backend = Fixed(engine.ctx, engine.adapters.values(), fixed["buckets"], strict=args.xla_strict)
+        text = args.max_sequence_length or 512
+        backend = Fixed(engine.ctx, engine.adapters.values(), fixed["buckets"], args.xla_strict, text)
     except ValueError as e:
         raise ValueError(f"--model {args.model}: {e}") from None
     engine.backend, engine.max_batch = backend, min(engine.max_batch, max(fixed["buckets"]))
