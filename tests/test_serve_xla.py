@@ -7,8 +7,10 @@ tests/test_serve_xla.py``, docs/xla.md "Serving"): there ``fd_serve_xla_compiles
 must not move after warm-up. A stream of requests arriving alone, three at once and two at
 once, with mixed step counts, true CFG and a LoRA: each image within 2 uint8 levels of
 ``fd.sample`` of it alone on the CPU (measured: ≤ 1 on both); an unwarmed size is a 400
-naming size, a step cache a 400 naming cache; SIGTERM drains and exits 0. Without
-torch_xla, ``--device xla`` is one line naming what to install.
+naming size, a step cache a 400 naming cache; SIGTERM drains and exits 0. Qwen-Image
+(its text padded to one length): prompts of other token counts than warm-up's, with and
+without CFG, equal ``fd.sample`` and compile nothing. Without torch_xla, ``--device xla``
+is one line naming what to install.
 """
 
 from __future__ import annotations
@@ -47,11 +49,11 @@ def env(request, tmp_path_factory):
         server.stop()
 
 
-def _alone(env, body) -> np.ndarray:
+def _alone(env, body, msl=MSL) -> np.ndarray:
     lo = [(env["adapter"], e["scale"]) for e in body.get("lora", [])] or None
     kw = {k: body[k] for k in ("true_cfg", "negative_prompt") if k in body}
     img = fd.sample(env["params"], env["pipe"], body["prompt"], height=32, width=32, steps=body["steps"],
-                    seed=body["seed"], lora=lo, output_type="np", max_sequence_length=MSL, **kw)[0]  # fmt: skip
+                    seed=body["seed"], lora=lo, output_type="np", max_sequence_length=msl, **kw)[0]  # fmt: skip
     return (img * 255).round().astype(int)
 
 
@@ -143,3 +145,35 @@ def test_bad_xla_flags_are_one_line_errors(flags, message, capsys):
     from _cli import one_line_error
 
     assert one_line_error(["serve", "--model", "flux", *flags], capsys).startswith(message)
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def qwen(request, tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("serve_xla_qwen"))
+    pipe = tiny.pipeline("qwen-image")
+    params = fd.from_diffusers(pipe.transformer)
+    server = Server(tmp, "--device", request.param, *FLAGS, model="tiny:qwen-image", msl=None)
+    try:
+        server.wait_up()
+        yield dict(server=server, params=params, pipe=pipe)
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_qwen_image_prompts_of_any_length_compile_nothing_after_warmup(qwen):
+    """Qwen-Image's text (as long as its prompt) is padded to one length: prompts and
+    negative prompts of other token counts than warm-up's share its graphs."""
+    server = qwen["server"]
+    before = server.metrics()["fd_serve_xla_compiles_total"]
+    B = lambda p, seed, steps, **kw: dict(prompt=p, seed=seed, steps=steps, size="32x32", **kw)  # noqa: E731
+    wave = [
+        B("a big blue dog on a green hill at noon", 2, 4),
+        B("sky", 3, 5),
+        B("a boat on a lake, oil painting", 4, 3, true_cfg=3.0, negative_prompt="blurry, low quality"),
+    ]
+    for body, r in zip(wave, _at_once(server, wave)):
+        assert r.status_code == 200, r.text
+        assert np.abs(_pixels(r.json()["data"][0]["b64_json"]) - _alone(qwen, body, None)).max() <= 2, body
+    after = server.metrics()
+    assert after["fd_serve_xla_compiles_total"] == before and after["fd_serve_xla_compiles_after_warmup_total"] == 0
