@@ -23,6 +23,8 @@ different guidance, CFG scales and adapters. Here none of that reaches the graph
   the graph depends only on the set of adapters held (fixed at start-up).
 - **Keys.** Items share a batch when they share the sampler's key (latent grid, text
   length) and whether they run true CFG (`key`): one graph per (key, CFG or not, bucket).
+  Qwen-Image's text, as long as its prompt, is padded (masked) to one length (`pad_text`),
+  so its prompts share a key as FLUX's (padded by their pipelines) do.
 
 Refused by name (a ValueError): step caches (their skip decisions are made on the host),
 requests made by ``fd.sample``'s whole preparation (image inputs, sigmas, embeddings: their
@@ -192,7 +194,9 @@ def _pad(s: Slot):
 def _rows(parts: list, cfg: bool) -> torch.Tensor | None:
     """Per-slot tensors of 1 row (2 with CFG: cond, uncond) as the batch's rows
     ``[cond rows of every slot; uncond rows of every slot]``."""
-    if parts[0] is None:
+    if parts[0] is None or parts[-1] is None:
+        if any(p is not None for p in parts):
+            raise ValueError("slots: some items of one batch carry a text mask and some do not; expected one key")
         return None
     first = [p[:1] for p in parts]
     return torch.cat(first + [p[1:2] for p in parts] if cfg else first)
