@@ -60,7 +60,7 @@ def _run(params, ctx, first, later, adapters):
 
 
 def _slots(params, ctx, reqs, adapters):
-    return [xb.slot(ctx, it, adapters) for it in sampling.init(params, ctx, reqs).items]
+    return [xb.slot(ctx, it, adapters) for it in sampling.init(params, ctx, reqs, host_schedule=True).items]
 
 
 @pytest.mark.parametrize("cfg", [{}, dict(true_cfg=2.0, negative_prompt="blurry")], ids=["guidance", "true-cfg"])
@@ -105,7 +105,7 @@ def test_qwen_image_prompts_of_any_length_share_one_padded_key(cfg):
     ctx = sampling.context(params, pipe)
     R = lambda p, n, s, neg: sampling.Request(p, 32, 32, n, seed=s, true_cfg=cfg, negative_prompt=neg)  # noqa: E731
     reqs = [R("a red cat", 3, 1, "blur"), R("a big blue dog on a green hill at noon", 2, 2, "low quality, noise")]
-    items = [sampling.init(params, ctx, [r]).items[0] for r in reqs]
+    items = [sampling.init(params, ctx, [r], host_schedule=True).items[0] for r in reqs]
     assert len({it.key for it in items}) == 2  # unpadded: two keys
     first, later = ([xb.slot(ctx, it, [], text=200)] for it in items)
     assert first[0].key == later[0].key and first[0].item.cond.txt.shape[1] == 200
@@ -133,10 +133,10 @@ def test_refusals_name_their_argument(flux):
     params, pipe, (a, b) = flux
     ctx = sampling.context(params, pipe)
     R = lambda **kw: sampling.Request("a cat", 32, 32, 3, max_sequence_length=32, **kw)  # noqa: E731
-    (cached,) = sampling.init(params, ctx, [R(cache="fbcache:0.08")]).items
+    (cached,) = sampling.init(params, ctx, [R(cache="fbcache:0.08")], host_schedule=True).items
     with pytest.raises(ValueError, match="^cache: step caches decide on the host"):
         xb.slot(ctx, cached, [a])
-    (other,) = sampling.init(params, ctx, [R(lora=((b, 1.0),))]).items
+    (other,) = sampling.init(params, ctx, [R(lora=((b, 1.0),))], host_schedule=True).items
     with pytest.raises(ValueError, match="^lora: an adapter the server does not hold"):
         xb.slot(ctx, other, [a])
     with pytest.raises(ValueError, match=r"^batch: 5 items exceed the largest bucket 4 \(buckets \[1, 2, 4\]\)"):

@@ -103,7 +103,7 @@ class Fixed:
 
     def init(self, params, ctx, requests, tags=None) -> sampling.State:
         """`sampling.init`, each item a `Slot` whose device data is in place (graph cut)."""
-        state = sampling.init(params, ctx, requests, tags)
+        state = sampling.init(params, ctx, requests, tags, host_schedule=True)
         slots = tuple(_batch.slot(ctx, it, self.adapters, self.text) for it in state.items)
         del state  # its unpadded tables (Qwen-Image's RoPE for the prompt's own length) are not computed
         _sync(self.ctx.device)
