@@ -139,6 +139,10 @@ def test_device_xla_without_torch_xla_is_one_line(capsys):
         (["--xla-buckets", "1,2", "--xla-strict"], "error: --xla-strict: expected with --xla-warmup"),
         (["--xla-warmup"], "error: --xla-warmup/--xla-strict: expected with --device xla or --xla-buckets"),
         (["--xla-buckets", "1", "--xla-warmup", "--xla-sizes", "32"], "error: --xla-sizes: expected sizes WxH"),
+        (
+            ["--xla-buckets", "1", "--xla-cache", "/tmp"],
+            "error: --xla-cache: expected with --device xla, got --device cpu",
+        ),
     ],
 )
 def test_bad_xla_flags_are_one_line_errors(flags, message, capsys):

@@ -98,6 +98,7 @@ def _xla_arguments(p) -> None:
     p.add_argument("--xla-warmup", action="store_true", help="compile every bucket and --xla-sizes before listening")
     p.add_argument("--xla-strict", action="store_true", help="a size not warmed is a 400 naming size")
     p.add_argument("--xla-sizes", default=None, metavar="WxH,...", help="the sizes warmed (default: --size)")
+    p.add_argument("--xla-cache", default=None, metavar="DIR", help="torch_xla's persistent compilation cache folder")
 
 
 MISSING = 'serve needs starlette and uvicorn: pip install -e ".[serve]"'

@@ -223,7 +223,22 @@ def options(args, run_time: dict) -> dict | None:
     if strict and not warm:
         raise ValueError("--xla-strict: expected with --xla-warmup (it refuses the sizes not warmed)")
     sizes = [_size(v) for v in (getattr(args, "xla_sizes", None) or args.size).split(",")]
-    return dict(device=device(name), buckets=buckets(text or "1,2,4,8"), sizes=sizes)
+    found = dict(device=device(name), buckets=buckets(text or "1,2,4,8"), sizes=sizes)
+    _persistent_cache(getattr(args, "xla_cache", None), found["device"])
+    return found
+
+
+def _persistent_cache(folder, dev) -> None:
+    """``--xla-cache DIR``: torch_xla's persistent compilation cache there, set before any
+    XLA computation (as ``XLA_PERSISTENT_CACHE_PATH`` would); a restarted server's warm-up
+    then loads its programs (TPU, CUDA; the CPU runtime writes but cannot reload them)."""
+    if folder is None:
+        return
+    if dev.type != "xla":
+        raise ValueError(f"--xla-cache: expected with --device xla, got --device {dev.type}")
+    import torch_xla.runtime as xr
+
+    xr.initialize_cache(folder, readonly=False)
 
 
 def _size(text: str) -> tuple[int, int]:
