@@ -25,6 +25,9 @@ aging`` seconds after a priority-p job can overtake it. It is the same on every 
 0's arrival times are broadcast).
 
 The HTTP side (`functional_dit.serve._app`) only submits jobs and awaits their futures.
+Items are made, stepped and decoded by the engine's ``backend``: `functional_dit.sampling`
+(``init``, ``step``, ``decode``), or under ``serve --device xla`` the fixed-shape step graphs
+of `functional_dit.serve._xla.Fixed` (the same three, the same order and batching).
 """
 
 from __future__ import annotations
