@@ -34,6 +34,7 @@ def add_arguments(p) -> None:
     _model_arguments(p)
     _limit_arguments(p)
     _rank_arguments(p)
+    _xla_arguments(p)
 
 
 def _model_arguments(p) -> None:
@@ -103,12 +104,31 @@ def _rank_arguments(p) -> None:
     )
 
 
+def _xla_arguments(p) -> None:
+    """The fixed-shape step graphs of lazy devices (docs/xla.md "Serving")."""
+    p.add_argument(
+        "--device", choices=("cpu", "xla"), default="cpu", help="where the transformer runs (xla: torch_xla)"
+    )
+    p.add_argument(
+        "--xla-buckets",
+        default=None,
+        metavar="N,N,...",
+        help="batch sizes each step is padded to, one graph each (--device xla's default: 1,2,4,8; "
+        "on the cpu: the same padded steps, eager)",
+    )
+    p.add_argument("--xla-warmup", action="store_true", help="compile every bucket and --xla-sizes before listening")
+    p.add_argument("--xla-strict", action="store_true", help="a size not warmed is a 400 naming size")
+    p.add_argument("--xla-sizes", default=None, metavar="WxH,...", help="the sizes warmed (default: --size)")
+    p.add_argument("--xla-cache", default=None, metavar="DIR", help="torch_xla's persistent compilation cache folder")
+
+
 MISSING = 'serve needs starlette and uvicorn: pip install -e ".[serve]"'
 MISSING_MULTIPART = 'serve needs python-multipart (the edits uploads): pip install -e ".[serve]"'
 
 
 def run(args) -> int:
     import importlib
+    import importlib.util
 
     try:  # before anything loads: one line, not a traceback from deep inside
         importlib.import_module("starlette")
@@ -120,6 +140,9 @@ def run(args) -> int:
     except ImportError:
         raise CLIError(MISSING_MULTIPART) from None
     from .. import serve
+
+    if args.device == "xla" and importlib.util.find_spec("torch_xla") is None:
+        raise CLIError(serve.XLA_MISSING)
 
     return serve.run(args, load_model)
 

@@ -72,7 +72,7 @@ def _add_lora(y: torch.Tensor, hs, p) -> torch.Tensor:
     for h, f in zip(hs, p["lora"]):
         _, B, s, b, g = f[:5]
         rows = _lora_rows(f)
-        u = F.linear(h, B, b) * s
+        u = F.linear(h, B, b) * _row_scale(s, h)
         if rows is None:
             out = out + u if g is None else out + (g - 1) * (out if base_bias is None else out - base_bias) + g * u
             continue
@@ -80,6 +80,13 @@ def _add_lora(y: torch.Tensor, hs, p) -> torch.Tensor:
         delta = u if g is None else (g - 1) * (cur if base_bias is None else cur - base_bias) + g * u
         out = out.to(torch.promote_types(out.dtype, delta.dtype)).index_add(0, rows, delta.to(out.dtype))
     return out.to(y.dtype)
+
+
+def _row_scale(s, h: torch.Tensor):
+    """An adapter's scale: a number or 0-d tensor as is; a (rows,) tensor (one scale per
+    batch row, 0 where the row has no such adapter: the fixed-shape batches of the XLA
+    server, `pipelines.sampler_xla_batch`) viewed to broadcast over ``h``'s other dims."""
+    return s.view(-1, *(1,) * (h.ndim - 1)) if isinstance(s, torch.Tensor) and s.ndim == 1 else s
 
 
 def col_linear(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:

@@ -151,16 +151,18 @@ def check(ctx: Context, params, req: Request) -> None:
         raise ValueError(f"cache: step caching is not supported for {ctx.fam} yet; expected None")
 
 
-def init(params, ctx: Context, requests, tags=None) -> State:
+def init(params, ctx: Context, requests, tags=None, host_schedule: bool = False) -> State:
     """A state of ``requests`` at step 0 (prompts encoded, noise drawn, schedules set);
-    the keys of those that share calls must agree (`Item.key`; a server batches by key)."""
+    the keys of those that share calls must agree (`Item.key`; a server batches by key).
+    ``host_schedule``: each text-to-image item's scheduler set on the CPU, for steps that
+    read it on the host (`pipelines.sampler_xla_batch`); `step` needs it on the params' device."""
     tags = [None] * len(requests) if tags is None else list(tags)
     with torch.no_grad():
-        items = tuple(_item(params, ctx, r, tag) for r, tag in zip(requests, tags))
+        items = tuple(_item(params, ctx, r, tag, host_schedule) for r, tag in zip(requests, tags))
     return merge(State(ctx), State(ctx, items))
 
 
-def _item(params, ctx: Context, req: Request, tag) -> Item:
+def _item(params, ctx: Context, req: Request, tag, host_schedule: bool = False) -> Item:
     check(ctx, params, req)
     if req.prepared or ctx.model is None:  # an image job (the pipeline's own, or its inputs), sigmas, embeddings
         return _prepared_item(params, ctx, req, tag)
@@ -173,7 +175,7 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
     job = _sampler._Job(ctx.fam, hw, req.steps, None, req.guidance, cfg, "pil", req.max_sequence_length, None, None)
     chunk = _sampler._chunk(model, reqs, (0,), job, ctx.dtype, ctx.device)
     _agree(params, req, chunk, cfg)
-    sched = _sampler._scheduler(pipe, ctx.fam, chunk.x.shape[1], req.steps, ctx.device)
+    sched = _sampler._scheduler(pipe, ctx.fam, chunk.x.shape[1], req.steps, "cpu" if host_schedule else ctx.device)
     cache = _cache_items.config(req.cache, len(sched.timesteps))
     state = _cache_items.init(cache, model.cfg_calls if cfg is not None else 1)  # one per model call of a step
     fields = dict(request=req, tag=tag, lora=(tuple(req.lora),) if req.lora else None, cache=cache, cache_state=state)

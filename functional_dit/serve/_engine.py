@@ -29,6 +29,9 @@ within ``(p' - p) * aging`` seconds after a priority-p job can overtake it. It i
 on every rank (rank 0's arrival times are broadcast).
 
 The HTTP side (`functional_dit.serve._app`) only submits jobs and awaits their futures.
+Items are made, stepped and decoded by the engine's ``backend``: `functional_dit.sampling`
+(``init``, ``step``, ``decode``), or under ``serve --device xla`` the fixed-shape step graphs
+of `functional_dit.serve._xla.Fixed` (the same three, the same order and batching).
 """
 
 from __future__ import annotations
@@ -112,6 +115,9 @@ class Engine:
         self.mixed, self.max_padding = mixed, max_padding
         # image_jobs: a pipeline that is an image job of its own (Kontext, the edit pipelines), every item its own
         self.ctx = sampling.context(params, pipe, text_to_image=not image_jobs)
+        # what makes, steps and decodes items: ``init`` / ``step`` / ``decode`` of `functional_dit.sampling`,
+        # or of the fixed-shape XLA backend (`functional_dit.serve._xla.Fixed`, set by ``serve``)
+        self.backend = sampling
         self.max_batch, self.max_queue, self.aging = max_batch, max_queue, aging
         self.metrics = Metrics()
         self._lock = threading.Condition()
@@ -218,7 +224,7 @@ class Engine:
             sampling.merge(*(self._running[k] for k in keys), mixed=True) if len(keys) > 1 else self._running[keys[0]]
         )
         t0 = time.perf_counter()
-        state = sampling.step(self.params, state)
+        state = self.backend.step(self.params, state)
         dt = time.perf_counter() - t0
         m = self.metrics
         m.steps, m.step_seconds, m.last_step_seconds = m.steps + 1, m.step_seconds + dt, dt
@@ -270,7 +276,7 @@ class Engine:
                     return
                 job, j = self._waiting.popleft()
             try:
-                state = sampling.init(self.params, self.ctx, [job.requests[j]], tags=[(job, j)])
+                state = self.backend.init(self.params, self.ctx, [job.requests[j]], tags=[(job, j)])
             except Exception as e:  # noqa: BLE001 - the job fails, the server goes on
                 self._deliver(job, None, e)
                 continue
@@ -335,7 +341,7 @@ class Engine:
         return min(self.order(*it.tag) for it in self._running[key].items)
 
     def _finish(self, done: sampling.State) -> None:
-        images = sampling.decode(done, "pil")
+        images = self.backend.decode(done, "pil")
         now = time.monotonic()
         for it, img in zip(done.items, images):
             job, j = it.tag
