@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of a FLUX.1 / FLUX.2 / FLUX.2-klein / Qwen-Image transformer on an
+"""LoRA fine-tuning of a FLUX.1 / FLUX.2 / klein / Qwen-Image / FLUX.3 / Qwen-Image 2.1 transformer on an
 image-caption folder, fully sharded: the script form of ``python -m functional_dit train``
 (`functional_dit.train`, where the trainer lives; docs/training.md).
 

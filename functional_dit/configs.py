@@ -4,7 +4,9 @@ the diffusers config keys)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import operator
+import warnings
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -119,9 +121,7 @@ def drop_keys_diffusers_ignores(class_name: str, cfg: Mapping) -> dict:
     """Released configs carry keys the diffusers class does not take (Qwen-Image's
     ``pooled_projection_dim``); diffusers ignores them with a warning, and so do we.
     Every key the class does take must be a config field (checked by from_mapping)."""
-    import inspect
-    import warnings
-
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     accepted = set(inspect.signature(getattr(diffusers, class_name).__init__).parameters)

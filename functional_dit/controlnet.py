@@ -20,6 +20,7 @@ See docs/controlnet.md.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -32,7 +33,7 @@ from sharding.tree import flatten, nest
 
 from . import configs as _configs
 from . import flux1_controlnet, qwenimage_controlnet
-from .params import Params, check_leaves
+from .params import Params, check_leaves, init_leaf
 
 KINDS = (flux1_controlnet, qwenimage_controlnet)  # one line per ControlNet kind
 BY_CONFIG = {k.CONFIG: k for k in KINDS}
@@ -80,8 +81,6 @@ def config_from_diffusers(cfg):
             raise ValueError(f"module: expected one of {list(BY_DIFFUSERS_CLASS)}, got {name}")
         return config_from_diffusers({**module.config, "_class_name": name})
     if isinstance(cfg, (str, os.PathLike)):
-        import json
-
         path = os.fspath(cfg)
         path = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(path):
@@ -109,8 +108,6 @@ def param_specs(config) -> dict:
 def init(config, seed: int = 0, dtype=torch.float32, device="cpu") -> Params:
     """Random ControlNet params, as `fd.init` draws them (no zero-init, so every residual
     is non-zero and every path is exercised)."""
-    from .params import init_leaf
-
     config = as_config(config)
     gen = torch.Generator().manual_seed(seed)
     specs = flatten(param_specs(config))

@@ -36,6 +36,7 @@ from .nn.checks import (
     check_rope_or_ids,
     check_streams,
     check_tensor,
+    img_valid_bias,
     reference_leaf,
 )
 from .params import (
@@ -385,7 +386,7 @@ def _validate(params, x, t, txt, pooled, guidance, img_ids, txt_ids, rope=None):
     check_guidance(c, guidance, B, leaf.device)
     if rope is not None:
         check_rope_or_ids(rope, img_ids=img_ids, txt_ids=txt_ids)
-        return check_rope(rope, txt.shape[1] + S, c.attention_head_dim, leaf.device)
+        return check_rope(rope, txt.shape[1] + S, c.attention_head_dim, leaf.device, batch=B)
     if img_ids is None:
         raise ValueError(f"img_ids: FLUX.1 needs image position ids of shape ({S}, {len(c.axes_dims_rope)})")
     n_axes = len(c.axes_dims_rope)
@@ -407,10 +408,11 @@ ARGS = (  # of fd.apply's keywords, those FLUX.1 takes
     "img_ids",
     "txt_ids",
     "rope",
+    "img_valid",
     "ip_adapter",
     *CONTROLNET_ARGS,
 )
-BATCHED = ("pooled", "guidance")  # of check_inputs' outputs, those split over "dp" with x, t, txt
+BATCHED = ("pooled", "guidance", "img_bias")  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
 def check_inputs(
@@ -424,6 +426,7 @@ def check_inputs(
     img_ids=None,
     txt_ids=None,
     rope=None,
+    img_valid=None,
     ip_adapter=None,
     controlnet_block_samples=None,
     controlnet_single_block_samples=None,
@@ -434,7 +437,10 @@ def check_inputs(
     pooled_projection_dim), guidance (B,) when the model is guidance-distilled, img_ids
     (S_img, 3) / txt_ids (S_txt, 3) or their 3-D forms. ``rope``: instead of the ids, their
     RoPE table (cos, sin), each (S_txt + S_img, attention_head_dim) fp32, as `rope_table`
-    builds it (to build it once per sampling run). ``ip_adapter``: IP-Adapter's inputs
+    builds it (to build it once per sampling run), or (B, S_txt + S_img, attention_head_dim):
+    one per row. ``img_valid`` (B, S_img), 1 = real image token: rows padded to one length
+    (images of several sizes in one call, each row with its own ``rope``; padding is
+    never attended to, and its outputs are to be dropped). ``ip_adapter``: IP-Adapter's inputs
     (`check_ip_adapter`). ``controlnet_*``: ControlNet residuals, as the stock class takes
     them (`check_controlnet`). fd.apply returns (B, S_img, patch_size² · out_channels), as
     ``FluxTransformer2DModel(...)[0]``."""
@@ -442,7 +448,8 @@ def check_inputs(
     ip = None if ip_adapter is None else check_ip_adapter(params, ip_adapter, x.shape[0])
     samples = (controlnet_block_samples, controlnet_single_block_samples)
     control = check_controlnet(params, x, *samples, controlnet_blocks_repeat)
-    return dict(pooled=pooled, guidance=guidance, pe=pe, ip=ip, controlnet=control)
+    img_bias = img_valid_bias(img_valid, *x.shape[:2], x.device)
+    return dict(pooled=pooled, guidance=guidance, pe=pe, img_bias=img_bias, ip=ip, controlnet=control)
 
 
 def check_controlnet(params, x, block_samples, single_block_samples, repeat) -> tuple | None:
@@ -499,12 +506,14 @@ def check_ip_adapter(params, ip: dict, B: int) -> dict:
 prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
 
 
-def stages(params, x, t, txt, *, pooled, guidance, pe, blocks=None, ip=None, controlnet=None) -> _stages.Stages:
+def stages(
+    params, x, t, txt, *, pooled, guidance, pe, img_bias=None, blocks=None, ip=None, controlnet=None
+) -> _stages.Stages:
     """The model on this rank's batch as `nn.stages.Stages`: the embedded (img, txt)
     streams, the double then the single blocks, the final layer. ``blocks``: the block
     functions to call (the api passes them as compile regions, `nn.compile.regions`);
     None: this module's. ``ip``: IP-Adapter's inputs. ``controlnet``: the residual after
-    each double and single block (`check_controlnet`)."""
+    each double and single block (`check_controlnet`). ``img_bias``: the padding's key bias."""
     double, single = (double_block, single_block) if blocks is None else (blocks.double_block, blocks.single_block)
     D = params.config.attention_head_dim
     img = L.linear(params["x_embedder"], x)
@@ -512,7 +521,7 @@ def stages(params, x, t, txt, *, pooled, guidance, pe, blocks=None, ip=None, con
     guidance = None if guidance is None else guidance.to(img.dtype) * 1000
     vec = time_text_embed(params["time_text_embed"], t, guidance, pooled)
     txt = L.linear(params["context_embedder"], txt)
-    txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
+    txt, img, pe, key_bias = L.shard_joint(txt, img, pe, None, img_bias)
     img_mods, txt_mods, single_mods, out_mod = modulations(params, vec)
     ctx = dict(img_mods=img_mods, txt_mods=txt_mods, single_mods=single_mods, out_mod=out_mod, pe=pe, bias=key_bias)
     pair, extras = ("img_mods", "txt_mods"), ()

@@ -38,7 +38,7 @@ from .configs import (
 from .nn import control as _control
 from .nn import layers as L
 from .nn import stages as _stages
-from .nn.checks import check_rope, check_streams, check_tensor, reference_leaf
+from .nn.checks import check_rope, check_streams, check_tensor, img_valid_bias, reference_leaf
 from .params import MOD6, MOD_OUT, ParamSpec, linear_spec, mod_spec, norm_spec, ordered_blocks
 
 DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
@@ -367,11 +367,14 @@ def _image_shapes(item, b: int) -> tuple[tuple[int, int, int], ...]:
     return tuple(shapes)
 
 
-def check_img_shapes(img_shapes, batch: int, seq: int, layer3d: bool) -> tuple[tuple[int, int, int], ...]:
+def check_img_shapes(
+    img_shapes, batch: int, seq: int, layer3d: bool, padded: bool = False
+) -> tuple[tuple[int, int, int], ...]:
     """img_shapes: per batch item a list of (frames, h, w) in token order, equal for every
     item (diffusers takes RoPE from the first and warns that others are wrong), whose token
-    count is x's sequence length. Returns the shared shapes; for an empty batch (no item
-    to read them from), one image of 1 x 1 x seq, whose positions nothing uses."""
+    count is x's sequence length; ``padded`` (an ``img_valid``): each row's own shapes, of at
+    most that many tokens. Returns the first item's shapes; for an empty batch (no item to
+    read them from), one image of 1 x 1 x seq, whose positions nothing uses."""
     if not isinstance(img_shapes, (list, tuple)) or len(img_shapes) != batch:
         got = f"length {len(img_shapes)}" if isinstance(img_shapes, (list, tuple)) else type(img_shapes).__name__
         raise ValueError(f"img_shapes: expected a list of {batch} items (one per batch item), got {got}")
@@ -380,15 +383,15 @@ def check_img_shapes(img_shapes, batch: int, seq: int, layer3d: bool) -> tuple[t
     per_item = [_image_shapes(item, b) for b, item in enumerate(img_shapes)]
     shapes = per_item[0]
     for b, s in enumerate(per_item):
-        if s != shapes:
+        n = sum(math.prod(v) for v in s)
+        if not padded and s != shapes:
             raise ValueError(
                 f"img_shapes[{b}]: expected the same shapes as img_shapes[0] = {list(shapes)}, got {list(s)}"
             )
-    n = sum(math.prod(s) for s in shapes)
-    if n != seq:
-        raise ValueError(f"img_shapes: {list(shapes)} make {n} tokens; expected x's sequence length {seq}")
-    if layer3d and shapes[-1][0] != 1:
-        raise ValueError(f"img_shapes: use_layer3d_rope needs 1 frame in the last (condition) image, got {shapes[-1]}")
+        if n != seq and not (padded and n < seq):
+            raise ValueError(f"img_shapes: {list(s)} make {n} tokens; expected x's sequence length {seq}")
+        if layer3d and s[-1][0] != 1:
+            raise ValueError(f"img_shapes: use_layer3d_rope needs 1 frame in the last (condition) image, got {s[-1]}")
     return shapes
 
 
@@ -417,7 +420,7 @@ def _check_t_cond(c, additional_t_cond, batch: int, device) -> None:
             raise ValueError(f"additional_t_cond: expected values in {{0, 1}}, got {additional_t_cond.tolist()}")
 
 
-def _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond):
+def _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond, img_valid=None, rope=None):
     c = params.config
     leaf = reference_leaf(params, "img_in.weight")
     B, S = check_streams(c, leaf, x, t, txt)
@@ -425,14 +428,17 @@ def _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond):
         _check_mask(txt_mask, B, txt.shape[1], leaf.device)
     if img_shapes is None:
         raise ValueError(f"img_shapes: Qwen-Image needs per batch item a list of (frames, h, w); x has {S} tokens")
-    shapes = check_img_shapes(img_shapes, B, S, c.use_layer3d_rope)
+    per_row = isinstance(rope, (tuple, list)) and len(rope) == 2 and getattr(rope[0], "ndim", 0) == 3
+    if img_valid is not None and (not per_row or c.zero_cond_t):
+        raise ValueError("img_valid: rows padded to one length need rope, a (B, S_txt + S_img, head_dim) table per row")
+    shapes = check_img_shapes(img_shapes, B, S, c.use_layer3d_rope, padded=img_valid is not None)
     _check_t_cond(c, additional_t_cond, B, leaf.device)
     return shapes
 
 
 # of fd.apply's keywords, the ones Qwen-Image takes
-ARGS = ("txt_mask", "img_shapes", "additional_t_cond", "rope", "controlnet_block_samples")
-BATCHED = ("bias", "t_cond")  # of check_inputs' outputs, those split over "dp" with x, t, txt
+ARGS = ("txt_mask", "img_shapes", "additional_t_cond", "rope", "img_valid", "controlnet_block_samples")
+BATCHED = ("bias", "img_bias", "t_cond")  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
 def check_inputs(
@@ -445,6 +451,7 @@ def check_inputs(
     img_shapes=None,
     additional_t_cond=None,
     rope=None,
+    img_valid=None,
     controlnet_block_samples=None,
 ) -> dict:
     """Checks the Qwen-Image inputs (full view) and returns `forward`'s keywords: x (B,
@@ -454,19 +461,23 @@ def check_inputs(
     (frames, h, w) whose tokens make S_img, additional_t_cond (B,) ints in {0, 1} for the
     Layered model. ``rope``: the RoPE table (cos, sin) `pos_embed` builds from img_shapes
     and S_txt, each (S_txt + S_img, attention_head_dim) fp32, to build it once per sampling
-    run. fd.apply returns (B, S_img, patch_size² · out_channels), as
+    run, or (B, S_txt + S_img, attention_head_dim): one per row. ``img_valid`` (B, S_img),
+    1 = real image token, with such a ``rope``: rows padded to one length (images of
+    several sizes in one call, each row's img_shapes its own; padding is never attended
+    to, its outputs are to be dropped; not with zero_cond_t). fd.apply returns (B, S_img,
+    patch_size² · out_channels), as
     ``QwenImageTransformer2DModel(...)[0]``. The model has no guidance embedder
     (diffusers' ``guidance_embeds`` creates no weights), so ``guidance`` must be None.
     ``controlnet_block_samples``: ControlNet residuals, a list of (B, S_img, inner_dim)
     tensors, added to the image stream after the blocks as the stock class adds them
     (`nn.control.per_block`), e.g. what `functional_dit.controlnet.apply` returns."""
     c = params.config
-    shapes = _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond)
+    shapes = _validate(params, x, t, txt, txt_mask, img_shapes, additional_t_cond, img_valid, rope)
     if rope is None:
         pe = pos_embed(shapes, txt.shape[1], c.axes_dims_rope, c.use_layer3d_rope, x.device)
     else:
         rows = txt.shape[1] + x.shape[1]
-        pe = check_rope(rope, rows, c.attention_head_dim, reference_leaf(params, "img_in.weight").device)
+        pe = check_rope(rope, rows, c.attention_head_dim, reference_leaf(params, "img_in.weight").device, x.shape[0])
     cond_rows = sharding.shard(ref_mask(shapes, x.device), "sp", 0) if c.zero_cond_t else None
     bias = None if txt_mask is None else mask_bias(txt_mask)
     control = None
@@ -476,23 +487,26 @@ def check_inputs(
             "controlnet_block_samples", controlnet_block_samples, (*x.shape[:2], c.inner_dim), leaf.dtype, leaf.device
         )
         control = _control.per_block(samples, len(ordered_blocks(params, "transformer_blocks")))
-    return dict(pe=pe, cond_rows=cond_rows, bias=bias, t_cond=additional_t_cond, controlnet=control)
+    img_bias = img_valid_bias(img_valid, *x.shape[:2], x.device)
+    return dict(pe=pe, cond_rows=cond_rows, bias=bias, img_bias=img_bias, t_cond=additional_t_cond, controlnet=control)
 
 
 prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
 
 
-def stages(params, x, t, txt, *, pe, cond_rows, bias, t_cond, blocks=None, controlnet=None) -> _stages.Stages:
+def stages(
+    params, x, t, txt, *, pe, cond_rows, bias, t_cond, img_bias=None, blocks=None, controlnet=None
+) -> _stages.Stages:
     """The model on this rank's batch as `nn.stages.Stages`: the embedded (img, txt)
     streams, the blocks, the final layer. ``blocks``: the block function as a compile
     region (`nn.compile.regions`, passed by the api); None: this module's.
-    ``controlnet``: the residual after each block."""
+    ``controlnet``: the residual after each block. ``img_bias``: the padding's key bias."""
     run_block = block if blocks is None else blocks.block
     c = params.config
     img = L.linear(params["img_in"], x)
     temb = time_embed(params["time_text_embed"], t.to(img.dtype), t_cond, c.zero_cond_t)
     txt = L.linear(params["txt_in"], L.rms_norm_fp32(params["txt_norm"], txt))
-    txt, img, pe, key_bias = L.shard_joint(txt, img, pe, bias)
+    txt, img, pe, key_bias = L.shard_joint(txt, img, pe, bias, img_bias)
     img_mods, txt_mods, out_mod = modulations(params, temb, img.shape[0])
     ctx = dict(img_mods=img_mods, txt_mods=txt_mods, out_mod=out_mod, pe=pe, bias=key_bias, cond_rows=cond_rows)
     per_layer = ("img_mods", "txt_mods")

@@ -13,11 +13,13 @@ Function defining ``jvp``. The table and the reasons: docs/autodiff.md.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.distributed_c10d as c10d
+from torch.autograd import forward_ad
 
 
 def _funcol():
-    import torch.distributed._functional_collectives as funcol
-
     return funcol
 
 
@@ -53,8 +55,6 @@ def _eager_cpu(x: torch.Tensor) -> bool:
 def _c10d_all_gather(x: torch.Tensor, n: int, group, async_op: bool):
     """(the gathered buffer, c10d's work) of ``x`` along dim 0 over ``group``'s ``n`` ranks,
     through c10d's own all-gather (`issue_all_gather` says why)."""
-    import torch.distributed as dist
-
     # torch 2.13 renamed dist.all_gather_into_tensor to all_gather_single (the old name warns)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
@@ -94,8 +94,6 @@ def issue_all_gather(x: torch.Tensor, n: int, group_name: str):
     fsdp training steps; ``tests/test_collectives_inflight.py`` says how often, and checks
     this path). c10d's plain all-gather work has no such fault."""
     if _eager_cpu(x):
-        import torch.distributed.distributed_c10d as c10d
-
         return Pending(*_c10d_all_gather(x, n, c10d._resolve_process_group(group_name), async_op=True))
     return torch.ops._c10d_functional.all_gather_into_tensor(x, n, group_name)
 
@@ -115,8 +113,6 @@ def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
 def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     sent = x.movedim(dim, 0).contiguous()
     if _eager_cpu(sent):  # see `issue_all_gather`
-        import torch.distributed as dist
-
         out, _ = _c10d_all_gather(sent, dist.get_world_size(group), group, async_op=False)
     else:
         out = _done(_all_gather_dim0()(sent, 0, group))
@@ -147,8 +143,6 @@ def forward_ad_active() -> bool:
     level, or a ``torch.func.jvp`` / ``jacfwd`` transform on the functorch stack."""
     if torch.compiler.is_compiling():
         return False
-    from torch.autograd import forward_ad
-
     if forward_ad._current_level >= 0:
         return True
     stack = torch._C._functorch.get_interpreter_stack() or ()

@@ -10,6 +10,7 @@ the specs, so a checkpoint saved on one mesh loads on any other, in place.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 from ._plan import PACKED, config_of, specs_of
 from ._shard import _contiguous_stride, _tree, is_strided
@@ -54,8 +55,6 @@ def _block_form(path: str, x, spec):
 
 def _block_placement(path: str, p, d: int, k: int):
     """The placement in the block form of a leaf's placement ``p`` (fused dim ``d``, k blocks)."""
-    from torch.distributed.tensor import Replicate, Shard
-
     if is_strided(p) and p.dim == d and p.split_factor == k:
         return Shard(d + 1)
     if isinstance(p, Replicate):

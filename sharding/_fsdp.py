@@ -40,7 +40,9 @@ import math
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
 from . import _autodiff
 from ._axes import _axis, _group, _layout, _name, current_mesh
@@ -130,12 +132,8 @@ _dims = _constant(_dims)
 
 def _is_dtensor(x) -> bool:
     """Whether ``x`` is a DTensor (`sharding.internal.is_dtensor`, which imports this module)."""
-    import torch.distributed as dist
-
     if not dist.is_available():
         return False
-    from torch.distributed.tensor import DTensor
-
     return isinstance(x, DTensor)
 
 
@@ -259,8 +257,11 @@ def _reduce(g: torch.Tensor, dim: int, n: int, index: int, group, reduce: str) -
 
 
 def _pack(xs, dims) -> torch.Tensor:
-    """Every leaf with its fsdp dim moved first, flattened and concatenated: (sum of numels,)."""
-    return torch.cat([x.detach().movedim(d, 0).reshape(-1) for x, d in zip(xs, dims)])
+    """Every leaf with its fsdp dim moved first, flattened and concatenated: (sum of numels,).
+    Outside autocast: the leaves are of one dtype, and autocast's ``cat`` rejects fp8 ones
+    (`fd.layerwise_cast` storages) under a bf16 autocast region."""
+    with torch.autocast(xs[0].device.type, enabled=False):
+        return torch.cat([x.detach().movedim(d, 0).reshape(-1) for x, d in zip(xs, dims)])
 
 
 def _start_block(xs, dims, axis: str = FSDP) -> list:

@@ -17,6 +17,8 @@ import math
 import os
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("dp", "fsdp", "ring", "sp", "tp")
 DEFAULT_TIMEOUT_S = 600.0  # long enough for a first XLA/Neuron compile between collectives
@@ -39,8 +41,6 @@ def default_device_type() -> str:
 def backend_for(device_type: str) -> str:
     """The process-group backend for ``device_type``: what the device registered with
     torch.distributed, else gloo/nccl/xccl/neuron."""
-    import torch.distributed as dist
-
     lookup = getattr(dist, "get_default_backend_for_device", None)  # torch >= 2.6
     try:
         found = lookup(device_type) if lookup is not None else None
@@ -80,8 +80,6 @@ def _set_device(device_type: str, only_if_unset: bool = False) -> None:
 def init_process_group(device_type: str, world: int, timeout) -> None:
     """Initialise the default process group from the torchrun environment (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or a 1-rank group in a plain process."""
-    import torch.distributed as dist
-
     backend, timeout = backend_for(device_type), _timeout(timeout)
     if "WORLD_SIZE" not in os.environ:
         if world != 1:
@@ -124,9 +122,6 @@ def make_mesh(
     world reuses the default group and keeps its timeout. ValueError when tp*sp*dp*ring*fsdp != the
     world size.
     """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
     for name, n in (("tp", tp), ("sp", sp), ("dp", dp), ("ring", ring), ("fsdp", fsdp)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{name}: expected a positive int, got {n!r}")
@@ -159,8 +154,6 @@ def mesh_axes(fsdp: int = 1, ring: int = 1) -> tuple[str, ...]:
 
 def _dim_group(ranks: torch.Tensor, dim: int, timeout: datetime.timedelta):
     """This rank's process group along mesh dim ``dim`` (every rank creates every group)."""
-    import torch.distributed as dist
-
     size = ranks.shape[dim]
     if size == ranks.numel():
         return dist.group.WORLD
@@ -178,9 +171,6 @@ def flat_mesh(mesh, axes: tuple[str, ...], name: str):
     ``i0 * size1 + i1`` for two), e.g. the fsdp x tp plane, so one collective spans them; on
     it ``[Shard(d), Shard(d)]`` on ``mesh[axes]`` is ``Shard(d)``. Creating its process groups
     is collective: every rank of ``mesh`` must call it, in the same order; cached per mesh."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
     key = (id(mesh), tuple(axes))
     if key in _FLAT:
         return _FLAT[key][1]

@@ -10,6 +10,7 @@ to run once (a sampler on its first step).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 def describe(x) -> tuple | None:
@@ -34,8 +35,6 @@ def check_replicated(*tensors, names=None, group=None) -> None:
     ranks hold what. One ``all_gather_object`` of a few numbers per tensor: shapes are
     compared before any collective on tensor data could be sized by them. Without an
     initialised process group it only checks its arguments. Eager only (reads values)."""
-    import torch.distributed as dist
-
     names = [f"arg{i}" for i in range(len(tensors))] if names is None else list(names)
     if len(names) != len(tensors):
         raise ValueError(f"names: expected {len(tensors)} names (one per tensor), got {len(names)}")

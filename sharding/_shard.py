@@ -13,6 +13,10 @@ import functools
 from collections.abc import Mapping
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate as DReplicate
+from torch.distributed.tensor import Shard as DShard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._plan import (
     PACKED,
@@ -60,8 +64,6 @@ def mesh_device(mesh) -> torch.device:
 
 
 def _strided_shard():
-    from torch.distributed.tensor.placement_types import _StridedShard
-
     return _StridedShard
 
 
@@ -76,9 +78,6 @@ def dtensor_placements(placement, names, path: str = "placement") -> tuple:
     k > 1 equal blocks ``_StridedShard(d, split_factor=k)`` (what a per-block split is);
     ``Replicate()`` elsewhere; a `FullyShard` adds ``Shard(dim)`` on its axis ("fsdp").
     Unequal blocks have no DTensor placement: a ValueError."""
-    from torch.distributed.tensor import Replicate as DReplicate
-    from torch.distributed.tensor import Shard as DShard
-
     if isinstance(placement, FullyShard):
         inner = dtensor_placements(placement.inner, names, path)
         return tuple(DShard(placement.dim) if n == placement.axis else p for n, p in zip(names, inner))
@@ -87,8 +86,6 @@ def dtensor_placements(placement, names, path: str = "placement") -> tuple:
 
 
 def _dtensor_shard(placement: Shard, path: str):
-    from torch.distributed.tensor import Shard as DShard
-
     blocks = placement.blocks
     if blocks is None or len(blocks) == 1:
         return DShard(placement.dim)
@@ -103,8 +100,6 @@ def _dtensor_shard(placement: Shard, path: str):
 def dtensor_from_local(local: torch.Tensor, shape, placement, mesh):
     """The DTensor `shard_params` makes for one leaf of full shape ``shape``: the
     `dtensor_placements` of ``placement``, holding only ``local`` (no communication)."""
-    from torch.distributed.tensor import DTensor
-
     dims = list(dtensor_placements(placement, mesh.mesh_dim_names))
     shape = torch.Size(shape)
     return DTensor.from_local(local, mesh, dims, run_check=False, shape=shape, stride=_contiguous_stride(shape))
@@ -304,8 +299,6 @@ def check_compute_layout(tree, config, mesh, DTensor) -> None:
     """The one layout fd.apply computes in is the default plan's: a ValueError naming the
     first leaf placed otherwise (a replicated row-parallel weight would be summed tp times,
     a split output projection would return a slice of the channels)."""
-    from torch.distributed.tensor import Replicate as DReplicate
-
     names = tuple(mesh.mesh_dim_names)
     layout = _compute_layout(config, names, tuple(mesh.shape))
     for path, x in leaves(tree):
@@ -382,8 +375,6 @@ def placement_of(x, spec=None):
     """The `Shard`/`Replicate` a `shard_params` DTensor leaf was made with, read off its
     DTensor placements (a ``_StridedShard`` of split factor k: k equal blocks); the
     blocks of ``spec`` (its ``ParamSpec``) when it says the dim is fused."""
-    from torch.distributed.tensor import Shard as DShard
-
     names = x.device_mesh.mesh_dim_names
     split = [(names[i], p) for i, p in enumerate(x.placements) if isinstance(p, DShard) or is_strided(p)]
     fully = [(a, p) for a, p in split if a == "fsdp" and not is_strided(p)]

@@ -11,6 +11,8 @@ DTensor is imported once, with this module, and only where ``torch.distributed``
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from . import _fsdp
 from ._fsdp import block_gather as block_gather
@@ -32,12 +34,8 @@ start_block, finish_block = _fsdp._start_block, _fsdp._finish_block
 
 
 def _find_dtensor():
-    import torch.distributed as dist
-
     if not dist.is_available():
         return None
-    from torch.distributed.tensor import DTensor
-
     return DTensor
 
 

@@ -8,6 +8,10 @@ alone in this process: every image within 1 uint8 level per pixel.
 - the ``openai`` client's ``images.generate`` (extension fields in ``extra_body``);
 - 16 concurrent requests with mixed prompts, seeds, step counts and two LoRAs;
 - a request arriving while another runs joins its batch (``/metrics``' joined counter);
+- a request of another size joins the running one's model calls (mixed resolutions,
+  ``/metrics``' fd_serve_mixed_resolution_calls_total), each image equal to fd.sample alone;
+  so on a Qwen-Image server (prompts of two lengths too), while Qwen-Image 2.1 keeps a call
+  per image and counts none;
 - four requests with step caches (FBC, MagCache, TaylorSeer, FasterCache) join a no-cache
   request's batch, each equal to ``fd.sample`` of it alone with that cache;
 - FLUX.3's flow map and Qwen-Image 2.1 served (a server each): CFG and a step cache,
@@ -271,6 +275,28 @@ def test_a_request_arriving_mid_batch_joins_it(env):
     assert second.status_code == 200
     assert after["fd_serve_joined_running_batch_total"] >= before["fd_serve_joined_running_batch_total"] + 1
     _close(_pixels(second.json()["data"][0]["b64_json"]), _reference(env, ["short"], [3], 2)[0])
+
+
+def test_two_sizes_share_model_calls_and_equal_fd_sample_alone(env):
+    """Mixed resolutions (on by default): a 48x48 request for two images with true CFG
+    joins the running 32x32 anchor's model calls (three images in one padded call, within
+    --max-padding), /metrics counts each such call, and each image equals ``fd.sample``
+    of it alone at its size."""
+    server = env["a"]
+    before = server.metrics()
+    body = dict(prompt="wide", size="48x48", n=2, steps=2, seed=5, true_cfg=2.0, negative_prompt="dim")
+    with _anchor(server, before):
+        res = server.post(body, timeout=300)
+    after = server.metrics()
+    assert res.status_code == 200, res.text
+    calls = after["fd_serve_mixed_resolution_calls_total"] - before["fd_serve_mixed_resolution_calls_total"]
+    assert calls >= 2, "both steps of the 48x48 images shared a call with the 32x32 anchor"
+    want = fd.sample(env["params"], env["pipe"], "wide", height=48, width=48, steps=2, seed=5, num_images_per_prompt=2,
+                     true_cfg=2.0, negative_prompt="dim", output_type="np", max_sequence_length=MSL)  # fmt: skip
+    for d, w in zip(res.json()["data"], want):
+        got = _pixels(d["b64_json"])
+        assert got.shape[:2] == (48, 48)
+        _close(got, (w * 255).round().astype(int))
 
 
 CACHES = ["fbcache:0.8", "magcache:0.3", "taylorseer:interval=2,warmup=1,order=1", "fastercache:skip=2"]
@@ -773,3 +799,42 @@ def test_the_order_is_a_virtual_arrival_so_nothing_starves():
     newer = _engine.Job("new", [], None, priority=3, arrived=125.0)  # within 30 s: goes first
     later = _engine.Job("later", [], None, priority=3, arrived=131.0)  # past 30 s: after the old one
     assert eng.order(newer, 0) < eng.order(old, 0) < eng.order(later, 0)
+
+
+def test_mixed_resolution_flags_are_checked_by_name(capsys):
+    """``--mixed-resolution`` takes on or off, ``--max-padding`` a ratio of at least 1:
+    anything else is a one-line error naming the flag, before a model loads."""
+    from _cli import one_line_error
+
+    for flag, value in (("--mixed-resolution", "maybe"), ("--max-padding", "0.5"), ("--max-padding", "nan")):
+        err = one_line_error(["serve", "--model", "flux", flag, value], capsys)
+        assert flag in err, err
+
+
+@pytest.mark.parametrize(
+    "model, kind, packed",
+    [("tiny:qwen-image", "qwen-image", True), ("tiny:qwen-image-2.1", "qwen-image-2.1", False)],
+)
+def test_qwen_image_sizes_share_calls_and_qwen_image_21_keeps_a_call_each(tmp_path, model, kind, packed):
+    """A 64x32 request joins a running 32x32 one (another prompt length too) on a server of
+    its own: Qwen-Image packs both sizes into one call (counted in /metrics; --max-padding 2,
+    the tiny model's prompts being as long as its images), Qwen-Image 2.1 keeps one call per
+    image (its batch is laid out by its first item: docs/serving.md), counting none. Either
+    way the image equals ``fd.sample`` of it alone (as RGB: 2.1's images are RGBA)."""
+    server = Server(str(tmp_path), "--max-steps", str(10**6), "--max-padding", "2", model=model, msl=None)
+    try:
+        server.wait_up()
+        before = server.metrics()
+        with _anchor(server, before):
+            res = server.post(dict(prompt="a wide view", size="64x32", steps=2, seed=5), timeout=300)
+        after = server.metrics()
+    finally:
+        server.stop()
+    assert res.status_code == 200, res.text
+    calls = after["fd_serve_mixed_resolution_calls_total"] - before["fd_serve_mixed_resolution_calls_total"]
+    assert calls >= 2 if packed else calls == 0
+    pipe = tiny.pipeline(kind)
+    want = fd.sample(fd.from_diffusers(pipe.transformer), pipe, "a wide view", height=32, width=64, steps=2, seed=5)[0]
+    got = _pixels(res.json()["data"][0]["b64_json"])
+    assert got.shape[:2] == (32, 64)
+    _close(got, np.asarray(want.convert("RGB")).astype(int))

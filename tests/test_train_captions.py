@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from functional_dit.train import _data, _loop, check_args
+from functional_dit.train._buckets import batch_indices
 
 
 def _image(path) -> None:
@@ -105,26 +106,27 @@ def test_trigger_and_dropout_reach_the_model_inputs_reproducibly(folder, tmp_pat
     ):
         with torch.no_grad():  # (as the trainer encodes)
             e, pooled, _ = pipe.encode_prompt(caption, prompt_2=None, max_sequence_length=32)
-        assert torch.equal(r.data["txt"][row], e[0]) and torch.equal(r.data["pooled"][row], pooled[0]), caption
+        got = r.data.batch([0], [row])
+        assert torch.equal(got["txt"][0], e[0]) and torch.equal(got["pooled"][0], pooled[0]), caption
     runs = []
     for seed in ("0", "0", "7"):
         a = check_args([*base, "--caption-dropout", "0.5", "--seed", seed])
         r, _ = _loop.begin(a)
         gen = torch.Generator().set_state(r.gen.get_state())
-        idx, _ = _data.batch_indices(0, 3, 3, a.seed)
-        torch.randn((3, *r.data["latents"].shape[1:]), generator=gen), _loop.sample_t(3, a.timesteps, gen)
+        idx, _ = batch_indices(0, 3, r.data.groups, a.seed)
         rows = _data.caption_rows(idx, 0.5, gen, 3)  # what the step draws, in its order
-        kw, _ = _loop.inputs(
-            r.data, idx, torch.zeros(3, *r.data["latents"].shape[1:]), torch.zeros(3), 1.0, r.params, r.device, rows
-        )
-        assert all(torch.equal(kw["txt"][i], r.data["txt"][3 if row == 3 else idx[i]]) for i, row in enumerate(rows))
+        batch = r.data.batch(idx, rows)
+        kw, _ = _loop.inputs(batch, torch.zeros(batch["latents"].shape), torch.zeros(3), 1.0, r.params, r.device)
+        own = r.data.batch(idx)["txt"]
+        empty = r.data.batch(idx[:1], [3])["txt"][0]
+        assert all(torch.equal(kw["txt"][i], empty if row == 3 else own[i]) for i, row in enumerate(rows))
         line, _ = _loop.train_step(r, a, 0)
         runs.append((rows, line["loss"], [x.detach().clone() for x in r.adapter.leaves()]))
     assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1]
     assert all(torch.equal(x, y) for x, y in zip(runs[0][2], runs[1][2]))
     assert 3 in runs[0][0] + runs[2][0] and runs[0][0] != runs[2][0], runs  # something dropped; seeds differ
     other = check_args([*base, "--trigger", "zz"])  # another trigger: the cache is encoded again
-    row0 = _loop.begin(other)[0].data["txt"][0]
+    row0 = _loop.begin(other)[0].data.batch([0])["txt"][0]
     with torch.no_grad():
         assert torch.equal(
             row0, pipe.encode_prompt("zz a caption from metadata", prompt_2=None, max_sequence_length=32)[0][0]

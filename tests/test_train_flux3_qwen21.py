@@ -7,6 +7,7 @@ FLUX.3's flow map (step-distilled) is refused naming --pipeline."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -61,10 +62,15 @@ def test_trains_and_the_stock_pipeline_loads_the_file(data, tmp_path, one_thread
 def _check_latents_are_the_pipelines(out: str, data: str) -> None:
     """The cached latent of an image is the packed latent QwenImage21Pipeline makes of it as
     a condition image (RGBA, normalised, flattened)."""
-    from functional_dit.train._data import image_tensor
+    from safetensors.torch import load_file
 
-    cached = torch.load(os.path.join(out, "cache.pt"))["latents"][0]
-    pipe, img = tiny.pipeline("qwen-image-2.1", seed=0), image_tensor(os.path.join(data, "0.png"), 32)[None]
+    from functional_dit.train._buckets import image_tensor
+
+    key = json.load(open(os.path.join(out, "cache", "key.json")))
+    name, hw, file = key["images"][0]
+    assert (name, hw) == ("0.png", [32, 32]), key["images"][0]
+    cached = load_file(os.path.join(out, "cache", file))["latent"]
+    pipe, img = tiny.pipeline("qwen-image-2.1", seed=0), image_tensor(os.path.join(data, "0.png"), (32, 32))[None]
     rgba = torch.cat([img, torch.ones_like(img[:, :1])], 1)[:, :, None]
     _, theirs = pipe.prepare_latents([rgba], 1, pipe.latent_channels, 32, 32, torch.float32, "cpu", None)
     torch.testing.assert_close(cached, theirs[0], rtol=0, atol=0)

@@ -72,6 +72,9 @@ one_thread = pytest.fixture(one_thread)
         (["--resolution", "40"], "--resolution: expected a multiple of 16 (the VAE's 8 x FLUX's 2x2 packing), got 40"),
         (["--fsdp", "2"], "--fsdp x --tp: expected the world size 1 (WORLD_SIZE), got '2 x 1 = 2'"),
         (["--lr", "0"], "--lr: expected a positive float, got 0.0"),
+        (["--bucket-step", "24"], "--bucket-step: expected a multiple of 16 (>= 16), got 24"),
+        (["--max-aspect-ratio", "0.5"], "--max-aspect-ratio: expected a float >= 1, got 0.5"),
+        (["--pipeline", "tiny:qwen-image-2.1", "--bucket-step", "16"], "--bucket-step: expected a multiple of 32 for"),
         (["--resume"], "--resume: expected a complete checkpoint in"),
         (["--pipeline", "/nowhere"], "--pipeline: expected one of ('tiny', 'tiny:flux', 'tiny:flux2-klein', "),
     ],
@@ -162,7 +165,7 @@ def test_help_shows_every_default(capsys, monkeypatch, cli):
     with pytest.raises(SystemExit) as e:
         cli_main(["train", "--help"]) if cli else ns["main"](["--help"])
     text = capsys.readouterr().out
-    assert e.value.code == 0 and "square training size, a multiple of 16 (default: 512)" in text
+    assert e.value.code == 0 and "buckets of about this squared pixels; a multiple of 16 (default: 512)" in text
     shown = [a for a in ns["parser"]()._actions if a.option_strings and a.default is not argparse.SUPPRESS]
     for action in shown:  # (-h, --data, --output-dir: none)
         assert f"(default: {action.default})" in text, action.option_strings
@@ -183,13 +186,19 @@ PY_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ", re.M)  # how Python prints a 
 
 
 def _ran(done, out, *lines) -> None:
-    """Exit 0; stdout is ``lines`` then the two files written; no Python warning (the old
-    script printed torch's "torch.distributed is disabled ..." at each DCP save / load)."""
+    """Exit 0; stdout is the buckets and the cache lines, ``lines``, the two files written
+    and the peak memory; no Python warning (the old script printed torch's "torch.distributed is
+    disabled ..." at each DCP save / load)."""
     assert done.returncode == 0, done.stderr[-3000:]
     assert PY_WARNING.search(done.stderr) is None and "torch.distributed is disabled" not in done.stderr, done.stderr
+    start = [
+        "buckets (height x width: images): 32x32: 4 (of 1 buckets of about 32^2 pixels",
+        f"cache {out / 'cache'}: ",
+    ]
     wrote = [f"wrote {out / 'pytorch_lora_weights.safetensors'}", f"wrote {out / 'eval.json'} (eval loss "]
-    got = done.stdout.splitlines()
-    assert len(got) == len(lines) + 2 and all(g.startswith(w) for g, w in zip(got, [*lines, *wrote])), done.stdout
+    wrote += ["rank 0: peak memory "]
+    got, want = done.stdout.splitlines(), [*start, *lines, *wrote]
+    assert len(got) == len(want) and all(g.startswith(w) for g, w in zip(got, want)), done.stdout
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import stat
 import struct
 
 import torch
+from safetensors import safe_open
 
 # safetensors dtype name -> (torch dtype, bytes per element)
 DTYPES = {
@@ -199,8 +200,6 @@ def _check_tiling(path: str, infos: dict[str, TensorInfo], start: int, data_size
 def read_tensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every tensor of the safetensors file ``path`` and its metadata, the header
     validated by `read_header` first (so pickles and corrupt files are refused alike)."""
-    from safetensors import safe_open
-
     infos, metadata = read_header(path)
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -225,8 +224,6 @@ class Reader:
     def read_into(self, info: TensorInfo, index: tuple[slice, ...], out: torch.Tensor) -> None:
         """Copy ``info``'s tensor at ``index`` (one slice per dim) into ``out``, casting
         to ``out.dtype`` on the way."""
-        from safetensors import safe_open
-
         shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, info.shape))
         if shape != tuple(out.shape):
             raise AssertionError(f"{info.name}: slice {shape} does not fit {tuple(out.shape)}")

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Mapping
 
 import torch
+from tqdm.auto import tqdm
 
 import functional_dit as fd
 import sharding
@@ -349,8 +350,6 @@ def _bar(total: int, progress: bool | None, mesh, desc: str):
         progress = total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
     if not progress or (mesh is not None and torch.distributed.get_rank() != 0):
         return _NoBar()
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..pipelines.cache import parse  # imported on use: `--help` stays fast
 from ..pipelines.sampling import bad_seed
 
 
@@ -36,8 +37,6 @@ def seed(text: str) -> int:
 
 def cache_spec(text: str):
     """``--cache`` text -> a step-cache config (`functional_dit.pipelines.cache.parse`)."""
-    from ..pipelines.cache import parse  # imported on use: `--help` stays fast
-
     try:
         return parse(text)
     except ValueError as e:

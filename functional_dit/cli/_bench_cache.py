@@ -17,6 +17,8 @@ import time
 
 import torch
 
+import functional_dit as fd
+
 from .. import api as _api
 from .. import families
 from ..pipelines import cache as _cache
@@ -44,6 +46,7 @@ def bench_config(kind: str, mid):
 def diffusers_config(cache, steps: int, pipe=None):
     """diffusers' config for our ``cache`` (MagCache at ``steps``; FasterCache reading
     ``pipe``'s current timestep)."""
+    # diffusers: seconds to import, loaded when first used
     from diffusers.hooks import FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
     if isinstance(cache, _cache.FirstBlockCache):
@@ -97,9 +100,8 @@ def _stock_cached(pipe, cache, steps, size, kw):
 
 def family_rows(fam: str, mid, caches: list, steps: int, size: int) -> list[dict]:
     """One row per cache for family ``fam`` (see the module docstring)."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
-
-    import functional_dit as fd
 
     run = next(r for r in runs().values() if r.row == fam)
     kind, stock_kw, our_kw = run.kind, run.stock_kw, run.our_kw

@@ -77,6 +77,7 @@ def _holds_meta_state(module) -> bool:
 
 def diffusers_module(params, device, dtype):
     """The diffusers class of ``params.config`` holding the same weights (a copy)."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     def build(config):
@@ -113,6 +114,7 @@ def machine_kind() -> str:
 
 
 def machine() -> str:
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     dev = ""

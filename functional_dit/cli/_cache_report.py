@@ -12,6 +12,8 @@ attention calls.
 
 from __future__ import annotations
 
+import sys
+
 from ..pipelines import cache as _cache
 
 
@@ -57,8 +59,6 @@ def warning(runs, config, spec: str) -> str | None:
 
 def report(runs, config) -> None:
     """``generate``'s lines (rank 0): the summary on stdout, `warning` on stderr."""
-    import sys
-
     runs = [r for r in runs if r is not None]
     if not runs:
         return

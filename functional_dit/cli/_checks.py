@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 
 import torch
+from PIL import Image
+
+import weights
 
 from .. import families
 from ._args import CLIError
@@ -49,8 +52,6 @@ def open_images(paths, flag: str = "--image") -> list | None:
     """The ``flag`` files as RGB images; a missing or unreadable file is one line."""
     if not paths:
         return None
-    from PIL import Image
-
     images = []
     for p in paths:
         if not os.path.isfile(p):
@@ -108,8 +109,6 @@ def check_guidance(config, args) -> None:
 def check_checkpoint(model: str, config, pipeline: str, flag: str):
     """The transformer's config after `weights.inspect`'s checks, and that the pipeline
     (``flag`` names where it comes from) runs that family."""
-    import weights
-
     try:
         config = weights.inspect(model, config=config)
     except ValueError as e:

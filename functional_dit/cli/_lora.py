@@ -11,8 +11,11 @@ lora=...)`` as one list per prompt. docs/cli.md.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
+
+import functional_dit.lora as lora
 
 from ._args import CLIError
 
@@ -42,8 +45,6 @@ def _checked(entry: dict) -> dict:
 def spec(text: str) -> dict:
     """argparse type of ``--lora``: parsed here (a bad SCALE is argparse's one-line error),
     checked by `check`."""
-    import argparse
-
     try:
         return _parse(text)
     except ValueError as e:
@@ -85,8 +86,6 @@ def field(value, where: str) -> list[dict]:
 def load(params, lists) -> dict:
     """``{path: adapter}`` for every distinct path in ``lists`` (lists of ``{"path", "scale"}``),
     each read once with ``lora.load`` onto ``params``' mesh."""
-    import functional_dit.lora as lora
-
     out = {}
     for entries in lists:
         for e in entries or ():

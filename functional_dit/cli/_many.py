@@ -15,6 +15,14 @@ import math
 import os
 import time
 
+import torch.distributed as dist
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+from tqdm.auto import tqdm
+
+import functional_dit as fd
+import sharding
+
 from ..pipelines import placement as _placement
 from . import _cache_report, _lora
 from ._args import CLIError
@@ -112,8 +120,6 @@ def image_path(out_dir: str, request: dict) -> str:
 
 def _meta_of(path: str) -> dict | None:
     """The metadata of a complete PNG at ``path``; None if absent, partial or foreign."""
-    from PIL import Image
-
     try:
         with Image.open(path) as img:
             img.load()  # a truncated file fails here
@@ -136,8 +142,6 @@ def remove_partials(out_dir: str) -> None:
 
 def write(out_dir: str, request: dict, image, model: str, seconds: float) -> dict:
     """The PNG with its metadata in the text chunk, atomically; one manifest line appended."""
-    from PIL.PngImagePlugin import PngInfo
-
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     meta = dict(request, model=model, seconds=round(seconds, 3), created=now)
     info = PngInfo()
@@ -203,8 +207,6 @@ def sample_round(
 def _agreed_pending(out_dir: str, requests: list[dict], model: str) -> list[dict]:
     """Rank 0 decides what is left (and clears killed runs' temporary files); every rank
     gets the same list."""
-    import torch.distributed as dist
-
     box = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
@@ -217,12 +219,8 @@ def _agreed_pending(out_dir: str, requests: list[dict], model: str) -> list[dict
 
 def _writes(params) -> bool:
     """True on the first rank of each dp group (sp and tp coordinates 0)."""
-    import sharding
-
     _, mesh = sharding.local_view(params)
     if mesh is None:
-        import torch.distributed as dist
-
         return not dist.is_initialized() or dist.get_rank() == 0
     names = mesh.mesh_dim_names
     return all(mesh.get_local_rank(a) == 0 for a in names if a != "dp")
@@ -230,11 +228,6 @@ def _writes(params) -> bool:
 
 def run_many(args, params, pipe, images, model: str, rank0: bool, dp: int) -> int:
     """Generate every pending request of ``args.prompts`` into ``args.out_dir``."""
-    import torch.distributed as dist
-    from tqdm.auto import tqdm
-
-    import functional_dit as fd
-
     requests = read_requests(args.prompts, args)
     pending = _agreed_pending(args.out_dir, requests, model)
     adapters = _lora.load(params, [r.get("lora") for r in pending])  # each file once

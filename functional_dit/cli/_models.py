@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from .. import families
 from ..api import PRESETS
+from ..pipelines import tiny
 
 PREFIX = "tiny:"
 SEED = 0  # the tiny pipelines' weights: tiny.pipeline's default seed, as the demo
@@ -48,10 +51,6 @@ def tiny_pipeline(name: str, *, dtype=None, pipeline_class: str | None = None):
     progress bar off; ``pipeline_class`` (e.g. ``"FluxInpaintPipeline"``) rebuilds it as
     another stock class over the same components. The one place a tiny name becomes a
     pipeline: generate, the demo and a server call it."""
-    import torch
-
-    from ..pipelines import tiny
-
     kind = tiny_kind(name)
     if kind is None:
         raise ValueError(f"--model: expected a tiny pipeline name ({', '.join(tiny_names())}), got {name!r}")
@@ -62,6 +61,7 @@ def tiny_pipeline(name: str, *, dtype=None, pipeline_class: str | None = None):
 def as_class(pipe, name: str):
     """``pipe``'s components as the stock pipeline class ``name`` (what ``from_pipe`` does,
     without its ``.to(dtype)``, which logs a float32 notice per module), progress bar off."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     cls = getattr(diffusers, name)
@@ -91,6 +91,4 @@ def tiny_pipeline_class(name: str) -> str:
 
 def tiny_config(name: str):
     """The transformer config of a tiny name's pipeline (no pipeline is built)."""
-    from ..pipelines import tiny
-
     return tiny.transformer_config(tiny_kind(name))

@@ -25,6 +25,7 @@ NOTICES = {"transformers.utils.import_utils": logging.ERROR}
 def loading(progress: bool = False):
     """Inside: the `NOTICES` loggers at their raised level and, unless ``progress``, the
     diffusers / transformers progress bars off; both restored after."""
+    # transformers: seconds to import, loaded when first used
     import diffusers
     import transformers
 

@@ -10,6 +10,7 @@ import time
 import torch
 
 from .. import api as _api
+from .. import tiny
 
 
 def sync(device) -> None:
@@ -76,9 +77,8 @@ def rel_err(a, b) -> float:
 def stock_module(config, device, dtype, seed: int = 0):
     """diffusers' transformer class for ``config``, built on ``device`` with torch's default
     random init (seeded), then cast to ``dtype``: nothing is downloaded."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
-
-    from .. import tiny
 
     cfg = _api.config_to_diffusers(config)
     cls = getattr(diffusers, cfg.pop("_class_name"))

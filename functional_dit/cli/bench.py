@@ -14,12 +14,17 @@ import datetime
 import functools
 import math
 import os
+import shutil
+import socket
 import statistics
 import sys
 import tempfile
 import time
 
 import torch
+import torch._inductor.config as inductor_config
+import torch.multiprocessing as mp
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import sharding
 from sharding.internal import is_dtensor
@@ -27,7 +32,7 @@ from sharding.internal import is_dtensor
 from .. import api as _api
 from ..nn import kernels as _kernels
 from ..nn import quant as _quant
-from . import _bench_cache
+from . import _bench_cache, bench_sample, bench_suite
 from ._bench_models import (
     IMG_HW,
     TXT_LEN,
@@ -82,8 +87,6 @@ def peak_n(device) -> int:
 
 
 def _cpu_flash_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    from torch.utils.flop_counter import sdpa_flop_count
-
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
@@ -91,8 +94,6 @@ def count_flops(fn) -> int:
     """FLOPs of one call (``torch.utils.flop_counter``). torch's table has no entry for the
     CPU flash-attention kernel (it would count attention as 0 FLOPs on a CPU): this adds
     the same formula torch uses for the GPU attention kernels."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     extra = {}
     cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if cpu_flash is not None:
@@ -212,8 +213,6 @@ def _compile_first_call(fn, device) -> tuple[object, float]:
 def _cold_worker(which, config, dtype, device, shape_kw, cache_dir, out_path):
     """In a fresh process: the first call of a compiled ``which`` ("ours" | "diffusers")."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    import torch._inductor.config as inductor_config
-
     inductor_config.fx_graph_cache = False
     params = random_params(config, device, dtype)
     kw, dkw = inputs(config, device, dtype, **shape_kw)
@@ -233,8 +232,6 @@ def _warm_worker(cache_dir):
 
 
 def _in_process(target, *args) -> None:
-    import torch.multiprocessing as mp
-
     proc = mp.get_context("spawn").Process(target=target, args=args)
     proc.start()
     proc.join()
@@ -245,8 +242,6 @@ def _in_process(target, *args) -> None:
 def cold_compile(which, config, args, warm_dir) -> float:
     """Seconds of the first compiled call in a fresh process whose inductor cache is a copy
     of ``warm_dir``: the toolchain is warm, no kernel or graph of this model is cached."""
-    import shutil
-
     with tempfile.TemporaryDirectory() as d:
         cache, path = os.path.join(d, "cache"), os.path.join(d, "secs.pt")
         shutil.copytree(warm_dir, cache)
@@ -291,6 +286,7 @@ def compile_section(name, config, args, warm_dir) -> dict:
 
 def _widen_diffusers_tp_devices() -> None:
     """diffusers' TP refuses CPU meshes; allow "cpu" (this check only, nothing else)."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers.hooks.tensor_parallel as tp
 
     if "cpu" not in tp._SUPPORTED_TP_DEVICES:
@@ -303,12 +299,15 @@ def _diffusers_tp(module, tp_config, rank, world) -> None:
     model's ``_tp_plan``. Only the device lookup differs: enable_parallelism takes the device
     from ``torch.accelerator`` (none on a CPU machine: it divides by a device count of 0),
     here it is the CPU mesh's."""
+    # diffusers: seconds to import, loaded when first used
     from diffusers.hooks.tensor_parallel import (
         _check_tp_supported,
         _tp_degree,
         apply_tensor_parallel,
         resolve_tp_shard_specs,
     )
+
+    # diffusers: seconds to import, loaded when first used
     from diffusers.models._modeling_parallel import ParallelConfig
 
     heads = getattr(module.config, "num_attention_heads", None)
@@ -325,6 +324,7 @@ def _tp_rank(rank, world, port, name, config, runs, dtype, shape_kw, out_path):
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        # diffusers: seconds to import, loaded when first used
         from diffusers.models._modeling_parallel import TensorParallelConfig
 
         mesh = sharding.make_mesh(tp=world, device_type="cpu")
@@ -349,10 +349,6 @@ def _tp_rank(rank, world, port, name, config, runs, dtype, shape_kw, out_path):
 
 
 def tp_section(name, config, args) -> dict:
-    import socket
-
-    import torch.multiprocessing as mp
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -643,8 +639,6 @@ def _setup(args) -> dict:
         torch.set_num_threads(args.threads)
     if _fp8(args):
         args.no_tp = True  # the tp=2 rows build their own unquantized params
-    import torch._inductor.config as inductor_config
-
     inductor_config.fx_graph_cache = False  # cold compile times
     configs = _configs(args)
     args.blocks = {n: "+".join(str(getattr(c, k)) for k in ("num_layers", "num_single_layers") if hasattr(c, k))
@@ -675,12 +669,8 @@ def _measure(configs: dict, args) -> dict:
 
 def run(args) -> int:
     if getattr(args, "suite", None):  # one command for a GPU's whole picture: functional_dit.cli.bench_suite
-        from . import bench_suite
-
         return bench_suite.run(args)
     if getattr(args, "sampling", False):  # fd.sample vs stock, dp scaling: functional_dit.cli.bench_sample
-        from . import bench_sample
-
         return bench_sample.run(args)
     configs = _setup(args)
     command = "python -m functional_dit " + " ".join(getattr(args, "argv", sys.argv[1:]))

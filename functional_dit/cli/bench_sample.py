@@ -13,11 +13,20 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import socket
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import functional_dit as fd
+import sharding
+from functional_dit.cli import _bench_models as bench
+from functional_dit.pipelines import tiny
 
 PROMPTS = ["a red fox in the snow", "a lighthouse at dusk", "a bowl of ramen", "a bicycle against a wall"]
 SETTINGS = dict(height=512, width=512, steps=4)
@@ -25,11 +34,8 @@ SETTINGS = dict(height=512, width=512, steps=4)
 
 def pipeline():
     """(stock FluxPipeline with the mid transformer, our params of the same weights)."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
-
-    import functional_dit as fd
-    from functional_dit.cli import _bench_models as bench
-    from functional_dit.pipelines import tiny
 
     tc = tiny.transformer_config("flux")
     mid = bench.mid_configs()["flux1"]
@@ -52,8 +58,6 @@ def _stock(pipe, prompts, seed):
 
 def per_image(runs: int, images: int = 2) -> dict:
     """Seconds per image, fd.sample vs the stock pipeline, alternating, median of ``runs``."""
-    import functional_dit as fd
-
     pipe, params = pipeline()
     prompts = PROMPTS[:images]
     ours = lambda: fd.sample(params, pipe, prompts, seed=0, output_type="latent", **SETTINGS)  # noqa: E731
@@ -79,11 +83,6 @@ def per_image(runs: int, images: int = 2) -> dict:
 
 def _dp_worker(rank, world, port, threads, out_dir):  # mp.spawn's signature
     """One rank: warm up once, then time every prompt over this mesh (dp = world)."""
-    import torch.distributed as dist
-
-    import functional_dit as fd
-    import sharding
-
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     pipe, params = pipeline()
@@ -102,8 +101,6 @@ def _dp_worker(rank, world, port, threads, out_dir):  # mp.spawn's signature
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -111,8 +108,6 @@ def _free_port() -> int:
 
 def dp_scaling(threads: int = 1) -> dict:
     """Images per second on 1 rank and on dp=2 (``threads`` each), and whether they agree."""
-    import torch.multiprocessing as mp
-
     res = {}
     for world in (1, 2):
         with tempfile.TemporaryDirectory() as d:
@@ -153,10 +148,6 @@ def markdown(per: dict, dp: dict, command: str, started, machine: str) -> str:
 
 def run(args) -> int:
     """``bench --sampling``: both figures, printed and appended to ``--out``."""
-    import sys
-
-    from functional_dit.cli import _bench_models as bench
-
     if args.threads:
         torch.set_num_threads(args.threads)
     started = datetime.datetime.now(datetime.timezone.utc)

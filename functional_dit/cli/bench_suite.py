@@ -35,6 +35,7 @@ import torch
 
 from .. import api as _api
 from .. import families
+from ..pipelines import cache
 from ..pipelines.families import product as _product
 from . import _quiet, _suite_forward, _suite_pipes, _suite_report
 from ._suite_common import error_line
@@ -235,8 +236,6 @@ def _cache_spec(specs) -> str | None:
         return None
     if len(specs) > 1:
         raise ValueError(f"--cache: the suite takes one step-cache spec, got {len(specs)}: {specs}")
-    from ..pipelines import cache
-
     try:
         cache.parse(specs[0])
     except ValueError as e:

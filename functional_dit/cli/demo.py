@@ -13,6 +13,7 @@ file. Exit status 1 if a row is over it.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import socket
 import sys
@@ -21,11 +22,17 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from PIL import Image, ImageDraw
 
+import functional_dit as fd
+import sharding
+
 from .. import families
+from ..pipelines.cache import label
 from . import _cache_report, _models, _quiet
 from ._args import CLIError, positive
+from ._bench_cache import diffusers_config
 
 PROMPT = "a red fox sitting in fresh snow, soft morning light, detailed fur"
 NEGATIVE = "blurry, low quality"
@@ -107,8 +114,6 @@ def _stock_latents(pipe, seed: int, **kw) -> torch.Tensor:
 
 def _ours(params, pipe, row: Row, args, cache=None):
     """fd.sample's image and its final latents."""
-    import functional_dit as fd
-
     got = {}
     image = fd.sample(
         params,
@@ -151,8 +156,6 @@ def _pipeline(row: Row):
 def run_row(row: Row, args: dict) -> dict:
     """One row: fd.sample and the stock pipeline at the same seed, each timed after its
     warm-up (`_timed`), and the largest latent difference."""
-    import functional_dit as fd
-
     pipe = _pipeline(row)
     params = fd.from_diffusers(pipe.transformer)
     run = None if row.cache is None else fd.CacheRun(row.cache)
@@ -161,8 +164,6 @@ def run_row(row: Row, args: dict) -> dict:
     )
     name = type(pipe).__name__
     if run is not None:
-        from ..pipelines.cache import label
-
         name += f" + {label(run.config)}: {_cache_report.line([run], params.config)}"
     stock, stock_seconds = _timed(*_stock_calls(pipe, row, args, run))
     diff = (latents - stock).abs().max().item()
@@ -180,8 +181,6 @@ def _stock_calls(pipe, row: Row, args: dict, run=None):
     def warm():
         call(_warm(args)["steps"])
         if run is not None:
-            from ._bench_cache import diffusers_config
-
             pipe.transformer.enable_cache(diffusers_config(run.config, args["steps"]))
 
     return lambda: call(args["steps"]), warm
@@ -201,11 +200,6 @@ def _rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    import functional_dit as fd
-    import sharding
-
     try:
         mesh = sharding.make_mesh(tp=world, device_type="cpu", timeout=300)
         row = rows()[0]
@@ -226,8 +220,6 @@ def _rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
 def run_tp(args: dict, world: int) -> dict:
     """The FLUX.1 row on ``world`` spawned CPU processes (1 thread each) with tp=world;
     rank 0's result (every rank's latents must be bitwise equal)."""
-    import multiprocessing
-
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="fd_demo_") as out:
         port = _free_port()

@@ -10,6 +10,7 @@ heavy loading, each failure one line; the image is written through a temporary f
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -17,11 +18,17 @@ import resource
 import time
 
 import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+import functional_dit as fd
+import sharding
+import weights
 
 from .. import families
 from ..pipelines import placement as _placement
 from ..pipelines.schedule import STRENGTH, t_start
-from . import _cache_report, _lora, _models, _quiet
+from . import _cache_report, _lora, _many, _models, _quiet
 from . import _checks as C
 from ._args import CLIError, cache_spec, finite, positive, scale, seed
 from ._files import write_image
@@ -171,8 +178,6 @@ def _mesh_arguments(p) -> None:
 
 
 def _preset_folder(name: str) -> str:
-    import functional_dit as fd
-
     if name not in fd.PRESETS:
         raise CLIError(
             f"--model: {name!r} is no file or folder, nor a model name; expected a checkpoint or one of "
@@ -185,6 +190,7 @@ def _preset_folder(name: str) -> str:
             f"--model: preset {name!r} is a transformer shape without released weights or a pipeline; "
             f"offline, generate with a tiny pipeline ({', '.join(tiny)}) or pass a checkpoint"
         )
+    # the hub client, only for a repo id
     from huggingface_hub import snapshot_download
 
     try:
@@ -247,8 +253,6 @@ def resolve(args) -> tuple[str, str, str | None]:
 
 def _config(config):
     """A preset name stays a name (weights.load takes it); a config.json path becomes a config."""
-    import functional_dit as fd
-
     if config is None or config in fd.PRESETS:
         return config
     if not os.path.isfile(config):
@@ -304,14 +308,10 @@ def _mesh(args):
         raise CLIError(f"{flags}: expected {world_env} for {where}, got {values} = {want}")
     if want == 1:
         return None
-    import sharding
-
     return sharding.make_mesh(**sizes, device_type=args.device)
 
 
 def _device_dtype(args, mesh):
-    import sharding
-
     device = (
         sharding.mesh_device(mesh) if mesh is not None else torch.device(args.device or sharding.default_device_type())
     )
@@ -320,8 +320,6 @@ def _device_dtype(args, mesh):
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -370,8 +368,6 @@ def _setup(args):
     C.check_guidance(config, args)
     C.check_device(args.device)
     if args.prompts is not None:
-        from . import _many
-
         for r in _many.read_requests(args.prompts, args):
             _check_size(scale, r["height"], r["width"])
     mesh = _mesh(args)
@@ -403,9 +399,8 @@ def _tiny_name(args) -> str | None:
 
 def _load(args, model, base, config, mesh, device, dtype):
     """A checkpoint: the pipeline's encoders, VAE and scheduler from ``base``, our transformer from ``model``."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
-
-    import weights
 
     pipe = diffusers.DiffusionPipeline.from_pretrained(base, transformer=None, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
@@ -424,9 +419,6 @@ def _load(args, model, base, config, mesh, device, dtype):
 def _load_tiny(name: str, mesh, device, dtype, quantize: str | None = None):
     """A tiny pipeline built offline (`_models.tiny_pipeline`), its transformer as our params
     (fp8 compute with ``quantize``: `_quantized`)."""
-    import functional_dit as fd
-    import sharding
-
     pipe = _models.tiny_pipeline(name, dtype=dtype)
     params = fd.from_diffusers(pipe.transformer.to(device if mesh is None and not quantize else "cpu"))
     pipe.transformer = None  # fd.sample never calls it; the params hold its weights
@@ -437,9 +429,6 @@ def _load_tiny(name: str, mesh, device, dtype, quantize: str | None = None):
 
 def _quantized(params, scheme: str, mesh, device):
     """``params`` in fp8 compute (`fd.quantize`), sharded over ``mesh`` or moved to ``device``."""
-    import functional_dit as fd
-    import sharding
-
     params = fd.quantize(params, scheme)
     if mesh is not None:
         return sharding.shard_params(params, mesh)
@@ -449,8 +438,6 @@ def _quantized(params, scheme: str, mesh, device):
 def _sized(args):
     """``args`` as a new namespace with --height/--width/--steps filled where left out:
     `TINY_DEFAULTS` for an offline tiny pipeline, else `DEFAULTS`."""
-    import argparse
-
     table = TINY_DEFAULTS if _tiny_name(args) is not None else DEFAULTS
     return argparse.Namespace(**{**vars(args), **{k: v for k, v in table.items() if getattr(args, k, None) is None}})
 
@@ -459,8 +446,6 @@ def run(args) -> int:
     args = _sized(args)
     pipe, params, images, device, rank0, start, loaded = _setup(args)
     if args.prompts is not None:
-        from . import _many
-
         return _many.run_many(args, params, pipe, images, args.model, rank0, args.dp)
     return _run_one(args, pipe, params, images, device, rank0, start, loaded)
 
@@ -494,10 +479,6 @@ def fp8_note(scheme: str | None, device) -> str:
 
 def _run_one(args, pipe, params, images, device, rank0: bool, start: float, loaded: float) -> int:
     """``--prompt``: one image with a progress bar over steps, written by rank 0."""
-    from tqdm.auto import tqdm
-
-    import functional_dit as fd
-
     adapters = _lora.argument([args.lora], _lora.load(params, [args.lora]))
     strength = getattr(args, "strength", None)
     runs = args.steps if strength is None else args.steps - t_start(args.steps, strength)

@@ -21,11 +21,20 @@ def _seconds(text: str) -> float:
     return v
 
 
+def _padding(text: str) -> float:
+    """A finite ratio of at least 1."""
+    v = finite(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a ratio of padded to real tokens >= 1, got {text!r}")
+    return v
+
+
 def add_arguments(p) -> None:
     """The model and its adapters, where to listen, the batching and request limits, the ranks."""
     _model_arguments(p)
     _limit_arguments(p)
     _rank_arguments(p)
+    _xla_arguments(p)
 
 
 def _model_arguments(p) -> None:
@@ -49,6 +58,19 @@ def _limit_arguments(p) -> None:
     """Batching, priorities, and what one request may ask for."""
     p.add_argument("--max-batch", type=positive, default=8, help="images per running batch (1: batching off)")
     p.add_argument("--max-queue", type=positive, default=64, help="images waiting; more is a 429")
+    p.add_argument(
+        "--mixed-resolution",
+        choices=("on", "off"),
+        default="on",
+        help="images of several sizes in one model call (padded; FLUX.1, Qwen-Image); off: one call per size",
+    )
+    p.add_argument(
+        "--max-padding",
+        type=_padding,
+        default=None,
+        metavar="R",
+        help="a mixed-resolution call's padded tokens over its real ones, at most (>= 1; default 1.10)",
+    )
     p.add_argument(
         "--aging",
         type=_seconds,
@@ -82,12 +104,31 @@ def _rank_arguments(p) -> None:
     )
 
 
+def _xla_arguments(p) -> None:
+    """The fixed-shape step graphs of lazy devices (docs/xla.md "Serving")."""
+    p.add_argument(
+        "--device", choices=("cpu", "xla"), default="cpu", help="where the transformer runs (xla: torch_xla)"
+    )
+    p.add_argument(
+        "--xla-buckets",
+        default=None,
+        metavar="N,N,...",
+        help="batch sizes each step is padded to, one graph each (--device xla's default: 1,2,4,8; "
+        "on the cpu: the same padded steps, eager)",
+    )
+    p.add_argument("--xla-warmup", action="store_true", help="compile every bucket and --xla-sizes before listening")
+    p.add_argument("--xla-strict", action="store_true", help="a size not warmed is a 400 naming size")
+    p.add_argument("--xla-sizes", default=None, metavar="WxH,...", help="the sizes warmed (default: --size)")
+    p.add_argument("--xla-cache", default=None, metavar="DIR", help="torch_xla's persistent compilation cache folder")
+
+
 MISSING = 'serve needs starlette and uvicorn: pip install -e ".[serve]"'
 MISSING_MULTIPART = 'serve needs python-multipart (the edits uploads): pip install -e ".[serve]"'
 
 
 def run(args) -> int:
     import importlib
+    import importlib.util
 
     try:  # before anything loads: one line, not a traceback from deep inside
         importlib.import_module("starlette")
@@ -99,6 +140,9 @@ def run(args) -> int:
     except ImportError:
         raise CLIError(MISSING_MULTIPART) from None
     from .. import serve
+
+    if args.device == "xla" and importlib.util.find_spec("torch_xla") is None:
+        raise CLIError(serve.XLA_MISSING)
 
     return serve.run(args, load_model)
 

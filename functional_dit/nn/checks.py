@@ -89,14 +89,30 @@ def reference_leaf(params, path: str) -> torch.Tensor:
     return get(params.tree, path)
 
 
-def check_rope(rope, rows: int, head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def check_rope(rope, rows: int, head_dim: int, device=None, batch=None) -> tuple[torch.Tensor, torch.Tensor]:
     """A precomputed RoPE table as ``apply`` builds it from position ids: (cos, sin), each
-    (rows, head_dim) float32, rows in (txt; img) order. Returns the pair as a tuple."""
+    (rows, head_dim) float32, rows in (txt; img) order; where the family takes one table
+    per batch row (``batch`` given: rows of several image sizes in one call), each may be
+    (batch, rows, head_dim). Returns the pair as a tuple."""
     if not isinstance(rope, (tuple, list)) or len(rope) != 2:
         raise ValueError(f"rope: expected a (cos, sin) pair of tensors, got {type(rope).__name__}")
+    per_row = batch is not None and isinstance(rope[0], torch.Tensor) and rope[0].ndim == 3
     for name, a in zip(("rope[0] (cos)", "rope[1] (sin)"), rope):
-        check_tensor(name, a, (rows, head_dim), torch.float32, device)
+        check_tensor(name, a, (batch, rows, head_dim) if per_row else (rows, head_dim), torch.float32, device)
     return tuple(rope)
+
+
+def img_valid_bias(img_valid, batch: int, seq: int, device=None) -> torch.Tensor | None:
+    """``img_valid`` (B, S_img) bool or int, 1 = a real image token, 0 = padding (a row that
+    holds a smaller image than the call's longest, `functional_dit.pipelines.sampler._packing`),
+    as an additive fp32 key bias (0 keep, -inf drop); None for None."""
+    if img_valid is None:
+        return None
+    check_tensor("img_valid", img_valid, (batch, seq), device=device)
+    if img_valid.dtype.is_floating_point or img_valid.dtype.is_complex:
+        raise ValueError(f"img_valid: expected a bool or integer tensor (1 = real token), got {img_valid.dtype}")
+    zero = torch.zeros((), dtype=torch.float32, device=img_valid.device)
+    return torch.where(img_valid.bool(), zero, torch.full_like(zero, float("-inf")))
 
 
 def check_rope_or_ids(rope, **ids) -> None:

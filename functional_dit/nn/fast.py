@@ -199,7 +199,7 @@ def rms_norm_fp32(p, x, eps=1e-6):
 def _rope_real(x, cos, sin):
     xr, xi = x.unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack([-xi, xr], dim=-1).flatten(-2)
-    return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
+    return (x.float() * cos.unsqueeze(-2) + rotated.float() * sin.unsqueeze(-2)).to(x.dtype)
 
 
 def _rope_complex(x, cos, sin):
@@ -208,7 +208,7 @@ def _rope_complex(x, cos, sin):
     xf = x.float()
     if xf.stride(-1) != 1 or any(st % 2 for st in xf.stride()[:-1]) or xf.storage_offset() % 2:
         return _rope_real(x, cos, sin)
-    freqs = torch.complex(cos[:, None, 0::2], sin[:, None, 0::2])  # (S, 1, D/2)
+    freqs = torch.complex(cos.unsqueeze(-2)[..., 0::2], sin.unsqueeze(-2)[..., 0::2])  # ([B,] S, 1, D/2)
     xc = torch.view_as_complex(xf.unflatten(-1, (-1, 2)))
     return torch.view_as_real(xc * freqs).flatten(-2).to(x.dtype)
 

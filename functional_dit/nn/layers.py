@@ -72,7 +72,7 @@ def _add_lora(y: torch.Tensor, hs, p) -> torch.Tensor:
     for h, f in zip(hs, p["lora"]):
         _, B, s, b, g = f[:5]
         rows = _lora_rows(f)
-        u = F.linear(h, B, b) * s
+        u = F.linear(h, B, b) * _row_scale(s, h)
         if rows is None:
             out = out + u if g is None else out + (g - 1) * (out if base_bias is None else out - base_bias) + g * u
             continue
@@ -80,6 +80,13 @@ def _add_lora(y: torch.Tensor, hs, p) -> torch.Tensor:
         delta = u if g is None else (g - 1) * (cur if base_bias is None else cur - base_bias) + g * u
         out = out.to(torch.promote_types(out.dtype, delta.dtype)).index_add(0, rows, delta.to(out.dtype))
     return out.to(y.dtype)
+
+
+def _row_scale(s, h: torch.Tensor):
+    """An adapter's scale: a number or 0-d tensor as is; a (rows,) tensor (one scale per
+    batch row, 0 where the row has no such adapter: the fixed-shape batches of the XLA
+    server, `pipelines.sampler_xla_batch`) viewed to broadcast over ``h``'s other dims."""
+    return s.view(-1, *(1,) * (h.ndim - 1)) if isinstance(s, torch.Tensor) and s.ndim == 1 else s
 
 
 def col_linear(p, x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
@@ -295,10 +302,11 @@ def rope(ids: torch.Tensor, axes_dim, theta: float) -> tuple[torch.Tensor, torch
 
 @replaceable(fast.apply_rope)
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of x (B, S, H, D) by cos/sin (S, D) in fp32."""
+    """Rotate interleaved pairs of x (B, S, H, D) by cos/sin (S, D) in fp32; (B, S, D):
+    a table per row (items of several sizes in one call, `shard_joint`)."""
     xr, xi = x.unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack([-xi, xr], dim=-1).flatten(-2)
-    return (x.float() * cos[:, None] + rotated.float() * sin[:, None]).to(x.dtype)
+    return (x.float() * cos.unsqueeze(-2) + rotated.float() * sin.unsqueeze(-2)).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -397,22 +405,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch
     return sharding.sequence_attention(_sdpa, _ring_block, q, k, v, key_bias).flatten(2)
 
 
-def shard_joint(txt: torch.Tensor, img: torch.Tensor, pe, txt_bias: torch.Tensor | None = None):
+def shard_joint(txt: torch.Tensor, img: torch.Tensor, pe, txt_bias=None, img_bias=None):
     """Split a joint (txt; img) sequence over ``sp``: each rank holds (txt chunk; img
-    chunk) and the matching RoPE rows. Returns txt, img, pe and the (B, S_local) key
-    bias that masks padding (and ``txt_bias`` (B, S_txt), e.g. a prompt mask), or None."""
+    chunk) and the matching RoPE rows (a (S, D) table, or (B, S, D): one per row). Returns
+    txt, img, pe and the (B, S_local) key bias that masks padding (and ``txt_bias`` (B,
+    S_txt), e.g. a prompt mask, and ``img_bias`` (B, S_img), the padding of rows that
+    hold smaller images), or None."""
     T, S = txt.shape[1], img.shape[1]
-    cos, sin = pe
-    pe = tuple(torch.cat([sharding.shard(a[:T], "sp", 0), sharding.shard(a[T:], "sp", 0)]) for a in (cos, sin))
-    if txt_bias is not None:
-        txt_bias = sharding.shard(txt_bias, "sp", 1)
+    d = pe[0].ndim - 2  # the rows' dim of the table
+    if d and pe[0].shape[0] != img.shape[0]:  # a split batch (dp) keeps every row's table: refused
+        raise ValueError(f"rope: a table per row needs all {pe[0].shape[0]} rows here, got {img.shape[0]} (dp)")
+    pe = tuple(
+        torch.cat([sharding.shard(a.narrow(d, 0, T), "sp", d), sharding.shard(a.narrow(d, T, S), "sp", d)], d)
+        for a in pe
+    )
+    txt_bias, img_bias = (None if b is None else sharding.shard(b, "sp", 1) for b in (txt_bias, img_bias))
     biases = [sharding.pad_bias(T, "sp", img.device), sharding.pad_bias(S, "sp", img.device)]
     txt, img = sharding.shard(txt, "sp", 1), sharding.shard(img, "sp", 1)
-    if txt_bias is None and all(b is None for b in biases):
+    if txt_bias is None and img_bias is None and all(b is None for b in biases):
         return txt, img, pe, None
     B = img.shape[0]
     tb = torch.zeros(B, txt.shape[1], device=img.device) if biases[0] is None else biases[0].expand(B, -1)
     if txt_bias is not None:
         tb = tb + txt_bias
     ib = torch.zeros(B, img.shape[1], device=img.device) if biases[1] is None else biases[1].expand(B, -1)
+    if img_bias is not None:
+        ib = ib + img_bias
     return txt, img, pe, torch.cat([tb, ib], 1)

@@ -13,7 +13,9 @@ whole batch (one ``t`` per row, per-item LoRA as ``fd.apply``'s ``(adapter, scal
 form, true CFG as two rows of the item), each item's CFG combination and scheduler step;
 it changes nothing it is given. `decode` turns finished items into images. `merge` and
 `split` let a server add items to a running batch and take finished ones out between steps
-(`functional_dit.serve`).
+(`functional_dit.serve`); ``merge(..., mixed=True)`` joins items of several keys, which a
+step then packs into one padded model call where the family can (FLUX.1, Qwen-Image:
+`functional_dit.pipelines.sampler._packing`), else steps one key per call.
 
 Each item's image equals ``fd.sample`` of that request alone (tests/test_sampling.py;
 docs/serving.md gives the measured difference). Requests cover the text-to-image pipelines
@@ -45,6 +47,7 @@ from . import sampler as _sampler
 from .cache.internal import items as _cache_items
 from .families import NO_TABLES
 from .families import product as _product
+from .sampler.internal import packing as _packing
 from .sampler.internal import ranks as _ranks
 from .sampler.internal import state as _state
 
@@ -57,6 +60,11 @@ Context, Item, State, step = _state.Context, _state.Item, _state.State, _state.s
 cache_config = _cache_items.config
 cache_skipped = _cache_items.skipped
 cache_decisions = _cache_items.decisions
+
+# Mixed resolutions (`functional_dit.pipelines.sampler._packing`): whether items of several
+# keys may share one padded model call (``packs(params, ctx, items)``), that call's padded
+# over real tokens (``padding(items)``) and its image sizes (``resolutions(items)``).
+packs, padding, resolutions = _packing.packs, _packing.padding, _packing.resolutions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,19 +152,22 @@ def check(ctx: Context, params, req: Request) -> None:
         raise ValueError(f"cache: step caching is not supported for {ctx.fam} yet; expected None")
 
 
-def init(params, ctx: Context, requests, tags=None) -> State:
+def init(params, ctx: Context, requests, tags=None, host_schedule: bool = False) -> State:
     """A state of ``requests`` at step 0 (prompts encoded, noise drawn, schedules set);
-    the keys of those that share calls must agree (`Item.key`; a server batches by key)."""
+    the keys of those that share calls must agree (`Item.key`; a server batches by key).
+    ``host_schedule``: each text-to-image item's scheduler set on the CPU, for steps that
+    read it on the host (`pipelines.sampler_xla_batch`); `step` needs it on the params' device."""
     tags = [None] * len(requests) if tags is None else list(tags)
     with torch.no_grad():
-        items = tuple(_item(params, ctx, r, tag) for r, tag in zip(requests, tags))
+        items = tuple(_item(params, ctx, r, tag, host_schedule) for r, tag in zip(requests, tags))
     return merge(State(ctx), State(ctx, items))
 
 
-def _item(params, ctx: Context, req: Request, tag) -> Item:
+def _item(params, ctx: Context, req: Request, tag, host_schedule: bool = False) -> Item:
     """The request's item at step 0: its prompt encoded and its noise drawn as one chunk of
     ``fd.sample`` (`sampler._chunk`), made an item as ``fd.sample`` makes its chunks'
-    (`sampler._item`), with the request's own step cache."""
+    (`sampler._item`; ``host_schedule``: its scheduler on the CPU), with the request's own
+    step cache."""
     check(ctx, params, req)
     if req.prepared or ctx.model is None:  # an image job (the pipeline's own, or its inputs), sigmas, embeddings
         return _prepared_item(params, ctx, req, tag)
@@ -170,7 +181,7 @@ def _item(params, ctx: Context, req: Request, tag) -> Item:
                         lora=lora)  # fmt: skip
     chunk = _sampler._chunk(ctx.model, NO_TABLES, reqs, (0,), job, ctx.dtype, ctx.device)
     _agree(params, req, ctx.model, chunk, cfg)
-    item = _sampler._item(ctx, chunk, job)
+    item = _sampler._item(ctx, chunk, job, fixed=host_schedule)
     cache = _cache_items.config(req.cache, len(item.timesteps))
     state = _cache_items.init(cache, ctx.model.cfg_calls if cfg is not None else 1)  # one per model call of a step
     return dataclasses.replace(item, request=req, tag=tag, cache=cache, cache_state=state)
@@ -204,15 +215,16 @@ def _prepared_item(params, ctx: Context, req: Request, tag) -> Item:
     return dataclasses.replace(item, request=req, tag=tag, own=own)
 
 
-def merge(*states: State) -> State:
+def merge(*states: State, mixed: bool = False) -> State:
     """One state of every item of ``states`` (same context; the items that share model
-    calls, those without a context of their own, one key)."""
+    calls, those without a context of their own, one key; ``mixed``: several keys, each
+    step then one padded call where the family packs sizes, else one call per key)."""
     ctx = states[0].ctx
     items = tuple(it for s in states for it in s.items)
     if any(s.ctx is not ctx for s in states):
         raise ValueError("states: expected states of one context (one model), got several")
     keys = {it.key for it in items if it.own is None}
-    if len(keys) > 1:
+    if len(keys) > 1 and not mixed:
         raise ValueError(f"states: a batch needs one key (latent h, w, text length); got {sorted(keys)}")
     return State(ctx, items)
 

@@ -116,7 +116,17 @@ class Service:
             true_cfg=_number(body, "true_cfg", float, 0, None), negative_prompt=neg, lora=self._lora(body.get("lora")),
             max_sequence_length=self.limits["max_sequence_length"], cache=cache,
         )  # fmt: skip
-        return [sampling.Request(prompt, seed=seed + j, **kw) for j in range(n)]
+        out = [sampling.Request(prompt, seed=seed + j, **kw) for j in range(n)]
+        self._backend_check(out[0], dict(body, size=f"{width}x{height}"))
+        return out
+
+    def _backend_check(self, req, body) -> None:
+        """What the engine's backend refuses (the XLA backend: step caches, sizes not warmed
+        under --xla-strict), as a 400 naming the field."""
+        refuse = getattr(self.engine.backend, "refuse", None)
+        bad = None if refuse is None else refuse(req)
+        if bad is not None:
+            raise BadRequest(bad[0], bad[1], body.get(bad[0]))
 
     def order(self, body) -> tuple:
         """(``priority``, ``deadline_ms`` or None) of a checked body (BadRequest naming either)."""
@@ -337,6 +347,8 @@ def _prometheus(engine) -> str:
         f"fd_serve_images_total {m.images}",
         "# TYPE fd_serve_preempted_total counter",
         f"fd_serve_preempted_total {m.preempted}",
+        "# TYPE fd_serve_mixed_resolution_calls_total counter",
+        f"fd_serve_mixed_resolution_calls_total {m.mixed_calls}",
         "# TYPE fd_serve_joined_running_batch_total counter",
         f"fd_serve_joined_running_batch_total {m.joined}",
         "# TYPE fd_serve_step_seconds summary",
@@ -354,4 +366,5 @@ def _prometheus(engine) -> str:
     for p, (total, count) in sorted(m.latency.items()):
         lines += [f'fd_serve_latency_seconds_sum{{priority="{p}"}} {total:.6g}',
                   f'fd_serve_latency_seconds_count{{priority="{p}"}} {count}']  # fmt: skip
+    lines += getattr(engine.backend, "metrics", list)()  # the XLA backend's compiles, transfers, padding
     return "\n".join(lines) + "\n"

@@ -10,21 +10,28 @@ One worker thread owns the model. Its loop, each turn:
    full batch whose lowest-ordered image comes after a ready one gives it up (preemption:
    the item, its latents, step index and cache state, goes back to the ready queue
    untouched and resumes there when it is first again);
-4. runs ONE step of ONE batch, the next key after the last one stepped (round robin over
-   the keys that have running images), so every resolution gets a step in every round
-   of k turns (k = the number of keys) and none starves;
+4. runs ONE step of ONE batch: the key whose running batch holds the first image in the
+   order below (first come, first served across sizes, batched within one: a size's
+   batch steps until its first image is done, then the next first image's size goes;
+   none starves, as the order is a queue); with mixed resolutions on (``mixed``), the
+   batches of other keys join that model call while it holds at most ``max_batch``
+   images padded to at most ``max_padding`` times their tokens (`_together`,
+   `functional_dit.pipelines.sampler._packing`; docs/serving.md says when it pays);
 5. decodes the images that finished and hands each job its images once all are done.
 
-**Order** (admission, encoding, preemption): by *virtual arrival*, a job's arrival time
-less ``priority * aging`` seconds, earliest first (ties: the job id, then the image). A
-priority is so a head start: priority 2 with ``aging`` 10 s goes before every priority-0
-job that arrived less than 20 s before it, and after those that waited longer. The
-order of two jobs never changes while they wait (both age alike), so a preempted image is
-not taken back and forth; and no job starves: only jobs arriving within ``(p' - p) *
-aging`` seconds after a priority-p job can overtake it. It is the same on every rank (rank
-0's arrival times are broadcast).
+**Order** (admission, encoding, preemption, the batch stepped): by *virtual arrival*, a
+job's arrival time less ``priority * aging`` seconds, earliest first (ties: the job id,
+then the image). A priority is so a head start: priority 2 with ``aging`` 10 s goes
+before every priority-0 job that arrived less than 20 s before it, and after those that
+waited longer. The order of two jobs never changes while they wait (both age alike), so a
+preempted image is not taken back and forth; and no job starves: only jobs arriving
+within ``(p' - p) * aging`` seconds after a priority-p job can overtake it. It is the same
+on every rank (rank 0's arrival times are broadcast).
 
 The HTTP side (`functional_dit.serve._app`) only submits jobs and awaits their futures.
+Items are made, stepped and decoded by the engine's ``backend``: `functional_dit.sampling`
+(``init``, ``step``, ``decode``), or under ``serve --device xla`` the fixed-shape step graphs
+of `functional_dit.serve._xla.Fixed` (the same three, the same order and batching).
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ import threading
 import time
 
 from ..pipelines import sampling
+
+MAX_PADDING = 1.10  # the padded over real tokens a mixed-resolution call may hold (docs/serving.md)
 
 
 class QueueFull(Exception):
@@ -75,6 +84,7 @@ class Metrics:
         self.last_step_seconds = 0.0
         self.joined = 0  # images that joined a batch already running (mid-batch arrivals)
         self.preempted = 0  # images taken out of a running batch for a job ordered before them
+        self.mixed_calls = 0  # model calls holding two or more resolutions (`Engine._together`)
         self.latency = collections.defaultdict(lambda: [0.0, 0])  # priority -> [seconds, answers] of 200s
         self.cache_skipped = 0  # branch-steps of finished images whose step cache skipped blocks
         self.groups = collections.Counter()  # dp group -> images it made
@@ -97,11 +107,17 @@ class Engine:
     """Continuous batching of ``params`` over ``pipe``; ``adapters`` by name."""
 
     def __init__(
-        self, params, pipe, adapters=None, *, max_batch=8, max_queue=64, sync=None, aging=10.0, image_jobs=False
-    ):
+        self, params, pipe, adapters=None, *, max_batch=8, max_queue=64, sync=None, aging=10.0, image_jobs=False,
+        mixed=True, max_padding=MAX_PADDING, backend=None,
+    ):  # fmt: skip
         self.params, self.adapters = params, dict(adapters or {})
+        # mixed: images of several sizes in one model call, padded to at most max_padding x their tokens
+        self.mixed, self.max_padding = mixed, max_padding
         # image_jobs: a pipeline that is an image job of its own (Kontext, the edit pipelines), every item its own
         self.ctx = sampling.context(params, pipe, text_to_image=not image_jobs)
+        # what makes, steps and decodes items: ``init`` / ``step`` / ``decode`` of `functional_dit.sampling`,
+        # or of what ``backend(ctx, adapters)`` makes (``serve``'s fixed-shape XLA one: `functional_dit.serve._xla`)
+        self.backend = sampling if backend is None else backend(self.ctx, self.adapters)
         self.max_batch, self.max_queue, self.aging = max_batch, max_queue, aging
         self.metrics = Metrics()
         self._lock = threading.Condition()
@@ -114,7 +130,6 @@ class Engine:
         self.heartbeat = None if sync is None else 1.0  # idle turns keep the other ranks' collectives alive
         self._ready: dict = collections.defaultdict(collections.deque)  # key -> encoded items
         self._running: dict = {}  # key -> sampling.State
-        self._last = None  # the key stepped last (round robin)
         self._stop = False
         self.group = 0  # this rank's dp group
         self.others = None  # rank 0 under --dp: the jobs other groups run (`_ranks.Ranks`)
@@ -197,25 +212,50 @@ class Engine:
         self._encode()
         self._admit()
         key = self._next_key()
-        if key is None:
-            return False
-        t0 = time.perf_counter()
-        state = sampling.step(self.params, self._running[key])
-        dt = time.perf_counter() - t0
-        self.metrics.steps, self.metrics.step_seconds, self.metrics.last_step_seconds = (
-            self.metrics.steps + 1,
-            self.metrics.step_seconds + dt,
-            dt,
+        if key is not None:
+            self._step(self._together(key))
+        return False
+
+    def _step(self, keys: list) -> None:
+        """One step of the running batches of ``keys`` in one model call (several: mixed
+        resolutions, `_together`); the finished images decoded and delivered."""
+        ctx = self.ctx
+        state = (
+            sampling.merge(*(self._running[k] for k in keys), mixed=True) if len(keys) > 1 else self._running[keys[0]]
         )
+        t0 = time.perf_counter()
+        state = self.backend.step(self.params, state)
+        dt = time.perf_counter() - t0
+        m = self.metrics
+        m.steps, m.step_seconds, m.last_step_seconds = m.steps + 1, m.step_seconds + dt, dt
+        m.mixed_calls += len(keys) > 1 and sampling.resolutions(state.items) > 1
         for it in state.items:
             it.tag[0].progress[it.tag[1]] = it.i
         done, rest = sampling.split(state)
-        self._running[key] = rest
-        if not rest.items:
-            del self._running[key]
+        for k in keys:
+            self._running[k] = sampling.State(ctx, tuple(it for it in rest.items if it.key == k))
+            if not self._running[k].items:
+                del self._running[k]
         if done.items:
             self._finish(done)
-        return False
+
+    def _together(self, key) -> list:
+        """``key`` and, with mixed resolutions on, the other running keys whose images join
+        its model call: in the order of their first images (`_next_key`'s), each while the
+        call then holds at most ``max_batch`` images that may share it (`sampling.packs`)
+        and pads them to at most ``max_padding`` times their tokens (`sampling.padding`;
+        docs/serving.md)."""
+        if not self.mixed:
+            return [key]
+        chosen, items = [key], list(self._running[key].items)
+        for k in sorted((k for k in self._running if k != key), key=self._first):
+            more = items + list(self._running[k].items)
+            if len(more) <= self.max_batch and self._packs(more):
+                chosen, items = [*chosen, k], more
+        return chosen
+
+    def _packs(self, items) -> bool:
+        return sampling.packs(self.params, self.ctx, items) and sampling.padding(items) <= self.max_padding
 
     def _drop_cancelled(self) -> None:
         with self._lock:
@@ -236,7 +276,7 @@ class Engine:
                     return
                 job, j = self._waiting.popleft()
             try:
-                state = sampling.init(self.params, self.ctx, [job.requests[j]], tags=[(job, j)])
+                state = self.backend.init(self.params, self.ctx, [job.requests[j]], tags=[(job, j)])
             except Exception as e:  # noqa: BLE001 - the job fails, the server goes on
                 self._deliver(job, None, e)
                 continue
@@ -286,15 +326,22 @@ class Engine:
         return True
 
     def _next_key(self):
-        keys = sorted(self._running)
-        if not keys:
+        """The key whose running batch holds the first image in the order (None: nothing
+        runs). Not a round robin over keys: with k sizes in flight that made every image
+        take k times its steps' turns (processor sharing, which a queue of equal jobs
+        serves worse than first come, first served), and kept each size's batch small.
+        The price: a request of many steps holds the other sizes back until it is done
+        (its own size's newcomers still join its batch)."""
+        if not self._running:
             return None
-        later = [k for k in keys if self._last is None or k > self._last]
-        self._last = later[0] if later else keys[0]
-        return self._last
+        return min(self._running, key=self._first)
+
+    def _first(self, key):
+        """The order of the first image in ``key``'s running batch."""
+        return min(self.order(*it.tag) for it in self._running[key].items)
 
     def _finish(self, done: sampling.State) -> None:
-        images = sampling.decode(done, "pil")
+        images = self.backend.decode(done, "pil")
         now = time.monotonic()
         for it, img in zip(done.items, images):
             job, j = it.tag
@@ -319,6 +366,7 @@ class Engine:
             jobs = {e[0] for e in self._waiting} | set(self._inbox)
         jobs |= {it.tag[0] for q in self._ready.values() for it in q}
         jobs |= {it.tag[0] for s in self._running.values() for it in s.items}
+        jobs |= set(self._live.values())  # also those whose images were between steps (finishing)
         jobs |= set(self.others.jobs()) if self.others is not None else set()
         for job in jobs:
             self._deliver(job, None, error)

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of a FLUX.1 / FLUX.2 / FLUX.2-klein / Qwen-Image transformer on an
+"""LoRA fine-tuning of a FLUX.1 / FLUX.2 / klein / Qwen-Image / FLUX.3 / Qwen-Image 2.1 transformer on an
 image-caption folder, fully sharded: ``python -m functional_dit train``.
 
     torchrun --nproc-per-node 2 -m functional_dit train --data my_images --output-dir run \\
@@ -19,13 +19,19 @@ What it does, in order (docs/training.md says more):
 1. Checks every argument (a bad one exits naming it, the expected and the actual value)
    before anything is loaded; an ``--output-dir`` holding an earlier run is refused unless
    ``--resume`` continues it or ``--overwrite`` starts over.
-2. Rank 0 encodes the data once with the pipeline's VAE and text encoders into
-   ``<output-dir>/cache.pt`` (reused while the images, captions and options are the same);
-   the other ranks wait and read it; the VAE and text encoders are then dropped.
-3. The frozen transformer (``--dtype``) and a fresh fp32 LoRA (``lora.init``) are sharded
-   over ``sharding.make_mesh(fsdp=--fsdp, tp=--tp)``; AdamW updates each rank's shards.
-4. Each step: the rectified-flow loss on the next ``--batch-size`` x ``--grad-accum`` items
-   of a per-epoch permutation (``--grad-accum`` forwards, gradients summed), with noise,
+2. Each image goes to the aspect-ratio bucket nearest its own (sizes of about
+   ``--resolution``² pixels, sides multiples of ``--bucket-step``, within
+   ``--max-aspect-ratio``), resized to cover it and centre-cropped; the buckets and their
+   counts are printed. Rank 0 encodes what the cache (``<output-dir>/cache`` or
+   ``--cache-dir``: one safetensors file per latent and per caption, named by the hash of
+   what it depends on) does not hold yet; the other ranks wait; the VAE and text encoders
+   are then dropped, and each step reads its own items' files.
+3. The frozen transformer (``--dtype``; ``--base-dtype fp8``: stored in float8) and a fresh
+   fp32 LoRA (``lora.init``) are sharded over ``sharding.make_mesh(fsdp=--fsdp, tp=--tp)``;
+   AdamW updates each rank's shards.
+4. Each step: the rectified-flow loss on the step's ``--batch-size`` x ``--grad-accum``
+   items, all of one bucket (a seeded plan per epoch; ``--grad-accum`` forwards, gradients
+   summed), with noise,
    ``t`` and ``--caption-dropout``'s empty captions from the seeded generator; gradients
    clipped by their global norm (``--max-grad-norm``), the rate of ``--lr-scheduler`` after
    ``--warmup-steps``, an EMA of the factors (``--ema-decay``, written to ``ema/``).
@@ -35,12 +41,12 @@ What it does, in order (docs/training.md says more):
    checkpoint, with matplotlib), TensorBoard events (``--report-to tensorboard``),
    ``eval.json`` (a fixed-noise eval loss before and after) and the LoRA file
    ``<output-dir>/pytorch_lora_weights.safetensors`` that the stock pipeline's
-   ``load_lora_weights(<output-dir>)`` reads.
+   ``load_lora_weights(<output-dir>)`` reads; each rank prints its peak memory.
 7. With ``--validation-prompt`` (repeatable), every ``--validation-every`` steps and after
    the last: ``fd.sample`` with the current LoRA on the fly, prompt ``i`` with seed ``i``,
    every rank sampling, rank 0 writing one row ``<output-dir>/samples/step_<n>.png``.
 
-FLUX.3 and Qwen-Image 2.1 are not supported yet (their encode steps are not written).
+FLUX.3 (the base model) and Qwen-Image 2.1 train as the others do.
 """
 
 from __future__ import annotations

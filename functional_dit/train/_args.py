@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import os
 
+from ._cache import check_step
 from ._checkpoint import checkpoint_step, has_ema, latest_checkpoint, previous_run
 from ._data import FLOW_MAP, IMAGES, METADATA, MODULAR_INDEX, TINY_KINDS, check_resolution, find_items
 from ._optim import SCHEDULES
@@ -47,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="tiny",
         help="a FLUX.1 / FLUX.2 / klein / Qwen-Image / FLUX.3 (base) / Qwen-Image 2.1 pipeline folder, or tiny[:kind]",
     )
-    arg("--resolution", type=int, default=512, help="square training size, a multiple of 16")
+    arg("--resolution", type=int, default=512, help="buckets of about this squared pixels; a multiple of 16")
     arg("--trigger", default=None, help="a word put before every caption")
     arg("--caption-dropout", type=float, default=0.0, help="probability of the empty caption per item")
     arg("--max-sequence-length", type=int, default=512, help="text tokens per caption")
@@ -79,7 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _validation_and_memory_arguments(arg) -> None:
-    """The validation-image options (`_validate`), --dora and --checkpoint-blocks."""
+    """The buckets and cache options, the validation-image options (`_validate`), --dora,
+    --checkpoint-blocks and --base-dtype."""
+    arg("--bucket-step", type=int, default=64, help="bucket sides are multiples of this (of 16; 32 for Qwen-Image 2.1)")
+    arg("--max-aspect-ratio", type=float, default=2.0, help="longest bucket side over shortest (1: one square bucket)")
+    arg("--cache-dir", default=None, help="latent and text-embedding cache (None: OUTPUT_DIR/cache)")
     arg("--validation-prompt", action="append", default=None, help="a prompt sampled with seed i (repeatable)")
     arg("--validation-every", type=int, default=100, help="steps between validation grids (samples/)")
     arg("--validation-size", type=int, default=None, help="validation image side (None: --resolution)")
@@ -87,6 +92,7 @@ def _validation_and_memory_arguments(arg) -> None:
     arg("--validation-guidance", type=float, default=None, help="guidance-distilled models' (None: fd.sample's)")
     arg("--dora", action="store_true", help="DoRA: a trained magnitude per output row (PEFT's use_dora)")
     arg("--checkpoint-blocks", action="store_true", help="recompute each block's activations in backward")
+    arg("--base-dtype", choices=("fp8",), default=None, help="store the frozen weights in fp8, read in --dtype per op")
 
 
 def check_args(argv=None, description: str = "LoRA fine-tuning, fully sharded") -> argparse.Namespace:
@@ -120,7 +126,9 @@ def check(a: argparse.Namespace, error) -> None:
         bad("--pipeline", f"one of {tiny} or a diffusers pipeline folder (with model_index.json)", a.pipeline)
     _check_numbers(a, bad)
     try:  # (a folder's family: checked once loaded)
-        check_resolution("QwenImage21Pipeline" if a.pipeline == "tiny:qwen-image-2.1" else "", a.resolution)
+        kind = "QwenImage21Pipeline" if a.pipeline == "tiny:qwen-image-2.1" else ""
+        check_resolution(kind, a.resolution)
+        check_step(kind, a.bucket_step)
     except ValueError as e:
         error(str(e))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -135,6 +143,12 @@ def _check_numbers(a, bad) -> None:
             bad("--" + name.replace("_", "-"), f"an int >= {low}", getattr(a, name))
     if a.resolution % 16:
         bad("--resolution", "a multiple of 16 (the VAE's 8 x FLUX's 2x2 packing)", a.resolution)
+    if a.bucket_step < 16 or a.bucket_step % 16:
+        bad("--bucket-step", "a multiple of 16 (>= 16)", a.bucket_step)
+    if not a.max_aspect_ratio >= 1:
+        bad("--max-aspect-ratio", "a float >= 1", a.max_aspect_ratio)
+    if a.cache_dir is not None and os.path.exists(a.cache_dir) and not os.path.isdir(a.cache_dir):
+        bad("--cache-dir", "a folder (new or existing)", a.cache_dir)
     for name in ("steps", "checkpoint_every", "fsdp", "tp", "grad_accum"):
         if getattr(a, name) < 1:
             bad("--" + name.replace("_", "-"), "a positive int", getattr(a, name))

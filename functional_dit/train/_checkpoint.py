@@ -10,7 +10,7 @@ import shutil
 
 import torch
 
-from ._data import batch_indices
+from ._buckets import batch_indices
 from ._report import LOSS_PNG, TENSORBOARD
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -26,7 +26,7 @@ RUN_FILES = (
     LOSS_PNG,
     TENSORBOARD,
     "samples",  # --validation-prompt's grids (_validate.SAMPLES)
-)  # what a run leaves (cache.pt: reusable)
+)  # what a run leaves (cache/: reusable)
 
 
 def previous_run(output_dir: str) -> list[str]:
@@ -151,20 +151,22 @@ def has_ema(ckpt: str) -> bool:
     return any(k.startswith("ema.") for k in FileSystemReader(ckpt).read_metadata().state_dict_metadata)
 
 
-def resume(a, adapter, opt, n: int, rng: torch.Tensor, rank: int, ema=None) -> tuple[int, torch.Tensor]:
+def resume(a, adapter, opt, groups: list, rng: torch.Tensor, rank: int, ema=None) -> tuple[int, torch.Tensor]:
     """--resume: DCP loads the newest checkpoint in place into ``adapter``'s factors,
     ``opt``'s state and the EMA's factors; returns its step and noise RNG state (``rng``:
-    this run's, for the layout) after checking that its data order is this run's."""
+    this run's, for the layout) after checking that its data order (the epoch's batches of
+    the items of each bucket, ``groups``) is this run's."""
     import torch.distributed.checkpoint as dcp
 
     ckpt = latest_checkpoint(a.output_dir)
-    extra = {"next": torch.tensor(0), "rng": rng, "order": torch.zeros(n, dtype=torch.long)}
+    n = a.batch_size * a.grad_accum
+    extra = {"next": torch.tensor(0), "rng": rng, "order": torch.zeros_like(batch_indices(0, n, groups, a.seed)[1])}
     state = checkpoint_state(adapter, opt, extra, ema)
     with _dcp_group():
         dcp.load(state, checkpoint_id=ckpt)  # in place: factors, moments, extra
     start = int(state["next"])
-    if start and not torch.equal(state["order"], batch_indices(start - 1, a.batch_size * a.grad_accum, n, a.seed)[1]):
-        raise ValueError("--resume: the checkpoint's data order differs from this run's (--data, --seed)")
+    if start and not torch.equal(state["order"], batch_indices(start - 1, n, groups, a.seed)[1]):
+        raise ValueError("--resume: the checkpoint's data order differs from this run's (--data, --seed, buckets)")
     if rank == 0:
         print(f"resumed from step {start} ({ckpt})", flush=True)
     return start, state["rng"]

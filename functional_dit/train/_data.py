@@ -1,5 +1,5 @@
-"""The training data: the image-caption folder, the pipeline that encodes it, the cache of
-latents and text embeddings on disk, and each step's items."""
+"""The training data: the image-caption folder, the pipeline and its family's encode steps
+(what `_cache` stores on disk), and caption dropout."""
 
 from __future__ import annotations
 
@@ -9,9 +9,6 @@ import os
 import torch
 
 IMAGES = (".png", ".jpg", ".jpeg", ".webp")
-
-
-CACHE = "cache.pt"
 
 
 TINY_KINDS = ("flux", "flux2-klein", "qwen-image", "flux3", "qwen-image-2.1")  # --pipeline tiny[:kind]
@@ -142,48 +139,20 @@ def check_resolution(kind: str, resolution: int) -> None:
         raise ValueError(f"--resolution: expected {expected}, got {resolution}")
 
 
-def image_tensor(path: str, size: int) -> torch.Tensor:
-    """The image resized (shorter side to ``size``, bicubic) and centre-cropped, as
-    (3, size, size) in [-1, 1]."""
-    from PIL import Image
-
-    img = Image.open(path).convert("RGB")
-    scale = size / min(img.size)
-    img = img.resize((max(size, round(img.width * scale)), max(size, round(img.height * scale))), Image.BICUBIC)
-    left, top = (img.width - size) // 2, (img.height - size) // 2
-    img = img.crop((left, top, left + size, top + size))
-    x = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(size, size, 3)
-    return x.permute(2, 0, 1).float() / 127.5 - 1
-
-
-@torch.no_grad()
-def encode(pipe, items, resolution: int, max_len: int, key: str) -> dict:
-    """The training tensors of ``items`` as the pipeline prepares them: ``latents`` (N, S, C)
-    packed, ``txt`` (N + 1, L, D) text embeddings (row N: the empty caption, for
-    --caption-dropout), and what the family's transformer takes besides: FLUX.1 ``pooled``
-    (N + 1, P) and position ids, FLUX.2 / FLUX.3 position ids, Qwen-Image (2.1)
-    ``txt_mask`` (N + 1, L) (captions padded to the longest) and ``img_shapes``, Qwen-Image
-    2.1 ``img_mask`` (L + S/4,) (the joint sequence's image slots, one layout for all);
-    ``key`` the cache's."""
-    kind = type(pipe).__name__
-    images = [_latent(pipe, kind, image_tensor(path, resolution)[None]) for path, _ in items]
-    captions = [c for _, c in items] + [""]
+def encode_texts(pipe, kind: str, captions: list[str], every: list[str], max_len: int) -> list[tuple]:
+    """The embeddings of ``captions`` (each: (L, D), its FLUX.1 pooled vector or Qwen-Image
+    mask or None, its position inputs) as the pipeline makes them; FLUX.3's encoded
+    together with ``every`` caption of the run (all at the longest one's padded length)."""
     if kind == "Flux3ModularPipeline":
-        texts = _flux3_texts(pipe, captions, max_len)
-    else:
-        texts = [_text(pipe, kind, caption, max_len) for caption in captions]
-    out = {"key": key, "latents": torch.stack([z for z, _ in images]), **images[0][1], **texts[0][2]}
-    embeds = [e for e, _, _ in texts]
-    if kind in ("QwenImagePipeline", "QwenImage21Pipeline"):  # captions of different lengths: padded, masked
-        masks = [m for _, m, _ in texts]
-        L = max(len(m) for m in masks)
-        embeds = [torch.nn.functional.pad(e, (0, 0, 0, L - len(e))) for e in embeds]
-        out["txt_mask"] = torch.stack([torch.nn.functional.pad(m, (0, L - len(m))) for m in masks])
-    if kind == "QwenImage21Pipeline":  # the text rows, then one image slot per 2x2 latent patch (the pipeline's)
-        out["img_mask"] = torch.tensor([False] * L + [True] * (out["latents"].shape[1] // 4))
-    if kind == "FluxPipeline":
-        out["pooled"] = torch.stack([p for _, p, _ in texts])
-    return {**out, "txt": torch.stack(embeds)}
+        rows = dict(zip(every, _flux3_texts(pipe, every, max_len)))
+        return [rows[c] for c in captions]
+    return [_text(pipe, kind, c, max_len) for c in captions]
+
+
+def encode_latent(pipe, kind: str, image: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """One image's (1, 3, H, W) packed latent (S, C) and its position inputs, as the
+    pipeline prepares them (`_latent`)."""
+    return _latent(pipe, kind, image)
 
 
 def _latent(pipe, kind: str, image: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -268,45 +237,3 @@ def _text(pipe, kind: str, caption: str, max_len: int) -> tuple[torch.Tensor, ob
         return e[0], (torch.ones(e.shape[1], dtype=torch.long) if m is None else m[0].long()), {}
     e, txt_ids = pipe.encode_prompt(caption, max_sequence_length=max_len)  # FLUX.2
     return e[0], None, {"txt_ids": txt_ids[0]}
-
-
-CACHE_VERSION = 3  # 2: the empty caption's embeddings in row N; 3: FLUX.3, Qwen-Image 2.1
-
-
-def cache_key_of(items, a) -> str:
-    """What the cache depends on: each image (name, mtime) and its caption as encoded
-    (--trigger included), the pipeline, the resolution and the text length."""
-    stamp = [(os.path.basename(p), os.path.getmtime(p), c) for p, c in items]
-    return json.dumps([CACHE_VERSION, stamp, a.pipeline, a.resolution, a.max_sequence_length])
-
-
-def prepare(a, rank: int, barrier):
-    """The cached training tensors (rank 0 encodes them once) and the transformer params
-    (fp32, full) from the pipeline."""
-    import functional_dit as fd
-
-    os.makedirs(a.output_dir, exist_ok=True)
-    items = with_trigger(find_items(a.data), a.trigger)
-    path, key = os.path.join(a.output_dir, CACHE), cache_key_of(items, a)
-    pipe = load_pipeline(a.pipeline)
-    check_resolution(type(pipe).__name__, a.resolution)
-    if rank == 0:
-        cached = torch.load(path) if os.path.isfile(path) else None
-        if cached is None or cached["key"] != key:
-            tmp = path + ".tmp"
-            torch.save(encode(pipe, items, a.resolution, a.max_sequence_length, key), tmp)
-            os.replace(tmp, path)
-    barrier()
-    data = torch.load(path)
-    return data, fd.from_diffusers(pipe.transformer)
-
-
-def batch_indices(step: int, batch: int, n: int, seed: int) -> tuple[list[int], torch.Tensor]:
-    """The items of ``step``: the next ``batch`` of a permutation per epoch (seeded by
-    ``seed`` and the epoch), continuing into the next epoch; and the step's epoch order."""
-    out, order = [], None
-    for c in range(step * batch, (step + 1) * batch):
-        epoch, pos = divmod(c, n)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
-        out.append(int(order[pos]))
-    return out, order

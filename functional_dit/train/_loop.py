@@ -9,9 +9,12 @@ import time
 
 import torch
 
-from . import _checkpoint, _report, _validate
+from . import _checkpoint, _memory, _report, _validate
+from ._buckets import batch_indices
+from ._cache import prepare
 from ._checkpoint import EMA_DIR, LORA_FILE, resume, start_over
-from ._data import batch_indices, caption_rows, prepare
+from ._data import caption_rows
+from ._memory import FP8_SKIP
 from ._optim import clip_, ema_init, ema_update_, lr_at
 
 EVAL_SEED = 12345  # the fixed (noise, t) of the eval loss
@@ -57,7 +60,7 @@ def train(a) -> dict:
     before = eval_loss(r.params, r.adapter, r.data, a, r.device)
     bar = progress(a, start) if r.rank == 0 else None
     board = _report.tensorboard_writer(a, start) if r.rank == 0 else None
-    t0 = time.perf_counter()
+    t0, base = time.perf_counter(), _memory.start(r.device)
     for step in range(start, a.steps):
         line, order = train_step(r, a, step)
         losses.append(line["loss"])
@@ -74,7 +77,8 @@ def train(a) -> dict:
     for closing in (bar, board):
         if closing is not None:
             closing.close()
-    evals = finish(r, a, before, a.steps - start, time.perf_counter() - t0)
+    memory = _memory.figures(r.device, base, r.params, r.adapter)
+    evals = finish(r, a, before, a.steps - start, time.perf_counter() - t0, memory)
     return {"losses": losses, **evals, "start": start}
 
 
@@ -87,37 +91,43 @@ def begin(a) -> tuple[Run, int]:
     gen = torch.Generator().manual_seed(a.seed)
     start = 0
     if a.resume:
-        start, rng = resume(a, adapter, opt, data["latents"].shape[0], gen.get_state(), rank, ema)
+        start, rng = resume(a, adapter, opt, data.groups, gen.get_state(), rank, ema)
         gen.set_state(rng)
     encoders = _validate.load_encoders(a.pipeline) if a.validation_prompt else None
     return Run(rank, mesh, barrier, device, data, params, adapter, opt, ema, gen, encoders), start
 
 
-def finish(r: Run, a, before: float, steps: int, seconds: float) -> dict:
+def finish(r: Run, a, before: float, steps: int, seconds: float, memory: dict) -> dict:
     """The eval loss after the run (of the EMA too), the LoRA file(s) and ``eval.json``
-    written by rank 0; returns the evals."""
+    written by rank 0 (with its ``memory`` figures), each rank's memory line; returns the
+    evals."""
     import sharding
 
     evals = {"eval_loss_before": before, "eval_loss_after": eval_loss(r.params, r.adapter, r.data, a, r.device)}
     if r.ema is not None:
         evals["eval_loss_after_ema"] = eval_loss(r.params, r.ema, r.data, a, r.device)
-    evals |= {"steps": steps, "seconds": seconds}
+    evals |= {"steps": steps, "seconds": seconds, "memory": memory}
     gather = sharding.unshard if r.mesh is not None else (lambda x: x)  # (a collective: every rank)
     full, ema = gather(r.adapter), (gather(r.ema) if r.ema is not None else None)
     if r.rank == 0:
         write_results(a, full, evals, ema)
     r.barrier()
+    print(_memory.line(r.rank, memory), flush=True)
     return evals
 
 
 def setup(a, params, mesh, device) -> tuple:
-    """The frozen params in ``--dtype`` on ``device``, a fresh fp32 LoRA (`lora.init`), both
+    """The frozen params in ``--dtype`` on ``device`` (``--base-dtype fp8``: stored in float8
+    e4m3 by `fd.layerwise_cast`, but for `FP8_SKIP`), a fresh fp32 LoRA (`lora.init`), both
     sharded over ``mesh`` if there is one, and AdamW over the LoRA factors."""
+    import functional_dit as fd
     import functional_dit.lora as lora
     import sharding
 
     dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
     params = params.replace(sharding.tree.map_tree(lambda _, v: v.to(device, dtype), params.tree))
+    if a.base_dtype == "fp8":  # stored in fp8, read in --dtype at each op (before sharding: each shard stored)
+        params = fd.layerwise_cast(params, torch.float8_e4m3fn, dtype, skip=FP8_SKIP)
     kw = dict(rank=a.rank, alpha=a.alpha, targets=a.targets, seed=a.seed, device=device, use_dora=a.dora)
     adapter = lora.init(params, **kw)
     if mesh is not None:
@@ -133,15 +143,16 @@ def train_step(r: Run, a, step: int) -> tuple[dict, torch.Tensor]:
     clipped by their global norm (``--max-grad-norm``), the step's learning rate, then the
     EMA. Returns its log line (step, loss, lr, grad norm) and the epoch's data order."""
     n, accum, size = a.batch_size * a.grad_accum, a.grad_accum, a.batch_size
-    idx, order = batch_indices(step, n, r.data["latents"].shape[0], a.seed)
-    noise = torch.randn((n, *r.data["latents"].shape[1:]), generator=r.gen)
+    idx, order = batch_indices(step, n, r.data.groups, a.seed)
+    rows = caption_rows(idx, a.caption_dropout, r.gen, r.data.n)  # (row N: the empty caption)
+    batch = r.data.batch(idx, rows)  # (one bucket: its files read now)
+    noise = torch.randn(batch["latents"].shape, generator=r.gen)
     t = sample_t(n, a.timesteps, r.gen)
-    rows = caption_rows(idx, a.caption_dropout, r.gen, r.data["latents"].shape[0])  # (row N: the empty caption)
     r.opt.zero_grad(set_to_none=True)
     value = 0.0
     for m in range(0, n, size):
         part = slice(m, m + size)
-        kw, target = inputs(r.data, idx[part], noise[part], t[part], a.guidance, r.params, r.device, rows[part])
+        kw, target = inputs(_part(batch, part), noise[part], t[part], a.guidance, r.params, r.device)
         loss = loss_of(
             r.params, r.adapter, kw, target, a.dtype == "bfloat16", a.reshard_after_forward, a.checkpoint_blocks
         )
@@ -166,29 +177,41 @@ def sample_t(n: int, how: str, gen: torch.Generator) -> torch.Tensor:
     return torch.sigmoid(torch.randn(n, generator=gen))
 
 
-def inputs(data: dict, idx: list[int], noise, t: torch.Tensor, guidance, params, device, rows=None) -> tuple:
-    """``fd.apply`` keywords for items ``idx`` at times ``t`` with the text-embedding rows
-    ``rows`` (default their own captions'), and the velocity target."""
-    x0, dtype = data["latents"][idx], next(iter(params.leaves())).dtype
-    rows = idx if rows is None else rows
+def _part(batch: dict, part: slice) -> dict:
+    """The micro-batch ``part`` of a batch (`Data.batch`): its per-item tensors cut, the
+    position inputs shared."""
+    per_item = ("latents", "txt", "pooled", "txt_mask")
+    return {k: (v[part] if k in per_item else v) for k, v in batch.items()}
+
+
+def inputs(batch: dict, noise, t: torch.Tensor, guidance, params, device) -> tuple:
+    """``fd.apply`` keywords for a batch (`Data.batch`) at times ``t``, and the velocity
+    target."""
+    x0, dtype = batch["latents"], _compute_dtype(params)
+    n = len(x0)
     tt = t[:, None, None]
     kw = dict(
         x=((1 - tt) * x0 + tt * noise).to(device, dtype),  # (in the weights' dtype, as fd.apply asks)
         t=t.to(device),
-        txt=data["txt"][rows].to(device, dtype),
+        txt=batch["txt"].to(device, dtype),
     )
-    if "pooled" in data:
-        kw["pooled"] = data["pooled"][rows].to(device, dtype)
-    if "txt_mask" in data:
-        kw["txt_mask"] = data["txt_mask"][rows].to(device)
-    kw.update({k: data[k].to(device) for k in ("img_ids", "txt_ids") if k in data})
-    if "img_shapes" in data:
-        kw["img_shapes"] = [data["img_shapes"]] * len(idx)
-    if "img_mask" in data:  # Qwen-Image 2.1: one layout for the batch
-        kw["img_mask"] = data["img_mask"].expand(len(idx), -1).to(device)
+    if "pooled" in batch:
+        kw["pooled"] = batch["pooled"].to(device, dtype)
+    if "txt_mask" in batch:
+        kw["txt_mask"] = batch["txt_mask"].to(device)
+    kw.update({k: batch[k].to(device) for k in ("img_ids", "txt_ids") if k in batch})
+    if "img_shapes" in batch:
+        kw["img_shapes"] = [batch["img_shapes"]] * n
+    if "img_mask" in batch:  # Qwen-Image 2.1: one layout for the batch
+        kw["img_mask"] = batch["img_mask"].expand(n, -1).to(device)
     if getattr(params.config, "guidance_embeds", False):
-        kw["guidance"] = torch.full((len(idx),), guidance, device=device)
+        kw["guidance"] = torch.full((n,), guidance, device=device)
     return kw, (noise - x0).to(device)
+
+
+def _compute_dtype(params) -> torch.dtype:
+    """The dtype ``fd.apply`` computes in: the params' (a stored fp8 leaf reads as it)."""
+    return next(iter(params.leaves())).dtype
 
 
 def loss_of(params, adapter, kw, target, autocast: bool, reshard: bool = False, checkpoint: bool = False):
@@ -196,26 +219,49 @@ def loss_of(params, adapter, kw, target, autocast: bool, reshard: bool = False, 
     checkpointing (--checkpoint-blocks)."""
     import torch.nn.functional as F
 
+    out = predict(params, adapter, kw, target.shape[1], autocast, reshard, checkpoint)
+    return F.mse_loss(out.float(), target.float())
+
+
+def predict(params, adapter, kw, tokens: int, autocast: bool, reshard: bool = False, checkpoint: bool = False):
+    """The transformer's velocity on the ``tokens`` image tokens, with the LoRA on the fly
+    (under bf16 autocast when ``autocast``)."""
     import functional_dit as fd
     import sharding
 
-    with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(next(iter(kw.values())).device.type, dtype=torch.bfloat16, enabled=autocast):
         with sharding.fsdp_options(reshard_after_forward=reshard):
             out = fd.apply(params, **kw, lora=[(adapter, 1.0)], checkpoint=checkpoint)
-    if out.shape[1] != target.shape[1]:  # Qwen-Image 2.1 returns the whole joint sequence: its image tokens last
-        out = out[:, -target.shape[1] :]
-    return F.mse_loss(out.float(), target.float())
+    if out.shape[1] != tokens:  # Qwen-Image 2.1 returns the whole joint sequence: its image tokens last
+        out = out[:, -tokens:]
+    return out
 
 
 @torch.no_grad()
 def eval_loss(params, adapter, data, a, device) -> float:
-    """The loss on every item with fixed noise and times (`EVAL_SEED`): comparable across runs."""
-    n = data["latents"].shape[0]
-    gen = torch.Generator().manual_seed(EVAL_SEED)
-    noise = torch.randn(data["latents"].shape, generator=gen)
-    t = sample_t(n, a.timesteps, gen)
-    kw, target = inputs(data, list(range(n)), noise, t, a.guidance, params, device)
-    return float(loss_of(params, adapter, kw, target, a.dtype == "bfloat16"))
+    """The mean loss over every item with fixed noise and times (`EVAL_SEED` and the item's
+    index: comparable across runs), bucket by bucket in batches of --batch-size (the last
+    one completed from the bucket's start, the repeats not counted)."""
+    import torch.nn.functional as F
+
+    total = 0.0
+    for group in data.groups:
+        for s in range(0, len(group), a.batch_size):
+            idx = [group[(s + i) % len(group)] for i in range(a.batch_size)]
+            batch = data.batch(idx)
+            draws = [_eval_draw(i, batch["latents"].shape[1:], a.timesteps) for i in idx]
+            noise, t = torch.stack([d[0] for d in draws]), torch.cat([d[1] for d in draws])
+            kw, target = inputs(batch, noise, t, a.guidance, params, device)
+            out = predict(params, adapter, kw, target.shape[1], a.dtype == "bfloat16")
+            per_item = F.mse_loss(out.float(), target.float(), reduction="none").mean((1, 2))
+            total += float(per_item[: min(a.batch_size, len(group) - s)].sum())
+    return total / data.n
+
+
+def _eval_draw(item: int, shape, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eval noise and time of ``item``."""
+    gen = torch.Generator().manual_seed(EVAL_SEED + item)
+    return torch.randn(shape, generator=gen), sample_t(1, how, gen)
 
 
 def progress(a, start: int):

@@ -47,11 +47,13 @@ import os
 import diffusers
 import torch
 
+import weights
 from sharding.internal import is_dtensor
 from sharding.tree import nest
 
 from ... import families as _families
 from ...api import config_to_diffusers, family
+from ...lora import internal as lora_apply
 from ...params import Params
 from .. import CacheHooks
 from ..families import product as _product
@@ -59,7 +61,7 @@ from . import _io as io
 from ._ip import IPAdapterMixin, is_ip_weight
 from ._ip import ip_adapter_input as ip_adapter_input  # the sampler's IP-Adapter inputs
 from ._layerwise import LayerwiseMixin
-from ._peft import PeftMixin
+from ._peft import PeftMixin, read_lora
 from ._peft_layers import base_key as layers_base_key
 from ._surface import SurfaceMixin
 
@@ -332,8 +334,6 @@ class DiffusersTransformer(
         """Apply ``lora`` — a list of ``(adapter, scale)`` pairs of `functional_dit.lora`
         adapters made for these params, or None / [] for none — on the fly in every
         forward from now on. Sharded params need the adapters on the same mesh."""
-        from ...lora import internal as lora_apply
-
         pairs = [] if not lora else lora_apply.check(self.params, lora)
         self.__dict__["_lora"] = list(pairs)
 
@@ -350,8 +350,6 @@ class DiffusersTransformer(
         combines several). Its ``peft_config`` is the stock loader's (the file's metadata, or
         inferred); missing or unexpected LoRA keys are warned about as the stock loader warns.
         ``network_alphas`` are honoured; hub downloads, hotswapping and pickles are not supported."""
-        from ._peft import read_lora
-
         alphas = kwargs.pop("network_alphas", None) or {}
         name = kwargs.pop("adapter_name", None)
         if kwargs.pop("hotswap", False):
@@ -395,8 +393,6 @@ class DiffusersTransformer(
         back with ``torch.load(weights_only=True)`` only). With sharded params every rank
         must call it (rank 0 writes); a variant or pickles need plain params. The adapter's
         PEFT factors are not part of the checkpoint (``save_lora_adapter``)."""
-        import weights
-
         bad = {k: v for k, v in dict(kwargs, save_function=save_function, push_to_hub=push_to_hub).items() if v}
         if bad or is_main_process is not True:
             raise ValueError(f"save_pretrained: unsupported arguments {sorted(bad) or ['is_main_process']}")
@@ -422,8 +418,6 @@ class DiffusersTransformer(
         stock meanings (`functional_dit.pipelines.adapter._io`). A folder of pickled
         ``.bin`` weights (``save_pretrained(safe_serialization=False)``) is read with
         ``torch.load(weights_only=True)``, never a full unpickling."""
-        import weights
-
         opts = io.load_options(kwargs, device)
         path = os.fspath(path)
         if subfolder:

@@ -24,6 +24,11 @@ import tempfile
 
 import torch
 
+import functional_dit as fd
+import sharding
+import weights
+from weights.internal import read_tensors, variant_names
+
 # Keywords that only steer a hub download; a local path ignores them (as the stock class does).
 _HUB_ONLY = {"cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "mirror", "user_agent"}
 
@@ -91,8 +96,6 @@ def pickled(path: str, variant, use_safetensors) -> list[str] | None:
     loader chooses: with ``use_safetensors=False`` only those (NoWeightsError if absent),
     with None those when the folder has no safetensors weights of ``variant``; None means
     read safetensors (`weights.load`)."""
-    from weights.internal import variant_names
-
     if use_safetensors is True or not os.path.isfile(os.path.join(path, "config.json")):
         return None
     files = pickle_files(path, variant)
@@ -110,8 +113,6 @@ def pickled(path: str, variant, use_safetensors) -> list[str] | None:
 def check_weights(path: str, variant) -> None:
     """NoWeightsError when ``path`` is a model folder (a config.json) lacking the weights
     of ``variant``, worded as diffusers words it."""
-    from weights.internal import variant_names
-
     single, index = variant_names(variant)
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         return
@@ -146,9 +147,6 @@ def save_renamed(params, directory: str, variant, max_shard_size, pickle: bool) 
     """`weights.save` under diffusers' names for a ``variant`` and / or the pickle format
     (``safe_serialization=False``: each shard's state dict written with ``torch.save``, as
     the stock method writes it); other files in ``directory`` are left alone."""
-    import weights
-    from weights.internal import read_tensors
-
     os.makedirs(directory, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         weights.save(params, tmp, max_shard_size=max_shard_size)
@@ -188,8 +186,6 @@ def load_pickled(path: str, files: list[str], dtype, device, mesh, plan):
     read with ``torch.load(weights_only=True)`` only (tensors and plain containers; torch
     refuses any other global before it can run code), strict as `fd.from_state_dict`,
     cast to ``dtype``, on ``device``, sharded by ``mesh`` / ``plan`` when given."""
-    import functional_dit as fd
-
     state = {}
     for file in files:
         try:
@@ -205,6 +201,4 @@ def load_pickled(path: str, files: list[str], dtype, device, mesh, plan):
     params = fd.from_state_dict(fd.config_from_diffusers(os.path.join(path, "config.json")), state)
     if mesh is None:
         return params
-    import sharding
-
     return sharding.shard_params(params, mesh, plan=plan)

@@ -40,8 +40,11 @@ from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks._common import _GO_LC_SUPPORTED_PYTORCH_LAYERS
 from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 
+from sharding.internal import is_dtensor
+
 from ...nn import layerwise
 from ...params import COMPUTE_DTYPES
+from ._peft_layers import base_key
 
 HOOK_NAME = "layerwise_casting"  # where diffusers' get_parameter_dtype looks
 
@@ -66,6 +69,7 @@ class LayerwiseCastingHook(ModelHook):
 def _peft_stock_class(path: str, layers: dict):
     """The class PEFT gives the stock module at ``path`` when it is part of an adapted
     layer (``layers``: {module path: our LoraLayer}), else None."""
+    # optional: peft, the PEFT entry points only
     from peft.tuners.lora import Linear as PeftLinear
     from peft.tuners.lora.dora import DoraLinearLayer
 
@@ -109,6 +113,7 @@ def skip_patterns(adapter, skip_modules_pattern) -> tuple[str, ...]:
     patterns += tuple(adapter._keep_in_fp32_modules or ())
     patterns += tuple(adapter._skip_layerwise_casting_patterns or ())
     if not given:
+        # optional: peft, the PEFT entry points only
         from peft.tuners.loha.layer import LoHaLayer
         from peft.tuners.lokr.layer import LoKrLayer
         from peft.tuners.lora.layer import LoraLayer
@@ -160,8 +165,6 @@ def _check(adapter, storage_dtype, compute_dtype, skip_modules_classes, non_bloc
 
 def _stored_size(t) -> int:
     """Bytes per element ``t`` is stored in (a sharded leaf's local shard's)."""
-    from sharding.internal import is_dtensor
-
     return layerwise.stored_leaf(t.to_local() if is_dtensor(t) else t).element_size()
 
 
@@ -203,8 +206,6 @@ class LayerwiseMixin:
         return sum(t.nelement() * _stored_size(t) for t in tensors)
 
     def _param_key(self, name: str) -> str | None:
-        from ._peft_layers import base_key
-
         layers = self._peft_layers()
         return base_key(name, layers) if layers else name
 

@@ -21,6 +21,7 @@ weight dicts, hotswapping) raises a ValueError naming it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -29,8 +30,13 @@ import os
 import torch
 from diffusers.loaders.peft import PeftAdapterMixin
 
+import functional_dit.lora as lora
+import sharding
+from functional_dit.lora import internal as lora_internal
+from sharding import unshard
 from sharding.internal import is_dtensor
-from sharding.tree import flatten, nest
+from sharding.tree import flatten, get, nest
+from weights.internal import read_tensors, write_file
 
 from . import _peft_layers as layers_mod
 
@@ -77,8 +83,6 @@ def new_adapter(params, cfg):
     does from torch's global RNG: ``A`` Kaiming-uniform, ``B`` zero (``init_lora_weights=
     False``: Kaiming-uniform too, so the update is not zero); a ``lora_bias`` zero (else
     nn.Linear's uniform); DoRA's magnitude ``||W + (alpha / r) B A||`` per row."""
-    import functional_dit.lora as lora
-    from functional_dit.lora import internal as lora_internal
 
     _check_peft_config(cfg)
     known = lora.linear_modules(params.config)
@@ -108,6 +112,7 @@ def new_adapter(params, cfg):
 
 def peft_metadata(cfg) -> dict:
     """The safetensors metadata the stock ``save_lora_adapter`` writes for ``cfg``."""
+    # diffusers: seconds to import, loaded when first used
     from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 
     meta = {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.to_dict().items()}
@@ -154,9 +159,8 @@ def read_lora(source, prefix, metadata, weight_name) -> tuple[dict, dict | None]
     """(state dict, LoraConfig fields or None) of what ``load_lora_adapter`` reads — a
     state dict or a safetensors file / folder (`weights`' reader: pickles refused) —
     the keys under ``prefix`` with it stripped, as the stock loader reads them."""
+    # diffusers: seconds to import, loaded when first used
     from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
-
-    from weights.internal import read_tensors
 
     if isinstance(source, dict):
         state = dict(source)
@@ -178,6 +182,7 @@ def loaded_config(state: dict, alphas, metadata, model_state: dict, name: str):
     """The ``peft.LoraConfig`` the stock loader builds for a loaded LoRA: from its metadata,
     else from its ranks and alphas (diffusers' own function, with its TypeError for bad
     metadata)."""
+    # diffusers: seconds to import, loaded when first used
     from diffusers.utils.peft_utils import _create_lora_config
 
     ranks = {f"^{k}": v.shape[1] for k, v in state.items() if "lora_B" in k and v.ndim > 1}
@@ -212,11 +217,8 @@ def reconcile(state: dict, config, peft_config, name: str) -> dict:
     modules that are no LoRA tensor are dropped, each reported with the stock warning
     (diffusers' ``_maybe_warn_for_unhandled_keys``: same logger, same message; a missing
     key named as PEFT names it in the model, an unexpected one as given)."""
-    import collections
-
+    # diffusers: seconds to import, loaded when first used
     from diffusers.utils.peft_utils import _maybe_warn_for_unhandled_keys
-
-    import functional_dit.lora as lora
 
     known = lora.linear_modules(config)
     split = {k: k.split(".lora_", 1) for k in state if ".lora_" in k}
@@ -239,7 +241,6 @@ def reconcile(state: dict, config, peft_config, name: str) -> dict:
 def _module_leaves(adapter, module: str) -> dict:
     """``module``'s own subtree of ``adapter`` ({"lora_A": {...}, "lora_B": {...}, ...}),
     every leaf the adapter holds for it; the subtrees of adapted child modules left out."""
-    from sharding.tree import get
 
     others = {m for m, _, _ in adapter.config.modules if m.startswith(module + ".")}
     sub = get(adapter.tree, module)
@@ -280,7 +281,6 @@ class PeftMixin(PeftAdapterMixin):
     def _peft_adapter(self, name: str, modules=None):
         """The named adapter as a `lora.Adapter` over the registered tensors (not detached:
         gradients reach them); ``modules``: only those."""
-        import functional_dit.lora as lora
 
         lcfg = self._peft_state()[name][0]
         layers = self._peft_layers()
@@ -309,7 +309,6 @@ class PeftMixin(PeftAdapterMixin):
         """What the forward applies: per adapter name, where it is active (not disabled,
         not merged), at the layers' scalings."""
         active = layers_mod.active_pairs(self._peft_layers().values())
-        import functional_dit.lora as lora
 
         pairs = []
         for name in (n for n in self._peft_state() if n in active):
@@ -325,6 +324,7 @@ class PeftMixin(PeftAdapterMixin):
     def add_adapter(self, adapter_config, adapter_name: str = "default") -> None:
         """A new trainable LoRA from a ``peft.LoraConfig`` (its factors require grad); it
         becomes the one active adapter, as the stock ``add_adapter`` makes it."""
+        # optional: peft, the PEFT entry points only
         import peft
 
         if not isinstance(adapter_config, peft.LoraConfig):
@@ -337,8 +337,6 @@ class PeftMixin(PeftAdapterMixin):
         """Add the LoRA ``state`` (PEFT keys, prefix stripped) as the stock loader does:
         its ``peft_config`` built first (a TypeError for bad metadata), the keys reconciled
         (`reconcile`), the factors read by `functional_dit.lora` (placed as the params are)."""
-        import functional_dit.lora as lora
-        import sharding
 
         name = f"default_{len(self._peft_state())}" if name is None else check_name(name, self._peft_state())
         cfg = loaded_config(state, {k: float(v) for k, v in alphas.items()}, metadata, self.state_dict(), name)
@@ -368,6 +366,7 @@ class PeftMixin(PeftAdapterMixin):
     def set_adapters(self, adapter_names, weights=None) -> None:
         """Use exactly ``adapter_names``, at ``weights`` (a float, or one per name; None: 1),
         set on every layer as the stock one sets them (``set_weights_and_activate_adapters``)."""
+        # diffusers: seconds to import, loaded when first used
         from diffusers.utils.peft_utils import set_weights_and_activate_adapters
 
         names = self._peft_names(adapter_names)
@@ -434,8 +433,6 @@ class PeftMixin(PeftAdapterMixin):
         """Write the named adapter as the stock method does (its PEFT tensors, its
         ``LoraConfig`` in the metadata); ``load_lora_adapter`` and ``pipe.load_lora_weights``
         read it back."""
-        from sharding import unshard
-        from weights.internal import write_file
 
         if adapter_name not in self._peft_state():
             raise ValueError(f"adapter_name: Adapter name {adapter_name} not found in the model.")

@@ -21,6 +21,7 @@ import warnings
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 
+import functional_dit.lora as lora
 from sharding.tree import flatten, nest
 
 from ...params import Params
@@ -92,8 +93,6 @@ class LoraLayer(BaseTunerLayer):
     def folded(self, name: str, factor: float) -> dict:
         """``{leaf name: new tensor}``: this layer's base leaves with adapter ``name`` merged
         at ``factor`` x its scaling (`functional_dit.lora.merge`, which computes in fp32)."""
-        import functional_dit.lora as lora
-
         lcfg = self._fd_lcfg[name]
         entry = tuple(e for e in lcfg.modules if e[0] == self._fd_path)
         sub = lora.Adapter(dataclasses.replace(lcfg, modules=entry), nest({self._fd_path: self.factor_tree(name)}))

@@ -98,6 +98,11 @@ class Steps:
     CONTROLNET = False  # takes ControlNets (``control_pixels``, ``control_latents``, ``control_kwargs``)
     CONTROL_GUIDANCE: float | None = None  # the stock ControlNet pipeline's guidance default
     strength: float | None = None  # img2img's strength (a setting too)
+    # items of several sizes in one padded call (`sampler._packing`): the steps' apply takes
+    # fd.apply's img_valid and a RoPE table per row (``rope``, from the item's "rope" table);
+    # masks_text: its prompts are masked, so items of several text lengths pad theirs too
+    packs_sizes = False
+    masks_text = False
 
     def cfg_batch(self, cond: Prompt, uncond: Prompt) -> Prompt:
         """Both CFG branches as the loop's one batch ([cond; uncond] by default)."""

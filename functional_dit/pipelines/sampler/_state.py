@@ -36,6 +36,7 @@ from .. import cache as _cache
 from ..cache import internal as _cache_int
 from ..families import NO_TABLES, Prompt, combine, plain_apply, tables
 from . import _lora as _lora_items
+from . import _packing
 from . import _stock_args as _stock
 
 
@@ -174,14 +175,16 @@ def bound(params, ctx: Context, it: Item) -> Bound:
 def step(params, state: State) -> State:
     """One denoising step of every unfinished item: one model call over the batch (item
     rows in order; one call per item where the family's items do not share calls,
-    Qwen-Image 2.1), then each item's CFG combination, scheduler step and ``after_step``."""
+    Qwen-Image 2.1; items of several sizes in one padded call where the family packs
+    them, else one call per size: `_packing.calls`), then each item's CFG combination,
+    scheduler step and ``after_step``."""
     items = [it for it in state.items if not it.done]
     if not items:
         return state
     moved = {}
     with torch.no_grad():
         for ctx, same in _by_context(state.ctx, items):
-            for group in [same] if ctx.model.shares_calls else [[it] for it in same]:
+            for group in _packing.calls(params, ctx, same):
                 moved.update(zip(map(id, group), _step(params, ctx, group)))
     return State(state.ctx, tuple(moved.get(id(it), it) for it in state.items))
 
@@ -195,19 +198,34 @@ def _by_context(ctx: Context, items) -> list:
 
 
 def _step(params, ctx: Context, items) -> list:
-    """``items`` after one step computed in one model call."""
-    x = torch.cat([torch.cat([it.x, it.x]) if it.cfg is not None else it.x for it in items])
+    """``items`` after one step computed in one model call (padded where their sizes differ)."""
+    pad = _packing.layout(items)
+    x = (
+        pad.latents(items)
+        if pad
+        else torch.cat([torch.cat([it.x, it.x]) if it.cfg is not None else it.x for it in items])
+    )
     t = torch.cat([it.timesteps[it.i].expand(it.rows).to(x.dtype) / 1000 for it in items])
     keys = items[0].inputs[0] if items[0].inputs else ()  # the family's extra inputs, per row
     extra = {k: torch.cat([it.inputs[it.i][k] for it in items]) for k in keys}
     caches = [it.cache_state for it in items]  # the call puts the new cache states here
-    cond = items[0].cond if len(items) == 1 else _text(items)
+    cond = items[0].cond if len(items) == 1 else pad.text(items) if pad else _text(items)
     m = ctx.model
-    pred, updates = m.predict(params, items[0].tables, x, t, cond, _apply(ctx, items, caches), **extra)
+    pred, updates = m.predict(
+        params, items[0].tables, x, t, cond, _padded(_apply(ctx, items, caches), items, pad), **extra
+    )
     if len(items) > 1 and updates:
         raise TypeError(f"{type(m).__name__}: steps whose calls return tables to keep must set shares_calls = False")
-    split = pred.split([it.rows for it in items])
+    split = pad.unpad(pred, items) if pad else pred.split([it.rows for it in items])
     return [_advance(ctx, it, p, c, updates) for it, p, c in zip(items, split, caches)]
+
+
+def _padded(apply, items, pad):
+    """The call's ``apply`` over a padded layout ``pad`` (each row's RoPE, the image mask:
+    `_packing.Layout.inputs`); ``apply`` itself where there is none."""
+    if pad is None:
+        return apply
+    return lambda p, x, t, txt, **kw: apply(p, x, t, txt, **pad.inputs(items, kw))
 
 
 def _apply(ctx: Context, items, caches: list):
@@ -296,18 +314,18 @@ def _advance(ctx: Context, it: Item, pred, cache_state, updates: Mapping = NO_TA
 def decode(state: State, output_type: str = "pil"):
     """The outputs of the state's finished items, in order: images through the VAE and
     the pipeline's image processor, or with ``output_type="latent"`` what the stock
-    pipeline returns (the family's ``latent_output``)."""
+    pipeline returns (the family's ``latent_output``); a list where their sizes differ."""
     items = [it for it in state.items if it.done]
     if not items:
         return []
-    groups = _by_context(state.ctx, items)
+    groups = [(ctx, g) for ctx, same in _by_context(state.ctx, items) for g in _packing.by_size(same)]
     if len(groups) == 1:
         return _decode(*groups[0], output_type)
     outs = {}  # each item's output: its image (or its layers), in the order of ``items``
     for ctx, group in groups:
         outs.update(zip(map(id, group), _decode(ctx, group, output_type)))
     rows = [outs[id(it)] for it in items]
-    if output_type == "pil":
+    if output_type == "pil" or _packing.resolutions(items) > 1:
         return rows
     return np.stack(rows) if output_type == "np" else torch.stack(rows)
 

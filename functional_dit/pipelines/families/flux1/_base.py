@@ -13,6 +13,7 @@ class _Flux1(Steps):
     """FluxPipeline: T5 + CLIP pooled text, 2x2-packed 16-channel latents, 3-axis ids."""
 
     fixed_graph = True  # one fixed device graph per step (`sampler_xla`)
+    packs_sizes = True  # items of several sizes in one call (`sampler._packing`)
     GUIDANCE = 3.5  # FluxPipeline's guidance_scale default
     CONTROLNET, CONTROL_GUIDANCE = True, 7.0  # FluxControlNetPipeline's guidance_scale default
 

@@ -20,6 +20,7 @@ class _Qwen(Steps):
     CONTROLNET = True
 
     normalise_cfg = True
+    packs_sizes = masks_text = True  # items of several sizes and text lengths in one call (`sampler._packing`)
 
     def __init__(self, params, pipe):
         self.pipe, self.c = pipe, params.config
