@@ -49,6 +49,7 @@ from .families import NO_TABLES
 from .families import product as _product
 from .sampler.internal import packing as _packing
 from .sampler.internal import ranks as _ranks
+from .sampler.internal import requests as _requests
 from .sampler.internal import state as _state
 
 # The state and its one pure step, shared with fd.sample (`functional_dit.pipelines.sampler._state`).
@@ -172,7 +173,7 @@ def _item(params, ctx: Context, req: Request, tag, host_schedule: bool = False) 
     if req.prepared or ctx.model is None:  # an image job (the pipeline's own, or its inputs), sigmas, embeddings
         return _prepared_item(params, ctx, req, tag)
     cfg = float(req.true_cfg) if req.true_cfg is not None and req.true_cfg > 1 else None
-    cfg = _sampler._requests.true_cfg(ctx.fam, cfg, req.negative_prompt, None)
+    cfg = _requests.true_cfg(ctx.fam, cfg, req.negative_prompt, None)
     reqs = _sampler.requests(ctx.fam, req.prompt, 1, req.seed, None, req.negative_prompt, cfg is not None, {})
     f = ctx.pipe.vae_scale_factor * 2
     hw = 2 * (req.height // f), 2 * (req.width // f)

@@ -22,7 +22,7 @@ import torch
 
 from ... import families as _families
 from ..families import product as _product
-from ..families._latents import copy_generator as _copy
+from ..families.internal import copy_generator as _copy
 
 _log = logging.getLogger(__name__)
 

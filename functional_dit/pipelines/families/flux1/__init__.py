@@ -7,10 +7,8 @@ from __future__ import annotations
 import torch
 
 from ....flux1 import Flux1Config
-from .. import _common
-from .._common import refuse_kv_cache, stock_module
-from .._jobs import refuse_layers, refuse_reference
-from .._steps import Steps
+from ..internal import Steps, refuse_kv_cache, refuse_layers, refuse_reference, stock_module
+from ..internal import common as _common
 from . import _image, _kontext
 from ._base import _Flux1
 
@@ -210,7 +208,7 @@ CHECK_EAGER_ONLY = None
 
 
 def bench_inputs(config, x, t, txt, h, w, device, dtype, g):
-    from .._common import flux_ids_inputs
+    from ..internal import flux_ids_inputs
 
     kw, dkw = flux_ids_inputs(config, x, t, txt, h, w, device, 3)
     kw["pooled"] = dkw["pooled_projections"] = torch.randn(1, config.pooled_projection_dim, generator=g).to(

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from .... import flux1
-from .._latents import grid_ids, pack_2x2, unpack_2x2
-from .._steps import NO_TABLES, Prompt, Steps, tables
+from ..internal import NO_TABLES, Prompt, Steps, grid_ids, pack_2x2, tables, unpack_2x2
 
 
 class _Flux1(Steps):

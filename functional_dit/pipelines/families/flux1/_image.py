@@ -27,9 +27,7 @@ import dataclasses
 import torch
 
 from ...schedule import STRENGTH, blend, noised_start
-from .._jobs import check_crop, check_strength, cut, one_image, refuse
-from .._latents import copy_generator
-from .._steps import tables
+from ..internal import check_crop, check_strength, copy_generator, cut, one_image, refuse, tables
 from ._base import _Flux1
 
 GUIDANCE = 7.0  # their guidance_scale default (FluxPipeline's is 3.5)

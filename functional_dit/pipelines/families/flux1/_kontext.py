@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .._jobs import refuse_max_area
-from .._latents import _batch, grid_ids
-from .._steps import tables
+from ..internal import _batch, grid_ids, refuse_max_area, tables
 from ._base import _Flux1
 
 MAX_AREA = 1024**2  # FluxKontextPipeline's default

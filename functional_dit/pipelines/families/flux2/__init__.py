@@ -5,10 +5,8 @@ pipelines' recipes and the bench's inputs (`functional_dit.pipelines.families.HO
 from __future__ import annotations
 
 from ....flux2 import Flux2Config
-from .. import _common
-from .._common import stock_module
-from .._jobs import refuse, refuse_layers, refuse_max_area, refuse_reference
-from .._steps import Steps
+from ..internal import Steps, refuse, refuse_layers, refuse_max_area, refuse_reference, stock_module
+from ..internal import common as _common
 from . import _inpaint
 from ._base import _Flux2
 
@@ -101,7 +99,7 @@ def adapter_args(
     num_ref_tokens=0,
     ref_fixed_timestep=0.0,
 ):
-    from .. import _flux2_kv as kv
+    from ..internal import flux2_kv as kv
 
     adapter._lora_scale("joint_attention_kwargs", joint_attention_kwargs)
     args = dict(img_ids=img_ids, txt_ids=txt_ids)
@@ -125,7 +123,7 @@ def adapter_args(
 
 def adapter_result(out, kwargs):
     """An extract call's cache as diffusers' ``Flux2KVCache`` (`_flux2_kv.KVCache`)."""
-    from .. import _flux2_kv
+    from ..internal import flux2_kv as _flux2_kv
 
     return (out[0], _flux2_kv.KVCache(out[1])) if isinstance(out, tuple) else out
 

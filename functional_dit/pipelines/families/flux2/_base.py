@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from .... import flux2
-from .._latents import _batch, flux2_vae_input, grid_ids
-from .._steps import NO_TABLES, Prompt, Steps, tables
+from ..internal import NO_TABLES, Prompt, Steps, _batch, flux2_vae_input, grid_ids, tables
 
 
 class _Flux2(Steps):

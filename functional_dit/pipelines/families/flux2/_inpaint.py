@@ -25,9 +25,7 @@ import math
 import torch
 
 from ...schedule import blend, noised_start
-from .._jobs import check_crop, check_strength, cut, one_image
-from .._latents import _batch
-from .._steps import tables
+from ..internal import _batch, check_crop, check_strength, cut, one_image, tables
 from ._base import _Flux2
 
 NAME = "Flux2KleinInpaintPipeline"

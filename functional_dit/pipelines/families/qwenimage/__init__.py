@@ -8,10 +8,8 @@ from __future__ import annotations
 import torch
 
 from ....qwenimage import QwenImageConfig
-from .. import _common
-from .._common import refuse_kv_cache, stock_module
-from .._jobs import refuse_max_area, refuse_reference
-from .._steps import Steps
+from ..internal import Steps, refuse_kv_cache, refuse_max_area, refuse_reference, stock_module
+from ..internal import common as _common
 from . import _image
 from ._base import _Qwen
 

@@ -8,8 +8,7 @@ import math
 import torch
 
 from .... import qwenimage as _qwen
-from .._latents import _batch, pack_2x2, unpack_2x2
-from .._steps import NO_TABLES, Prompt, Steps, tables
+from ..internal import NO_TABLES, Prompt, Steps, _batch, pack_2x2, tables, unpack_2x2
 
 
 class _Qwen(Steps):

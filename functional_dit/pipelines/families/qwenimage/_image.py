@@ -24,10 +24,8 @@ import torch
 
 from .... import qwenimage as _qwen
 from ...schedule import STRENGTH, blend, noised_start, t_start
-from .._jobs import cut
-from .._latents import copy_generator
-from .._latents import pack_2x2 as _pack
-from .._steps import NO_TABLES, tables
+from ..internal import NO_TABLES, copy_generator, cut, tables
+from ..internal import pack_2x2 as _pack
 from ._base import _Qwen
 
 IMG2IMG = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
