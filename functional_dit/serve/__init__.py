@@ -175,7 +175,7 @@ def _service(args, params, pipe, run_time: dict, fixed: dict | None = None):
             aging=args.aging,
             image_jobs=_edits.image_jobs(pipe),
             # a fixed-shape XLA batch holds one size (its graphs are per size and bucket)
-            mixed=args.mixed_resolution == "on" and getattr(args, "device", "cpu") == "cpu",
+            mixed=args.mixed_resolution == "on" and fixed is None,  # (--xla-buckets on the CPU too)
             max_padding=_engine.MAX_PADDING if args.max_padding is None else args.max_padding,
             backend=None if fixed is None else _xla.backend(fixed, args),
         )

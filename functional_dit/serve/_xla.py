@@ -81,12 +81,14 @@ class Stats:
 class Fixed:
     """The fixed-shape backend over ``ctx``: batches padded to ``buckets``, ``adapters``
     every adapter the server holds (fixed at start-up: they are part of the graph),
-    ``strict``: a size not warmed is refused (`refuse`); ``text``: the token count a masked
-    text (Qwen-Image's) is padded to (the server's ``--max-sequence-length``, else 512)."""
+    ``strict``: a size not warmed is refused (`refuse`), nor one of ``sizes`` (those the
+    server warms before it listens, ``--xla-sizes``: its defaults are checked against them
+    first); ``text``: the token count a masked text (Qwen-Image's) is padded to (the
+    server's ``--max-sequence-length``, else 512)."""
 
-    def __init__(self, ctx, adapters, buckets, strict: bool = False, text: int = 512):
+    def __init__(self, ctx, adapters, buckets, strict: bool = False, text: int = 512, sizes=()):
         self.ctx, self.adapters, self.buckets, self.strict = ctx, list(adapters), tuple(buckets), strict
-        self.text = text
+        self.text, self.sizes = text, tuple(sizes)
         _batch.check_context(ctx, self.adapters)
         self.counters, self.stats = _Counters(torch.device(ctx.device)), Stats()
         self.pads: dict = {}  # key -> the zero slots of that key (the largest bucket less one)
@@ -96,8 +98,9 @@ class Fixed:
         """(field, what it expects) when ``req`` cannot run in these graphs (a 400), else None."""
         if req.cache is not None:
             return "cache", "null or 'none' (step caches decide on the host: not under --device xla)"
-        if self.strict and (req.width, req.height) not in self.warmed:
-            sizes = ", ".join(f"{w}x{h}" for w, h in sorted(self.warmed))
+        taken = self.warmed | set(self.sizes)
+        if self.strict and (req.width, req.height) not in taken:
+            sizes = ", ".join(f"{w}x{h}" for w, h in sorted(taken))
             return "size", f"one of the warmed sizes {sizes} (--xla-strict)"
         return None
 
@@ -263,7 +266,8 @@ def backend(fixed: dict, args):
     """The engine's fixed-shape backend maker (`_engine.Engine`'s ``backend``): ``(ctx,
     adapters) -> Fixed`` over the found ``fixed`` buckets and the server's flags."""
     text = args.max_sequence_length or 512
-    return lambda ctx, adapters: Fixed(ctx, adapters.values(), fixed["buckets"], args.xla_strict, text)
+    b, sizes = fixed["buckets"], fixed["sizes"]
+    return lambda ctx, adapters: Fixed(ctx, adapters.values(), b, args.xla_strict, text, sizes)
 
 
 def max_batch(fixed: dict, args) -> int:
