@@ -93,3 +93,42 @@ def test_the_check_finds_each_kind_of_dispatch():
     passed = ["ok = fam is families.BY_KEY[name]", 'x = tiny.mid_configs()["flux1"]', 'ok = kind == "flux-kontext"']
     for src in passed:
         assert not dispatches(src), src
+
+
+# The generic sampler (fd.sample, the per-item sampling, the fixed-graph loop): a stock
+# pipeline's image job is the family's (its product module's ``JOBS`` and ``image_job``),
+# so no stock pipeline class name is compared or used as a table key there.
+SAMPLER = (
+    "functional_dit/pipelines/sampler",
+    "functional_dit/pipelines/sampling.py",
+    "functional_dit/pipelines/sampler_xla.py",
+)
+
+
+def _is_pipeline_name(node) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.endswith("Pipeline")
+
+
+def pipeline_dispatches(source: str) -> list[tuple[int, str]]:
+    """(line, what) of every comparison with a stock pipeline class name (``"...Pipeline"``),
+    and every table keyed by one, in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            elts = [e for s in sides for e in (s.elts if isinstance(s, (ast.Tuple, ast.List, ast.Set)) else [s])]
+            found += [(node.lineno, f"compares with {e.value!r}") for e in elts if _is_pipeline_name(e)]
+        elif isinstance(node, ast.Dict):
+            found += [(node.lineno, f"a table keyed by {k.value!r}") for k in node.keys if _is_pipeline_name(k)]
+    return found
+
+
+def test_the_generic_sampler_compares_no_pipeline_class_name():
+    files = [p for s in SAMPLER for p in sorted((ROOT / s).rglob("*.py") if (ROOT / s).is_dir() else [ROOT / s])]
+    assert len(files) > 5
+    bad = [f"{p.relative_to(ROOT)}:{line}: {what}" for p in files for line, what in pipeline_dispatches(p.read_text())]
+    assert not bad, "pipeline class names compared in the generic sampler:\n" + "\n".join(bad)
+    caught = ['ok = type(pipe).__name__ == "FluxKontextPipeline"', 'ok = name in ("QwenImageEditPlusPipeline",)',
+              'T = {"FluxInpaintPipeline": 1}']  # fmt: skip
+    assert all(pipeline_dispatches(src) for src in caught)
+    assert not pipeline_dispatches('msg = f"a {name} takes none"; ok = name == other')

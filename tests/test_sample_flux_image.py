@@ -19,8 +19,8 @@ import functional_dit as fd
 import sharding
 from functional_dit import tiny
 from functional_dit.pipelines import families as _latents
-from functional_dit.pipelines.sampler import _flux_image as _sample_flux_image
-from functional_dit.pipelines.sampler import _flux_kontext as _sample_flux_kontext
+from functional_dit.pipelines.families.flux1 import _image as _sample_flux_image
+from functional_dit.pipelines.families.flux1 import _kontext as _sample_flux_kontext
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # the bound; measured 0 (bitwise) on one process, ≤ 3.4e-6 on 2 ranks
 SIZE = dict(height=64, width=48)  # an 8 x 6 latent grid: 12 tokens, the mask covers some of them

@@ -22,7 +22,7 @@ from test_sample_qwen_image import layered_pipeline, start_image
 import functional_dit as fd
 import sharding
 from functional_dit import tiny
-from functional_dit.pipelines.sampler import _qwen_image as _sample_qwen_image
+from functional_dit.pipelines.families.qwenimage import _image as _sample_qwen_image
 
 # The bound (fp32, atol/rtol 1e-5); measured ≤ 1.7e-6 (docs/sampling.md). Not bitwise: one
 # thread per rank and the sharded matmuls sum in another order, and Qwen-Image's attention

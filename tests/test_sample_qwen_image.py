@@ -202,7 +202,7 @@ def test_true_cfg_without_negative_prompt_runs_no_cfg_as_stock(caplog):
     a warning), and with negative_prompt="" it runs CFG against ""."""
     pipe = tiny.pipeline("qwen-image")
     stock = dict(prompt="a cube", num_inference_steps=2, true_cfg_scale=4.0, **SIZE)
-    with caplog.at_level(logging.WARNING, logger="functional_dit.pipelines.sampler._qwen_image"):
+    with caplog.at_level(logging.WARNING, logger="functional_dit.pipelines.sampler._requests"):
         got = _ours(pipe, "a cube", steps=2, seed=1, true_cfg=4.0)
     assert "true_cfg=4.0 ignored" in caplog.text
     torch.testing.assert_close(got, stock_latents(pipe, 1, **stock), **FP32)
@@ -263,7 +263,7 @@ def test_edit_plus_several_references_equal_stock(monkeypatch):
     themselves are checked equal to stock's."""
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as stock_module
 
-    from functional_dit.pipelines.sampler import _qwen_image as qi
+    from functional_dit.pipelines.families.qwenimage import _image as qi
 
     assert (qi.VAE_AREA, qi.CONDITION_AREA) == (stock_module.VAE_IMAGE_SIZE, stock_module.CONDITION_IMAGE_SIZE)
     monkeypatch.setattr(stock_module, "VAE_IMAGE_SIZE", 128 * 128)

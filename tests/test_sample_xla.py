@@ -83,16 +83,16 @@ class _Step(torch.nn.Module):
 
 
 def _captured_steps(pipe, params, kw) -> list[tuple]:
-    """The (model, x, t, dt, cond, cfg, normalise) of every step of a 2-step fd.sample."""
-    seen, real = [], _sample_xla.step
+    """The (model, x, t, dt, cond, cfg, normalise) of every step of a 2-step fd.sample
+    (the model as that step got it: its tables hold the KV cache an earlier step extracted)."""
+    seen, real = [], _sample_xla.carried
 
     def spy(model, x, t, dt, cond, cfg, normalise, extra=None):
-        cache = getattr(model, "cache", None)
-        seen.append((model, cache, x, t, dt, cond, cfg, normalise))
+        seen.append((model, x, t, dt, cond, cfg, normalise))
         return real(model, x, t, dt, cond, cfg, normalise, extra)
 
     with pytest.MonkeyPatch.context() as patch, _sample_xla.static():
-        patch.setattr(_sample_xla, "step", spy)
+        patch.setattr(_sample_xla, "carried", spy)
         fd.sample(params, pipe, "a red cube", **dict(SIZE, steps=2, seed=0, **kw))
     return seen
 
@@ -108,8 +108,7 @@ def test_strict_export_of_one_sampler_step(models, name, kind, kw):
     op, the same result as the eager step. (FLUX.1's step is fd.apply's, exported in
     test_export, plus the same Euler update.)"""
     pipe, params = models[kind]
-    model, cache, x, t, dt, cond, cfg, normalise = _captured_steps(pipe, params, kw)[-1]
-    model.cache = cache
+    model, x, t, dt, cond, cfg, normalise = _captured_steps(pipe, params, kw)[-1]
     step = _Step(model, cfg, normalise)
     step.cond_ids = cond.txt_ids
     args = (x, t, dt, cond.txt, cond.pooled, cond.mask)
@@ -132,8 +131,8 @@ class _Unpack(torch.nn.Module):
 def test_flux2_unpacking_is_static_reshapes(models):
     """FLUX.2(-klein)'s latents -> VAE input without the pipeline's scatter by position ids."""
     pipe, params = models["flux2-klein-kv"]
-    model, _, x, *_ = _captured_steps(pipe, params, CASES[3][2])[-1]
-    program = torch.export.export(_Unpack(model, 4, 4), (x,), strict=True)
+    model, x, *_ = _captured_steps(pipe, params, CASES[3][2])[-1]
+    program = torch.export.export(_Unpack(model.steps, 4, 4), (x,), strict=True)
     ops = _graph_ops(program)
     assert not [op for op in ops if op.startswith(BANNED)], ops
     z = pipe._unpack_latents_with_ids(x, pipe._prepare_latent_ids(torch.zeros(1, 1, 2, 2)))  # the stock scatter

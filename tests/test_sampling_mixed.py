@@ -74,7 +74,7 @@ def test_a_padded_row_predicts_what_it_predicts_alone(models, kind):
     small, big = (sampling.init(params, ctx, [_req("a cat", *wh)]).items[0] for wh in ((32, 32), (64, 48)))
     state = sampling.merge(sampling.State(ctx, (small,)), sampling.State(ctx, (big,)), mixed=True)
     pad = sampling._packing.layout(state.items)
-    m = sampling._state.model_of(ctx, small, params)
+    m = small.tables  # the item's RoPE table and (Qwen-Image) image shapes
     x, cond = pad.latents(state.items), pad.text(state.items)
     t = torch.full((2,), 0.5)
     kw = pad.inputs(state.items, _keywords(kind, m, cond, 2))
@@ -88,8 +88,8 @@ def test_a_padded_row_predicts_what_it_predicts_alone(models, kind):
 
 def _keywords(kind, m, cond, B) -> dict:
     if kind == "flux":
-        return dict(pooled=cond.pooled, rope=m.rope, guidance=torch.full((B,), 3.5))
-    return dict(txt_mask=cond.mask, img_shapes=[m.shapes] * B, rope=m.rope)
+        return dict(pooled=cond.pooled, rope=m["rope"], guidance=torch.full((B,), 3.5))
+    return dict(txt_mask=cond.mask, img_shapes=[m["shapes"]] * B, rope=m["rope"])
 
 
 @pytest.mark.parametrize("kind", ["flux", "qwen-image"])
@@ -220,9 +220,9 @@ def test_padded_rows_under_sequence_parallelism_equal_one_process(models):
     ctx = sampling.context(params, pipe)
     items = [sampling.init(params, ctx, [_req("a cat", *wh)]).items[0] for wh in ((32, 32), (64, 48))]
     pad = sampling._packing.layout(items)
-    m = sampling._state.model_of(ctx, items[0], params)
+    m = items[0].tables
     cond = pad.text(items)
-    kw = pad.inputs(items, dict(pooled=cond.pooled, rope=m.rope, guidance=torch.full((2,), 3.5)))
+    kw = pad.inputs(items, dict(pooled=cond.pooled, rope=m["rope"], guidance=torch.full((2,), 3.5)))
     kw.update(x=pad.latents(items), t=torch.full((2,), 0.5), txt=cond.txt)
     (sp, one), _ = spawn(_sp_work, 2, params.config, kw, timeout=300)
     valid = kw["img_valid"].bool()

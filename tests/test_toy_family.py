@@ -102,6 +102,25 @@ def test_toy_family_runs_everywhere_a_family_runs(toy, tmp_path):
     assert not torch.equal(fd.sample(params, pipe, PROMPT, cache="fbcache:0.9", **run), plain)
 
 
+def test_toy_img2img_written_in_its_module_equals_flux1_img2img(toy):
+    """The toy's img2img job (its product module's ``JOBS``, one variant of its steps whose
+    hooks return tables) equals fd.sample's FLUX.1 img2img on the same weights: the same
+    functions on the same inputs in one process, so bitwise."""
+    from PIL import Image
+
+    params = fd.init(tiny.transformer_config("toy"), seed=0)
+    pipe = tiny.pipeline("toy")
+    image = Image.fromarray((torch.rand(40, 48, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy())
+    run = dict(height=32, width=32, steps=4, seed=[3, 4], image=image, strength=0.5, output_type="latent")
+    got = fd.sample(params, pipe, ["a red cube", "a blue ball"], **run)
+    want = fd.sample(_as_flux1(params), pipe, ["a red cube", "a blue ball"], **run)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    text_to_image = fd.sample(params, pipe, ["a red cube", "a blue ball"], **{**run, "image": None, "strength": None})
+    assert not torch.allclose(got, text_to_image)  # the image changed the result
+    with pytest.raises(ValueError, match="mask_image: the toy's img2img takes none"):
+        fd.sample(params, pipe, "a red cube", mask_image=image, **run)
+
+
 def test_unregistered_toy_is_unknown_again(toy):
     families.unregister(toy)
     try:

@@ -86,12 +86,23 @@ def euler(x: torch.Tensor, pred: torch.Tensor, dt: torch.Tensor) -> torch.Tensor
 def step(model, x, t, dt, cond, cfg: float | None, normalise: bool, extra: dict | None = None) -> torch.Tensor:
     """One sampler step on device data: the model call ([cond; uncond] as one batch with
     CFG; ``extra`` its per-step keywords, `extras`), the guidance combination and the
-    Euler update. x (B, S, C), t (B or 2B,)."""
+    Euler update. x (B, S, C), t (B or 2B,). ``model`` is any callable ``(x, t, cond,
+    **extra) -> velocity``."""
     xin = torch.cat([x, x]) if cfg is not None else x
     pred = model(xin, t, cond, **(extra or {}))
     if cfg is not None:
         pred = combine(pred, cfg, normalise)
     return euler(x, pred, dt)
+
+
+def carried(model, x, t, dt, cond, cfg: float | None, normalise: bool, extra: dict | None = None) -> tuple:
+    """`step` that also returns the model after its call (``model.call``: a KV cache the
+    first step extracted kept for the next, `sampler._state.Bound`)."""
+    xin = torch.cat([x, x]) if cfg is not None else x
+    pred, model = model.call(xin, t, cond, **(extra or {}))
+    if cfg is not None:
+        pred = combine(pred, cfg, normalise)
+    return euler(x, pred, dt), model
 
 
 def plan(sched, batch: int, dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -126,7 +137,8 @@ def _sync(device):
 
 def denoise(model, sched, x, cond, cfg: float | None, normalise: bool, callback):
     """`fd.sample`'s steps of one item (`sampler._state.step`) as fixed device steps:
-    ``model`` the item's (`sampler._state.bound`), ``sched`` a copy of its scheduler.
+    ``model`` the item's (`sampler._state.bound`: its steps, params, tables and batch
+    ``apply``), ``sched`` a copy of its scheduler.
     ``callback(i, t, x)`` gets the host timestep."""
     opts = _FORCED.get() or Options()
     batch = x.shape[0] * (1 if cfg is None else 2)
@@ -140,7 +152,7 @@ def denoise(model, sched, x, cond, cfg: float | None, normalise: bool, callback)
         counters = _Counters(x.device, opts.record, segments)
         for i, ((t, dt), extra, mix) in enumerate(zip(steps, more, blends)):
             with _strict() if opts.strict else contextlib.nullcontext():
-                x = step(model, x, t, dt, cond, cfg, normalise, extra)
+                x, model = carried(model, x, t, dt, cond, cfg, normalise, extra)
                 x = x if mix is None else _schedule.blend_at(x, mix, *parts)
                 sync()
             _advance(sched, i)

@@ -36,7 +36,6 @@ rest under `sampler_xla.NoHostSync`.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
@@ -46,7 +45,8 @@ from .. import families as _families
 from ..lora import internal as _lora
 from . import sampler_xla as _xla
 from . import sampling as _sampling
-from .families import Prompt
+from .families import Prompt, plain_apply, tables
+from .sampler.internal import state as _state
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -132,7 +132,7 @@ def slot(ctx, item, adapters=(), text: int | None = None) -> Slot:
     tensor enters a graph as a slice of it, another graph). ``text``: where the family's
     model takes a text mask (Qwen-Image), the text padded to that many tokens (`pad_text`)."""
     check_item(ctx, item, adapters)
-    if text is not None and "txt_mask" in _families.of(ctx.model.params).ARGS:
+    if text is not None and "txt_mask" in _families.by_key(ctx.fam).ARGS:
         item = pad_text(ctx, item, text)
     dev, dtype = item.x.device, item.x.dtype
     move = lambda v: None if v is None else v.clone().to(dev)  # noqa: E731
@@ -157,11 +157,9 @@ def pad_text(ctx, item, length: int):
     mask = torch.ones(c.txt.shape[:2], dtype=torch.long) if c.mask is None else c.mask.cpu()
     txt, mask = F.pad(c.txt.cpu(), (0, 0, 0, length - n)), F.pad(mask, (0, length - n))
     cond = Prompt(txt.to(dev), c.pooled, mask.to(dev), c.txt_ids)
-    m = copy.copy(ctx.model)
-    vars(m).update(item.tables)
-    m.prepare(cond, *item.hw, item.tables.get("guidance"), item.x.device)
-    tables = {k: getattr(m, k) for k in item.tables}
-    return dataclasses.replace(item, cond=cond, tables=tables)
+    g = item.tables.get("guidance")
+    tab = tables(item.tables, **ctx.model.prepare(item.tables, cond, *item.hw, g, item.x.device))
+    return dataclasses.replace(item, cond=cond, tables=tab)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -239,13 +237,10 @@ def step(params, ctx, slots, pad: Pads, adapters=()) -> tuple[list[Slot], list]:
 
 
 def _model(params, ctx, item, guidance, scales, adapters):
-    """The family's steps with ``item``'s tables (those of its key: RoPE tables, shapes)
-    and an ``apply`` taking the batch's per-row guidance and adapter scales."""
-    m = copy.copy(ctx.model)
-    vars(m).update(item.tables)
-    m.params = params
-    m.apply = _apply(type(ctx.model).apply, guidance, scales, adapters)
-    return m
+    """The family's steps bound to ``params`` and ``item``'s tables (those of its key: RoPE
+    tables, shapes) with an ``apply`` taking the batch's per-row guidance and adapter
+    scales (`sampler._state.Bound`)."""
+    return _state.Bound(ctx.model, params, item.tables, _apply(plain_apply, guidance, scales, adapters))
 
 
 def _apply(plain, guidance, scales, adapters):
@@ -254,7 +249,7 @@ def _apply(plain, guidance, scales, adapters):
 
     def apply(p, x, t, txt, **kw):
         if kw.get("guidance") is not None:
-            kw["guidance"] = guidance
+            kw = {**kw, "guidance": guidance}
         if adapters:
             p = _lora.attach(p, [(ad, scales[:, j]) for j, ad in enumerate(adapters)])
         return plain(p, x, t, txt, **kw)

@@ -26,7 +26,7 @@ caches in its tables), each item with its own step cache (``Request.cache``: eve
 deciding alone; one state per model call where a step makes one call per CFG branch,
 Qwen-Image 2.1). A request with image inputs (``image``, ``mask_image``, ``strength``: FLUX.1
 img2img and inpainting, Qwen-Image's, the FLUX.2 / klein references) is made by
-``fd.sample``'s own preparation of that one image (`functional_dit.pipelines.sampler.items_only`):
+``fd.sample``'s own preparation of that one image (`functional_dit.pipelines.sampler.prepare`):
 its item keeps that image job's steps as its own context (`Item.own`) and takes its own
 model calls; so does a request with its own ``sigmas`` or with ``embeds`` (the stock
 embedding keywords) in place of a prompt. A context over an image job's pipeline of its own (Kontext, the edit
@@ -45,9 +45,11 @@ import sharding
 from ..lora import internal as _lora
 from . import sampler as _sampler
 from .cache.internal import items as _cache_items
+from .families import NO_TABLES
 from .families import product as _product
 from .sampler.internal import packing as _packing
 from .sampler.internal import ranks as _ranks
+from .sampler.internal import requests as _requests
 from .sampler.internal import state as _state
 
 # The state and its one pure step, shared with fd.sample (`functional_dit.pipelines.sampler._state`).
@@ -124,7 +126,7 @@ def context(params, encoders, text_to_image: bool = False) -> Context:
     name = type(pipe).__name__
     if name not in runs and text_to_image:
         raise ValueError(f"encoders: functional_dit.sampling runs text to image ({', '.join(runs)}); got {name}")
-    model = _sampler._family_model(fam, params, pipe, None, None, {}, None) if name in runs else None
+    model = _sampler._family_model(fam, params, pipe, None, None) if name in runs else None
     device, dtype = _sampler._param_device_dtype(params)
     return Context(fam, model, pipe, device, dtype)
 
@@ -163,29 +165,30 @@ def init(params, ctx: Context, requests, tags=None, host_schedule: bool = False)
 
 
 def _item(params, ctx: Context, req: Request, tag, host_schedule: bool = False) -> Item:
+    """The request's item at step 0: its prompt encoded and its noise drawn as one chunk of
+    ``fd.sample`` (`sampler._chunk`), made an item as ``fd.sample`` makes its chunks'
+    (`sampler._item`; ``host_schedule``: its scheduler on the CPU), with the request's own
+    step cache."""
     check(ctx, params, req)
     if req.prepared or ctx.model is None:  # an image job (the pipeline's own, or its inputs), sigmas, embeddings
         return _prepared_item(params, ctx, req, tag)
-    pipe, model = ctx.pipe, ctx.model.fork()  # what encoding and `prepare` set lands on the fork
     cfg = float(req.true_cfg) if req.true_cfg is not None and req.true_cfg > 1 else None
-    cfg = _sampler._qi.true_cfg(ctx.fam, cfg, req.negative_prompt, None)
+    cfg = _requests.true_cfg(ctx.fam, cfg, req.negative_prompt, None)
     reqs = _sampler.requests(ctx.fam, req.prompt, 1, req.seed, None, req.negative_prompt, cfg is not None, {})
-    f = pipe.vae_scale_factor * 2
+    f = ctx.pipe.vae_scale_factor * 2
     hw = 2 * (req.height // f), 2 * (req.width // f)
-    job = _sampler._Job(ctx.fam, hw, req.steps, None, req.guidance, cfg, "pil", req.max_sequence_length, None, None)
-    chunk = _sampler._chunk(model, reqs, (0,), job, ctx.dtype, ctx.device)
-    _agree(params, req, chunk, cfg)
-    sched = _sampler._scheduler(pipe, ctx.fam, chunk.x.shape[1], req.steps, "cpu" if host_schedule else ctx.device)
-    cache = _cache_items.config(req.cache, len(sched.timesteps))
-    state = _cache_items.init(cache, model.cfg_calls if cfg is not None else 1)  # one per model call of a step
-    fields = dict(request=req, tag=tag, lora=(tuple(req.lora),) if req.lora else None, cache=cache, cache_state=state)
-    return _state.start(
-        ctx, model, chunk.x, chunk.cond, sched, hw, guidance=req.guidance, cfg=cfg, images=(0,),
-        normalise=model.normalise_cfg, **fields,
-    )  # fmt: skip
+    lora = (tuple(req.lora),) if req.lora else None
+    job = _sampler._Job(ctx.fam, hw, req.steps, None, req.guidance, cfg, "pil", req.max_sequence_length, None, None,
+                        lora=lora)  # fmt: skip
+    chunk = _sampler._chunk(ctx.model, NO_TABLES, reqs, (0,), job, ctx.dtype, ctx.device)
+    _agree(params, req, ctx.model, chunk, cfg)
+    item = _sampler._item(ctx, chunk, job, fixed=host_schedule)
+    cache = _cache_items.config(req.cache, len(item.timesteps))
+    state = _cache_items.init(cache, ctx.model.cfg_calls if cfg is not None else 1)  # one per model call of a step
+    return dataclasses.replace(item, request=req, tag=tag, cache=cache, cache_state=state)
 
 
-def _agree(params, req: Request, chunk, cfg) -> None:
+def _agree(params, req: Request, model, chunk, cfg) -> None:
     """On a mesh of every rank, the ranks that run the item must hold the same request:
     ``fd.sample``'s check before the first step (its noise, text and settings; the same
     ValueError on every rank). A mesh of some ranks only (the server's dp groups, each
@@ -196,22 +199,20 @@ def _agree(params, req: Request, chunk, cfg) -> None:
     lora, cache = _sampler._lora_items.fingerprint((tuple(req.lora),)), _cache_items.config(req.cache, req.steps)
     settings = dict(height=req.height, width=req.width, steps=req.steps, guidance=req.guidance, true_cfg=cfg,
                     max_sequence_length=req.max_sequence_length, cache=repr(cache), lora=lora)  # fmt: skip
-    _sampler._check_ranks(_ranks.layout(mesh, 1), [chunk], chunk.model, settings)
+    _sampler._check_ranks(_ranks.layout(mesh, 1), [chunk], model, chunk.tables, settings)
 
 
 def _prepared_item(params, ctx: Context, req: Request, tag) -> Item:
     """The item of a request with image inputs, a ControlNet, sigmas or embeddings, or over an image
-    job's pipeline: ``fd.sample``'s own preparation of that one image
-    (`sampler.items_only`), whose steps (the job's, its images encoded) become the item's
-    own context: it takes its own model calls."""
+    job's pipeline: ``fd.sample``'s own preparation of that one image (`sampler.prepare`),
+    whose steps (the job's) become the item's own context: it takes its own model calls."""
     kw = dict(height=req.height, width=req.width, steps=req.steps, seed=req.seed, guidance=req.guidance,
               true_cfg=req.true_cfg, negative_prompt=req.negative_prompt, image=req.image, mask_image=req.mask_image,
               strength=req.strength, max_sequence_length=req.max_sequence_length, cache=req.cache,
               lora=list(req.lora) or None, sigmas=None if req.sigmas is None else list(req.sigmas),
               controlnet=req.controlnet, control_guidance_start=req.control_guidance_start,
               control_guidance_end=req.control_guidance_end, max_area=req.max_area)  # fmt: skip
-    with _sampler.items_only():
-        own, (item,) = _sampler.sample(params, ctx.pipe, req.prompt, **kw, **(req.embeds or {}))
+    own, (item,) = _sampler.prepare(params, ctx.pipe, req.prompt, **kw, **(req.embeds or {}))
     return dataclasses.replace(item, request=req, tag=tag, own=own)
 
 

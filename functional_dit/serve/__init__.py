@@ -123,9 +123,9 @@ def run(args, load_model) -> int:
     params, pipe, group, leader = _load(args, mesh, load_model)
     if fixed is not None:
         params = _xla.to_device(params, fixed["device"])
-    service = _service(args, params, pipe, run_time)
+    service = _service(args, params, pipe, run_time, fixed)
     if fixed is not None:
-        _xla.attach(service.engine, fixed, args)
+        _xla.warm(service.engine, fixed, args)
     engine = service.engine
     rank = 0 if mesh is None else torch.distributed.get_rank()
     if mesh is not None:  # every rank runs its group's share of rank 0's turns (`functional_dit.serve._ranks`)
@@ -157,28 +157,27 @@ def _load(args, mesh, load_model):
     return params, pipe, group, leader
 
 
-def _service(args, params, pipe, run_time: dict):
+def _service(args, params, pipe, run_time: dict, fixed: dict | None = None):
     """The engine and the HTTP service over it, its adapters, and its defaults checked
-    against its own limits."""
-    from . import _app, _edits, _engine, _loras
+    against its own limits; ``fixed`` (`_xla.options`): its backend the fixed-shape one."""
+    from . import _app, _edits, _engine, _loras, _xla
 
     adapters = load_adapters(args.lora, params)
     if getattr(args, "device", "cpu") != "cpu":  # the adapters where the params are
-        from . import _xla
-
         adapters = {k: _xla.to_device(v, _xla.param_device(params)) for k, v in adapters.items()}
     try:
         engine = _engine.Engine(
             params,
             pipe,
             adapters,
-            max_batch=args.max_batch,
+            max_batch=args.max_batch if fixed is None else _xla.max_batch(fixed, args),
             max_queue=args.max_queue,
             aging=args.aging,
             image_jobs=_edits.image_jobs(pipe),
             # a fixed-shape XLA batch holds one size (its graphs are per size and bucket)
-            mixed=args.mixed_resolution == "on" and getattr(args, "device", "cpu") == "cpu",
+            mixed=args.mixed_resolution == "on" and fixed is None,  # (--xla-buckets on the CPU too)
             max_padding=_engine.MAX_PADDING if args.max_padding is None else args.max_padding,
+            backend=None if fixed is None else _xla.backend(fixed, args),
         )
     except ValueError as e:  # a model the per-item sampler does not run (image inputs: Kontext, edit, ...)
         raise ValueError(f"--model {args.model}: {e}") from None

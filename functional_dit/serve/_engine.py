@@ -108,7 +108,7 @@ class Engine:
 
     def __init__(
         self, params, pipe, adapters=None, *, max_batch=8, max_queue=64, sync=None, aging=10.0, image_jobs=False,
-        mixed=True, max_padding=MAX_PADDING,
+        mixed=True, max_padding=MAX_PADDING, backend=None,
     ):  # fmt: skip
         self.params, self.adapters = params, dict(adapters or {})
         # mixed: images of several sizes in one model call, padded to at most max_padding x their tokens
@@ -116,8 +116,8 @@ class Engine:
         # image_jobs: a pipeline that is an image job of its own (Kontext, the edit pipelines), every item its own
         self.ctx = sampling.context(params, pipe, text_to_image=not image_jobs)
         # what makes, steps and decodes items: ``init`` / ``step`` / ``decode`` of `functional_dit.sampling`,
-        # or of the fixed-shape XLA backend (`functional_dit.serve._xla.Fixed`, set by ``serve``)
-        self.backend = sampling
+        # or of what ``backend(ctx, adapters)`` makes (``serve``'s fixed-shape XLA one: `functional_dit.serve._xla`)
+        self.backend = sampling if backend is None else backend(self.ctx, self.adapters)
         self.max_batch, self.max_queue, self.aging = max_batch, max_queue, aging
         self.metrics = Metrics()
         self._lock = threading.Condition()

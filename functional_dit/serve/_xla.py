@@ -81,12 +81,14 @@ class Stats:
 class Fixed:
     """The fixed-shape backend over ``ctx``: batches padded to ``buckets``, ``adapters``
     every adapter the server holds (fixed at start-up: they are part of the graph),
-    ``strict``: a size not warmed is refused (`refuse`); ``text``: the token count a masked
-    text (Qwen-Image's) is padded to (the server's ``--max-sequence-length``, else 512)."""
+    ``strict``: a size not warmed is refused (`refuse`), nor one of ``sizes`` (those the
+    server warms before it listens, ``--xla-sizes``: its defaults are checked against them
+    first); ``text``: the token count a masked text (Qwen-Image's) is padded to (the
+    server's ``--max-sequence-length``, else 512)."""
 
-    def __init__(self, ctx, adapters, buckets, strict: bool = False, text: int = 512):
+    def __init__(self, ctx, adapters, buckets, strict: bool = False, text: int = 512, sizes=()):
         self.ctx, self.adapters, self.buckets, self.strict = ctx, list(adapters), tuple(buckets), strict
-        self.text = text
+        self.text, self.sizes = text, tuple(sizes)
         _batch.check_context(ctx, self.adapters)
         self.counters, self.stats = _Counters(torch.device(ctx.device)), Stats()
         self.pads: dict = {}  # key -> the zero slots of that key (the largest bucket less one)
@@ -96,8 +98,9 @@ class Fixed:
         """(field, what it expects) when ``req`` cannot run in these graphs (a 400), else None."""
         if req.cache is not None:
             return "cache", "null or 'none' (step caches decide on the host: not under --device xla)"
-        if self.strict and (req.width, req.height) not in self.warmed:
-            sizes = ", ".join(f"{w}x{h}" for w, h in sorted(self.warmed))
+        taken = self.warmed | set(self.sizes)
+        if self.strict and (req.width, req.height) not in taken:
+            sizes = ", ".join(f"{w}x{h}" for w, h in sorted(taken))
             return "size", f"one of the warmed sizes {sizes} (--xla-strict)"
         return None
 
@@ -259,21 +262,30 @@ def param_device(params) -> torch.device:
     return next(iter(params.flat().values())).device
 
 
-def attach(engine, fixed: dict, args) -> None:
-    """The engine's backend made fixed-shape (its batches at most the largest bucket) and,
-    with ``--xla-warmup``, every bucket and size compiled now, before the server listens."""
-    try:
-        text = args.max_sequence_length or 512
-        backend = Fixed(engine.ctx, engine.adapters.values(), fixed["buckets"], args.xla_strict, text)
-    except ValueError as e:
-        raise ValueError(f"--model {args.model}: {e}") from None
-    engine.backend, engine.max_batch = backend, min(engine.max_batch, max(fixed["buckets"]))
-    if args.xla_warmup:
-        backend.warmup(engine.params, fixed["sizes"], cfg=True, max_sequence_length=args.max_sequence_length)
-        s = backend.stats
-        print(
-            f"xla warm-up: sizes {', '.join(f'{w}x{h}' for w, h in fixed['sizes'])}, buckets "
-            f"{','.join(map(str, fixed['buckets']))}, with and without CFG: {s.warm_compiles} compiles in "
-            f"{s.warmup_seconds:.1f} s",
-            flush=True,
-        )
+def backend(fixed: dict, args):
+    """The engine's fixed-shape backend maker (`_engine.Engine`'s ``backend``): ``(ctx,
+    adapters) -> Fixed`` over the found ``fixed`` buckets and the server's flags."""
+    text = args.max_sequence_length or 512
+    b, sizes = fixed["buckets"], fixed["sizes"]
+    return lambda ctx, adapters: Fixed(ctx, adapters.values(), b, args.xla_strict, text, sizes)
+
+
+def max_batch(fixed: dict, args) -> int:
+    """The engine's ``max_batch`` under XLA: its batches at most the largest bucket."""
+    return min(args.max_batch, max(fixed["buckets"]))
+
+
+def warm(engine, fixed: dict, args) -> None:
+    """With ``--xla-warmup``, every bucket and size of the engine's `Fixed` backend compiled
+    now, before the server listens."""
+    if not args.xla_warmup:
+        return
+    b = engine.backend
+    b.warmup(engine.params, fixed["sizes"], cfg=True, max_sequence_length=args.max_sequence_length)
+    s = b.stats
+    print(
+        f"xla warm-up: sizes {', '.join(f'{w}x{h}' for w, h in fixed['sizes'])}, buckets "
+        f"{','.join(map(str, fixed['buckets']))}, with and without CFG: {s.warm_compiles} compiles in "
+        f"{s.warmup_seconds:.1f} s",
+        flush=True,
+    )

@@ -101,7 +101,7 @@ def computed(preset: str, rank: int = 16, tokens: int = 4096 + 512) -> dict:
     import re
 
     import functional_dit as fd
-    from functional_dit.lora._adapter import DEFAULT_TARGETS, linear_modules
+    from functional_dit.lora import DEFAULT_TARGETS, linear_modules
     from functional_dit.nn.layerwise import skip_by_patterns
     from sharding.tree import flatten
 

@@ -14,11 +14,12 @@ import importlib
 from ... import families as _families
 from ._latents import _batch as repeat_batch
 from ._latents import combine, flux2_vae_input, grid_ids, pack_2x2, unpack_2x2
-from ._steps import Prompt, Steps, cfg_batch
+from ._steps import NO_TABLES, Prompt, Steps, cfg_batch, plain_apply, tables
 
 # What the image jobs, the sampler and the per-item sampling share with the families' steps.
 __all__ = [
     "HOOKS",
+    "NO_TABLES",
     "Prompt",
     "Steps",
     "cfg_batch",
@@ -26,8 +27,10 @@ __all__ = [
     "flux2_vae_input",
     "grid_ids",
     "pack_2x2",
+    "plain_apply",
     "product",
     "repeat_batch",
+    "tables",
     "unpack_2x2",
 ]
 
@@ -37,7 +40,8 @@ HOOKS = (
     "pipeline_class",  # (components) -> the stock pipeline class name built from components
     "shift",  # (seq_len, steps, scheduler config) -> the schedule's mu
     "batch_size",  # (batch_size) -> images per model call
-    "IMAGE_JOBS",  # "img2img" (fd.sample's over its steps), "pipeline" (its own pipelines') or None
+    "size",  # (pipe, fd.sample's arguments) -> the output size as the pipeline sets it (resolution, max_area)
+    "image_job",  # (pipe, fd.sample's checked arguments) -> (the pipeline, a job (params, pipe) -> Steps, or None)
     "EMBED_ARGS",  # the stock keywords that replace the text encoders' output
     "EMBEDS_TOGETHER",  # of those, the ones needed together with prompt_embeds
     "MAX_SEQUENCE_LENGTH",  # the stock pipelines' limit, or None

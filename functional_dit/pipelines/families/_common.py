@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from ._jobs import refuse, refuse_layers, refuse_max_area, refuse_reference
+
 
 class BenchCache(NamedTuple):
     """A family's run in ``bench --sampling``'s step-cache rows: its row name, the tiny
@@ -34,6 +36,22 @@ def shift(seq_len: int, steps: int, cfg) -> float:
 def batch_size(batch_size: int | None) -> int | None:
     """Images per model call: as asked (None: the whole chunk)."""
     return batch_size
+
+
+def size(pipe, call) -> tuple:
+    """The output size (height, width) as asked (``call``: `fd.sample`'s arguments): a
+    family without a job that sets it refuses ``max_area`` (Kontext's)."""
+    refuse_max_area(call.max_area)
+    return call.height, call.width
+
+
+def image_job(pipe, call) -> tuple:
+    """(the pipeline, None): a family without image jobs refuses their arguments (``call``:
+    `fd.sample`'s checked arguments)."""
+    refuse_layers(pipe, call.layers)
+    refuse_reference(call.image_reference)
+    refuse(call.fam, call.strength, call.mask_image, call.padding_mask_crop)
+    return pipe, None
 
 
 def refuse_kv_cache(kv_cache, params) -> None:

@@ -54,3 +54,10 @@ def combine(pred: torch.Tensor, scale: float, normalise: bool) -> torch.Tensor:
     if normalise:
         out = out * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(out, dim=-1, keepdim=True))
     return out
+
+
+def copy_generator(gen: torch.Generator) -> torch.Generator:
+    """A generator in ``gen``'s state: each chunk redraws the batch from the same start."""
+    g = torch.Generator(gen.device)
+    g.set_state(gen.get_state())
+    return g

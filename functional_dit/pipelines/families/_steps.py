@@ -1,14 +1,17 @@
 """The sampler-family protocol: what `fd.sample`'s loop asks of each family's sampling
 steps (each family's in its product module, `functional_dit.pipelines.families`), declared
 once here with the defaults that only some families override, so the loop calls every
-hook unconditionally. Also the text conditioning the steps pass around (`Prompt`) and
-the default classifier-free-guidance batching (`cfg_batch`).
+hook unconditionally. The steps are a frozen description; every hook is a pure function
+of its arguments, its per-run and per-item values returned as immutable tables. Also the
+text conditioning the steps pass around (`Prompt`) and the default classifier-free-guidance
+batching (`cfg_batch`).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import types
+from collections.abc import Mapping
 
 import torch
 
@@ -24,6 +27,8 @@ class Prompt:
     pooled: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     txt_ids: torch.Tensor | None = None
+    pad: torch.Tensor | None = None  # Qwen-Image 2.1: the prompt's image-slot pads (its layout)
+    uncond: Prompt | None = None  # Qwen-Image 2.1: the CFG branch kept apart (its own layout)
 
 
 def _pad_to(p: Prompt, T: int) -> Prompt:
@@ -48,74 +53,99 @@ def cfg_batch(cond: Prompt, uncond: Prompt) -> Prompt:
     return Prompt(cat(cond.txt, uncond.txt), cat(cond.pooled, uncond.pooled), mask, cond.txt_ids)
 
 
-def _plain_apply(*args, **kwargs):
-    """`fd.apply`, looked up when called."""
+def plain_apply(*args, **kwargs):
+    """`fd.apply`, looked up when called (a batch's ``apply`` wraps it: adapters, caches)."""
     return _api.apply(*args, **kwargs)
 
 
+NO_TABLES: Mapping = types.MappingProxyType({})
+
+
+def tables(base: Mapping = NO_TABLES, **more) -> Mapping:
+    """An immutable mapping of ``base`` with ``more`` (a family's tables: tensors and
+    small values, never changed after they are made)."""
+    return types.MappingProxyType({**base, **more})
+
+
 class Steps:
-    """One family's sampling steps, as `fd.sample` drives them. A family implements
-    ``encode(prompts, msl)`` and ``encode_embeds(msl, **embeds)`` -> `Prompt`,
-    ``noise_shape(B, h, w)``, ``pack(z)`` (noise -> tokens), ``take(latents)`` (given
-    ``latents=`` -> tokens), ``prepare(cond, h, w, guidance, device)`` (per-run tables),
-    ``__call__(x, t, cond)`` (the model's prediction) and ``decode_latents(x, h, w)``;
-    the attributes and hooks below have defaults."""
+    """One family's sampling, as `fd.sample` and `functional_dit.sampling` drive it: a
+    frozen description (the pipeline and the config, set once in ``__init__``) whose
+    hooks are pure functions of what they are given. Tables are immutable mappings
+    (`tables`): the run's (``images``, ``init_latents``: encoded references, start
+    images), a chunk's (``draw``: an img2img posterior draw) and an item's (``prepare``,
+    ``begin``: RoPE, guidance, the inpainting blend inputs).
+
+    A family implements ``encode(run, prompts, msl, **opts)`` and
+    ``encode_embeds(run, msl, **embeds)`` -> `Prompt`, ``noise_shape(B, h, w)``,
+    ``pack(z)`` (noise -> tokens), ``take(latents)`` (given ``latents=`` -> tokens),
+    ``prepare(run, cond, h, w, guidance, device) -> tables``, ``predict(params, tables,
+    x, t, cond, apply, **extra) -> (velocity, updates)`` (``updates``: the tables a call
+    changed, e.g. a KV cache extracted on the first step, for the item to keep) and
+    ``decode_latents(x, h, w)``; the attributes and hooks below have defaults."""
 
     kv: bool | None = None  # the family's KV cache in use (None: it has none)
-    ref: torch.Tensor | None = None  # reference latents the ranks must agree on
     normalise_cfg = False  # CFG rescaled to the conditional prediction's norm (Qwen-Image)
     cfg_on_device = False  # cfg_batch takes the branches already on the device (Qwen-Image 2.1)
     blends_steps = False  # after_step changes the latents (FLUX.1 inpainting's blend)
     step_cache = True  # `fd.sample(cache=...)` supported
     fixed_graph = False  # each step one fixed device graph (`sampler_xla` may run it on a lazy device)
     packed_latents = True  # `fd.sample(latents=...)` takes packed tokens (B, S, C), as the pipeline's latents=
-    apply = staticmethod(_plain_apply)  # each step's copy takes the item's (`sampler._state.bound`)
     # `functional_dit.sampling`: whether items share one model call (False: each item its own
-    # call, as Qwen-Image 2.1, whose batch is laid out by its first item), and the attributes
-    # a model call changes (an item keeps them between its steps: Qwen-Image 2.1's KV caches)
+    # call, as Qwen-Image 2.1, whose batch is laid out by its first item)
     cfg_calls = 1  # model calls per step with CFG (Qwen-Image 2.1: one per branch, each its own layout)
     shares_calls = True
+    settings: Mapping = NO_TABLES  # the job's settings the ranks must agree on
+    CONTROLNET = False  # takes ControlNets (``control_pixels``, ``control_latents``, ``control_kwargs``)
+    CONTROL_GUIDANCE: float | None = None  # the stock ControlNet pipeline's guidance default
+    strength: float | None = None  # img2img's strength (a setting too)
     # items of several sizes in one padded call (`sampler._packing`): the steps' apply takes
     # fd.apply's img_valid and a RoPE table per row (``rope``, from the item's "rope" table);
     # masks_text: its prompts are masked, so items of several text lengths pad theirs too
     packs_sizes = False
     masks_text = False
-    call_state: tuple[str, ...] = ()
-
-    def fork(self):
-        """A copy for one run or one item (`functional_dit.sampling`): what encoding and
-        ``prepare`` set lands on it, not on this object; a family whose steps keep run state
-        in containers gives the copy fresh ones."""
-        return copy.copy(self)
 
     def cfg_batch(self, cond: Prompt, uncond: Prompt) -> Prompt:
         """Both CFG branches as the loop's one batch ([cond; uncond] by default)."""
         return cfg_batch(cond, uncond)
 
-    def schedule(self, sched) -> None:
-        """Sees the run's scheduler after it is set (FLUX.3's flow map reads the timesteps)."""
+    def images(self, images, B: int, device) -> Mapping:
+        """The run's tables of the reference images; a family without them refuses any."""
+        raise ValueError(f"image: {type(self).__name__.lstrip('_')} sampling takes no reference image; expected None")
+
+    def init_latents(self, run: Mapping, req, height: int, width: int, device, dtype) -> tuple:
+        """Before the chunks: (the run's tables, the request). img2img / inpainting encode
+        their start image here, its draw coming before the noise."""
+        return run, req
+
+    def draw(self, run: Mapping, noise: tuple, images, shape_of, dtype, device, draw) -> tuple:
+        """(a chunk's packed noise, the chunk's tables): ``draw`` (`sampler._requests.draw`)
+        by default; img2img draws its posterior sample first."""
+        return draw(noise, images, shape_of, self.pack, self.take, dtype, device), NO_TABLES
+
+    def checked(self, run: Mapping) -> dict:
+        """The run's inputs every rank of a group must hold the same (reference latents)."""
+        ref = run.get("ref")
+        return {} if ref is None else {"reference latents (image)": ref}
+
+    def schedule(self, tables: Mapping, sched):
+        """The item's scheduler (set): as it is, or a changed copy (img2img cuts it)."""
+        return sched
 
     def step_inputs(self, sched, batch: int, dtype) -> list[dict]:
-        """Per step, the model's extra inputs (``__call__`` keywords) computed on the host
-        before the fixed-graph loop and moved to the device once (FLUX.3's flow-map target
-        timesteps); none by default."""
+        """Per step, the model's extra inputs (``predict`` keywords) computed on the host
+        before the loop (FLUX.3's flow-map target timesteps); none by default."""
         return [{} for _ in sched.timesteps]
 
-    def begin(self, sched, chunk, on_step):
-        """Before the first step: (start latents, the step hook). img2img / inpainting cut
-        the schedule here and start from the noised image."""
-        return chunk.x, on_step
+    def begin(self, tables: Mapping, sched, x: torch.Tensor, images) -> tuple:
+        """Before the first step: (start latents, the item's tables). img2img / inpainting
+        start from the noised image and keep the blend's inputs."""
+        return x, tables
 
-    def init_latents(self, req, height: int, width: int, device, dtype):
-        """Before the chunks: the request (img2img / inpainting encode their start image
-        here, its draw coming before the noise)."""
-        return req
-
-    def after_step(self, i: int, sched, x: torch.Tensor) -> torch.Tensor:
+    def after_step(self, tables: Mapping, i: int, sched, x: torch.Tensor) -> torch.Tensor:
         """The latents after step ``i``'s scheduler update (as they are by default)."""
         return x
 
-    def blend_parts(self):
+    def blend_parts(self, tables: Mapping):
         """``after_step``'s inpainting blend as data, (image latents, noise, mask), for the
         fixed-graph loop to blend on the device (`schedule.blend_plan`); None: no blend."""
         return None
@@ -124,10 +154,6 @@ class Steps:
         """What ``output_type="latent"`` returns, as the stock pipeline (the packed latents)."""
         return x
 
-    def overlay(self, images):
+    def overlay(self, tables: Mapping, images):
         """The decoded images as returned (``padding_mask_crop`` pastes them back)."""
         return images
-
-    def images(self, images, B: int, device) -> None:
-        """Encodes the reference images; a family without them refuses any."""
-        raise ValueError(f"image: {type(self).__name__.lstrip('_')} sampling takes no reference image; expected None")

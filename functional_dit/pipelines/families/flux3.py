@@ -13,14 +13,16 @@ from ...flux3 import Flux3Config
 from . import _common
 from ._common import stock_module
 from ._latents import flux2_vae_input
-from ._steps import Prompt, Steps
+from ._steps import NO_TABLES, Prompt, Steps, tables
 
 # the shared hooks FLUX.3 takes as they are (`_common`)
-shift, batch_size, adapter_result, output = (
+shift, batch_size, adapter_result, output, size, image_job = (
     _common.shift,
     _common.batch_size,
     _common.adapter_result,
     _common.output,
+    _common.size,
+    _common.image_job,
 )
 
 # ----------------------------------------------------------------------------- fd.sample
@@ -28,7 +30,6 @@ shift, batch_size, adapter_result, output = (
 EMBED_ARGS = ()  # embeddings not taken yet: these pipelines encode their own prompts
 EMBEDS_TOGETHER = ()
 MAX_SEQUENCE_LENGTH = None
-IMAGE_JOBS = None
 ENCODER_LORA_SCALE = False
 CFG_NEEDS_NEGATIVE = False
 PER_ITEM_PIPELINES = ("Flux3ModularPipeline", "Flux3DistilledModularPipeline")
@@ -45,7 +46,7 @@ class Flux3(Steps):
     PAD_MULTIPLE, ROPE_SCALE = 80, 0.5  # modular_pipelines/flux3: Flux3TextEncoderStep, Flux3PrepareLatentsStep
 
     def __init__(self, params, pipe):
-        self.params, self.pipe, self.c = params, pipe, params.config
+        self.pipe, self.c = pipe, params.config
 
     def _layers(self) -> tuple:
         """The encoder layers stacked: diffusers' default (4, 8, ..., 32), or as many evenly
@@ -55,7 +56,7 @@ class Flux3(Steps):
         L_ = te.config.text_config.num_hidden_layers
         return tuple(range(4, 33, 4)) if L_ >= 32 and n == 8 else tuple(round((k + 1) * L_ / n) for k in range(n))
 
-    def encode(self, prompts, msl):
+    def encode(self, run, prompts, msl):
         from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
 
         embed = Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds
@@ -78,17 +79,13 @@ class Flux3(Steps):
 
     take = staticmethod(lambda latents: latents)  # latents= given packed
 
-    def prepare(self, cond, h, w, guidance, device):
+    def prepare(self, run, cond, h, w, guidance, device):
         rows, cols = torch.meshgrid(torch.arange(h // 2) * 1.0, torch.arange(w // 2) * 1.0, indexing="ij")
         zeros = torch.zeros(rows.numel())
         img_ids = torch.stack(
             [zeros, rows.reshape(-1) * self.ROPE_SCALE, cols.reshape(-1) * self.ROPE_SCALE, zeros], -1
         )
-        self.rope = flux3.rope_table(self.c, img_ids.to(device), cond.txt_ids.to(device))
-        self.step = 0
-
-    def schedule(self, sched):
-        self.timesteps = sched.timesteps
+        return tables(rope=flux3.rope_table(self.c, img_ids.to(device), cond.txt_ids.to(device)))
 
     @staticmethod
     def _target(ts, i: int, batch: int, dtype) -> torch.Tensor:
@@ -97,16 +94,15 @@ class Flux3(Steps):
         return (nxt / 1000).expand(batch).to(dtype)
 
     def step_inputs(self, sched, batch, dtype):
-        """The flow map's target timestep per step, for the fixed-graph loop."""
+        """The flow map's target timestep per step (every loop passes it to `predict`)."""
         if not self.c.flow_map:
             return super().step_inputs(sched, batch, dtype)
         return [{"target": self._target(sched.timesteps, i, batch, dtype)} for i in range(len(sched.timesteps))]
 
-    def __call__(self, x, t, cond, target=None):
-        if target is None and self.c.flow_map:  # the usual loop: read from the schedule here
-            target = self._target(self.timesteps, self.step, x.shape[0], x.dtype)
-            self.step += 1
-        return self.apply(self.params, x, t, cond.txt, rope=self.rope, target_timestep=target)
+    def predict(self, params, tab, x, t, cond, apply, target=None):
+        if target is None and self.c.flow_map:
+            raise ValueError("target: a FLUX.3 flow map needs each step's target timestep (`step_inputs`), got None")
+        return apply(params, x, t, cond.txt, rope=tab["rope"], target_timestep=target), NO_TABLES
 
     def decode_latents(self, x, h, w):
         return flux2_vae_input(self.pipe.vae, x, h, w)

@@ -10,7 +10,8 @@ argument), its tiny pipelines' recipes and the bench's inputs
 
 from __future__ import annotations
 
-import copy
+import dataclasses
+import types
 import warnings
 
 import torch
@@ -19,7 +20,8 @@ from ... import qwenimage21
 from ...qwenimage21 import QwenImage21Config, QwenImage21KVCache
 from . import _common
 from ._common import stock_module
-from ._steps import Prompt, Steps
+from ._jobs import refuse_args, refuse_layers, refuse_max_area, refuse_reference
+from ._steps import NO_TABLES, Prompt, Steps, tables
 
 # the shared hooks Qwen-Image 2.1 takes as they are (`_common`)
 shift, output, tiny_assemble = _common.shift, _common.output, _common.tiny_assemble
@@ -29,46 +31,36 @@ shift, output, tiny_assemble = _common.shift, _common.output, _common.tiny_assem
 EMBED_ARGS = ()  # embeddings not taken yet: the pipeline encodes its own prompts
 EMBEDS_TOGETHER = ()
 MAX_SEQUENCE_LENGTH = None
-IMAGE_JOBS = None
 ENCODER_LORA_SCALE = False
-CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._qwen_image.true_cfg`)
+CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._requests.true_cfg`)
 PER_ITEM_PIPELINES = ("QwenImage21Pipeline",)
 
 
 class Qwen21(Steps):
+    """QwenImage21Pipeline: each prompt keeps its image-slot pads (`Prompt.pad`), with
+    CFG each branch its own prompt (`Prompt.uncond`) and its own layout; with the prefix
+    KV cache each branch's cache extracted on the first step (returned as an update)."""
+
     fixed_graph = True  # one fixed device graph per step (`sampler_xla`)
     cfg_on_device = True
     cfg_calls = 2  # with CFG, one model call per branch per step (a step cache keeps a state per call)
     shares_calls = False  # a batch is laid out by its first item (`batch_size`)
-    call_state = ("caches",)  # each branch's prefix KV cache, extracted on the first step
 
     def __init__(self, params, pipe, kv_cache: bool | None):
-        self.params, self.pipe, self.c = params, pipe, params.config
+        self.pipe, self.c = pipe, params.config
         self.kv = params.config.causal_condition if kv_cache is None else bool(kv_cache)
         if self.kv and not self.c.causal_condition:
             raise ValueError(
                 "kv_cache: Qwen-Image 2.1's prefix cache needs causal_condition=True; expected None or False"
             )
-        self._fresh()
 
-    def _fresh(self):
-        """No run state yet: the prompts' image-slot pads, the CFG branches, the KV caches."""
-        self.pads, self.branches, self.caches = [], None, {}
-
-    def fork(self):
-        m = copy.copy(self)
-        m._fresh()
-        return m
-
-    def encode(self, prompts, msl):
+    def encode(self, run, prompts, msl):
         txt, mask, pad = self.pipe.encode_prompt(prompt=prompts, device=self.pipe._execution_device)
-        self.pads.append(pad)
-        return Prompt(txt, mask=mask)
+        return Prompt(txt, mask=mask, pad=pad)
 
     def cfg_batch(self, cond, uncond):
         """Both branches kept apart (their layouts differ); the loop's batch of 2B is split."""
-        self.branches = (cond, uncond)
-        return cond
+        return dataclasses.replace(cond, uncond=uncond)
 
     def noise_shape(self, B, h, w):
         return (B, 1, self.c.in_channels, h, w)
@@ -80,31 +72,45 @@ class Qwen21(Steps):
 
     take = staticmethod(lambda latents: latents)  # latents= given packed
 
-    def prepare(self, cond, h, w, guidance, device):
+    def prepare(self, run, cond, h, w, guidance, device):
         """Each branch's joint-sequence layout, read from its image-slot mask on the host
-        once per run (the steps then read nothing there)."""
-        self.shape = (1, h, w)
-        self.layouts = [self._layout(pad, h * w, device) for pad in self.pads]
+        once per run (the steps then read nothing there); no KV cache yet."""
+        shape = (1, h, w)
+        pads = [cond.pad] + ([] if cond.uncond is None else [cond.uncond.pad])
+        layouts = tuple(self._layout(shape, pad, h * w, device) for pad in pads)
+        return tables(shape=shape, layouts=layouts, caches=types.MappingProxyType({}))
 
-    def _layout(self, pad, S: int, device):
+    @staticmethod
+    def _layout(shape, pad, S: int, device):
         slots = torch.cat([pad, pad.new_ones(pad.shape[0], S // 4)], 1)
-        return qwenimage21.read_layout(slots, [[self.shape]] * pad.shape[0], pad.shape[1], S, device)
+        return qwenimage21.read_layout(slots, [[shape]] * pad.shape[0], pad.shape[1], S, device)
 
-    def _branch(self, i: int, x, t, p):
+    def _branch(self, params, tab, apply, i: int, x, t, p):
+        """Branch ``i``'s prediction and its KV cache (the one extracted, or the one read)."""
         B, S = x.shape[:2]
-        kw = dict(txt_mask=p.mask, img_shapes=[[self.shape]] * B, layout=self.layouts[i])
+        kw = dict(txt_mask=p.mask, img_shapes=[[tab["shape"]]] * B, layout=tab["layouts"][i])
         if not self.kv:
-            return self.apply(self.params, x, t, p.txt, **kw)[:, -S:]
-        if i not in self.caches:
-            out, self.caches[i] = self.apply(self.params, x, t, p.txt, kv_cache="extract", **kw)
-            return out[:, -S:]
-        return self.apply(self.params, x, t, p.txt, kv_cache=self.caches[i], **kw)[:, -S:]
+            return apply(params, x, t, p.txt, **kw)[:, -S:], None
+        if i not in tab["caches"]:
+            out, cache = apply(params, x, t, p.txt, kv_cache="extract", **kw)
+            return out[:, -S:], cache
+        return apply(params, x, t, p.txt, kv_cache=tab["caches"][i], **kw)[:, -S:], tab["caches"][i]
 
-    def __call__(self, x, t, cond):
-        if self.branches is None:
-            return self._branch(0, x, t, cond)
-        (x1, x2), (t1, t2) = x.chunk(2), t.chunk(2)
-        return torch.cat([self._branch(0, x1, t1, self.branches[0]), self._branch(1, x2, t2, self.branches[1])])
+    def predict(self, params, tab, x, t, cond, apply, **extra):
+        """The prediction (each CFG branch its own call); the caches a first step extracted."""
+        if cond.uncond is None:
+            out, caches = self._branch(params, tab, apply, 0, x, t, cond), None
+            pred, caches = out[0], [out[1]]
+        else:
+            (x1, x2), (t1, t2) = x.chunk(2), t.chunk(2)
+            a, b = (
+                self._branch(params, tab, apply, 0, x1, t1, cond),
+                self._branch(params, tab, apply, 1, x2, t2, cond.uncond),
+            )
+            pred, caches = torch.cat([a[0], b[0]]), [a[1], b[1]]
+        if not self.kv or len(tab["caches"]) == len(caches):
+            return pred, NO_TABLES
+        return pred, tables(caches=types.MappingProxyType(dict(enumerate(caches))))
 
     def decode_latents(self, x, h, w):
         vae = self.pipe.vae
@@ -116,6 +122,26 @@ class Qwen21(Steps):
 
 def steps(params, pipe, image, kv_cache) -> Steps:
     return Qwen21(params, pipe, kv_cache)
+
+
+def size(pipe, call) -> tuple:
+    """The output size: the pipeline's ``output_resolution`` (1024) where height or width is None."""
+    height, width, multiple = call.height, call.width, pipe.vae_scale_factor * 2
+    if height is None or width is None:
+        res = 1024 if call.output_resolution is None else call.output_resolution
+        if not isinstance(res, int) or isinstance(res, bool) or res < multiple:
+            raise ValueError(f"output_resolution: expected an int >= {multiple}, got {res!r}")
+        height, width = (height or res) // multiple * multiple, (width or res) // multiple * multiple
+    refuse_max_area(call.max_area)
+    return height, width
+
+
+def image_job(pipe, call) -> tuple:
+    """(the pipeline, None): Qwen-Image 2.1 samples text to image only."""
+    refuse_layers(pipe, call.layers)
+    refuse_args(pipe, call.strength, call.mask_image, call.padding_mask_crop)
+    refuse_reference(call.image_reference)
+    return pipe, None
 
 
 def pipeline_class(components) -> str:

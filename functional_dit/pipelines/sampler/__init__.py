@@ -36,12 +36,13 @@ docs/sampling.md lists what is reproduced per pipeline class.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import copy
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
+import types
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -55,32 +56,15 @@ from ...params import Params
 from .. import cache as _cache
 from .. import placement as _placement
 from .. import sampler_xla as _sample_xla
-from ..families import Prompt
+from ..families import NO_TABLES, Prompt, tables
 from ..families import product as _product
-from . import _controlnet, _flux2_image, _flux_image, _ranks, _requests, _state
-from . import _flux_kontext as _kontext
+from . import _controlnet, _ranks, _requests, _state
 from . import _lora as _lora_items
-from . import _qwen_image as _qi
 from . import _stock_args as _stock
 
 # What the per-item sampling module (`functional_dit.pipelines.sampling`) shares with fd.sample.
 requests, check_max_sequence_length = _requests.requests, _requests.check_max_sequence_length
 _OUTPUT_TYPES = ("pil", "np", "pt", "latent")
-
-
-_ITEMS_ONLY = contextvars.ContextVar("functional_dit_sample_items_only", default=False)
-
-
-@contextlib.contextmanager
-def items_only():
-    """Within it `sample` returns ``(its context, its chunks' items at step 0)`` after its
-    checks and encoding, and runs no step: how `functional_dit.sampling.init` makes the
-    item of a request with image inputs, by ``fd.sample``'s own preparation."""
-    token = _ITEMS_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _ITEMS_ONLY.reset(token)
 
 
 # ----------------------------------------------------------------------------- encoders
@@ -196,7 +180,7 @@ class _Chunk:
     x: torch.Tensor
     cond: Prompt
     prompt_embeds: torch.Tensor | None = None  # the conditional text alone (``callback_on_step_end`` inputs)
-    model: object = None  # the steps forked for the chunk, which encoded it (`Steps.fork`)
+    tables: Mapping = dataclasses.field(default_factory=lambda: NO_TABLES)  # the run's and the chunk's (`Steps.draw`)
 
 
 def _chunks(share, batch_size: int | None) -> list[tuple[int, ...]]:
@@ -205,25 +189,32 @@ def _chunks(share, batch_size: int | None) -> list[tuple[int, ...]]:
     return [tuple(share[i : i + size]) for i in range(0, len(share), size)]
 
 
-def _encode(model, strings, embeds: dict, rows, msl, prefix: str = "", opts: dict | None = None) -> Prompt:
+def _encode(model, run, strings, embeds: dict, rows, msl, prefix: str = "", opts: dict | None = None) -> Prompt:
     """The text of prompt ``rows``: encoded strings (with the stock ``encode_prompt`` options
     ``opts``; a list there holds one value per prompt, e.g. FLUX.1's ``prompt_2``), or rows of
     the given embeddings."""
     if embeds:
-        return model.encode_embeds(msl, **{k[len(prefix) :]: v[rows] for k, v in embeds.items()})
+        return model.encode_embeds(run, msl, **{k[len(prefix) :]: v[rows] for k, v in embeds.items()})
     opts = {k: [v[r] for r in rows] if isinstance(v, list) else v for k, v in (opts or {}).items()}
-    return model.encode([strings[r] for r in rows], msl, **opts)
+    return model.encode(run, [strings[r] for r in rows], msl, **opts)
 
 
-def _chunk(model, req, images, job, dtype, device) -> _Chunk:
-    """Encode the chunk's prompts (and negatives with CFG) and draw its noise on
-    ``model``, the steps forked for the chunk."""
+def _chunk(model, run, req, images, job, dtype, device) -> _Chunk:
+    """Encode the chunk's prompts (and negatives with CFG) and draw its noise with the
+    steps ``model`` over the run's tables ``run``."""
     rows, msl, stock = req.rows(images), job.max_sequence_length, job.stock
-    cond = _encode(model, req.prompts, req.embeds, rows, msl, opts=stock.encode_options(stock.prompts_2))
+    cond = _encode(model, run, req.prompts, req.embeds, rows, msl, opts=stock.encode_options(stock.prompts_2))
     prompt_embeds = cond.txt.to(device=device, dtype=dtype) if "prompt_embeds" in stock.tensor_inputs else None
     if job.cfg is not None:
         neg = _encode(
-            model, req.negatives, req.negative_embeds, rows, msl, "negative_", stock.encode_options(stock.negatives_2)
+            model,
+            run,
+            req.negatives,
+            req.negative_embeds,
+            rows,
+            msl,
+            "negative_",
+            stock.encode_options(stock.negatives_2),
         )
         if model.cfg_on_device:  # Qwen-Image 2.1 keeps its branches, on the device
             cond = model.cfg_batch(_to(cond, dtype, device), _to(neg, dtype, device))
@@ -231,12 +222,11 @@ def _chunk(model, req, images, job, dtype, device) -> _Chunk:
             cond = model.cfg_batch(cond, neg)
     cond = _to(cond, dtype, device)
     shape = lambda B: model.noise_shape(B, *job.hw)  # noqa: E731
-    draw = getattr(model, "draw", _requests.draw)  # img2img: the posterior draw comes first
-    x = draw(req.noise, images, shape, model.pack, model.take, dtype, device)
-    return _Chunk(images, x, cond, prompt_embeds, model)
+    x, drawn = model.draw(run, req.noise, images, shape, dtype, device, _requests.draw)  # img2img: its posterior first
+    return _Chunk(images, x, cond, prompt_embeds, tables(run, **drawn))
 
 
-def _check_ranks(lay, chunks, model, settings: dict) -> None:
+def _check_ranks(lay, chunks, model, run, settings: dict) -> None:
     """Once, before the first step: the ranks that compute the same images (a dp group's
     tp/sp ranks) must hold the same settings and inputs (fd.apply assumes it and splits
     them itself). Raises the same ValueError on every rank otherwise."""
@@ -244,10 +234,7 @@ def _check_ranks(lay, chunks, model, settings: dict) -> None:
     for name, field in (("pooled (prompt)", "pooled"), ("prompt mask (prompt)", "mask")):
         if any(getattr(c.cond, field) is not None for c in chunks):
             tensors[name] = [getattr(c.cond, field) for c in chunks]
-    model = chunks[0].model if chunks else model  # what encoding set (Qwen-Image-Edit-Plus's references)
-    if model.ref is not None:
-        tensors["reference latents (image)"] = model.ref
-    tensors.update(getattr(model, "checked", {}))
+    tensors.update(model.checked(run))  # the references, an image job's start image and mask
     _ranks.check(lay, settings, tensors)
 
 
@@ -399,72 +386,111 @@ def sample(
     ``caption_upsample_temperature`` (pass ``pipe.upsample_prompt(prompt, temperature=t)`` as the prompt).
     """
 
-    stock_kw = {k: v for k, v in locals().items() if k in _stock.NAMES}  # the stock pipelines' further arguments
-    given = {k: v for k, v in locals().items() if "prompt_embeds" in k}  # the six stock embedding arguments
-    fam = _family_name(params)
-    pipe = as_pipeline(encoders, params)
-    kv_cache = _stock.kv_cache(kv_cache, use_kv_cache)
-    height, width = _size(pipe, height, width, resolution, output_resolution, image, max_area)
-    _check_args(pipe, height, width, output_type, batch_size)
-    _check_scales(guidance, true_cfg)
-    batch_size = _product(fam).batch_size(batch_size)  # Qwen-Image 2.1: one image per call
-    _placement.check(encoder_placement, vae_tiling)
-    steps, sigmas = _check_steps(steps, sigmas)
-    fractions = (control_guidance_start, control_guidance_end)
-    controls = _controlnet.check(controlnet, fam, latents, pipe, seed, fractions, cache)
-    jobs = (image, mask_image, strength, padding_mask_crop, layers)
-    pipe, edit = _image_job(pipe, fam, steps, output_type, jobs, latents, (height, width), (image_reference, kv_cache))
-    _requests.check_max_sequence_length(fam, max_sequence_length)
-    cfg = _cfg(fam, true_cfg, negative_prompt, negative_prompt_embeds)
-    req = _requests.requests(fam, prompt, num_images_per_prompt, seed, latents, negative_prompt, cfg is not None, given)
-    adapters = _lora_items.per_image(params, lora, req.n // req.per_prompt, req.per_prompt)
-    prompts, sharded = req.n // req.per_prompt, _sharded(params)
-    stock, adapters = _stock.take(pipe, fam, prompts, req, adapters, stock_kw, cache, sharded, callback_on_step_end)
-    device, dtype = _param_device_dtype(params)
-    local_params, mesh = sharding.local_view(params)
+    plan = _plan(locals())
+    with torch.no_grad(), _binding(plan.lay), _placement.tiling(plan.ctx.pipe, plan.vae_tiling):
+        parts = [_run(plan.ctx, plan.params, c, plan.job) for c in plan.chunks]
+    output_type = plan.job.output_type
+    return _ranks.collect(plan.lay, _ranks.concat(parts, output_type), output_type, plan.local)
+
+
+def prepare(params, encoders, prompt=None, **kwargs) -> tuple:
+    """``fd.sample``'s preparation without its loop: (the context, each chunk's item at
+    step 0), ``kwargs`` as `sample` takes them. How `functional_dit.sampling.init` makes
+    the item of a request with image inputs (or a ControlNet, sigmas, embeddings)."""
+    bound = inspect.signature(sample).bind(params, encoders, prompt, **kwargs)
+    bound.apply_defaults()
+    plan = _plan(bound.arguments)
+    with torch.no_grad():
+        return plan.ctx, [_item(plan.ctx, c, plan.job) for c in plan.chunks]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A `sample` call prepared: the context, the params its loop runs on (a dp group's
+    local view), its chunks encoded, what every chunk shares, the ranks' layout, and the
+    output's options."""
+
+    ctx: _state.Context
+    params: Params
+    chunks: tuple
+    job: _Job
+    lay: object
+    vae_tiling: bool
+    local: bool
+
+
+def _binding(lay):
+    """The mesh bound for a dp group's model calls on its local params (else nothing)."""
+    return sharding.bind(lay.mesh) if lay.split else contextlib.nullcontext()
+
+
+def _checked(a: dict) -> types.SimpleNamespace:
+    """`sample`'s arguments ``a`` checked before anything heavy, with what the checks
+    decide: the family, the pipeline (an image job's), the size, the schedule, the
+    ControlNets, the image job, the CFG scale and the requests."""
+    n = types.SimpleNamespace(**a)
+    n.fam, n.pipe = _family_name(n.params), as_pipeline(n.encoders, n.params)
+    n.kv_cache = _stock.kv_cache(n.kv_cache, n.use_kv_cache)
+    _stock.size(n.pipe, n.resolution, n.output_resolution)  # refused where the pipeline takes none
+    n.height, n.width = _product(n.fam).size(n.pipe, n)  # Layered's, Qwen-Image 2.1's, Kontext's, klein inpainting's
+    _check_args(n.pipe, n.height, n.width, n.output_type, n.batch_size)
+    _check_scales(n.guidance, n.true_cfg)
+    n.batch_size = _product(n.fam).batch_size(n.batch_size)  # Qwen-Image 2.1: one image per call
+    _placement.check(n.encoder_placement, n.vae_tiling)
+    n.steps, n.sigmas = _check_steps(n.steps, n.sigmas)
+    fractions = (n.control_guidance_start, n.control_guidance_end)
+    n.controls = _controlnet.check(n.controlnet, n.fam, n.latents, n.pipe, n.seed, fractions, n.cache)
+    n.pipe, n.job = _product(n.fam).image_job(n.pipe, n)  # an image job's checks: the family's
+    _requests.check_max_sequence_length(n.fam, n.max_sequence_length)
+    n.cfg = _cfg(n.fam, n.true_cfg, n.negative_prompt, n.negative_prompt_embeds)
+    given = {k: v for k, v in a.items() if "prompt_embeds" in k}  # the six stock embedding arguments
+    args = (n.prompt, n.num_images_per_prompt, n.seed, n.latents, n.negative_prompt, n.cfg is not None, given)
+    n.req = _requests.requests(n.fam, *args)
+    return n
+
+
+def _plan(a: dict) -> _Plan:
+    """`sample`'s preparation of the call ``a`` (its arguments by name): the checks
+    (`_checked`), the stock arguments, the ranks' layout, the sampling steps, and the
+    chunks encoded (`_prepared`)."""
+    n = _checked(a)
+    fam, pipe, req = n.fam, n.pipe, n.req
+    adapters = _lora_items.per_image(n.params, n.lora, req.n // req.per_prompt, req.per_prompt)
+    prompts, sharded = req.n // req.per_prompt, _sharded(n.params)
+    stock_kw = {k: v for k, v in a.items() if k in _stock.NAMES}  # the stock pipelines' further arguments
+    stock, adapters = _stock.take(pipe, fam, prompts, req, adapters, stock_kw, n.cache, sharded, n.callback_on_step_end)
+    device, dtype = _param_device_dtype(n.params)
+    local_params, mesh = sharding.local_view(n.params)
     lay = _ranks.layout(mesh, req.n)
-    run_params = local_params if lay.split else params  # a dp group runs on its local view
-    hw = 2 * (height // (pipe.vae_scale_factor * 2)), 2 * (width // (pipe.vae_scale_factor * 2))
-    model = _model(fam, run_params, pipe, (jobs, kv_cache, edit, _auto_resize), controls, req, hw, masked_image_latents)
-    on_step = _on_step(pipe, callback, callback_on_step_end)
-    run = _cache_run(cache, model, image, fam)
+    run_params = local_params if lay.split else n.params  # a dp group runs on its local view
+    hw = 2 * (n.height // (pipe.vae_scale_factor * 2)), 2 * (n.width // (pipe.vae_scale_factor * 2))
+    model = _model(fam, run_params, pipe, (n.job, n.image, n.kv_cache), n.controls, req, hw, n.masked_image_latents)
+    on_step = _on_step(pipe, n.callback, n.callback_on_step_end)
+    run = _cache_run(n.cache, model, n.image, fam)
     adapters = _lora_items.local(adapters, mesh) if lay.split else adapters  # the model runs on local params
-    job = _Job(fam, hw, steps, sigmas, guidance, cfg, output_type, max_sequence_length, batch_size, on_step, run,
-               adapters, stock)  # fmt: skip
+    job = _Job(fam, hw, n.steps, n.sigmas, n.guidance, n.cfg, n.output_type, n.max_sequence_length, n.batch_size,
+               on_step, run, adapters, stock)  # fmt: skip
     with torch.no_grad():
         ctx = _state.Context(fam, model, pipe, device, dtype)
-        chunks = _prepared(ctx, req, job, lay, image, (height, width), (encoder_placement, mesh))
-        if _ITEMS_ONLY.get():  # `functional_dit.sampling.init`: a request with image inputs
-            return ctx, [_item(ctx, c, job) for c in chunks]
-        with sharding.bind(lay.mesh) if lay.split else contextlib.nullcontext(), _placement.tiling(pipe, vae_tiling):
-            parts = [_run(ctx, run_params, c, job) for c in chunks]
-        return _ranks.collect(lay, _ranks.concat(parts, output_type), output_type, local)
-
-
-def _size(pipe, height, width, resolution, output_resolution, image, max_area) -> tuple:
-    """The image size asked, as the pipeline's class sets it: Layered's and Qwen-Image 2.1's
-    resolution, Kontext's rescale to ``max_area``, klein inpainting's image size."""
-    height, width = _stock.size(pipe, height, width, resolution, output_resolution, image)  # Layered, Qwen-Image 2.1
-    height, width = _kontext.size(pipe, height, width, max_area)  # Kontext rescales to max_area
-    return _flux2_image.size(pipe, height, width, image)  # klein inpainting: the image's size
+        placement = (n.encoder_placement, mesh)
+        chunks = _prepared(ctx, req, job, lay, n.image, (n.height, n.width), placement)
+    return _Plan(ctx, run_params, tuple(chunks), job, lay, n.vae_tiling, n.local)
 
 
 def _cfg(fam: str, true_cfg, negative_prompt, negative_prompt_embeds) -> float | None:
     """The true-CFG scale in force, or None (a scale of at most 1, or a family's refusal
     without a negative prompt)."""
     cfg = float(true_cfg) if true_cfg is not None and true_cfg > 1 else None
-    return _qi.true_cfg(fam, cfg, negative_prompt, negative_prompt_embeds)
+    return _requests.true_cfg(fam, cfg, negative_prompt, negative_prompt_embeds)
 
 
 def _model(fam: str, params, pipe, family_inputs: tuple, controls, req, hw: tuple, masked_image_latents):
     """The sampling steps of the call (the family's, an image job's, with a ControlNet),
-    with the given latents checked against them. ``family_inputs``: ``(jobs, kv_cache,
-    edit, auto_resize)``, ``jobs`` `sample`'s ``(image, mask_image, strength,
-    padding_mask_crop, layers)``."""
-    (image, mask_image, strength, padding_mask_crop, layers), kv_cache, edit, auto_resize = family_inputs
-    img2img = dict(mask_image=mask_image, strength=strength, padding_mask_crop=padding_mask_crop, layers=layers)
-    model = _family_model(fam, params, pipe, image, kv_cache, img2img, edit, auto_resize)
-    model = model if controls is None else _controlnet.WithControlNet(model, controls, pipe)
+    with the given latents checked against them. ``family_inputs``: ``(job, image,
+    kv_cache)``, ``job`` the family's image job (`image_job`) or None."""
+    job, image, kv_cache = family_inputs
+    model = _family_model(fam, params, pipe, image, kv_cache, job)
+    model = model if controls is None else _controlnet.WithControlNet(model, controls, pipe, job is not None)
     _check_latents(model, pipe, req, *hw)
     _stock.check_masked_latents(masked_image_latents, model, req.n, *hw)
     return model
@@ -479,36 +505,19 @@ def _cache_run(cache, model, image, fam: str):
 
 
 def _prepared(ctx: _state.Context, req, job: _Job, lay, image, size: tuple, placement: tuple) -> list:
-    """The call's chunks prepared: the reference images and start latents encoded on the
-    steps, each chunk's prompts encoded on its own fork (the encoders placed as
-    ``placement = (encoder_placement, mesh)`` says), and the ranks' agreement checked."""
+    """The call's chunks prepared: the reference images and start latents encoded (the
+    run's tables, `Steps.images` and `Steps.init_latents`), each chunk's prompts encoded and
+    its noise drawn over them (the encoders placed as ``placement = (encoder_placement,
+    mesh)`` says), and the ranks' agreement checked."""
     model, pipe, device, dtype = ctx.model, ctx.pipe, ctx.device, ctx.dtype
-    if image is not None:
-        model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
-    req = model.init_latents(req, *size, device, dtype)  # img2img, inpainting: the start image
+    run = (
+        NO_TABLES if image is None else model.images(image if isinstance(image, (list, tuple)) else [image], 1, device)
+    )
+    run, req = model.init_latents(run, req, *size, device, dtype)  # img2img, inpainting: the start image
     with _placement.placed(pipe, *placement, device):
-        chunks = [_chunk(model.fork(), req, c, job, dtype, device) for c in _chunks(lay.share, job.batch_size)]
-    _check_ranks(lay, chunks, model, _settings(job, pipe, req, lay, model, dtype, size))
+        chunks = [_chunk(model, run, req, c, job, dtype, device) for c in _chunks(lay.share, job.batch_size)]
+    _check_ranks(lay, chunks, model, run, _settings(job, pipe, req, lay, model, dtype, size))
     return chunks
-
-
-def _image_job(pipe, fam: str, steps: int, output_type: str, jobs: tuple, latents, size, klein: tuple):
-    """The image-to-image jobs' checks, before anything heavy: Qwen-Image's (its pipeline
-    upgraded to img2img / inpainting where an image is given), klein inpainting's and
-    FLUX.1's (an edit, or None); every other family refuses their arguments."""
-    image, mask_image, strength, crop, layers = jobs
-    image_reference, kv_cache = klein
-    pipe = _qi.pipeline(pipe, steps, output_type, image, mask_image, strength, crop, layers)
-    if _flux2_image.wanted(pipe):  # klein inpainting
-        args = (steps, image, mask_image, image_reference, strength, crop, output_type, kv_cache)
-        return pipe, _flux2_image.check(pipe, *args)
-    _flux2_image.refuse_reference(image_reference)
-    jobs = _product(fam).IMAGE_JOBS
-    if jobs == "pipeline":  # Qwen-Image: its img2img / inpainting pipelines (`_qi.pipeline` above)
-        return pipe, None
-    if jobs == "img2img":  # FLUX.1: over its text-to-image steps
-        return pipe, _flux_image.check(pipe, steps, image, strength, mask_image, crop, output_type, latents, size)
-    return pipe, _flux_image.refuse(fam, strength, mask_image, crop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -560,7 +569,7 @@ def _check_latents(model, pipe, req, h: int, w: int) -> None:
 def _run(ctx: _state.Context, params, chunk: _Chunk, job: _Job):
     """One chunk from noise to its output: its item (`_item`), `_state.step` until done
     (the step hook between steps), `_state.decode`."""
-    fixed = _sample_xla.wanted(chunk.model, job, ctx.pipe, chunk.x.device)  # lazy devices: one fixed graph per step
+    fixed = _sample_xla.wanted(ctx.model, job, ctx.pipe, chunk.x.device)  # lazy devices: one fixed graph per step
     item = _item(ctx, chunk, job, fixed)
     hook = job.on_step
     if hook is not None:  # the chunk's tensors for callback_on_step_end
@@ -581,16 +590,18 @@ def _run(ctx: _state.Context, params, chunk: _Chunk, job: _Job):
 def _item(ctx: _state.Context, chunk: _Chunk, job: _Job, fixed: bool = False) -> _state.Item:
     """The chunk's item at step 0 (`_state.start`): a copy of the pipeline's scheduler
     (on the host for the fixed-graph loop), its adapters, IP-Adapter inputs and step cache."""
-    fork = chunk.model
+    model = ctx.model
     device = "cpu" if fixed else chunk.x.device
     sched = _scheduler(ctx.pipe, job.fam, chunk.x.shape[1], job.steps, device, job.sigmas)
     lora = None if job.lora is None else tuple(job.lora[i] for i in chunk.images)
-    normalise = fork.normalise_cfg if job.stock.cfg_normalize is None else job.stock.cfg_normalize
+    normalise = model.normalise_cfg if job.stock.cfg_normalize is None else job.stock.cfg_normalize
     fields = dict(images=chunk.images, lora=lora if lora and any(lora) else None, ip=job.stock.ip, normalise=normalise)
-    item = _state.start(ctx, fork, chunk.x, chunk.cond, sched, job.hw, guidance=job.guidance, cfg=job.cfg, **fields)
+    item = _state.start(
+        ctx, chunk.tables, chunk.x, chunk.cond, sched, job.hw, guidance=job.guidance, cfg=job.cfg, **fields
+    )
     if job.cache is None:
         return item
-    calls = fork.cfg_calls if job.cfg is not None else 1  # model calls per step
+    calls = model.cfg_calls if job.cfg is not None else 1  # model calls per step
     config, cache = job.cache.begin(len(item.timesteps), calls)
     return dataclasses.replace(item, cache=config, cache_state=cache)
 
@@ -599,7 +610,7 @@ def _fixed(params, state: _state.State, hook) -> _state.State:
     """The item's steps as fixed device graphs (`sampler_xla.denoise`: the same step, its
     schedule and inputs computed on the host first), the step hook between steps."""
     (it,) = state.items
-    m = _state.bound(params, state.ctx, [it], [it.cache_state])
+    m = _state.bound(params, state.ctx, it)
     x = _sample_xla.denoise(m, copy.copy(it.sched), it.x, it.cond, it.cfg, it.normalise, hook)
     return _state.State(state.ctx, (dataclasses.replace(it, x=x, i=len(it.timesteps)),))
 
@@ -633,21 +644,15 @@ def _on_step(pipe, callback, callback_on_step_end):
     return hook
 
 
-def _family_model(fam: str, params, pipe, image, kv_cache, img2img: dict, edit=None, auto_resize=None):
-    """The sampling steps after the argument checks: an image job's (klein inpainting,
-    FLUX.1 img2img / inpainting for an ``edit``, Kontext, Qwen-Image's image pipelines in
-    `sampler._qwen_image`), else the family's text-to-image steps (its product's ``steps``)."""
-    if isinstance(edit, _flux2_image.Inpaint):
-        return _flux2_image.Flux2Inpaint(params, pipe, edit)
-    if edit is not None:
-        return _flux_image.Flux1Image(params, pipe, edit)
-    if type(pipe).__name__ == "FluxKontextPipeline":
-        return _kontext.Flux1Kontext(params, pipe, auto_resize is not False)
-    if type(pipe).__name__ in _qi.PIPELINES:
-        return _qi.model(params, pipe, image, **img2img)
-    return _product(fam).steps(params, pipe, image, kv_cache)
+def _family_model(fam: str, params, pipe, image, kv_cache, job=None):
+    """The sampling steps after the argument checks: the family's image job's (``job``,
+    from its product's ``image_job``), else its text-to-image steps (its product's ``steps``)."""
+    return job(params, pipe) if job is not None else _product(fam).steps(params, pipe, image, kv_cache)
 
 
 def _to(p: Prompt, dtype, device) -> Prompt:
     move = lambda t, dt=dtype: None if t is None else t.to(device=device, dtype=dt)  # noqa: E731
-    return Prompt(move(p.txt), move(p.pooled), move(p.mask, None), move(p.txt_ids, None))
+    uncond = None if p.uncond is None else _to(p.uncond, dtype, device)
+    return dataclasses.replace(
+        p, txt=move(p.txt), pooled=move(p.pooled), mask=move(p.mask, None), txt_ids=move(p.txt_ids, None), uncond=uncond
+    )

@@ -30,7 +30,6 @@ FLUX.1's guidance defaults to the stock ControlNet pipeline's 7.0.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 
@@ -40,12 +39,8 @@ from ... import controlnet as _cn
 from ... import families as _families
 from ...params import Params
 from .. import cache as _cache
-from ..families import Steps
-from ..families.flux1 import _Flux1
-from ..families.qwenimage import _Qwen
+from ..families import tables
 from . import _requests
-
-FLUX_GUIDANCE = 7.0  # FluxControlNetPipeline's guidance_scale default (FluxPipeline's is 3.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,21 +167,23 @@ def _has_hint(c: Control) -> bool:
 
 
 class WithControlNet:
-    """A family's sampling steps (`_Flux1`, `_Qwen`) with ControlNet residuals in every
-    model call; every other hook is the family's (``inner``, forked with it)."""
+    """A family's text-to-image steps (those with ``CONTROLNET``: FLUX.1's, Qwen-Image's)
+    with ControlNet residuals in every model call, the family's ``control_pixels``,
+    ``control_latents`` and ``control_kwargs`` giving its ControlNet inputs; every other
+    hook is the family's (``inner``). The control images are
+    the run's tables (``pixels``, ``posts``, ``src``), a chunk's control latents its
+    tables (``controls``)."""
 
     step_cache = True  # the attention-level caches (`check_cache`)
     fixed_graph = False  # residuals per step: the usual loop
-    apply = staticmethod(Steps.apply)  # the model call the sampler wraps (per-image LoRA, ...)
 
-    def __init__(self, inner, controls: Controls, pipe):
-        if type(inner) not in (_Flux1, _Qwen):
+    def __init__(self, inner, controls: Controls, pipe, job: bool = False):
+        if job or not inner.CONTROLNET:  # an image job's steps, or a family without ControlNets
             raise ValueError(
                 f"controlnet: fd.sample runs ControlNets with text to image only (FluxPipeline, "
                 f"FluxControlNetPipeline, QwenImagePipeline, QwenImageControlNetPipeline), got {type(pipe).__name__}"
             )
-        self.inner, self.controls, self.seed, self.pipe, self.cur = inner, controls.nets, controls.seed, pipe, None
-        self.params, self.src = inner.params, None
+        self.inner, self.controls, self.seed, self.pipe = inner, controls.nets, controls.seed, pipe
         self.settings = {"controlnet": [(c.scale, c.mode, c.start, c.end) for c in controls.nets]}
 
     def __getattr__(self, name):
@@ -195,101 +192,65 @@ class WithControlNet:
             raise AttributeError(name)
         return getattr(inner, name)
 
-    def fork(self):
-        """A copy for one chunk, over a fork of the family's steps."""
-        f = copy.copy(self)
-        f.inner = self.inner.fork()
-        return f
-
     # ------------------------------------------------------------ control images
 
-    def init_latents(self, req, height: int, width: int, device, dtype):
+    def init_latents(self, run, req, height: int, width: int, device, dtype):
         """Each control image preprocessed and repeated to the batch as the stock pipelines'
         ``prepare_image``; the VAE's posterior for those the VAE encodes."""
-        req = self.inner.init_latents(req, height, width, device, dtype)
-        vae, self.n = self.pipe.vae, req.n
+        run, req = self.inner.init_latents(run, req, height, width, device, dtype)
+        vae, src = self.pipe.vae, None
         if req.noise[0] == "latents" and self.seed is not None:  # the control draws' own source
-            self.src = _requests.noise_source(self.seed, None, req.n)
-        self.pixels, self.posts = [], []
+            src = _requests.noise_source(self.seed, None, req.n)
+        pixels_all, posts = [], []
         for c in self.controls:
             pixels = c.image if isinstance(c.image, torch.Tensor) else self.pipe.image_processor.preprocess(
                 c.image, height=height, width=width
             )  # fmt: skip
             pixels = pixels.repeat_interleave(req.n if pixels.shape[0] == 1 else 1, dim=0).to(device, vae.dtype)
-            self.pixels.append(pixels)
+            pixels_all.append(pixels)
             if not _has_hint(c):
-                pixels = pixels.unsqueeze(2) if isinstance(self.inner, _Qwen) else pixels
-                self.posts.append(vae.encode(pixels).latent_dist)
+                posts.append(vae.encode(self.inner.control_pixels(pixels)).latent_dist)
             else:
-                self.posts.append(None)
-        return req
+                posts.append(None)
+        return tables(run, src=src, pixels=tuple(pixels_all), posts=tuple(posts)), req
 
-    def _normalised(self, z: torch.Tensor) -> torch.Tensor:
-        """A posterior sample as the stock pipeline normalises and packs it."""
-        vae = self.pipe.vae
-        if isinstance(self.inner, _Qwen):
-            mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(z.device)
-            inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(z.device)
-            return self.inner.pack(((z - mean) * inv_std).permute(0, 2, 1, 3, 4))
-        return self.inner.pack((z - vae.config.shift_factor) * vae.config.scaling_factor)
-
-    def draw(self, noise: tuple, images, shape_of, pack, take, dtype, device) -> torch.Tensor:
+    def draw(self, run, noise: tuple, images, shape_of, dtype, device, draw):
         """The packed noise of ``images``, each generator drawing the control images'
         posterior samples first (in order), then the noise (given ``latents=``: no noise,
-        the generators ``seed`` gives); the control inputs are kept (``cur``, on the chunk's fork)."""
+        the generators ``seed`` gives); the chunk's control inputs as its tables."""
         rows, given = list(images), noise[0] == "latents"
-        eps, z = self._rows(self.src if given else noise, rows, shape_of, dtype, not given)
+        eps, z = self._rows(run["posts"], run["src"] if given else noise, rows, shape_of, dtype, not given)
         conds = []
-        for c, pixels, post, e in zip(self.controls, self.pixels, self.posts, eps):
+        for c, pixels, post, e in zip(self.controls, run["pixels"], run["posts"], eps):
             dt = next(iter(c.params.flat().values())).dtype
             if post is None:
                 conds.append(pixels[rows].to(dt))
             else:
-                conds.append(self._normalised(post.mean[rows] + post.std[rows] * e.to(post.mean.device)).to(device, dt))
-        self.cur = conds
-        return _requests.draw(noise, images, shape_of, pack, take, dtype, device) if given else pack(z.to(device))
+                sample = post.mean[rows] + post.std[rows] * e.to(post.mean.device)
+                conds.append(self.inner.control_latents(sample).to(device, dt))
+        x = draw(noise, images, shape_of, self.pack, self.take, dtype, device) if given else self.pack(z.to(device))
+        return x, tables(controls=tuple(conds))
 
-    def _rows(self, src, rows: list, shape_of, dtype, noise: bool) -> tuple:
+    def _rows(self, posts, src, rows: list, shape_of, dtype, noise: bool) -> tuple:
         """(each control image's posterior noise, the latents' noise or None) for ``rows``
         from the noise source ``src`` (None: nothing to draw)."""
         if src is None:
-            return [None] * len(self.posts), None
+            return [None] * len(posts), None
         kind = src[0]
         if kind == "batch":  # one generator: every control image's whole batch, then the batch's noise
-            *eps, z = self._draws(_requests._copy(src[1]), src[2], shape_of, dtype, noise)
+            *eps, z = _draws(posts, _requests._copy(src[1]), src[2], shape_of, dtype, noise)
             return [None if e is None else e[rows] for e in eps], None if z is None else z[rows]
         # one generator per image: its control rows, then its noise
         gens = [torch.Generator().manual_seed(s) for s in src[1]] if kind == "seeds" else src[1]
-        per = [self._draws(gens[i], 1, shape_of, dtype, noise) for i in rows]
+        per = [_draws(posts, gens[i], 1, shape_of, dtype, noise) for i in rows]
         *eps, z = [None if d[0] is None else torch.cat(d) for d in zip(*per)]
         return eps, z
 
-    def _draws(self, g, n: int, shape_of, dtype, noise: bool = True) -> list:
-        """From generator ``g``: each encoded control image's posterior noise for ``n`` rows
-        (None for a hint-block ControlNet's), then (``noise``) the latents' noise for ``n`` images."""
-        eps = [None if p is None else torch.randn((n, *p.mean.shape[1:]), generator=g, dtype=p.mean.dtype)
-               for p in self.posts]  # fmt: skip
-        return [*eps, torch.randn(shape_of(n), generator=g, dtype=dtype) if noise else None]
-
-    def begin(self, sched, chunk, on_step):
-        return self.inner.begin(sched, chunk, on_step)
-
-    def prepare(self, cond, h, w, guidance, device):
-        if isinstance(self.inner, _Flux1) and guidance is None:
-            guidance = FLUX_GUIDANCE
-        self.inner.prepare(cond, h, w, guidance, device)
+    def prepare(self, run, cond, h, w, guidance, device):
+        guidance = self.inner.CONTROL_GUIDANCE if guidance is None else guidance  # the stock ControlNet pipeline's
+        return self.inner.prepare(run, cond, h, w, guidance, device)
 
     # ------------------------------------------------------------ the model call
-
-    def _kwargs(self, c: Control, B: int, cond, device) -> dict:
-        """The ControlNet's family keywords at this step, from the family's per-run tables."""
-        inner = self.inner
-        if isinstance(inner, _Qwen):
-            mask = None if cond.mask is None else cond.mask[:B]
-            return dict(txt_mask=mask, img_shapes=[inner.shapes] * B, rope=inner.rope)
-        g = torch.full((B,), float(inner.guidance), device=device) if c.params.config.guidance_embeds else None
-        mode = None if c.mode is None else torch.full((B, 1), c.mode, dtype=torch.long, device=device)
-        return dict(pooled=cond.pooled[:B], guidance=g, rope=inner.rope, **({} if mode is None else {"mode": mode}))
 
     def step_inputs(self, sched, batch: int, dtype) -> list[dict]:
         """The family's per-step inputs and, per step, every ControlNet's keep (0 or 1; one
@@ -298,23 +259,29 @@ class WithControlNet:
         keeps = [torch.tensor([[c.keep(i, n) for c in self.controls]] * batch, dtype=torch.float64) for i in range(n)]
         return [{**e, "controlnet_keep": k} for e, k in zip(self.inner.step_inputs(sched, batch, dtype), keeps)]
 
-    def __call__(self, x, t, cond, controlnet_keep=None, **extra):
+    def predict(self, params, tab, x, t, cond, apply, controlnet_keep=None, **extra):
         """The family's prediction with the residuals of every ControlNet, computed on the
         conditional half only (the stock pipelines' one ControlNet call per step), each
         scaled by its scale x its keep at this step; with every keep 0, none."""
-        B = self.cur[0].shape[0]
+        conds = tab["controls"]
+        B = conds[0].shape[0]
         keeps = [1.0] * len(self.controls) if controlnet_keep is None else controlnet_keep[0].tolist()
-        inner = copy.copy(self.inner)  # this call's: these params, the residuals (if any) in its model call
-        inner.params, inner.apply = self.params, self.apply
         if not any(keeps):  # every residual would be zero: the transformer alone (x + 0 == x)
-            return inner(x, t, cond, **extra)
+            return self.inner.predict(params, tab, x, t, cond, apply, **extra)
         results = [
-            _cn.apply(c.params, x[:B], t[:B], cond.txt[:B], cc, scale=c.scale * k, **self._kwargs(c, B, cond, x.device))
-            for c, cc, k in zip(self.controls, self.cur, keeps)
-        ]
+            _cn.apply(c.params, x[:B], t[:B], cond.txt[:B], cc, scale=c.scale * k,
+                      **self.inner.control_kwargs(c.params, c.mode, tab, B, cond, x.device))
+            for c, cc, k in zip(self.controls, conds, keeps)
+        ]  # fmt: skip
         res = _cn.combine(results)
         if x.shape[0] != B:  # true CFG: the unconditional branch takes the same residuals
             res = {k: [torch.cat([r] * (x.shape[0] // B)) for r in v] if isinstance(v, list) else v
                    for k, v in res.items()}  # fmt: skip
-        inner.apply = functools.partial(self.apply, **res)
-        return inner(x, t, cond, **extra)
+        return self.inner.predict(params, tab, x, t, cond, functools.partial(apply, **res), **extra)
+
+
+def _draws(posts, g, n: int, shape_of, dtype, noise: bool = True) -> list:
+    """From generator ``g``: each encoded control image's posterior noise for ``n`` rows
+    (None for a hint-block ControlNet's), then (``noise``) the latents' noise for ``n`` images."""
+    eps = [None if p is None else torch.randn((n, *p.mean.shape[1:]), generator=g, dtype=p.mean.dtype) for p in posts]
+    return [*eps, torch.randn(shape_of(n), generator=g, dtype=dtype) if noise else None]

@@ -16,11 +16,15 @@ the same whichever rank, batch or chunk makes it (docs/sampling.md, "Reproducibi
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from ... import families as _families
 from ..families import product as _product
+from ..families.internal import copy_generator as _copy
+
+_log = logging.getLogger(__name__)
 
 # Per family, in its product module (`functional_dit.pipelines.families.product`): ``EMBED_ARGS``, the
 # stock keyword arguments that replace the text encoders' output (``EMBEDS_TOGETHER`` of them
@@ -150,8 +154,12 @@ def draw(noise: tuple, images, shape_of, pack, take, dtype, device) -> torch.Ten
     return pack(z.to(device))
 
 
-def _copy(gen: torch.Generator) -> torch.Generator:
-    """A generator in ``gen``'s state: each chunk redraws the batch from the same start."""
-    g = torch.Generator(gen.device)
-    g.set_state(gen.get_state())
-    return g
+def true_cfg(fam: str, cfg: float | None, negative_prompt, negative_prompt_embeds) -> float | None:
+    """Qwen-Image's pipelines run true CFG only with a negative prompt (or its embeddings):
+    without one a ``true_cfg`` > 1 is ignored with a warning, as there."""
+    if cfg is None or not _product(fam).CFG_NEEDS_NEGATIVE:
+        return cfg
+    if negative_prompt is None and negative_prompt_embeds is None:
+        _log.warning(f"true_cfg={cfg} ignored: Qwen-Image runs classifier-free guidance only with a negative_prompt")
+        return None
+    return cfg

@@ -4,16 +4,19 @@
 An `Item` is a run of ``n`` images sampled in lockstep: ``fd.sample``'s chunk (the images
 of one model batch) or one request of `functional_dit.sampling` (n = 1). It holds its
 latents, text, its own scheduler (set, never stepped: each step steps a copy), its step
-index, its family tables (what the family's steps set for it: RoPE, guidance, reference
-and start latents, inpainting's blend inputs, a ControlNet's conditions, a KV cache), its
-CFG scale, its per-image LoRA adapters, its step cache's config and state. `start` makes
+index, its family tables (an immutable mapping its family's steps returned for it: RoPE,
+guidance, reference and start latents, inpainting's blend inputs, a ControlNet's
+conditions, a KV cache), its CFG scale, its per-image LoRA adapters, its step cache's config and state. `start` makes
 one from an encoded chunk; ``step(params, state) -> state`` moves every unfinished item by
 one step and changes nothing it is given; `decode` turns finished items into images (or
 ``output_type="latent"`` latents).
 
-One step of one item is the stock loop's body: the model call over ``[x; x]`` with true
-CFG (its rows ``[cond_1..n; uncond_1..n]``), the CFG combination, the scheduler's step on a
-copy of the item's scheduler, then the family's ``after_step`` (inpainting's blend). Items
+One step of one item is the stock loop's body: the family's ``predict(params, tables, x,
+t, cond, apply)`` over ``[x; x]`` with true CFG (its rows ``[cond_1..n; uncond_1..n]``;
+``apply`` the batch's `fd.apply`, with each item's adapters and step cache), the CFG
+combination, the scheduler's step on a copy of the item's scheduler, then the family's
+``after_step(tables, ...)`` (inpainting's blend); what a call returns to keep (a KV cache
+extracted on the first step) joins the item's tables. Items
 of one state share one model call where the family allows it (``Steps.shares_calls``):
 their rows follow each other, each keeps its own timestep, guidance, adapters and step
 cache (`cache._items`: each item decides alone).
@@ -24,13 +27,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from .. import cache as _cache
 from ..cache import internal as _cache_int
-from ..families import Prompt, combine
+from ..families import NO_TABLES, Prompt, combine, plain_apply, tables
 from . import _lora as _lora_items
 from . import _packing
 from . import _stock_args as _stock
@@ -38,10 +42,9 @@ from . import _stock_args as _stock
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Context:
-    """What every step of one model shares: the family's sampling steps (`_Flux1`, ...,
-    with a run's reference images and start images encoded), never changed after it is
-    made (each item works on a fork, each step on a copy), and the pipeline whose
-    scheduler, VAE and text encoders it uses."""
+    """What every step of one model shares: the family's sampling steps (`_Flux1`, ...: a
+    frozen description whose hooks are pure), and the pipeline whose scheduler, VAE and
+    text encoders it uses."""
 
     fam: str
     model: object
@@ -54,15 +57,16 @@ class Context:
 class Item:
     """``n`` images in flight: packed latents x (n, S, C), their text (n rows, or 2n rows
     [cond; uncond] with true CFG), the item's scheduler ``sched`` (set, never stepped),
-    its step index ``i`` into ``sched.timesteps``, the tables its family steps set for it
-    (``tables``), the CFG scale, the latent grid (h, w), per step the model's extra inputs
-    (FLUX.3's flow-map target), per image its LoRA ``(adapter, scale)`` pairs, the
-    IP-Adapter's embeddings, whether CFG is rescaled, and its step cache."""
+    its step index ``i`` into ``sched.timesteps``, the tables its family's steps returned
+    for it (``tables``, an immutable mapping: the run's, the chunk's and its own), the CFG
+    scale, the latent grid (h, w), per step the model's extra inputs (FLUX.3's flow-map
+    target), per image its LoRA ``(adapter, scale)`` pairs, the IP-Adapter's embeddings,
+    whether CFG is rescaled, and its step cache."""
 
     x: torch.Tensor
     cond: Prompt
     sched: object
-    tables: dict
+    tables: Mapping
     cfg: float | None
     hw: tuple[int, int]
     i: int = 0
@@ -74,7 +78,7 @@ class Item:
     normalise: bool = False  # CFG rescaled to the conditional prediction's norm
     cache: object = None  # its step cache's config, or None
     cache_state: object = None  # that cache's state after the item's last step (a tuple: one per model call)
-    own: Context | None = None  # its own context (an image job's steps, its images encoded), else the state's
+    own: Context | None = None  # its own context (an image job's steps), else the state's
 
     @property
     def timesteps(self) -> torch.Tensor:
@@ -116,40 +120,53 @@ class State:
 # ----------------------------------------------------------------------------- start
 
 
-def start(ctx: Context, fork, x, cond: Prompt, sched, hw, *, guidance=None, cfg=None, images=None, **fields) -> Item:
-    """The item of an encoded chunk at step 0: ``fork`` (the context's steps forked for it,
-    `Steps.fork`, which encoded its text and drew its noise ``x``) prepares its tables for
-    the grid ``hw``, sees its scheduler ``sched`` (set) and begins (an image job cuts the
-    schedule and starts from its noised image here; ``images``: the chunk's image indices).
-    ``fields``: the `Item`'s others."""
-    fork.prepare(cond, *hw, guidance, x.device)
-    fork.schedule(sched)
-    x, _ = fork.begin(sched, _Chunk(x, images), None)
+def start(ctx: Context, run: Mapping, x, cond: Prompt, sched, hw, *, guidance=None, cfg=None, images=None, **fields):
+    """The item of an encoded chunk at step 0: the context's steps prepare its tables for
+    the grid ``hw`` over ``run`` (the run's and the chunk's tables), set its scheduler
+    ``sched`` (an image job cuts a copy) and begin (an image job starts from its noised
+    image; ``images``: the chunk's image indices). ``fields``: the `Item`'s others."""
+    m = ctx.model
+    tab = tables(run, **m.prepare(run, cond, *hw, guidance, x.device))
+    sched = m.schedule(tab, sched)
+    x, tab = m.begin(tab, sched, x, images)
     rows = x.shape[0] * (1 if cfg is None else 2)
-    inputs = tuple(fork.step_inputs(sched, rows, x.dtype))
-    before = vars(ctx.model)
-    tables = {k: v for k, v in vars(fork).items() if k not in before or before[k] is not v}
-    return Item(x, cond, sched, tables, cfg, hw, inputs=inputs, **fields)
+    inputs = tuple(m.step_inputs(sched, rows, x.dtype))
+    return Item(x, cond, sched, tab, cfg, hw, inputs=inputs, **fields)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Chunk:
-    """What ``Steps.begin`` reads of a chunk: its noise and image indices."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class Bound:
+    """One item's model for a loop of its own (`sampler_xla.denoise`): its steps, params,
+    tables and the batch's ``apply``. Calling it predicts; `call` also returns the model
+    with what the call returned to keep (a KV cache) in its tables."""
 
-    x: torch.Tensor
-    images: tuple | None
+    steps: object
+    params: object
+    tables: Mapping
+    apply: object
+
+    def __call__(self, x, t, cond, **extra):
+        return self.call(x, t, cond, **extra)[0]
+
+    def call(self, x, t, cond, **extra) -> tuple:
+        pred, updates = self.steps.predict(self.params, self.tables, x, t, cond, self.apply, **extra)
+        return pred, self if not updates else dataclasses.replace(self, tables=tables(self.tables, **updates))
+
+    @property
+    def kv(self):
+        return self.steps.kv
+
+    def step_inputs(self, sched, batch: int, dtype) -> list[dict]:
+        return self.steps.step_inputs(sched, batch, dtype)
+
+    def blend_parts(self):
+        return self.steps.blend_parts(self.tables)
 
 
-def model_of(ctx: Context, item: Item, params=None):
-    """A copy of the item's context's steps (its own, else ``ctx``) with its tables (and
-    ``params``)."""
-    m = copy.copy((item.own or ctx).model)
-    vars(m).update(item.tables)
-    if params is not None:
-        m.params = params
-    for name in m.call_state:  # a call updates its own copy, never the item's
-        setattr(m, name, copy.copy(getattr(m, name)))
-    return m
+def bound(params, ctx: Context, it: Item) -> Bound:
+    """The item's model over ``params`` (`Bound`), with its adapters, IP-Adapter inputs
+    and step cache in ``apply``."""
+    return Bound((it.own or ctx).model, params, it.tables, _apply(it.own or ctx, [it], [it.cache_state]))
 
 
 # ----------------------------------------------------------------------------- step
@@ -192,34 +209,30 @@ def _step(params, ctx: Context, items) -> list:
     keys = items[0].inputs[0] if items[0].inputs else ()  # the family's extra inputs, per row
     extra = {k: torch.cat([it.inputs[it.i][k] for it in items]) for k in keys}
     caches = [it.cache_state for it in items]  # the call puts the new cache states here
-    m = bound(params, ctx, items, caches, pad)
-    before = {name: getattr(m, name) for name in m.call_state}
     cond = items[0].cond if len(items) == 1 else pad.text(items) if pad else _text(items)
-    pred = m(x, t, cond, **extra)
-    kept = {name: getattr(m, name) for name in m.call_state}  # the one item's new call state
-    if len(items) > 1 and any(kept[k] is not before[k] for k in kept):
-        raise TypeError(f"{type(m).__name__}: steps whose calls change call_state must set shares_calls = False")
+    m = ctx.model
+    pred, updates = m.predict(
+        params, items[0].tables, x, t, cond, _padded(_apply(ctx, items, caches), items, pad), **extra
+    )
+    if len(items) > 1 and updates:
+        raise TypeError(f"{type(m).__name__}: steps whose calls return tables to keep must set shares_calls = False")
     split = pad.unpad(pred, items) if pad else pred.split([it.rows for it in items])
-    m = m if len(items) == 1 else None
-    return [_advance(ctx, it, p, c, kept, m) for it, p, c in zip(items, split, caches)]
+    return [_advance(ctx, it, p, c, updates) for it, p, c in zip(items, split, caches)]
 
 
-def bound(params, ctx: Context, items, caches: list, pad=None):
-    """The model for one call over ``items``: the first item's steps (`model_of`) whose
-    ``apply`` is the batch's (`_apply`; over a padded layout ``pad``, each row's RoPE and
-    the image mask, `_packing.Layout.inputs`); the call writes the items' new cache
-    states into ``caches``."""
-    m = model_of(ctx, items[0], params)
-    apply = _apply(ctx, items, caches)
-    m.apply = apply if pad is None else lambda p, x, t, txt, **kw: apply(p, x, t, txt, **pad.inputs(items, kw))
-    return m
+def _padded(apply, items, pad):
+    """The call's ``apply`` over a padded layout ``pad`` (each row's RoPE, the image mask:
+    `_packing.Layout.inputs`); ``apply`` itself where there is none."""
+    if pad is None:
+        return apply
+    return lambda p, x, t, txt, **kw: apply(p, x, t, txt, **pad.inputs(items, kw))
 
 
 def _apply(ctx: Context, items, caches: list):
     """The batch's ``fd.apply``: with each item's adapters on its rows (and the
     IP-Adapter's inputs), its step cache (whose new states replace ``caches``' entries)
     and, for several items, each row's guidance."""
-    plain = type(ctx.model).apply
+    plain = plain_apply
     lora = _lora_items.group([pairs for it in items for pairs in _row_pairs(it)])
     if len(items) == 1:
         (it,) = items
@@ -281,18 +294,18 @@ def _text(items) -> Prompt:
     return Prompt(cat("txt"), cat("pooled"), mask, conds[0].txt_ids)
 
 
-def _advance(ctx: Context, it: Item, pred, cache_state, kept: dict, m=None) -> Item:
+def _advance(ctx: Context, it: Item, pred, cache_state, updates: Mapping = NO_TABLES) -> Item:
     """The item after its prediction: CFG combined, the scheduler's step on a copy of its
     scheduler (at the item's step index), the family's ``after_step``; its new cache state
-    and what the call changed of its tables (``kept``)."""
+    and the tables its call returned to keep (``updates``)."""
     if it.cfg is not None:
         pred = combine(pred, it.cfg, it.normalise)
     sched = copy.copy(it.sched)
     sched._step_index = (sched.begin_index or 0) + it.i
     x = sched.step(pred, it.timesteps[it.i], it.x, return_dict=False)[0]
-    x = (m if m is not None else model_of(ctx, it)).after_step(it.i, sched, x)
-    tables = {**it.tables, **kept} if kept else it.tables
-    return dataclasses.replace(it, x=x, i=it.i + 1, cache_state=cache_state, tables=tables)
+    tab = tables(it.tables, **updates) if updates else it.tables
+    x = ctx.model.after_step(tab, it.i, sched, x)
+    return dataclasses.replace(it, x=x, i=it.i + 1, cache_state=cache_state, tables=tab)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -319,7 +332,7 @@ def decode(state: State, output_type: str = "pil"):
 
 def _decode(ctx: Context, items, output_type: str):
     """The outputs of finished ``items`` of one context."""
-    model, pipe, hw = model_of(ctx, items[0]), ctx.pipe, items[0].hw
+    model, pipe, hw, tab = ctx.model, ctx.pipe, items[0].hw, items[0].tables
     with torch.no_grad():
         x = torch.cat([it.x for it in items])
         if output_type == "latent":
@@ -330,4 +343,4 @@ def _decode(ctx: Context, items, output_type: str):
         img = pipe.vae.decode(z, return_dict=False)[0]
         img = img[:, :, 0] if img.ndim == 5 else img  # Qwen-Image's VAE has a frame axis
         out = pipe.image_processor.postprocess(img, output_type=output_type)
-        return model.overlay(out)
+        return model.overlay(tab, out)

@@ -256,41 +256,10 @@ def check_masked_latents(value, model, n: int, h: int, w: int) -> None:
         )
 
 
-LAYERED_RESOLUTIONS = (640, 1024)  # QwenImageLayeredPipeline's buckets
-
-
-def size(pipe, height, width, resolution, output_resolution, image) -> tuple:
-    """(height, width): as given, or as the stock pipeline sizes its output from
-    ``resolution`` (Layered) / ``output_resolution`` (Qwen-Image 2.1) when they are None."""
-    name, multiple = type(pipe).__name__, pipe.vae_scale_factor * 2
-    given = {"resolution": resolution, "output_resolution": output_resolution}
-    refuse_untaken(pipe, given)
-    if name == "QwenImageLayeredPipeline" and (resolution is not None or (height is None and width is None)):
-        if height is not None or width is not None:
-            raise ValueError(
-                f"height, width: expected None with resolution (the stock pipeline sizes its output from resolution "
-                f"alone), got {height!r}, {width!r}"
-            )
-        from diffusers.pipelines.qwenimage import pipeline_qwenimage_layered as stock
-        from PIL import Image
-
-        res = LAYERED_RESOLUTIONS[0] if resolution is None else resolution
-        if res not in LAYERED_RESOLUTIONS:
-            raise ValueError(f"resolution: expected one of {list(LAYERED_RESOLUTIONS)} (as stock), got {res!r}")
-        img = image[0] if isinstance(image, (list, tuple)) and image else image
-        if not isinstance(img, Image.Image):
-            raise ValueError(
-                f"image: the output is sized from the image's aspect ratio; expected a PIL image, got {image!r:.80}"
-            )
-        w, h = stock.calculate_dimensions(res * res, img.size[0] / img.size[1])
-        return h // multiple * multiple, w // multiple * multiple
-    if name == "QwenImage21Pipeline" and (height is None or width is None):
-        res = 1024 if output_resolution is None else output_resolution
-        if not isinstance(res, int) or isinstance(res, bool) or res < multiple:
-            raise ValueError(f"output_resolution: expected an int >= {multiple}, got {res!r}")
-        height, width = height or res, width or res
-        return height // multiple * multiple, width // multiple * multiple
-    return height, width
+def size(pipe, resolution, output_resolution) -> None:
+    """``resolution`` / ``output_resolution`` refused where the pipeline takes none (the
+    family's ``size`` hook sizes the output from them: Layered, Qwen-Image 2.1)."""
+    refuse_untaken(pipe, {"resolution": resolution, "output_resolution": output_resolution})
 
 
 def ip_adapter(pipe, pos, neg, sharded: bool, cache) -> tuple | None:

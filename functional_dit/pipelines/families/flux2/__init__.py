@@ -4,14 +4,11 @@ pipelines' recipes and the bench's inputs (`functional_dit.pipelines.families.HO
 
 from __future__ import annotations
 
-import torch
-
-from ... import flux2
-from ...flux2 import Flux2Config
-from . import _common
-from ._common import stock_module
-from ._latents import _batch, flux2_vae_input, grid_ids
-from ._steps import Prompt, Steps
+from ....flux2 import Flux2Config
+from ..internal import Steps, refuse, refuse_layers, refuse_max_area, refuse_reference, stock_module
+from ..internal import common as _common
+from . import _inpaint
+from ._base import _Flux2
 
 # the shared hooks FLUX.2 takes as they are (`_common`)
 batch_size, tiny_assemble = _common.batch_size, _common.tiny_assemble
@@ -21,99 +18,44 @@ batch_size, tiny_assemble = _common.batch_size, _common.tiny_assemble
 EMBED_ARGS = ("prompt_embeds",)
 EMBEDS_TOGETHER = ()
 MAX_SEQUENCE_LENGTH = None  # the stock pipelines set no limit
-IMAGE_JOBS = None  # klein inpainting is its pipeline's (`sampler._flux2_image`)
 ENCODER_LORA_SCALE = False
 CFG_NEEDS_NEGATIVE = False
 PER_ITEM_PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline")
 
 
-class _Flux2(Steps):
-    """Flux2Pipeline / Flux2KleinPipeline / Flux2KleinKVPipeline: stacked text-encoder
-    layers, patchified 2x2 latents packed as tokens, 4-axis ids, reference images."""
-
-    fixed_graph = True  # one fixed device graph per step (`sampler_xla`)
-    packed_latents = False  # latents= given as the unpacked (B, C, h/2, w/2) noise
-    call_state = ("cache",)  # the reference KV cache, extracted on the first step (klein KV)
-
-    def __init__(self, params, pipe, kv_cache: bool):
-        self.params, self.pipe, self.c, self.kv = params, pipe, params.config, kv_cache
-        self.ref = self.ref_ids = self.cache = None
-
-    def encode(self, prompts, msl, **layers):
-        """The pipeline's ``encode_prompt`` (``text_encoder_out_layers`` in ``layers`` if given)."""
-        txt, txt_ids = self.pipe.encode_prompt(prompt=prompts, max_sequence_length=msl or 512, **layers)
-        return Prompt(txt, txt_ids=txt_ids[0])
-
-    def encode_embeds(self, msl, prompt_embeds):
-        return Prompt(prompt_embeds, txt_ids=self.pipe._prepare_text_ids(prompt_embeds)[0].to(prompt_embeds.device))
-
-    def noise_shape(self, B, h, w):
-        return (B, self.c.in_channels, h // 2, w // 2)
-
-    @staticmethod
-    def pack(z):
-        """(B, C, h/2, w/2) -> (B, h/2 · w/2, C): row-major tokens (also the pipeline's latents= layout)."""
-        return z.reshape(*z.shape[:2], -1).permute(0, 2, 1)
-
-    take = pack
-
-    def images(self, images, B, device):
-        """Reference images -> packed latents (B, R, C) and ids (R, 4), the pipeline's way."""
-        pipe, multiple = self.pipe, self.pipe.vae_scale_factor * 2
-        processed = []
-        for img in images:
-            pipe.image_processor.check_image_input(img)
-            w, h = img.size
-            if w * h > 1024 * 1024:
-                img = pipe.image_processor._resize_to_target_area(img, 1024 * 1024)
-                w, h = img.size
-            w, h = w // multiple * multiple, h // multiple * multiple
-            processed.append(pipe.image_processor.preprocess(img, height=h, width=w, resize_mode="crop"))
-        ref, ids = pipe.prepare_image_latents(processed, B, None, device, pipe.vae.dtype)
-        self.ref, self.ref_ids = ref, ids[0]
-
-    def prepare(self, cond: Prompt, h, w, guidance, device):
-        img_ids = grid_ids(h // 2, w // 2, 4, torch.int64, device)
-        if self.ref is not None:
-            img_ids = torch.cat([self.ref_ids, img_ids] if self.kv else [img_ids, self.ref_ids])
-        self.rope = flux2.rope_table(self.c, img_ids, cond.txt_ids)
-        if self.kv and self.ref is not None:  # later steps: no reference rows
-            n, S = cond.txt_ids.shape[0], img_ids.shape[0] - self.ref.shape[1]
-            self.rope_cached = tuple(torch.cat([a[:n], a[a.shape[0] - S :]]) for a in self.rope)
-        self.guidance = (4.0 if guidance is None else guidance) if self.c.guidance_embeds else None
-        self.cache = None  # a new batch extracts its own reference KV cache
-
-    def __call__(self, x, t, cond: Prompt):
-        B, S = x.shape[:2]
-        g = None if self.guidance is None else torch.full((B,), float(self.guidance), device=x.device)
-        kw = dict(guidance=g)
-        if self.ref is None:
-            return self.apply(self.params, x, t, cond.txt, rope=self.rope, **kw)
-        ref = _batch(self.ref, B).to(x.dtype)
-        if not self.kv:
-            return self.apply(self.params, torch.cat([x, ref], 1), t, cond.txt, rope=self.rope, **kw)[:, :S]
-        if self.cache is None:
-            x = torch.cat([ref, x], 1)
-            out, self.cache = self.apply(
-                self.params, x, t, cond.txt, rope=self.rope, kv_cache="extract", num_ref_tokens=ref.shape[1], **kw
-            )
-            return out
-        return self.apply(self.params, x, t, cond.txt, rope=self.rope_cached, kv_cache=self.cache, **kw)
-
-    def latent_output(self, x, h, w):
-        """``output_type="latent"`` as the stock pipeline returns it: FLUX.2-dev the packed
-        tokens, klein (every klein pipeline) the VAE's input (unpacked, de-normalised)."""
-        return x if type(self.pipe).__name__ == "Flux2Pipeline" else self.decode_latents(x, h, w)
-
-    def decode_latents(self, x, h, w):
-        return flux2_vae_input(self.pipe.vae, x, h, w)
-
-
 def steps(params, pipe, image, kv_cache) -> Steps:
-    """Text to image with reference images (klein inpainting builds on it: `sampler._flux2_image`)."""
+    """Text to image with reference images (klein inpainting builds on it: `JOBS`)."""
     import diffusers
 
     return _Flux2(params, pipe, isinstance(pipe, diffusers.Flux2KleinKVPipeline) if kv_cache is None else kv_cache)
+
+
+def size(pipe, call) -> tuple:
+    """The output size: klein inpainting's is its image's."""
+    refuse_max_area(call.max_area)
+    return _inpaint.size(pipe, call.height, call.width, call.image)
+
+
+def _klein_inpaint_job(pipe, call):
+    """klein inpainting (its image, mask and optional ``image_reference``)."""
+    args = (call.steps, call.image, call.mask_image, call.image_reference, call.strength, call.padding_mask_crop)
+    job = _inpaint.check(pipe, *args, call.output_type, call.kv_cache)
+    return lambda params, pipe: _inpaint.Flux2Inpaint(params, pipe, job)
+
+
+# The image jobs by stock pipeline class name (the others: text to image with references).
+JOBS = {_inpaint.NAME: _klein_inpaint_job}
+
+
+def image_job(pipe, call) -> tuple:
+    """(the pipeline, its image job or None): ``call`` is `fd.sample`'s checked arguments."""
+    refuse_layers(pipe, call.layers)
+    job = JOBS.get(type(pipe).__name__)
+    if job is not None:
+        return pipe, job(pipe, call)
+    refuse_reference(call.image_reference)
+    refuse(call.fam, call.strength, call.mask_image, call.padding_mask_crop)
+    return pipe, None
 
 
 def pipeline_class(components) -> str:
@@ -157,7 +99,7 @@ def adapter_args(
     num_ref_tokens=0,
     ref_fixed_timestep=0.0,
 ):
-    from . import _flux2_kv as kv
+    from ..internal import flux2_kv as kv
 
     adapter._lora_scale("joint_attention_kwargs", joint_attention_kwargs)
     args = dict(img_ids=img_ids, txt_ids=txt_ids)
@@ -181,7 +123,7 @@ def adapter_args(
 
 def adapter_result(out, kwargs):
     """An extract call's cache as diffusers' ``Flux2KVCache`` (`_flux2_kv.KVCache`)."""
-    from . import _flux2_kv
+    from ..internal import flux2_kv as _flux2_kv
 
     return (out[0], _flux2_kv.KVCache(out[1])) if isinstance(out, tuple) else out
 
@@ -201,7 +143,7 @@ def pos_embed(c):
 
 def tiny_config_changes(kind: str) -> dict:
     """Three stacked encoder layers' width; FLUX.2-dev is guidance-distilled, klein is not."""
-    from .. import tiny
+    from ... import tiny
 
     width = tiny._MISTRAL_DIM if kind == "flux2" else tiny._QWEN3_DIM
     return dict(joint_attention_dim=3 * width, guidance_embeds=kind == "flux2")
@@ -209,7 +151,7 @@ def tiny_config_changes(kind: str) -> dict:
 
 def tiny_components(kind: str, seed: int) -> dict:
     """FLUX.2-dev's Mistral3 encoder; klein's Qwen3."""
-    from .. import tiny
+    from ... import tiny
 
     tok = tiny.mistral_tokenizer() if kind == "flux2" else tiny.qwen_tokenizer()
     parts = {"scheduler": tiny.scheduler(), "vae": tiny.flux2_vae(seed)}  # built in the order they always were

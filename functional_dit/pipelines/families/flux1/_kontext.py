@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ... import flux1
-from ..families import grid_ids
-from ..families import repeat_batch as _batch
-from ..families.flux1 import _Flux1
+from ..internal import _batch, grid_ids, refuse_max_area, tables
+from ._base import _Flux1
 
 MAX_AREA = 1024**2  # FluxKontextPipeline's default
 
@@ -34,8 +32,7 @@ def size(pipe, height, width, max_area) -> tuple:
     """(height, width) as ``FluxKontextPipeline`` rescales them to ``max_area``; unchanged
     for other pipelines (which take no ``max_area``)."""
     if not _is_kontext(pipe):
-        if max_area is not None:
-            raise ValueError(f"max_area: only a FluxKontextPipeline takes it; expected None, got {max_area!r}")
+        refuse_max_area(max_area)
         return height, width
     area = MAX_AREA if max_area is None else max_area
     for name, v in (("height", height), ("width", width), ("max_area", area)):
@@ -64,11 +61,10 @@ def _preferred(img, pipe, auto_resize: bool = True) -> tuple[int, int]:
 
 
 class Flux1Kontext(_Flux1):
-    """`_Flux1` with the Kontext reference tokens after the latents."""
+    """`_Flux1` with the Kontext reference tokens after the latents (the run's tables)."""
 
     def __init__(self, params, pipe, auto_resize: bool = True):
         super().__init__(params, pipe)
-        self.ref = self.ref_ids = None
         self.auto_resize = auto_resize
 
     def images(self, images, B, device):
@@ -82,18 +78,19 @@ class Flux1Kontext(_Flux1):
         pixels = pipe.image_processor.preprocess(pipe.image_processor.resize(images[0], h, w), h, w)
         z = vae.encode(pixels.to(device=device, dtype=vae.dtype)).latent_dist.mode()
         z = (z - vae.config.shift_factor) * vae.config.scaling_factor
-        self.ref = self.pack(z)
-        self.ref_ids = grid_ids(z.shape[2] // 2, z.shape[3] // 2, 3, torch.float32, device, t=1)
+        ref_ids = grid_ids(z.shape[2] // 2, z.shape[3] // 2, 3, torch.float32, device, t=1)
+        return tables(ref=self.pack(z), ref_ids=ref_ids)
 
-    def prepare(self, cond, h, w, guidance, device):
-        super().prepare(cond, h, w, guidance, device)
-        if self.ref is not None:
-            img_ids = torch.cat([grid_ids(h // 2, w // 2, 3, torch.float32, device), self.ref_ids])
-            txt_ids = torch.zeros(cond.txt.shape[1], 3, device=device)
-            self.rope = flux1.rope_table(self.c, img_ids, txt_ids)
+    def prepare(self, run, cond, h, w, guidance, device):
+        tab = super().prepare(run, cond, h, w, guidance, device)
+        if run.get("ref") is None:
+            return tab
+        return tables(tab, rope=self.rope(cond, h, w, device, run["ref_ids"]))
 
-    def __call__(self, x, t, cond):
-        if self.ref is None:
-            return super().__call__(x, t, cond)
+    def predict(self, params, tab, x, t, cond, apply, **extra):
+        if tab.get("ref") is None:
+            return super().predict(params, tab, x, t, cond, apply)
         S = x.shape[1]
-        return super().__call__(torch.cat([x, _batch(self.ref, x.shape[0]).to(x.dtype)], 1), t, cond)[:, :S]
+        x = torch.cat([x, _batch(tab["ref"], x.shape[0]).to(x.dtype)], 1)
+        out, updates = super().predict(params, tab, x, t, cond, apply)
+        return out[:, :S], updates

@@ -15,36 +15,24 @@ after the latents, one ``img_shapes`` entry each. docs/sampling.md lists what di
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import logging
 import math
 
 import numpy as np
 import torch
 
-from ... import qwenimage as _qwen
-from ..families import pack_2x2 as _pack
-from ..families import product as _product
-from ..families.qwenimage import _Qwen
-from ..schedule import STRENGTH, blend, noised_start, t_start
-from . import _requests
+from .... import qwenimage as _qwen
+from ...schedule import STRENGTH, blend, noised_start, t_start
+from ..internal import NO_TABLES, copy_generator, cut, tables
+from ..internal import pack_2x2 as _pack
+from ._base import _Qwen
 
 IMG2IMG = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
 PIPELINES = (*IMG2IMG, "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline")  # also in `_sample.PIPELINES`
 LAYERS = 4  # QwenImageLayeredPipeline's default
+LAYERED_RESOLUTIONS = (640, 1024)  # QwenImageLayeredPipeline's buckets
 CONDITION_AREA, VAE_AREA = 384 * 384, 1024 * 1024  # Edit-Plus: the text encoder's and the VAE's reference sizes
-_log = logging.getLogger(__name__)
-
-
-def true_cfg(fam: str, cfg: float | None, negative_prompt, negative_prompt_embeds) -> float | None:
-    """Qwen-Image's pipelines run true CFG only with a negative prompt (or its embeddings):
-    without one a ``true_cfg`` > 1 is ignored with a warning, as there."""
-    if cfg is None or not _product(fam).CFG_NEEDS_NEGATIVE:
-        return cfg
-    if negative_prompt is None and negative_prompt_embeds is None:
-        _log.warning(f"true_cfg={cfg} ignored: Qwen-Image runs classifier-free guidance only with a negative_prompt")
-        return None
-    return cfg
 
 
 def _strength(strength) -> float:
@@ -101,6 +89,31 @@ def pipeline(pipe, steps: int, output_type: str, image, mask_image, strength, pa
     return pipe
 
 
+def size(pipe, height, width, resolution, image) -> tuple:
+    """(height, width): as given, or as QwenImageLayeredPipeline sizes its output from
+    ``resolution`` and the image's aspect ratio."""
+    if type(pipe).__name__ != "QwenImageLayeredPipeline" or (resolution is None and (height, width) != (None, None)):
+        return height, width
+    if height is not None or width is not None:
+        raise ValueError(
+            f"height, width: expected None with resolution (the stock pipeline sizes its output from resolution "
+            f"alone), got {height!r}, {width!r}"
+        )
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_layered as stock  # the stock buckets (diffusers)
+    from PIL import Image
+
+    res, multiple = LAYERED_RESOLUTIONS[0] if resolution is None else resolution, pipe.vae_scale_factor * 2
+    if res not in LAYERED_RESOLUTIONS:
+        raise ValueError(f"resolution: expected one of {list(LAYERED_RESOLUTIONS)} (as stock), got {res!r}")
+    img = image[0] if isinstance(image, (list, tuple)) and image else image
+    if not isinstance(img, Image.Image):
+        raise ValueError(
+            f"image: the output is sized from the image's aspect ratio; expected a PIL image, got {image!r:.80}"
+        )
+    w, h = stock.calculate_dimensions(res * res, img.size[0] / img.size[1])
+    return h // multiple * multiple, w // multiple * multiple
+
+
 def _check_images(arg: str, value) -> None:
     import PIL.Image
 
@@ -149,7 +162,7 @@ def _generators(noise: tuple, b: int):
     draw from afterwards): image j's own generator for j < b, or the one batch generator."""
     kind, src = noise[:2]
     if kind == "batch":
-        g = _requests._copy(src)
+        g = copy_generator(src)
         return g, ("batch", g, noise[2])
     gens = [torch.Generator("cpu").manual_seed(s) for s in src] if kind == "seeds" else list(src)
     return gens[:b], ("generators", gens)
@@ -169,79 +182,77 @@ class Img2Img(_Qwen):
     def __init__(self, params, pipe, strength: float, mask_image=None, crop: int | None = None):
         super().__init__(params, pipe)
         self.strength, self.mask_image, self.crop = strength, mask_image, crop
-        self.start = self.mask = self.raw = self.crops = self.cur = None
         self.inpaints = mask_image is not None  # takes masked_image_latents (`sampler._stock_args`)
         self.latent_channels = pipe.vae.config.z_dim  # QwenImageInpaintPipeline.latent_channels
 
     def images(self, images, B, device):
         """Kept as given: they are preprocessed at the output size (`init_latents`)."""
-        self.raw = images
+        return tables(raw=images, start=None, mask=None, crops=None)
 
-    @property
-    def checked(self) -> dict:
+    def checked(self, run) -> dict:
         """The inputs every rank of a group must hold the same (`_sample._check_ranks`)."""
-        out = {} if self.start is None else {"image latents (image)": self.start}
-        return out | ({} if self.mask is None else {"mask (mask_image)": self.mask})
+        out = {} if run["start"] is None else {"image latents (image)": run["start"]}
+        return out | ({} if run["mask"] is None else {"mask (mask_image)": run["mask"]})
 
-    def _preprocess(self, height: int, width: int):
-        """The start pixels (b, 3, H, W) and mask (m, 1, H, W) or None, as the pipelines
-        preprocess them (the crop and "fill" resize with ``padding_mask_crop``)."""
-        pipe, mode = self.pipe, "default"
+    def _preprocess(self, raw, height: int, width: int):
+        """The start pixels (b, 3, H, W), mask (m, 1, H, W) or None and the crop, as the
+        pipelines preprocess them (the crop and "fill" resize with ``padding_mask_crop``)."""
+        pipe, mode, crops = self.pipe, "default", None
         if self.crop is not None:
             mode = "fill"
-            self.crops = pipe.mask_processor.get_crop_region(self.mask_image, width, height, pad=self.crop)
-        kw = dict(height=height, width=width, crops_coords=self.crops, resize_mode=mode)
-        pixels = pipe.image_processor.preprocess(self.raw, **kw).to(dtype=torch.float32)
+            crops = pipe.mask_processor.get_crop_region(self.mask_image, width, height, pad=self.crop)
+        kw = dict(height=height, width=width, crops_coords=crops, resize_mode=mode)
+        pixels = pipe.image_processor.preprocess(raw, **kw).to(dtype=torch.float32)
         mask = None if self.mask_image is None else pipe.mask_processor.preprocess(self.mask_image, **kw)
-        return pixels, mask
+        return pixels, mask, crops
 
-    def init_latents(self, req, height: int, width: int, device, dtype):
+    def init_latents(self, run, req, height: int, width: int, device, dtype):
         """Encode the start image(s) with their images' generators (before the noise, as the
         pipelines draw them) and the mask; the request whose noise comes after them."""
-        pixels, mask = self._preprocess(height, width)
+        pixels, mask, crops = self._preprocess(run["raw"], height, width)
         for arg, t in (("image", pixels), ("mask_image", mask)):
             if t is not None and req.n % t.shape[0]:
                 raise ValueError(f"{arg}: expected a count that divides the {req.n} images made, got {t.shape[0]}")
         if req.noise[0] == "latents":
             if mask is not None:  # the stock pipeline fails on latents= (its prepare_latents returns early)
                 raise ValueError("latents: a QwenImageInpaintPipeline takes none (the stock one fails); expected None")
-            return req  # the stock img2img starts from the given latents as they are
+            return tables(run, crops=crops), req  # the stock img2img starts from the given latents as they are
         gens, noise = _generators(req.noise, pixels.shape[0])
         vae_device = self.pipe.vae.device  # encoded where the VAE is (the CPU on a lazy device)
         z = self.pipe._encode_vae_image(pixels.unsqueeze(2).to(device=vae_device, dtype=dtype), generator=gens)
-        self.start = _pack(z[:, :, 0]).to(device)
+        start = _pack(z[:, :, 0]).to(device)
         if mask is not None:
             h, w = z.shape[-2:]
             mask = torch.nn.functional.interpolate(mask, size=(h, w)).to(device=device, dtype=dtype)
-            self.mask = _pack(mask.repeat(1, z.shape[1], 1, 1))
-        return dataclasses.replace(req, noise=noise)
+            mask = _pack(mask.repeat(1, z.shape[1], 1, 1))
+        return tables(run, crops=crops, start=start, mask=mask), dataclasses.replace(req, noise=noise)
 
-    def begin(self, sched, chunk, on_step):
-        """The partial schedule and the noised start latents; inpainting keeps (image
-        latents, noise, mask) for its per-step blend. Returns (start latents, ``on_step``)."""
-        first = t_start(len(sched.timesteps), self.strength)
-        sched.timesteps = sched.timesteps[first:]
-        sched.set_begin_index(first)
-        self.cur = None
-        if self.start is None:  # latents= given: the start as it is
-            return chunk.x, on_step
-        init = _rows(self.start, chunk.images).to(chunk.x.dtype)
-        if self.mask is not None:
-            self.cur = (init, chunk.x, _rows(self.mask, chunk.images))
-        return noised_start(sched, init, chunk.x), on_step
+    def schedule(self, tab, sched):
+        """The partial schedule (a copy)."""
+        return cut(sched, self.strength)
 
-    def after_step(self, i: int, sched, x: torch.Tensor) -> torch.Tensor:
+    def begin(self, tab, sched, x, images):
+        """The noised start latents; inpainting keeps (image latents, noise, mask) for its
+        per-step blend as the item's ``cur``."""
+        if tab["start"] is None:  # latents= given: the start as it is
+            return x, tables(tab, cur=None)
+        init = _rows(tab["start"], images).to(x.dtype)
+        cur = None if tab["mask"] is None else (init, x, _rows(tab["mask"], images))
+        return noised_start(sched, init, x), tables(tab, cur=cur)
+
+    def after_step(self, tab, i: int, sched, x: torch.Tensor) -> torch.Tensor:
         """Inpainting: the image latents noised to the next timestep where the mask is 0."""
-        return x if self.cur is None else blend(sched, i, *self.cur, x)
+        return x if tab["cur"] is None else blend(sched, i, *tab["cur"], x)
 
-    def blend_parts(self):
-        return self.cur
+    def blend_parts(self, tab):
+        return tab["cur"]
 
-    def overlay(self, images):
+    def overlay(self, tab, images):
         """``padding_mask_crop``: each output pasted into the original image, as the pipeline."""
         if self.crop is None:
             return images
-        return [self.pipe.image_processor.apply_overlay(self.mask_image, self.raw[0], i, self.crops) for i in images]
+        apply = self.pipe.image_processor.apply_overlay
+        return [apply(self.mask_image, tab["raw"][0], i, tab["crops"]) for i in images]
 
 
 def _dims(area: int, size) -> tuple[int, int]:
@@ -256,43 +267,31 @@ class EditPlus(_Qwen):
     the text encoder ("Picture k: ...") and appended as latents with its own img_shapes."""
 
     def images(self, images, B, device):
-        """The references the text encoder sees; their latents on the first encode (after
-        the prompt check)."""
-        self.raw, self.device, self.encoded = images, device, {}  # latents shared by the run's chunks
-        self.prompt_image = [self.pipe.image_processor.resize(i, *_dims(CONDITION_AREA, i.size)[::-1]) for i in images]
+        """The references the text encoder sees (the run's ``prompt_image``)."""
+        prompt_image = [self.pipe.image_processor.resize(i, *_dims(CONDITION_AREA, i.size)[::-1]) for i in images]
+        return tables(raw=images, prompt_image=prompt_image)
 
-    def _latents(self):
+    def init_latents(self, run, req, height: int, width: int, device, dtype):
         """Each reference VAE-encoded (distribution mode), packed; one img_shapes entry
-        each. Encoded once per run: the chunks' forks (`Steps.fork`) share ``encoded``."""
-        if not self.encoded:
-            pipe, refs, shapes = self.pipe, [], []
-            for img in self.raw:
-                vw, vh = _dims(VAE_AREA, img.size)
-                pixels = pipe.image_processor.preprocess(img, vh, vw).unsqueeze(2)
-                z = pipe._encode_vae_image(pixels.to(device=self.device, dtype=pipe.vae.dtype), generator=None)
-                refs.append(_pack(z[:, :, 0]))
-                shapes.append((1, z.shape[3] // 2, z.shape[4] // 2))
-            self.encoded.update(ref=torch.cat(refs, 1), shapes=shapes)
-        self.ref, self.ref_shapes = self.encoded["ref"], self.encoded["shapes"]
+        each: the run's ``ref`` and ``ref_shapes``."""
+        pipe, refs, shapes = self.pipe, [], []
+        for img in run["raw"]:
+            vw, vh = _dims(VAE_AREA, img.size)
+            pixels = pipe.image_processor.preprocess(img, vh, vw).unsqueeze(2)
+            z = pipe._encode_vae_image(pixels.to(device=device, dtype=pipe.vae.dtype), generator=None)
+            refs.append(_pack(z[:, :, 0]))
+            shapes.append((1, z.shape[3] // 2, z.shape[4] // 2))
+        return tables(run, ref=torch.cat(refs, 1), ref_shapes=shapes), req
 
-    def encode(self, prompts, msl):
+    def encode(self, run, prompts, msl):
         """The one prompt encoded once with every reference, repeated per image (as stock)."""
         if len(set(prompts)) > 1:
             raise ValueError(
                 f"prompt: a QwenImageEditPlusPipeline takes one prompt (as stock), got {len(set(prompts))}"
             )
-        self._latents()
-        p = super().encode(prompts[:1], msl)
+        p = super().encode(run, prompts[:1], msl)
         n = len(prompts)
         return dataclasses.replace(p, txt=p.txt.repeat(n, 1, 1), mask=None if p.mask is None else p.mask.repeat(n, 1))
-
-    def encode_embeds(self, msl, prompt_embeds, prompt_embeds_mask=None):
-        self._latents()
-        return super().encode_embeds(msl, prompt_embeds, prompt_embeds_mask)
-
-    def prepare(self, cond, h, w, guidance, device):
-        self.shapes = [(1, h // 2, w // 2), *self.ref_shapes]
-        self.rope = _qwen.pos_embed(self.shapes, cond.txt.shape[1], self.c.axes_dims_rope, device=device)
 
 
 class Layered(_Qwen):
@@ -317,37 +316,40 @@ class Layered(_Qwen):
         return z.reshape(B, L * (h // 2) * (w // 2), C * 4)
 
     def images(self, images, B, device):
-        """The image itself at the output size is the condition (distribution mode)."""
-        self.raw, self.device = images[0], device
+        """The image itself at the output size is the condition (`init_latents`)."""
+        return tables(raw=images[0])
 
-    def init_latents(self, req, height: int, width: int, device, dtype):
+    def init_latents(self, run, req, height: int, width: int, device, dtype):
+        """The condition: the image at the output size, VAE-encoded (distribution mode)."""
         pipe = self.pipe
-        img = pipe.image_processor.resize(self.raw, height, width)
+        img = pipe.image_processor.resize(run["raw"], height, width)
         pixels = pipe.image_processor.preprocess(img, height, width).unsqueeze(2)
         z = pipe._encode_vae_image(pixels.to(device=device, dtype=dtype), generator=None)
-        self.ref, self.ref_shape = _pack(z[:, :, 0]), (1, z.shape[3] // 2, z.shape[4] // 2)
-        return req
+        return tables(run, ref=_pack(z[:, :, 0]), ref_shape=(1, z.shape[3] // 2, z.shape[4] // 2)), req
 
-    def prepare(self, cond, h, w, guidance, device):
-        self.shapes = [(1, h // 2, w // 2)] * (self.layers + 1) + [self.ref_shape]
-        self.rope = _qwen.pos_embed(self.shapes, cond.txt.shape[1], self.c.axes_dims_rope, True, device)
+    def prepare(self, run, cond, h, w, guidance, device):
+        shapes = [(1, h // 2, w // 2)] * (self.layers + 1) + [run["ref_shape"]]
+        return tables(
+            shapes=shapes, rope=_qwen.pos_embed(shapes, cond.txt.shape[1], self.c.axes_dims_rope, True, device)
+        )
 
-    def begin(self, sched, chunk, on_step):
-        """The pipeline's schedule: sigmas linspace(1, 0, steps + 1)[:-1], mu from the
-        condition's token count."""
+    def schedule(self, tab, sched):
+        """The pipeline's schedule (a copy): sigmas linspace(1, 0, steps + 1)[:-1], mu from
+        the condition's token count."""
         steps = len(sched.timesteps)
         sigmas = np.linspace(1.0, 0, steps + 1)[:-1]
         sigmas = None if sched.config.get("use_flow_sigmas", False) else sigmas
-        sched.set_timesteps(sigmas=sigmas, device=chunk.x.device, mu=(self.ref.shape[1] / 256) ** 0.5)
+        sched = copy.copy(sched)
+        sched.set_timesteps(sigmas=sigmas, device=sched.timesteps.device, mu=(tab["ref"].shape[1] / 256) ** 0.5)
         sched.set_begin_index(0)
-        return chunk.x, on_step
+        return sched
 
-    def __call__(self, x, t, cond):
+    def predict(self, params, tab, x, t, cond, apply, **extra):
         B, S = x.shape[:2]
-        x = torch.cat([x, self.ref.expand(B, -1, -1).to(x.dtype)], 1)
+        x = torch.cat([x, tab["ref"].expand(B, -1, -1).to(x.dtype)], 1)
         rgb = torch.zeros(B, dtype=torch.long, device=x.device)
-        kw = dict(txt_mask=cond.mask, img_shapes=[self.shapes] * B, additional_t_cond=rgb, rope=self.rope)
-        return self.apply(self.params, x, t, cond.txt, **kw)[:, :S]
+        kw = dict(txt_mask=cond.mask, img_shapes=[tab["shapes"]] * B, additional_t_cond=rgb, rope=tab["rope"])
+        return apply(params, x, t, cond.txt, **kw)[:, :S], NO_TABLES
 
     def decode(self, x, h, w, output_type):
         """Every frame but the composite decoded: (B, layers) images per output type."""

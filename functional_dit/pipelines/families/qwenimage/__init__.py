@@ -5,16 +5,13 @@ pipelines): its sampling steps for `fd.sample`, the diffusers adapter's argument
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ... import qwenimage as _qwen
-from ...qwenimage import QwenImageConfig
-from . import _common
-from ._common import refuse_kv_cache, stock_module
-from ._latents import _batch, pack_2x2, unpack_2x2
-from ._steps import Prompt, Steps
+from ....qwenimage import QwenImageConfig
+from ..internal import Steps, refuse_kv_cache, refuse_max_area, refuse_reference, stock_module
+from ..internal import common as _common
+from . import _image
+from ._base import _Qwen
 
 # the shared hooks Qwen-Image takes as they are (`_common`)
 shift, batch_size, adapter_result, output, tiny_assemble = (
@@ -31,82 +28,12 @@ EMBED_ARGS = ("prompt_embeds", "prompt_embeds_mask")
 EMBEDS_TOGETHER = ()
 MAX_SEQUENCE_LENGTH = 1024
 ENCODER_LORA_SCALE = False
-CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._qwen_image.true_cfg`)
+CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._requests.true_cfg`)
 PER_ITEM_PIPELINES = ("QwenImagePipeline",)
 
 
-class _Qwen(Steps):
-    """QwenImagePipeline / QwenImageEditPipeline: Qwen2.5-VL text (ragged, masked),
-    2x2-packed latents with a frame axis, RoPE from img_shapes, normalised true CFG."""
-
-    fixed_graph = True  # one fixed device graph per step (`sampler_xla`)
-
-    normalise_cfg = True
-    packs_sizes = masks_text = True  # items of several sizes and text lengths in one call (`sampler._packing`)
-
-    def __init__(self, params, pipe):
-        self.params, self.pipe, self.c = params, pipe, params.config
-        self.ref = self.prompt_image = None
-        self.ref_shape = None
-
-    def encode(self, prompts, msl):
-        kw = {} if self.prompt_image is None else {"image": self.prompt_image}
-        txt, mask = self.pipe.encode_prompt(prompt=prompts, max_sequence_length=msl or 512, **kw)
-        return Prompt(txt, mask=mask)
-
-    def encode_embeds(self, msl, prompt_embeds, prompt_embeds_mask=None):
-        """As the pipeline's encode_prompt with embeddings: cut to ``msl``, all-real mask -> None."""
-        txt, mask = prompt_embeds[:, : msl or 512], prompt_embeds_mask
-        mask = None if mask is None or bool(mask[:, : txt.shape[1]].all()) else mask[:, : txt.shape[1]]
-        return Prompt(txt, mask=mask)
-
-    def noise_shape(self, B, h, w):
-        return (B, 1, self.c.in_channels // 4, h, w)
-
-    pack = staticmethod(lambda z: pack_2x2(z[:, 0]))
-    take = staticmethod(lambda latents: latents)  # the pipeline's latents= are packed
-
-    def images(self, images, B, device):
-        """The Edit pipeline's reference: resized to about 1024² (multiple of 32), VAE-encoded
-        (distribution mode), normalised, packed; also the image its text encoder sees."""
-        if len(images) != 1:
-            raise ValueError(f"image: QwenImageEditPipeline takes one reference image, got {len(images)}")
-        pipe, img = self.pipe, images[0]
-        w, h = _qwen_edit_size(img.size)
-        self.prompt_image = pipe.image_processor.resize(img, h, w)
-        pixels = pipe.image_processor.preprocess(self.prompt_image, h, w).unsqueeze(2)
-        z = pipe._encode_vae_image(pixels.to(device=device, dtype=pipe.vae.dtype), generator=None)
-        self.ref = _batch(pack_2x2(z[:, :, 0]), B)
-        self.ref_shape = (1, z.shape[3] // 2, z.shape[4] // 2)
-
-    def prepare(self, cond: Prompt, h, w, guidance, device):
-        self.shapes = [(1, h // 2, w // 2)] + ([self.ref_shape] if self.ref is not None else [])
-        self.rope = _qwen.pos_embed(self.shapes, cond.txt.shape[1], self.c.axes_dims_rope, device=device)
-
-    def __call__(self, x, t, cond: Prompt):
-        B, S = x.shape[:2]
-        if self.ref is not None:
-            x = torch.cat([x, _batch(self.ref, B).to(x.dtype)], 1)
-        out = self.apply(self.params, x, t, cond.txt, txt_mask=cond.mask, img_shapes=[self.shapes] * B, rope=self.rope)
-        return out[:, :S]
-
-    def decode_latents(self, x, h, w):
-        vae = self.pipe.vae
-        z = unpack_2x2(x, h, w)[:, :, None].to(vae.dtype)  # (B, C, 1, h, w)
-        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z.device, z.dtype)
-        std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z.device, z.dtype)
-        return z / std + mean
-
-
-def _qwen_edit_size(size) -> tuple[int, int]:
-    """(width, height) of about 1024² pixels with the image's aspect ratio, multiples of 32."""
-    ratio = size[0] / size[1]
-    w = math.sqrt(1024 * 1024 * ratio)
-    return round(w / 32) * 32, round(w / ratio / 32) * 32
-
-
 def steps(params, pipe, image, kv_cache) -> Steps:
-    """Text to image or the Edit pipeline (the other image jobs build on it: `sampler._qwen_image`)."""
+    """Text to image or the Edit pipeline (the other image jobs build on it: `JOBS`)."""
     import diffusers
 
     if image is not None and isinstance(pipe, diffusers.QwenImagePipeline):
@@ -125,7 +52,32 @@ def pipeline_class(components) -> str:
     return "QwenImageEditPipeline" if components.get("processor") is not None else "QwenImagePipeline"
 
 
-IMAGE_JOBS = "pipeline"  # its pipelines make the image jobs (`sampler._qwen_image.pipeline`)
+def size(pipe, call) -> tuple:
+    """The output size: Layered's from ``resolution`` (`_image.size`)."""
+    size = _image.size(pipe, call.height, call.width, call.resolution, call.image)
+    refuse_max_area(call.max_area)
+    return size
+
+
+def _job(pipe, call):
+    """img2img, inpainting, Edit-Plus, Layered: their steps (`_image.model`)."""
+    args = (call.image, call.mask_image, call.strength, call.padding_mask_crop, call.layers)
+    return lambda params, pipe: _image.model(params, pipe, *args)
+
+
+# The image jobs by stock pipeline class name (the others: text to image, the Edit pipeline).
+JOBS = dict.fromkeys(_image.PIPELINES, _job)
+
+
+def image_job(pipe, call) -> tuple:
+    """(the pipeline, its image job or None): a QwenImagePipeline given an image becomes
+    the img2img (inpainting) pipeline over the same components (`_image.pipeline`);
+    ``call`` is `fd.sample`'s checked arguments."""
+    args = (call.image, call.mask_image, call.strength, call.padding_mask_crop, call.layers)
+    pipe = _image.pipeline(pipe, call.steps, call.output_type, *args)
+    refuse_reference(call.image_reference)
+    job = JOBS.get(type(pipe).__name__)
+    return pipe, None if job is None else job(pipe, call)
 
 
 # ----------------------------------------------------------------------------- the adapter
@@ -178,13 +130,13 @@ def pos_embed(c):
 
 def tiny_config_changes(kind: str) -> dict:
     """Qwen2.5-VL's width."""
-    from .. import tiny
+    from ... import tiny
 
     return dict(joint_attention_dim=tiny._QWEN25_DIM)
 
 
 def tiny_components(kind: str, seed: int) -> dict:
-    from .. import tiny
+    from ... import tiny
 
     tok = tiny.qwen_tokenizer(tiny._QWEN2VL_CHAT_TEMPLATE)
     parts = {

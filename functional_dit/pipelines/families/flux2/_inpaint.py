@@ -24,10 +24,9 @@ import math
 
 import torch
 
-from ..families import repeat_batch as _batch
-from ..families.flux2 import _Flux2
-from ..schedule import blend, noised_start
-from ._flux_image import _check_crop, _check_strength, _one_image, cut
+from ...schedule import blend, noised_start
+from ..internal import _batch, check_crop, check_strength, cut, one_image, tables
+from ._base import _Flux2
 
 NAME = "Flux2KleinInpaintPipeline"
 STRENGTH = 0.8  # the stock pipeline's default (FLUX.1's and Qwen-Image's is schedule.STRENGTH)
@@ -45,11 +44,6 @@ class Inpaint:
     pad: int | None
 
 
-def wanted(pipe) -> bool:
-    """Whether ``pipe`` is the stock klein inpainting pipeline."""
-    return type(pipe).__name__ == NAME
-
-
 def _fit(pipe, img):
     """(the image, height, width) as the stock pipeline sizes it: resized to about
     `MAX_AREA` if larger, the size floored to multiples of the VAE scale x 2."""
@@ -65,9 +59,9 @@ def _fit(pipe, img):
 def size(pipe, height, width, image) -> tuple:
     """(height, width) of the output: the init image's for a klein inpainting pipeline
     (the given ones ignored, as stock), else as given."""
-    if not wanted(pipe) or image is None:
+    if type(pipe).__name__ != NAME or image is None:
         return height, width
-    _, h, w = _fit(pipe, _one_image(image, "image"))
+    _, h, w = _fit(pipe, one_image(image, "image"))
     if h < 1 or w < 1:
         raise ValueError(f"image: expected at least {pipe.vae_scale_factor * 2} pixels each way, got {image.size}")
     return h, w
@@ -80,23 +74,18 @@ def check(pipe, steps, image, mask_image, image_reference, strength, padding_mas
             raise ValueError(f"{name}: a {NAME} needs one (a PIL image), got None")
     if kv_cache:
         raise ValueError(f"kv_cache: a {NAME} feeds its references every step; expected None or False, got True")
-    img, mask = _one_image(image, "image"), _one_image(mask_image, "mask_image")
-    ref = None if image_reference is None else _one_image(image_reference, "image_reference")
-    strength = _check_strength(STRENGTH if strength is None else strength, steps)
+    img, mask = one_image(image, "image"), one_image(mask_image, "mask_image")
+    ref = None if image_reference is None else one_image(image_reference, "image_reference")
+    strength = check_strength(STRENGTH if strength is None else strength, steps)
     if padding_mask_crop is not None:
-        _check_crop(padding_mask_crop, mask, output_type)
+        check_crop(padding_mask_crop, mask, output_type)
     return Inpaint(img, mask, ref, strength, padding_mask_crop)
-
-
-def refuse_reference(image_reference) -> None:
-    """``image_reference`` belongs to the klein inpainting pipeline only."""
-    if image_reference is not None:
-        raise ValueError(f"image_reference: only a {NAME} takes it; expected None, got {image_reference!r:.80}")
 
 
 class Flux2Inpaint(_Flux2):
     """`_Flux2` started from the noised init image, on a cut schedule, the encoded init
-    image (and ``image_reference``) as references, the mask blended in after every step."""
+    image (and ``image_reference``) as references, the mask blended in after every step:
+    all of them the run's tables (``init_latents``), the blend's inputs the item's."""
 
     blends_steps = True
 
@@ -104,63 +93,59 @@ class Flux2Inpaint(_Flux2):
         super().__init__(params, pipe, False)
         self.job, self.strength = job, job.strength
         self.settings = {"inpaint": True, "padding_mask_crop": job.pad, "image_reference": job.reference is not None}
-        self.crop = self.init = self.mask = self.cur = None
-        self.given = False
 
     def images(self, images, B, device):
         """Nothing yet: the init image is encoded at the output size (`init_latents`)."""
+        return tables()
 
-    @property
-    def checked(self) -> dict:
+    def checked(self, run) -> dict:
         """The inputs every rank of a group must hold the same (`sampler._check_ranks`)."""
-        return {"image latents (image)": self.init, "mask (mask_image)": self.mask}
+        return {**super().checked(run), "image latents (image)": run["init"], "mask (mask_image)": run["mask"]}
 
-    def init_latents(self, req, height: int, width: int, device, dtype):
+    def init_latents(self, run, req, height: int, width: int, device, dtype):
         """Encode the init image (argmax: no draw) and the reference, and the mask, at the
         output size; the request is unchanged (the noise is drawn as for text to image)."""
         pipe, job = self.pipe, self.job
-        self.given = req.noise[0] == "latents"  # the start latents as given, and the blend's noise
         raw, _, _ = _fit(pipe, job.image)
         mode = "default" if job.pad is None else "fill"
-        if job.pad is not None:
-            self.crop = pipe.mask_processor.get_crop_region(job.mask, width, height, pad=job.pad)
-        kw = dict(crops_coords=self.crop, resize_mode=mode)
+        crop = None if job.pad is None else pipe.mask_processor.get_crop_region(job.mask, width, height, pad=job.pad)
+        kw = dict(crops_coords=crop, resize_mode=mode)
         pixels = pipe.image_processor.preprocess(raw, height, width, **kw)
         pixels = pixels.to(device=pipe.vae.device, dtype=dtype)  # the VAE's device (the CPU, with the params on xla)
         z = pipe._encode_vae_image(pixels, generator=None).to(device)  # (1, C, h/2, w/2)
-        self.init, self.raw = self.pack(z), raw
         refs = [z] + ([] if job.reference is None else [self._reference(job.reference)])
-        self.ref, ids = pipe.prepare_image_latents(refs, 1, None, device, dtype)
-        self.ref_ids = ids[0]
+        ref, ids = pipe.prepare_image_latents(refs, 1, None, device, dtype)
         m = pipe.mask_processor.preprocess(job.mask, height=height, width=width, **kw)
-        self.mask = pipe.prepare_mask_latents(m, 1, 1, height, width, dtype, device)  # (1, S, 1)
-        return req
+        mask = pipe.prepare_mask_latents(m, 1, 1, height, width, dtype, device)  # (1, S, 1)
+        given = req.noise[0] == "latents"  # the start latents as given, and the blend's noise
+        out = dict(given=given, crop=crop, init=self.pack(z), raw=raw, ref=ref, ref_ids=ids[0], mask=mask)
+        return tables(run, **out), req
 
     def _reference(self, img) -> torch.Tensor:
         """``image_reference`` as the stock pipeline preprocesses it (pixels, encoded later)."""
         img, h, w = _fit(self.pipe, img)
         return self.pipe.image_processor.preprocess(img, h, w, resize_mode="crop")
 
-    def begin(self, sched, chunk, on_step):
-        """Cut the schedule; start from the image latents noised to its first timestep (or
-        the given ``latents=`` as they are). Returns (start latents, the step hook)."""
-        x = chunk.x
-        cut(sched, self.strength)
-        self.cur = (_batch(self.init, x.shape[0]).to(x.dtype), x)
-        if self.given:
-            return x, on_step
-        return noised_start(sched, self.cur[0], x), on_step
+    def schedule(self, tab, sched):
+        return cut(sched, self.strength)
 
-    def after_step(self, i: int, sched, x: torch.Tensor) -> torch.Tensor:
+    def begin(self, tab, sched, x, images):
+        """Start from the image latents noised to the cut schedule's first timestep (or the
+        given ``latents=`` as they are); the blend's inputs as the item's ``cur``."""
+        cur = (_batch(tab["init"], x.shape[0]).to(x.dtype), x)
+        x = x if tab["given"] else noised_start(sched, cur[0], x)
+        return x, tables(tab, cur=cur)
+
+    def after_step(self, tab, i: int, sched, x: torch.Tensor) -> torch.Tensor:
         """Keep the image outside the mask, noised to the next timestep (unnoised after the last)."""
-        init, noise = self.cur
-        return blend(sched, i, init, noise, self.mask, x)
+        init, noise = tab["cur"]
+        return blend(sched, i, init, noise, tab["mask"], x)
 
-    def blend_parts(self):
-        return (*self.cur, self.mask)
+    def blend_parts(self, tab):
+        return (*tab["cur"], tab["mask"])
 
-    def overlay(self, images):
+    def overlay(self, tab, images):
         """``padding_mask_crop``: each output pasted into the init image, as the pipeline."""
-        if self.crop is None:
+        if tab["crop"] is None:
             return images
-        return [self.pipe.image_processor.apply_overlay(self.job.mask, self.raw, im, self.crop) for im in images]
+        return [self.pipe.image_processor.apply_overlay(self.job.mask, tab["raw"], im, tab["crop"]) for im in images]

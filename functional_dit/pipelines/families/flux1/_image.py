@@ -26,9 +26,9 @@ import dataclasses
 
 import torch
 
-from ..families.flux1 import _Flux1
-from ..schedule import STRENGTH, blend, noised_start, t_start
-from . import _requests
+from ...schedule import STRENGTH, blend, noised_start
+from ..internal import check_crop, check_strength, copy_generator, cut, one_image, refuse, tables
+from ._base import _Flux1
 
 GUIDANCE = 7.0  # their guidance_scale default (FluxPipeline's is 3.5)
 
@@ -48,44 +48,8 @@ class Edit:
 # ----------------------------------------------------------------------------- checks
 
 
-def _is_pil(v) -> bool:
-    from PIL import Image
-
-    return isinstance(v, Image.Image)
-
-
-def _one_image(value, name: str):
-    """One PIL image (or a list of one), else a ValueError naming ``name``."""
-    v = value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
-    if not _is_pil(v):
-        raise ValueError(f"{name}: expected one PIL image, got {value!r:.80}")
-    return v
-
-
-def _check_strength(strength, steps: int) -> float:
-    """``strength`` in [0, 1] leaving at least one step of ``steps`` (the stock checks)."""
-    ok = isinstance(strength, (int, float)) and not isinstance(strength, bool) and 0 <= strength <= 1
-    if not ok:
-        raise ValueError(f"strength: expected a number in [0, 1], got {strength!r}")
-    if steps - t_start(steps, strength) < 1:
-        raise ValueError(
-            f"strength: expected a value > 0 (it runs the last ⌈steps · strength⌉ of the steps, as the "
-            f"stock pipelines do), got steps={steps}, strength={strength}: 0 steps"
-        )
-    return float(strength)
-
-
 # The stock pipelines that need an init image (and a mask), by class name.
 NEEDS = {"FluxImg2ImgPipeline": ("image",), "FluxInpaintPipeline": ("image", "mask_image")}
-
-
-def refuse(fam: str, strength, mask_image, padding_mask_crop, why: str | None = None) -> None:
-    """The image jobs' arguments, refused by name where no FLUX.1 job takes them."""
-    given = {"strength": strength, "mask_image": mask_image, "padding_mask_crop": padding_mask_crop}
-    for name, v in given.items():
-        if v is not None:
-            why = why or f"FLUX.1 (not {fam})"
-            raise ValueError(f"{name}: fd.sample takes it for {why} with an image; expected None, got {v!r:.80}")
 
 
 def check(pipe, steps: int, image, strength, mask_image, padding_mask_crop, output_type, latents, size):
@@ -98,35 +62,14 @@ def check(pipe, steps: int, image, strength, mask_image, padding_mask_crop, outp
     wanted = wanted and type(pipe).__name__ != "FluxKontextPipeline"  # its image is a reference
     if image is None or not wanted:
         return refuse("flux1", strength, mask_image, padding_mask_crop, "FLUX.1 img2img and inpainting")
-    img = _one_image(image, "image")
-    mask = None if mask_image is None else _one_image(mask_image, "mask_image")
-    strength = _check_strength(STRENGTH if strength is None else strength, steps)
+    img = one_image(image, "image")
+    mask = None if mask_image is None else one_image(mask_image, "mask_image")
+    strength = check_strength(STRENGTH if strength is None else strength, steps)
     if padding_mask_crop is not None:
-        _check_crop(padding_mask_crop, mask, output_type)
+        check_crop(padding_mask_crop, mask, output_type)
     if mask is not None and latents is not None:
         raise ValueError("latents: inpainting draws its image latents with the seed; expected None, got a tensor")
     return Edit(img, strength, mask, padding_mask_crop, size)
-
-
-def _check_crop(pad, mask, output_type) -> None:
-    if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
-        raise ValueError(f"padding_mask_crop: expected None or a non-negative int (pixels), got {pad!r}")
-    if mask is None:
-        raise ValueError("padding_mask_crop: crops around the mask; expected it with a mask_image, got no mask_image")
-    if output_type != "pil":
-        raise ValueError(
-            f"output_type: expected 'pil' with padding_mask_crop (as FluxInpaintPipeline), got {output_type!r}"
-        )
-
-
-# ----------------------------------------------------------------------------- schedule
-
-
-def cut(sched, strength: float) -> None:
-    """Run only the last ``steps · strength`` steps of a set scheduler, as the stock pipelines do."""
-    start = t_start(len(sched.timesteps), strength)
-    sched.timesteps = sched.timesteps[start:]
-    sched.set_begin_index(start)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -143,87 +86,86 @@ def _processors(pipe):
 
 class Flux1Image(_Flux1):
     """`_Flux1` started from a noised init image, on a cut schedule, with inpainting's
-    per-step blend. `fd.sample` calls ``images``, ``draw``, ``begin``, ``after_step`` and
-    ``overlay`` (`_steps.Steps`)."""
+    per-step blend: the init image's posterior and mask are the run's tables (``images``),
+    a chunk's posterior draws its tables (``draw``), the blend's inputs the item's
+    (``begin``)."""
 
     blends_steps = True
+    GUIDANCE = GUIDANCE
 
     def __init__(self, params, pipe, edit: Edit):
         super().__init__(params, pipe)
         self.edit, self.strength = edit, edit.strength
         self.proc, self.mask_proc = _processors(pipe)
         self.settings = {"strength": edit.strength, "inpaint": edit.mask is not None, "padding_mask_crop": edit.pad}
-        self.ref = self.drawn = None
         self.inpaints = edit.mask is not None  # takes masked_image_latents (`sampler._stock_args`)
         self.latent_channels = self.c.in_channels // 4  # 16: FluxInpaintPipeline hard-codes it (FLUX.1's latents)
 
     def images(self, images, B, device):
         """Preprocess and encode the init image once (its posterior), and the mask."""
         (H, W), e, vae = self.edit.size, self.edit, self.pipe.vae
-        self.crop = None if e.pad is None else self.mask_proc.get_crop_region(e.mask, W, H, pad=e.pad)
-        mode = "default" if self.crop is None else "fill"
-        pixels = self.proc.preprocess(e.image, height=H, width=W, crops_coords=self.crop, resize_mode=mode)
-        self.posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist  # draws move in `draw`
-        self.ref = [self.pack(self.posterior.mean).to(device)]  # compared across ranks before the first step
+        crop = None if e.pad is None else self.mask_proc.get_crop_region(e.mask, W, H, pad=e.pad)
+        mode = "default" if crop is None else "fill"
+        pixels = self.proc.preprocess(e.image, height=H, width=W, crops_coords=crop, resize_mode=mode)
+        posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist  # drawn from in `draw`
+        ref = [self.pack(posterior.mean).to(device)]  # compared across ranks before the first step
+        mask = None
         if e.mask is not None:
-            m = self.mask_proc.preprocess(e.mask, height=H, width=W, resize_mode=mode, crops_coords=self.crop)
-            h, w = self.posterior.mean.shape[2:]
+            m = self.mask_proc.preprocess(e.mask, height=H, width=W, resize_mode=mode, crops_coords=crop)
+            h, w = posterior.mean.shape[2:]
             m = torch.nn.functional.interpolate(m, size=(h, w)).to(device)
-            self.mask = self.pack(m.repeat(1, self.c.in_channels // 4, 1, 1))
-            self.ref.append(self.mask)
+            mask = self.pack(m.repeat(1, self.c.in_channels // 4, 1, 1))
+            ref.append(mask)
+        return tables(crop=crop, posterior=posterior, ref=ref, mask=mask)
 
     def _latents(self, post: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
         return (post - vae.config.shift_factor) * vae.config.scaling_factor
 
-    def draw(self, noise: tuple, images, shape_of, pack, take, dtype, device) -> torch.Tensor:
-        """Packed noise of ``images``; their packed image latents (posterior draws) are kept
-        for `begin` (on the chunk's fork, `Steps.fork`). Each generator draws its posterior
-        sample first, then its noise."""
+    def draw(self, run, noise: tuple, images, shape_of, dtype, device, draw):
+        """(packed noise of ``images``, the chunk's tables: its packed image latents, the
+        posterior draws, for `begin`). Each generator draws its posterior sample first,
+        then its noise."""
         kind, src = noise[:2]
+        pack, posterior = self.pack, run["posterior"]
         if kind == "latents":  # the stock img2img starts from given latents as they are
-            self.drawn = None
-            return take(src[list(images)].to(device=device, dtype=dtype))
+            return self.take(src[list(images)].to(device=device, dtype=dtype)), tables(drawn=None)
         if kind == "batch":  # one posterior for the one image, then the batch's noise
-            g = _requests._copy(src)
-            post = self.posterior.sample(generator=g).expand(len(images), -1, -1, -1)
+            g = copy_generator(src)
+            post = posterior.sample(generator=g).expand(len(images), -1, -1, -1)
             z = torch.randn(shape_of(noise[2]), generator=g, dtype=dtype)[list(images)]
         else:
             gens = (
                 [torch.Generator().manual_seed(src[i]) for i in images] if kind == "seeds" else [src[i] for i in images]
             )
-            post = torch.cat([self.posterior.sample(generator=g) for g in gens])
+            post = torch.cat([posterior.sample(generator=g) for g in gens])
             z = torch.cat([torch.randn(shape_of(1), generator=g, dtype=dtype) for g in gens])
-        self.drawn = pack(self._latents(post).to(device=device, dtype=dtype))
-        return pack(z.to(device))
+        return pack(z.to(device)), tables(drawn=pack(self._latents(post).to(device=device, dtype=dtype)))
 
-    def prepare(self, cond, h, w, guidance, device):
-        super().prepare(cond, h, w, GUIDANCE if guidance is None else guidance, device)
+    def schedule(self, tab, sched):
+        return cut(sched, self.strength)
 
-    def begin(self, sched, chunk, on_step):
-        """Cut the schedule; the start latents: the image latents noised to its first
-        timestep. Returns (start latents, the step hook, unchanged)."""
-        x = chunk.x
-        cut(sched, self.strength)
-        init = self.drawn
-        self.cur = None if init is None else (init, x)
+    def begin(self, tab, sched, x, images):
+        """The start latents: the image latents noised to the cut schedule's first
+        timestep; the blend's inputs (image latents, noise) as the item's ``cur``."""
+        init = tab["drawn"]
         if init is None:
-            return x, on_step
-        return noised_start(sched, init, x), on_step
+            return x, tables(tab, cur=None)
+        return noised_start(sched, init, x), tables(tab, cur=(init, x))
 
-    def after_step(self, i: int, sched, x: torch.Tensor) -> torch.Tensor:
+    def after_step(self, tab, i: int, sched, x: torch.Tensor) -> torch.Tensor:
         """Inpainting: keep the image outside the mask, noised to the next timestep."""
         if self.edit.mask is None:
             return x
-        init, noise = self.cur
-        return blend(sched, i, init, noise, self.mask, x)
+        init, noise = tab["cur"]
+        return blend(sched, i, init, noise, tab["mask"], x)
 
-    def blend_parts(self):
-        return None if self.edit.mask is None or self.cur is None else (*self.cur, self.mask)
+    def blend_parts(self, tab):
+        return None if self.edit.mask is None or tab["cur"] is None else (*tab["cur"], tab["mask"])
 
-    def overlay(self, images):
+    def overlay(self, tab, images):
         """``padding_mask_crop``: paste each generated crop back into the init image."""
-        if self.crop is None:
+        if tab["crop"] is None:
             return images
         e = self.edit
-        return [self.proc.apply_overlay(e.mask, e.image, im, self.crop) for im in images]
+        return [self.proc.apply_overlay(e.mask, e.image, im, tab["crop"]) for im in images]

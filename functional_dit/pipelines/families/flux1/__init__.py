@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from ... import flux1
-from ...flux1 import Flux1Config
-from . import _common
-from ._common import refuse_kv_cache, stock_module
-from ._latents import grid_ids, pack_2x2, unpack_2x2
-from ._steps import Prompt, Steps
+from ....flux1 import Flux1Config
+from ..internal import Steps, refuse_kv_cache, refuse_layers, refuse_reference, stock_module
+from ..internal import common as _common
+from . import _image, _kontext
+from ._base import _Flux1
+
+TextToImage = _Flux1  # the text-to-image steps, public for a family that builds on FLUX.1's (tests' toy)
 
 # the shared hooks FLUX.1 takes as they are (`_common`)
 shift, batch_size, adapter_result, output, tiny_assemble = (
@@ -32,49 +33,8 @@ CFG_NEEDS_NEGATIVE = False
 PER_ITEM_PIPELINES = ("FluxPipeline",)
 
 
-class _Flux1(Steps):
-    """FluxPipeline: T5 + CLIP pooled text, 2x2-packed 16-channel latents, 3-axis ids."""
-
-    fixed_graph = True  # one fixed device graph per step (`sampler_xla`)
-    packs_sizes = True  # items of several sizes in one call (`sampler._packing`)
-
-    def __init__(self, params, pipe):
-        self.params, self.pipe, self.c = params, pipe, params.config
-
-    def encode(self, prompts, msl, prompt_2=None, lora_scale=None):
-        """CLIP's pooled vector of ``prompts``, T5's text of ``prompt_2`` (None: ``prompts``),
-        with the text encoders' LoRA at ``lora_scale``: the pipeline's ``encode_prompt``."""
-        kw = dict(prompt_2=prompt_2, max_sequence_length=msl or 512, lora_scale=lora_scale)
-        txt, pooled, _ = self.pipe.encode_prompt(prompt=prompts, **kw)
-        return Prompt(txt, pooled)
-
-    def encode_embeds(self, msl, prompt_embeds, pooled_prompt_embeds):
-        return Prompt(prompt_embeds, pooled_prompt_embeds)
-
-    def noise_shape(self, B, h, w):
-        return (B, self.c.in_channels // 4, h, w)
-
-    pack = staticmethod(pack_2x2)
-    take = staticmethod(lambda latents: latents)  # the pipeline's latents= are packed
-
-    def prepare(self, cond: Prompt, h, w, guidance, device):
-        img_ids = grid_ids(h // 2, w // 2, 3, torch.float32, device)
-        txt_ids = torch.zeros(cond.txt.shape[1], 3, device=device)
-        self.rope = flux1.rope_table(self.c, img_ids, txt_ids)
-        self.guidance = 3.5 if guidance is None else guidance
-
-    def __call__(self, x, t, cond: Prompt):
-        g = torch.full((x.shape[0],), float(self.guidance), device=x.device) if self.c.guidance_embeds else None
-        return self.apply(self.params, x, t, cond.txt, pooled=cond.pooled, guidance=g, rope=self.rope)
-
-    def decode_latents(self, x, h, w):
-        vae = self.pipe.vae
-        return unpack_2x2(x, h, w) / vae.config.scaling_factor + vae.config.shift_factor
-
-
 def steps(params, pipe, image, kv_cache) -> Steps:
-    """Text to image (img2img, inpainting and Kontext build on it: `sampler._flux_image`,
-    `sampler._flux_kontext`)."""
+    """Text to image (img2img, inpainting and Kontext build on it: `JOBS`)."""
     if image is not None:
         raise ValueError(
             f"image: a {type(pipe).__name__} takes no reference image; expected None (img2img: add strength=, "
@@ -88,7 +48,38 @@ def pipeline_class(components) -> str:
     return "FluxPipeline"
 
 
-IMAGE_JOBS = "img2img"  # fd.sample's img2img and inpainting over these steps (`sampler._flux_image`)
+def size(pipe, call) -> tuple:
+    """The output size: Kontext's rescale to ``max_area`` (refused elsewhere)."""
+    return _kontext.size(pipe, call.height, call.width, call.max_area)
+
+
+def _kontext_job(pipe, call):
+    """Kontext: the reference image after the latents."""
+    _image.check(pipe, call.steps, call.image, call.strength, call.mask_image, call.padding_mask_crop,
+                 call.output_type, call.latents, (call.height, call.width))  # fmt: skip
+    auto_resize = call._auto_resize is not False
+    return lambda params, pipe: _kontext.Flux1Kontext(params, pipe, auto_resize)
+
+
+def _img2img_job(pipe, call):
+    """img2img and inpainting (``strength``, ``mask_image``) over any other FLUX.1 pipeline;
+    None (text to image) without an image."""
+    size = (call.height, call.width)
+    edit = _image.check(pipe, call.steps, call.image, call.strength, call.mask_image, call.padding_mask_crop,
+                        call.output_type, call.latents, size)  # fmt: skip
+    return None if edit is None else lambda params, pipe: _image.Flux1Image(params, pipe, edit)
+
+
+# The image jobs by stock pipeline class name (every other FLUX.1 pipeline: `_img2img_job`).
+JOBS = {"FluxKontextPipeline": _kontext_job}
+
+
+def image_job(pipe, call) -> tuple:
+    """(the pipeline, its image job or None): ``call`` is `fd.sample`'s checked arguments;
+    the job makes the steps (``job(params, pipe)``)."""
+    refuse_layers(pipe, call.layers)
+    refuse_reference(call.image_reference)
+    return pipe, JOBS.get(type(pipe).__name__, _img2img_job)(pipe, call)
 
 
 # ----------------------------------------------------------------------------- the adapter
@@ -173,14 +164,14 @@ def pos_embed(c):
 
 def tiny_config_changes(kind: str) -> dict:
     """The CLIP and T5 widths; dev-style guidance, Kontext without it."""
-    from .. import tiny
+    from ... import tiny
 
     widths = dict(joint_attention_dim=tiny._T5_DIM, pooled_projection_dim=tiny._CLIP_DIM)
     return dict(widths, guidance_embeds=kind != "flux-kontext")
 
 
 def tiny_components(kind: str, seed: int) -> dict:
-    from .. import tiny
+    from ... import tiny
 
     tok, tok2 = tiny.clip_tokenizer(), tiny.t5_tokenizer()
     return {
@@ -217,7 +208,7 @@ CHECK_EAGER_ONLY = None
 
 
 def bench_inputs(config, x, t, txt, h, w, device, dtype, g):
-    from ._common import flux_ids_inputs
+    from ..internal import flux_ids_inputs
 
     kw, dkw = flux_ids_inputs(config, x, t, txt, h, w, device, 3)
     kw["pooled"] = dkw["pooled_projections"] = torch.randn(1, config.pooled_projection_dim, generator=g).to(
