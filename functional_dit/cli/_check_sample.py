@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from PIL import Image
 
 from .. import api as _api
 from ..pipelines import sampler_xla as _sample_xla
@@ -26,15 +27,11 @@ IMAGES = ((0, 3), (1, 4))  # (seed, steps) of image 1 and image 2
 
 def _ref_image(w: int = 80, h: int = 64):
     """A fixed noise picture (FLUX.2's processor needs 64 px a side)."""
-    from PIL import Image
-
     return Image.fromarray((np.random.default_rng(0).random((h, w, 3)) * 255).astype("uint8"))
 
 
 def _mask(w: int = 80, h: int = 64):
     """White (repaint) in the right half's upper part, black elsewhere."""
-    from PIL import Image
-
     a = np.zeros((h, w), dtype="uint8")
     a[8:40, 40:72] = 255
     return Image.fromarray(a)
@@ -70,6 +67,7 @@ TWO_GRAPHS = ("flux2-klein-kv", "qwen-image-2.1")  # a KV cache's extracting fir
 def _counts(met) -> dict:
     if met is None:
         return {}
+    # optional: torch_xla, XLA devices only
     import torch_xla.core.xla_model as xm
 
     xm.wait_device_ops()
@@ -95,6 +93,7 @@ def _image(pipe, params, dev_params, kw, seed, steps, met, scan=False) -> dict:
 
 def _pipeline(kind: str):
     """The tiny pipeline of ``kind`` (``kind:Class``: that diffusers pipeline on its components)."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     kind, _, cls = kind.partition(":")

@@ -35,6 +35,7 @@ def sampled_families() -> tuple:
 def _pipeline(kind: str, config, p):
     """(the stock tiny ``kind`` pipeline around the diffusers module of ``config``, on the
     device, and our params sharing that module's weights)."""
+    # imported here: this module's own functions are named sample and serve
     from .. import tiny
 
     module, params = models(config, p.device, p.dtype)
@@ -43,6 +44,7 @@ def _pipeline(kind: str, config, p):
 
 
 def _ours(params, pipe, p, run, steps: int, cache=None):
+    # imported here: this module's own functions are named sample and serve
     from ..pipelines.sampler import sample
 
     kw = dict(height=p.size, width=p.size, seed=0, output_type="latent", **run.our_kw)
@@ -103,6 +105,7 @@ def sample(p, window):
 
 def _request(engine, i: int, p) -> float:
     """Seconds from submitting image ``i`` (seed ``i``) to its delivery."""
+    # imported here: this module's own functions are named sample and serve
     from .. import sampling, serve
 
     done, box = threading.Event(), []
@@ -154,6 +157,7 @@ def drive(engine, concurrency: int, n: int, p) -> dict:
 def _engines(params, pipe, p):
     """{"batching": an engine batching up to the largest concurrency, "off": one image at a
     time}, started and warmed up; stopped on exit."""
+    # imported here: this module's own functions are named sample and serve
     from .. import serve
 
     engines = {}

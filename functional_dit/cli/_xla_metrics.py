@@ -6,6 +6,7 @@ from __future__ import annotations
 
 def xla():
     try:
+        # optional: torch_xla, XLA devices only
         import torch_xla.debug.metrics as met
     except ImportError:
         return None

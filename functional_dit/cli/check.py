@@ -12,18 +12,22 @@ count), host transfers in the loop and fallbacks (docs/xla.md).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import api as _api
 from .. import families
 from ..pipelines.families import product as _product
+from . import _check_sample
 from . import _xla_metrics as _metrics
+from ._args import CLIError
+from ._bench_models import inputs
+from ._checks import check_device
 
 
 def _tiny_inputs(config, seed: int = 0):
     """Small fd.apply kwargs on the CPU for a tiny config (batch 1, 4 x 4 latents, 8 text tokens)."""
-    from ._bench_models import inputs
-
     kw, _ = inputs(config, "cpu", torch.float32, seed=seed, hw=(4, 4), txt_len=8)
     return kw
 
@@ -41,13 +45,12 @@ def _precision_casts(device):
     """Inductor rounding at explicit bf16/fp16 casts as eager does (``emulate_precision_casts``):
     without it compiled bf16 FLUX loses the timestep's bf16 rounding and drifts from eager
     (docs/notes.md). Off on the CPU before torch 2.10, whose code generator crashes with it."""
-    import contextlib
-
     version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
     if version < (2, 10) and torch.device(device).type == "cpu":
         return contextlib.nullcontext()
 
     try:
+        # torch's inductor: only where torch.compile is checked
         import torch._inductor.config as inductor_config
     except ImportError:
         return contextlib.nullcontext()
@@ -120,9 +123,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ._args import CLIError
-    from ._checks import check_device
-
     if args.dtype not in ("float32", "bfloat16"):
         raise CLIError(f"--dtype: expected float32 or bfloat16, got {args.dtype!r}")
     dtype = getattr(torch, args.dtype)
@@ -134,8 +134,6 @@ def run(args) -> int:
     backend = args.backend or ("openxla" if torch.device(device).type == "xla" else "inductor")
     tol = 1e-4 if dtype == torch.float32 else 5e-2  # fp32: kernel order only; bf16: storage rounding
     if getattr(args, "sample", False):
-        from . import _check_sample
-
         scan = getattr(args, "scan_blocks", False)
         ok = _check_sample.run(device, dtype, tol, scan, getattr(args, "only", None))
         how = "strict: no host reads in a step" + (", blocks scanned" if scan else "")

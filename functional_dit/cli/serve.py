@@ -4,8 +4,17 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 
+import torch
+
+import weights
+
+from .. import serve
+from . import generate
 from ._args import CLIError, finite, positive
+from ._quiet import loading as quiet_loading
 
 DESCRIPTION = (
     "An OpenAI-compatible image server (POST /v1/images/generations) with step-level continuous batching "
@@ -127,9 +136,6 @@ MISSING_MULTIPART = 'serve needs python-multipart (the edits uploads): pip insta
 
 
 def run(args) -> int:
-    import importlib
-    import importlib.util
-
     try:  # before anything loads: one line, not a traceback from deep inside
         importlib.import_module("starlette")
         importlib.import_module("uvicorn")
@@ -139,8 +145,6 @@ def run(args) -> int:
         importlib.import_module("python_multipart")
     except ImportError:
         raise CLIError(MISSING_MULTIPART) from None
-    from .. import serve
-
     if args.device == "xla" and importlib.util.find_spec("torch_xla") is None:
         raise CLIError(serve.XLA_MISSING)
 
@@ -152,13 +156,6 @@ def load_model(spec: str, base: str | None = None, dtype=None):
     functions — a tiny pipeline name (``flux``, ``tiny:qwen-image``, ...: the offline model
     at seed 0, `functional_dit.cli._models`), or a checkpoint / preset
     (`functional_dit.cli.generate.resolve`, ``base`` for a transformer-only file)."""
-    import argparse
-
-    import torch
-
-    from . import generate
-    from ._quiet import loading as quiet_loading
-
     dtype = dtype or torch.float32
     args = argparse.Namespace(model=spec, base=base, config=None)
     tiny = generate._tiny_name(args)
@@ -166,9 +163,8 @@ def load_model(spec: str, base: str | None = None, dtype=None):
         if tiny is not None:
             pipe, params = generate._load_tiny(tiny, None, "cpu", dtype)
             return params, pipe
+        # diffusers: seconds to import, loaded when first used
         import diffusers
-
-        import weights
 
         model, folder, config = generate.resolve(args)
         pipe = diffusers.DiffusionPipeline.from_pretrained(folder, transformer=None, dtype=dtype)

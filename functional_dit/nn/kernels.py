@@ -60,6 +60,7 @@ import zlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 import sharding
 
@@ -273,8 +274,6 @@ def decide(times: dict, margin: float = MARGIN) -> str:
 def _agree(k: tuple, times: dict) -> tuple[dict, bool]:
     """Under a mesh of several ranks: (the timings summed over the mesh, whether every
     rank measured the same key). One sum and one max all-reduce per mesh axis."""
-    import torch.distributed as dist
-
     mesh = sharding.current_mesh()
     names = list(times)
     h = float(zlib.crc32(repr(k[:4]).encode()))

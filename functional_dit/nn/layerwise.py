@@ -38,6 +38,7 @@ import re
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from sharding.internal import is_dtensor
@@ -241,8 +242,6 @@ def _cast_placed(t, storage_dtype: torch.dtype, compute_dtype: torch.dtype):
     """A DTensor leaf with its local shard stored (`cast_leaf`), on the same mesh and
     placements: the rounding is elementwise, so these are the shards `sharding.shard_params`
     cuts from the whole leaf cast (``full_tensor()`` equal bitwise). No communication."""
-    from torch.distributed.tensor import DTensor
-
     grad = t.requires_grad
     with torch.no_grad():
         local = cast_leaf(t.to_local().detach(), storage_dtype, compute_dtype)

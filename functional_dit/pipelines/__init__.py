@@ -19,6 +19,7 @@ loads none of them.
 def __getattr__(name):
     """``CacheHooks`` (the adapter's diffusers cache hooks, `cache._hooks`), loaded on first use."""
     if name == "CacheHooks":
+        # diffusers' hooks: seconds to import, loaded when CacheHooks is first asked for
         from .cache.internal import CacheHooks
 
         return CacheHooks

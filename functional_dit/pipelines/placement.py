@@ -31,6 +31,8 @@ import fnmatch
 import math
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import sharding
 from sharding.internal import finish_block, flat_mesh, fsdp_dim, is_dtensor, local_tensor, prefetching, start_block
@@ -191,9 +193,6 @@ def bytes_per_rank(module, tp: int, fsdp: int = 1, placement: str = "shard") -> 
 
 
 def _style(name: str):
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     if name == "vocab":
         return RowwiseParallel(input_layouts=Replicate())
     return ColwiseParallel() if name in ("colwise", "embed_cols") else RowwiseParallel()
@@ -227,8 +226,6 @@ def shard(module, tp_mesh, device=None) -> None:
     """Split ``module`` in place over ``tp_mesh`` (1-D) by `plan`, once, then move it to
     ``device`` (a module on the host is split first, one weight at a time, so no rank
     holds it whole on the device)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     if getattr(module, "_fd_tp_mesh", None) is not None:
         return
     tp = tp_mesh.size()
@@ -270,8 +267,6 @@ class _Param:
         """The gathered tp-local ``full`` as the module computes with it."""
         if self.tp is None:
             return full
-        from torch.distributed.tensor import DTensor
-
         mesh, placements, shape, stride = self.tp
         return DTensor.from_local(full, mesh, placements, run_check=False, shape=shape, stride=stride)
 
@@ -343,8 +338,6 @@ def _rest(local: torch.Tensor, p, split: tuple[str, int, int], mesh):
     Parameter holding a DTensor placed honestly: on ``mesh``'s (fsdp, tp) dims (``Shard(dim)``
     on both for the fsdp x tp plane, fsdp-major), or its fsdp or tp dim alone
     (``full_tensor()`` is the whole weight)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     axis, n, dim = split
     index = _plane_index(mesh) if axis == PLANE else mesh.get_local_rank(axis)
     chunk = local.shape[dim] // n

@@ -130,6 +130,7 @@ def _sync(device):
     """``torch_xla.sync`` on xla (cuts the lazy graph here), nothing elsewhere."""
     if torch.device(device).type != "xla":
         return lambda: None
+    # optional: torch_xla, XLA devices only
     import torch_xla
 
     return torch_xla.sync
@@ -189,6 +190,7 @@ def _scanned(model, opts: Options, device):
         return contextlib.nullcontext({})
     if torch.device(device).type != "xla":
         return _scan.stacked(params, names, _scan.eager_scan)
+    # optional: torch_xla, XLA devices only
     from torch_xla.experimental.scan import scan
 
     return _scan.stacked(params, names, functools.partial(scan, is_fn_pure=True))
@@ -210,6 +212,7 @@ class _Counters:
     def __init__(self, device, record, segments=()):
         self.record, self.met, self.scanned = record, None, sorted(segments)
         if record is not None and torch.device(device).type == "xla":
+            # optional: torch_xla, XLA devices only
             import torch_xla.debug.metrics as met
 
             self.met = met
@@ -218,6 +221,7 @@ class _Counters:
     def _read(self) -> dict:
         if self.met is None:
             return {}
+        # optional: torch_xla, XLA devices only
         import torch_xla.core.xla_model as xm
 
         xm.wait_device_ops()  # executions are counted when they finish

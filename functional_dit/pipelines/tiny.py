@@ -53,6 +53,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from .. import config_to_diffusers, families, init, to_state_dict
+from .. import controlnet as cn
 from .families import product as _product
 
 PIPELINE_CLASSES = {kind: p.name for kind, (_, p) in families.TINY_KINDS.items()}  # kind -> stock pipeline
@@ -476,6 +477,7 @@ def transformer_config(kind: str):
 def fix_buffers(module, dtype) -> None:
     """``.to(bf16)`` also rounds Qwen-Image 2.1's fp32 frequency buffer, which
     ``from_pretrained(torch_dtype=...)`` keeps: restore it."""
+    # diffusers: seconds to import, loaded when first used
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21TemporalTimesteps
 
     if isinstance(module, diffusers.QwenImage21Transformer2DModel) and dtype != torch.float32:
@@ -510,8 +512,6 @@ CONTROLNETS = {"flux-controlnet": "flux1-controlnet-tiny", "qwen-image-controlne
 def stock_controlnet(preset: str = "flux1-controlnet-tiny", *, seed: int = 0, dtype=torch.float32):
     """The stock diffusers ControlNet (``FluxControlNetModel`` / ``QwenImageControlNetModel``)
     for a `functional_dit.controlnet` preset, with ``controlnet.init(preset, seed)`` weights."""
-    from .. import controlnet as cn
-
     cfg = cn.config_to_diffusers(preset)
     module = getattr(diffusers, cfg.pop("_class_name"))(**cfg)
     module.load_state_dict(cn.to_state_dict(cn.init(preset, seed=seed)))

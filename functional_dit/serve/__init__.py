@@ -15,6 +15,8 @@ import os
 import threading
 import time
 
+import torch
+
 # what ``serve --device xla`` says, before anything loads, where torch_xla is not installed
 XLA_MISSING = (
     'serve --device xla needs torch_xla: pip install "torch_xla" (TPU: torch_xla[tpu]; Trainium: torch-neuronx), '
@@ -26,6 +28,7 @@ def __getattr__(name):
     """``Engine`` and ``Job`` (`functional_dit.serve._engine`) for callers that run the engine
     in-process (``bench --suite gpu``), resolved on first use."""
     if name in ("Engine", "Job"):
+        # imported on use: the server's modules load starlette (the [serve] extra) and the model stack
         from . import _engine
 
         return getattr(_engine, name)
@@ -34,6 +37,7 @@ def __getattr__(name):
 
 def load_adapters(specs, params) -> dict:
     """``--lora NAME=PATH`` (repeatable) -> {name: adapter}."""
+    # imported on use: the server's modules load starlette (the [serve] extra) and the model stack
     import functional_dit.lora as lora
 
     out = {}
@@ -52,8 +56,10 @@ def load_adapters(specs, params) -> dict:
 def serve(service, host: str, port: int, request_timeout: float, drain_timeout: float = 600.0) -> int:
     """Run the server until SIGTERM / SIGINT, then drain: new requests get 503, queued and
     running ones finish (up to ``drain_timeout`` s), and the process returns 0."""
+    # optional: the [serve] extra
     import uvicorn
 
+    # imported on use: the server's modules load starlette (the [serve] extra) and the model stack
     from ._app import app
 
     class Server(uvicorn.Server):
@@ -109,8 +115,7 @@ def drained_line(engine, seconds: float) -> str:
 def run(args, load_model) -> int:
     """``python -m functional_dit serve`` (`functional_dit.cli.serve` parses the flags;
     ``load_model(spec, base) -> (params, pipe)`` resolves ``--model``)."""
-    import torch
-
+    # imported on use: the server's modules load starlette (the [serve] extra) and the model stack
     from . import _journal, _ranks, _xla
 
     if args.resume_journal and not args.journal:
@@ -148,6 +153,7 @@ def _load(args, mesh, load_model):
     params, pipe = load_model(args.model, args.base)
     if mesh is None:
         return params, pipe, 0, True
+    # imported on use: the server's modules load starlette (the [serve] extra) and the model stack
     import sharding
 
     group, leader = mesh.get_local_rank("dp"), mesh.get_local_rank("sp") == mesh.get_local_rank("tp") == 0
@@ -160,6 +166,7 @@ def _load(args, mesh, load_model):
 def _service(args, params, pipe, run_time: dict, fixed: dict | None = None):
     """The engine and the HTTP service over it, its adapters, and its defaults checked
     against its own limits; ``fixed`` (`_xla.options`): its backend the fixed-shape one."""
+    # imported on use: the server's modules load starlette (the [serve] extra) and the model stack
     from . import _app, _edits, _engine, _loras, _xla
 
     adapters = load_adapters(args.lora, params)
@@ -197,6 +204,7 @@ def run_time_loras(args) -> dict:
     """`functional_dit.serve._loras.Loras`' ``sources`` (``--lora``'s paths), ``root``
     (``--lora-dir``) and ``token`` (``--admin-token`` or $FD_SERVE_ADMIN_TOKEN), each or
     None; refused under torchrun, where rank 0 alone would change its adapters."""
+    # imported on use: the server's modules load starlette (the [serve] extra) and the model stack
     from ._loras import TOKEN_ENV
 
     root, token = args.lora_dir, args.admin_token or os.environ.get(TOKEN_ENV) or None
@@ -220,6 +228,7 @@ def _mesh(args):
         )
     if world == 1:
         return None
+    # imported on use: the server's modules load starlette (the [serve] extra) and the model stack
     import sharding
 
     return sharding.make_mesh(tp=args.tp, sp=args.sp, dp=args.dp, timeout=args.rank_timeout)

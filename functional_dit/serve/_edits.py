@@ -90,6 +90,7 @@ def job(pipe) -> Job:
 async def form(request, limits: dict) -> tuple[dict, list, bytes | None]:
     """(text fields, image files' bytes, the mask's bytes or None) of the multipart body,
     its size checked against ``limits["upload_bytes"]`` as it arrives."""
+    # optional: the [serve] extra
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
 

@@ -17,6 +17,9 @@ import os
 import threading
 import time
 
+from ._app import BadRequest
+from ._engine import Job
+
 
 class Journal:
     def __init__(self, path: str):
@@ -70,9 +73,6 @@ def unfinished(path: str) -> list[tuple[str, dict]]:
 def resume(path: str, service, submit) -> int:
     """Queue every unfinished request of the journal at ``path`` again (module docstring);
     ``submit(job)`` queues a job. Returns how many were queued."""
-    from ._app import BadRequest
-    from ._engine import Job
-
     out = path + ".results"
     queued = 0
     for job_id, body in unfinished(path):

@@ -23,6 +23,8 @@ import torch
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+import functional_dit.lora as lora
+
 from ._errors import BadRequest, error
 
 TOKEN_ENV = "FD_SERVE_ADMIN_TOKEN"
@@ -160,8 +162,6 @@ async def _body(request):
 
 def _load(file: str, params, path: str):
     """`functional_dit.lora.load`, its failure a 400 naming ``path``."""
-    import functional_dit.lora as lora
-
     try:
         return lora.load(file, params)
     except Exception as e:  # noqa: BLE001 - a file that is no adapter of this model: the client's error

@@ -27,6 +27,10 @@ from __future__ import annotations
 import collections
 import time
 
+import torch.distributed as dist
+
+from ._engine import Job
+
 
 class Ranks:
     """This rank's place (``rank``, its dp ``group`` of ``dp``, whether it leads it) and
@@ -79,10 +83,6 @@ class Ranks:
 
     def sync(self, new, cancel, stop):
         """The engine's ``sync``: (the jobs this rank runs, ids to cancel, stop)."""
-        import torch.distributed as dist
-
-        from ._engine import Job
-
         if self.rank == 0:
             live = self.service.engine.outstanding()
             self.load[0] = live  # group 0's images are rank 0's engine's own
@@ -117,8 +117,6 @@ class Ranks:
 
     def _gather(self) -> None:
         """Leaders' finished images and loads to rank 0 (one gather over the world)."""
-        import torch.distributed as dist
-
         engine = self.service.engine
         load = (engine.queued(), engine.running(), engine.metrics.cache_skipped)
         mine = (self.group, self.outbox, load) if self.leader and self.rank else None

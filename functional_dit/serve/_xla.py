@@ -15,6 +15,7 @@ import dataclasses
 import time
 
 import torch
+from torch.utils import _pytree
 
 from ..nn import values as _values
 from ..pipelines import sampler_xla as _xla
@@ -28,6 +29,7 @@ def device(name: str) -> torch.device:
     if name == "cpu":
         return torch.device("cpu")
     try:
+        # optional: torch_xla, XLA devices only
         import torch_xla
     except ImportError:
         raise ValueError(XLA_MISSING) from None
@@ -53,6 +55,7 @@ class _Counters:
     def __init__(self, dev: torch.device):
         self.met = None
         if dev.type == "xla":
+            # optional: torch_xla, XLA devices only
             import torch_xla.debug.metrics as met
 
             self.met = met
@@ -197,6 +200,7 @@ class Fixed:
 def _sync(dev) -> None:
     """``torch_xla.sync()`` on xla (cuts the lazy graph: everything pending runs), else nothing."""
     if torch.device(dev).type == "xla":
+        # optional: torch_xla, XLA devices only
         import torch_xla
 
         torch_xla.sync()
@@ -239,6 +243,7 @@ def _persistent_cache(folder, dev) -> None:
         return
     if dev.type != "xla":
         raise ValueError(f"--xla-cache: expected with --device xla, got --device {dev.type}")
+    # optional: torch_xla, XLA devices only
     import torch_xla.runtime as xr
 
     xr.initialize_cache(folder, readonly=False)
@@ -253,8 +258,6 @@ def _size(text: str) -> tuple[int, int]:
 
 def to_device(tree, dev):
     """Params or an adapter with every tensor on ``dev``."""
-    from torch.utils import _pytree
-
     return _pytree.tree_map(lambda v: v.to(dev) if isinstance(v, torch.Tensor) else v, tree)
 
 

@@ -51,6 +51,8 @@ FLUX.3 (the base model) and Qwen-Image 2.1 train as the others do.
 
 from __future__ import annotations
 
+import os
+
 from ._args import add_arguments, check, check_args, parser
 from ._checkpoint import finished
 from ._loop import train
@@ -77,8 +79,6 @@ def run(args) -> int:
 
 
 def _run(a) -> dict:
-    import os
-
     done = finished(a)
     if done is not None:
         if int(os.environ.get("RANK", "0")) == 0:

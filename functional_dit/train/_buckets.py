@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import torch
+from PIL import Image, ImageOps
 
 LATENT_MULTIPLE = {"QwenImage21Pipeline": 32}  # its x16 VAE, 2x2 image slots; the others: 16 (8x VAE, 2x2 packing)
 
@@ -55,8 +56,6 @@ def image_tensor(path: str, hw: tuple[int, int]) -> torch.Tensor:
     """The image turned upright (its EXIF orientation), resized (bicubic) to cover ``hw`` =
     (height, width), its aspect kept, and centre-cropped to it (as diffusers' training
     scripts' ``center_crop``), as (3, height, width) in [-1, 1]."""
-    from PIL import Image, ImageOps
-
     height, width = hw
     img = ImageOps.exif_transpose(Image.open(path)).convert("RGB")  # (upright, as diffusers' scripts)
     scale = max(width / img.width, height / img.height)

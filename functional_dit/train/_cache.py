@@ -11,6 +11,11 @@ import json
 import os
 
 import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import functional_dit as fd
 
 from . import _data
 from ._buckets import describe, image_tensor, latent_multiple, make_buckets, nearest_bucket, upright_size
@@ -66,8 +71,6 @@ def plan(a, items, kind: str, stamp: str) -> Plan:
     files: a latent's name hashes the encoders, the image's bytes and its bucket; a text's
     the encoders, the caption and the text length (FLUX.3's: all captions too, it encodes
     them at the longest one's padded length)."""
-    from PIL import Image
-
     root = cache_dir(a)
     buckets = make_buckets(a.resolution, a.bucket_step, a.max_aspect_ratio)
     item_bucket, latent_files = [], []
@@ -87,8 +90,6 @@ def plan(a, items, kind: str, stamp: str) -> Plan:
 
 def _save(tensors: dict, path: str) -> None:
     """``tensors`` to ``path`` whole (a temporary renamed over it)."""
-    from safetensors.torch import save_file
-
     tmp = f"{path}.{os.getpid()}.tmp"
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
     os.replace(tmp, path)
@@ -176,8 +177,6 @@ class Data:
         captions'), as the transformer takes them: ``latents`` (B, S, C), ``txt``, and the
         family's ``pooled``, ``txt_mask``, ``img_ids``, ``txt_ids``, ``img_shapes``,
         ``img_mask``."""
-        from safetensors.torch import load_file
-
         if len({self.plan.item_bucket[i] for i in idx}) != 1:
             raise ValueError(f"idx: expected items of one bucket, got {idx}")
         lat = [load_file(self.plan.latent_files[i]) for i in idx]
@@ -204,8 +203,6 @@ class Data:
 def load(p: Plan) -> Data:
     """The `Data` of a filled plan: the groups by bucket and the longest text (read from the
     files' headers)."""
-    from safetensors import safe_open
-
     groups = [[i for i, hw in enumerate(p.item_bucket) if hw == b] for b in p.buckets]
     lengths = []
     for f in p.text_files:
@@ -218,8 +215,6 @@ def prepare(a, rank: int, barrier):
     """The cached training data (rank 0 encodes what is missing, prints the buckets and
     what it encoded; the other ranks wait) and the transformer params (fp32, full) from
     the pipeline."""
-    import functional_dit as fd
-
     os.makedirs(a.output_dir, exist_ok=True)
     items = _data.with_trigger(_data.find_items(a.data), a.trigger)
     pipe = _data.load_pipeline(a.pipeline)

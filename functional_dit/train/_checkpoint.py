@@ -9,6 +9,11 @@ import re
 import shutil
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+import sharding
 
 from ._buckets import batch_indices
 from ._report import LOSS_PNG, TENSORBOARD
@@ -43,8 +48,6 @@ def checkpoint_state(adapter, opt, extra: dict, ema=None) -> dict:
     the EMA's factors (``ema``, laid out like them) and ``extra`` (the next step, RNG state,
     data order: plain tensors, the same on every rank). Before the first step AdamW's state
     is created zeroed, as AdamW creates it, to load into."""
-    import sharding
-
     paths, leaves = zip(*adapter.flat().items())
     for leaf in leaves:
         if leaf not in opt.state:
@@ -110,8 +113,6 @@ def _dcp_group():
     no network), so DCP coordinates as it does on ranks instead of warning that
     torch.distributed is uninitialised (torch 2.13 warns so even given ``no_dist=True``).
     Under torchrun the run's own group serves."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         yield
         return
@@ -125,8 +126,6 @@ def _dcp_group():
 def save_checkpoint(state: dict, output_dir: str, step: int, rank: int, barrier) -> str:
     """DCP-save ``state`` to ``checkpoints/step_<step>.tmp``, then rename it to
     ``step_<step>`` (atomic): a kill mid-save leaves no ``step_<n>`` that is partial."""
-    import torch.distributed.checkpoint as dcp
-
     final = os.path.join(output_dir, "checkpoints", f"step_{step:08d}")
     tmp = final + ".tmp"
     if rank == 0:
@@ -146,8 +145,6 @@ def save_checkpoint(state: dict, output_dir: str, step: int, rank: int, barrier)
 
 def has_ema(ckpt: str) -> bool:
     """Whether the checkpoint folder ``ckpt`` holds an EMA (saved with --ema-decay)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     return any(k.startswith("ema.") for k in FileSystemReader(ckpt).read_metadata().state_dict_metadata)
 
 
@@ -156,8 +153,6 @@ def resume(a, adapter, opt, groups: list, rng: torch.Tensor, rank: int, ema=None
     ``opt``'s state and the EMA's factors; returns its step and noise RNG state (``rng``:
     this run's, for the layout) after checking that its data order (the epoch's batches of
     the items of each bucket, ``groups``) is this run's."""
-    import torch.distributed.checkpoint as dcp
-
     ckpt = latest_checkpoint(a.output_dir)
     n = a.batch_size * a.grad_accum
     extra = {"next": torch.tensor(0), "rng": rng, "order": torch.zeros_like(batch_indices(0, n, groups, a.seed)[1])}

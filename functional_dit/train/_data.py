@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import types
 
 import torch
+
+from functional_dit import tiny
+
+from ..pipelines.families.flux3 import Flux3
 
 IMAGES = (".png", ".jpg", ".jpeg", ".webp")
 
@@ -100,9 +105,8 @@ def load_pipeline(path: str):
     """The pipeline at ``path`` (fp32; a modular one where the folder has `MODULAR_INDEX`),
     or a tiny one (``tiny``: FLUX.1, ``tiny:flux2-klein``, ...)."""
     if path.startswith("tiny"):
-        from functional_dit import tiny
-
         return check_trainable(tiny.pipeline(path.partition(":")[2] or "flux", seed=0))
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     if os.path.isfile(os.path.join(path, MODULAR_INDEX)):  # FLUX.3's modular pipelines
@@ -183,9 +187,8 @@ def _flux3_latent(pipe, image: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """FLUX.3's latent as its VAE encoder step makes a reference's (patchified 2x2,
     batch-normed) packed as the sampler packs (one token per patch), and its 4-axis ids
     (image H/W scaled by 0.5, as Flux3PrepareLatentsStep)."""
+    # diffusers: seconds to import, loaded when first used
     from diffusers.modular_pipelines.flux3.encoders import Flux3VaeEncoderStep
-
-    from ..pipelines.families.flux3 import Flux3
 
     vae = pipe.vae
     z = Flux3VaeEncoderStep._patchify_latents(vae.encode(image).latent_dist.mode())
@@ -203,11 +206,8 @@ def _flux3_texts(pipe, captions: list[str], max_len: int) -> list[tuple]:
     right-padded to a multiple of 80 tokens, as `fd.sample` encodes), all at one length: a
     caption whose padded length is shorter than the longest's is padded to it with the
     same pad tokens (FLUX.3 attends to them: no mask to stack captions with instead)."""
-    import types
-
+    # diffusers: seconds to import, loaded when first used
     from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
-
-    from ..pipelines.families.flux3 import Flux3
 
     layers = Flux3(types.SimpleNamespace(config=pipe.transformer.config), pipe)._layers()
     embed = Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds

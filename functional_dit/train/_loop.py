@@ -8,6 +8,13 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import functional_dit as fd
+import functional_dit.lora as lora
+import sharding
 
 from . import _checkpoint, _memory, _report, _validate
 from ._buckets import batch_indices
@@ -22,10 +29,6 @@ EVAL_SEED = 12345  # the fixed (noise, t) of the eval loss
 
 def _dist(a):
     """(rank, mesh or None, barrier, device) for this process."""
-    import torch.distributed as dist
-
-    import sharding
-
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else None
     device = device or torch.device("cpu")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not dist.is_initialized():
@@ -101,8 +104,6 @@ def finish(r: Run, a, before: float, steps: int, seconds: float, memory: dict) -
     """The eval loss after the run (of the EMA too), the LoRA file(s) and ``eval.json``
     written by rank 0 (with its ``memory`` figures), each rank's memory line; returns the
     evals."""
-    import sharding
-
     evals = {"eval_loss_before": before, "eval_loss_after": eval_loss(r.params, r.adapter, r.data, a, r.device)}
     if r.ema is not None:
         evals["eval_loss_after_ema"] = eval_loss(r.params, r.ema, r.data, a, r.device)
@@ -120,10 +121,6 @@ def setup(a, params, mesh, device) -> tuple:
     """The frozen params in ``--dtype`` on ``device`` (``--base-dtype fp8``: stored in float8
     e4m3 by `fd.layerwise_cast`, but for `FP8_SKIP`), a fresh fp32 LoRA (`lora.init`), both
     sharded over ``mesh`` if there is one, and AdamW over the LoRA factors."""
-    import functional_dit as fd
-    import functional_dit.lora as lora
-    import sharding
-
     dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
     params = params.replace(sharding.tree.map_tree(lambda _, v: v.to(device, dtype), params.tree))
     if a.base_dtype == "fp8":  # stored in fp8, read in --dtype at each op (before sharding: each shard stored)
@@ -217,8 +214,6 @@ def _compute_dtype(params) -> torch.dtype:
 def loss_of(params, adapter, kw, target, autocast: bool, reshard: bool = False, checkpoint: bool = False):
     """The rectified-flow loss; ``checkpoint``: ``fd.apply``'s per-block activation
     checkpointing (--checkpoint-blocks)."""
-    import torch.nn.functional as F
-
     out = predict(params, adapter, kw, target.shape[1], autocast, reshard, checkpoint)
     return F.mse_loss(out.float(), target.float())
 
@@ -226,9 +221,6 @@ def loss_of(params, adapter, kw, target, autocast: bool, reshard: bool = False, 
 def predict(params, adapter, kw, tokens: int, autocast: bool, reshard: bool = False, checkpoint: bool = False):
     """The transformer's velocity on the ``tokens`` image tokens, with the LoRA on the fly
     (under bf16 autocast when ``autocast``)."""
-    import functional_dit as fd
-    import sharding
-
     with torch.autocast(next(iter(kw.values())).device.type, dtype=torch.bfloat16, enabled=autocast):
         with sharding.fsdp_options(reshard_after_forward=reshard):
             out = fd.apply(params, **kw, lora=[(adapter, 1.0)], checkpoint=checkpoint)
@@ -242,8 +234,6 @@ def eval_loss(params, adapter, data, a, device) -> float:
     """The mean loss over every item with fixed noise and times (`EVAL_SEED` and the item's
     index: comparable across runs), bucket by bucket in batches of --batch-size (the last
     one completed from the bucket's start, the repeats not counted)."""
-    import torch.nn.functional as F
-
     total = 0.0
     for group in data.groups:
         for s in range(0, len(group), a.batch_size):
@@ -268,8 +258,6 @@ def progress(a, start: int):
     """Rank 0's tqdm bar (on stderr), or None with --no-progress."""
     if a.no_progress:
         return None
-    from tqdm import tqdm
-
     return tqdm(total=a.steps, initial=start, desc="train_lora", unit="step", dynamic_ncols=True)
 
 
@@ -316,9 +304,6 @@ def write_results(a, adapter, evals: dict, ema=None) -> None:
 
 def save_lora(adapter, folder: str) -> str:
     """``adapter`` (full tensors) as ``folder/pytorch_lora_weights.safetensors``; its path."""
-    import functional_dit.lora as lora
-    import sharding
-
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, LORA_FILE)
     lora.save(lora.Adapter(adapter.config, sharding.tree.map_tree(lambda _, v: v.detach().cpu(), adapter.tree)), path)

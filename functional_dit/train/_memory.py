@@ -6,8 +6,15 @@ as stored, printed by every rank at the end."""
 from __future__ import annotations
 
 import os
+import re
 
 import torch
+from torch.distributed.tensor import DTensor
+
+import functional_dit as fd
+from functional_dit.lora import DEFAULT_TARGETS, linear_modules
+from functional_dit.nn.layerwise import skip_by_patterns
+from sharding.tree import flatten
 
 MIB = 2**20
 FP8_SKIP = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")  # diffusers' layerwise-casting skip list
@@ -50,8 +57,6 @@ def start(device: torch.device) -> int | None:
 def stored_bytes(leaves) -> int:
     """The bytes ``leaves`` hold on this rank: a DTensor's local shard, an fp8-stored leaf's
     storage (``fd.layerwise_cast``), else the tensor's own."""
-    from torch.distributed.tensor import DTensor
-
     total = 0
     for t in leaves:
         t = t.to_local() if isinstance(t, DTensor) else t
@@ -98,13 +103,6 @@ def computed(preset: str, rank: int = 16, tokens: int = 4096 + 512) -> dict:
     for one item of ``tokens`` (image + text) in bf16: blocks x tokens x width x 2 bytes,
     a lower bound of the activations (one block's recomputation adds to it; without
     checkpointing each block keeps many times that)."""
-    import re
-
-    import functional_dit as fd
-    from functional_dit.lora import DEFAULT_TARGETS, linear_modules
-    from functional_dit.nn.layerwise import skip_by_patterns
-    from sharding.tree import flatten
-
     specs = flatten(fd.param_specs(preset))
     skipped = skip_by_patterns(FP8_SKIP)
     numel = {k: s.numel for k, s in specs.items()}

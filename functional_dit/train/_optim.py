@@ -6,6 +6,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import sharding
+from functional_dit import lora
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -28,8 +33,6 @@ def lr_at(step: int, base: float, schedule: str, warmup: int, total: int) -> flo
 def _replicas(x) -> int:
     """How many ranks hold each element of ``x`` (a DTensor: the product of its mesh's
     replicated dims; a plain tensor: 1, this process only)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     if not isinstance(x, DTensor):
         return 1
     count = 1
@@ -46,9 +49,6 @@ def global_norm(grads: list) -> float:
     (to fp64 rounding): each rank's local squares in fp64, each divided by its number of
     replicas, summed over every rank in one all-reduce when the grads are DTensors. A None
     (a factor the loss does not reach, the same on every rank) counts as zero."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
     grads = [g for g in grads if g is not None]
     total = torch.zeros((), dtype=torch.float64)
     for g in grads:
@@ -76,9 +76,6 @@ def clip_(grads: list, max_norm: float) -> float:
 
 def ema_init(adapter):
     """The EMA of ``adapter``'s factors: an fp32 copy laid out (sharded) like them."""
-    import sharding
-    from functional_dit import lora
-
     return lora.Adapter(adapter.config, sharding.tree.map_tree(lambda _, v: v.detach().clone(), adapter.tree))
 
 

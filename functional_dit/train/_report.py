@@ -18,9 +18,11 @@ def plot_losses(output_dir: str) -> str | None:
     its path, or None without matplotlib."""
     if importlib.util.find_spec("matplotlib") is None:
         return None
+    # optional: matplotlib, the plots only
     import matplotlib
 
     matplotlib.use("Agg")  # (files only, no display)
+    # optional: matplotlib, the plots only
     from matplotlib.figure import Figure
 
     with open(os.path.join(output_dir, "losses.jsonl")) as f:
@@ -47,6 +49,7 @@ def tensorboard_writer(a, start: int):
     ``losses.jsonl``); else None."""
     if a.report_to != "tensorboard":
         return None
+    # optional: tensorboard, --report-to tensorboard only
     from torch.utils.tensorboard import SummaryWriter
 
     return SummaryWriter(os.path.join(a.output_dir, TENSORBOARD), purge_step=start)

@@ -7,6 +7,10 @@ from __future__ import annotations
 import os
 
 import torch
+from PIL import Image
+
+import functional_dit as fd
+from functional_dit import tiny
 
 SAMPLES = "samples"
 
@@ -29,9 +33,8 @@ def load_encoders(path: str):
     the tiny pipeline as `_data.load_pipeline` makes it, or the folder without its
     transformer."""
     if path.startswith("tiny"):
-        from functional_dit import tiny
-
         return tiny.pipeline(path.partition(":")[2] or "flux", seed=0)
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     return diffusers.DiffusionPipeline.from_pretrained(
@@ -42,8 +45,6 @@ def load_encoders(path: str):
 def images(params, adapter, encoders, a, device) -> list:
     """The validation images (PIL) of ``adapter`` now: every rank calls (fsdp/tp meshes
     all-gather inside ``fd.apply``), prompt ``i`` with seed ``i``."""
-    import functional_dit as fd
-
     size = a.validation_size or a.resolution
     kw = dict(height=size, width=size, steps=a.validation_sampling_steps, seed=list(range(len(a.validation_prompt))))
     kw |= dict(max_sequence_length=a.max_sequence_length, guidance=a.validation_guidance)
@@ -53,8 +54,6 @@ def images(params, adapter, encoders, a, device) -> list:
 
 def grid(tiles: list):
     """The images side by side, left to right in prompt order (one row)."""
-    from PIL import Image
-
     out = Image.new("RGB", (sum(t.width for t in tiles), max(t.height for t in tiles)))
     x = 0
     for t in tiles:

@@ -6,11 +6,10 @@ cache hooks on the adapter (`_hooks`, which imports diffusers: loaded on first u
 from __future__ import annotations
 
 from . import _items as items  # noqa: F401
+from ._hooks import CacheHooks
 
 
 def __getattr__(name):
     if name == "CacheHooks":
-        from ._hooks import CacheHooks
-
         return CacheHooks
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

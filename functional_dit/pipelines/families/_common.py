@@ -3,10 +3,12 @@ defaults a family module imports and the helpers two families use alike."""
 
 from __future__ import annotations
 
+import importlib
 from typing import NamedTuple
 
 import torch
 
+from ... import families
 from ._jobs import refuse, refuse_layers, refuse_max_area, refuse_reference
 
 
@@ -56,8 +58,6 @@ def image_job(pipe, call) -> tuple:
 
 def refuse_kv_cache(kv_cache, params) -> None:
     """``kv_cache`` refused for a family without one."""
-    from ... import families
-
     if kv_cache:
         fam = families.key(params)
         raise ValueError(f"kv_cache: the reference KV cache is FLUX.2's; expected None or False for {fam}")
@@ -69,6 +69,7 @@ def adapter_result(out, kwargs):
 
 
 def output(sample, cache):
+    # diffusers: seconds to import, loaded when first used
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
     return Transformer2DModelOutput(sample=sample)
@@ -116,16 +117,13 @@ def broadcast_qwen(x, t, txt, args):
 
 def stock_module(file: str, name: str, **kwargs):
     """A new object of the diffusers class ``name`` from ``transformer_<file>``."""
-    import importlib
-
     return getattr(importlib.import_module(f"diffusers.models.transformers.transformer_{file}"), name)(**kwargs)
 
 
 def tiny_assemble(kind: str, parts: dict, transformer):
     """The stock pipeline class of ``kind`` over ``parts``."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
-
-    from ... import families
 
     return getattr(diffusers, families.TINY_KINDS[kind][1].name)(**parts, transformer=transformer)
 

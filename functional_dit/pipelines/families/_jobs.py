@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import copy
 
+from PIL import Image
+
 from ..schedule import t_start
 
 
 def _is_pil(v) -> bool:
-    from PIL import Image
-
     return isinstance(v, Image.Image)
 
 

@@ -83,6 +83,7 @@ def as_pipeline(encoders, params):
     itself when it is one (its transformer, if any, is never called), or one built from
     a mapping of components (as ``DiffusionPipeline.components`` or
     ``functional_dit.pipelines.tiny.components`` give) with no transformer."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     fam = _family_name(params)

@@ -19,6 +19,7 @@ import dataclasses
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from sharding.internal import describe as _describe
 
@@ -68,8 +69,6 @@ def layout(mesh, n: int) -> Layout:
 
 
 def _world():
-    import torch.distributed as dist
-
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -93,8 +92,6 @@ def _show(v) -> str:
 def check(lay: Layout, values: dict, tensors: dict) -> None:
     """Raise the same ValueError on every rank unless the ranks of each agreement group hold
     equal ``values`` (scalars) and ``tensors`` (names -> tensor or list of chunk tensors)."""
-    import torch.distributed as dist
-
     if _world() == 1:
         return
     named = {k: ("value", fingerprint(v)) for k, v in values.items()}
@@ -141,8 +138,6 @@ def collect(lay: Layout, mine, output_type: str, local: bool):
         return list(lay.owned), (mine if lay.owned else concat([], output_type))
     if not lay.split:
         return mine
-    import torch.distributed as dist
-
     sent = mine.cpu() if isinstance(mine, torch.Tensor) else mine
     every: list = [None] * dist.get_world_size(lay.dp_group)
     dist.all_gather_object(every, (lay.share, sent), group=lay.dp_group)

@@ -48,6 +48,7 @@ import numbers
 
 import torch
 
+from ..adapter import ip_adapter_input
 from ..families import product as _product
 
 # Arguments taken by no pipeline fd.sample drives with a meaning here, and why.
@@ -282,8 +283,6 @@ def ip_adapter(pipe, pos, neg, sharded: bool, cache) -> tuple | None:
             )
     if sharded:
         raise ValueError("ip_adapter_image_embeds: the IP-Adapter runs on plain params only (not on a mesh) yet")
-    from ..adapter import ip_adapter_input
-
     module = getattr(pipe, "transformer", None)
     return ip_adapter_input(module, list(pos) if isinstance(pos, list) else [pos]), ip_adapter_input(
         module, list(neg) if isinstance(neg, list) else [neg]

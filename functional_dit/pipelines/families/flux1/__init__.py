@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from ....flux1 import Flux1Config
-from ..internal import Steps, refuse_kv_cache, refuse_layers, refuse_reference, stock_module
+from ... import tiny
+from ..internal import Steps, flux_ids_inputs, refuse_kv_cache, refuse_layers, refuse_reference, stock_module
 from ..internal import common as _common
 from . import _image, _kontext
 from ._base import _Flux1
@@ -164,15 +165,11 @@ def pos_embed(c):
 
 def tiny_config_changes(kind: str) -> dict:
     """The CLIP and T5 widths; dev-style guidance, Kontext without it."""
-    from ... import tiny
-
     widths = dict(joint_attention_dim=tiny._T5_DIM, pooled_projection_dim=tiny._CLIP_DIM)
     return dict(widths, guidance_embeds=kind != "flux-kontext")
 
 
 def tiny_components(kind: str, seed: int) -> dict:
-    from ... import tiny
-
     tok, tok2 = tiny.clip_tokenizer(), tiny.t5_tokenizer()
     return {
         "scheduler": tiny.scheduler(),
@@ -208,8 +205,6 @@ CHECK_EAGER_ONLY = None
 
 
 def bench_inputs(config, x, t, txt, h, w, device, dtype, g):
-    from ..internal import flux_ids_inputs
-
     kw, dkw = flux_ids_inputs(config, x, t, txt, h, w, device, 3)
     kw["pooled"] = dkw["pooled_projections"] = torch.randn(1, config.pooled_projection_dim, generator=g).to(
         device, dtype

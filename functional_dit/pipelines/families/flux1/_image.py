@@ -77,6 +77,7 @@ def check(pipe, steps: int, image, strength, mask_image, padding_mask_crop, outp
 
 def _processors(pipe):
     """The stock img2img/inpaint pipelines' image and mask processors."""
+    # diffusers: seconds to import, loaded when first used
     from diffusers.image_processor import VaeImageProcessor
 
     kw = dict(vae_scale_factor=pipe.vae_scale_factor * 2, vae_latent_channels=pipe.vae.config.latent_channels)

@@ -13,6 +13,7 @@ What the stock pipeline adds around the text-to-image loop of `functional_dit.pi
 from __future__ import annotations
 
 import torch
+from PIL import Image
 
 from ..internal import _batch, grid_ids, refuse_max_area, tables
 from ._base import _Flux1
@@ -51,6 +52,7 @@ def size(pipe, height, width, max_area) -> tuple:
 def _preferred(img, pipe, auto_resize: bool = True) -> tuple[int, int]:
     """(height, width) of the reference: the Kontext resolution nearest its aspect ratio
     (the stock ``_auto_resize=True``), or its own size (False); floored to the VAE multiple."""
+    # diffusers: seconds to import, loaded when first used
     from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
     h, w = pipe.image_processor.get_default_height_width(img)
@@ -69,8 +71,6 @@ class Flux1Kontext(_Flux1):
 
     def images(self, images, B, device):
         """Encode the one reference image (distribution mode) and its ids ``(1, row, col)``."""
-        from PIL import Image
-
         if len(images) != 1 or not isinstance(images[0], Image.Image):
             raise ValueError(f"image: a FluxKontextPipeline takes one PIL reference image, got {images!r:.80}")
         pipe, vae = self.pipe, self.pipe.vae

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ....qwenimage import QwenImageConfig
+from ... import tiny
 from ..internal import Steps, refuse_kv_cache, refuse_max_area, refuse_reference, stock_module
 from ..internal import common as _common
 from . import _image
@@ -34,6 +35,7 @@ PER_ITEM_PIPELINES = ("QwenImagePipeline",)
 
 def steps(params, pipe, image, kv_cache) -> Steps:
     """Text to image or the Edit pipeline (the other image jobs build on it: `JOBS`)."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     if image is not None and isinstance(pipe, diffusers.QwenImagePipeline):
@@ -130,14 +132,10 @@ def pos_embed(c):
 
 def tiny_config_changes(kind: str) -> dict:
     """Qwen2.5-VL's width."""
-    from ... import tiny
-
     return dict(joint_attention_dim=tiny._QWEN25_DIM)
 
 
 def tiny_components(kind: str, seed: int) -> dict:
-    from ... import tiny
-
     tok = tiny.qwen_tokenizer(tiny._QWEN2VL_CHAT_TEMPLATE)
     parts = {
         "scheduler": tiny.scheduler(),

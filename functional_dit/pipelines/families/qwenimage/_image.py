@@ -20,7 +20,9 @@ import dataclasses
 import math
 
 import numpy as np
+import PIL.Image
 import torch
+from PIL import Image
 
 from .... import qwenimage as _qwen
 from ...schedule import STRENGTH, blend, noised_start, t_start
@@ -46,6 +48,7 @@ def _strength(strength) -> float:
 def _upgrade(pipe, image, mask_image):
     """A QwenImagePipeline given an ``image``: the img2img (with ``mask_image`` the
     inpainting) pipeline over the same components, as ``from_pipe`` would build it."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     if type(pipe) is not diffusers.QwenImagePipeline or image is None:
@@ -100,7 +103,6 @@ def size(pipe, height, width, resolution, image) -> tuple:
             f"alone), got {height!r}, {width!r}"
         )
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_layered as stock  # the stock buckets (diffusers)
-    from PIL import Image
 
     res, multiple = LAYERED_RESOLUTIONS[0] if resolution is None else resolution, pipe.vae_scale_factor * 2
     if res not in LAYERED_RESOLUTIONS:
@@ -115,8 +117,6 @@ def size(pipe, height, width, resolution, image) -> tuple:
 
 
 def _check_images(arg: str, value) -> None:
-    import PIL.Image
-
     items = value if isinstance(value, (list, tuple)) else [value]
     if not items or not all(isinstance(v, PIL.Image.Image) for v in items):
         raise ValueError(f"{arg}: expected a PIL image or a non-empty list of them, got {value!r}")
@@ -125,8 +125,6 @@ def _check_images(arg: str, value) -> None:
 def _check_crop(name, crop, image, mask_image, output_type) -> None:
     """``padding_mask_crop`` as the stock inpainting pipeline allows it: one PIL image and
     mask, output_type "pil"."""
-    import PIL.Image
-
     if crop is None:
         return
     if name != "QwenImageInpaintPipeline":
@@ -140,8 +138,6 @@ def _check_crop(name, crop, image, mask_image, output_type) -> None:
 
 
 def _check_layered(image, layers) -> None:
-    import PIL.Image
-
     if not isinstance(image, PIL.Image.Image):
         raise ValueError(f"image: a QwenImageLayeredPipeline splits one PIL image into layers, got {image!r}")
     if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
