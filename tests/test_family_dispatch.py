@@ -120,6 +120,9 @@ def pipeline_dispatches(source: str) -> list[tuple[int, str]]:
             found += [(node.lineno, f"compares with {e.value!r}") for e in elts if _is_pipeline_name(e)]
         elif isinstance(node, ast.Dict):
             found += [(node.lineno, f"a table keyed by {k.value!r}") for k in node.keys if _is_pipeline_name(k)]
+        elif isinstance(node, ast.Assign) and isinstance(node.value, (ast.Tuple, ast.List, ast.Set)):
+            names = [e.value for e in node.value.elts if _is_pipeline_name(e)]  # a list of them, compared later
+            found += [(node.lineno, f"a list of {names}")] if names else []
     return found
 
 
@@ -129,6 +132,6 @@ def test_the_generic_sampler_compares_no_pipeline_class_name():
     bad = [f"{p.relative_to(ROOT)}:{line}: {what}" for p in files for line, what in pipeline_dispatches(p.read_text())]
     assert not bad, "pipeline class names compared in the generic sampler:\n" + "\n".join(bad)
     caught = ['ok = type(pipe).__name__ == "FluxKontextPipeline"', 'ok = name in ("QwenImageEditPlusPipeline",)',
-              'T = {"FluxInpaintPipeline": 1}']  # fmt: skip
+              'T = {"FluxInpaintPipeline": 1}', 'P = ("FluxControlNetPipeline", "QwenImagePipeline")']  # fmt: skip
     assert all(pipeline_dispatches(src) for src in caught)
     assert not pipeline_dispatches('msg = f"a {name} takes none"; ok = name == other')

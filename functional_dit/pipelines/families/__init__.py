@@ -48,6 +48,7 @@ HOOKS = (
     "ENCODER_LORA_SCALE",  # the pipeline scales its text encoders' LoRA by the attention kwargs' scale
     "CFG_NEEDS_NEGATIVE",  # true CFG runs only with a negative prompt (else ignored, warned)
     "PER_ITEM_PIPELINES",  # the stock pipelines (text to image) whose steps functional_dit.sampling runs
+    "CONTROLNET_PIPELINES",  # the stock ControlNet pipelines, refused without fd.sample(controlnet=...)
     # fd.DiffusersTransformer (functional_dit.pipelines.adapter)
     "ADAPTER_ARGS",  # the stock forward's arguments beyond the shared ones
     "adapter_args",  # (adapter, **those) -> fd.apply keywords

@@ -33,6 +33,7 @@ MAX_SEQUENCE_LENGTH = None
 ENCODER_LORA_SCALE = False
 CFG_NEEDS_NEGATIVE = False
 PER_ITEM_PIPELINES = ("Flux3ModularPipeline", "Flux3DistilledModularPipeline")
+CONTROLNET_PIPELINES = ()  # refused without fd.sample(controlnet=...)
 
 
 class Flux3(Steps):

@@ -34,6 +34,7 @@ MAX_SEQUENCE_LENGTH = None
 ENCODER_LORA_SCALE = False
 CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._requests.true_cfg`)
 PER_ITEM_PIPELINES = ("QwenImage21Pipeline",)
+CONTROLNET_PIPELINES = ()  # refused without fd.sample(controlnet=...)
 
 
 class Qwen21(Steps):

@@ -39,6 +39,7 @@ from ... import controlnet as _cn
 from ... import families as _families
 from ...params import Params
 from .. import cache as _cache
+from ..families import product as _product
 from ..families import tables
 from . import _requests
 
@@ -119,9 +120,6 @@ def _fractions(start, end, n: int) -> list[tuple[float, float]]:
     return [(float(s), float(e)) for s, e in zip(start, end)]
 
 
-PIPELINES = ("FluxControlNetPipeline", "QwenImageControlNetPipeline")  # need a controlnet= to reproduce
-
-
 def check_cache(cache) -> None:
     """A step cache with ControlNets: the attention-level ones only (`_cache.check_no_controlnet`)."""
     config = None if cache is None else _cache.CacheRun.of(cache).config
@@ -137,7 +135,7 @@ def check(controlnet, fam: str, latents, pipe, seed=None, fractions=(None, None)
     ``control_guidance_start`` / ``_end``, or None; a stock ControlNet pipeline without one
     is refused (its control image would be ignored)."""
     if controlnet is None:
-        if type(pipe).__name__ in PIPELINES:
+        if type(pipe).__name__ in _product(fam).CONTROLNET_PIPELINES:  # they need a controlnet= to reproduce
             raise ValueError(
                 f"controlnet: a {type(pipe).__name__} runs a ControlNet; expected (params, image, scale), e.g. "
                 "(functional_dit.controlnet.from_diffusers(pipe.controlnet), control_image, 1.0), got None"

@@ -32,6 +32,7 @@ MAX_SEQUENCE_LENGTH = 512
 ENCODER_LORA_SCALE = True  # FluxPipeline scales its text encoders' LoRA by the attention kwargs' scale
 CFG_NEEDS_NEGATIVE = False
 PER_ITEM_PIPELINES = ("FluxPipeline",)
+CONTROLNET_PIPELINES = ("FluxControlNetPipeline",)  # refused without fd.sample(controlnet=...)
 
 
 def steps(params, pipe, image, kv_cache) -> Steps:

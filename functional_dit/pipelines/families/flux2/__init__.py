@@ -21,6 +21,7 @@ MAX_SEQUENCE_LENGTH = None  # the stock pipelines set no limit
 ENCODER_LORA_SCALE = False
 CFG_NEEDS_NEGATIVE = False
 PER_ITEM_PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline")
+CONTROLNET_PIPELINES = ()  # refused without fd.sample(controlnet=...)
 
 
 def steps(params, pipe, image, kv_cache) -> Steps:

@@ -31,6 +31,7 @@ MAX_SEQUENCE_LENGTH = 1024
 ENCODER_LORA_SCALE = False
 CFG_NEEDS_NEGATIVE = True  # true CFG only with a negative prompt (`sampler._requests.true_cfg`)
 PER_ITEM_PIPELINES = ("QwenImagePipeline",)
+CONTROLNET_PIPELINES = ("QwenImageControlNetPipeline",)  # refused without fd.sample(controlnet=...)
 
 
 def steps(params, pipe, image, kv_cache) -> Steps:
