@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import cases_flux2
 import cases_flux3
+import cases_qwenimage21
 import pytest
 import torch
 
 import functional_dit as fd
-from functional_dit import flux2, flux3
+from functional_dit import flux2, flux3, qwenimage, qwenimage21
 from functional_dit.nn import layers as L
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -210,8 +211,9 @@ def _sp_work(rank, world, config, kw):
 
 @pytest.mark.slow
 def test_padded_rows_under_sequence_parallelism_equal_one_process():
-    """FLUX.2 (klein, references in x) and FLUX.3 (references of two sizes): ``img_valid``
-    and the per-row tables cut over sp=2 equal one process on the real tokens within 1e-5."""
+    """FLUX.2 (klein, references in x), FLUX.3 (references of two sizes) and Qwen-Image 2.1
+    (two prompt lengths): ``img_valid`` and the per-row tables cut over sp=2 equal one
+    process on the real image tokens within 1e-5."""
     from _dist import spawn
 
     rows = [_flux2_row(cases_flux2.TINY_KLEIN, h, w, s, True) for s, (h, w) in enumerate(SIZES)]
@@ -225,3 +227,96 @@ def test_padded_rows_under_sequence_parallelism_equal_one_process():
         (sp, one), _ = spawn(_sp_work, 2, config, kw, timeout=300)
         valid = kw["img_valid"].bool()
         torch.testing.assert_close(sp[valid], one[valid], **TOL)
+    config = cases_qwenimage21.TINY  # Qwen-Image 2.1: the image rows are the joint sequence's tail
+    kw = _q21_batch(config, [_q21_row(config, T, hw, seed) for seed, (T, hw) in enumerate(QWEN21_ROWS)])
+    (sp, one), _ = spawn(_sp_work, 2, config, kw, timeout=300)
+    valid = kw["img_valid"].bool()
+    S = valid.shape[1]
+    torch.testing.assert_close(sp[:, -S:][valid], one[:, -S:][valid], **TOL)
+
+
+# ----------------------------------------------------------------------------- Qwen-Image 2.1
+
+QWEN21_ROWS = ((3, (2, 2)), (5, (2, 4)))  # (text rows, target grid): prompts and images of two sizes
+
+
+def _q21_row(config, T, hw, seed):
+    """One text-to-image row alone: fd.apply's keywords and its RoPE table (T + h·w rows)."""
+    g = torch.Generator().manual_seed(seed)
+    S = hw[0] * hw[1]
+    kw = dict(
+        x=torch.randn(1, S, config.in_channels, generator=g),
+        t=torch.rand(1, generator=g),
+        txt=torch.randn(1, T, config.context_in_dim, generator=g),
+        img_shapes=[[(1, *hw)]],
+        img_mask=torch.tensor([[False] * T + [True] * (S // 4)]),
+    )
+    lay = qwenimage21.read_layout(kw["img_mask"], kw["img_shapes"], T, S)
+    return kw, qwenimage.rope(lay.ids, config.axes_dims_rope)
+
+
+def _q21_batch(config, rows) -> dict:
+    """The rows in one call: text padded to the longest prompt (masked by txt_mask), the
+    target to the longest image (img_valid), the shared padded layout (the longest row's
+    slots and grid), each row's own positions in its RoPE table."""
+    T = max(r["txt"].shape[1] for r, _ in rows)
+    S = max(r["x"].shape[1] for r, _ in rows)
+    Ts = [r["txt"].shape[1] for r, _ in rows]
+    tables = [[(pe[j][:t], pe[j][t:]) for j in range(2)] for (_, pe), t in zip(rows, Ts)]
+    rope = tuple(
+        torch.cat([_pad([tb[j][0] for tb in tables], T), _pad([tb[j][1] for tb in tables], S)], 1) for j in range(2)
+    )
+    big = max(rows, key=lambda r: r[0]["x"].shape[1])[0]
+    return dict(
+        x=_pad([r["x"] for r, _ in rows], S),
+        t=torch.cat([r["t"] for r, _ in rows]),
+        txt=_pad([r["txt"] for r, _ in rows], T),
+        txt_mask=_valid(Ts, T),
+        img_shapes=big["img_shapes"] * len(rows),
+        img_mask=torch.tensor([[False] * T + [True] * (S // 4)] * len(rows)),
+        rope=rope,
+        img_valid=_valid([r["x"].shape[1] for r, _ in rows], S),
+    )
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal-condition", "plain"])
+def test_qwen21_padded_rows_equal_each_row_alone(causal):
+    """Qwen-Image 2.1 text to image: prompts of 3 and 5 rows, images of 4 and 8 tokens in
+    one call (one shared layout, a table per row): each row's text and image rows equal the
+    row alone; row B's tokens do not reach row A; a bad img_valid is refused by name."""
+    config = cases_qwenimage21.TINY if causal else cases_qwenimage21.TINY_NC
+    params = fd.init(config, seed=0)
+    rows = [_q21_row(config, T, hw, seed) for seed, (T, hw) in enumerate(QWEN21_ROWS)]
+    kw = _q21_batch(config, rows)
+    both, Tm = fd.apply(params, **kw), kw["txt"].shape[1]
+    for b, (row, _) in enumerate(rows):
+        alone, T, S = fd.apply(params, **row), row["txt"].shape[1], row["x"].shape[1]
+        torch.testing.assert_close(both[b : b + 1, :T], alone[:, :T], **TOL)
+        torch.testing.assert_close(both[b : b + 1, Tm : Tm + S], alone[:, T:], **TOL)
+    other = dict(kw, x=kw["x"].clone())
+    other["x"][1] = torch.randn(other["x"][1].shape)
+    assert torch.equal(fd.apply(params, **other)[0], both[0])
+    for bad in (kw["img_valid"].float(), kw["img_valid"][:, 1:]):
+        with pytest.raises(ValueError, match="img_valid"):
+            fd.apply(params, **dict(kw, img_valid=bad))
+
+
+def test_qwen21_kv_cache_padded_rows_equal_each_row_alone():
+    """The prefix KV cache over padded rows: the extract pass and a cached step equal each
+    row alone (its cache's real prefix rows too)."""
+    config = cases_qwenimage21.TINY
+    params = fd.init(config, seed=0)
+    rows = [_q21_row(config, T, hw, seed) for seed, (T, hw) in enumerate(QWEN21_ROWS)]
+    kw = _q21_batch(config, rows)
+    out, cache = fd.apply(params, **kw, kv_cache="extract")
+    Tm = kw["txt"].shape[1]
+    x2 = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(9))
+    step = fd.apply(params, **dict(kw, x=x2, t=kw["t"] / 2), kv_cache=cache)
+    for b, (row, _) in enumerate(rows):
+        T, S = row["txt"].shape[1], row["x"].shape[1]
+        o, c = fd.apply(params, **row, kv_cache="extract")
+        torch.testing.assert_close(out[b : b + 1, Tm : Tm + S], o[:, -S:], **TOL)  # out: the joint rows
+        for key, v in c.flat().items():
+            torch.testing.assert_close(cache.flat()[key][b : b + 1, :T], v, **TOL)
+        alone = fd.apply(params, **dict(row, x=x2[b : b + 1, :S], t=row["t"] / 2), kv_cache=c)
+        torch.testing.assert_close(step[b : b + 1, :S], alone[:, -S:], **TOL)
