@@ -1,7 +1,9 @@
-"""Mixed resolutions in the core, FLUX.2 (dev, klein, its reference KV cache) and FLUX.3:
-``fd.apply(..., img_valid=...)`` with a RoPE table per row.
+"""Mixed resolutions in the core, FLUX.2 (dev, klein, its reference KV cache), FLUX.3 and
+Qwen-Image 2.1 (its prefix KV cache): ``fd.apply(..., img_valid=...)`` with a RoPE table
+per row.
 
-- rows of different image lengths (and, for FLUX.3, reference lengths), padded to one
+- rows of different image lengths (and, for FLUX.3, reference lengths; for Qwen-Image 2.1,
+  prompt lengths and condition-image sizes in one shared padded layout), padded to one
   length, each predict what they predict alone (fp32 1e-5), whatever the padding holds;
 - changing row B's tokens leaves row A's output bitwise unchanged (the same ops in one
   process);
@@ -320,3 +322,58 @@ def test_qwen21_kv_cache_padded_rows_equal_each_row_alone():
             torch.testing.assert_close(cache.flat()[key][b : b + 1, :T], v, **TOL)
         alone = fd.apply(params, **dict(row, x=x2[b : b + 1, :S], t=row["t"] / 2), kv_cache=c)
         torch.testing.assert_close(step[b : b + 1, :S], alone[:, -S:], **TOL)
+
+
+def _q21_edit_row(config, h, w, seed):
+    """One edit row alone: 3 text rows, an h x w condition image, 2 text rows, an h x w
+    target; fd.apply's keywords and its RoPE table over the joint sequence."""
+    g = torch.Generator().manual_seed(seed)
+    n = h * w
+    slots = [False] * 3 + [True] * (n // 4) + [False] * 2
+    kw = dict(
+        x=torch.randn(1, 2 * n, config.in_channels, generator=g),
+        t=torch.rand(1, generator=g),
+        txt=torch.randn(1, len(slots), config.context_in_dim, generator=g),
+        img_shapes=[[(1, h, w), (1, h, w)]],
+        img_mask=torch.tensor([slots + [True] * (n // 4)]),
+    )
+    lay = qwenimage21.read_layout(kw["img_mask"], kw["img_shapes"], len(slots), 2 * n)
+    return kw, qwenimage.rope(lay.ids, config.axes_dims_rope)
+
+
+def _cut(a: torch.Tensor, n: int) -> tuple:
+    """An edit row's joint rows (or encoder rows, n = its slots) as its four runs: text,
+    the condition image, text, the target."""
+    return a[:3], a[3 : 3 + n], a[3 + n : 5 + n], a[5 + n :]
+
+
+def test_qwen21_condition_images_of_two_sizes_share_one_layout():
+    """Edit rows whose condition images and targets differ in size (4 and 8 tokens): the
+    encoder's sequence re-laid per row (the smaller image's slots padded inside the text,
+    the larger row's layout shared), each row's condition and target rows equal the row
+    alone."""
+    config = cases_qwenimage21.TINY
+    params = fd.init(config, seed=0)
+    grids = ((2, 2), (2, 4))
+    rows = [_q21_edit_row(config, h, w, seed) for seed, (h, w) in enumerate(grids)]
+    ns = [h * w for h, w in grids]
+    n = max(ns)
+    runs = [[_cut(pe[j], s) for (_, pe), s in zip(rows, ns)] for j in range(2)]
+    rope = tuple(torch.cat([_pad([r[i] for r in rs], (3, n, 2, n)[i]) for i in range(4)], 1) for rs in runs)
+    txt = [_cut(r["txt"][0], s // 4) for (r, _), s in zip(rows, ns)]
+    xs = [(r["x"][0, :s], r["x"][0, s:]) for (r, _), s in zip(rows, ns)]
+    big = rows[1][0]
+    kw = dict(
+        x=torch.cat([_pad([x[i] for x in xs], n) for i in range(2)], 1),
+        t=torch.cat([r["t"] for r, _ in rows]),
+        txt=torch.cat([_pad([t[i] for t in txt], (3, n // 4, 2)[i]) for i in range(3)], 1),
+        img_shapes=big["img_shapes"] * 2,
+        img_mask=big["img_mask"].expand(2, -1).clone(),
+        rope=rope,
+        img_valid=torch.cat([_valid(ns, n)] * 2, 1),
+    )
+    both = fd.apply(params, **kw)
+    for b, ((row, _), s) in enumerate(zip(rows, ns)):
+        alone = fd.apply(params, **row)
+        torch.testing.assert_close(both[b : b + 1, 3 : 3 + s], alone[:, 3 : 3 + s], **TOL)  # the condition
+        torch.testing.assert_close(both[b : b + 1, -n:][:, :s], alone[:, -s:], **TOL)  # the target
