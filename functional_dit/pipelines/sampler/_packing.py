@@ -50,6 +50,8 @@ def packs(params, ctx, items) -> bool:
         return False
     if any(it.cache is not None or it.ip is not None or it.own is not None for it in items):
         return False
+    if not all(model.packs(it.tables) for it in items):
+        return False
     return model.masks_text or len({it.cond.txt.shape[1] for it in items}) == 1
 
 
