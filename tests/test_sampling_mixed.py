@@ -5,7 +5,8 @@
 - `sampling.step` over items of two sizes (and, for Qwen-Image, two text lengths; one
   item with a LoRA, one with true CFG) makes ONE model call, each item's latents within
   fp32 1e-5 of the item stepped alone and its image within 1 uint8 level of ``fd.sample``
-  alone;
+  alone; FLUX.2 (dev, klein KV) and FLUX.3's flow map: two sizes in one call likewise,
+  FLUX.2 items with reference images not packed (a call per size, each equal alone);
 - no item attends to another: changing item B's latents leaves item A's step bitwise
   unchanged (the same ops in one process);
 - Qwen-Image 2.1 (one call per item: its batch is laid out by its first item) and items

@@ -12,7 +12,8 @@ key masks are already per row, so it adds one key mask and a per-row table to th
 families, where packing would need per-token modulation in every block.
 
 Which calls a step makes (`calls`): one over every item of a context where the family's
-steps pack sizes (``Steps.packs_sizes``) and no item has a step cache or an IP-Adapter
+steps pack sizes (``Steps.packs_sizes``) and take each item (``Steps.packs``: not FLUX.2's
+with reference images), no item has a step cache or an IP-Adapter
 (their states are per call and per key), the params are not sharded and, for a family
 without a text mask, the items share a text length; else one call per key, as before.
 """
