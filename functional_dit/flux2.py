@@ -41,7 +41,15 @@ from .configs import (
 from .flux2_kv import Ref
 from .nn import layers as L
 from .nn import stages as _stages
-from .nn.checks import check_guidance, check_ids, check_rope, check_rope_or_ids, check_streams, reference_leaf
+from .nn.checks import (
+    check_guidance,
+    check_ids,
+    check_rope,
+    check_rope_or_ids,
+    check_streams,
+    img_valid_bias,
+    reference_leaf,
+)
 from .params import MOD3, MOD6, MOD_OUT, PACKED, Segment, linear_spec, mod_spec, norm_spec, ordered_blocks, units
 
 DIFFUSERS_CLASS = "Flux2Transformer2DModel"
@@ -462,7 +470,7 @@ def final_layer(p, x, temb, eps=1e-6):
 
 
 def _validate(params, x, t, txt, guidance, img_ids, txt_ids, rope=None):
-    """Returns the RoPE tables of the img and txt rows, and the reference leaf."""
+    """Returns the RoPE table of the (txt; img) rows, and the reference leaf."""
     c = params.config
     leaf = reference_leaf(params, "x_embedder.weight")
     B, S = check_streams(c, leaf, x, t, txt)
@@ -470,15 +478,15 @@ def _validate(params, x, t, txt, guidance, img_ids, txt_ids, rope=None):
     if rope is not None:
         check_rope_or_ids(rope, img_ids=img_ids, txt_ids=txt_ids)
         T = txt.shape[1]
-        rope = check_rope(rope, T + S, c.attention_head_dim, leaf.device)
-        return tuple(a[T:] for a in rope), tuple(a[:T] for a in rope), leaf
+        return check_rope(rope, T + S, c.attention_head_dim, leaf.device, batch=B), leaf
     n_axes = len(c.axes_dims_rope)
     for name, ids, n in (("img_ids", img_ids, S), ("txt_ids", txt_ids, txt.shape[1])):
         if ids is None:
             raise ValueError(f"{name}: FLUX.2 needs position ids of shape ({n}, {n_axes}) or ({B}, {n}, {n_axes})")
     img_ids = check_ids("img_ids", img_ids, S, n_axes, B, leaf.device)
     txt_ids = check_ids("txt_ids", txt_ids, txt.shape[1], n_axes, B, leaf.device)
-    return *(L.rope(ids, c.axes_dims_rope, theta=c.rope_theta) for ids in (img_ids, txt_ids)), leaf
+    pe_txt, pe_img = (L.rope(ids, c.axes_dims_rope, theta=c.rope_theta) for ids in (txt_ids, img_ids))
+    return tuple(torch.cat([a, b]) for a, b in zip(pe_txt, pe_img)), leaf
 
 
 def rope_table(config: Flux2Config, img_ids, txt_ids) -> tuple[torch.Tensor, torch.Tensor]:
@@ -504,7 +512,7 @@ def _ref_stream(params, x, pe, t, guidance, ref_fixed_timestep):
     mod_img, _, mod_single = modulations(params, temb)
     bias = sharding.pad_bias(x.shape[1], "sp", x.device)
     x = sharding.shard(L.linear(params["x_embedder"], x), "sp", 1)
-    pe = tuple(sharding.shard(a, "sp", 0) for a in pe)
+    pe = tuple(sharding.shard(a, "sp", a.ndim - 2) for a in pe)  # a (R, D) table, or (B, R, D): one per row
     return Ref(x=x, mod=mod_img, pe=pe, bias=None if bias is None else bias.expand(x.shape[0], -1)), mod_single
 
 
@@ -550,8 +558,8 @@ def _single(carry, p, layer, ctx, static):
     return (x,)
 
 
-ARGS = ("guidance", "img_ids", "txt_ids", "rope", "kv_cache", "num_ref_tokens", "ref_fixed_timestep")
-BATCHED = ("guidance",)  # of check_inputs' outputs, those split over "dp" with x, t, txt
+ARGS = ("guidance", "img_ids", "txt_ids", "rope", "img_valid", "kv_cache", "num_ref_tokens", "ref_fixed_timestep")
+BATCHED = ("guidance", "img_bias")  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
 def check_inputs(
@@ -567,6 +575,7 @@ def check_inputs(
     num_ref_tokens=None,
     ref_fixed_timestep=None,
     rope=None,
+    img_valid=None,
 ) -> dict:
     """Checks the FLUX.2 inputs (full view) and returns `forward`'s keywords: x (B, S_img,
     in_channels), t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim), guidance (B,) when
@@ -583,15 +592,30 @@ def check_inputs(
 
     ``rope``: instead of the ids, their RoPE table (cos, sin), each (S_txt + S_img,
     attention_head_dim) fp32 with S_img counting x's rows (reference tokens included), as
-    `rope_table` builds it (to build it once per sampling run).
+    `rope_table` builds it (to build it once per sampling run), or (B, S_txt + S_img,
+    attention_head_dim): one per row.
+
+    ``img_valid`` (B, S_img) over x's rows, 1 = a real token: rows padded to one length
+    (images of several sizes, and their reference tokens, in one call, each row with its own
+    ``rope``; padding is never attended to, and its outputs are to be dropped). With the
+    reference KV cache the reference tokens are never padded (the cache holds no mask):
+    on an extract pass ``img_valid``'s first R columns must all be 1; a cached pass's
+    ``img_valid`` covers its img tokens only.
     """
-    pe_img, pe_txt, leaf = _validate(params, x, t, txt, guidance, img_ids, txt_ids, rope)
+    pe, leaf = _validate(params, x, t, txt, guidance, img_ids, txt_ids, rope)
     c = params.config
     mode = kv.check_mode(c, x, kv_cache, num_ref_tokens, ref_fixed_timestep, leaf)
+    img_bias = img_valid_bias(img_valid, *x.shape[:2], leaf.device)
+    if mode == "extract" and img_bias is not None and bool(img_bias[:, :num_ref_tokens].isinf().any()):
+        raise ValueError(
+            f"img_valid: with kv_cache='extract' the first num_ref_tokens={num_ref_tokens} columns (the "
+            "reference tokens, whose cache holds no mask) must all be 1; rows with references of several "
+            "lengths take one call per length"
+        )
     return dict(
         guidance=guidance,
-        pe_img=pe_img,
-        pe_txt=pe_txt,
+        img_bias=img_bias,
+        pe=pe,
         num_ref_tokens=num_ref_tokens if mode == "extract" else 0,
         ref_fixed_timestep=ref_fixed_timestep or 0.0,
         cache=kv_cache if mode == "cached" else None,
@@ -603,24 +627,27 @@ prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
 
 
 def stages(
-    params, x, t, txt, *, guidance, pe_img, pe_txt, num_ref_tokens, ref_fixed_timestep, cache, batch, blocks=None
+    params, x, t, txt, *, guidance, pe, num_ref_tokens, ref_fixed_timestep, cache, batch, img_bias=None, blocks=None
 ) -> _stages.Stages:
     """The model on this rank's batch as `nn.stages.Stages`: the embedded (img, txt)
     streams, the double then the single blocks, the final layer; with reference KV (an
     extract pass, or a cache) the blocks also read and write the reference stream, and
     ``extra`` gives the extracted `Flux2KVCache`. ``blocks``: the block functions as
-    compile regions (`nn.compile.regions`, passed by the api); None: this module's."""
+    compile regions (`nn.compile.regions`, passed by the api); None: this module's.
+    ``pe``: the (txt; x) RoPE table; ``img_bias``: the padding's key bias over x's rows
+    (`check_inputs`' ``img_valid``)."""
     c, R = params.config, num_ref_tokens
     t, guidance = t.to(x.dtype) * 1000, None if guidance is None else guidance.to(x.dtype) * 1000
     temb = time_guidance_embed(params["time_guidance_embed"], t, guidance, c.timestep_guidance_channels)
     ref = ref_mod_single = None
-    if R:
-        ref_pe = tuple(a[:R] for a in pe_img)
+    if R:  # x's first R rows (and the table's after the text) are the reference tokens
+        T = txt.shape[1]
+        ref_pe = tuple(a[..., T : T + R, :] for a in pe)
         ref, ref_mod_single = _ref_stream(params, x[:, :R], ref_pe, t, guidance, ref_fixed_timestep)
-        x, pe_img = x[:, R:], tuple(a[R:] for a in pe_img)
+        x, pe = x[:, R:], tuple(torch.cat([a[..., :T, :], a[..., T + R :, :]], -2) for a in pe)
+        img_bias = None if img_bias is None else img_bias[:, R:]  # the references: all real (`check_inputs`)
     img, txt = L.linear(params["x_embedder"], x), L.linear(params["context_embedder"], txt)
-    pe = tuple(torch.cat([a, b]) for a, b in zip(pe_txt, pe_img))
-    txt, img, pe, key_bias = L.shard_joint(txt, img, pe)
+    txt, img, pe, key_bias = L.shard_joint(txt, img, pe, None, img_bias)
     mod_img, mod_txt, mod_single = modulations(params, temb)
     double, single, kv_mode = double_block, single_block, ref is not None or cache is not None
     if blocks is not None and not kv_mode:  # compile regions; their inputs must not alias

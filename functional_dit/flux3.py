@@ -44,6 +44,7 @@ from .nn.checks import (
     check_rope_or_ids,
     check_streams,
     check_tensor,
+    img_valid_bias,
     reference_leaf,
 )
 from .params import MOD3, MOD_OUT, linear_spec, mod_spec, norm_spec
@@ -337,8 +338,8 @@ def _tables(c, x, txt, img_ids, txt_ids, image_cond, image_cond_ids, rope, devic
     R = 0 if image_cond is None else image_cond.shape[1]
     if rope is not None:
         check_rope_or_ids(rope, img_ids=img_ids, txt_ids=txt_ids, image_cond_ids=image_cond_ids)
-        cos, sin = check_rope(rope, T + S + R, c.attention_head_dim, device)
-        parts = [(a.split([T, S, R])) for a in (cos, sin)]
+        cos, sin = check_rope(rope, T + S + R, c.attention_head_dim, device, batch=B)
+        parts = [(a.split([T, S, R], -2)) for a in (cos, sin)]
         tables = [tuple(p[i] for p in parts) for i in range(3)]
         return tables[0], tables[1], tables[2] if R else None
     pe_txt = _ids_rope(c, "txt_ids", txt_ids, T, B, device)
@@ -357,8 +358,17 @@ def rope_table(config: Flux3Config, img_ids, txt_ids, image_cond_ids=None) -> tu
 
 # ----------------------------------------------------------------------------- apply
 
-ARGS = ("img_ids", "txt_ids", "rope", "image_cond", "image_cond_ids", "target_timestep")
-BATCHED = ("cond", "target")  # of check_inputs' outputs, those split over "dp" with x, t, txt
+ARGS = (
+    "img_ids",
+    "txt_ids",
+    "rope",
+    "img_valid",
+    "image_cond",
+    "image_cond_ids",
+    "image_cond_valid",
+    "target_timestep",
+)
+BATCHED = ("cond", "target", "img_bias", "cond_bias")  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
 def check_inputs(
@@ -373,31 +383,57 @@ def check_inputs(
     image_cond_ids=None,
     target_timestep=None,
     rope=None,
+    img_valid=None,
+    image_cond_valid=None,
 ) -> dict:
     """Checks the FLUX.3 inputs (full view) and returns `forward`'s keywords: x (B, S_img,
     in_channels) noisy image tokens, t (B,) in [0, 1], txt (B, S_txt, joint_attention_dim),
     img_ids (S_img, 4) / txt_ids (S_txt, 4) (or 3-D, first item used); optional reference
     tokens image_cond (B, S_ref, cond_in_channels) with image_cond_ids (S_ref, 4);
     target_timestep (B,) in [0, 1], required by and only by a flow map. ``rope``: the
-    (cos, sin) table `rope_table` builds, in place of the ids. fd.apply returns (B, S_img,
-    in_channels), as ``Flux3Transformer2DModel(...)[0]``."""
+    (cos, sin) table `rope_table` builds, in place of the ids, or (B, S_txt + S_img [+ S_ref],
+    attention_head_dim): one per row. ``img_valid`` (B, S_img) and ``image_cond_valid``
+    (B, S_ref), 1 = a real token: rows padded to one length (images and references of
+    several sizes in one call, each row with its own ``rope``; padding is never attended
+    to, and its outputs are to be dropped). fd.apply returns (B, S_img, in_channels), as
+    ``Flux3Transformer2DModel(...)[0]``."""
     c = params.config
     leaf = reference_leaf(params, "context_embedder.weight")
     B, _ = check_streams(c, leaf, x, t, txt)
     _check_cond(c, image_cond, image_cond_ids, B, leaf, rope)
     _check_target(c, target_timestep, B, leaf.device)
     pes = _tables(c, x, txt, img_ids, txt_ids, image_cond, image_cond_ids, rope, leaf.device)
-    return dict(cond=image_cond, target=target_timestep, pes=pes)
+    img_bias = img_valid_bias(img_valid, *x.shape[:2], leaf.device)
+    cond_bias = _cond_bias(image_cond, image_cond_valid)
+    return dict(cond=image_cond, target=target_timestep, pes=pes, img_bias=img_bias, cond_bias=cond_bias)
+
+
+def _cond_bias(cond, cond_valid):
+    """``image_cond_valid``'s key bias over the reference rows (`img_valid_bias`), or None."""
+    if cond_valid is None:
+        return None
+    if cond is None:
+        raise ValueError("image_cond_valid: only used with image_cond; expected None, got a tensor")
+    return img_valid_bias(cond_valid, *cond.shape[:2], cond.device, name="image_cond_valid")
 
 
 prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
 
 
-def _local_stream(x, pe, mods, device) -> Stream:
-    """A mode's tokens, RoPE rows and pad bias on this rank's ``sp`` chunk."""
+def _local_stream(x, pe, mods, device, valid_bias=None) -> Stream:
+    """A mode's tokens, RoPE rows (a (S, D) table, or (B, S, D): one per row) and pad bias
+    on this rank's ``sp`` chunk; ``valid_bias`` (B, S): the padding of rows that hold
+    smaller images (`check_inputs`' ``img_valid``), added to it."""
+    d = pe[0].ndim - 2
+    if d and pe[0].shape[0] != x.shape[0]:  # a split batch (dp) keeps every row's table: refused
+        raise ValueError(f"rope: a table per row needs all {pe[0].shape[0]} rows here, got {x.shape[0]} (dp)")
     bias = sharding.pad_bias(x.shape[1], "sp", device)
-    x, pe = sharding.shard(x, "sp", 1), tuple(sharding.shard(a, "sp", 0) for a in pe)
-    return Stream(x, mods[0], mods[1], pe, None if bias is None else bias.expand(x.shape[0], -1))
+    bias = None if bias is None else bias.expand(x.shape[0], -1)
+    if valid_bias is not None:
+        valid_bias = sharding.shard(valid_bias, "sp", 1)
+        bias = valid_bias if bias is None else bias + valid_bias
+    x, pe = sharding.shard(x, "sp", 1), tuple(sharding.shard(a, "sp", d) for a in pe)
+    return Stream(x, mods[0], mods[1], pe, bias)
 
 
 def _joint_bias(streams) -> torch.Tensor | None:
@@ -413,12 +449,13 @@ def _mode_blocks(params, mode: str) -> list:
     return [tree[k] for k in sorted(tree, key=int)]
 
 
-def _embed_streams(params, x, txt, cond, pes, mods) -> list:
-    """The (txt, image[, image_cond]) streams embedded, on this rank's sp chunk."""
+def _embed_streams(params, x, txt, cond, pes, mods, biases=(None, None, None)) -> list:
+    """The (txt, image[, image_cond]) streams embedded, on this rank's sp chunk; ``biases``
+    their padding's key biases (None: not padded)."""
     hs = [("txt", L.linear(params["context_embedder"], txt)), ("image", L.linear(params["x_embedders"]["image"], x))]
     if cond is not None:
         hs.append(("image_cond", L.linear(params["x_embedders"]["image_cond"], cond)))
-    return [(m, _local_stream(h, pe, mods[m], x.device)) for (m, h), pe in zip(hs, pes)]
+    return [(m, _local_stream(h, pe, mods[m], x.device, b)) for (m, h), pe, b in zip(hs, pes, biases)]
 
 
 # The per-mode block lists as stages, the image's first (block 0 of the stages changes the
@@ -430,16 +467,17 @@ _MODE_SEGMENTS = (
 )
 
 
-def stages(params, x, t, txt, *, cond, target, pes, blocks=None) -> _stages.Stages:
+def stages(params, x, t, txt, *, cond, target, pes, img_bias=None, cond_bias=None, blocks=None) -> _stages.Stages:
     """The model on this rank's batch as `nn.stages.Stages`: the embedded (txt, image[,
     image_cond]) streams, each mode through its own blocks, the single blocks over them
     all, the final layer on the image's. ``blocks``: the block functions as compile
-    regions (`nn.compile.regions`, passed by the api); None: this module's."""
+    regions (`nn.compile.regions`, passed by the api); None: this module's. ``img_bias``,
+    ``cond_bias``: the image's and the references' padding (`check_inputs`)."""
     mode, single = (mode_block, single_block) if blocks is None else (blocks.mode_block, blocks.single_block)
     c = params.config
     temb_img, temb_zero = time_embeds(params, t, target, x.dtype)
     mods = modulations(params, temb_img, temb_zero, cond is not None)
-    embedded = _embed_streams(params, x, txt, cond, pes, mods)
+    embedded = _embed_streams(params, x, txt, cond, pes, mods, (None, img_bias, cond_bias))
     ctx = {"out_mod": mods["out"]}
     segments = []
     for m, j, key in _MODE_SEGMENTS:
@@ -452,7 +490,7 @@ def stages(params, x, t, txt, *, cond, target, pes, blocks=None) -> _stages.Stag
                             blocks=_mode_blocks(params, m), scan=False)
         )  # fmt: skip
     streams = [s for _, s in embedded]
-    ctx["pe"] = tuple(torch.cat([s.pe[i] for s in streams]) for i in range(2))
+    ctx["pe"] = tuple(torch.cat([s.pe[i] for s in streams], -2) for i in range(2))
     ctx["bias"], ctx["single_mods"] = _joint_bias(streams), [tuple(a.clone() for a in s.single) for s in streams]
     segments.append(
         _stages.Segment("single_transformer_blocks", _single, static=(single, c.attention_head_dim, c.eps),

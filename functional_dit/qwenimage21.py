@@ -44,7 +44,7 @@ from .configs import (
 )
 from .nn import layers as L
 from .nn import stages as _stages
-from .nn.checks import check_floating, check_tensor, reference_leaf
+from .nn.checks import check_floating, check_rope, check_tensor, img_valid_bias, reference_leaf
 from .params import (
     COMPUTE_DTYPES,
     PACKED,
@@ -559,13 +559,16 @@ def _check_streams(c, leaf, x, t, txt) -> tuple[int, int]:
     return x.shape[:2]
 
 
-def joint_bias(lay: Layout, txt_mask, B: int, S: int) -> torch.Tensor | None:
+def joint_bias(lay: Layout, txt_mask, B: int, S: int, img_bias=None, T: int = 0) -> torch.Tensor | None:
     """(B, L) additive key bias over the joint sequence: a text row takes its encoder
-    row's mask, image rows are kept (diffusers' ``joint_key_valid``)."""
-    if txt_mask is None:
+    row's mask, image rows are kept (diffusers' ``joint_key_valid``) or take ``img_bias``
+    (B, S), the padding of x's rows (`check_inputs`' ``img_valid``); ``T``: the encoder's
+    rows (txt's length, read off ``txt_mask`` where given)."""
+    if txt_mask is None and img_bias is None:
         return None
-    bias = qwenimage.mask_bias(txt_mask)
-    return torch.cat([bias, bias.new_zeros(B, S)], 1).index_select(1, lay.source.to(bias.device))
+    tb = torch.zeros(B, T, device=img_bias.device) if txt_mask is None else qwenimage.mask_bias(txt_mask)
+    ib = tb.new_zeros(B, S) if img_bias is None else img_bias.to(tb.device)
+    return torch.cat([tb, ib], 1).index_select(1, lay.source.to(tb.device))
 
 
 def read_layout(img_mask, img_shapes, T: int, S: int, device=None) -> Layout:
@@ -591,12 +594,24 @@ def _check_layout(lay, img_mask, T: int, S: int, device) -> Layout:
     return lay
 
 
-ARGS = ("txt_mask", "img_shapes", "img_mask", "kv_cache", "layout")  # of fd.apply's keywords, the ones 2.1 takes
+# of fd.apply's keywords, the ones 2.1 takes
+ARGS = ("txt_mask", "img_shapes", "img_mask", "kv_cache", "layout", "rope", "img_valid")
 BATCHED = ("bias",)  # of check_inputs' outputs, those split over "dp" with x, t, txt
 
 
 def check_inputs(
-    params, x, t, txt, *, img_shapes=None, img_mask=None, txt_mask=None, kv_cache=None, layout=None
+    params,
+    x,
+    t,
+    txt,
+    *,
+    img_shapes=None,
+    img_mask=None,
+    txt_mask=None,
+    kv_cache=None,
+    layout=None,
+    rope=None,
+    img_valid=None,
 ) -> dict:
     """Checks the Qwen-Image 2.1 inputs (full view) and returns `forward`'s keywords: x
     (B, S, in_channels) latents (condition images first, the target last), t (B,) in
@@ -609,7 +624,14 @@ def check_inputs(
     target's tokens are computed. ``layout=``: `read_layout`'s result in place of img_mask
     (nothing read on the host: a fixed graph per step on lazy devices). fd.apply returns
     ``QwenImage21Transformer2DModel(...)[0]``: (B, L, out) over the joint sequence, or
-    (B, target, out) with a cache passed."""
+    (B, target, out) with a cache passed.
+
+    Rows padded to one layout (items of several sizes or prompt lengths in one call):
+    ``rope`` (cos, sin), each (B, L, attention_head_dim) fp32, a table per row
+    (or (L, attention_head_dim), as `layout`'s ids give it), and ``img_valid`` (B, S),
+    1 = a real latent token; img_mask / img_shapes then describe the call's shared, padded
+    layout, each row's own grids enter through its table, its padded prompt rows through
+    ``txt_mask``. Padding is never attended to; its outputs are to be dropped."""
     c = params.config
     leaf = reference_leaf(params, "img_in.weight")
     B, S = _check_streams(c, leaf, x, t, txt)
@@ -625,8 +647,12 @@ def check_inputs(
     if txt_mask is not None:
         _check_mask(txt_mask, B, T, leaf.device)
     mode = _check_kv(c, kv_cache, B, lay.prefix, leaf)
-    pe = qwenimage.rope(lay.ids, c.axes_dims_rope)
-    bias = joint_bias(lay, txt_mask, B, S)
+    if rope is None:
+        pe = qwenimage.rope(lay.ids, c.axes_dims_rope)
+    else:  # in place of the layout's positions: one (L, D) table, or one per row
+        pe = check_rope(rope, lay.source.shape[0], c.attention_head_dim, leaf.device, batch=B)
+    img_bias = img_valid_bias(img_valid, B, S, leaf.device)
+    bias = joint_bias(lay, txt_mask, B, S, img_bias, T)
     return dict(lay=lay, pe=pe, bias=bias, mode=mode, cache=kv_cache if mode == "cached" else None, batch=B)
 
 
@@ -637,9 +663,13 @@ prepare = check_inputs  # the old name, kept (not to confuse with fd.prepare)
 
 
 def _local(x, pe, bias, device):
-    """A sequence, its RoPE rows and its key bias on this rank's sp chunk (bias with padding)."""
+    """A sequence, its RoPE rows (a (L, D) table, or (B, L, D): one per row) and its key
+    bias on this rank's sp chunk (bias with padding)."""
+    d = pe[0].ndim - 2
+    if d and pe[0].shape[0] != x.shape[0]:  # a split batch (dp) keeps every row's table: refused
+        raise ValueError(f"rope: a table per row needs all {pe[0].shape[0]} rows here, got {x.shape[0]} (dp)")
     pad = sharding.pad_bias(x.shape[1], "sp", device)
-    x, pe = sharding.shard(x, "sp", 1), tuple(sharding.shard(a, "sp", 0) for a in pe)
+    x, pe = sharding.shard(x, "sp", 1), tuple(sharding.shard(a, "sp", d) for a in pe)
     bias = None if bias is None else sharding.shard(bias, "sp", 1)
     if pad is not None:
         bias = pad.expand(x.shape[0], -1) if bias is None else bias + pad
@@ -667,7 +697,7 @@ def _inputs(params, x, txt, lay: Layout, pe, bias, mode):
     img = L.linear(params["img_in"], x)
     if mode == "cached":
         n = lay.source.shape[0] - P
-        return img[:, img.shape[1] - n :], tuple(a[P:] for a in pe), None if bias is None else bias[:, P:], None
+        return img[:, img.shape[1] - n :], tuple(a[..., P:, :] for a in pe), None if bias is None else bias[:, P:], None
     joint = torch.cat([text_in(params["txt_in"], txt, c.eps), img], 1).index_select(1, lay.source)
     target = (torch.arange(joint.shape[1], device=x.device) >= P)[:, None] if c.causal_condition else None
     return joint, pe, bias, target

@@ -5,7 +5,8 @@
 - `sampling.step` over items of two sizes (and, for Qwen-Image, two text lengths; one
   item with a LoRA, one with true CFG) makes ONE model call, each item's latents within
   fp32 1e-5 of the item stepped alone and its image within 1 uint8 level of ``fd.sample``
-  alone;
+  alone; FLUX.2 (dev, klein KV) and FLUX.3's flow map: two sizes in one call likewise,
+  FLUX.2 items with reference images not packed (a call per size, each equal alone);
 - no item attends to another: changing item B's latents leaves item A's step bitwise
   unchanged (the same ops in one process);
 - Qwen-Image 2.1 (one call per item: its batch is laid out by its first item) and items
@@ -119,6 +120,69 @@ def test_items_of_two_sizes_step_in_one_call_each_equal_alone(models, kind, monk
     for it, img in zip(mixed.items, sampling.decode(mixed, "np")):
         assert img.shape[:2] == (it.request.height, it.request.width)
         assert np.abs(img - _alone(params, pipe, it.request)).max() <= LEVEL, it.request.prompt
+
+
+@pytest.fixture(scope="module")
+def flux23():
+    """Tiny FLUX.2 (dev, klein with the KV cache) and FLUX.3 (the flow map) pipelines."""
+    out = {}
+    for kind in ("flux2", "flux2-klein-kv", "flux3-distilled"):
+        pipe = tiny.pipeline(kind)
+        out[kind] = fd.from_diffusers(pipe.transformer), pipe
+    return out
+
+
+@pytest.mark.parametrize("kind", ["flux2", "flux2-klein-kv", "flux3-distilled"])
+def test_flux2_flux3_items_of_two_sizes_step_in_one_call_each_equal_alone(flux23, kind, monkeypatch):
+    """FLUX.2 (dev: guidance per row; klein KV without references: no cache to extract)
+    and FLUX.3 (its flow map's target timestep per row): two sizes in ONE padded call per
+    step, each item's latents within fp32 1e-5 of it alone, its image within 1 level of
+    ``fd.sample`` alone."""
+    params, pipe = flux23[kind]
+    ctx = sampling.context(params, pipe)
+    reqs = [_req("a red cat", 32, 32, seed=1, guidance=2.5), _req("a blue dog", 64, 48, seed=2)]
+    states = [sampling.init(params, ctx, [r]) for r in reqs]
+    assert sampling.packs(params, ctx, [s.items[0] for s in states])
+    mixed, alone = sampling.merge(*states, mixed=True), states
+    calls = _calls(monkeypatch)
+    while not all(it.done for it in mixed.items):
+        n = len(calls)
+        mixed = sampling.step(params, mixed)
+        assert len(calls) == n + 1 and calls[-1][2], "one padded call over both sizes"
+        alone = [sampling.step(params, s) for s in alone]
+        for it, s in zip(mixed.items, alone):
+            torch.testing.assert_close(it.x, s.items[0].x, rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    for it, img in zip(mixed.items, sampling.decode(mixed, "np")):
+        r = it.request
+        want = fd.sample(params, pipe, r.prompt, height=r.height, width=r.width, steps=r.steps, seed=r.seed,
+                         guidance=r.guidance, output_type="np", max_sequence_length=MSL)[0]  # fmt: skip
+        assert img.shape[:2] == (r.height, r.width)
+        assert np.abs(img - want).max() <= LEVEL, r.prompt
+
+
+def test_flux2_items_with_reference_images_are_not_packed(flux23, monkeypatch):
+    """Reference images (klein's KV cache: an extract call, then cached calls) keep a call
+    per size; each image still equals ``fd.sample`` alone."""
+    from PIL import Image
+
+    params, pipe = flux23["flux2-klein-kv"]
+    ctx = sampling.context(params, pipe)
+    ref = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
+    reqs = [_req("a cat", *wh, seed=j, image=[ref], steps=2) for j, wh in enumerate([(32, 32), (64, 48)])]
+    state = sampling.merge(*(sampling.init(params, ctx, [r]) for r in reqs), mixed=True)
+    assert not sampling.packs(params, ctx, state.items)
+    calls = _calls(monkeypatch)
+    state = sampling.step(params, state)
+    assert len(calls) == 2 and not any(c[2] for c in calls)
+    monkeypatch.undo()
+    while not all(it.done for it in state.items):
+        state = sampling.step(params, state)
+    for it, img in zip(state.items, sampling.decode(state, "np")):
+        r = it.request
+        want = fd.sample(params, pipe, r.prompt, height=r.height, width=r.width, steps=r.steps, seed=r.seed,
+                         image=[ref], output_type="np", max_sequence_length=MSL)[0]  # fmt: skip
+        assert np.abs(img - want).max() <= LEVEL
 
 
 def test_no_item_attends_to_another(models):

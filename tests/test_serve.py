@@ -813,12 +813,17 @@ def test_mixed_resolution_flags_are_checked_by_name(capsys):
 
 @pytest.mark.parametrize(
     "model, kind, packed",
-    [("tiny:qwen-image", "qwen-image", True), ("tiny:qwen-image-2.1", "qwen-image-2.1", False)],
+    [
+        ("tiny:qwen-image", "qwen-image", True),
+        ("tiny:flux3-distilled", "flux3-distilled", True),
+        ("tiny:qwen-image-2.1", "qwen-image-2.1", False),
+    ],
 )
 def test_qwen_image_sizes_share_calls_and_qwen_image_21_keeps_a_call_each(tmp_path, model, kind, packed):
     """A 64x32 request joins a running 32x32 one (another prompt length too) on a server of
-    its own: Qwen-Image packs both sizes into one call (counted in /metrics; --max-padding 2,
-    the tiny model's prompts being as long as its images), Qwen-Image 2.1 keeps one call per
+    its own: Qwen-Image and FLUX.3 (its prompts padded to one length) pack both sizes
+    into one call (counted in /metrics; --max-padding 2, the tiny model's prompts being as
+    long as its images), Qwen-Image 2.1 keeps one call per
     image (its batch is laid out by its first item: docs/serving.md), counting none. Either
     way the image equals ``fd.sample`` of it alone (as RGB: 2.1's images are RGBA)."""
     server = Server(str(tmp_path), "--max-steps", str(10**6), "--max-padding", "2", model=model, msl=None)

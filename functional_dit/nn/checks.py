@@ -102,15 +102,16 @@ def check_rope(rope, rows: int, head_dim: int, device=None, batch=None) -> tuple
     return tuple(rope)
 
 
-def img_valid_bias(img_valid, batch: int, seq: int, device=None) -> torch.Tensor | None:
+def img_valid_bias(img_valid, batch: int, seq: int, device=None, name: str = "img_valid") -> torch.Tensor | None:
     """``img_valid`` (B, S_img) bool or int, 1 = a real image token, 0 = padding (a row that
     holds a smaller image than the call's longest, `functional_dit.pipelines.sampler._packing`),
-    as an additive fp32 key bias (0 keep, -inf drop); None for None."""
+    as an additive fp32 key bias (0 keep, -inf drop); None for None. ``name``: the
+    argument's name in errors (another stream's mask, e.g. FLUX.3's ``image_cond_valid``)."""
     if img_valid is None:
         return None
-    check_tensor("img_valid", img_valid, (batch, seq), device=device)
+    check_tensor(name, img_valid, (batch, seq), device=device)
     if img_valid.dtype.is_floating_point or img_valid.dtype.is_complex:
-        raise ValueError(f"img_valid: expected a bool or integer tensor (1 = real token), got {img_valid.dtype}")
+        raise ValueError(f"{name}: expected a bool or integer tensor (1 = real token), got {img_valid.dtype}")
     zero = torch.zeros((), dtype=torch.float32, device=img_valid.device)
     return torch.where(img_valid.bool(), zero, torch.full_like(zero, float("-inf")))
 

@@ -104,6 +104,12 @@ class Steps:
     packs_sizes = False
     masks_text = False
 
+    def packs(self, tab: Mapping) -> bool:
+        """Whether an item with the tables ``tab`` (``prepare``'s) may share a padded call
+        over several sizes, its ``tab["rope"]`` being (cos, sin) of its text then its image
+        rows (where ``packs_sizes``; FLUX.2: not with reference images)."""
+        return True
+
     def cfg_batch(self, cond: Prompt, uncond: Prompt) -> Prompt:
         """Both CFG branches as the loop's one batch ([cond; uncond] by default)."""
         return cfg_batch(cond, uncond)

@@ -44,6 +44,7 @@ class Flux3(Steps):
     map the target timestep (the next scheduler timestep, 0 after the last)."""
 
     fixed_graph = True  # one fixed device graph per step (`sampler_xla`)
+    packs_sizes = True  # items of several sizes (one padded prompt length) in one call (`sampler._packing`)
     PAD_MULTIPLE, ROPE_SCALE = 80, 0.5  # modular_pipelines/flux3: Flux3TextEncoderStep, Flux3PrepareLatentsStep
 
     def __init__(self, params, pipe):

@@ -12,7 +12,8 @@ key masks are already per row, so it adds one key mask and a per-row table to th
 families, where packing would need per-token modulation in every block.
 
 Which calls a step makes (`calls`): one over every item of a context where the family's
-steps pack sizes (``Steps.packs_sizes``) and no item has a step cache or an IP-Adapter
+steps pack sizes (``Steps.packs_sizes``) and take each item (``Steps.packs``: not FLUX.2's
+with reference images), no item has a step cache or an IP-Adapter
 (their states are per call and per key), the params are not sharded and, for a family
 without a text mask, the items share a text length; else one call per key, as before.
 """
@@ -49,6 +50,8 @@ def packs(params, ctx, items) -> bool:
     if not getattr(model, "packs_sizes", False) or _sharded(params):
         return False
     if any(it.cache is not None or it.ip is not None or it.own is not None for it in items):
+        return False
+    if not all(model.packs(it.tables) for it in items):
         return False
     return model.masks_text or len({it.cond.txt.shape[1] for it in items}) == 1
 

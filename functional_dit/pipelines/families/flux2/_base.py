@@ -15,6 +15,12 @@ class _Flux2(Steps):
 
     fixed_graph = True  # one fixed device graph per step (`sampler_xla`)
     packed_latents = False  # latents= given as the unpacked (B, C, h/2, w/2) noise
+    packs_sizes = True  # items of several sizes in one call (`sampler._packing`), without references
+
+    def packs(self, tab):
+        """Text to image only: an item with reference images (its rows after the latents,
+        or the klein KV cache's extract and cached calls) keeps a call per size."""
+        return tab.get("ref") is None
 
     def __init__(self, params, pipe, kv_cache: bool):
         self.pipe, self.c, self.kv = pipe, params.config, kv_cache
