@@ -824,14 +824,28 @@ def test_qwen_image_sizes_share_calls_and_qwen_image_21_keeps_a_call_each(tmp_pa
     its own: Qwen-Image and FLUX.3 (its prompts padded to one length) pack both sizes
     into one call (counted in /metrics; --max-padding 2, the tiny model's prompts being as
     long as its images), Qwen-Image 2.1 keeps one call per
-    image (its batch is laid out by its first item: docs/serving.md), counting none. Either
-    way the image equals ``fd.sample`` of it alone (as RGB: 2.1's images are RGBA)."""
+    image (its batch is laid out by its first item: docs/serving.md), counting none: its
+    64x32 image waits behind the anchor's size (first come, first served across sizes) and
+    runs once the anchor leaves. Either way the image equals ``fd.sample`` of it alone (as
+    RGB: 2.1's images are RGBA)."""
     server = Server(str(tmp_path), "--max-steps", str(10**6), "--max-padding", "2", model=model, msl=None)
+    body, out = dict(prompt="a wide view", size="64x32", steps=2, seed=5), {}
     try:
         server.wait_up()
         before = server.metrics()
         with _anchor(server, before):
-            res = server.post(dict(prompt="a wide view", size="64x32", steps=2, seed=5), timeout=300)
+            if packed:
+                res = server.post(body, timeout=300)
+            else:  # sent while the anchor runs; answered after it leaves (the context's exit)
+                waiter = threading.Thread(target=lambda: out.setdefault("res", server.post(body, timeout=300)))
+                waiter.start()
+                end = time.monotonic() + 60
+                while sum(server.metrics()[k] for k in ("fd_serve_queue_depth", "fd_serve_running_batch_size")) < 2:
+                    assert time.monotonic() < end, "the 64x32 request never arrived"
+                    time.sleep(0.05)
+        if not packed:
+            waiter.join(300)
+            res = out["res"]
         after = server.metrics()
     finally:
         server.stop()
