@@ -199,3 +199,41 @@ def test_the_core_is_entered_through_api_public_names(tmp_path):
     sample = tmp_path / "m.py"  # the check sees both forms
     sample.write_text("from ..api import _gathering\nfrom .. import api as A\nA._family_args\nA.apply\n")
     assert _private_api_uses(sample) == ["_gathering", "_family_args"]
+
+
+# Imports a function may make itself: optional or heavy dependencies loaded on first use
+# (diffusers and transformers take seconds; the others are extras), and the project's own
+# modules where a lower layer reaches a higher one lazily (the facades above). Everything
+# else (the standard library, torch, numpy, safetensors, tqdm, PIL) is imported at the top.
+LAZY_OK = {
+    "diffusers", "transformers", "torch_xla", "torch_neuronx", "peft", "matplotlib", "starlette",
+    "uvicorn", "huggingface_hub", "tensorboard", "torch.utils.tensorboard", "torch._inductor",
+    "functional_dit", "sharding", "weights",
+}  # fmt: skip
+
+
+def _function_imports(path: pathlib.Path):
+    lines = path.read_text().split("\n")
+    for f in ast.walk(ast.parse("\n".join(lines))):
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for n in ast.walk(f):
+                if isinstance(n, (ast.Import, ast.ImportFrom)):
+                    named = n.module if isinstance(n, ast.ImportFrom) else n.names[0].name
+                    full = "functional_dit" if getattr(n, "level", 0) else named
+                    above = n.lineno - 2
+                    while above >= 0 and lines[above].strip().startswith(("import ", "from ")):
+                        above -= 1
+                    said = "#" in lines[n.end_lineno - 1] or lines[above].strip().startswith("#")
+                    lazy = next((k for k in LAZY_OK if full == k or full.startswith(k + ".")), full)
+                    yield f"{path.relative_to(ROOT)}:{n.lineno}", lazy, said
+
+
+def test_imports_inside_functions_are_optional_dependencies_and_say_why():
+    """Issue-48 house rule: an import inside a function is an optional or heavy dependency
+    (or a lazy reach across layers) and carries a comment saying why."""
+    found = [
+        hit for pkg in ("functional_dit", "sharding", "weights") for path in sorted((ROOT / pkg).rglob("*.py"))
+        for hit in _function_imports(path)
+    ]  # fmt: skip
+    assert [(where, top) for where, top, _ in found if top not in LAZY_OK] == []
+    assert [where for where, top, said in found if top in LAZY_OK and not said] == []

@@ -10,6 +10,7 @@ import torch
 
 from ... import flux3
 from ...flux3 import Flux3Config
+from .. import tiny
 from . import _common
 from ._common import stock_module
 from ._latents import flux2_vae_input
@@ -59,6 +60,7 @@ class Flux3(Steps):
         return tuple(range(4, 33, 4)) if L_ >= 32 and n == 8 else tuple(round((k + 1) * L_ / n) for k in range(n))
 
     def encode(self, run, prompts, msl):
+        # diffusers: seconds to import, loaded when first used
         from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
 
         embed = Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds
@@ -162,8 +164,6 @@ def pos_embed(c):
 def tiny_config_changes(kind: str) -> dict:
     """One block; the stacked encoder layers' width; image_cond tokens are VAE latents, as x;
     the base model or the flow map."""
-    from .. import tiny
-
     width = len(tiny.FLUX3_LAYERS) * tiny._VL_DIM
     return dict(cond_in_channels=16, num_layers=1, joint_attention_dim=width, flow_map=kind == "flux3-distilled")
 
@@ -171,9 +171,8 @@ def tiny_config_changes(kind: str) -> dict:
 def tiny_components(kind: str, seed: int) -> dict:
     """A Qwen3-VL encoder and processor; FLUX.3's recipe: a constant shift (6.93) configured
     on the scheduler (modular_pipelines/flux3/before_denoise.py)."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
-
-    from .. import tiny
 
     proc = tiny.qwen3vl_processor()
     parts = {"text_encoder": tiny.qwen3vl_encoder(proc.tokenizer, seed)}
@@ -184,6 +183,7 @@ def tiny_components(kind: str, seed: int) -> dict:
 def tiny_assemble(kind: str, parts: dict, transformer):
     """The modular pipeline built from its blocks, without the prompt upsampler (the prompt
     is encoded as given)."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     blocks = getattr(diffusers, "Flux3DistilledAutoBlocks" if kind == "flux3-distilled" else "Flux3AutoBlocks")()

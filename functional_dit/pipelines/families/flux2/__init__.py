@@ -5,6 +5,7 @@ pipelines' recipes and the bench's inputs (`functional_dit.pipelines.families.HO
 from __future__ import annotations
 
 from ....flux2 import Flux2Config
+from ... import tiny
 from ..internal import Steps, refuse, refuse_layers, refuse_max_area, refuse_reference, stock_module
 from ..internal import common as _common
 from . import _inpaint
@@ -26,6 +27,7 @@ CONTROLNET_PIPELINES = ()  # refused without fd.sample(controlnet=...)
 
 def steps(params, pipe, image, kv_cache) -> Steps:
     """Text to image with reference images (klein inpainting builds on it: `JOBS`)."""
+    # diffusers: seconds to import, loaded when first used
     import diffusers
 
     return _Flux2(params, pipe, isinstance(pipe, diffusers.Flux2KleinKVPipeline) if kv_cache is None else kv_cache)
@@ -100,6 +102,7 @@ def adapter_args(
     num_ref_tokens=0,
     ref_fixed_timestep=0.0,
 ):
+    # FLUX.2's KV cache module loads diffusers' cache classes: imported on first use
     from ..internal import flux2_kv as kv
 
     adapter._lora_scale("joint_attention_kwargs", joint_attention_kwargs)
@@ -124,12 +127,14 @@ def adapter_args(
 
 def adapter_result(out, kwargs):
     """An extract call's cache as diffusers' ``Flux2KVCache`` (`_flux2_kv.KVCache`)."""
+    # FLUX.2's KV cache module loads diffusers' cache classes: imported on first use
     from ..internal import flux2_kv as _flux2_kv
 
     return (out[0], _flux2_kv.KVCache(out[1])) if isinstance(out, tuple) else out
 
 
 def output(sample, cache):
+    # diffusers: seconds to import, loaded when first used
     from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
 
     return Flux2Transformer2DModelOutput(sample=sample, kv_cache=cache)
@@ -144,16 +149,12 @@ def pos_embed(c):
 
 def tiny_config_changes(kind: str) -> dict:
     """Three stacked encoder layers' width; FLUX.2-dev is guidance-distilled, klein is not."""
-    from ... import tiny
-
     width = tiny._MISTRAL_DIM if kind == "flux2" else tiny._QWEN3_DIM
     return dict(joint_attention_dim=3 * width, guidance_embeds=kind == "flux2")
 
 
 def tiny_components(kind: str, seed: int) -> dict:
     """FLUX.2-dev's Mistral3 encoder; klein's Qwen3."""
-    from ... import tiny
-
     tok = tiny.mistral_tokenizer() if kind == "flux2" else tiny.qwen_tokenizer()
     parts = {"scheduler": tiny.scheduler(), "vae": tiny.flux2_vae(seed)}  # built in the order they always were
     parts["text_encoder"] = tiny.mistral3_encoder(tok, seed) if kind == "flux2" else tiny.qwen3_encoder(tok, seed)
