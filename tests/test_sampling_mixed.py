@@ -169,6 +169,17 @@ def test_flux2_items_with_reference_images_are_not_packed(flux23, monkeypatch):
     ref = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
     reqs = [_req("a cat", *wh, seed=j, image=[ref], steps=2) for j, wh in enumerate([(32, 32), (64, 48)])]
     state = sampling.merge(*(sampling.init(params, ctx, [r]) for r in reqs), mixed=True)
+    state = _stepped_a_call_each(params, ctx, state, monkeypatch)
+    for it, img in zip(state.items, sampling.decode(state, "np")):
+        r = it.request
+        want = fd.sample(params, pipe, r.prompt, height=r.height, width=r.width, steps=r.steps, seed=r.seed,
+                         image=[ref], output_type="np", max_sequence_length=MSL)[0]  # fmt: skip
+        assert np.abs(img - want).max() <= LEVEL
+
+
+def _stepped_a_call_each(params, ctx, state, monkeypatch):
+    """``state``'s items (two sizes that must not pack) stepped to the end: two unpadded
+    model calls per step."""
     assert not sampling.packs(params, ctx, state.items)
     calls = _calls(monkeypatch)
     state = sampling.step(params, state)
@@ -176,11 +187,7 @@ def test_flux2_items_with_reference_images_are_not_packed(flux23, monkeypatch):
     monkeypatch.undo()
     while not all(it.done for it in state.items):
         state = sampling.step(params, state)
-    for it, img in zip(state.items, sampling.decode(state, "np")):
-        r = it.request
-        want = fd.sample(params, pipe, r.prompt, height=r.height, width=r.width, steps=r.steps, seed=r.seed,
-                         image=[ref], output_type="np", max_sequence_length=MSL)[0]  # fmt: skip
-        assert np.abs(img - want).max() <= LEVEL
+    return state
 
 
 def test_no_item_attends_to_another(models):
@@ -206,13 +213,7 @@ def test_qwen_image_21_and_cached_items_are_not_packed_and_equal_alone(monkeypat
     ctx = sampling.context(params, pipe)
     reqs = [_req("a red cat", 32, 32, seed=1, msl=None), _req("a dog", 64, 32, seed=2, msl=None)]
     state = sampling.merge(*(sampling.init(params, ctx, [r]) for r in reqs), mixed=True)
-    assert not sampling.packs(params, ctx, state.items)
-    calls = _calls(monkeypatch)
-    state = sampling.step(params, state)
-    assert len(calls) == 2 and not any(c[2] for c in calls)
-    monkeypatch.undo()
-    while not all(it.done for it in state.items):
-        state = sampling.step(params, state)
+    state = _stepped_a_call_each(params, ctx, state, monkeypatch)
     for it, img in zip(state.items, sampling.decode(state, "np")):
         assert np.abs(img - _alone(params, pipe, it.request)).max() <= LEVEL
 
