@@ -93,7 +93,13 @@ def test_stream_equals_fd_sample_alone_and_compiles_nothing_after_warmup(env):
     assert after["fd_serve_xla_compiles_total"] == before["fd_serve_xla_compiles_total"]
     assert after["fd_serve_xla_compiles_after_warmup_total"] == 0
     assert after['fd_serve_xla_rows_total{kind="item"}'] == 3 + 6 + 8 + 7 + 2 + 5  # every item's every step
-    assert after['fd_serve_xla_rows_total{kind="pad"}'] > 0  # 3 items ran in bucket 4
+    # every step ran at a bucket: item + pad rows are the buckets' rows; a step of 3 items
+    # (wave 2, if its three overlapped: arrival order on a loaded machine decides) ran in
+    # bucket 4 with one pad row, the only bucket these waves can pad
+    buckets = {int(k.split('"')[1]): v for k, v in after.items() if k.startswith("fd_serve_xla_bucket_steps_total")}
+    pads = after['fd_serve_xla_rows_total{kind="pad"}']
+    assert pads + after['fd_serve_xla_rows_total{kind="item"}'] == sum(b * n for b, n in buckets.items())
+    assert set(buckets) <= {1, 2, 4} and (pads > 0) == (buckets.get(4, 0) > 0)
 
 
 @pytest.mark.slow

@@ -18,8 +18,8 @@ import os
 import stat
 import struct
 
+import safetensors  # safe_open looked up per call: tests/test_weights_dist audits the bytes it hands out
 import torch
-from safetensors import safe_open
 
 # safetensors dtype name -> (torch dtype, bytes per element)
 DTYPES = {
@@ -202,7 +202,7 @@ def read_tensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     validated by `read_header` first (so pickles and corrupt files are refused alike)."""
     infos, metadata = read_header(path)
     try:
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with safetensors.safe_open(path, framework="pt", device="cpu") as f:
             return {name: f.get_tensor(name) for name in infos}, metadata
     except Exception as e:  # safetensors raises its own error types; name the file
         raise CheckpointError(f"{path}: cannot be read: {e}") from e
@@ -228,7 +228,7 @@ class Reader:
         if shape != tuple(out.shape):
             raise AssertionError(f"{info.name}: slice {shape} does not fit {tuple(out.shape)}")
         try:
-            with safe_open(info.file, framework="pt", device="cpu") as f:
+            with safetensors.safe_open(info.file, framework="pt", device="cpu") as f:
                 out.copy_(f.get_slice(info.name)[index] if info.shape else f.get_tensor(info.name))
         except Exception as e:  # safetensors raises its own error types; name the file and tensor
             raise CheckpointError(f"{info.file}: tensor {info.name!r}: cannot be read: {e}") from e

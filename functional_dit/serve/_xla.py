@@ -79,6 +79,7 @@ class Stats:
     rows: int = 0
     padded_rows: int = 0
     warmup_seconds: float = 0.0
+    bucket_steps: dict = dataclasses.field(default_factory=dict)  # {bucket: steps run at that bucket}
 
 
 class Fixed:
@@ -155,6 +156,7 @@ class Fixed:
         s.last_to_device = after["to_device"] - before["to_device"]
         s.last_to_host = after["to_host"] - before["to_host"]
         s.rows, s.padded_rows = s.rows + rows, s.padded_rows + bucket - rows
+        s.bucket_steps = {**s.bucket_steps, bucket: s.bucket_steps.get(bucket, 0) + 1}
 
     def warmup(self, params, sizes, cfg: bool, max_sequence_length=None) -> None:
         """Compile every bucket's step for each (width, height) of ``sizes``, without and
@@ -191,6 +193,8 @@ class Fixed:
             "# TYPE fd_serve_xla_rows_total counter",
             f'fd_serve_xla_rows_total{{kind="item"}} {s.rows}',
             f'fd_serve_xla_rows_total{{kind="pad"}} {s.padded_rows}',
+            "# TYPE fd_serve_xla_bucket_steps_total counter",
+            *(f'fd_serve_xla_bucket_steps_total{{bucket="{b}"}} {n}' for b, n in sorted(s.bucket_steps.items())),
             "# TYPE fd_serve_xla_warmup_seconds gauge",
             f"fd_serve_xla_warmup_seconds {s.warmup_seconds:.6g}",
         ]
