@@ -237,3 +237,21 @@ def test_imports_inside_functions_are_optional_dependencies_and_say_why():
     ]  # fmt: skip
     assert [(where, top) for where, top, _ in found if top not in LAZY_OK] == []
     assert [where for where, top, said in found if top in LAZY_OK and not said] == []
+
+
+def test_the_demo_install_runs_without_the_dev_and_serve_extras():
+    """`pip install -e .` (the README's demo) has no peft, starlette, uvicorn or matplotlib:
+    the sampler, the CLI and `fd.sample` on a tiny pipeline run without them (an import
+    moved to a module's top once pulled peft in through the adapter)."""
+    code = (
+        "import sys\n"
+        "for m in ('peft', 'starlette', 'uvicorn', 'matplotlib', 'multipart'): sys.modules[m] = None\n"
+        "import functional_dit as fd, functional_dit.cli, functional_dit.cli.demo, functional_dit.cli.serve\n"
+        "from functional_dit import tiny\n"
+        "pipe = tiny.pipeline('flux')\n"
+        "img = fd.sample(fd.from_diffusers(pipe.transformer), pipe, 'a cat', height=32, width=32, steps=1, seed=0,\n"
+        "                max_sequence_length=32)[0]\n"
+        "print(img.size)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip().endswith("(32, 32)"), out.stderr[-2000:]

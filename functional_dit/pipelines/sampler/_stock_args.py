@@ -48,7 +48,6 @@ import numbers
 
 import torch
 
-from ..adapter import ip_adapter_input
 from ..families import product as _product
 
 # Arguments taken by no pipeline fd.sample drives with a meaning here, and why.
@@ -283,6 +282,9 @@ def ip_adapter(pipe, pos, neg, sharded: bool, cache) -> tuple | None:
             )
     if sharded:
         raise ValueError("ip_adapter_image_embeds: the IP-Adapter runs on plain params only (not on a mesh) yet")
+    # the adapter loads peft (an optional dependency, not in the demo's install): imported on first use
+    from ..adapter import ip_adapter_input
+
     module = getattr(pipe, "transformer", None)
     return ip_adapter_input(module, list(pos) if isinstance(pos, list) else [pos]), ip_adapter_input(
         module, list(neg) if isinstance(neg, list) else [neg]
