@@ -123,13 +123,13 @@ def _counting(monkeypatch) -> dict:
     calls = {"images": 0, "captions": 0}
     latent, texts = _data.encode_latent, _data.encode_texts
 
-    def encode_latent(pipe, kind, image):
+    def encode_latent(pipe, fam, image):
         calls["images"] += 1
-        return latent(pipe, kind, image)
+        return latent(pipe, fam, image)
 
-    def encode_texts(pipe, kind, captions, every, max_len):
+    def encode_texts(pipe, fam, captions, every, max_len):
         calls["captions"] += len(captions)
-        return texts(pipe, kind, captions, every, max_len)
+        return texts(pipe, fam, captions, every, max_len)
 
     monkeypatch.setattr(_data, "encode_latent", encode_latent)
     monkeypatch.setattr(_data, "encode_texts", encode_texts)

@@ -9,7 +9,7 @@ import os
 
 from ._cache import check_step
 from ._checkpoint import checkpoint_step, has_ema, latest_checkpoint, previous_run
-from ._data import FLOW_MAP, IMAGES, METADATA, MODULAR_INDEX, TINY_KINDS, check_resolution, find_items
+from ._data import FLOW_MAP, IMAGES, METADATA, MODULAR_INDEX, TINY_KINDS, check_resolution, find_items, tiny_family
 from ._optim import SCHEDULES
 
 
@@ -126,9 +126,9 @@ def check(a: argparse.Namespace, error) -> None:
         bad("--pipeline", f"one of {tiny} or a diffusers pipeline folder (with model_index.json)", a.pipeline)
     _check_numbers(a, bad)
     try:  # (a folder's family: checked once loaded)
-        kind = "QwenImage21Pipeline" if a.pipeline == "tiny:qwen-image-2.1" else ""
-        check_resolution(kind, a.resolution)
-        check_step(kind, a.bucket_step)
+        fam = tiny_family(a.pipeline) if a.pipeline in tiny else None
+        check_resolution(fam, a.resolution)
+        check_step(fam, a.bucket_step)
     except ValueError as e:
         error(str(e))
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -9,17 +9,10 @@ import math
 import torch
 from PIL import Image, ImageOps
 
-LATENT_MULTIPLE = {"QwenImage21Pipeline": 32}  # its x16 VAE, 2x2 image slots; the others: 16 (8x VAE, 2x2 packing)
-
-
-def latent_multiple(kind: str) -> int:
-    """The pixel multiple a family's latent needs: 32 for Qwen-Image 2.1, else 16."""
-    return LATENT_MULTIPLE.get(kind, 16)
-
 
 def make_buckets(resolution: int, step: int, max_ratio: float) -> list[tuple[int, int]]:
     """The buckets ``(height, width)``: for each width a multiple of ``step``
-    (--bucket-step, itself a multiple of the family's `latent_multiple`), the largest
+    (--bucket-step, itself a multiple of the family's latent multiple, `_data.latent_multiple`), the largest
     height, a multiple too, with ``height * width <= resolution²``, kept where the longer
     side is at most ``max_ratio`` times the shorter (--max-aspect-ratio); the square
     ``resolution²`` always one of them, and of two of one aspect ratio the larger. Sorted

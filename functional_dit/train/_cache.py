@@ -17,8 +17,9 @@ from safetensors.torch import load_file, save_file
 
 import functional_dit as fd
 
+from ..pipelines.families import product
 from . import _data
-from ._buckets import describe, image_tensor, latent_multiple, make_buckets, nearest_bucket, upright_size
+from ._buckets import describe, image_tensor, make_buckets, nearest_bucket, upright_size
 
 CACHE_VERSION = 4  # 4: per-entry safetensors files, aspect-ratio buckets
 KEY_FILE = "key.json"  # what the entries of the last run were encoded from (for a reader; names carry the hashes)
@@ -57,7 +58,8 @@ class Plan:
     """What the cache holds for a run: each item's bucket and latent file, each text row's
     file (row N: the empty caption), and the buckets."""
 
-    kind: str
+    fam: object  # the family (`functional_dit.families`): its product module encodes
+    kind: str  # the pipeline's class name (the entries' names hash it)
     buckets: list  # the candidate buckets, (height, width)
     item_bucket: list  # per item
     latent_files: list  # per item
@@ -66,7 +68,7 @@ class Plan:
     paths: list  # per item: the image
 
 
-def plan(a, items, kind: str, stamp: str) -> Plan:
+def plan(a, items, fam, kind: str, stamp: str) -> Plan:
     """The buckets (`make_buckets`), each image's (nearest aspect ratio) and the entry
     files: a latent's name hashes the encoders, the image's bytes and its bucket; a text's
     the encoders, the caption and the text length (FLUX.3's: all captions too, it encodes
@@ -80,12 +82,12 @@ def plan(a, items, kind: str, stamp: str) -> Plan:
         item_bucket.append(hw)
         latent_files.append(os.path.join(root, f"latent-{_hash(stamp, kind, _file_hash(path), hw)}.safetensors"))
     captions = [c for _, c in items] + [""]
-    together = sorted(set(captions)) if kind == "Flux3ModularPipeline" else None
+    together = sorted(set(captions)) if product(fam).TRAIN_TEXTS_TOGETHER else None
     text_files = [
         os.path.join(root, f"text-{_hash(stamp, kind, c, a.max_sequence_length, together)}.safetensors")
         for c in captions
     ]
-    return Plan(kind, buckets, item_bucket, latent_files, text_files, captions, [p for p, _ in items])
+    return Plan(fam, kind, buckets, item_bucket, latent_files, text_files, captions, [p for p, _ in items])
 
 
 def _save(tensors: dict, path: str) -> None:
@@ -101,21 +103,17 @@ def fill(pipe, p: Plan, max_len: int) -> int:
     done = 0
     for path, hw, file in zip(p.paths, p.item_bucket, p.latent_files):
         if not os.path.isfile(file):
-            z, extra = _data.encode_latent(pipe, p.kind, image_tensor(path, hw)[None])
+            z, extra = _data.encode_latent(pipe, p.fam, image_tensor(path, hw)[None])
             _save({"latent": z, **_tensors(extra)}, file)
             done += 1
     missing = [i for i, f in enumerate(p.text_files) if not os.path.isfile(f)]
     if missing:
-        rows = _data.encode_texts(pipe, p.kind, [p.captions[i] for i in missing], p.captions, max_len)
+        rows = _data.encode_texts(pipe, p.fam, [p.captions[i] for i in missing], p.captions, max_len)
         for i, (e, second, extra) in zip(missing, rows):
-            named = {"txt": e, **({} if second is None else {_second(p.kind): second}), **_tensors(extra)}
+            named = {"txt": e, **({} if second is None else {product(p.fam).TRAIN_SECOND: second}), **_tensors(extra)}
             _save(named, p.text_files[i])
             done += 1
     return done
-
-
-def _second(kind: str) -> str:
-    return "pooled" if kind == "FluxPipeline" else "txt_mask"
 
 
 def _tensors(extra: dict) -> dict:
@@ -148,13 +146,13 @@ def summary(a, p: Plan) -> str:
     return describe(p.buckets, bucket_counts(p), a.resolution, a.bucket_step)
 
 
-def check_step(kind: str, step: int) -> None:
-    """A ``ValueError`` naming --bucket-step unless it is a multiple of the family's latent
-    multiple (`latent_multiple`)."""
-    if step % latent_multiple(kind):
-        raise ValueError(
-            f"--bucket-step: expected a multiple of {latent_multiple(kind)} for {kind or 'this family'}, got {step}"
-        )
+def check_step(fam, step: int) -> None:
+    """A ``ValueError`` naming --bucket-step unless it is a multiple of family ``fam``'s
+    latent multiple (`_data.latent_multiple`; ``fam`` None: not known yet)."""
+    multiple = _data.latent_multiple(fam)
+    if step % multiple:
+        name = "this family" if fam is None else fam.NAME
+        raise ValueError(f"--bucket-step: expected a multiple of {multiple} for {name}, got {step}")
 
 
 @dataclasses.dataclass
@@ -195,9 +193,7 @@ class Data:
         }
         if "img_shapes" in lat[0]:
             out["img_shapes"] = [tuple(int(v) for v in row) for row in lat[0]["img_shapes"]]
-        if self.plan.kind == "QwenImage21Pipeline":  # the text rows, then one image slot per 2x2 latent patch
-            out["img_mask"] = torch.tensor([False] * self.txt_len + [True] * (out["latents"].shape[1] // 4))
-        return out
+        return out | product(self.plan.fam).train_inputs(out, self.txt_len)
 
 
 def load(p: Plan) -> Data:
@@ -218,11 +214,11 @@ def prepare(a, rank: int, barrier):
     os.makedirs(a.output_dir, exist_ok=True)
     items = _data.with_trigger(_data.find_items(a.data), a.trigger)
     pipe = _data.load_pipeline(a.pipeline)
-    kind = type(pipe).__name__
-    _data.check_resolution(kind, a.resolution)
-    check_step(kind, a.bucket_step)
+    fam = _data.family(pipe)
+    _data.check_resolution(fam, a.resolution)
+    check_step(fam, a.bucket_step)
     stamp = encoder_stamp(a.pipeline)
-    p = plan(a, items, kind, stamp)
+    p = plan(a, items, fam, type(pipe).__name__, stamp)
     if rank == 0:
         os.makedirs(cache_dir(a), exist_ok=True)
         encoded = fill(pipe, p, a.max_sequence_length)

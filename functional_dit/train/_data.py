@@ -5,28 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-import types
 
 import torch
 
+from functional_dit import families as _families
 from functional_dit import tiny
 
-from ..pipelines.families.flux3 import Flux3
+from ..pipelines.families import product
 
 IMAGES = (".png", ".jpg", ".jpeg", ".webp")
 
 
 TINY_KINDS = ("flux", "flux2-klein", "qwen-image", "flux3", "qwen-image-2.1")  # --pipeline tiny[:kind]
-
-
-PIPELINES = (
-    "FluxPipeline",
-    "Flux2Pipeline",
-    "Flux2KleinPipeline",
-    "QwenImagePipeline",
-    "Flux3ModularPipeline",
-    "QwenImage21Pipeline",
-)  # the encode steps written here (FLUX.3: the base model; its flow map is refused, `check_trainable`)
 
 
 METADATA = "metadata.jsonl"  # the diffusers / datasets image-folder captions: {"file_name", "text"}
@@ -123,117 +113,60 @@ FLOW_MAP = (
 )
 
 
+def trainable() -> tuple[str, ...]:
+    """The stock pipelines whose encode steps a family writes (its ``TRAIN_PIPELINES``)."""
+    return tuple(n for f in _families.BY_KEY.values() for n in product(f).TRAIN_PIPELINES)
+
+
+def family(pipe):
+    """The family (`functional_dit.families`) whose product module writes the encode steps
+    that train ``pipe`` (a subclass of a trainable pipeline too: FLUX.3's distilled one),
+    else a ``ValueError`` naming --pipeline."""
+    for cls in type(pipe).__mro__:
+        if cls.__name__ in _families.PIPELINES:
+            fam = _families.of_pipeline(cls.__name__)
+            if cls.__name__ in product(fam).TRAIN_PIPELINES:
+                return fam
+    raise ValueError(f"--pipeline: expected one of {trainable()}, got a {type(pipe).__name__}")
+
+
+def tiny_family(path: str):
+    """The family of ``tiny[:kind]``, known before anything loads."""
+    return _families.TINY_KINDS[path.partition(":")[2] or "flux"][0]
+
+
 def check_trainable(pipe):
-    """``pipe`` if its family's encode steps are written here, else a ``ValueError`` naming
-    --pipeline (FLUX.3's flow map: `FLOW_MAP`)."""
-    kind = type(pipe).__name__
-    if not any(c.__name__ in PIPELINES for c in type(pipe).__mro__):  # (FLUX.3's distilled one: a subclass)
-        raise ValueError(f"--pipeline: expected one of {PIPELINES}, got a {kind}")
+    """``pipe`` if its family's encode steps are written (`family`), else a ``ValueError``
+    naming --pipeline (FLUX.3's flow map: `FLOW_MAP`)."""
+    family(pipe)
     if getattr(pipe.transformer.config, "flow_map", False):
-        raise ValueError(f"--pipeline: {FLOW_MAP}, got a {kind} with flow_map=True")
+        raise ValueError(f"--pipeline: {FLOW_MAP}, got a {type(pipe).__name__} with flow_map=True")
     return pipe
 
 
-def check_resolution(kind: str, resolution: int) -> None:
-    """A ``ValueError`` naming --resolution unless the family's latent fits it: Qwen-Image
-    2.1's x16 VAE and one image slot per 2x2 latent patch need a multiple of 32 (its
-    pipeline's check); the others' a multiple of 16 (checked with the arguments)."""
-    if kind == "QwenImage21Pipeline" and resolution % 32:
-        expected = "a multiple of 32 for Qwen-Image 2.1 (its x16 VAE, 2x2 image slots)"
-        raise ValueError(f"--resolution: expected {expected}, got {resolution}")
+def check_resolution(fam, resolution: int) -> None:
+    """A ``ValueError`` naming --resolution unless the family's latent fits it
+    (its product's ``TRAIN_LATENT_MULTIPLE``: 32 for Qwen-Image 2.1's x16 VAE and 2x2
+    image slots; the others' 16, checked with the arguments). ``fam``: a family, or None
+    (a folder's, not known before it loads)."""
+    multiple = latent_multiple(fam)
+    if resolution % multiple:
+        raise ValueError(f"--resolution: expected a multiple of {multiple} for {fam.NAME}, got {resolution}")
 
 
-def encode_texts(pipe, kind: str, captions: list[str], every: list[str], max_len: int) -> list[tuple]:
-    """The embeddings of ``captions`` (each: (L, D), its FLUX.1 pooled vector or Qwen-Image
-    mask or None, its position inputs) as the pipeline makes them; FLUX.3's encoded
-    together with ``every`` caption of the run (all at the longest one's padded length)."""
-    if kind == "Flux3ModularPipeline":
-        rows = dict(zip(every, _flux3_texts(pipe, every, max_len)))
-        return [rows[c] for c in captions]
-    return [_text(pipe, kind, c, max_len) for c in captions]
+def latent_multiple(fam) -> int:
+    """The pixel multiple family ``fam``'s latent needs (None: 16, what every family takes)."""
+    return 16 if fam is None else product(fam).TRAIN_LATENT_MULTIPLE
 
 
-def encode_latent(pipe, kind: str, image: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def encode_texts(pipe, fam, captions: list[str], every: list[str], max_len: int) -> list[tuple]:
+    """The embeddings of ``captions`` (each: (L, D), its pooled vector or mask or None, its
+    position inputs) as the pipeline makes them (the family's ``train_texts``; FLUX.3's
+    encoded together with ``every`` caption of the run)."""
+    return product(fam).train_texts(pipe, captions, every, max_len)
+
+
+def encode_latent(pipe, fam, image: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """One image's (1, 3, H, W) packed latent (S, C) and its position inputs, as the
-    pipeline prepares them (`_latent`)."""
-    return _latent(pipe, kind, image)
-
-
-def _latent(pipe, kind: str, image: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """One image's packed latent (S, C) and its position inputs (the same for every image)."""
-    if kind == "FluxPipeline":  # shifted and scaled, packed 2x2
-        z = pipe.vae.encode(image).latent_dist.mode()
-        z = (z - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
-        _, c, h, w = z.shape
-        ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, "cpu", torch.float32)
-        return pipe._pack_latents(z, 1, c, h, w)[0], {"img_ids": ids}
-    if kind in ("QwenImagePipeline", "QwenImage21Pipeline"):  # a one-frame video latent, normalised
-        if kind == "QwenImage21Pipeline":  # RGBA, as its pipeline converts images: opaque
-            image = torch.cat([image, torch.ones_like(image[:, :1])], 1)
-        z = pipe.vae.encode(image[:, :, None]).latent_dist.mode()
-        shape = (1, -1, 1, 1, 1)
-        mean = torch.tensor(pipe.vae.config.latents_mean).view(shape)
-        z = (z - mean) / torch.tensor(pipe.vae.config.latents_std).view(shape)
-        _, c, _, h, w = z.shape  # Qwen-Image packs 2x2; 2.1 takes it unpatched (its _pack_latents: a flatten)
-        side = (h // 2, w // 2) if kind == "QwenImagePipeline" else (h, w)
-        return pipe._pack_latents(z, 1, c, h, w)[0], {"img_shapes": [(1, *side)]}
-    if kind == "Flux3ModularPipeline":
-        return _flux3_latent(pipe, image)
-    z = pipe._encode_vae_image(image, generator=None)  # FLUX.2: patchified 2x2, batch-normed
-    return pipe._pack_latents(z)[0], {"img_ids": pipe._prepare_latent_ids(z)[0]}
-
-
-def _flux3_latent(pipe, image: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """FLUX.3's latent as its VAE encoder step makes a reference's (patchified 2x2,
-    batch-normed) packed as the sampler packs (one token per patch), and its 4-axis ids
-    (image H/W scaled by 0.5, as Flux3PrepareLatentsStep)."""
-    # diffusers: seconds to import, loaded when first used
-    from diffusers.modular_pipelines.flux3.encoders import Flux3VaeEncoderStep
-
-    vae = pipe.vae
-    z = Flux3VaeEncoderStep._patchify_latents(vae.encode(image).latent_dist.mode())
-    mean = vae.bn.running_mean.view(1, -1, 1, 1)
-    z = (z - mean) / torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-    _, _, h, w = z.shape
-    rows, cols = torch.meshgrid(torch.arange(h) * 1.0, torch.arange(w) * 1.0, indexing="ij")
-    zeros = torch.zeros(rows.numel())
-    ids = torch.stack([zeros, rows.reshape(-1) * Flux3.ROPE_SCALE, cols.reshape(-1) * Flux3.ROPE_SCALE, zeros], -1)
-    return Flux3.pack(z)[0], {"img_ids": ids}
-
-
-def _flux3_texts(pipe, captions: list[str], max_len: int) -> list[tuple]:
-    """FLUX.3's caption embeddings through its pipeline's encoder (stacked Qwen3-VL layers,
-    right-padded to a multiple of 80 tokens, as `fd.sample` encodes), all at one length: a
-    caption whose padded length is shorter than the longest's is padded to it with the
-    same pad tokens (FLUX.3 attends to them: no mask to stack captions with instead)."""
-    # diffusers: seconds to import, loaded when first used
-    from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
-
-    layers = Flux3(types.SimpleNamespace(config=pipe.transformer.config), pipe)._layers()
-    embed = Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds
-
-    def run(caption: str, multiple: int) -> torch.Tensor:
-        kw = dict(max_sequence_length=max_len, pad_multiple=multiple, hidden_states_layers=layers)
-        return embed(pipe.text_encoder, pipe.tokenizer, caption, **kw)[0]
-
-    embeds = [run(c, Flux3.PAD_MULTIPLE) for c in captions]
-    T = max(len(e) for e in embeds)
-    embeds = [e if len(e) == T else run(c, T) for c, e in zip(captions, embeds)]
-    ids = torch.stack([torch.zeros(T), torch.zeros(T), torch.zeros(T), torch.arange(T) * 1.0], -1)
-    return [(e, None, {"txt_ids": ids}) for e in embeds]
-
-
-def _text(pipe, kind: str, caption: str, max_len: int) -> tuple[torch.Tensor, object, dict]:
-    """One caption's embeddings (L, D), its FLUX.1 pooled vector or Qwen-Image mask (else
-    None) and its position inputs."""
-    if kind == "FluxPipeline":  # T5 + CLIP pooled
-        e, p, txt_ids = pipe.encode_prompt(caption, prompt_2=None, max_sequence_length=max_len)
-        return e[0], p[0], {"txt_ids": txt_ids}
-    if kind == "QwenImagePipeline":
-        e, m = pipe.encode_prompt(caption, max_sequence_length=max_len)
-        return e[0], (torch.ones(e.shape[1], dtype=torch.long) if m is None else m[0].long()), {}
-    if kind == "QwenImage21Pipeline":  # its own template and length (no max_sequence_length); text only
-        e, m, _ = pipe.encode_prompt(caption, device=torch.device("cpu"))
-        return e[0], (torch.ones(e.shape[1], dtype=torch.long) if m is None else m[0].long()), {}
-    e, txt_ids = pipe.encode_prompt(caption, max_sequence_length=max_len)  # FLUX.2
-    return e[0], None, {"txt_ids": txt_ids[0]}
+    pipeline prepares them (the family's ``train_latent``)."""
+    return product(fam).train_latent(pipe, image)

@@ -69,6 +69,14 @@ HOOKS = (
     "bench_inputs",  # (config, x, t, txt, h, w, device, dtype, generator) -> (fd.apply kw, stock kw)
     "BENCH_CACHE",  # the family's step-cache bench run (`_common.BenchCache`), or None
     "CHECK_EAGER_ONLY",  # why `check` runs this family eager only, or None
+    # the LoRA trainer (functional_dit.train)
+    "TRAIN_PIPELINES",  # the stock pipelines whose encode steps the trainer has (none: not trainable)
+    "TRAIN_LATENT_MULTIPLE",  # the pixel multiple the family's latent needs (--resolution, --bucket-step)
+    "TRAIN_TEXTS_TOGETHER",  # captions are encoded together, at the longest one's length (a cache key)
+    "TRAIN_SECOND",  # the name of a caption's second tensor (a pooled vector, a mask), or None
+    "train_latent",  # (pipe, image (1, 3, H, W)) -> (the packed latent (S, C), its position inputs)
+    "train_texts",  # (pipe, captions, every caption, max_len) -> [(embeds (L, D), second or None, positions)]
+    "train_inputs",  # (a batch's fd.apply inputs, its text length) -> the family's further inputs
 )
 
 

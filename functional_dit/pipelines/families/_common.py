@@ -152,3 +152,38 @@ def qwen_inputs(x, t, txt, h, w):
     kw = dict(x=x, t=t, txt=txt, img_shapes=[[(1, h, w)]])
     dkw = dict(hidden_states=x, encoder_hidden_states=txt, timestep=t, img_shapes=[[(1, h, w)]], return_dict=False)
     return kw, dkw
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+TRAIN_PIPELINES = ()  # not trainable unless the family writes its encode steps
+TRAIN_LATENT_MULTIPLE = 16  # an 8x VAE and 2x2 packing
+TRAIN_TEXTS_TOGETHER = False
+TRAIN_SECOND = None
+
+
+def train_inputs(batch: dict, txt_len: int) -> dict:
+    """No further fd.apply inputs for a training batch."""
+    return {}
+
+
+def video_latent(pipe, image: torch.Tensor, rgba: bool, patched: bool) -> tuple[torch.Tensor, dict]:
+    """Qwen-Image's (and 2.1's) training latent: the image as a one-frame video (RGBA, opaque,
+    for 2.1, as its pipeline converts images), normalised by the VAE's mean and std, packed
+    by the pipeline (2x2 patches where ``patched``; 2.1 takes it unpatched) with its
+    ``img_shapes``."""
+    if rgba:
+        image = torch.cat([image, torch.ones_like(image[:, :1])], 1)
+    z = pipe.vae.encode(image[:, :, None]).latent_dist.mode()
+    shape = (1, -1, 1, 1, 1)
+    mean = torch.tensor(pipe.vae.config.latents_mean).view(shape)
+    z = (z - mean) / torch.tensor(pipe.vae.config.latents_std).view(shape)
+    _, c, _, h, w = z.shape
+    side = (h // 2, w // 2) if patched else (h, w)
+    return pipe._pack_latents(z, 1, c, h, w)[0], {"img_shapes": [(1, *side)]}
+
+
+def masked_text(embeds: torch.Tensor, mask) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """One caption's (L, D) embeddings and its (L,) mask (all ones where the pipeline gave
+    none): Qwen-Image's and 2.1's training rows."""
+    return embeds[0], (torch.ones(embeds.shape[1], dtype=torch.long) if mask is None else mask[0].long()), {}

@@ -6,6 +6,8 @@ pipelines' recipes and the bench's inputs (`functional_dit.pipelines.families.HO
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from ... import flux3
@@ -219,3 +221,54 @@ def bench_inputs(config, x, t, txt, h, w, device, dtype, g):
     if config.flow_map:
         kw["target_timestep"] = dkw["target_timestep"]
     return kw, dkw
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+TRAIN_PIPELINES = ("Flux3ModularPipeline",)  # the base model (its flow map learns jumps, not velocities)
+TRAIN_LATENT_MULTIPLE, TRAIN_SECOND, train_inputs = (
+    _common.TRAIN_LATENT_MULTIPLE,
+    _common.TRAIN_SECOND,
+    _common.train_inputs,
+)
+TRAIN_TEXTS_TOGETHER = True  # no mask to stack captions with: all at the longest one's padded length
+
+
+def train_latent(pipe, image: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The latent as the VAE encoder step makes a reference's (patchified 2x2,
+    batch-normed) packed as the sampler packs (one token per patch), and its 4-axis ids
+    (image H/W scaled by 0.5, as Flux3PrepareLatentsStep)."""
+    # diffusers: seconds to import, loaded when first used
+    from diffusers.modular_pipelines.flux3.encoders import Flux3VaeEncoderStep
+
+    vae = pipe.vae
+    z = Flux3VaeEncoderStep._patchify_latents(vae.encode(image).latent_dist.mode())
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    z = (z - mean) / torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    _, _, h, w = z.shape
+    rows, cols = torch.meshgrid(torch.arange(h) * 1.0, torch.arange(w) * 1.0, indexing="ij")
+    zeros = torch.zeros(rows.numel())
+    ids = torch.stack([zeros, rows.reshape(-1) * Flux3.ROPE_SCALE, cols.reshape(-1) * Flux3.ROPE_SCALE, zeros], -1)
+    return Flux3.pack(z)[0], {"img_ids": ids}
+
+
+def train_texts(pipe, captions: list, every: list, max_len: int) -> list:
+    """The captions' embeddings through the pipeline's encoder (stacked Qwen3-VL layers,
+    right-padded to a multiple of 80 tokens, as `fd.sample` encodes), ``every`` caption of
+    the run at one length: a caption whose padded length is shorter than the longest's is
+    padded to it with the same pad tokens (FLUX.3 attends to them)."""
+    # diffusers: seconds to import, loaded when first used
+    from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
+
+    layers = Flux3(types.SimpleNamespace(config=pipe.transformer.config), pipe)._layers()
+    embed = Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds
+
+    def run(caption: str, multiple: int) -> torch.Tensor:
+        kw = dict(max_sequence_length=max_len, pad_multiple=multiple, hidden_states_layers=layers)
+        return embed(pipe.text_encoder, pipe.tokenizer, caption, **kw)[0]
+
+    embeds = {c: run(c, Flux3.PAD_MULTIPLE) for c in every}
+    T = max(len(e) for e in embeds.values())
+    ids = torch.stack([torch.zeros(T), torch.zeros(T), torch.zeros(T), torch.arange(T) * 1.0], -1)
+    rows = {c: (e if len(e) == T else run(c, T), None, {"txt_ids": ids}) for c, e in embeds.items()}
+    return [rows[c] for c in captions]

@@ -282,3 +282,27 @@ def bench_inputs(config, x, t, txt, h, w, device, dtype, g):
     img_mask = torch.tensor([False] * txt.shape[1] + [True] * (h * w // 4), device=device)[None]
     kw["img_mask"] = dkw["img_mask"] = img_mask
     return kw, dkw
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+TRAIN_PIPELINES = ("QwenImage21Pipeline",)
+TRAIN_LATENT_MULTIPLE = 32  # its x16 VAE, one image slot per 2x2 latent patch
+TRAIN_TEXTS_TOGETHER = _common.TRAIN_TEXTS_TOGETHER
+TRAIN_SECOND = "txt_mask"  # captions padded to the batch's longest, masked
+
+
+def train_latent(pipe, image):
+    """A one-frame RGBA (opaque) video latent, normalised, unpatched (`_common.video_latent`)."""
+    return _common.video_latent(pipe, image, rgba=True, patched=False)
+
+
+def train_texts(pipe, captions: list, every: list, max_len: int) -> list:
+    """Each caption's embeddings and mask: its own template and length (no
+    max_sequence_length), text only."""
+    return [_common.masked_text(*pipe.encode_prompt(c, device=torch.device("cpu"))[:2]) for c in captions]
+
+
+def train_inputs(batch: dict, txt_len: int) -> dict:
+    """The joint sequence's image-slot mask: the text rows, then one slot per 2x2 latent patch."""
+    return {"img_mask": torch.tensor([False] * txt_len + [True] * (batch["latents"].shape[1] // 4))}

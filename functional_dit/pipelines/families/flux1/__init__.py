@@ -211,3 +211,32 @@ def bench_inputs(config, x, t, txt, h, w, device, dtype, g):
         device, dtype
     )
     return kw, dkw
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+TRAIN_PIPELINES = ("FluxPipeline",)
+TRAIN_LATENT_MULTIPLE, TRAIN_TEXTS_TOGETHER, train_inputs = (
+    _common.TRAIN_LATENT_MULTIPLE,
+    _common.TRAIN_TEXTS_TOGETHER,
+    _common.train_inputs,
+)
+TRAIN_SECOND = "pooled"  # CLIP's pooled vector
+
+
+def train_latent(pipe, image: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The VAE latent shifted and scaled, packed 2x2, with its ``img_ids``."""
+    z = pipe.vae.encode(image).latent_dist.mode()
+    z = (z - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+    _, c, h, w = z.shape
+    ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, "cpu", torch.float32)
+    return pipe._pack_latents(z, 1, c, h, w)[0], {"img_ids": ids}
+
+
+def train_texts(pipe, captions: list, every: list, max_len: int) -> list:
+    """Each caption's T5 embeddings, CLIP pooled vector and ``txt_ids``."""
+    out = []
+    for caption in captions:
+        e, pooled, txt_ids = pipe.encode_prompt(caption, prompt_2=None, max_sequence_length=max_len)
+        out.append((e[0], pooled[0], {"txt_ids": txt_ids}))
+    return out

@@ -185,3 +185,29 @@ CHECK_EAGER_ONLY = None
 
 def bench_inputs(config, x, t, txt, h, w, device, dtype, g):
     return _common.flux_ids_inputs(config, x, t, txt, h, w, device, 4)
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+TRAIN_PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline")
+TRAIN_LATENT_MULTIPLE, TRAIN_TEXTS_TOGETHER, TRAIN_SECOND, train_inputs = (
+    _common.TRAIN_LATENT_MULTIPLE,
+    _common.TRAIN_TEXTS_TOGETHER,
+    _common.TRAIN_SECOND,
+    _common.train_inputs,
+)
+
+
+def train_latent(pipe, image):
+    """The pipeline's reference encoding (patchified 2x2, batch-normed), packed, with its ids."""
+    z = pipe._encode_vae_image(image, generator=None)
+    return pipe._pack_latents(z)[0], {"img_ids": pipe._prepare_latent_ids(z)[0]}
+
+
+def train_texts(pipe, captions: list, every: list, max_len: int) -> list:
+    """Each caption's embeddings (the text encoder's stacked layers) and ``txt_ids``."""
+    out = []
+    for caption in captions:
+        e, txt_ids = pipe.encode_prompt(caption, max_sequence_length=max_len)
+        out.append((e[0], None, {"txt_ids": txt_ids[0]}))
+    return out

@@ -172,3 +172,24 @@ CHECK_EAGER_ONLY = None
 
 def bench_inputs(config, x, t, txt, h, w, device, dtype, g):
     return _common.qwen_inputs(x, t, txt, h, w)
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+TRAIN_PIPELINES = ("QwenImagePipeline",)
+TRAIN_LATENT_MULTIPLE, TRAIN_TEXTS_TOGETHER, train_inputs = (
+    _common.TRAIN_LATENT_MULTIPLE,
+    _common.TRAIN_TEXTS_TOGETHER,
+    _common.train_inputs,
+)
+TRAIN_SECOND = "txt_mask"  # captions padded to the batch's longest, masked
+
+
+def train_latent(pipe, image):
+    """A one-frame video latent, normalised, packed 2x2 (`_common.video_latent`)."""
+    return _common.video_latent(pipe, image, rgba=False, patched=True)
+
+
+def train_texts(pipe, captions: list, every: list, max_len: int) -> list:
+    """Each caption's embeddings and mask."""
+    return [_common.masked_text(*pipe.encode_prompt(c, max_sequence_length=max_len)) for c in captions]
