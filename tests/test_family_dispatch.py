@@ -98,12 +98,16 @@ def test_the_check_finds_each_kind_of_dispatch():
 # The generic sampler (fd.sample, the per-item sampling, the fixed-graph loop): a stock
 # pipeline's image job is the family's (its product module's ``JOBS`` and ``image_job``),
 # so no stock pipeline class name is compared or used as a table key there; nor in the
-# LoRA trainer, whose encode steps are the families' (``TRAIN_PIPELINES``, ``train_latent``, ...).
+# LoRA trainer, whose encode steps are the families' (``TRAIN_PIPELINES``, ``train_latent``, ...),
+# the server or the CLI, which read what a pipeline does with images from the families
+# (``IMAGE_INPUTS``, ``CONTROLNET_PIPELINES``).
 SAMPLER = (
     "functional_dit/pipelines/sampler",
     "functional_dit/pipelines/sampling.py",
     "functional_dit/pipelines/sampler_xla.py",
     "functional_dit/train",
+    "functional_dit/serve",
+    "functional_dit/cli",
 )
 
 
@@ -132,7 +136,9 @@ def test_the_generic_sampler_compares_no_pipeline_class_name():
     files = [p for s in SAMPLER for p in sorted((ROOT / s).rglob("*.py") if (ROOT / s).is_dir() else [ROOT / s])]
     assert len(files) > 5
     bad = [f"{p.relative_to(ROOT)}:{line}: {what}" for p in files for line, what in pipeline_dispatches(p.read_text())]
-    assert not bad, "pipeline class names compared in the generic sampler or the trainer:\n" + "\n".join(bad)
+    assert not bad, (
+        "pipeline class names compared in the generic sampler, the trainer, the server or the CLI:\n" + "\n".join(bad)
+    )
     caught = ['ok = type(pipe).__name__ == "FluxKontextPipeline"', 'ok = name in ("QwenImageEditPlusPipeline",)',
               'T = {"FluxInpaintPipeline": 1}', 'P = ("FluxControlNetPipeline", "QwenImagePipeline")']  # fmt: skip
     assert all(pipeline_dispatches(src) for src in caught)

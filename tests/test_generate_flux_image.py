@@ -34,12 +34,14 @@ def folders(tmp_path_factory):
     pipe = tiny.pipeline("flux")
     pipe.save_pretrained(str(root / "flux"))
     inpaint = _pipeline_folder(root / "inpaint", "FluxInpaintPipeline", "flux1-tiny")
+    img2img = _pipeline_folder(root / "img2img", "FluxImg2ImgPipeline", "flux1-tiny")
     qwen = _pipeline_folder(root / "qwen", "QwenImagePipeline", "qwen-image-tiny")
     tiny.pipeline("qwen-image").save_pretrained(str(root / "qwen-full"))
     return dict(
         root=str(root),
         flux=str(root / "flux"),
         inpaint=inpaint,
+        img2img=img2img,
         qwen=qwen,
         pipe=pipe,
         qwen_full=str(root / "qwen-full"),
@@ -91,6 +93,11 @@ CASES = [  # (argv with {placeholders}, the line's expected text)
     (["--model", "{qwen}", "--strength", "0.5"], "--image: img2img and inpainting take one init image, got 0"),
     (["--model", "{inpaint}", "--image", "{root}/init.png"], "--mask: a FluxInpaintPipeline inpaints; pass the mask"),
     (["--model", "{flux}", "--image", "{root}/init.png"], "--image: a FluxPipeline takes no reference image"),
+    (
+        ["--model", "{img2img}", "--image", "{root}/init.png", "--mask", "{root}/mask.png"],
+        "--mask: a FluxImg2ImgPipeline takes no mask (img2img); drop --mask or use an inpainting pipeline",
+    ),
+    (["--model", "{img2img}", "--strength", "0.5"], "--image: img2img and inpainting take one init image, got 0"),
 ]
 
 

@@ -267,3 +267,31 @@ def test_image_job_pipelines_served(tmp_path, model):
     assert got.shape == (32, 32, 3)
     _close(got, (want * 255).round().astype(int))
     assert refused["param"] == "model" and "POST /v1/images/edits" in refused["message"], refused
+
+
+def test_what_a_served_pipeline_does_with_images_is_its_familys_table():
+    """The edits' checks read the served pipeline's `ImageInputs` from its family: an
+    inpainting pipeline served needs the mask (a 400 naming mask without one), img2img takes
+    none, a reference pipeline takes no strength; a family without one names model."""
+    from functional_dit.pipelines import families
+    from functional_dit.serve import _edits
+
+    png = _png(Image.new("RGB", (32, 32), (200, 10, 10)))
+    cases = [
+        ("FluxInpaintPipeline", dict(mask=None), "mask", "a mask (FLUX.1 inpainting repaints where it is white)"),
+        ("QwenImageImg2ImgPipeline", dict(mask=png), "mask", "no mask (Qwen-Image img2img takes none)"),
+        ("Flux2KleinPipeline", dict(images=[png] * 11), "image", "at most 10 image(s) for FLUX.2 reference images"),
+    ]
+    for name, kw, field, expected in cases:
+        with pytest.raises(_edits.BadField) as e:
+            _edits.pictures(families.image_inputs(name), kw.get("images", [png]), kw.get("mask"), 10**8)
+        assert e.value.field == field and expected in str(e.value), (name, e.value)
+    with pytest.raises(_edits.BadField, match="strength: expected no strength"):
+        _edits.strength(families.image_inputs("Flux2Pipeline"), 0.5)
+    assert _edits.strength(families.image_inputs("FluxPipeline"), None) == 0.6  # the stock img2img default
+    assert [_edits.image_jobs(type(name, (), {})()) for name in ("FluxKontextPipeline", "FluxPipeline")] == [
+        True,
+        False,
+    ]
+    with pytest.raises(_edits.BadField, match="model: expected a model with an edit job served"):
+        _edits.job(type("QwenImage21Pipeline", (), {})())

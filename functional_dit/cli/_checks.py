@@ -12,17 +12,9 @@ from PIL import Image
 
 import weights
 
-from .. import families
+from .. import families as _families
+from ..pipelines import families
 from ._args import CLIError
-
-# `fd.sample`'s pipelines: which take reference images (None: optional), by class name.
-_IMAGES = {"FluxPipeline": False, "QwenImagePipeline": False, "QwenImageEditPipeline": True}
-_IMAGES |= {"FluxImg2ImgPipeline": True, "FluxInpaintPipeline": True}
-_IMAGES |= {"QwenImageImg2ImgPipeline": True, "QwenImageInpaintPipeline": True}
-# The pipelines whose --image is an init image with --strength / --mask (img2img, inpainting).
-EDITS = ("FluxPipeline", "QwenImagePipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
-EDITS += ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
-INPAINTS = ("FluxInpaintPipeline", "QwenImageInpaintPipeline")
 
 
 def check_device(text: str | None, flag: str = "--device") -> torch.device | None:
@@ -66,12 +58,17 @@ def open_images(paths, flag: str = "--image") -> list | None:
 
 def check_images(pipeline: str, images, edit: bool = False) -> None:
     """Reference images where the pipeline takes them (``edit``: an init image), and one
-    where it needs it."""
-    needs = _IMAGES.get(pipeline)
-    if images and needs is False and not edit:
-        more = " (img2img / inpainting: add --strength / --mask)" if pipeline in EDITS else ""
-        raise CLIError(f"--image: a {pipeline} takes no reference image; drop --image or use an edit pipeline{more}")
-    if not images and needs:
+    where it needs it (its family's `ImageInputs`; a pipeline without one is left to
+    ``fd.sample``'s checks)."""
+    inputs = families.image_inputs(pipeline)
+    if inputs is None:
+        return
+    if images and inputs.role == "init" and not (inputs.needs or edit):
+        raise CLIError(
+            f"--image: a {pipeline} takes no reference image; drop --image or use an edit pipeline "
+            "(img2img / inpainting: add --strength / --mask)"
+        )
+    if not images and inputs.needs:
         raise CLIError(f"--image: a {pipeline} edits a reference image; pass one with --image")
 
 
@@ -79,20 +76,29 @@ def check_edit(pipeline: str, images, args):
     """``--strength`` / ``--mask`` (img2img, inpainting): one init image, a FLUX.1 or Qwen-Image pipeline,
     strength in (0, 1]. Returns the mask image (or None) and whether it is an edit job."""
     strength, mask = getattr(args, "strength", None), getattr(args, "mask", None)
-    if not (strength is not None or mask is not None or pipeline in EDITS[2:]):
+    inputs = families.image_inputs(pipeline)
+    init = inputs is not None and inputs.role == "init"
+    if not (strength is not None or mask is not None or (init and inputs.needs)):
         return None, False
     flag = "--mask" if mask is not None else "--strength"
-    if pipeline not in EDITS:
-        raise CLIError(f"{flag}: img2img and inpainting run on {', '.join(EDITS)}; this is a {pipeline}")
+    if not init:
+        raise CLIError(f"{flag}: img2img and inpainting run on {', '.join(edit_pipelines())}; this is a {pipeline}")
     if getattr(args, "prompts", None) is not None:
         raise CLIError(f"{flag}: img2img and inpainting run with --prompt (one image), not --prompts")
     if not images or len(images) != 1:
         raise CLIError(f"--image: img2img and inpainting take one init image, got {len(images or [])}")
     if strength is not None and not 0 < strength <= 1:
         raise CLIError(f"--strength: expected a number in (0, 1] (the share of --steps run), got {strength}")
-    if mask is None and pipeline in INPAINTS:
+    if mask is None and inputs.mask == "required":
         raise CLIError(f"--mask: a {pipeline} inpaints; pass the mask image with --mask")
+    if mask is not None and inputs.mask == "none":
+        raise CLIError(f"--mask: a {pipeline} takes no mask (img2img); drop --mask or use an inpainting pipeline")
     return None if mask is None else open_images([mask], "--mask")[0], True
+
+
+def edit_pipelines() -> list[str]:
+    """The stock pipelines whose --image is an init image (img2img, inpainting)."""
+    return [n for n in _families.PIPELINES if getattr(families.image_inputs(n), "role", None) == "init"]
 
 
 def check_guidance(config, args) -> None:
@@ -113,7 +119,7 @@ def check_checkpoint(model: str, config, pipeline: str, flag: str):
         config = weights.inspect(model, config=config)
     except ValueError as e:
         raise CLIError(f"--model: {str(e).splitlines()[0]}") from None
-    family, runs = families.key(config), families.of_pipeline(pipeline).KEY
+    family, runs = _families.key(config), _families.of_pipeline(pipeline).KEY
     if runs != family:
         raise CLIError(
             f"{flag}: a {pipeline} runs a {runs} transformer, but --model {model} is {family} "

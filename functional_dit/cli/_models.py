@@ -20,16 +20,15 @@ import torch
 from .. import families
 from ..api import PRESETS
 from ..pipelines import tiny
+from ..pipelines.families import product
 
 PREFIX = "tiny:"
 SEED = 0  # the tiny pipelines' weights: tiny.pipeline's default seed, as the demo
 TINY_VAE_SCALE = 8  # every tiny VAE downscales x8 (tests/test_cli.py checks the pipelines' vae_scale_factor)
-# The ControlNet pipelines need a control image and ControlNet params, which generate has
-# no flags for (fd.sample(controlnet=...) in Python; docs/controlnet.md).
-_NOT_GENERATED = (
-    "FluxControlNetPipeline",
-    "QwenImageControlNetPipeline",
-)
+# The ControlNet pipelines (each family's CONTROLNET_PIPELINES) need a control image and
+# ControlNet params, which generate has no flags for (fd.sample(controlnet=...) in Python;
+# docs/controlnet.md).
+_NOT_GENERATED = {n for fam in families.FAMILIES for n in product(fam).CONTROLNET_PIPELINES}
 TINY = tuple(kind for kind, (_, p) in families.TINY_KINDS.items() if p.sample and p.name not in _NOT_GENERATED)
 # Presets with released weights (looked up in the local Hugging Face cache only).
 PRESET_REPOS = {name: repo for fam in families.FAMILIES for name, repo in fam.REPOS.items()}

@@ -4,7 +4,8 @@ The form's text fields are the generations body's (``model``, ``prompt``, ``n``,
 ``response_format`` and the extension fields ``seed``, ``steps``, ``guidance``, ``true_cfg``,
 ``negative_prompt``, ``lora`` as a JSON string, ``cache``) plus ``strength``; its files are
 ``image`` (one, or several as repeated ``image`` / ``image[]`` fields) and ``mask``. What
-the images mean is what ``fd.sample`` makes of them for the served pipeline (`JOBS`): FLUX.1
+the images mean is what ``fd.sample`` makes of them for the served pipeline (its family's
+``IMAGE_INPUTS``, `functional_dit.pipelines.families.ImageInputs`): FLUX.1
 and Qwen-Image img2img (image alone) and inpainting (with a mask, white = repaint; a mask
 with transparent pixels is read as OpenAI's, transparent = repaint), FLUX.2 / klein reference
 images, FLUX.1 Kontext (``max_area`` = the requested width x height), Qwen-Image-Edit and
@@ -26,7 +27,8 @@ import re
 
 from PIL import Image
 
-from ..pipelines import schedule
+from .. import families as _families
+from ..pipelines import families, schedule
 from ._errors import BadRequest
 
 MAX_UPLOAD_BYTES = 16 * 2**20  # the whole multipart body (--max-upload-bytes)
@@ -37,38 +39,15 @@ INTS, FLOATS = ("n", "seed", "steps", "priority"), ("guidance", "true_cfg", "str
 IGNORED = {"output_format": "png", "stream": "false"}  # OpenAI fields with the one value served
 
 
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """The edit job that ``fd.sample`` runs for the served pipeline's image inputs."""
-
-    what: str
-    images: int  # the most images a request takes
-    mask: bool  # inpainting (with ``mask``)
-    strength: bool  # img2img's strength (the stock default: `schedule.STRENGTH`, 0.6)
-    own: bool = False  # an image job's pipeline of its own (the engine's context makes every item so)
-    area: bool = False  # the output rescaled to max_area (Kontext): the requested size's area is max_area
-
-
-_FLUX2 = Job("FLUX.2 reference images", 10, False, False)  # 10: BFL's limit for FLUX.2 references
-JOBS = {  # the served pipeline's class -> its edit job
-    "FluxPipeline": Job("FLUX.1 img2img, with a mask inpainting (FluxImg2Img/InpaintPipeline)", 1, True, True),
-    "QwenImagePipeline": Job("Qwen-Image img2img, with a mask inpainting (QwenImageImg2Img/Inpaint)", 1, True, True),
-    "Flux2Pipeline": _FLUX2,
-    "Flux2KleinPipeline": _FLUX2,
-    "Flux2KleinKVPipeline": _FLUX2,
-    "FluxKontextPipeline": Job("FLUX.1 Kontext (max_area: the requested size's area)", 1, False, False, True, True),
-    "QwenImageEditPipeline": Job("Qwen-Image-Edit", 1, False, False, True),
-    "QwenImageEditPlusPipeline": Job("Qwen-Image-Edit-Plus", 3, False, False, True),  # 3: Qwen's advice
-}  # fmt: skip
-
-
 BadField = BadRequest  # a 400 naming its field
 
 
 def image_jobs(pipe) -> bool:
-    """Whether the served pipeline is an image job of its own (Kontext, the edit pipelines):
-    the engine runs every item by ``fd.sample``'s preparation, and text to image is refused."""
-    return type(pipe).__name__ in JOBS and JOBS[type(pipe).__name__].own
+    """Whether the served pipeline is an image job of its own (Kontext, the edit pipelines:
+    its family's `ImageInputs` role "edit"): the engine runs every item by ``fd.sample``'s
+    preparation, and text to image is refused."""
+    inputs = families.image_inputs(type(pipe).__name__)
+    return inputs is not None and inputs.role == "edit"
 
 
 def text_only(pipe) -> None:
@@ -79,12 +58,15 @@ def text_only(pipe) -> None:
         )
 
 
-def job(pipe) -> Job:
-    """The edit job of the served pipeline, or a `BadField` naming ``model``."""
+def job(pipe) -> families.ImageInputs:
+    """The edit job of the served pipeline (its family's `ImageInputs`), or a `BadField`
+    naming ``model``."""
     name = type(pipe).__name__
-    if name not in JOBS:
-        raise BadField("model", f"a model with an edit job served ({', '.join(JOBS)})", name)
-    return JOBS[name]
+    inputs = families.image_inputs(name)
+    if inputs is None:
+        takes = [n for n in _families.PIPELINES if families.image_inputs(n) is not None]
+        raise BadField("model", f"a model with an edit job served ({', '.join(takes)})", name)
+    return inputs
 
 
 async def form(request, limits: dict) -> tuple[dict, list, bytes | None]:
@@ -177,14 +159,16 @@ def _typed(key: str, value: str):
     return value
 
 
-def pictures(job: Job, images: list, mask: bytes | None, top: int):
+def pictures(job: families.ImageInputs, images: list, mask: bytes | None, top: int):
     """(the images as RGB PIL images, the mask as an "L" image or None): decoded and checked."""
     if not images:
         raise BadField("image", "an image file (PNG, JPEG or WebP)", "no image")
     if len(images) > job.images:
         raise BadField("image", f"at most {job.images} image(s) for {job.what}", f"{len(images)} images")
-    if mask is not None and not job.mask:
+    if mask is not None and job.mask == "none":
         raise BadField("mask", f"no mask ({job.what} takes none)", "a mask")
+    if mask is None and job.mask == "required":
+        raise BadField("mask", f"a mask ({job.what} repaints where it is white)", "no mask")
     out = [_picture("image", data, top).convert("RGB") for data in images]
     if mask is None:
         return out, None
@@ -239,13 +223,13 @@ def size(body: dict, image: Image.Image, multiple: int) -> str:
     return f"{w}x{h}"
 
 
-def strength(job: Job, value):
+def strength(job: families.ImageInputs, value):
     """``strength`` checked: in (0, 1]; left out, the stock
     default (0.6) for img2img and inpainting (a FluxPipeline reads an image without a
     strength as a reference), None for jobs without one."""
     if value is None:
-        return schedule.STRENGTH if job.strength else None
-    if not job.strength:
+        return schedule.STRENGTH if job.role == "init" else None
+    if job.role != "init":
         raise BadField("strength", f"no strength ({job.what} takes none)", value)
     if not 0 < value <= 1:
         raise BadField("strength", "a number in (0, 1]", value)

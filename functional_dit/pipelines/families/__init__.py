@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 
 from ... import families as _families
+from ._jobs import ImageInputs
 from ._latents import _batch as repeat_batch
 from ._latents import combine, flux2_vae_input, grid_ids, pack_2x2, unpack_2x2
 from ._steps import NO_TABLES, Prompt, Steps, cfg_batch, plain_apply, tables
@@ -19,6 +20,7 @@ from ._steps import NO_TABLES, Prompt, Steps, cfg_batch, plain_apply, tables
 # What the image jobs, the sampler and the per-item sampling share with the families' steps.
 __all__ = [
     "HOOKS",
+    "ImageInputs",
     "NO_TABLES",
     "Prompt",
     "Steps",
@@ -28,6 +30,7 @@ __all__ = [
     "grid_ids",
     "pack_2x2",
     "plain_apply",
+    "image_inputs",
     "product",
     "repeat_batch",
     "tables",
@@ -42,6 +45,7 @@ HOOKS = (
     "batch_size",  # (batch_size) -> images per model call
     "size",  # (pipe, fd.sample's arguments) -> the output size as the pipeline sets it (resolution, max_area)
     "image_job",  # (pipe, fd.sample's checked arguments) -> (the pipeline, a job (params, pipe) -> Steps, or None)
+    "IMAGE_INPUTS",  # {stock pipeline name: `ImageInputs`}: its images' role (the CLI's and the server's checks)
     "EMBED_ARGS",  # the stock keywords that replace the text encoders' output
     "EMBEDS_TOGETHER",  # of those, the ones needed together with prompt_embeds
     "MAX_SEQUENCE_LENGTH",  # the stock pipelines' limit, or None
@@ -78,6 +82,14 @@ HOOKS = (
     "train_texts",  # (pipe, captions, every caption, max_len) -> [(embeds (L, D), second or None, positions)]
     "train_inputs",  # (a batch's fd.apply inputs, its text length) -> the family's further inputs
 )
+
+
+def image_inputs(name: str):
+    """The `ImageInputs` of the stock pipeline class ``name`` (its family's ``IMAGE_INPUTS``),
+    or None where it takes no image (or is no family's)."""
+    if name not in _families.PIPELINES:
+        return None
+    return product(_families.of_pipeline(name)).IMAGE_INPUTS.get(name)
 
 
 def product(fam):

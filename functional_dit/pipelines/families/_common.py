@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from ... import families
-from ._jobs import refuse, refuse_layers, refuse_max_area, refuse_reference
+from ._jobs import ImageInputs, refuse, refuse_layers, refuse_max_area, refuse_reference
 
 
 class BenchCache(NamedTuple):
@@ -45,6 +45,9 @@ def size(pipe, call) -> tuple:
     family without a job that sets it refuses ``max_area`` (Kontext's)."""
     refuse_max_area(call.max_area)
     return call.height, call.width
+
+
+IMAGE_INPUTS: dict[str, ImageInputs] = {}  # no pipeline of the family takes images
 
 
 def image_job(pipe, call) -> tuple:

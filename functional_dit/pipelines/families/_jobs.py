@@ -5,10 +5,25 @@ arguments where a pipeline takes none, and the cut schedule."""
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 from PIL import Image
 
 from ..schedule import t_start
+
+
+class ImageInputs(NamedTuple):
+    """What a stock pipeline does with images, as the CLI (``--image``, ``--mask``,
+    ``--strength``) and the server's edits check them before anything runs: one entry of
+    a family's ``IMAGE_INPUTS`` table, keyed by the pipeline's class name."""
+
+    what: str  # the job, in messages
+    images: int  # the most images one request takes
+    # "init": img2img's start image (with ``strength``); "reference": optional references; "edit": the image it edits
+    role: str
+    needs: bool = False  # an image is required (the image jobs' own pipeline classes)
+    mask: str = "none"  # "optional" (with one: inpainting), "required" or "none"
+    area: bool = False  # the output rescaled to ``max_area`` (Kontext): a requested size's area is its max_area
 
 
 def _is_pil(v) -> bool:

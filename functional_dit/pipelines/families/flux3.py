@@ -19,6 +19,7 @@ from ._latents import flux2_vae_input
 from ._steps import NO_TABLES, Prompt, Steps, tables
 
 # the shared hooks FLUX.3 takes as they are (`_common`)
+IMAGE_INPUTS = _common.IMAGE_INPUTS  # none of its pipelines takes images yet
 shift, batch_size, adapter_result, output, size, image_job = (
     _common.shift,
     _common.batch_size,

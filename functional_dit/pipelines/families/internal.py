@@ -11,6 +11,7 @@ import importlib
 from . import _common as common  # noqa: F401
 from ._common import flux_ids_inputs, refuse_kv_cache, stock_module  # noqa: F401
 from ._jobs import (  # noqa: F401
+    ImageInputs,
     check_crop,
     check_strength,
     cut,

@@ -138,6 +138,9 @@ def size(pipe, call) -> tuple:
     return height, width
 
 
+IMAGE_INPUTS = _common.IMAGE_INPUTS  # no image input (its output_resolution is a size)
+
+
 def image_job(pipe, call) -> tuple:
     """(the pipeline, None): Qwen-Image 2.1 samples text to image only."""
     refuse_layers(pipe, call.layers)

@@ -8,7 +8,15 @@ import torch
 
 from ....flux1 import Flux1Config
 from ... import tiny
-from ..internal import Steps, flux_ids_inputs, refuse_kv_cache, refuse_layers, refuse_reference, stock_module
+from ..internal import (
+    ImageInputs,
+    Steps,
+    flux_ids_inputs,
+    refuse_kv_cache,
+    refuse_layers,
+    refuse_reference,
+    stock_module,
+)
 from ..internal import common as _common
 from . import _image, _kontext
 from ._base import _Flux1
@@ -74,6 +82,13 @@ def _img2img_job(pipe, call):
 
 # The image jobs by stock pipeline class name (every other FLUX.1 pipeline: `_img2img_job`).
 JOBS = {"FluxKontextPipeline": _kontext_job}
+_IMG2IMG = "FLUX.1 img2img, with a mask inpainting (FluxImg2Img/InpaintPipeline)"
+IMAGE_INPUTS = {  # what each pipeline does with images (the CLI's and the server's checks)
+    "FluxPipeline": ImageInputs(_IMG2IMG, 1, "init", mask="optional"),
+    "FluxImg2ImgPipeline": ImageInputs("FLUX.1 img2img", 1, "init", needs=True),
+    "FluxInpaintPipeline": ImageInputs("FLUX.1 inpainting", 1, "init", needs=True, mask="required"),
+    "FluxKontextPipeline": ImageInputs("FLUX.1 Kontext (max_area: the requested size's area)", 1, "edit", area=True),
+}  # fmt: skip
 
 
 def image_job(pipe, call) -> tuple:

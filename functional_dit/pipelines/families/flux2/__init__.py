@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ....flux2 import Flux2Config
 from ... import tiny
-from ..internal import Steps, refuse, refuse_layers, refuse_max_area, refuse_reference, stock_module
+from ..internal import ImageInputs, Steps, refuse, refuse_layers, refuse_max_area, refuse_reference, stock_module
 from ..internal import common as _common
 from . import _inpaint
 from ._base import _Flux2
@@ -48,6 +48,8 @@ def _klein_inpaint_job(pipe, call):
 
 # The image jobs by stock pipeline class name (the others: text to image with references).
 JOBS = {_inpaint.NAME: _klein_inpaint_job}
+_REFERENCES = ImageInputs("FLUX.2 reference images", 10, "reference")  # 10: BFL's limit for FLUX.2 references
+IMAGE_INPUTS = dict.fromkeys(("Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline"), _REFERENCES)
 
 
 def image_job(pipe, call) -> tuple:

@@ -9,7 +9,7 @@ import torch
 
 from ....qwenimage import QwenImageConfig
 from ... import tiny
-from ..internal import Steps, refuse_kv_cache, refuse_max_area, refuse_reference, stock_module
+from ..internal import ImageInputs, Steps, refuse_kv_cache, refuse_max_area, refuse_reference, stock_module
 from ..internal import common as _common
 from . import _image
 from ._base import _Qwen
@@ -70,6 +70,14 @@ def _job(pipe, call):
 
 # The image jobs by stock pipeline class name (the others: text to image, the Edit pipeline).
 JOBS = dict.fromkeys(_image.PIPELINES, _job)
+_IMG2IMG = "Qwen-Image img2img, with a mask inpainting (QwenImageImg2Img/Inpaint)"
+IMAGE_INPUTS = {  # what each pipeline does with images (the CLI's and the server's checks)
+    "QwenImagePipeline": ImageInputs(_IMG2IMG, 1, "init", mask="optional"),
+    "QwenImageImg2ImgPipeline": ImageInputs("Qwen-Image img2img", 1, "init", needs=True),
+    "QwenImageInpaintPipeline": ImageInputs("Qwen-Image inpainting", 1, "init", needs=True, mask="required"),
+    "QwenImageEditPipeline": ImageInputs("Qwen-Image-Edit", 1, "edit", needs=True),
+    "QwenImageEditPlusPipeline": ImageInputs("Qwen-Image-Edit-Plus", 3, "edit", needs=True),  # 3: Qwen's advice
+}  # fmt: skip
 
 
 def image_job(pipe, call) -> tuple:
