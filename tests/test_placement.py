@@ -26,6 +26,7 @@ import functional_dit as fd
 import sharding
 from functional_dit import tiny
 from functional_dit.pipelines import placement as _placement
+from functional_dit.pipelines import tiny_parts
 
 # FLUX.2's Mistral system prompt and Qwen-Image's template need >= 256 tokens (functional_dit.tiny)
 KINDS = {"flux": 64, "flux2": 256, "flux2-klein": 64, "qwen-image": 256}
@@ -80,7 +81,7 @@ def _qwen3_tied():
         vocab_size=266, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
     )  # fmt: skip
-    return tiny._seeded(0, lambda: transformers.Qwen3ForCausalLM(cfg)).eval()
+    return tiny_parts.seeded(0, lambda: transformers.Qwen3ForCausalLM(cfg)).eval()
 
 
 def _hidden(model) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from ... import flux3
 from ...flux3 import Flux3Config
-from .. import tiny
+from .. import tiny_parts
 from . import _common
 from ._common import stock_module
 from ._latents import flux2_vae_input
@@ -167,7 +167,7 @@ def pos_embed(c):
 def tiny_config_changes(kind: str) -> dict:
     """One block; the stacked encoder layers' width; image_cond tokens are VAE latents, as x;
     the base model or the flow map."""
-    width = len(tiny.FLUX3_LAYERS) * tiny._VL_DIM
+    width = len(tiny_parts.FLUX3_LAYERS) * tiny_parts.VL_DIM
     return dict(cond_in_channels=16, num_layers=1, joint_attention_dim=width, flow_map=kind == "flux3-distilled")
 
 
@@ -177,10 +177,10 @@ def tiny_components(kind: str, seed: int) -> dict:
     # diffusers: seconds to import, loaded when first used
     import diffusers
 
-    proc = tiny.qwen3vl_processor()
-    parts = {"text_encoder": tiny.qwen3vl_encoder(proc.tokenizer, seed)}
+    proc = tiny_parts.qwen3vl_processor()
+    parts = {"text_encoder": tiny_parts.qwen3vl_encoder(proc.tokenizer, seed)}
     sched = diffusers.FlowMatchEulerDiscreteScheduler(shift=6.93)
-    return parts | {"scheduler": sched, "vae": tiny.flux2_vae(seed), "tokenizer": proc}
+    return parts | {"scheduler": sched, "vae": tiny_parts.flux2_vae(seed), "tokenizer": proc}
 
 
 def tiny_assemble(kind: str, parts: dict, transformer):

@@ -18,7 +18,7 @@ import torch
 
 from ... import qwenimage21
 from ...qwenimage21 import QwenImage21Config, QwenImage21KVCache
-from .. import tiny
+from .. import tiny_parts
 from . import _common
 from ._common import stock_module
 from ._jobs import refuse_args, refuse_layers, refuse_max_area, refuse_reference
@@ -253,14 +253,14 @@ def pos_embed(c):
 
 def tiny_config_changes(kind: str) -> dict:
     """Qwen3-VL's width."""
-    return dict(context_in_dim=tiny._VL_DIM)
+    return dict(context_in_dim=tiny_parts.VL_DIM)
 
 
 def tiny_components(kind: str, seed: int) -> dict:
     """A Qwen3-VL encoder and processor, the ×16 VAE."""
-    proc = tiny.qwen3vl_processor()
-    parts = {"text_encoder": tiny.qwen3vl_encoder(proc.tokenizer, seed)}
-    return parts | {"scheduler": tiny.scheduler(), "vae": tiny.qwen21_vae(seed), "processor": proc}
+    proc = tiny_parts.qwen3vl_processor()
+    parts = {"text_encoder": tiny_parts.qwen3vl_encoder(proc.tokenizer, seed)}
+    return parts | {"scheduler": tiny_parts.scheduler(), "vae": tiny_parts.qwen21_vae(seed), "processor": proc}
 
 
 # ----------------------------------------------------------------------------- bench, check

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ....flux1 import Flux1Config
-from ... import tiny
+from ... import tiny_parts
 from ..internal import (
     ImageInputs,
     Steps,
@@ -181,18 +181,18 @@ def pos_embed(c):
 
 def tiny_config_changes(kind: str) -> dict:
     """The CLIP and T5 widths; dev-style guidance, Kontext without it."""
-    widths = dict(joint_attention_dim=tiny._T5_DIM, pooled_projection_dim=tiny._CLIP_DIM)
+    widths = dict(joint_attention_dim=tiny_parts.T5_DIM, pooled_projection_dim=tiny_parts.CLIP_DIM)
     return dict(widths, guidance_embeds=kind != "flux-kontext")
 
 
 def tiny_components(kind: str, seed: int) -> dict:
-    tok, tok2 = tiny.clip_tokenizer(), tiny.t5_tokenizer()
+    tok, tok2 = tiny_parts.clip_tokenizer(), tiny_parts.t5_tokenizer()
     return {
-        "scheduler": tiny.scheduler(),
-        "vae": tiny.flux_vae(seed),
-        "text_encoder": tiny.clip_text_encoder(tok, seed),
+        "scheduler": tiny_parts.scheduler(),
+        "vae": tiny_parts.flux_vae(seed),
+        "text_encoder": tiny_parts.clip_text_encoder(tok, seed),
         "tokenizer": tok,
-        "text_encoder_2": tiny.t5_encoder(tok2, seed),
+        "text_encoder_2": tiny_parts.t5_encoder(tok2, seed),
         "tokenizer_2": tok2,
         "image_encoder": None,
         "feature_extractor": None,

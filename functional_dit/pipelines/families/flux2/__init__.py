@@ -5,7 +5,7 @@ pipelines' recipes and the bench's inputs (`functional_dit.pipelines.families.HO
 from __future__ import annotations
 
 from ....flux2 import Flux2Config
-from ... import tiny
+from ... import tiny_parts
 from ..internal import ImageInputs, Steps, refuse, refuse_layers, refuse_max_area, refuse_reference, stock_module
 from ..internal import common as _common
 from . import _inpaint
@@ -151,15 +151,20 @@ def pos_embed(c):
 
 def tiny_config_changes(kind: str) -> dict:
     """Three stacked encoder layers' width; FLUX.2-dev is guidance-distilled, klein is not."""
-    width = tiny._MISTRAL_DIM if kind == "flux2" else tiny._QWEN3_DIM
+    width = tiny_parts.MISTRAL_DIM if kind == "flux2" else tiny_parts.QWEN3_DIM
     return dict(joint_attention_dim=3 * width, guidance_embeds=kind == "flux2")
 
 
 def tiny_components(kind: str, seed: int) -> dict:
     """FLUX.2-dev's Mistral3 encoder; klein's Qwen3."""
-    tok = tiny.mistral_tokenizer() if kind == "flux2" else tiny.qwen_tokenizer()
-    parts = {"scheduler": tiny.scheduler(), "vae": tiny.flux2_vae(seed)}  # built in the order they always were
-    parts["text_encoder"] = tiny.mistral3_encoder(tok, seed) if kind == "flux2" else tiny.qwen3_encoder(tok, seed)
+    tok = tiny_parts.mistral_tokenizer() if kind == "flux2" else tiny_parts.qwen_tokenizer()
+    parts = {
+        "scheduler": tiny_parts.scheduler(),
+        "vae": tiny_parts.flux2_vae(seed),
+    }  # built in the order they always were
+    parts["text_encoder"] = (
+        tiny_parts.mistral3_encoder(tok, seed) if kind == "flux2" else tiny_parts.qwen3_encoder(tok, seed)
+    )
     return {**parts, "tokenizer": tok}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ....qwenimage import QwenImageConfig
-from ... import tiny
+from ... import tiny_parts
 from ..internal import ImageInputs, Steps, refuse_kv_cache, refuse_max_area, refuse_reference, stock_module
 from ..internal import common as _common
 from . import _image
@@ -141,19 +141,19 @@ def pos_embed(c):
 
 def tiny_config_changes(kind: str) -> dict:
     """Qwen2.5-VL's width."""
-    return dict(joint_attention_dim=tiny._QWEN25_DIM)
+    return dict(joint_attention_dim=tiny_parts.QWEN25_DIM)
 
 
 def tiny_components(kind: str, seed: int) -> dict:
-    tok = tiny.qwen_tokenizer(tiny._QWEN2VL_CHAT_TEMPLATE)
+    tok = tiny_parts.qwen_tokenizer(tiny_parts.QWEN2VL_CHAT_TEMPLATE)
     parts = {
-        "scheduler": tiny.scheduler(),
-        "vae": tiny.qwen_vae(seed),
-        "text_encoder": tiny.qwen25vl_encoder(tok, seed),
+        "scheduler": tiny_parts.scheduler(),
+        "vae": tiny_parts.qwen_vae(seed),
+        "text_encoder": tiny_parts.qwen25vl_encoder(tok, seed),
         "tokenizer": tok,
     }
     if kind not in ("qwen-image", "qwen-image-controlnet"):
-        parts["processor"] = tiny.qwen_vl_processor()
+        parts["processor"] = tiny_parts.qwen_vl_processor()
     return parts
 
 
