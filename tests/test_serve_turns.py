@@ -1,9 +1,11 @@
 """The serving engine's turns (`functional_dit/serve/_engine.py`), driven in process one
 `Engine.turn` at a time: which running batch steps when images of several sizes are in
-flight (first come, first served across sizes, by the engine's order)."""
+flight (first come, first served across sizes, by the engine's order), and preemption
+with the fixed-shape backend (`functional_dit.serve._xla`) resuming an image where it stopped."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import functional_dit as fd
@@ -56,3 +58,44 @@ def test_with_mixed_resolutions_the_other_size_joins_the_first_s_call(model):
     assert (early.progress, late.progress) == ([1], [1]) and engine.metrics.mixed_calls == 1
     engine.turn()
     assert sorted(delivered) == sorted([(early.id, None, 1), (late.id, None, 1)]) and engine.idle()
+
+
+def _run(engine, jobs_at: dict) -> None:
+    """Turns until idle; ``jobs_at``: {turn number: jobs submitted before it}."""
+    turn = 0
+    while turn in jobs_at or not engine.idle():
+        for job in jobs_at.get(turn, []):
+            engine.submit(job)
+        engine.turn()
+        turn += 1
+
+
+def test_the_fixed_backend_preempts_and_resumes_an_item_to_the_same_image(model):
+    """Priorities with the fixed-shape backend (`serve --xla-buckets`, its padded steps
+    eager on the CPU): a batch of one; a priority-0 image has taken a step when a
+    priority-5 one arrives, takes its slot (preempted: its padded slot given back as it is)
+    and finishes first; the first resumes where it stopped. Its image is bitwise the image
+    of the same request run uninterrupted on the same backend (bucket 1 both ways)."""
+    from functional_dit.serve import _xla
+
+    def engine():
+        fixed = lambda ctx, adapters: _xla.Fixed(ctx, adapters.values(), (1,), text=32)  # noqa: E731
+        return _engine.Engine(*model, max_batch=1, aging=10.0, backend=fixed)
+
+    def job(name, seed, arrived, got, priority=0):
+        req = sampling.Request("a scene", height=32, width=32, steps=4, seed=seed, max_sequence_length=32)
+        return _engine.Job(
+            name, [req], lambda images, error: got.append((name, error, images)), priority=priority, arrived=arrived
+        )
+
+    got, busy = [], engine()
+    low, high = job("low", 7, 100.0, got), job("high", 8, 101.0, got, priority=5)
+    busy.submit(low), busy.turn()
+    busy.submit(high), busy.turn()
+    assert (low.progress, high.progress, busy.metrics.preempted) == ([1], [1], 1)  # low kept its step
+    _run(busy, {})
+    assert [(n, e) for n, e, _ in got] == [("high", None), ("low", None)]
+    assert busy.metrics.steps == 8  # 4 + 4: the preempted image resumed, none of its steps ran twice
+    alone = []
+    _run(engine(), {0: [job("low", 7, 100.0, alone)]})
+    assert np.array_equal(np.asarray(got[1][2][0]), np.asarray(alone[0][2][0]))
