@@ -138,13 +138,14 @@ def run(args, load_model) -> int:
         engine.sync, engine.heartbeat, engine.group = ranks.sync, 1.0, group
         engine.others = ranks if rank == 0 and args.dp > 1 else None
     if rank != 0:
-        return _ranks.follow(engine)
+        return _ranks.finish(_ranks.follow(engine))
     service.journal = _journal.Journal(args.journal) if args.journal else None
     engine.start()
     if args.resume_journal:
         _journal.resume(args.journal, service, lambda job: engine.submit(job, force=True))
     print(f"serving {args.model} on http://{args.host}:{args.port}", flush=True)
-    return serve(service, args.host, args.port, args.request_timeout)
+    code = serve(service, args.host, args.port, args.request_timeout)
+    return code if mesh is None else _ranks.finish(code)
 
 
 def _load(args, mesh, load_model):

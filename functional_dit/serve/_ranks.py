@@ -142,6 +142,16 @@ def follow(engine) -> int:
     return 0
 
 
+def finish(code: int) -> int:
+    """``code``, the process group destroyed first on a clean exit (every rank told to
+    stop): left to the interpreter's teardown, gloo's threads could abort the process
+    ("terminate called without an active exception", seen after ``--xla-warmup`` with a
+    LoRA held under tp=2). A failed run (a dead rank) leaves it: no collective can agree."""
+    if code == 0:
+        dist.destroy_process_group()
+    return code
+
+
 def groups_metric(counts: collections.Counter) -> list[str]:
     """``fd_serve_group_images_total{group="g"}`` lines (images each dp group made)."""
     lines = ["# TYPE fd_serve_group_images_total counter"]

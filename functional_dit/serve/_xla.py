@@ -227,10 +227,6 @@ def options(args, run_time: dict) -> dict | None:
             "--lora-dir/--admin-token: the adapters held are part of the XLA step graphs, fixed at start-up; "
             "load them with --lora NAME=PATH"
         )
-    if args.tp * args.sp * args.dp != 1:
-        raise ValueError(
-            f"--device xla: one process for now; expected --tp/--sp/--dp 1, got {args.tp}/{args.sp}/{args.dp}"
-        )
     if strict and not warm:
         raise ValueError("--xla-strict: expected with --xla-warmup (it refuses the sizes not warmed)")
     sizes = [_size(v) for v in (getattr(args, "xla_sizes", None) or args.size).split(",")]
