@@ -9,7 +9,9 @@ steps all run in bucket 2 beside it), on sp also a true-CFG request; each image 
 1 uint8 level of ``fd.sample`` of that request alone in one process (measured: 0), the
 LoRA request not equal to the same request without it; ``/metrics``' rows and per-bucket
 step counters exactly those steps; then SIGTERM to rank 0 with a request running: it is
-answered, and torchrun (every rank) exits 0.
+answered, and torchrun (every rank) exits 0. ``--dp 2`` (a whole model per rank, each
+group its own fixed-shape batches): two requests at once, one per group, each equal to
+``fd.sample`` alone, ``/metrics``' rows and bucket steps summed over both groups.
 """
 
 from __future__ import annotations
@@ -112,3 +114,30 @@ def test_tp2_fixed_backend_equals_fd_sample_and_drains(tmp_path):
 @pytest.mark.slow
 def test_sp2_fixed_backend_equals_fd_sample_and_drains(tmp_path):
     _serve_and_drain(tmp_path, "--sp", cfg=True)
+
+
+@pytest.mark.slow
+def test_dp2_fixed_backend_groups_and_metrics_summed_over_groups(tmp_path):
+    import openai
+
+    with _torchrun(tmp_path, "--dp", "2", "--xla-buckets", "1,2", "--xla-warmup") as (url, proc):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        bodies = {"a red cat": (3, 5), "a dog": (4, 3)}  # prompt: (seed, steps)
+        got = {}
+        threads = [
+            threading.Thread(target=lambda p=p, s=s, n=n: got.update({p: _generate(client, p, seed=s, steps=n)}))
+            for p, (s, n) in bodies.items()
+        ]
+        [t.start() for t in threads]
+        [t.join(300) for t in threads]
+        for p, (s, n) in bodies.items():
+            _close(got[p], _reference(p, s, n))
+        text = httpx.get(url + "/metrics", timeout=10).text
+        assert 'fd_serve_group_images_total{group="1"} 1' in text  # the second request ran on group 1
+        rows, end = sum(n for _, n in bodies.values()), time.monotonic() + 30
+        while (m := _metrics(url))['fd_serve_xla_rows_total{kind="item"}'] < rows:  # group 1's: the next turn
+            assert time.monotonic() < end, m
+            time.sleep(0.2)
+        assert m['fd_serve_xla_rows_total{kind="item"}'] == rows and m['fd_serve_xla_rows_total{kind="pad"}'] == 0
+        assert m['fd_serve_xla_bucket_steps_total{bucket="1"}'] == rows  # each group's batch of one
+        _drain(url, proc)
