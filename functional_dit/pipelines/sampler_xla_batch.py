@@ -251,7 +251,7 @@ def _apply(plain, guidance, scales, adapters):
 
     Sharded params (torchrun's ``--tp`` / ``--sp``: DTensor leaves) take the adapters as
     ``fd.apply`` does: params and adapters in their local view (each factor split like its
-    base weight), attached and run under their mesh bound (`_attached`)."""
+    base weight), attached and run under their mesh bound (as `fd.apply`'s own set-up)."""
 
     def apply(p, x, t, txt, **kw):
         if kw.get("guidance") is not None:

@@ -25,7 +25,7 @@ XLA_MISSING = (
 
 
 # what ``serve --device xla --tp/--sp`` says (tp and sp on XLA devices are not run: the
-# reasons measured with torch_xla 2.9, docs/xla.md "Serving under torchrun"),
+# reasons measured with torch_xla 2.9: docs/xla.md "Under torchrun"),
 # before anything loads, torch_xla installed or not
 XLA_SHARDED = (
     "--tp/--sp: expected 1 with --device xla, got --tp {tp} --sp {sp} (tp and sp on XLA devices are not run yet: "
