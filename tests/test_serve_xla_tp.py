@@ -11,11 +11,15 @@ LoRA request not equal to the same request without it; ``/metrics``' rows and pe
 step counters exactly those steps; then SIGTERM to rank 0 with a request running: it is
 answered, and torchrun (every rank) exits 0. ``--dp 2`` (a whole model per rank, each
 group its own fixed-shape batches): two requests at once, one per group, each equal to
-``fd.sample`` alone, ``/metrics``' rows and bucket steps summed over both groups.
+``fd.sample`` alone, ``/metrics``' rows and bucket steps summed over both groups; where
+torch_xla is installed once more with ``--device xla`` (``PJRT_DEVICE=CPU python -m pytest
+tests/test_serve_xla_tp.py``: each rank its own XLA device), no compile after warm-up on
+either rank. (``--device xla --tp/--sp`` is refused: docs/xla.md "Under torchrun".)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import threading
@@ -31,6 +35,8 @@ import functional_dit as fd
 import functional_dit.lora as lora
 from functional_dit import tiny
 
+HAS_XLA = importlib.util.find_spec("torch_xla") is not None
+DEVICES = ["cpu"] + (["xla"] if HAS_XLA else [])  # dp=2 on torch_xla too, where it is installed
 LONG, SHORT = 40, 4  # steps of the request running and of the one that joins it
 
 
@@ -117,10 +123,11 @@ def test_sp2_fixed_backend_equals_fd_sample_and_drains(tmp_path):
 
 
 @pytest.mark.slow
-def test_dp2_fixed_backend_groups_and_metrics_summed_over_groups(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_dp2_fixed_backend_groups_and_metrics_summed_over_groups(tmp_path, device):
     import openai
 
-    with _torchrun(tmp_path, "--dp", "2", "--xla-buckets", "1,2", "--xla-warmup") as (url, proc):
+    with _torchrun(tmp_path, "--device", device, "--dp", "2", "--xla-buckets", "1,2", "--xla-warmup") as (url, proc):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
         bodies = {"a red cat": (3, 5), "a dog": (4, 3)}  # prompt: (seed, steps)
         got = {}
@@ -140,4 +147,6 @@ def test_dp2_fixed_backend_groups_and_metrics_summed_over_groups(tmp_path):
             time.sleep(0.2)
         assert m['fd_serve_xla_rows_total{kind="item"}'] == rows and m['fd_serve_xla_rows_total{kind="pad"}'] == 0
         assert m['fd_serve_xla_bucket_steps_total{bucket="1"}'] == rows  # each group's batch of one
+        assert m["fd_serve_xla_compiles_after_warmup_total"] == 0  # (on xla: both ranks' torch_xla counts)
+        assert (m["fd_serve_xla_compiles_total"] > 0) == (device == "xla")
         _drain(url, proc)
