@@ -149,6 +149,14 @@ def test_device_xla_without_torch_xla_is_one_line(capsys):
             ["--xla-buckets", "1", "--xla-cache", "/tmp"],
             "error: --xla-cache: expected with --device xla, got --device cpu",
         ),
+        # tp / sp on XLA devices: refused by name (the fixed backend runs them on the CPU, under torchrun)
+        (["--device", "xla", "--tp", "2"], "error: --tp/--sp: expected 1 with --device xla, got --tp 2 --sp 1"),
+        (["--device", "xla", "--sp", "2"], "error: --tp/--sp: expected 1 with --device xla, got --tp 1 --sp 2"),
+        # --tp/--sp/--dp without torchrun: the world size named
+        (
+            ["--xla-buckets", "1,2", "--tp", "2"],
+            "error: --dp/--sp/--tp: expected dp*sp*tp = torchrun's WORLD_SIZE (1), got 1*1*2 = 2",
+        ),
     ],
 )
 def test_bad_xla_flags_are_one_line_errors(flags, message, capsys):

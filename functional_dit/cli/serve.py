@@ -145,6 +145,8 @@ def run(args) -> int:
         importlib.import_module("python_multipart")
     except ImportError:
         raise CLIError(MISSING_MULTIPART) from None
+    if args.device == "xla" and args.tp * args.sp != 1:
+        raise CLIError(serve.XLA_SHARDED.format(tp=args.tp, sp=args.sp))
     if args.device == "xla" and importlib.util.find_spec("torch_xla") is None:
         raise CLIError(serve.XLA_MISSING)
 

@@ -41,6 +41,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+import sharding
+
 from .. import families as _families
 from ..lora import internal as _lora
 from . import sampler_xla as _xla
@@ -245,13 +247,22 @@ def _model(params, ctx, item, guidance, scales, adapters):
 
 def _apply(plain, guidance, scales, adapters):
     """``plain`` (``fd.apply``) with the family's guidance replaced by ``guidance`` (rows,)
-    and every adapter attached to every row at its column of ``scales`` (rows, adapters)."""
+    and every adapter attached to every row at its column of ``scales`` (rows, adapters).
+
+    Sharded params (torchrun's ``--tp`` / ``--sp``: DTensor leaves) take the adapters as
+    ``fd.apply`` does: params and adapters in their local view (each factor split like its
+    base weight), attached and run under their mesh bound (as `fd.apply`'s own set-up)."""
 
     def apply(p, x, t, txt, **kw):
         if kw.get("guidance") is not None:
             kw = {**kw, "guidance": guidance}
-        if adapters:
-            p = _lora.attach(p, [(ad, scales[:, j]) for j, ad in enumerate(adapters)])
-        return plain(p, x, t, txt, **kw)
+        if not adapters:
+            return plain(p, x, t, txt, **kw)
+        local, mesh = sharding.local_view(p)
+        pairs = _lora.local_adapters([(ad, scales[:, j]) for j, ad in enumerate(adapters)], mesh)
+        if mesh is None:
+            return plain(_lora.attach(local, pairs), x, t, txt, **kw)
+        with sharding.bind(mesh):  # attach reads the bound mesh (its column- / row-parallel layers)
+            return plain(_lora.attach(local, pairs), x, t, txt, **kw)
 
     return apply

@@ -24,6 +24,17 @@ XLA_MISSING = (
 )
 
 
+# what ``serve --device xla --tp/--sp`` says (tp and sp on XLA devices are not run: the
+# reasons measured with torch_xla 2.9: docs/xla.md "Under torchrun"),
+# before anything loads, torch_xla installed or not
+XLA_SHARDED = (
+    "--tp/--sp: expected 1 with --device xla, got --tp {tp} --sp {sp} (tp and sp on XLA devices are not run yet: "
+    "torch_xla 2.9 registers no default process-group backend for the 'xla' device, and its CPU runtime's "
+    "collectives do not cross processes); --dp N runs a whole model per rank, and --xla-buckets without "
+    "--device xla checks tp/sp batching on the CPU"
+)
+
+
 def __getattr__(name):
     """``Engine`` and ``Job`` (`functional_dit.serve._engine`) for callers that run the engine
     in-process (``bench --suite gpu``), resolved on first use."""
@@ -137,14 +148,17 @@ def run(args, load_model) -> int:
         ranks = _ranks.Ranks(service, rank, group, args.dp, leader)
         engine.sync, engine.heartbeat, engine.group = ranks.sync, 1.0, group
         engine.others = ranks if rank == 0 and args.dp > 1 else None
+        if engine.others is not None and fixed is not None:  # /metrics: every group's compiles and buckets
+            engine.backend.others = ranks.backend_stats
     if rank != 0:
-        return _ranks.follow(engine)
+        return _ranks.finish(_ranks.follow(engine))
     service.journal = _journal.Journal(args.journal) if args.journal else None
     engine.start()
     if args.resume_journal:
         _journal.resume(args.journal, service, lambda job: engine.submit(job, force=True))
     print(f"serving {args.model} on http://{args.host}:{args.port}", flush=True)
-    return serve(service, args.host, args.port, args.request_timeout)
+    code = serve(service, args.host, args.port, args.request_timeout)
+    return code if mesh is None else _ranks.finish(code)
 
 
 def _load(args, mesh, load_model):
@@ -231,4 +245,6 @@ def _mesh(args):
     # imported on use: the server's modules load starlette (the [serve] extra) and the model stack
     import sharding
 
-    return sharding.make_mesh(tp=args.tp, sp=args.sp, dp=args.dp, timeout=args.rank_timeout)
+    # ``--device xla`` (dp only): the turns' objects over gloo, each rank's model on its own XLA device
+    cpu = "cpu" if getattr(args, "device", "cpu") == "xla" else None
+    return sharding.make_mesh(tp=args.tp, sp=args.sp, dp=args.dp, device_type=cpu, timeout=args.rank_timeout)

@@ -14,7 +14,8 @@ the collectives inside ``fd.apply`` agree. Idle, rank 0 still broadcasts once a 
 outstanding images (ties: the lowest group), all of a request's images to one group.
 Each group's leader (its first rank) returns the images its group finished to rank 0 at
 the start of the next turn (one gather over the world), with its queue depth, running
-batch size and skipped cache steps for ``/metrics``; rank 0 answers the client. The groups step in lockstep
+batch size, skipped cache steps and (``--xla-buckets``) its backend's compile and bucket
+counts for ``/metrics``; rank 0 answers the client. The groups step in lockstep
 turns (one broadcast and one gather per turn), each its own batch.
 
 A rank that dies makes the others' next collective fail (or time out after
@@ -40,7 +41,8 @@ class Ranks:
         self.service, self.rank, self.group, self.dp, self.leader = service, rank, group, dp, leader
         self.remote: dict = {}  # rank 0: id -> job another group runs
         self.load = [0] * dp  # rank 0: outstanding images per group
-        self.reported = [(0, 0, 0)] * dp  # rank 0: (queued, running, cache-skipped) each leader reported last
+        # rank 0: (queued, running, cache-skipped, fixed-shape backend's stats or None) each leader reported last
+        self.reported = [(0, 0, 0, None)] * dp
         self.outbox: list = []  # a leader: (id, images, error text) finished since the last turn
 
     # ------------------------------------------------------------------ rank 0's view
@@ -53,6 +55,10 @@ class Ranks:
 
     def cache_skipped(self) -> int:
         return sum(r[2] for r in self.reported[1:])
+
+    def backend_stats(self) -> list:
+        """The other groups' fixed-shape backend stats (``serve --xla-buckets``: /metrics sums them)."""
+        return [r[3] for r in self.reported[1:] if r[3] is not None]
 
     def idle(self) -> bool:
         return not self.remote
@@ -118,7 +124,12 @@ class Ranks:
     def _gather(self) -> None:
         """Leaders' finished images and loads to rank 0 (one gather over the world)."""
         engine = self.service.engine
-        load = (engine.queued(), engine.running(), engine.metrics.cache_skipped)
+        load = (
+            engine.queued(),
+            engine.running(),
+            engine.metrics.cache_skipped,
+            getattr(engine.backend, "xla_stats", lambda: None)(),
+        )
         mine = (self.group, self.outbox, load) if self.leader and self.rank else None
         self.outbox = []
         every = [None] * dist.get_world_size() if self.rank == 0 else None
@@ -140,6 +151,16 @@ def follow(engine) -> int:
         if engine.error is not None:
             return 1
     return 0
+
+
+def finish(code: int) -> int:
+    """``code``, the process group destroyed first on a clean exit (every rank told to
+    stop): left to the interpreter's teardown, gloo's threads could abort the process
+    ("terminate called without an active exception", seen after ``--xla-warmup`` with a
+    LoRA held under tp=2). A failed run (a dead rank) leaves it: no collective can agree."""
+    if code == 0:
+        dist.destroy_process_group()
+    return code
 
 
 def groups_metric(counts: collections.Counter) -> list[str]:

@@ -12,6 +12,7 @@ padded steps run eagerly: a check of a deployment's batching and padding without
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import torch
@@ -21,7 +22,7 @@ from ..nn import values as _values
 from ..pipelines import sampler_xla as _xla
 from ..pipelines import sampler_xla_batch as _batch
 from ..pipelines import sampling
-from . import XLA_MISSING
+from . import XLA_MISSING, XLA_SHARDED
 
 
 def device(name: str) -> torch.device:
@@ -97,6 +98,7 @@ class Fixed:
         self.counters, self.stats = _Counters(torch.device(ctx.device)), Stats()
         self.pads: dict = {}  # key -> the zero slots of that key (the largest bucket less one)
         self.warmed: set = set()  # (width, height) compiled for every bucket
+        self.others = list  # rank 0 under --dp: () -> the other groups' `Stats` (`_ranks.Ranks.backend_stats`)
 
     def refuse(self, req) -> tuple[str, str] | None:
         """(field, what it expects) when ``req`` cannot run in these graphs (a 400), else None."""
@@ -177,10 +179,18 @@ class Fixed:
         self.stats.warm_compiles = self.counters.read()["compiles"]
         self.stats.warmup_seconds = time.perf_counter() - start
 
+    def xla_stats(self) -> Stats:
+        """This backend's `Stats`, ``compiles`` torch_xla's count in all (a dp group's leader
+        sends them to rank 0 each turn)."""
+        return dataclasses.replace(self.stats, compiles=self.counters.read()["compiles"])
+
     def metrics(self) -> list[str]:
         """Prometheus lines: torch_xla's compiles (in all, and since warm-up's end), the last
-        step's host-device transfers, the padding, warm-up seconds."""
-        s, now = self.stats, self.counters.read()["compiles"]
+        step's host-device transfers, the padding, warm-up seconds; under ``--dp`` (``others``:
+        the other groups' `Stats`, set on rank 0) summed over the groups (transfers and
+        warm-up seconds: the largest)."""
+        s = _summed([self.xla_stats(), *self.others()])
+        now = s.compiles
         since = 0 if s.warm_compiles is None else now - s.warm_compiles
         lines = [
             "# TYPE fd_serve_xla_compiles_total counter",
@@ -199,6 +209,24 @@ class Fixed:
             f"fd_serve_xla_warmup_seconds {s.warmup_seconds:.6g}",
         ]
         return lines
+
+
+def _summed(stats: list) -> Stats:
+    """Several groups' `Stats` as one: counts summed, transfers and warm-up seconds the largest."""
+    warm = [s.warm_compiles for s in stats]
+    buckets: dict = {}
+    for s in stats:
+        buckets.update({b: buckets.get(b, 0) + n for b, n in s.bucket_steps.items()})
+    return Stats(
+        compiles=sum(s.compiles for s in stats),
+        warm_compiles=None if None in warm else sum(warm),
+        last_to_device=max(s.last_to_device for s in stats),
+        last_to_host=max(s.last_to_host for s in stats),
+        rows=sum(s.rows for s in stats),
+        padded_rows=sum(s.padded_rows for s in stats),
+        warmup_seconds=max(s.warmup_seconds for s in stats),
+        bucket_steps=buckets,
+    )
 
 
 def _sync(dev) -> None:
@@ -227,12 +255,10 @@ def options(args, run_time: dict) -> dict | None:
             "--lora-dir/--admin-token: the adapters held are part of the XLA step graphs, fixed at start-up; "
             "load them with --lora NAME=PATH"
         )
-    if args.tp * args.sp * args.dp != 1:
-        raise ValueError(
-            f"--device xla: one process for now; expected --tp/--sp/--dp 1, got {args.tp}/{args.sp}/{args.dp}"
-        )
     if strict and not warm:
         raise ValueError("--xla-strict: expected with --xla-warmup (it refuses the sizes not warmed)")
+    if name == "xla" and args.tp * args.sp != 1:
+        raise ValueError(XLA_SHARDED.format(tp=args.tp, sp=args.sp))
     sizes = [_size(v) for v in (getattr(args, "xla_sizes", None) or args.size).split(",")]
     found = dict(device=device(name), buckets=buckets(text or "1,2,4,8"), sizes=sizes)
     _persistent_cache(getattr(args, "xla_cache", None), found["device"])
@@ -242,7 +268,8 @@ def options(args, run_time: dict) -> dict | None:
 def _persistent_cache(folder, dev) -> None:
     """``--xla-cache DIR``: torch_xla's persistent compilation cache there, set before any
     XLA computation (as ``XLA_PERSISTENT_CACHE_PATH`` would); a restarted server's warm-up
-    then loads its programs (TPU, CUDA; the CPU runtime writes but cannot reload them)."""
+    then loads its programs (TPU, CUDA; the CPU runtime writes but cannot reload them).
+    Under torchrun each rank its own ``DIR/rank-N`` (no two writers of one file)."""
     if folder is None:
         return
     if dev.type != "xla":
@@ -250,6 +277,8 @@ def _persistent_cache(folder, dev) -> None:
     # optional: torch_xla, XLA devices only
     import torch_xla.runtime as xr
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        folder = os.path.join(folder, f"rank-{os.environ.get('RANK', '0')}")
     xr.initialize_cache(folder, readonly=False)
 
 
