@@ -16,6 +16,9 @@ steps pack sizes (``Steps.packs_sizes``) and take each item (``Steps.packs``: no
 with reference images), no item has a step cache or an IP-Adapter
 (their states are per call and per key), the params are not sharded and, for a family
 without a text mask, the items share a text length; else one call per key, as before.
+Steps whose items do not share calls (``shares_calls = False``) may still take several
+items at once where they pack (``Steps.predicts_items``: Qwen-Image 2.1 lays them into a
+padded call per CFG branch itself, `Steps.predict_items`); else one call per item.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ def calls(params, ctx, items) -> list[list]:
     """The model calls a step makes over ``items`` of context ``ctx``: groups of items,
     in order (one per item where the family's items do not share calls)."""
     model = ctx.model
-    if not model.shares_calls:
-        return [[it] for it in items]
+    if not model.shares_calls:  # one call per item, or the steps lay the items out themselves
+        own = model.predicts_items and len(items) > 1 and packs(params, ctx, items)
+        return [list(items)] if own else [[it] for it in items]
     keys = {it.key for it in items}
     if len(keys) == 1 or packs(params, ctx, items):
         return [list(items)]
