@@ -11,6 +11,7 @@ argument), its tiny pipelines' recipes and the bench's inputs
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import warnings
 
@@ -163,7 +164,7 @@ class Qwen21(Steps):
         T, S = max(r.p.txt.shape[1] for r in group), max(r.x.shape[1] for r in group)
         big = max(group, key=lambda r: r.x.shape[1])
         dev, B = big.x.device, sum(r.x.shape[0] for r in group)
-        lay = qwenimage21.read_layout(torch.tensor([[False] * T + [True] * (S // 4)]), [[big.tab["shape"]]], T, S, dev)
+        lay = _shared_layout(T, S, big.tab["shape"], dev)
         kw = dict(
             txt_mask=torch.cat([_pad(_mask(r.p), 1, T) for r in group]),
             img_shapes=[[big.tab["shape"]]] * B,
@@ -211,6 +212,13 @@ class _Rows:
     tab: object
     cache: object
     rows: range
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_layout(T: int, S: int, shape: tuple, device) -> qwenimage21.Layout:
+    """A padded call's layout: T text rows, then the target's S latent rows (the grid
+    ``shape``), read on the host once per (T, S, shape, device)."""
+    return qwenimage21.read_layout(torch.tensor([[False] * T + [True] * (S // 4)]), [[shape]], T, S, device)
 
 
 def _pad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
