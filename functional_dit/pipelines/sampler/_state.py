@@ -19,7 +19,9 @@ combination, the scheduler's step on a copy of the item's scheduler, then the fa
 extracted on the first step) joins the item's tables. Items
 of one state share one model call where the family allows it (``Steps.shares_calls``):
 their rows follow each other, each keeps its own timestep, guidance, adapters and step
-cache (`cache._items`: each item decides alone).
+cache (`cache._items`: each item decides alone). Steps whose items do not share calls
+may lay several items into their own calls (``Steps.predict_items``: each call picks its
+rows, and their adapters, by index).
 """
 
 from __future__ import annotations
@@ -174,10 +176,11 @@ def bound(params, ctx: Context, it: Item) -> Bound:
 
 def step(params, state: State) -> State:
     """One denoising step of every unfinished item: one model call over the batch (item
-    rows in order; one call per item where the family's items do not share calls,
-    Qwen-Image 2.1; items of several sizes in one padded call where the family packs
-    them, else one call per size: `_packing.calls`), then each item's CFG combination,
-    scheduler step and ``after_step``."""
+    rows in order; items of several sizes in one padded call where the family packs
+    them, else one call per size; where the family's items do not share calls,
+    Qwen-Image 2.1, the calls its steps lay the items into where they pack, else one call
+    per item: `_packing.calls`), then each item's CFG combination, scheduler step and
+    ``after_step``."""
     items = [it for it in state.items if not it.done]
     if not items:
         return state
@@ -199,7 +202,7 @@ def _by_context(ctx: Context, items) -> list:
 
 def _step(params, ctx: Context, items) -> list:
     """``items`` after one step computed in one model call (padded where their sizes differ)."""
-    if len(items) > 1 and not ctx.model.shares_calls:
+    if len(items) > 1 and ctx.model.predicts_items:
         return _step_items(params, ctx, items)
     pad = _packing.layout(items)
     x = (
