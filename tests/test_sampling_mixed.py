@@ -15,8 +15,9 @@
   without it, each item within fp32 1e-5 of it alone and its image within 1 level of
   ``fd.sample``; an item joining a running batch extracts its caches in a call apart from
   the running item's cached call, then both share the cached calls;
-- items with a step cache are never packed (their states are per call): a call per item
-  (Qwen-Image 2.1) or per size (FLUX.1), each equal alone;
+- items with a step cache are never packed (their states are per call): a call of its own
+  beside the other items' shared call (Qwen-Image 2.1) or a call per size (FLUX.1), each
+  equal alone;
 - slow: the padded call on an sp=2 mesh equals one process;
 - the serving engine (in process) packs two sizes into one call while it holds at most
   ``max_batch`` images within ``max_padding``, counts those calls, and with mixed
@@ -311,16 +312,23 @@ def test_qwen_image_21_a_newcomer_extracts_in_a_call_of_its_own(qwen21, monkeypa
         assert np.abs(img - _q21_alone(params, pipe, it.request, True)).max() <= LEVEL, it.request.prompt
 
 
-def test_qwen_image_21_items_with_a_step_cache_keep_a_call_each(qwen21):
+def test_qwen_image_21_an_item_with_a_step_cache_keeps_its_own_calls(qwen21):
     """A step cache keeps a state per model call of its item (Qwen-Image 2.1: one per CFG
-    branch), so a batch holding one is not packed: a call per item (`_packing.calls`),
-    each equal to ``fd.sample`` alone (with its cache)."""
+    branch), so an item with one is not packed (a batch holding one does not join other
+    sizes: `sampling.packs`) and takes its own calls, while the batch's other items share
+    theirs (`_packing.calls`); each equal to ``fd.sample`` alone (with its cache)."""
     params, pipe = qwen21
     ctx = sampling.context(params, pipe)
-    reqs = [_req("a red cat", 32, 32, seed=1, msl=None, cache="fbcache:1.5"), _req("a dog", 64, 32, seed=2, msl=None)]
+    reqs = [
+        _req("a red cat", 32, 32, seed=1, msl=None, cache="fbcache:1.5"),
+        _req("a dog", 64, 32, seed=2, msl=None),
+        _req("a bird in a tree", 32, 32, seed=3, msl=None),
+    ]
     state = sampling.merge(*(sampling.init(params, ctx, [r]) for r in reqs), mixed=True)
-    assert not sampling.packs(params, ctx, state.items)
-    assert sampling._packing.calls(params, ctx, state.items) == [[it] for it in state.items]
+    cached, *rest = state.items
+    assert not sampling.packs(params, ctx, state.items) and sampling.packs(params, ctx, rest)
+    assert sampling._packing.calls(params, ctx, state.items) == [rest, [cached]]
+    assert sampling._packing.calls(params, ctx, [cached, rest[0]]) == [[cached], [rest[0]]]
     while not all(it.done for it in state.items):
         state = sampling.step(params, state)
     for it, img in zip(state.items, sampling.decode(state, "np")):
