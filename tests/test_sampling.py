@@ -166,13 +166,14 @@ def test_flux3_items_with_adapters_cfg_and_caches_equal_each_alone(kind):
     assert skipped >= 3 * 2, "every cache must have skipped some steps, or the test shows nothing"
 
 
-def test_qwen_image_21_items_one_call_each_with_their_own_kv_caches_equal_each_alone():
-    """Qwen-Image 2.1 lays a batch out by its first item, so its items take one model call
-    each; each keeps its CFG branches' prefix KV caches (extracted on its first step) in its
-    own tables. Items a step apart, with a LoRA, true CFG and step caches (with CFG one state
-    per branch call; the first step extracts the prefix cache over the longer sequence):
-    each equals ``fd.sample`` alone, bitwise without a cache, and decides as it does;
-    ``step`` leaves the items it is given as they were."""
+def test_qwen_image_21_items_with_their_own_kv_caches_equal_each_alone():
+    """Qwen-Image 2.1: each item keeps its CFG branches' prefix KV caches (extracted on its
+    first step) in its own tables; the items without a step cache share one padded call
+    per CFG branch (tests/test_sampling_mixed.py), those with one take their own calls.
+    Items a step apart, with a LoRA, true CFG and step caches (with CFG one state per
+    branch call; the first step extracts the prefix cache over the longer sequence): each
+    within fp32 1e-5 of ``fd.sample`` alone (a shared call's GEMMs, or the cache's path)
+    and deciding as it does; ``step`` leaves the items it is given as they were."""
     pipe = tiny.pipeline("qwen-image-2.1")
     params = fd.from_diffusers(pipe.transformer)
     a = lora.init(params.config, rank=2, seed=1, zero_b=False)
@@ -209,10 +210,8 @@ def test_qwen_image_21_items_one_call_each_with_their_own_kv_caches_equal_each_a
         kw = dict(true_cfg=r.true_cfg, negative_prompt=r.negative_prompt, lora=list(r.lora) or None, seed=r.seed)
         kw |= dict(height=32, width=32, steps=r.steps, output_type="latent", cache=run)
         want = fd.sample(params, pipe, r.prompt, **kw)
-        if run is None:
-            assert torch.equal(it.x, want), r.prompt
-        else:
-            torch.testing.assert_close(it.x, want, rtol=1e-5, atol=1e-5, msg=r.prompt)
+        torch.testing.assert_close(it.x, want, rtol=1e-5, atol=1e-5, msg=r.prompt)
+        if run is not None:
             assert sampling.cache_decisions(it.cache_state) == run.decisions, r.prompt
             skipped += run.skipped()
     assert skipped >= 5 * 2, "every cache must have skipped some steps, or the test shows nothing"
