@@ -14,7 +14,8 @@
   step, with the prefix KV cache (the first step's extract call, then cached calls) and
   without it, each item within fp32 1e-5 of it alone and its image within 1 level of
   ``fd.sample``; an item joining a running batch extracts its caches in a call apart from
-  the running item's cached call, then both share the cached calls;
+  the running item's cached call, then both share the cached calls; items of one layout
+  share a plain call; changing item B's latents leaves item A's step bitwise unchanged;
 - items with a step cache are never packed (their states are per call): a call of its own
   beside the other items' shared call (Qwen-Image 2.1) or a call per size (FLUX.1), each
   equal alone;
@@ -227,12 +228,12 @@ def _q21_context(params, pipe, kv: bool):
 
 
 def _q21_calls(monkeypatch) -> list:
-    """fd.apply's calls from here on: (batch, latent rows, padded, the KV cache's mode)."""
+    """fd.apply's calls from here on: (batch, latent rows, RoPE per row, the KV cache's mode)."""
     seen, plain = [], api.apply
 
     def counting(params, x, t, txt, **kw):
         kv = kw.get("kv_cache")
-        seen.append((x.shape[0], x.shape[1], "img_valid" in kw, kv if kv is None or isinstance(kv, str) else "read"))
+        seen.append((x.shape[0], x.shape[1], "rope" in kw, kv if kv is None or isinstance(kv, str) else "read"))
         return plain(params, x, t, txt, **kw)
 
     monkeypatch.setattr(api, "apply", counting)
@@ -247,12 +248,13 @@ def _q21_alone(params, pipe, r: sampling.Request, kv: bool):
 
 
 def _q21_step(params, mixed, alone, monkeypatch, want: list):
-    """One step of ``mixed`` (its calls ``want``: (batch, kv mode) each, all padded) and
-    of each of ``alone``; each item's latents within fp32 1e-5 of it alone."""
+    """One step of ``mixed`` (its calls ``want``: (batch, kv mode, a RoPE table per row:
+    rows of several layouts) each) and of each of ``alone``; each item's latents within
+    fp32 1e-5 of it alone."""
     calls = _q21_calls(monkeypatch)
     mixed = sampling.step(params, mixed)
     monkeypatch.undo()
-    assert [(b, kv) for b, _, _, kv in calls] == want and all(c[2] for c in calls), calls
+    assert [(b, kv, rope) for b, _, rope, kv in calls] == want, calls
     alone = [sampling.step(params, s) for s in alone]
     for it, s in zip(mixed.items, alone):
         torch.testing.assert_close(it.x, s.items[0].x, rtol=1e-5, atol=1e-5)
@@ -281,7 +283,7 @@ def test_qwen_image_21_sizes_and_layouts_share_a_call_per_branch_each_equal_alon
     assert sampling.packs(params, ctx, mixed.items)
     for i in range(3):
         mode = None if not kv else "extract" if i == 0 else "read"
-        mixed, alone = _q21_step(params, mixed, alone, monkeypatch, [(3, mode), (2, mode)])
+        mixed, alone = _q21_step(params, mixed, alone, monkeypatch, [(3, mode, True), (2, mode, True)])
     for it, img in zip(mixed.items, sampling.decode(mixed, "np")):
         assert img.shape[:2] == (it.request.height, it.request.width)
         assert np.abs(img - _q21_alone(params, pipe, it.request, kv)).max() <= LEVEL, it.request.prompt
@@ -303,13 +305,31 @@ def test_qwen_image_21_a_newcomer_extracts_in_a_call_of_its_own(qwen21, monkeypa
     first = sampling.step(params, first)
     mixed = sampling.merge(first, late, mixed=True)
     alone = [first, late]
-    mixed, alone = _q21_step(params, mixed, alone, monkeypatch, [(1, "extract"), (1, "read"), (1, "read")])
-    mixed, alone = _q21_step(params, mixed, alone, monkeypatch, [(2, "read"), (1, "read")])
+    one = [(1, "extract", False), (1, "read", False), (1, "read", False)]  # each call one row: its own layout
+    mixed, alone = _q21_step(params, mixed, alone, monkeypatch, one)
+    mixed, alone = _q21_step(params, mixed, alone, monkeypatch, [(2, "read", True), (1, "read", False)])
     _, rest = sampling.split(mixed)
     assert [it.request.prompt for it in rest.items] == ["a boat"]
     mixed = sampling.merge(sampling.split(mixed)[0], sampling.step(params, rest), mixed=True)
     for it, img in zip(mixed.items, sampling.decode(mixed, "np")):
         assert np.abs(img - _q21_alone(params, pipe, it.request, True)).max() <= LEVEL, it.request.prompt
+
+
+def test_qwen_image_21_one_layout_shares_a_plain_call_and_no_item_attends_to_another(qwen21, monkeypatch):
+    """Two Qwen-Image 2.1 items of one size and prompt length share one call without
+    per-row tables (one layout), each within 1e-5 of it alone; in a padded call of two
+    sizes, item A's step is bitwise the same whatever item B's latents."""
+    params, pipe = qwen21
+    ctx = _q21_context(params, pipe, True)
+    alone = [sampling.init(params, ctx, [_req(p, 32, 32, seed=j, msl=None)]) for j, p in enumerate(("a cat", "a dog"))]
+    assert alone[0].items[0].key == alone[1].items[0].key
+    mixed, alone = _q21_step(params, sampling.merge(*alone), alone, monkeypatch, [(2, "extract", False)])
+    _q21_step(params, mixed, alone, monkeypatch, [(2, "read", False)])
+    a, b = (sampling.init(params, ctx, [_req("a cat", *wh, seed=1, msl=None)]) for wh in ((32, 32), (64, 32)))
+    b2 = sampling.State(ctx, (dataclasses.replace(b.items[0], x=torch.randn_like(b.items[0].x)),))
+    one, two = (sampling.step(params, sampling.merge(a, s, mixed=True)) for s in (b, b2))
+    assert torch.equal(one.items[0].x, two.items[0].x)
+    assert not torch.equal(one.items[1].x, two.items[1].x)
 
 
 def test_qwen_image_21_an_item_with_a_step_cache_keeps_its_own_calls(qwen21):

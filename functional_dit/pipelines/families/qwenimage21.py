@@ -159,19 +159,11 @@ class Qwen21(Steps):
         """One call over ``group`` (`_Rows` of one branch, all extracting their KV caches or
         all reading them, or no cache): text padded to the longest prompt (``txt_mask``),
         latents to the longest image (``img_valid``), the longest image's layout shared,
-        each row's own positions in its RoPE table (`_row_rope`); each row's caches padded
-        to the call's prefix (their padding masked). {(item, branch): (prediction, cache)}."""
+        each row's own positions in its RoPE table (`_call_inputs`); each row's caches
+        padded to the call's prefix (their padding masked). {(item, branch): (prediction,
+        cache)}."""
         T, S = max(r.p.txt.shape[1] for r in group), max(r.x.shape[1] for r in group)
-        big = max(group, key=lambda r: r.x.shape[1])
-        dev, B = big.x.device, sum(r.x.shape[0] for r in group)
-        lay = _shared_layout(T, S, big.tab["shape"], dev)
-        kw = dict(
-            txt_mask=torch.cat([_pad(_mask(r.p), 1, T) for r in group]),
-            img_shapes=[[big.tab["shape"]]] * B,
-            layout=lay,
-            rope=tuple(torch.cat(a) for a in zip(*(self._row_rope(r, T, S) for r in group))),
-            img_valid=torch.cat([(torch.arange(S, device=dev) < r.x.shape[1]).expand(r.x.shape[0], S) for r in group]),
-        )
+        kw = self._call_inputs(group, T, S)
         x, t = torch.cat([_pad(r.x, 1, S) for r in group]), torch.cat([r.t for r in group])
         txt, rows = torch.cat([_pad(r.p.txt, 1, T) for r in group]), [i for r in group for i in r.rows]
         cache = None
@@ -182,6 +174,24 @@ class Qwen21(Steps):
         outs = out[:, -S:].split([r.x.shape[0] for r in group])
         cuts = _cut_caches(self.c, new, group) if new is not None else [r.cache for r in group]
         return {(r.j, r.k): (o[:, : r.x.shape[1]], c) for r, o, c in zip(group, outs, cuts)}
+
+    def _call_inputs(self, group, T: int, S: int) -> dict:
+        """fd.apply's layout keywords for ``group`` padded to T text and S latent rows: the
+        longest image's layout and grid shared, each row's RoPE table (none where every row
+        has one layout: the layout's own positions), the text mask and ``img_valid`` (none
+        where nothing is padded: the unmasked kernels)."""
+        big = max(group, key=lambda r: r.x.shape[1])
+        dev, B, shape = big.x.device, sum(r.x.shape[0] for r in group), big.tab["shape"]
+        kw = dict(img_shapes=[[shape]] * B, layout=_shared_layout(T, S, shape, dev))
+        mask = torch.cat([_pad(_mask(r.p), 1, T) for r in group])
+        kw["txt_mask"] = None if bool(mask.all()) else mask
+        if any(r.x.shape[1] < S for r in group):
+            kw["img_valid"] = torch.cat(
+                [(torch.arange(S, device=dev) < r.x.shape[1]).expand(len(r.x), S) for r in group]
+            )
+        if len({(r.p.txt.shape[1], r.tab["shape"]) for r in group}) > 1:
+            kw["rope"] = tuple(torch.cat(a) for a in zip(*(self._row_rope(r, T, S) for r in group)))
+        return kw
 
     def _row_rope(self, r, T: int, S: int) -> tuple:
         """Row group ``r``'s (cos, sin) over the padded layout: its own layout's positions,
