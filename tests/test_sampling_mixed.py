@@ -9,8 +9,16 @@
   FLUX.2 items with reference images not packed (a call per size, each equal alone);
 - no item attends to another: changing item B's latents leaves item A's step bitwise
   unchanged (the same ops in one process);
-- Qwen-Image 2.1 (one call per item: its batch is laid out by its first item) and items
-  with a step cache are never packed: a call per item or per size, each equal alone;
+- Qwen-Image 2.1: items of three sizes / two layouts of one token count (square, wide,
+  tall), prompts of three lengths, a LoRA and true CFG: one padded call per CFG branch and
+  step, with the prefix KV cache (the first step's extract call, then cached calls) and
+  without it, each item within fp32 1e-5 of it alone and its image within 1 level of
+  ``fd.sample``; an item joining a running batch extracts its caches in a call apart from
+  the running item's cached call, then both share the cached calls; items of one layout
+  share a plain call; changing item B's latents leaves item A's step bitwise unchanged;
+- items with a step cache are never packed (their states are per call): a call of its own
+  beside the other items' shared call (Qwen-Image 2.1) or a call per size (FLUX.1), each
+  equal alone;
 - slow: the padded call on an sp=2 mesh equals one process;
 - the serving engine (in process) packs two sizes into one call while it holds at most
   ``max_batch`` images within ``max_padding``, counts those calls, and with mixed
@@ -19,6 +27,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -204,18 +213,149 @@ def test_no_item_attends_to_another(models):
     assert not torch.equal(one.items[1].x, two.items[1].x)
 
 
-def test_qwen_image_21_and_cached_items_are_not_packed_and_equal_alone(monkeypatch):
-    """Qwen-Image 2.1 lays a batch out by its first item (one call per item, its prefix KV
-    caches per item): items of two sizes keep a call each. FLUX.1 items with a step cache
-    keep one call per size (a cache decides per call)."""
+@pytest.fixture(scope="module")
+def qwen21():
     pipe = tiny.pipeline("qwen-image-2.1")
-    params = fd.from_diffusers(pipe.transformer)
+    return fd.from_diffusers(pipe.transformer), pipe
+
+
+def _q21_context(params, pipe, kv: bool):
+    """The sampling context of Qwen-Image 2.1, its prefix KV cache on (the tiny model's
+    default: causal_condition) or off."""
     ctx = sampling.context(params, pipe)
-    reqs = [_req("a red cat", 32, 32, seed=1, msl=None), _req("a dog", 64, 32, seed=2, msl=None)]
+    assert ctx.model.kv
+    return ctx if kv else dataclasses.replace(ctx, model=type(ctx.model)(params, pipe, False))
+
+
+def _q21_calls(monkeypatch) -> list:
+    """fd.apply's calls from here on: (batch, latent rows, RoPE per row, the KV cache's mode)."""
+    seen, plain = [], api.apply
+
+    def counting(params, x, t, txt, **kw):
+        kv = kw.get("kv_cache")
+        seen.append((x.shape[0], x.shape[1], "rope" in kw, kv if kv is None or isinstance(kv, str) else "read"))
+        return plain(params, x, t, txt, **kw)
+
+    monkeypatch.setattr(api, "apply", counting)
+    return seen
+
+
+def _q21_alone(params, pipe, r: sampling.Request, kv: bool):
+    return fd.sample(
+        params, pipe, r.prompt, height=r.height, width=r.width, steps=r.steps, seed=r.seed, true_cfg=r.true_cfg,
+        negative_prompt=r.negative_prompt, output_type="np", lora=list(r.lora) or None, kv_cache=kv,
+    )[0]  # fmt: skip
+
+
+def _q21_step(params, mixed, alone, monkeypatch, want: list):
+    """One step of ``mixed`` (its calls ``want``: (batch, kv mode, a RoPE table per row:
+    rows of several layouts) each) and of each of ``alone``; each item's latents within
+    fp32 1e-5 of it alone."""
+    calls = _q21_calls(monkeypatch)
+    mixed = sampling.step(params, mixed)
+    monkeypatch.undo()
+    assert [(b, kv, rope) for b, _, rope, kv in calls] == want, calls
+    alone = [sampling.step(params, s) for s in alone]
+    for it, s in zip(mixed.items, alone):
+        torch.testing.assert_close(it.x, s.items[0].x, rtol=1e-5, atol=1e-5)
+    return mixed, alone
+
+
+@pytest.mark.parametrize("kv", [True, False], ids=["kv-cache", "no-kv-cache"])
+def test_qwen_image_21_sizes_and_layouts_share_a_call_per_branch_each_equal_alone(qwen21, kv, monkeypatch):
+    """Qwen-Image 2.1: a square 32x32 item (a LoRA), a wide 64x32 and a tall 32x64 one
+    (two layouts of one token count; true CFG, each branch its own prompt length), prompts
+    of three lengths: ONE padded call per CFG branch and step (branch 0 all three items,
+    branch 1 the two with CFG; with the KV cache the first step extracts every item's
+    caches, the later ones read them), each item's latents within fp32 1e-5 of it stepped
+    alone, its image within 1 uint8 level of ``fd.sample`` alone."""
+    params, pipe = qwen21
+    ctx = _q21_context(params, pipe, kv)
+    adapter = lora.init(params.config, rank=4, alpha=8.0, seed=1, zero_b=False)
+    reqs = [
+        _req("a red cat", 32, 32, seed=1, msl=None, lora=((adapter, 0.7),)),
+        _req("a blue dog on a long mat", 64, 32, seed=2, msl=None, true_cfg=2.0, negative_prompt="dim"),
+        _req("sun", 32, 64, seed=3, msl=None, true_cfg=3.0, negative_prompt="a dark and moody night"),
+    ]
+    alone = [sampling.init(params, ctx, [r]) for r in reqs]
+    assert len({s.items[0].key for s in alone}) == 3
+    mixed = sampling.merge(*alone, mixed=True)
+    assert sampling.packs(params, ctx, mixed.items)
+    for i in range(3):
+        mode = None if not kv else "extract" if i == 0 else "read"
+        mixed, alone = _q21_step(params, mixed, alone, monkeypatch, [(3, mode, True), (2, mode, True)])
+    for it, img in zip(mixed.items, sampling.decode(mixed, "np")):
+        assert img.shape[:2] == (it.request.height, it.request.width)
+        assert np.abs(img - _q21_alone(params, pipe, it.request, kv)).max() <= LEVEL, it.request.prompt
+
+
+def test_qwen_image_21_a_newcomer_extracts_in_a_call_of_its_own(qwen21, monkeypatch):
+    """An item joining a running batch at its first step extracts its KV caches in a call
+    of its own while the running item reads its caches in another (per branch: extract
+    and cached calls differ in what they compute); from the next step on the two share
+    one cached call per branch. Each within 1e-5 of it alone, each image within 1 level
+    of ``fd.sample`` alone."""
+    params, pipe = qwen21
+    ctx = _q21_context(params, pipe, True)
+    reqs = [
+        _req("a lighthouse at dusk", 64, 32, seed=4, msl=None, true_cfg=2.0, negative_prompt="dim", steps=3),
+        _req("a boat", 32, 32, seed=5, msl=None, steps=3),
+    ]
+    first, late = (sampling.init(params, ctx, [r]) for r in reqs)
+    first = sampling.step(params, first)
+    mixed = sampling.merge(first, late, mixed=True)
+    alone = [first, late]
+    one = [(1, "extract", False), (1, "read", False), (1, "read", False)]  # each call one row: its own layout
+    mixed, alone = _q21_step(params, mixed, alone, monkeypatch, one)
+    mixed, alone = _q21_step(params, mixed, alone, monkeypatch, [(2, "read", True), (1, "read", False)])
+    _, rest = sampling.split(mixed)
+    assert [it.request.prompt for it in rest.items] == ["a boat"]
+    mixed = sampling.merge(sampling.split(mixed)[0], sampling.step(params, rest), mixed=True)
+    for it, img in zip(mixed.items, sampling.decode(mixed, "np")):
+        assert np.abs(img - _q21_alone(params, pipe, it.request, True)).max() <= LEVEL, it.request.prompt
+
+
+def test_qwen_image_21_one_layout_shares_a_plain_call_and_no_item_attends_to_another(qwen21, monkeypatch):
+    """Two Qwen-Image 2.1 items of one size and prompt length share one call without
+    per-row tables (one layout), each within 1e-5 of it alone; in a padded call of two
+    sizes, item A's step is bitwise the same whatever item B's latents."""
+    params, pipe = qwen21
+    ctx = _q21_context(params, pipe, True)
+    alone = [sampling.init(params, ctx, [_req(p, 32, 32, seed=j, msl=None)]) for j, p in enumerate(("a cat", "a dog"))]
+    assert alone[0].items[0].key == alone[1].items[0].key
+    mixed, alone = _q21_step(params, sampling.merge(*alone), alone, monkeypatch, [(2, "extract", False)])
+    _q21_step(params, mixed, alone, monkeypatch, [(2, "read", False)])
+    a, b = (sampling.init(params, ctx, [_req("a cat", *wh, seed=1, msl=None)]) for wh in ((32, 32), (64, 32)))
+    b2 = sampling.State(ctx, (dataclasses.replace(b.items[0], x=torch.randn_like(b.items[0].x)),))
+    one, two = (sampling.step(params, sampling.merge(a, s, mixed=True)) for s in (b, b2))
+    assert torch.equal(one.items[0].x, two.items[0].x)
+    assert not torch.equal(one.items[1].x, two.items[1].x)
+
+
+def test_qwen_image_21_an_item_with_a_step_cache_keeps_its_own_calls(qwen21):
+    """A step cache keeps a state per model call of its item (Qwen-Image 2.1: one per CFG
+    branch), so an item with one is not packed (a batch holding one does not join other
+    sizes: `sampling.packs`) and takes its own calls, while the batch's other items share
+    theirs (`_packing.calls`); each equal to ``fd.sample`` alone (with its cache)."""
+    params, pipe = qwen21
+    ctx = sampling.context(params, pipe)
+    reqs = [
+        _req("a red cat", 32, 32, seed=1, msl=None, cache="fbcache:1.5"),
+        _req("a dog", 64, 32, seed=2, msl=None),
+        _req("a bird in a tree", 32, 32, seed=3, msl=None),
+    ]
     state = sampling.merge(*(sampling.init(params, ctx, [r]) for r in reqs), mixed=True)
-    state = _stepped_a_call_each(params, ctx, state, monkeypatch)
+    cached, *rest = state.items
+    assert not sampling.packs(params, ctx, state.items) and sampling.packs(params, ctx, rest)
+    assert sampling._packing.calls(params, ctx, state.items) == [rest, [cached]]
+    assert sampling._packing.calls(params, ctx, [cached, rest[0]]) == [[cached], [rest[0]]]
+    while not all(it.done for it in state.items):
+        state = sampling.step(params, state)
     for it, img in zip(state.items, sampling.decode(state, "np")):
-        assert np.abs(img - _alone(params, pipe, it.request)).max() <= LEVEL
+        r = it.request
+        want = fd.sample(params, pipe, r.prompt, height=r.height, width=r.width, steps=r.steps, seed=r.seed,
+                         cache=r.cache, output_type="np")[0]  # fmt: skip
+        assert np.abs(img - want).max() <= LEVEL
 
 
 def test_cached_flux_items_are_not_packed(models):

@@ -10,8 +10,8 @@ alone in this process: every image within 1 uint8 level per pixel.
 - a request arriving while another runs joins its batch (``/metrics``' joined counter);
 - a request of another size joins the running one's model calls (mixed resolutions,
   ``/metrics``' fd_serve_mixed_resolution_calls_total), each image equal to fd.sample alone;
-  so on a Qwen-Image server (prompts of two lengths too), while Qwen-Image 2.1 keeps a call
-  per image and counts none;
+  so on Qwen-Image, FLUX.3 and Qwen-Image 2.1 servers (prompts of two lengths too; 2.1
+  with its prefix KV caches);
 - four requests with step caches (FBC, MagCache, TaylorSeer, FasterCache) join a no-cache
   request's batch, each equal to ``fd.sample`` of it alone with that cache;
 - FLUX.3's flow map and Qwen-Image 2.1 served (a server each): CFG and a step cache,
@@ -812,48 +812,36 @@ def test_mixed_resolution_flags_are_checked_by_name(capsys):
 
 
 @pytest.mark.parametrize(
-    "model, kind, packed",
+    "model, kind",
     [
-        ("tiny:qwen-image", "qwen-image", True),
-        ("tiny:flux3-distilled", "flux3-distilled", True),
-        ("tiny:qwen-image-2.1", "qwen-image-2.1", False),
+        ("tiny:qwen-image", "qwen-image"),
+        ("tiny:flux3-distilled", "flux3-distilled"),
+        ("tiny:qwen-image-2.1", "qwen-image-2.1"),
     ],
 )
-def test_qwen_image_sizes_share_calls_and_qwen_image_21_keeps_a_call_each(tmp_path, model, kind, packed):
+def test_qwen_image_sizes_share_calls_and_equal_fd_sample(tmp_path, model, kind):
     """A 64x32 request joins a running 32x32 one (another prompt length too) on a server of
-    its own: Qwen-Image and FLUX.3 (its prompts padded to one length) pack both sizes
-    into one call (counted in /metrics; --max-padding 2, the tiny model's prompts being as
-    long as its images), Qwen-Image 2.1 keeps one call per
-    image (its batch is laid out by its first item: docs/serving.md), counting none: its
-    64x32 image waits behind the anchor's size (first come, first served across sizes) and
-    runs once the anchor leaves. Either way the image equals ``fd.sample`` of it alone (as
-    RGB: 2.1's images are RGBA)."""
+    its own: Qwen-Image, FLUX.3 (its prompts padded to one length) and Qwen-Image 2.1 (one
+    padded layout, each image its own positions; its prefix KV caches: the newcomer's first
+    step extracts its own in a call apart, its later steps share the anchor's cached call)
+    pack both sizes into one call (counted in /metrics; --max-padding 2, the tiny model's
+    prompts being as long as its images), and the image equals ``fd.sample`` of it alone
+    (as RGB: 2.1's images are RGBA)."""
     server = Server(str(tmp_path), "--max-steps", str(10**6), "--max-padding", "2", model=model, msl=None)
-    body, out = dict(prompt="a wide view", size="64x32", steps=2, seed=5), {}
+    body = dict(prompt="a wide view", size="64x32", steps=3, seed=5)
     try:
         server.wait_up()
         before = server.metrics()
         with _anchor(server, before):
-            if packed:
-                res = server.post(body, timeout=300)
-            else:  # sent while the anchor runs; answered after it leaves (the context's exit)
-                waiter = threading.Thread(target=lambda: out.setdefault("res", server.post(body, timeout=300)))
-                waiter.start()
-                end = time.monotonic() + 60
-                while sum(server.metrics()[k] for k in ("fd_serve_queue_depth", "fd_serve_running_batch_size")) < 2:
-                    assert time.monotonic() < end, "the 64x32 request never arrived"
-                    time.sleep(0.05)
-        if not packed:
-            waiter.join(300)
-            res = out["res"]
+            res = server.post(body, timeout=300)
         after = server.metrics()
     finally:
         server.stop()
     assert res.status_code == 200, res.text
     calls = after["fd_serve_mixed_resolution_calls_total"] - before["fd_serve_mixed_resolution_calls_total"]
-    assert calls >= 2 if packed else calls == 0
+    assert calls >= 2
     pipe = tiny.pipeline(kind)
-    want = fd.sample(fd.from_diffusers(pipe.transformer), pipe, "a wide view", height=32, width=64, steps=2, seed=5)[0]
+    want = fd.sample(fd.from_diffusers(pipe.transformer), pipe, "a wide view", height=32, width=64, steps=3, seed=5)[0]
     got = _pixels(res.json()["data"][0]["b64_json"])
     assert got.shape[:2] == (32, 64)
     _close(got, np.asarray(want.convert("RGB")).astype(int))

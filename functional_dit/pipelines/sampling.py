@@ -14,15 +14,17 @@ form, true CFG as two rows of the item), each item's CFG combination and schedul
 it changes nothing it is given. `decode` turns finished items into images. `merge` and
 `split` let a server add items to a running batch and take finished ones out between steps
 (`functional_dit.serve`); ``merge(..., mixed=True)`` joins items of several keys, which a
-step then packs into one padded model call where the family can (FLUX.1, Qwen-Image:
+step then packs into one padded model call where the family can (FLUX.1, Qwen-Image,
+FLUX.2, FLUX.3 text to image; Qwen-Image 2.1 one per CFG branch:
 `functional_dit.pipelines.sampler._packing`), else steps one key per call.
 
 Each item's image equals ``fd.sample`` of that request alone (tests/test_sampling.py;
 docs/serving.md gives the measured difference). Requests cover the text-to-image pipelines
 of FLUX.1, FLUX.2 (dev, klein), Qwen-Image, FLUX.3 (base and step-distilled: each item's
-flow-map target is its own next timestep) and Qwen-Image 2.1 (whose batch is laid out by
-its first item: each item takes its own model call and keeps its CFG branches' prefix KV
-caches in its tables), each item with its own step cache (``Request.cache``: every item
+flow-map target is its own next timestep) and Qwen-Image 2.1 (whose plain batch is laid
+out by its first item: its steps lay the items into one padded call per CFG branch, each
+row its own positions, and each item keeps its CFG branches' prefix KV caches in its
+tables), each item with its own step cache (``Request.cache``: every item
 deciding alone; one state per model call where a step makes one call per CFG branch,
 Qwen-Image 2.1). A request with image inputs (``image``, ``mask_image``, ``strength``: FLUX.1
 img2img and inpainting, Qwen-Image's, the FLUX.2 / klein references) is made by

@@ -103,12 +103,23 @@ class Steps:
     # masks_text: its prompts are masked, so items of several text lengths pad theirs too
     packs_sizes = False
     masks_text = False
+    # where items do not share calls (``shares_calls = False``): the steps lay several items'
+    # rows into their own calls (`predict_items`; Qwen-Image 2.1: per CFG branch, a padded layout)
+    predicts_items = False
 
     def packs(self, tab: Mapping) -> bool:
         """Whether an item with the tables ``tab`` (``prepare``'s) may share a padded call
         over several sizes, its ``tab["rope"]`` being (cos, sin) of its text then its image
         rows (where ``packs_sizes``; FLUX.2: not with reference images)."""
         return True
+
+    def predict_items(self, params, tabs: list, xs: list, ts: list, conds: list, apply) -> tuple[list, list]:
+        """One step of several items (where ``predicts_items``): per item its tables, its
+        rows' latents (``[x; x]`` with true CFG), their timesteps and its `Prompt`;
+        ``apply(params, x, t, txt, rows=..., **kw)`` is `fd.apply` over the rows ``rows``
+        (indices into the items' rows in order: their adapters). Returns per item its rows'
+        prediction and the tables it keeps (``predict``'s updates)."""
+        raise NotImplementedError(f"{type(self).__name__}: predicts_items without predict_items")
 
     def cfg_batch(self, cond: Prompt, uncond: Prompt) -> Prompt:
         """Both CFG branches as the loop's one batch ([cond; uncond] by default)."""

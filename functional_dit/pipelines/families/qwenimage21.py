@@ -11,12 +11,15 @@ argument), its tiny pipelines' recipes and the bench's inputs
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import warnings
 
 import torch
 
-from ... import qwenimage21
+from sharding.tree import nest
+
+from ... import qwenimage, qwenimage21
 from ...qwenimage21 import QwenImage21Config, QwenImage21KVCache
 from .. import tiny_parts
 from . import _common
@@ -46,7 +49,9 @@ class Qwen21(Steps):
     fixed_graph = True  # one fixed device graph per step (`sampler_xla`)
     cfg_on_device = True
     cfg_calls = 2  # with CFG, one model call per branch per step (a step cache keeps a state per call)
-    shares_calls = False  # a batch is laid out by its first item (`batch_size`)
+    shares_calls = False  # a batch is laid out by its first item (`batch_size`) ...
+    # ... but `predict_items` lays several items (sizes, prompt lengths) into one padded layout
+    packs_sizes = masks_text = predicts_items = True
 
     def __init__(self, params, pipe, kv_cache: bool | None):
         self.pipe, self.c = pipe, params.config
@@ -114,12 +119,151 @@ class Qwen21(Steps):
             return pred, NO_TABLES
         return pred, tables(caches=types.MappingProxyType(dict(enumerate(caches))))
 
+    def packs(self, tab) -> bool:
+        """Text to image (each branch's prefix its prompt alone, no image slots in it)."""
+        return all(lay.prefix == len(lay.text_rows) for lay in tab["layouts"])
+
+    def predict_items(self, params, tabs, xs, ts, conds, apply):
+        """Several items' step (`Steps.predict_items`): per CFG branch, the items that have
+        it in one padded call (`_Rows`, `_padded_call`); with the KV cache, those that
+        extract their branch's cache (their first step) in one call and those that read
+        theirs in another. Per item: its rows' prediction ([cond; uncond]) and its caches."""
+        parts, start = [], 0
+        for j, (tab, x, t, cond) in enumerate(zip(tabs, xs, ts, conds)):
+            branches = [cond] if cond.uncond is None else [cond, cond.uncond]
+            n = x.shape[0] // len(branches)
+            for k, p in enumerate(branches):
+                rows = range(start + k * n, start + (k + 1) * n)
+                cache = tab["caches"].get(k)
+                parts.append(_Rows(j, k, x[k * n : (k + 1) * n], t[k * n : (k + 1) * n], p, tab, cache, rows))
+            start += x.shape[0]
+        out = {}
+        for k in (0, 1):
+            for extract in (True, False):
+                group = [r for r in parts if r.k == k and (r.cache is None) == extract]
+                if group:
+                    out.update(self._padded_call(params, apply, group))
+        return self._per_item(tabs, parts, out)
+
+    def _per_item(self, tabs, parts, out) -> tuple[list, list]:
+        """Each item's prediction (its branches in order) and its new caches (the tables to keep)."""
+        preds, updates = [], []
+        for j, tab in enumerate(tabs):
+            mine = [r for r in parts if r.j == j]
+            preds.append(torch.cat([out[r.j, r.k][0] for r in mine]))
+            new = {r.k: out[r.j, r.k][1] for r in mine if r.cache is None and self.kv}
+            updates.append(tables(caches=types.MappingProxyType({**tab["caches"], **new})) if new else NO_TABLES)
+        return preds, updates
+
+    def _padded_call(self, params, apply, group) -> dict:
+        """One call over ``group`` (`_Rows` of one branch, all extracting their KV caches or
+        all reading them, or no cache): text padded to the longest prompt (``txt_mask``),
+        latents to the longest image (``img_valid``), the longest image's layout shared,
+        each row's own positions in its RoPE table (`_call_inputs`); each row's caches
+        padded to the call's prefix (their padding masked). {(item, branch): (prediction,
+        cache)}."""
+        T, S = max(r.p.txt.shape[1] for r in group), max(r.x.shape[1] for r in group)
+        kw = self._call_inputs(group, T, S)
+        x, t = torch.cat([_pad(r.x, 1, S) for r in group]), torch.cat([r.t for r in group])
+        txt, rows = torch.cat([_pad(r.p.txt, 1, T) for r in group]), [i for r in group for i in r.rows]
+        cache = None
+        if self.kv:
+            cache = "extract" if group[0].cache is None else _padded_cache(self.c, [r.cache for r in group], T)
+        got = apply(params, x, t, txt, rows=rows, **kw, **({} if cache is None else {"kv_cache": cache}))
+        out, new = got if cache == "extract" else (got, None)
+        outs = out[:, -S:].split([r.x.shape[0] for r in group])
+        cuts = _cut_caches(self.c, new, group) if new is not None else [r.cache for r in group]
+        return {(r.j, r.k): (o[:, : r.x.shape[1]], c) for r, o, c in zip(group, outs, cuts)}
+
+    def _call_inputs(self, group, T: int, S: int) -> dict:
+        """fd.apply's layout keywords for ``group`` padded to T text and S latent rows: the
+        longest image's layout and grid shared, each row's RoPE table (none where every row
+        has one layout: the layout's own positions), the text mask and ``img_valid`` (none
+        where nothing is padded: the unmasked kernels)."""
+        big = max(group, key=lambda r: r.x.shape[1])
+        dev, B, shape = big.x.device, sum(r.x.shape[0] for r in group), big.tab["shape"]
+        kw = dict(img_shapes=[[shape]] * B, layout=_shared_layout(T, S, shape, dev))
+        mask = torch.cat([_pad(_mask(r.p), 1, T) for r in group])
+        kw["txt_mask"] = None if bool(mask.all()) else mask
+        if any(r.x.shape[1] < S for r in group):
+            kw["img_valid"] = torch.cat(
+                [(torch.arange(S, device=dev) < r.x.shape[1]).expand(len(r.x), S) for r in group]
+            )
+        if len({(r.p.txt.shape[1], r.tab["shape"]) for r in group}) > 1:
+            kw["rope"] = tuple(torch.cat(a) for a in zip(*(self._row_rope(r, T, S) for r in group)))
+        return kw
+
+    def _row_rope(self, r, T: int, S: int) -> tuple:
+        """Row group ``r``'s (cos, sin) over the padded layout: its own layout's positions,
+        its text rows padded to T, its image rows to S; (n, T + S, D) each."""
+        Tr, n = r.p.txt.shape[1], r.x.shape[0]
+        pe = qwenimage.rope(r.tab["layouts"][r.k].ids, self.c.axes_dims_rope)
+        return tuple(torch.cat([_pad(a[:Tr], 0, T), _pad(a[Tr:], 0, S)])[None].expand(n, -1, -1) for a in pe)
+
     def decode_latents(self, x, h, w):
         vae = self.pipe.vae
         z = x.transpose(1, 2).reshape(x.shape[0], -1, 1, h, w).to(vae.dtype)
         mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z.device, z.dtype)
         std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z.device, z.dtype)
         return z * std + mean
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """One item's rows of one CFG branch in a step: item ``j``, branch ``k``, latents x
+    (n, S, C), timesteps t (n,), its `Prompt` p, the item's tables, its branch's KV cache
+    (None: none yet) and the rows' indices among the step's rows (their adapters)."""
+
+    j: int
+    k: int
+    x: torch.Tensor
+    t: torch.Tensor
+    p: Prompt
+    tab: object
+    cache: object
+    rows: range
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_layout(T: int, S: int, shape: tuple, device) -> qwenimage21.Layout:
+    """A padded call's layout: T text rows, then the target's S latent rows (the grid
+    ``shape``), read on the host once per (T, S, shape, device)."""
+    return qwenimage21.read_layout(torch.tensor([[False] * T + [True] * (S // 4)]), [[shape]], T, S, device)
+
+
+def _pad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``x`` zero-padded along ``dim`` to ``n``."""
+    if x.shape[dim] == n:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def _mask(p: Prompt) -> torch.Tensor:
+    """The prompt's mask (1 = real token), ones where it has none."""
+    ones = torch.ones(p.txt.shape[:2], dtype=torch.long, device=p.txt.device)
+    return ones if p.mask is None else p.mask.to(torch.long)
+
+
+def _padded_cache(config, caches: list, P: int) -> QwenImage21KVCache:
+    """Several rows' prefix caches as one over a prefix of P tokens: each padded with
+    zeros (the call's ``txt_mask`` hides them), rows in order."""
+    flats = [c.flat() for c in caches]
+    tree = {key: torch.cat([_pad(f[key], 1, P) for f in flats]) for key in flats[0]}
+    return QwenImage21KVCache(config, P, nest(tree))
+
+
+def _cut_caches(config, cache: QwenImage21KVCache, group) -> list:
+    """A padded call's extracted cache cut to each row group's rows and its own prefix
+    (its prompt's length): the cache it extracts alone."""
+    flat, out, start = cache.flat(), [], 0
+    for r in group:
+        n, P = r.x.shape[0], r.p.txt.shape[1]
+        tree = {key: v[start : start + n, :P] for key, v in flat.items()}
+        out.append(QwenImage21KVCache(config, P, nest(tree)))
+        start += n
+    return out
 
 
 def steps(params, pipe, image, kv_cache) -> Steps:

@@ -16,6 +16,9 @@ steps pack sizes (``Steps.packs_sizes``) and take each item (``Steps.packs``: no
 with reference images), no item has a step cache or an IP-Adapter
 (their states are per call and per key), the params are not sharded and, for a family
 without a text mask, the items share a text length; else one call per key, as before.
+Steps whose items do not share calls (``shares_calls = False``) may still take several
+items at once, those that pack (``Steps.predicts_items``: Qwen-Image 2.1 lays them into a
+padded call per CFG branch itself, `Steps.predict_items`), and the others a call each.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ def calls(params, ctx, items) -> list[list]:
     """The model calls a step makes over ``items`` of context ``ctx``: groups of items,
     in order (one per item where the family's items do not share calls)."""
     model = ctx.model
-    if not model.shares_calls:
-        return [[it] for it in items]
+    if not model.shares_calls:  # one call per item, or the steps lay the items out themselves
+        return _own_calls(params, ctx, items)
     keys = {it.key for it in items}
     if len(keys) == 1 or packs(params, ctx, items):
         return [list(items)]
@@ -42,6 +45,16 @@ def calls(params, ctx, items) -> list[list]:
     for it in items:
         groups.setdefault(it.key, []).append(it)
     return list(groups.values())
+
+
+def _own_calls(params, ctx, items) -> list[list]:
+    """Where the family's items do not share calls: the items that pack (`packs`, each
+    alone: no step cache, IP-Adapter or context of its own) in the calls the steps lay
+    them into (``Steps.predicts_items``), then one call for each other item."""
+    together = [it for it in items if ctx.model.predicts_items and packs(params, ctx, [it])]
+    if len(together) < 2:
+        return [[it] for it in items]
+    return [together] + [[it] for it in items if not any(it is o for o in together)]
 
 
 def packs(params, ctx, items) -> bool:

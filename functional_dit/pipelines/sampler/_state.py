@@ -19,7 +19,9 @@ combination, the scheduler's step on a copy of the item's scheduler, then the fa
 extracted on the first step) joins the item's tables. Items
 of one state share one model call where the family allows it (``Steps.shares_calls``):
 their rows follow each other, each keeps its own timestep, guidance, adapters and step
-cache (`cache._items`: each item decides alone).
+cache (`cache._items`: each item decides alone). Steps whose items do not share calls
+may lay several items into their own calls (``Steps.predict_items``: each call picks its
+rows, and their adapters, by index).
 """
 
 from __future__ import annotations
@@ -174,10 +176,11 @@ def bound(params, ctx: Context, it: Item) -> Bound:
 
 def step(params, state: State) -> State:
     """One denoising step of every unfinished item: one model call over the batch (item
-    rows in order; one call per item where the family's items do not share calls,
-    Qwen-Image 2.1; items of several sizes in one padded call where the family packs
-    them, else one call per size: `_packing.calls`), then each item's CFG combination,
-    scheduler step and ``after_step``."""
+    rows in order; items of several sizes in one padded call where the family packs
+    them, else one call per size; where the family's items do not share calls,
+    Qwen-Image 2.1, the calls its steps lay the items into where they pack, else one call
+    per item: `_packing.calls`), then each item's CFG combination, scheduler step and
+    ``after_step``."""
     items = [it for it in state.items if not it.done]
     if not items:
         return state
@@ -199,6 +202,8 @@ def _by_context(ctx: Context, items) -> list:
 
 def _step(params, ctx: Context, items) -> list:
     """``items`` after one step computed in one model call (padded where their sizes differ)."""
+    if len(items) > 1 and ctx.model.predicts_items:
+        return _step_items(params, ctx, items)
     pad = _packing.layout(items)
     x = (
         pad.latents(items)
@@ -218,6 +223,29 @@ def _step(params, ctx: Context, items) -> list:
         raise TypeError(f"{type(m).__name__}: steps whose calls return tables to keep must set shares_calls = False")
     split = pad.unpad(pred, items) if pad else pred.split([it.rows for it in items])
     return [_advance(ctx, it, p, c, updates) for it, p, c in zip(items, split, caches)]
+
+
+def _step_items(params, ctx: Context, items) -> list:
+    """``items`` after one step in the calls their steps lay them into themselves
+    (`Steps.predict_items`: no step cache, IP-Adapter or per-step inputs, `_packing.packs`),
+    each call's rows taking their adapters by index (`_rows_apply`)."""
+    xs = [torch.cat([it.x, it.x]) if it.cfg is not None else it.x for it in items]
+    ts = [it.timesteps[it.i].expand(it.rows).to(it.x.dtype) / 1000 for it in items]
+    tabs, conds = [it.tables for it in items], [it.cond for it in items]
+    preds, updates = ctx.model.predict_items(params, tabs, xs, ts, conds, _rows_apply(items))
+    return [_advance(ctx, it, p, it.cache_state, u) for it, p, u in zip(items, preds, updates)]
+
+
+def _rows_apply(items):
+    """``fd.apply`` over some of the items' rows (``rows``: indices into their rows in
+    order), each with its image's adapters."""
+    pairs = [p for it in items for p in _row_pairs(it)]
+
+    def apply(p, x, t, txt, *, rows, **kw):
+        lora = _lora_items.group([pairs[r] for r in rows])
+        return plain_apply(p, x, t, txt, **({"lora": lora} if lora else {}), **kw)
+
+    return apply
 
 
 def _padded(apply, items, pad):
