@@ -96,10 +96,10 @@ def _serve_and_drain(tmp_path, mode: str, cfg: bool) -> None:
         want = {1: steps[1] + LONG - SHORT, 2: SHORT}
         assert buckets == {f'fd_serve_xla_bucket_steps_total{{bucket="{b}"}}': n for b, n in want.items()}, m
         assert m["fd_serve_xla_compiles_after_warmup_total"] == 0
-        _drain(url, proc)
+        _drain(url, proc, tmp_path / "torchrun.log")
 
 
-def _drain(url: str, proc) -> None:
+def _drain(url: str, proc, log) -> None:
     """SIGTERM to rank 0 with a request running: it is answered; every rank exits 0."""
     got = {}
     t = threading.Thread(target=lambda: got.update(r=httpx.post(url + "/v1/images/generations",
@@ -109,7 +109,7 @@ def _drain(url: str, proc) -> None:
     os.kill(_rank_pids(proc.pid)[0], signal.SIGTERM)
     t.join(300)
     assert got["r"].status_code == 200, got["r"].text
-    assert proc.wait(120) == 0
+    assert proc.wait(120) == 0, open(log).read()[-4000:]
 
 
 @pytest.mark.slow
@@ -149,4 +149,4 @@ def test_dp2_fixed_backend_groups_and_metrics_summed_over_groups(tmp_path, devic
         assert m['fd_serve_xla_bucket_steps_total{bucket="1"}'] == rows  # each group's batch of one
         assert m["fd_serve_xla_compiles_after_warmup_total"] == 0  # (on xla: both ranks' torch_xla counts)
         assert (m["fd_serve_xla_compiles_total"] > 0) == (device == "xla")
-        _drain(url, proc)
+        _drain(url, proc, tmp_path / "torchrun.log")
