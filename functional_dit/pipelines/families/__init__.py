@@ -14,7 +14,7 @@ import importlib
 from ... import families as _families
 from ._jobs import ImageInputs
 from ._latents import _batch as repeat_batch
-from ._latents import combine, flux2_vae_input, grid_ids, pack_2x2, unpack_2x2
+from ._latents import combine, flux2_vae_input, grid_ids, pack_2x2, pad_to, text_mask, unpack_2x2
 from ._steps import NO_TABLES, Prompt, Steps, cfg_batch, plain_apply, tables
 
 # What the image jobs, the sampler and the per-item sampling share with the families' steps.
@@ -29,11 +29,13 @@ __all__ = [
     "flux2_vae_input",
     "grid_ids",
     "pack_2x2",
+    "pad_to",
     "plain_apply",
     "image_inputs",
     "product",
     "repeat_batch",
     "tables",
+    "text_mask",
     "unpack_2x2",
 ]
 

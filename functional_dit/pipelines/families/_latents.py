@@ -61,3 +61,18 @@ def copy_generator(gen: torch.Generator) -> torch.Generator:
     g = torch.Generator(gen.device)
     g.set_state(gen.get_state())
     return g
+
+
+def pad_to(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``x`` zero-padded along ``dim`` to ``n`` (the padded model calls' rows)."""
+    if x.shape[dim] == n:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def text_mask(p) -> torch.Tensor:
+    """A `Prompt`'s mask (1 = real token), ones where it has none."""
+    ones = torch.ones(p.txt.shape[:2], dtype=torch.long, device=p.txt.device)
+    return ones if p.mask is None else p.mask.to(torch.long)

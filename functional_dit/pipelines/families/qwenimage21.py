@@ -25,6 +25,7 @@ from .. import tiny_parts
 from . import _common
 from ._common import stock_module
 from ._jobs import refuse_args, refuse_layers, refuse_max_area, refuse_reference
+from ._latents import pad_to, text_mask
 from ._steps import NO_TABLES, Prompt, Steps, tables
 
 # the shared hooks Qwen-Image 2.1 takes as they are (`_common`)
@@ -164,8 +165,8 @@ class Qwen21(Steps):
         cache)}."""
         T, S = max(r.p.txt.shape[1] for r in group), max(r.x.shape[1] for r in group)
         kw = self._call_inputs(group, T, S)
-        x, t = torch.cat([_pad(r.x, 1, S) for r in group]), torch.cat([r.t for r in group])
-        txt, rows = torch.cat([_pad(r.p.txt, 1, T) for r in group]), [i for r in group for i in r.rows]
+        x, t = torch.cat([pad_to(r.x, 1, S) for r in group]), torch.cat([r.t for r in group])
+        txt, rows = torch.cat([pad_to(r.p.txt, 1, T) for r in group]), [i for r in group for i in r.rows]
         cache = None
         if self.kv:
             cache = "extract" if group[0].cache is None else _padded_cache(self.c, [r.cache for r in group], T)
@@ -183,7 +184,7 @@ class Qwen21(Steps):
         big = max(group, key=lambda r: r.x.shape[1])
         dev, B, shape = big.x.device, sum(r.x.shape[0] for r in group), big.tab["shape"]
         kw = dict(img_shapes=[[shape]] * B, layout=_shared_layout(T, S, shape, dev))
-        mask = torch.cat([_pad(_mask(r.p), 1, T) for r in group])
+        mask = torch.cat([pad_to(text_mask(r.p), 1, T) for r in group])
         kw["txt_mask"] = None if bool(mask.all()) else mask
         if any(r.x.shape[1] < S for r in group):
             kw["img_valid"] = torch.cat(
@@ -198,7 +199,7 @@ class Qwen21(Steps):
         its text rows padded to T, its image rows to S; (n, T + S, D) each."""
         Tr, n = r.p.txt.shape[1], r.x.shape[0]
         pe = qwenimage.rope(r.tab["layouts"][r.k].ids, self.c.axes_dims_rope)
-        return tuple(torch.cat([_pad(a[:Tr], 0, T), _pad(a[Tr:], 0, S)])[None].expand(n, -1, -1) for a in pe)
+        return tuple(torch.cat([pad_to(a[:Tr], 0, T), pad_to(a[Tr:], 0, S)])[None].expand(n, -1, -1) for a in pe)
 
     def decode_latents(self, x, h, w):
         vae = self.pipe.vae
@@ -231,26 +232,11 @@ def _shared_layout(T: int, S: int, shape: tuple, device) -> qwenimage21.Layout:
     return qwenimage21.read_layout(torch.tensor([[False] * T + [True] * (S // 4)]), [[shape]], T, S, device)
 
 
-def _pad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-    """``x`` zero-padded along ``dim`` to ``n``."""
-    if x.shape[dim] == n:
-        return x
-    shape = list(x.shape)
-    shape[dim] = n - x.shape[dim]
-    return torch.cat([x, x.new_zeros(shape)], dim)
-
-
-def _mask(p: Prompt) -> torch.Tensor:
-    """The prompt's mask (1 = real token), ones where it has none."""
-    ones = torch.ones(p.txt.shape[:2], dtype=torch.long, device=p.txt.device)
-    return ones if p.mask is None else p.mask.to(torch.long)
-
-
 def _padded_cache(config, caches: list, P: int) -> QwenImage21KVCache:
     """Several rows' prefix caches as one over a prefix of P tokens: each padded with
     zeros (the call's ``txt_mask`` hides them), rows in order."""
     flats = [c.flat() for c in caches]
-    tree = {key: torch.cat([_pad(f[key], 1, P) for f in flats]) for key in flats[0]}
+    tree = {key: torch.cat([pad_to(f[key], 1, P) for f in flats]) for key in flats[0]}
     return QwenImage21KVCache(config, P, nest(tree))
 
 

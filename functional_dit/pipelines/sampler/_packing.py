@@ -29,7 +29,7 @@ import torch
 
 from sharding.internal import is_dtensor
 
-from ..families import Prompt
+from ..families import Prompt, pad_to
 
 
 def calls(params, ctx, items) -> list[list]:
@@ -105,15 +105,15 @@ class Layout:
     def latents(self, items) -> torch.Tensor:
         """The call's latents: each item's rows (``[x; x]`` with true CFG) padded to S."""
         rows = [torch.cat([it.x, it.x]) if it.cfg is not None else it.x for it in items]
-        return torch.cat([_pad(x, 1, self.S) for x in rows])
+        return torch.cat([pad_to(x, 1, self.S) for x in rows])
 
     def text(self, items) -> Prompt:
         """The call's text: each item's rows padded to T with masked tokens."""
         conds = [it.cond for it in items]
-        txt = torch.cat([_pad(c.txt, 1, self.T) for c in conds])
+        txt = torch.cat([pad_to(c.txt, 1, self.T) for c in conds])
         pooled = None if conds[0].pooled is None else torch.cat([c.pooled for c in conds])
         masks = [_ones(c) if c.mask is None else c.mask for c in conds]
-        mask = torch.cat([_pad(m, 1, self.T) for m in masks])
+        mask = torch.cat([pad_to(m, 1, self.T) for m in masks])
         mask = None if bool(mask.all()) else mask
         return Prompt(txt, pooled, mask, conds[0].txt_ids)
 
@@ -135,7 +135,7 @@ class Layout:
     def _table(self, pe, it) -> tuple:
         """An item's (cos, sin), its text then its image rows, each padded: (1, T + S, D)."""
         T = it.cond.txt.shape[1]
-        return tuple(torch.cat([_pad(a[:T], 0, self.T), _pad(a[T:], 0, self.S)])[None] for a in pe)
+        return tuple(torch.cat([pad_to(a[:T], 0, self.T), pad_to(a[T:], 0, self.S)])[None] for a in pe)
 
     def unpad(self, pred: torch.Tensor, items) -> list:
         """The call's prediction, per item: its rows, its own image tokens."""
@@ -147,15 +147,6 @@ def layout(items) -> Layout | None:
     if len({it.key for it in items}) == 1:
         return None
     return Layout(max(it.cond.txt.shape[1] for it in items), max(it.x.shape[1] for it in items))
-
-
-def _pad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-    """``x`` zero-padded along ``dim`` to ``n``."""
-    if x.shape[dim] == n:
-        return x
-    shape = list(x.shape)
-    shape[dim] = n - x.shape[dim]
-    return torch.cat([x, x.new_zeros(shape)], dim)
 
 
 def _ones(c: Prompt) -> torch.Tensor:
